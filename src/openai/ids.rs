@@ -1,0 +1,195 @@
+//! Validated prompt token ids kept as the raw JSON array text they arrived in: checked in one
+//! pass over the bytes and spliced into the decode body without becoming a `Vec<u32>` and back.
+
+use std::fmt;
+
+/// Why an id array was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdsError {
+    /// Not a JSON array of plain non-negative integers (floats, negatives, strings, nesting).
+    #[error("prompt ids are not an array of non-negative integers ({0})")]
+    Malformed(&'static str),
+    /// The array is empty.
+    #[error("prompt ids are empty")]
+    Empty,
+    /// The array length disagrees with `usage.prompt_tokens`.
+    #[error("prompt ids count {count} != usage.prompt_tokens {expected}")]
+    CountMismatch { count: usize, expected: u64 },
+}
+
+/// A JSON array of token ids that passed validation; holds its raw text and count.
+#[derive(Clone, PartialEq, Eq)]
+pub struct PromptIds {
+    raw: Box<str>,
+    count: usize,
+}
+
+impl fmt::Debug for PromptIds {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PromptIds({} ids, {} bytes)", self.count, self.raw.len())
+    }
+}
+
+impl PromptIds {
+    /// Validates `raw` (JSON array text) and, if given, its length against `expected`.
+    ///
+    /// # Errors
+    /// [`IdsError`] naming the first rule broken.
+    pub fn parse(raw: &str, expected: Option<u64>) -> Result<Self, IdsError> {
+        let count = count_ids(raw.trim().as_bytes())?;
+        if count == 0 {
+            return Err(IdsError::Empty);
+        }
+        if let Some(expected) = expected {
+            if count as u64 != expected {
+                return Err(IdsError::CountMismatch { count, expected });
+            }
+        }
+        Ok(Self { raw: raw.trim().into(), count })
+    }
+
+    /// Builds from ids already held as integers (used by the relay cache and tests).
+    pub fn from_ids(ids: &[u32]) -> Self {
+        let mut raw = String::with_capacity(ids.len() * 7 + 2);
+        raw.push('[');
+        for (i, id) in ids.iter().enumerate() {
+            if i > 0 {
+                raw.push(',');
+            }
+            raw.push_str(&id.to_string());
+        }
+        raw.push(']');
+        Self { raw: raw.into(), count: ids.len() }
+    }
+
+    /// The ids as a compact JSON array text.
+    pub fn as_json(&self) -> &str {
+        &self.raw
+    }
+
+    /// Number of ids.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    /// Always false: an empty array never validates.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Decodes the ids into integers (one pass; the text was validated already).
+    pub fn to_vec(&self) -> Vec<u32> {
+        let mut out = Vec::with_capacity(self.count);
+        let mut current: Option<u32> = None;
+        for &b in self.raw.as_bytes() {
+            if b.is_ascii_digit() {
+                let digit = u32::from(b - b'0');
+                current = Some(current.unwrap_or(0).saturating_mul(10).saturating_add(digit));
+            } else if let Some(v) = current.take() {
+                out.push(v);
+            }
+        }
+        out
+    }
+}
+
+/// Counts the elements of a JSON array of integers in `0..=u32::MAX`, rejecting anything else.
+fn count_ids(bytes: &[u8]) -> Result<usize, IdsError> {
+    let mut it = bytes.iter().copied().peekable();
+    if it.next() != Some(b'[') {
+        return Err(IdsError::Malformed("not an array"));
+    }
+    let skip_ws = |it: &mut std::iter::Peekable<_>| {
+        while matches!(it.peek(), Some(b' ' | b'\n' | b'\r' | b'\t')) {
+            it.next();
+        }
+    };
+    let mut it = it;
+    skip_ws(&mut it);
+    if it.peek() == Some(&b']') {
+        it.next();
+        skip_ws(&mut it);
+        return if it.next().is_none() { Ok(0) } else { Err(IdsError::Malformed("trailing bytes")) };
+    }
+    let mut count = 0usize;
+    loop {
+        skip_ws(&mut it);
+        let mut value: u64 = 0;
+        let mut digits = 0usize;
+        let mut leading_zero = false;
+        while let Some(&b) = it.peek() {
+            if !b.is_ascii_digit() {
+                break;
+            }
+            if digits == 1 && leading_zero {
+                return Err(IdsError::Malformed("leading zero"));
+            }
+            if digits == 0 && b == b'0' {
+                leading_zero = true;
+            }
+            value = value * 10 + u64::from(b - b'0');
+            digits += 1;
+            if value > u64::from(u32::MAX) {
+                return Err(IdsError::Malformed("id too large"));
+            }
+            it.next();
+        }
+        if digits == 0 {
+            return Err(IdsError::Malformed(match it.peek() {
+                Some(b'-') => "negative id",
+                Some(b'[') => "nested array",
+                _ => "not an integer",
+            }));
+        }
+        count += 1;
+        skip_ws(&mut it);
+        match it.next() {
+            Some(b',') => continue,
+            Some(b']') => break,
+            Some(b'.' | b'e' | b'E') => return Err(IdsError::Malformed("not an integer")),
+            _ => return Err(IdsError::Malformed("expected , or ]")),
+        }
+    }
+    skip_ws(&mut it);
+    if it.next().is_some() {
+        return Err(IdsError::Malformed("trailing bytes"));
+    }
+    Ok(count)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_integer_arrays_and_counts_them() {
+        let ids = PromptIds::parse("[151644, 8948,198,0]", Some(4)).unwrap();
+        assert_eq!(ids.len(), 4);
+        assert_eq!(ids.to_vec(), vec![151644, 8948, 198, 0]);
+        assert_eq!(ids.as_json(), "[151644, 8948,198,0]");
+        assert_eq!(PromptIds::parse(" [ 1 ] ", None).unwrap().to_vec(), vec![1]);
+    }
+
+    #[test]
+    fn rejects_what_vllm_would_choke_on() {
+        for bad in ["[1,-2]", "[1.0]", "[1e3]", "[\"1\"]", "[[1]]", "{}", "[1,]", "[01]", "[4294967296]", "[1] x", "null", ""] {
+            assert!(matches!(PromptIds::parse(bad, None), Err(IdsError::Malformed(_))), "{bad}");
+        }
+        assert_eq!(PromptIds::parse("[]", None), Err(IdsError::Empty));
+    }
+
+    #[test]
+    fn count_must_match_usage() {
+        assert_eq!(
+            PromptIds::parse("[1,2,3]", Some(4)),
+            Err(IdsError::CountMismatch { count: 3, expected: 4 })
+        );
+    }
+
+    #[test]
+    fn from_ids_round_trips() {
+        let ids = PromptIds::from_ids(&[5, 0, 4294967295]);
+        assert_eq!(ids.as_json(), "[5,0,4294967295]");
+        assert_eq!(PromptIds::parse(ids.as_json(), Some(3)).unwrap().to_vec(), vec![5, 0, u32::MAX]);
+    }
+}

@@ -1,0 +1,319 @@
+//! The client request: a light view of the fields that decide reuse (parsed once), and the
+//! two rewrites that turn it into the prefill leg and the decode leg, as byte splices.
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use super::error::ApiError;
+use super::ids::PromptIds;
+use super::json::{is_null, RawObject};
+use super::FallbackReason;
+
+/// Which OpenAI API a request speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Api {
+    /// `POST /v1/chat/completions`
+    Chat,
+    /// `POST /v1/completions`
+    Completions,
+}
+
+impl Api {
+    /// The API served at `path`, if tokenonce orchestrates it.
+    pub fn from_path(path: &str) -> Option<Self> {
+        match path.trim_end_matches('/') {
+            "/v1/chat/completions" => Some(Self::Chat),
+            "/v1/completions" => Some(Self::Completions),
+            _ => None,
+        }
+    }
+
+    /// Label value for metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Chat => "chat",
+            Self::Completions => "completions",
+        }
+    }
+}
+
+/// The shape of a completions `prompt`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptShape {
+    /// One string (or a chat request, which has messages instead).
+    Text,
+    /// One list of token ids: already token-in.
+    Tokens,
+    /// Several prompts (a list of strings or of id lists).
+    Batch,
+}
+
+/// What tokenonce needs to know about a client request, read once from its body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestView {
+    /// The API of the path it came on.
+    pub api: Api,
+    /// `model`, when a string.
+    pub model: Option<String>,
+    /// `stream: true`.
+    pub stream: bool,
+    /// `n` (default 1).
+    pub n: u64,
+    /// `echo: true`.
+    pub echo: bool,
+    /// Any message content part that is not text (image, audio, video, file, ...).
+    pub has_media: bool,
+    /// The completions prompt shape (chat: always `Text`).
+    pub prompt: PromptShape,
+    /// The client's own `return_token_ids: true`.
+    pub return_token_ids: bool,
+}
+
+#[derive(Deserialize)]
+struct Message<'a> {
+    #[serde(borrow, default)]
+    content: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct Part<'a> {
+    #[serde(rename = "type", borrow, default)]
+    kind: Option<std::borrow::Cow<'a, str>>,
+}
+
+fn field<'a, T: Deserialize<'a>>(obj: &'a RawObject<'a>, key: &'static str) -> Result<Option<T>, ApiError> {
+    match obj.get(key) {
+        None => Ok(None),
+        Some(raw) if raw.trim() == "null" => Ok(None),
+        Some(raw) => serde_json::from_str(raw)
+            .map(Some)
+            .map_err(|e| ApiError::invalid(format!("`{key}` has the wrong type: {e}"), Some(key))),
+    }
+}
+
+fn messages_have_media(raw: &str) -> Result<bool, ApiError> {
+    let messages: Vec<Message<'_>> = serde_json::from_str(raw)
+        .map_err(|e| ApiError::invalid(format!("`messages` must be an array of objects: {e}"), Some("messages")))?;
+    for message in messages {
+        let Some(content) = message.content else { continue };
+        if !content.get().trim_start().starts_with('[') {
+            continue;
+        }
+        let parts: Vec<Part<'_>> = serde_json::from_str(content.get())
+            .map_err(|e| ApiError::invalid(format!("message content parts must be objects: {e}"), Some("messages")))?;
+        if parts.iter().any(|p| p.kind.as_deref().is_some_and(|k| k != "text")) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+fn prompt_shape(raw: Option<&str>) -> PromptShape {
+    let Some(raw) = raw.map(str::trim) else { return PromptShape::Text };
+    if !raw.starts_with('[') {
+        return PromptShape::Text;
+    }
+    let inner = raw.strip_prefix('[').unwrap_or(raw).trim_start();
+    match inner.as_bytes().first() {
+        Some(b'"' | b'[') => {
+            // A one-element list of strings is still one prompt, but vLLM treats a list as
+            // a batch of engine requests; keep it out of the P/D rewrite either way.
+            PromptShape::Batch
+        }
+        _ => PromptShape::Tokens,
+    }
+}
+
+impl RequestView {
+    /// Reads the view from a parsed body.
+    ///
+    /// # Errors
+    /// [`ApiError::InvalidRequest`] when a field tokenonce reads has the wrong type.
+    pub fn parse(api: Api, obj: &RawObject<'_>) -> Result<Self, ApiError> {
+        let model: Option<String> = field(obj, "model")?;
+        let stream = field::<bool>(obj, "stream")?.unwrap_or(false);
+        let n = field::<u64>(obj, "n")?.unwrap_or(1);
+        let echo = field::<bool>(obj, "echo")?.unwrap_or(false);
+        let return_token_ids = field::<bool>(obj, "return_token_ids")?.unwrap_or(false);
+        let (has_media, prompt) = match api {
+            Api::Chat => {
+                let messages = obj
+                    .get("messages")
+                    .ok_or_else(|| ApiError::invalid("`messages` is required", Some("messages")))?;
+                (messages_have_media(messages)?, PromptShape::Text)
+            }
+            Api::Completions => (false, prompt_shape(obj.get("prompt"))),
+        };
+        Ok(Self { api, model, stream, n, echo, has_media, prompt, return_token_ids })
+    }
+
+    /// Why this request must not reuse prefill ids, if it must not.
+    pub fn reuse_blocker(&self) -> Option<FallbackReason> {
+        if self.has_media {
+            Some(FallbackReason::Media)
+        } else if self.echo {
+            Some(FallbackReason::Echo)
+        } else if self.n > 1 {
+            Some(FallbackReason::NGreaterThanOne)
+        } else if self.prompt == PromptShape::Batch {
+            Some(FallbackReason::BatchPrompt)
+        } else if self.prompt == PromptShape::Tokens {
+            Some(FallbackReason::PromptIsTokens)
+        } else {
+            None
+        }
+    }
+}
+
+/// The `kv_transfer_params` every prefill leg carries (vLLM's toy proxy, NIXL pull).
+pub const PREFILL_KV_TRANSFER_PARAMS: &str = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
+
+/// The prefill leg: token limits to 1, `min_*` removed, not streamed, ids echoed when
+/// `want_ids`, and the remote-decode `kv_transfer_params`. Other fields keep their bytes.
+pub fn prefill_body(client: &RawObject<'_>, want_ids: bool) -> Vec<u8> {
+    let mut obj = client.clone();
+    obj.set_raw("max_tokens", "1");
+    if obj.get("max_completion_tokens").is_some() {
+        obj.set_raw("max_completion_tokens", "1");
+    }
+    obj.remove("min_tokens");
+    obj.remove("min_completion_tokens");
+    obj.set_raw("stream", "false");
+    obj.remove("stream_options");
+    if want_ids {
+        obj.set_raw("return_token_ids", "true");
+    }
+    obj.set_raw("kv_transfer_params", PREFILL_KV_TRANSFER_PARAMS);
+    obj.to_bytes()
+}
+
+/// Merges `ids` into a `kv_transfer_params` object text (or a fresh object when absent/null).
+pub fn kv_params_with_ids(kv_transfer_params: Option<&str>, ids: &PromptIds) -> Vec<u8> {
+    let mut kv = match kv_transfer_params.filter(|raw| !is_null(Some(raw))) {
+        Some(raw) => RawObject::parse(raw).unwrap_or_default(),
+        None => RawObject::new(),
+    };
+    kv.set_raw("prompt_token_ids", ids.as_json());
+    kv.to_bytes()
+}
+
+/// The decode leg: the client's body with the prefill's `kv_transfer_params` and, when
+/// `ids` is given, the token-in form (chat: `kv_transfer_params.prompt_token_ids`;
+/// completions: `prompt = ids`). The client's limits, `stream*` and `return_token_ids` stay.
+pub fn decode_body(client: &RawObject<'_>, api: Api, kv_transfer_params: Option<&str>, ids: Option<&PromptIds>) -> Vec<u8> {
+    let mut obj = client.clone();
+    let kv = kv_transfer_params.filter(|raw| !is_null(Some(raw)));
+    match (api, ids) {
+        (Api::Chat, Some(ids)) => {
+            let merged = kv_params_with_ids(kv, ids);
+            // The merged object is valid JSON by construction (built from RawObject bytes).
+            obj.set_raw("kv_transfer_params", String::from_utf8_lossy(&merged).into_owned());
+        }
+        (Api::Completions, Some(ids)) => {
+            obj.set_raw("prompt", ids.as_json());
+            if let Some(kv) = kv {
+                obj.set_raw("kv_transfer_params", kv);
+            }
+        }
+        (_, None) => {
+            if let Some(kv) = kv {
+                obj.set_raw("kv_transfer_params", kv);
+            }
+        }
+    }
+    obj.to_bytes()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(api: Api, body: &str) -> RequestView {
+        RequestView::parse(api, &RawObject::parse(body).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn view_reads_the_deciding_fields() {
+        let v = view(Api::Chat, r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"n":1}"#);
+        assert_eq!(v.model.as_deref(), Some("m"));
+        assert!(v.stream && !v.has_media && !v.echo);
+        assert_eq!(v.reuse_blocker(), None);
+    }
+
+    #[test]
+    fn media_echo_n_and_batches_block_reuse() {
+        let media = r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}}]}]}"#;
+        assert_eq!(view(Api::Chat, media).reuse_blocker(), Some(FallbackReason::Media));
+        let text_parts = r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"}]}]}"#;
+        assert_eq!(view(Api::Chat, text_parts).reuse_blocker(), None);
+        assert_eq!(view(Api::Chat, r#"{"messages":[],"echo":true}"#).reuse_blocker(), Some(FallbackReason::Echo));
+        assert_eq!(view(Api::Chat, r#"{"messages":[],"n":2}"#).reuse_blocker(), Some(FallbackReason::NGreaterThanOne));
+        assert_eq!(view(Api::Completions, r#"{"prompt":["a","b"]}"#).reuse_blocker(), Some(FallbackReason::BatchPrompt));
+        assert_eq!(view(Api::Completions, r#"{"prompt":[[1],[2]]}"#).reuse_blocker(), Some(FallbackReason::BatchPrompt));
+        assert_eq!(view(Api::Completions, r#"{"prompt":[1,2]}"#).reuse_blocker(), Some(FallbackReason::PromptIsTokens));
+        assert_eq!(view(Api::Completions, r#"{"prompt":"hi"}"#).reuse_blocker(), None);
+    }
+
+    #[test]
+    fn wrong_types_are_invalid_requests() {
+        let obj = RawObject::parse(r#"{"messages":[],"stream":"yes"}"#).unwrap();
+        let err = RequestView::parse(Api::Chat, &obj).unwrap_err();
+        assert_eq!(err.code(), "invalid_request");
+        let obj = RawObject::parse(r#"{"model":"m"}"#).unwrap();
+        assert_eq!(RequestView::parse(Api::Chat, &obj).unwrap_err().status(), 400);
+    }
+
+    #[test]
+    fn prefill_rewrite_sets_limits_and_kv_params() {
+        let body = r#"{"model":"m","messages":[],"max_tokens":50,"max_completion_tokens":60,"min_tokens":3,"min_completion_tokens":2,"stream":true,"stream_options":{"include_usage":true},"temperature":0.70}"#;
+        let out = prefill_body(&RawObject::parse(body).unwrap(), true);
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["max_tokens"], 1);
+        assert_eq!(v["max_completion_tokens"], 1);
+        assert_eq!(v["stream"], false);
+        assert_eq!(v["return_token_ids"], true);
+        for gone in ["min_tokens", "min_completion_tokens", "stream_options"] {
+            assert!(v.get(gone).is_none(), "{gone}");
+        }
+        assert_eq!(v["kv_transfer_params"]["do_remote_decode"], true);
+        assert!(String::from_utf8(out).unwrap().contains(r#""temperature":0.70"#));
+    }
+
+    #[test]
+    fn prefill_rewrite_without_reuse_leaves_return_token_ids_alone() {
+        let out = prefill_body(&RawObject::parse(r#"{"messages":[]}"#).unwrap(), false);
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert!(v.get("return_token_ids").is_none());
+        assert!(v.get("max_completion_tokens").is_none());
+    }
+
+    #[test]
+    fn chat_decode_carries_ids_inside_kv_params_verbatim() {
+        let client = RawObject::parse(r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":9,"stream":true}"#).unwrap();
+        let ids = PromptIds::parse("[1,2,3]", Some(3)).unwrap();
+        let kv = r#"{"remote_port":5600,"tp_size":1,"f":1.0,"nested":{"a":[1,2]}}"#;
+        let out = String::from_utf8(decode_body(&client, Api::Chat, Some(kv), Some(&ids))).unwrap();
+        assert_eq!(
+            out,
+            r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":9,"stream":true,"kv_transfer_params":{"remote_port":5600,"tp_size":1,"f":1.0,"nested":{"a":[1,2]},"prompt_token_ids":[1,2,3]}}"#
+        );
+    }
+
+    #[test]
+    fn completions_decode_replaces_prompt() {
+        let client = RawObject::parse(r#"{"prompt":"hello","max_tokens":5}"#).unwrap();
+        let ids = PromptIds::parse("[7,8]", Some(2)).unwrap();
+        let out = decode_body(&client, Api::Completions, None, Some(&ids));
+        assert_eq!(out, br#"{"prompt":[7,8],"max_tokens":5}"#);
+    }
+
+    #[test]
+    fn text_decode_only_adds_non_null_kv_params() {
+        let client = RawObject::parse(r#"{"messages":[]}"#).unwrap();
+        assert_eq!(decode_body(&client, Api::Chat, Some("null"), None), br#"{"messages":[]}"#);
+        assert_eq!(
+            decode_body(&client, Api::Chat, Some(r#"{"a":1}"#), None),
+            br#"{"messages":[],"kv_transfer_params":{"a":1}}"#
+        );
+    }
+}

@@ -1,0 +1,264 @@
+//! Engine responses: what the prefill hands over (ids, `kv_transfer_params`, cached tokens),
+//! and the few rewrites of a decode or prefill response tokenonce makes on the way back.
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use super::ids::{IdsError, PromptIds};
+use super::json::{is_null, RawObject};
+use super::request::Api;
+use crate::sse::{Event, SseDecoder};
+
+/// Why the prefill's ids cannot be reused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IdsFault {
+    /// The response carried no prompt ids.
+    Missing,
+    /// The ids failed validation.
+    Invalid(IdsError),
+}
+
+/// What the prefill leg hands to the decode leg.
+#[derive(Debug, Clone)]
+pub struct Handoff {
+    /// The prefill's `kv_transfer_params`, raw, when not null.
+    pub kv_transfer_params: Option<String>,
+    /// The echoed prompt ids, validated against `usage.prompt_tokens`.
+    pub ids: Result<PromptIds, IdsFault>,
+    /// The prefill's `usage.prompt_tokens_details.cached_tokens`, when reported.
+    pub cached_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct PrefillResponse<'a> {
+    #[serde(borrow, default)]
+    prompt_token_ids: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    kv_transfer_params: Option<&'a RawValue>,
+    #[serde(default)]
+    usage: Option<Usage>,
+    #[serde(borrow, default)]
+    choices: Option<Vec<PrefillChoice<'a>>>,
+}
+
+#[derive(Deserialize)]
+struct PrefillChoice<'a> {
+    #[serde(borrow, default)]
+    prompt_token_ids: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct Usage {
+    #[serde(default)]
+    prompt_tokens: Option<u64>,
+    #[serde(default)]
+    prompt_tokens_details: Option<Details>,
+}
+
+#[derive(Deserialize)]
+struct Details {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+/// Reads the handoff from a 2xx prefill body.
+///
+/// # Errors
+/// A description when the body is not a JSON object of the expected shape.
+pub fn extract_handoff(api: Api, body: &[u8]) -> Result<Handoff, String> {
+    let resp: PrefillResponse<'_> = serde_json::from_slice(body).map_err(|e| format!("not a completion response: {e}"))?;
+    let raw_ids = match api {
+        Api::Chat => resp.prompt_token_ids,
+        Api::Completions => resp.choices.as_ref().and_then(|c| c.first()).and_then(|c| c.prompt_token_ids),
+    }
+    .filter(|raw| raw.get() != "null");
+    let expected = resp.usage.as_ref().and_then(|u| u.prompt_tokens);
+    let ids = match raw_ids {
+        None => Err(IdsFault::Missing),
+        Some(raw) => match expected {
+            None => Err(IdsFault::Invalid(IdsError::Malformed("usage.prompt_tokens missing"))),
+            Some(n) => PromptIds::parse(raw.get(), Some(n)).map_err(IdsFault::Invalid),
+        },
+    };
+    let kv_transfer_params = resp.kv_transfer_params.map(RawValue::get).filter(|raw| !is_null(Some(raw))).map(str::to_owned);
+    let cached_tokens = resp.usage.and_then(|u| u.prompt_tokens_details).and_then(|d| d.cached_tokens);
+    Ok(Handoff { kv_transfer_params, ids, cached_tokens })
+}
+
+/// Sets `usage.prompt_tokens_details.cached_tokens` in a response object; `None` when the
+/// object has no non-null `usage` (nothing to change) or is not an object.
+pub fn rewrite_cached_tokens(text: &str, cached: u64) -> Option<Vec<u8>> {
+    let mut top = RawObject::parse(text).ok()?;
+    let usage_raw = top.get("usage").filter(|u| !is_null(Some(u)))?;
+    let mut usage = RawObject::parse(usage_raw).ok()?;
+    let details = match usage.get("prompt_tokens_details").filter(|d| !is_null(Some(d))) {
+        Some(raw) => {
+            let mut d = RawObject::parse(raw).ok()?;
+            d.set_raw("cached_tokens", cached.to_string());
+            d.to_bytes()
+        }
+        None => format!("{{\"cached_tokens\":{cached}}}").into_bytes(),
+    };
+    usage.set_raw("prompt_tokens_details", String::from_utf8(details).ok()?);
+    let usage = String::from_utf8(usage.to_bytes()).ok()?;
+    top.set_raw("usage", usage);
+    Some(top.to_bytes())
+}
+
+/// Returns a response object with the echoed token ids set back to `null`, as vLLM answers
+/// when `return_token_ids` was not asked for: chat `prompt_token_ids` (top level) and
+/// `choices[].token_ids`; completions `choices[].prompt_token_ids` and `choices[].token_ids`.
+/// `None` when nothing had to change.
+pub fn hide_token_ids(api: Api, text: &str) -> Option<Vec<u8>> {
+    let mut top = RawObject::parse(text).ok()?;
+    let mut changed = false;
+    if api == Api::Chat && top.has_non_null("prompt_token_ids") {
+        top.set_raw("prompt_token_ids", "null");
+        changed = true;
+    }
+    if let Some(choices_raw) = top.get("choices") {
+        let choices: Vec<&RawValue> = serde_json::from_str(choices_raw).ok()?;
+        let mut out = Vec::with_capacity(choices_raw.len());
+        out.push(b'[');
+        for (i, choice) in choices.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            let mut c = RawObject::parse(choice.get()).ok()?;
+            for key in ["prompt_token_ids", "token_ids"] {
+                if c.has_non_null(key) {
+                    c.set_raw(key, "null");
+                    changed = true;
+                }
+            }
+            c.write_to(&mut out);
+        }
+        out.push(b']');
+        if changed {
+            top.set_raw("choices", String::from_utf8(out).ok()?);
+        }
+    }
+    changed.then(|| top.to_bytes())
+}
+
+/// Rewrites a response stream event by event: each SSE event whose data is a JSON object
+/// is passed through `rewrite`; events it leaves alone keep their exact bytes.
+pub struct SseRewriter<F> {
+    decoder: SseDecoder,
+    rewrite: F,
+}
+
+impl<F: FnMut(&str) -> Option<Vec<u8>>> SseRewriter<F> {
+    /// A rewriter applying `rewrite` to each event's JSON data.
+    pub fn new(rewrite: F) -> Self {
+        Self { decoder: SseDecoder::new(), rewrite }
+    }
+
+    /// Feeds upstream bytes; returns the bytes ready for the client (possibly empty).
+    pub fn feed(&mut self, chunk: &[u8]) -> Vec<u8> {
+        let events = self.decoder.feed(chunk);
+        let mut out = Vec::with_capacity(chunk.len() + 64);
+        for event in events {
+            self.emit(event, &mut out);
+        }
+        out
+    }
+
+    fn emit(&mut self, event: Event, out: &mut Vec<u8>) {
+        let rewritten = event
+            .data()
+            .filter(|d| d.first() == Some(&b'{'))
+            .and_then(|d| String::from_utf8(d).ok())
+            .and_then(|d| (self.rewrite)(&d));
+        match rewritten {
+            Some(data) => {
+                out.extend_from_slice(b"data: ");
+                out.extend_from_slice(&data);
+                out.extend_from_slice(b"\n\n");
+            }
+            None => out.extend_from_slice(event.raw()),
+        }
+    }
+
+    /// Ends the stream; returns any unterminated tail unchanged so nothing is dropped.
+    pub fn finish(self) -> Vec<u8> {
+        match self.decoder.finish() {
+            Ok(()) => Vec::new(),
+            Err(tail) => tail.0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_handoff_reads_top_level_ids() {
+        let body = br#"{"id":"x","prompt_token_ids":[1,2,3],"usage":{"prompt_tokens":3,"prompt_tokens_details":{"cached_tokens":2}},"kv_transfer_params":{"remote_port":5600,"x":1.0}}"#;
+        let h = extract_handoff(Api::Chat, body).unwrap();
+        assert_eq!(h.ids.unwrap().as_json(), "[1,2,3]");
+        assert_eq!(h.kv_transfer_params.as_deref(), Some(r#"{"remote_port":5600,"x":1.0}"#));
+        assert_eq!(h.cached_tokens, Some(2));
+    }
+
+    #[test]
+    fn completions_handoff_reads_first_choice() {
+        let body = br#"{"choices":[{"prompt_token_ids":[9,8]}],"usage":{"prompt_tokens":2},"kv_transfer_params":null}"#;
+        let h = extract_handoff(Api::Completions, body).unwrap();
+        assert_eq!(h.ids.unwrap().len(), 2);
+        assert_eq!(h.kv_transfer_params, None);
+        assert_eq!(h.cached_tokens, None);
+    }
+
+    #[test]
+    fn missing_or_bad_ids_are_faults_not_errors() {
+        let h = extract_handoff(Api::Chat, br#"{"prompt_token_ids":null,"usage":{"prompt_tokens":2}}"#).unwrap();
+        assert_eq!(h.ids.unwrap_err(), IdsFault::Missing);
+        let h = extract_handoff(Api::Chat, br#"{"prompt_token_ids":[1,2],"usage":{"prompt_tokens":3}}"#).unwrap();
+        assert!(matches!(h.ids.unwrap_err(), IdsFault::Invalid(IdsError::CountMismatch { .. })));
+        let h = extract_handoff(Api::Chat, br#"{"prompt_token_ids":[1,-2],"usage":{"prompt_tokens":2}}"#).unwrap();
+        assert!(matches!(h.ids.unwrap_err(), IdsFault::Invalid(IdsError::Malformed(_))));
+        assert!(extract_handoff(Api::Chat, b"<html>").is_err());
+    }
+
+    #[test]
+    fn cached_tokens_rewrite_creates_or_updates_details() {
+        let out = rewrite_cached_tokens(r#"{"a":1.0,"usage":{"prompt_tokens":5,"prompt_tokens_details":null}}"#, 3).unwrap();
+        assert_eq!(out, br#"{"a":1.0,"usage":{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":3}}}"#);
+        let out = rewrite_cached_tokens(r#"{"usage":{"prompt_tokens_details":{"cached_tokens":5,"audio_tokens":0}}}"#, 1).unwrap();
+        assert_eq!(out, br#"{"usage":{"prompt_tokens_details":{"cached_tokens":1,"audio_tokens":0}}}"#);
+        assert_eq!(rewrite_cached_tokens(r#"{"usage":null}"#, 1), None);
+        assert_eq!(rewrite_cached_tokens(r#"{"choices":[]}"#, 1), None);
+    }
+
+    #[test]
+    fn hide_token_ids_nulls_echoes() {
+        let chat = r#"{"choices":[{"index":0,"token_ids":[5]}],"prompt_token_ids":[1,2]}"#;
+        assert_eq!(
+            hide_token_ids(Api::Chat, chat).unwrap(),
+            br#"{"choices":[{"index":0,"token_ids":null}],"prompt_token_ids":null}"#
+        );
+        let cmpl = r#"{"choices":[{"prompt_token_ids":[1],"token_ids":[2]}]}"#;
+        assert_eq!(
+            hide_token_ids(Api::Completions, cmpl).unwrap(),
+            br#"{"choices":[{"prompt_token_ids":null,"token_ids":null}]}"#
+        );
+        assert_eq!(hide_token_ids(Api::Chat, r#"{"choices":[{"token_ids":null}],"prompt_token_ids":null}"#), None);
+    }
+
+    #[test]
+    fn sse_rewriter_touches_only_usage_events() {
+        let stream = b"data: {\"choices\":[{\"delta\":{}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":4}}\n\ndata: [DONE]\n\n";
+        for cut in 0..stream.len() {
+            let mut rw = SseRewriter::new(|d: &str| rewrite_cached_tokens(d, 2));
+            let mut out = rw.feed(&stream[..cut]);
+            out.extend(rw.feed(&stream[cut..]));
+            out.extend(rw.finish());
+            assert_eq!(
+                String::from_utf8(out).unwrap(),
+                "data: {\"choices\":[{\"delta\":{}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"prompt_tokens_details\":{\"cached_tokens\":2}}}\n\ndata: [DONE]\n\n"
+            );
+        }
+    }
+}

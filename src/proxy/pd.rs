@@ -1,0 +1,287 @@
+//! The orchestrated P/D exchange, run from `request_filter` (pingora.md pattern C): prefill
+//! leg, handoff, decode leg in token-in form (or the counted text fallback), relay back.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::HeaderMap;
+use pingora::proxy::Session;
+
+use super::respond::{client_gone, relay, write_error, write_full, Rewrite};
+use super::Ctx;
+use crate::config::{AllowEntry, PrefillSource, RouteSpec, Version};
+use crate::metrics::{Outcome, Stage};
+use crate::openai::request::{decode_body, prefill_body};
+use crate::openai::response::{extract_handoff, IdsFault};
+use crate::openai::{Api, ApiError, FallbackReason, PromptIds, RawObject, RequestView};
+use crate::upstream::health::learn_version;
+use crate::upstream::{Endpoint, Picked, UpstreamClient};
+use crate::App;
+
+/// Largest prefill response accepted (a 128k-token prompt echoed is about 1 MB).
+const PREFILL_RESPONSE_LIMIT: usize = 64 * 1024 * 1024;
+
+/// The request as read by `request_filter`.
+pub struct Incoming<'a> {
+    /// Path and query as the client sent them.
+    pub path_and_query: &'a str,
+    /// The client's headers.
+    pub headers: &'a HeaderMap,
+    /// The client's body.
+    pub body: &'a Bytes,
+}
+
+/// Checks an `x-prefiller-host-port` style header and returns the endpoint it names;
+/// `Ok(None)` when the header is absent (the request then goes to the decode alone).
+///
+/// # Errors
+/// 400 when repeated, a list, or not one `host:port`; 403 when outside `allow`.
+pub fn prefiller_from_header(headers: &HeaderMap, name: &str, allow: &[AllowEntry]) -> Result<Option<String>, ApiError> {
+    let mut values = headers.get_all(name).iter();
+    let Some(value) = values.next() else { return Ok(None) };
+    if values.next().is_some() {
+        return Err(ApiError::InvalidPrefillerHeader("header repeated; exactly one host:port expected".into()));
+    }
+    let text = value.to_str().map_err(|_| ApiError::InvalidPrefillerHeader("not ASCII".into()))?.trim();
+    if text.contains(',') {
+        return Err(ApiError::InvalidPrefillerHeader("a list; exactly one host:port expected".into()));
+    }
+    if !crate::config::model::is_host_port(text) {
+        return Err(ApiError::InvalidPrefillerHeader(format!("`{text}` is not host:port")));
+    }
+    let host = text.rsplit_once(':').map_or(text, |(h, _)| h);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let allowed = match host.parse::<IpAddr>() {
+        Ok(ip) => allow.iter().any(|a| matches!(a, AllowEntry::Net(net) if net.contains(&ip))),
+        Err(_) => allow.iter().any(|a| matches!(a, AllowEntry::Host(h) if h.eq_ignore_ascii_case(host))),
+    };
+    if allowed {
+        Ok(Some(text.to_owned()))
+    } else {
+        Err(ApiError::PrefillerNotAllowed(text.to_owned()))
+    }
+}
+
+fn header_to_drop(route: &RouteSpec) -> Option<&str> {
+    match &route.prefill {
+        Some(PrefillSource::Header { name, .. }) => Some(name.as_str()),
+        _ => None,
+    }
+}
+
+/// Sends the client's body unchanged to `decode` and relays the answer (no prefill).
+pub async fn forward(app: &App, session: &mut Session, ctx: &mut Ctx, decode: Picked, req: &Incoming<'_>, drop_header: Option<&str>, route: &str) {
+    let rid = ctx.request_id.clone().unwrap_or_default();
+    let head = match UpstreamClient::request_head("POST", req.path_and_query, decode.addr(), req.headers, drop_header, &rid, req.body.len()) {
+        Ok(h) => h,
+        Err(e) => return write_error(session, ctx, &ApiError::Internal(e.to_string())).await,
+    };
+    ctx.decode_sent_at = Some(Instant::now());
+    let metrics = &app.metrics;
+    let sent = tokio::select! {
+        r = app.client.send(decode.addr(), &head, req.body.clone(), || metrics.upstream_retries.with_label_values(&[ctx.stage_label()]).inc()) => r,
+        _ = client_gone(session) => { ctx.outcome = Some(Outcome::ClientClosed); return; }
+    };
+    match sent {
+        Ok(exchange) => relay(app, session, ctx, exchange, Rewrite::default(), route).await,
+        Err(e) => {
+            app.metrics.upstream_errors.with_label_values(&[ctx.stage_label(), e.kind()]).inc();
+            write_error(session, ctx, &ApiError::DecodeUnavailable(e.to_string())).await;
+        }
+    }
+}
+
+/// Decides, before the prefill, whether this request may reuse ids.
+async fn reuse_gate(app: &App, route: &RouteSpec, view: &RequestView, decode: &Endpoint) -> Option<FallbackReason> {
+    if !route.options.token_reuse {
+        return Some(FallbackReason::Disabled);
+    }
+    if let Some(blocker) = view.reuse_blocker() {
+        return Some(blocker);
+    }
+    if view.api == Api::Completions {
+        return None; // `prompt: [ids]` is token-in on every vLLM version
+    }
+    let pool_pin = app.pools.get(route.decode_pool).and_then(|p| p.pinned_version());
+    let version = match pool_pin.or_else(|| decode.version()) {
+        Some(v) => Some(v),
+        None => learn_version(&app.client, decode).await,
+    };
+    match version {
+        None => Some(FallbackReason::DecodeVersionUnknown),
+        Some(v) if v < Version::CHAT_TOKEN_REUSE => Some(FallbackReason::DecodeVersionOld),
+        Some(_) => None,
+    }
+}
+
+/// Runs one orchestrated request to the end, writing the response (or error) itself.
+pub async fn orchestrate(app: &App, session: &mut Session, ctx: &mut Ctx, route: &RouteSpec, obj: &RawObject<'_>, view: &RequestView, req: &Incoming<'_>) {
+    let route_name = route.name.as_str();
+    let drop_header = header_to_drop(route);
+    let Some(decode) = app.pools.get(route.decode_pool).and_then(|p| p.pick()) else {
+        return write_error(session, ctx, &ApiError::DecodeUnavailable("decode pool has no endpoints".into())).await;
+    };
+    let prefill = match &route.prefill {
+        Some(PrefillSource::Pool(i)) => app.pools.get(*i).and_then(|p| p.pick()),
+        Some(PrefillSource::Header { name, allow }) => match prefiller_from_header(req.headers, name, allow) {
+            Ok(Some(addr)) => Some(Picked::new(Arc::new(Endpoint::new(addr)))),
+            Ok(None) => None,
+            Err(e) => return write_error(session, ctx, &e).await,
+        },
+        None => None,
+    };
+    let Some(prefill) = prefill else {
+        // Header mode without the header: the picker chose decode-only; send it as is.
+        ctx.stage = Some(Stage::DecodeTotal);
+        return forward(app, session, ctx, decode, req, drop_header, route_name).await;
+    };
+
+    let fallback = reuse_gate(app, route, view, decode.endpoint()).await;
+    let want_ids = fallback.is_none();
+    let rid = ctx.request_id.clone().unwrap_or_default();
+
+    // (1) Prefill leg.
+    ctx.stage = Some(Stage::Prefill);
+    let prefill_bytes = Bytes::from(prefill_body(obj, want_ids));
+    let head = match UpstreamClient::request_head("POST", req.path_and_query, prefill.addr(), req.headers, drop_header, &rid, prefill_bytes.len()) {
+        Ok(h) => h,
+        Err(e) => return write_error(session, ctx, &ApiError::Internal(e.to_string())).await,
+    };
+    let started = Instant::now();
+    let metrics = &app.metrics;
+    let leg = async {
+        let exchange = app
+            .client
+            .send(prefill.addr(), &head, prefill_bytes, || metrics.upstream_retries.with_label_values(&["prefill"]).inc())
+            .await?;
+        let status = exchange.status();
+        let content_type = exchange.header("content-type").map(str::to_owned);
+        let body = app.client.read_to_end(exchange, PREFILL_RESPONSE_LIMIT).await?;
+        Ok::<_, crate::upstream::UpstreamError>((status, content_type, body))
+    };
+    let outcome = tokio::select! {
+        r = tokio::time::timeout(route.options.prefill_timeout, leg) => r,
+        _ = client_gone(session) => { ctx.outcome = Some(Outcome::ClientClosed); return; }
+    };
+    drop(prefill);
+    metrics.stage_duration.with_label_values(&[route_name, "prefill"]).observe(started.elapsed().as_secs_f64());
+    let (status, content_type, prefill_response) = match outcome {
+        Err(_) => {
+            metrics.upstream_errors.with_label_values(&["prefill", "timeout"]).inc();
+            let ms = u64::try_from(route.options.prefill_timeout.as_millis()).unwrap_or(u64::MAX);
+            return write_error(session, ctx, &ApiError::PrefillTimeout(ms)).await;
+        }
+        Ok(Err(e)) => {
+            metrics.upstream_errors.with_label_values(&["prefill", e.kind()]).inc();
+            return write_error(session, ctx, &ApiError::PrefillUnavailable(e.to_string())).await;
+        }
+        Ok(Ok(parts)) => parts,
+    };
+    if !(200..300).contains(&status) {
+        // The prefill's own error (e.g. vLLM's 400 for a too-long prompt) goes back unchanged.
+        if status >= 500 {
+            metrics.upstream_errors.with_label_values(&["prefill", "status_5xx"]).inc();
+        }
+        return write_full(session, ctx, status, content_type.as_deref(), prefill_response).await;
+    }
+
+    // (2) Handoff.
+    ctx.stage = Some(Stage::Handoff);
+    let handoff_started = Instant::now();
+    let handoff = match extract_handoff(view.api, &prefill_response) {
+        Ok(h) => h,
+        Err(detail) => {
+            metrics.upstream_errors.with_label_values(&["prefill", "bad_response"]).inc();
+            return write_error(session, ctx, &ApiError::PrefillBadResponse(detail)).await;
+        }
+    };
+    let (ids, reason): (Option<&PromptIds>, Option<FallbackReason>) = match (&fallback, &handoff.ids) {
+        (Some(reason), _) => (None, Some(*reason)),
+        (None, Ok(ids)) => (Some(ids), None),
+        (None, Err(IdsFault::Missing)) => (None, Some(FallbackReason::IdsMissing)),
+        (None, Err(IdsFault::Invalid(e))) => {
+            tracing::info!(request_id = %rid, error = %e, "prefill ids refused");
+            (None, Some(FallbackReason::IdsMalformed))
+        }
+    };
+    let decode_bytes = Bytes::from(decode_body(obj, view.api, handoff.kv_transfer_params.as_deref(), ids));
+    match (ids, reason) {
+        (Some(ids), _) => {
+            metrics.token_reuse.with_label_values(&[route_name, "applied", "none"]).inc();
+            metrics.reused_prompt_tokens.with_label_values(&[route_name]).inc_by(ids.len() as u64);
+            metrics.relayed_id_bytes.inc_by(ids.as_json().len() as u64);
+            ctx.reuse = Some("applied");
+        }
+        (None, reason) => {
+            let reason = reason.unwrap_or(FallbackReason::IdsMissing);
+            metrics.token_reuse.with_label_values(&[route_name, "fallback", reason.as_str()]).inc();
+            tracing::info!(request_id = %rid, route = route_name, reason = reason.as_str(), "token reuse fallback");
+            ctx.reuse = Some(reason.as_str());
+        }
+    }
+    metrics.stage_duration.with_label_values(&[route_name, "handoff"]).observe(handoff_started.elapsed().as_secs_f64());
+
+    // (3) Decode leg.
+    ctx.stage = Some(Stage::DecodeFirstByte);
+    let head = match UpstreamClient::request_head("POST", req.path_and_query, decode.addr(), req.headers, drop_header, &rid, decode_bytes.len()) {
+        Ok(h) => h,
+        Err(e) => return write_error(session, ctx, &ApiError::Internal(e.to_string())).await,
+    };
+    let decode_started = Instant::now();
+    ctx.decode_sent_at = Some(decode_started);
+    let sent = tokio::select! {
+        r = tokio::time::timeout(
+            route.options.decode_first_byte_timeout,
+            app.client.send(decode.addr(), &head, decode_bytes, || metrics.upstream_retries.with_label_values(&["decode"]).inc()),
+        ) => r,
+        _ = client_gone(session) => { ctx.outcome = Some(Outcome::ClientClosed); return; }
+    };
+    let exchange = match sent {
+        Err(_) => {
+            metrics.upstream_errors.with_label_values(&["decode", "timeout"]).inc();
+            let ms = u64::try_from(route.options.decode_first_byte_timeout.as_millis()).unwrap_or(u64::MAX);
+            return write_error(session, ctx, &ApiError::DecodeTimeout(ms)).await;
+        }
+        Ok(Err(e)) => {
+            metrics.upstream_errors.with_label_values(&["decode", e.kind()]).inc();
+            return write_error(session, ctx, &ApiError::DecodeUnavailable(e.to_string())).await;
+        }
+        Ok(Ok(exchange)) => exchange,
+    };
+    metrics.stage_duration.with_label_values(&[route_name, "decode_first_byte"]).observe(decode_started.elapsed().as_secs_f64());
+
+    // (4) Relay back.
+    ctx.stage = Some(Stage::DecodeTotal);
+    relay(app, session, ctx, exchange, Rewrite { cached_tokens: handoff.cached_tokens }, route_name).await;
+    drop(decode);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::model::parse_allow;
+
+    fn headers(values: &[&str]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for v in values {
+            h.append("x-prefiller-host-port", v.parse().unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn prefiller_header_is_checked() {
+        let allow: Vec<AllowEntry> = ["127.0.0.0/8", "prefill.svc"].iter().map(|a| parse_allow(a).unwrap()).collect();
+        let name = "x-prefiller-host-port";
+        assert_eq!(prefiller_from_header(&headers(&[]), name, &allow), Ok(None));
+        assert_eq!(prefiller_from_header(&headers(&["127.0.0.9:8100"]), name, &allow), Ok(Some("127.0.0.9:8100".into())));
+        assert_eq!(prefiller_from_header(&headers(&["PREFILL.svc:80"]), name, &allow), Ok(Some("PREFILL.svc:80".into())));
+        for bad in [&["127.0.0.1:1,127.0.0.1:2"][..], &["127.0.0.1"], &["127.0.0.1:1", "127.0.0.1:2"], &["h:0"]] {
+            assert_eq!(prefiller_from_header(&headers(bad), name, &allow).unwrap_err().status(), 400, "{bad:?}");
+        }
+        assert_eq!(prefiller_from_header(&headers(&["10.1.2.3:8000"]), name, &allow).unwrap_err().status(), 403);
+        assert_eq!(prefiller_from_header(&headers(&["evil.svc:80"]), name, &allow).unwrap_err().status(), 403);
+    }
+}

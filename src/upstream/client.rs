@@ -1,0 +1,215 @@
+//! The HTTP/1.1 client for the legs tokenonce sends itself (prefill, decode, health), on
+//! pingora's pooled connector: connect timeouts, idle pooling under vLLM's 5 s keep-alive,
+//! and one retry when a reused pooled connection turns out to be stale.
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::HeaderMap;
+use pingora::connectors::http::Connector;
+use pingora::http::RequestHeader;
+use pingora::protocols::http::client::HttpSession;
+use pingora::upstreams::peer::HttpPeer;
+
+/// Why an upstream exchange failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UpstreamError {
+    /// Could not connect.
+    #[error("connect to {addr} failed: {detail}")]
+    Connect { addr: String, detail: String },
+    /// The connection failed while sending or reading.
+    #[error("{addr}: {detail}")]
+    Io { addr: String, detail: String },
+    /// The response body exceeded the allowed size.
+    #[error("{addr}: response body over {limit} bytes")]
+    TooLarge { addr: String, limit: usize },
+}
+
+impl UpstreamError {
+    /// Label value for `upstream_errors_total{kind}`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Connect { .. } => "connect",
+            Self::Io { .. } => "io",
+            Self::TooLarge { .. } => "too_large",
+        }
+    }
+}
+
+/// Headers never forwarded from the client to an engine (hop-by-hop, recomputed, or ours).
+const DROPPED_REQUEST_HEADERS: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "content-length",
+    "host",
+    "expect",
+    "x-request-id",
+];
+
+/// Headers never copied from an engine response to the client.
+pub const DROPPED_RESPONSE_HEADERS: &[&str] =
+    &["connection", "keep-alive", "transfer-encoding", "content-length", "trailer", "upgrade"];
+
+/// An exchange that has its response header; the body is still to be read.
+pub struct Exchange {
+    /// The session, positioned after the response header.
+    pub session: HttpSession,
+    /// The peer it talks to (needed to release the connection).
+    pub peer: HttpPeer,
+    /// True when a retry was needed.
+    pub retried: bool,
+}
+
+impl Exchange {
+    /// Response status.
+    pub fn status(&self) -> u16 {
+        self.session.response_header().map_or(0, |h| h.status.as_u16())
+    }
+
+    /// A response header value.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.session.response_header().and_then(|h| h.headers.get(name)).and_then(|v| v.to_str().ok())
+    }
+}
+
+/// The shared client.
+pub struct UpstreamClient {
+    connector: Connector,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+}
+
+impl UpstreamClient {
+    /// A client with its own connection pool.
+    pub fn new(connect_timeout: Duration, idle_timeout: Duration) -> Self {
+        Self { connector: Connector::new(None), connect_timeout, idle_timeout }
+    }
+
+    /// A peer for `addr` with tokenonce's connection options.
+    pub async fn peer(&self, addr: &str) -> Result<HttpPeer, UpstreamError> {
+        let resolved = tokio::net::lookup_host(addr)
+            .await
+            .map_err(|e| UpstreamError::Connect { addr: addr.to_owned(), detail: e.to_string() })?
+            .next()
+            .ok_or_else(|| UpstreamError::Connect { addr: addr.to_owned(), detail: "no address".into() })?;
+        let mut peer = HttpPeer::new(resolved, false, String::new());
+        peer.options.connection_timeout = Some(self.connect_timeout);
+        peer.options.idle_timeout = Some(self.idle_timeout);
+        Ok(peer)
+    }
+
+    /// Builds a request head: `method path`, the client's end-to-end headers (minus
+    /// `DROPPED_REQUEST_HEADERS` and `extra_drop`), our `x-request-id`, the body length.
+    pub fn request_head(
+        method: &str,
+        path_and_query: &str,
+        addr: &str,
+        client_headers: &HeaderMap,
+        extra_drop: Option<&str>,
+        request_id: &str,
+        body_len: usize,
+    ) -> Result<RequestHeader, UpstreamError> {
+        let io = |e: pingora::BError| UpstreamError::Io { addr: addr.to_owned(), detail: e.to_string() };
+        let mut head = RequestHeader::build(method, path_and_query.as_bytes(), Some(client_headers.len() + 3)).map_err(io)?;
+        for (name, value) in client_headers {
+            let n = name.as_str();
+            if DROPPED_REQUEST_HEADERS.contains(&n) || extra_drop.is_some_and(|x| x.eq_ignore_ascii_case(n)) {
+                continue;
+            }
+            head.append_header(name.clone(), value.clone()).map_err(io)?;
+        }
+        head.insert_header("host", addr).map_err(io)?;
+        head.insert_header("x-request-id", request_id).map_err(io)?;
+        if method != "GET" || body_len > 0 {
+            head.insert_header("content-length", body_len.to_string()).map_err(io)?;
+        }
+        Ok(head)
+    }
+
+    async fn attempt(&self, peer: &HttpPeer, head: &RequestHeader, body: &Bytes) -> Result<(HttpSession, bool), (UpstreamError, bool)> {
+        let addr = peer.to_string();
+        let (mut session, reused) = self
+            .connector
+            .get_http_session(peer)
+            .await
+            .map_err(|e| (UpstreamError::Connect { addr: addr.clone(), detail: e.to_string() }, false))?;
+        let io = |e: pingora::BError| (UpstreamError::Io { addr: addr.clone(), detail: e.to_string() }, reused);
+        session.write_request_header(Box::new(head.clone())).await.map_err(io)?;
+        if !body.is_empty() {
+            session.write_request_body(body.clone(), true).await.map_err(io)?;
+        }
+        session.finish_request_body().await.map_err(io)?;
+        session.read_response_header().await.map_err(io)?;
+        Ok((session, reused))
+    }
+
+    /// Sends `head` + `body` to `addr` and reads the response header. A failure on a reused
+    /// pooled connection is retried once on another connection (`on_retry` is told).
+    ///
+    /// # Errors
+    /// [`UpstreamError`] when connecting or exchanging fails.
+    pub async fn send(&self, addr: &str, head: &RequestHeader, body: Bytes, on_retry: impl FnOnce()) -> Result<Exchange, UpstreamError> {
+        let peer = self.peer(addr).await?;
+        match self.attempt(&peer, head, &body).await {
+            Ok((session, _)) => Ok(Exchange { session, peer, retried: false }),
+            Err((_, true)) => {
+                on_retry();
+                let (session, _) = self.attempt(&peer, head, &body).await.map_err(|(e, _)| e)?;
+                Ok(Exchange { session, peer, retried: true })
+            }
+            Err((e, false)) => Err(e),
+        }
+    }
+
+    /// Reads the rest of the body (at most `limit` bytes) and returns the connection to the pool.
+    ///
+    /// # Errors
+    /// [`UpstreamError`] on a read failure or an oversized body.
+    pub async fn read_to_end(&self, mut exchange: Exchange, limit: usize) -> Result<Bytes, UpstreamError> {
+        let addr = exchange.peer.to_string();
+        let mut buf = BytesMut::new();
+        loop {
+            match exchange.session.read_response_body().await {
+                Ok(Some(chunk)) => {
+                    if buf.len() + chunk.len() > limit {
+                        return Err(UpstreamError::TooLarge { addr, limit });
+                    }
+                    buf.extend_from_slice(&chunk);
+                }
+                Ok(None) => break,
+                Err(e) => return Err(UpstreamError::Io { addr, detail: e.to_string() }),
+            }
+        }
+        self.release(exchange).await;
+        Ok(buf.freeze())
+    }
+
+    /// Returns a fully read exchange's connection to the pool (dropped if not reusable).
+    pub async fn release(&self, exchange: Exchange) {
+        let Exchange { session, peer, .. } = exchange;
+        self.connector.release_http_session(session, &peer, Some(self.idle_timeout)).await;
+    }
+
+    /// `GET path` with a deadline; returns the status and body.
+    ///
+    /// # Errors
+    /// [`UpstreamError`] on failure or when `timeout` passes.
+    pub async fn get(&self, addr: &str, path: &str, timeout: Duration) -> Result<(u16, Bytes), UpstreamError> {
+        let work = async {
+            let head = Self::request_head("GET", path, addr, &HeaderMap::new(), None, "tokenonce-health", 0)?;
+            let exchange = self.send(addr, &head, Bytes::new(), || {}).await?;
+            let status = exchange.status();
+            let body = self.read_to_end(exchange, 1 << 20).await?;
+            Ok((status, body))
+        };
+        match tokio::time::timeout(timeout, work).await {
+            Ok(result) => result,
+            Err(_) => Err(UpstreamError::Io { addr: addr.to_owned(), detail: format!("GET {path} timed out") }),
+        }
+    }
+}

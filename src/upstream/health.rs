@@ -1,0 +1,78 @@
+//! Background poller: every interval, each endpoint's `GET /health` (for `/readyz` and
+//! endpoint choice) and, until known, its `GET /version` (for the token-reuse gate).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use pingora::server::ShutdownWatch;
+use pingora::services::background::BackgroundService;
+
+use super::client::UpstreamClient;
+use super::pool::{Endpoint, Pool};
+use crate::config::Version;
+use crate::metrics::Metrics;
+
+/// Deadline of one health or version probe.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Asks `GET /version` and records it on the endpoint.
+pub async fn learn_version(client: &UpstreamClient, endpoint: &Endpoint) -> Option<Version> {
+    let (status, body) = client.get(&endpoint.addr, "/version", PROBE_TIMEOUT).await.ok()?;
+    if status != 200 {
+        return None;
+    }
+    #[derive(serde::Deserialize)]
+    struct VersionBody {
+        version: String,
+    }
+    let parsed: VersionBody = serde_json::from_slice(&body).ok()?;
+    let version = Version::parse(&parsed.version)?;
+    endpoint.set_version(version);
+    Some(version)
+}
+
+/// The poller.
+pub struct HealthPoller {
+    /// Every pool (prefill pools are polled too, for the health metric).
+    pub pools: Vec<Arc<Pool>>,
+    /// Indexes of the pools that decode (readiness needs each to have a healthy endpoint).
+    pub decode_pools: Vec<usize>,
+    /// The client.
+    pub client: Arc<UpstreamClient>,
+    /// Metrics to update.
+    pub metrics: Metrics,
+    /// Poll period.
+    pub interval: Duration,
+}
+
+impl HealthPoller {
+    /// One round over every endpoint.
+    pub async fn poll_once(&self) {
+        for pool in &self.pools {
+            for endpoint in &pool.endpoints {
+                let healthy = matches!(self.client.get(&endpoint.addr, "/health", PROBE_TIMEOUT).await, Ok((200, _)));
+                endpoint.set_healthy(healthy);
+                self.metrics.upstream_healthy.with_label_values(&[&pool.name, &endpoint.addr]).set(i64::from(healthy));
+                if healthy && pool.pinned_version().is_none() && endpoint.version().is_none() {
+                    learn_version(&self.client, endpoint).await;
+                }
+            }
+        }
+        let ready = self.decode_pools.iter().all(|&i| self.pools.get(i).is_some_and(|p| p.any_healthy()));
+        self.metrics.ready.set(i64::from(ready));
+    }
+}
+
+#[async_trait]
+impl BackgroundService for HealthPoller {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        loop {
+            self.poll_once().await;
+            tokio::select! {
+                _ = tokio::time::sleep(self.interval) => {}
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+}
