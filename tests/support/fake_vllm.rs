@@ -1,0 +1,443 @@
+//! A fake vLLM OpenAI server for integration tests. It answers with the field order and
+//! shapes of the recordings in `tests/fixtures/vllm/` (vLLM 0.32.0), "tokenizes" text with
+//! a deterministic word hash, takes `kv_transfer_params.prompt_token_ids` on chat (>= 0.27)
+//! and `prompt: [ids]` on completions the way vLLM does, and records every request it got.
+
+use std::collections::hash_map::DefaultHasher;
+use std::convert::Infallible;
+use std::hash::{Hash, Hasher};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
+use axum::response::Response;
+use serde_json::Value;
+
+/// How the fake behaves; change it while running with [`FakeVllm::configure`].
+#[derive(Clone, Debug)]
+pub struct FakeConfig {
+    /// What `GET /version` answers.
+    pub version: String,
+    /// Served model name.
+    pub model: String,
+    /// Answer prefills like a NIXL-connected engine (non-null `kv_transfer_params`).
+    pub connector: bool,
+    /// Exact raw `kv_transfer_params` to return on prefills (overrides `connector`).
+    pub kv_params_raw: Option<String>,
+    /// Report `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: Option<u64>,
+    /// Answer `prompt_token_ids: null` even when asked.
+    pub omit_prompt_ids: bool,
+    /// Replace the echoed prompt ids with this raw JSON.
+    pub corrupt_prompt_ids: Option<String>,
+    /// Wait before answering.
+    pub delay: Duration,
+    /// Wait between SSE events.
+    pub chunk_delay: Duration,
+    /// Cut the response body into pieces of this many bytes.
+    pub split_every: Option<usize>,
+    /// Answer every POST with this status and body.
+    pub fail_with: Option<(u16, String)>,
+    /// Break the SSE stream (reset) after this many events.
+    pub break_stream_after: Option<usize>,
+    /// What `GET /health` answers.
+    pub healthy: bool,
+}
+
+impl Default for FakeConfig {
+    fn default() -> Self {
+        Self {
+            version: "0.32.0".into(),
+            model: "tiny-qwen3".into(),
+            connector: false,
+            kv_params_raw: None,
+            cached_tokens: None,
+            omit_prompt_ids: false,
+            corrupt_prompt_ids: None,
+            delay: Duration::ZERO,
+            chunk_delay: Duration::ZERO,
+            split_every: None,
+            fail_with: None,
+            break_stream_after: None,
+            healthy: true,
+        }
+    }
+}
+
+/// One request as the fake received it.
+#[derive(Clone, Debug)]
+pub struct Recorded {
+    /// Method.
+    pub method: String,
+    /// Path and query.
+    pub path: String,
+    /// Headers.
+    pub headers: HeaderMap,
+    /// Raw body.
+    pub body: Bytes,
+}
+
+impl Recorded {
+    /// The body as JSON.
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+
+    /// The body as text.
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// A header value.
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned)
+    }
+}
+
+#[derive(Default)]
+struct Shared {
+    config: Mutex<FakeConfig>,
+    requests: Mutex<Vec<Recorded>>,
+    cancelled: AtomicUsize,
+    completed: AtomicUsize,
+}
+
+/// A running fake server.
+#[derive(Clone)]
+pub struct FakeVllm {
+    /// Its address.
+    pub addr: SocketAddr,
+    shared: Arc<Shared>,
+}
+
+/// Deterministic stand-in for a tokenizer: one id per whitespace-separated word.
+pub fn fake_tokenize(text: &str) -> Vec<u64> {
+    text.split_whitespace()
+        .map(|w| {
+            let mut h = DefaultHasher::new();
+            w.hash(&mut h);
+            h.finish() % 150_000
+        })
+        .collect()
+}
+
+/// The text the fake "renders" a chat request to before tokenizing (template stand-in).
+pub fn fake_render_chat(body: &Value) -> String {
+    let mut text = String::new();
+    if let Some(tools) = body.get("tools") {
+        text.push_str(&format!("<tools> {tools} </tools> "));
+    }
+    for m in body["messages"].as_array().into_iter().flatten() {
+        let content = match &m["content"] {
+            Value::String(s) => s.clone(),
+            Value::Null => String::new(),
+            other => other.to_string(),
+        };
+        text.push_str(&format!("<|im_start|>{} {} {} <|im_end|> ", m["role"].as_str().unwrap_or("?"), content, m.get("tool_calls").map(|t| t.to_string()).unwrap_or_default()));
+    }
+    if let Some(k) = body.get("chat_template_kwargs") {
+        text.push_str(&format!("<kwargs> {k} "));
+    }
+    text.push_str("<|im_start|>assistant");
+    text
+}
+
+fn output_ids(prompt: &[u64], n: usize) -> Vec<u64> {
+    let seed: u64 = prompt.iter().fold(17u64, |a, &b| a.wrapping_mul(31).wrapping_add(b));
+    (0..n as u64).map(|i| (seed.wrapping_add(i * 7919)) % 150_000).collect()
+}
+
+fn token_text(id: u64) -> String {
+    format!("t{id} ")
+}
+
+fn error_body(status: u16, kind: &str, message: &str, param: Option<&str>) -> (u16, String) {
+    // vLLM's field order: message, type, param, code.
+    let param = param.map_or("null".to_owned(), |p| serde_json::to_string(p).unwrap());
+    let message = serde_json::to_string(message).unwrap();
+    (status, format!("{{\"error\":{{\"message\":{message},\"type\":\"{kind}\",\"param\":{param},\"code\":{status}}}}}"))
+}
+
+fn ids_json(ids: &[u64]) -> String {
+    serde_json::to_string(ids).unwrap()
+}
+
+impl FakeVllm {
+    /// Starts a fake on an ephemeral loopback port.
+    pub async fn start(config: FakeConfig) -> Self {
+        let shared = Arc::new(Shared { config: Mutex::new(config), ..Default::default() });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = axum::Router::new().fallback(handle).with_state(Arc::clone(&shared));
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Self { addr, shared }
+    }
+
+    /// `host:port`.
+    pub fn host_port(&self) -> String {
+        self.addr.to_string()
+    }
+
+    /// Changes the behaviour.
+    pub fn configure(&self, f: impl FnOnce(&mut FakeConfig)) {
+        f(&mut self.shared.config.lock().unwrap());
+    }
+
+    /// Every request received so far.
+    pub fn requests(&self) -> Vec<Recorded> {
+        self.shared.requests.lock().unwrap().clone()
+    }
+
+    /// POST requests received so far.
+    pub fn posts(&self) -> Vec<Recorded> {
+        self.requests().into_iter().filter(|r| r.method == "POST").collect()
+    }
+
+    /// Streams whose consumer went away before the end.
+    pub fn cancelled(&self) -> usize {
+        self.shared.cancelled.load(Ordering::SeqCst)
+    }
+
+    /// POST handlers that ran to the end (including streams fully sent).
+    pub fn completed(&self) -> usize {
+        self.shared.completed.load(Ordering::SeqCst)
+    }
+}
+
+/// Counts a handler or stream that was dropped before finishing.
+struct CancelGuard {
+    shared: Arc<Shared>,
+    done: bool,
+}
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        if self.done {
+            self.shared.completed.fetch_add(1, Ordering::SeqCst);
+        } else {
+            self.shared.cancelled.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+fn respond(status: u16, content_type: &str, body: Body) -> Response {
+    Response::builder()
+        .status(StatusCode::from_u16(status).unwrap())
+        .header("content-type", content_type)
+        .body(body)
+        .unwrap()
+}
+
+fn split_body(text: String, split: Option<usize>) -> Body {
+    match split {
+        None => Body::from(text),
+        Some(n) => {
+            let pieces: Vec<Result<Bytes, Infallible>> =
+                text.into_bytes().chunks(n.max(1)).map(|c| Ok(Bytes::copy_from_slice(c))).collect();
+            Body::from_stream(futures_util::stream::iter(pieces))
+        }
+    }
+}
+
+async fn handle(State(shared): State<Arc<Shared>>, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
+    let path = uri.path_and_query().map_or(uri.path().to_owned(), |p| p.as_str().to_owned());
+    shared.requests.lock().unwrap().push(Recorded { method: method.to_string(), path: path.clone(), headers: headers.clone(), body: body.clone() });
+    let config = shared.config.lock().unwrap().clone();
+    let mut guard = CancelGuard { shared: Arc::clone(&shared), done: false };
+    if method == Method::GET {
+        guard.done = true;
+        return match uri.path() {
+            "/health" if config.healthy => respond(200, "application/json", Body::empty()),
+            "/health" => respond(503, "application/json", Body::empty()),
+            "/version" => respond(200, "application/json", Body::from(format!("{{\"version\":\"{}\"}}", config.version))),
+            "/v1/models" => respond(
+                200,
+                "application/json",
+                Body::from(format!(
+                    "{{\"object\":\"list\",\"data\":[{{\"id\":\"{m}\",\"object\":\"model\",\"created\":1796062677,\"owned_by\":\"vllm\",\"root\":\"/models/{m}\",\"parent\":null,\"max_model_len\":49152,\"permission\":[]}}]}}",
+                    m = config.model
+                )),
+            ),
+            _ => respond(404, "application/json", Body::from("{\"detail\":\"Not Found\"}")),
+        };
+    }
+    if !config.delay.is_zero() {
+        tokio::time::sleep(config.delay).await;
+    }
+    if let Some((status, body)) = &config.fail_with {
+        guard.done = true;
+        return respond(*status, "application/json", Body::from(body.clone()));
+    }
+    let result = match uri.path() {
+        "/v1/chat/completions" => completion(&config, &headers, &body, true),
+        "/v1/completions" => completion(&config, &headers, &body, false),
+        "/tokenize" => Ok(Reply::Json(format!("{{\"count\":3,\"max_model_len\":49152,\"tokens\":[9707,1052,0],\"token_strs\":null,\"echo\":{}}}", String::from_utf8_lossy(&body)))),
+        _ => Err(error_body(404, "NotFoundError", "Not Found", None)),
+    };
+    match result {
+        Err((status, body)) => {
+            guard.done = true;
+            respond(status, "application/json", Body::from(body))
+        }
+        Ok(Reply::Json(text)) => {
+            guard.done = true;
+            respond(200, "application/json", split_body(text, config.split_every))
+        }
+        Ok(Reply::Sse(events)) => {
+            let chunk_delay = config.chunk_delay;
+            let break_after = config.break_stream_after;
+            let stream = async_stream(events, chunk_delay, break_after, guard);
+            respond(200, "text/event-stream; charset=utf-8", Body::from_stream(stream))
+        }
+    }
+}
+
+fn async_stream(
+    events: Vec<String>,
+    chunk_delay: Duration,
+    break_after: Option<usize>,
+    guard: CancelGuard,
+) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> {
+    futures_util::stream::unfold((events.into_iter().enumerate(), guard), move |(mut it, mut guard)| async move {
+        let (i, event) = match it.next() {
+            Some(next) => next,
+            None => {
+                guard.done = true;
+                return None;
+            }
+        };
+        if break_after == Some(i) {
+            return Some((Err(std::io::Error::other("injected stream break")), (it, guard)));
+        }
+        if !chunk_delay.is_zero() && i > 0 {
+            tokio::time::sleep(chunk_delay).await;
+        }
+        Some((Ok(Bytes::from(event)), (it, guard)))
+    })
+}
+
+enum Reply {
+    Json(String),
+    Sse(Vec<String>),
+}
+
+fn completion(config: &FakeConfig, headers: &HeaderMap, raw: &[u8], chat: bool) -> Result<Reply, (u16, String)> {
+    if headers.get("content-type").and_then(|v| v.to_str().ok()).is_none_or(|c| !c.starts_with("application/json")) {
+        return Err(error_body(400, "Bad Request", "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed", None));
+    }
+    let body: Value = serde_json::from_slice(raw)
+        .map_err(|_| error_body(400, "Bad Request", "1 validation error:\n  {'type': 'json_invalid', 'msg': 'JSON decode error'}", Some("body")))?;
+    if let Some(model) = body.get("model").and_then(Value::as_str) {
+        if model != config.model {
+            return Err(error_body(404, "NotFoundError", &format!("The model `{model}` does not exist. Valid aliases: {}.", config.model), Some("model")));
+        }
+    }
+    let stream = body["stream"].as_bool().unwrap_or(false);
+    if body.get("stream_options").is_some_and(|v| !v.is_null()) && !stream {
+        return Err(error_body(400, "BadRequestError", "Stream options can only be defined when `stream=True`.", Some("stream_options")));
+    }
+    let max_tokens = body["max_completion_tokens"].as_u64().or(body["max_tokens"].as_u64()).unwrap_or(if chat { 8 } else { 16 });
+    if let Some(min) = body["min_tokens"].as_u64() {
+        if min > max_tokens {
+            return Err(error_body(400, "BadRequestError", &format!("min_tokens must be less than or equal to max_tokens={max_tokens}, got {min}."), Some("min_tokens")));
+        }
+    }
+    let version_ok = config.version.as_str() >= "0.27.0" || config.version.starts_with("0.3");
+    let reused = if chat && version_ok { body["kv_transfer_params"].get("prompt_token_ids").cloned() } else { None };
+    let prompt_ids: Vec<u64> = if let Some(ids) = reused {
+        let arr = ids.as_array().ok_or_else(|| error_body(400, "BadRequestError", "prompt_token_ids must be a list", Some("kv_transfer_params.prompt_token_ids")))?;
+        if arr.is_empty() {
+            return Err(error_body(400, "BadRequestError", "prompt_token_ids must not be empty", Some("kv_transfer_params.prompt_token_ids")));
+        }
+        arr.iter()
+            .map(|v| v.as_u64().filter(|&i| i < 151_936))
+            .collect::<Option<Vec<u64>>>()
+            .ok_or_else(|| error_body(400, "BadRequestError", "Token id out of vocabulary", Some("kv_transfer_params.prompt_token_ids")))?
+    } else if chat {
+        fake_tokenize(&fake_render_chat(&body))
+    } else {
+        match &body["prompt"] {
+            Value::String(s) => fake_tokenize(s),
+            Value::Array(a) if a.iter().all(Value::is_u64) => a.iter().filter_map(Value::as_u64).collect(),
+            Value::Array(a) => a.first().and_then(Value::as_str).map(fake_tokenize).unwrap_or_default(),
+            _ => return Err(error_body(400, "BadRequestError", "You must pass at least one prompt", None)),
+        }
+    };
+    if prompt_ids.iter().any(|&i| i >= 151_936) {
+        return Err(error_body(400, "BadRequestError", "Token id is out of vocabulary", None));
+    }
+    let out = output_ids(&prompt_ids, max_tokens as usize);
+    let want_ids = body["return_token_ids"].as_bool().unwrap_or(false);
+    let rid = headers.get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("0000");
+    let id = if chat { format!("chatcmpl-{rid}") } else { format!("cmpl-{rid}") };
+    let model = &config.model;
+    let created = 1796062677u64;
+    let n_prompt = prompt_ids.len();
+    let prompt_json = if config.omit_prompt_ids || !want_ids {
+        "null".to_owned()
+    } else {
+        config.corrupt_prompt_ids.clone().unwrap_or_else(|| ids_json(&prompt_ids))
+    };
+    let remote_decode = body["kv_transfer_params"]["do_remote_decode"].as_bool() == Some(true);
+    let kv = if !remote_decode {
+        "null".to_owned()
+    } else if let Some(raw) = &config.kv_params_raw {
+        raw.clone()
+    } else if config.connector {
+        format!("{{\"do_remote_prefill\":true,\"do_remote_decode\":false,\"remote_block_ids\":[[1,2,3]],\"remote_engine_id\":\"fake-engine\",\"remote_request_id\":\"{id}-abcd1234\",\"remote_host\":\"127.0.0.1\",\"remote_port\":5600,\"tp_size\":1,\"dcp_size\":1,\"pp_size\":1,\"remote_num_tokens\":{n_prompt},\"remote_blocks_expiry_time\":null,\"remote_registration_generation\":0,\"transfer_mode\":\"pull\",\"remote_prefill_cached_tokens\":0}}")
+    } else {
+        "null".to_owned()
+    };
+    let details = config.cached_tokens.map_or("null".to_owned(), |c| format!("{{\"cached_tokens\":{c}}}"));
+    let text: String = out.iter().map(|&t| token_text(t)).collect();
+    let total = n_prompt + out.len();
+    let out_ids = if want_ids { ids_json(&out) } else { "null".into() };
+    let fingerprint = format!("vllm-{}-91c5f304", config.version);
+    if !stream {
+        let text_json = serde_json::to_string(&text).unwrap();
+        let usage = format!("{{\"prompt_tokens\":{n_prompt},\"total_tokens\":{total},\"completion_tokens\":{},\"prompt_tokens_details\":{details},\"completion_tokens_details\":null}}", out.len());
+        return Ok(Reply::Json(if chat {
+            format!("{{\"id\":\"{id}\",\"object\":\"chat.completion\",\"created\":{created},\"model\":\"{model}\",\"choices\":[{{\"index\":0,\"message\":{{\"role\":\"assistant\",\"content\":{text_json},\"refusal\":null,\"annotations\":null,\"audio\":null,\"function_call\":null,\"reasoning\":null}},\"logprobs\":null,\"finish_reason\":\"length\",\"stop_reason\":null,\"token_ids\":{out_ids},\"routed_experts\":null}}],\"service_tier\":null,\"system_fingerprint\":\"{fingerprint}\",\"usage\":{usage},\"prompt_logprobs\":null,\"prompt_token_ids\":{prompt_json},\"prompt_text\":null,\"kv_transfer_params\":{kv},\"ec_transfer_params\":null,\"metrics\":null}}")
+        } else {
+            format!("{{\"id\":\"{id}\",\"object\":\"text_completion\",\"created\":{created},\"model\":\"{model}\",\"choices\":[{{\"index\":0,\"text\":{text_json},\"logprobs\":null,\"finish_reason\":\"length\",\"stop_reason\":null,\"token_ids\":{out_ids},\"prompt_logprobs\":null,\"prompt_token_ids\":{prompt_json},\"routed_experts\":null}}],\"service_tier\":null,\"system_fingerprint\":\"{fingerprint}\",\"usage\":{usage},\"kv_transfer_params\":{kv},\"ec_transfer_params\":null,\"metrics\":null}}")
+        }));
+    }
+    let include_usage = body["stream_options"]["include_usage"].as_bool().unwrap_or(false);
+    let mut events = Vec::new();
+    let last = out.len().saturating_sub(1);
+    if chat {
+        events.push(format!("data: {{\"id\":\"{id}\",\"object\":\"chat.completion.chunk\",\"created\":{created},\"model\":\"{model}\",\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}],\"prompt_token_ids\":{prompt_json},\"prompt_text\":null}}\n\n"));
+    }
+    for (i, &t) in out.iter().enumerate() {
+        let tj = serde_json::to_string(&token_text(t)).unwrap();
+        let tid = if want_ids { format!(",\"token_ids\":[{t}]") } else { String::new() };
+        let finish = if i == last { "\"length\",\"stop_reason\":null" } else { "null" };
+        if chat {
+            events.push(format!("data: {{\"id\":\"{id}\",\"object\":\"chat.completion.chunk\",\"created\":{created},\"model\":\"{model}\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":{tj}}},\"logprobs\":null,\"finish_reason\":{finish}{tid}}}]}}\n\n"));
+        } else {
+            let p = if i == 0 { prompt_json.clone() } else { "null".into() };
+            let fin = if i == last { "\"length\"" } else { "null" };
+            events.push(format!("data: {{\"id\":\"{id}\",\"object\":\"text_completion\",\"created\":{created},\"model\":\"{model}\",\"choices\":[{{\"index\":0,\"text\":{tj},\"logprobs\":null,\"finish_reason\":{fin},\"stop_reason\":null,\"prompt_token_ids\":{p}{tid}}}]}}\n\n"));
+        }
+    }
+    if include_usage {
+        let obj = if chat { "chat.completion.chunk" } else { "text_completion" };
+        let det = config.cached_tokens.map_or(String::new(), |c| format!(",\"prompt_tokens_details\":{{\"cached_tokens\":{c}}}"));
+        events.push(format!("data: {{\"id\":\"{id}\",\"object\":\"{obj}\",\"created\":{created},\"model\":\"{model}\",\"choices\":[],\"usage\":{{\"prompt_tokens\":{n_prompt},\"total_tokens\":{total},\"completion_tokens\":{}{det}}},\"system_fingerprint\":\"{fingerprint}\"}}\n\n", out.len()));
+    }
+    events.push("data: [DONE]\n\n".to_owned());
+    if let Some(n) = config.split_every {
+        // Re-cut the whole stream into n-byte pieces so events split mid-JSON and mid-"\n\n".
+        let joined: String = events.concat();
+        let bytes = joined.into_bytes();
+        events = bytes.chunks(n.max(1)).map(|c| String::from_utf8_lossy(c).into_owned()).collect();
+        // from_utf8_lossy on cuts inside multi-byte chars would corrupt; the fake only emits ASCII.
+    }
+    Ok(Reply::Sse(events))
+}
