@@ -38,24 +38,43 @@ pub struct Incoming<'a> {
 ///
 /// # Errors
 /// 400 when repeated, a list, or not one `host:port`; 403 when outside `allow`.
-pub fn prefiller_from_header(headers: &HeaderMap, name: &str, allow: &[AllowEntry]) -> Result<Option<String>, ApiError> {
+pub fn prefiller_from_header(
+    headers: &HeaderMap,
+    name: &str,
+    allow: &[AllowEntry],
+) -> Result<Option<String>, ApiError> {
     let mut values = headers.get_all(name).iter();
-    let Some(value) = values.next() else { return Ok(None) };
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
     if values.next().is_some() {
-        return Err(ApiError::InvalidPrefillerHeader("header repeated; exactly one host:port expected".into()));
+        return Err(ApiError::InvalidPrefillerHeader(
+            "header repeated; exactly one host:port expected".into(),
+        ));
     }
-    let text = value.to_str().map_err(|_| ApiError::InvalidPrefillerHeader("not ASCII".into()))?.trim();
+    let text = value
+        .to_str()
+        .map_err(|_| ApiError::InvalidPrefillerHeader("not ASCII".into()))?
+        .trim();
     if text.contains(',') {
-        return Err(ApiError::InvalidPrefillerHeader("a list; exactly one host:port expected".into()));
+        return Err(ApiError::InvalidPrefillerHeader(
+            "a list; exactly one host:port expected".into(),
+        ));
     }
     if !crate::config::model::is_host_port(text) {
-        return Err(ApiError::InvalidPrefillerHeader(format!("`{text}` is not host:port")));
+        return Err(ApiError::InvalidPrefillerHeader(format!(
+            "`{text}` is not host:port"
+        )));
     }
     let host = text.rsplit_once(':').map_or(text, |(h, _)| h);
     let host = host.trim_start_matches('[').trim_end_matches(']');
     let allowed = match host.parse::<IpAddr>() {
-        Ok(ip) => allow.iter().any(|a| matches!(a, AllowEntry::Net(net) if net.contains(&ip))),
-        Err(_) => allow.iter().any(|a| matches!(a, AllowEntry::Host(h) if h.eq_ignore_ascii_case(host))),
+        Ok(ip) => allow
+            .iter()
+            .any(|a| matches!(a, AllowEntry::Net(net) if net.contains(&ip))),
+        Err(_) => allow
+            .iter()
+            .any(|a| matches!(a, AllowEntry::Host(h) if h.eq_ignore_ascii_case(host))),
     };
     if allowed {
         Ok(Some(text.to_owned()))
@@ -72,9 +91,25 @@ fn header_to_drop(route: &RouteSpec) -> Option<&str> {
 }
 
 /// Sends the client's body unchanged to `decode` and relays the answer (no prefill).
-pub async fn forward(app: &App, session: &mut Session, ctx: &mut Ctx, decode: Picked, req: &Incoming<'_>, drop_header: Option<&str>, route: &str) {
+pub async fn forward(
+    app: &App,
+    session: &mut Session,
+    ctx: &mut Ctx,
+    decode: Picked,
+    req: &Incoming<'_>,
+    drop_header: Option<&str>,
+    route: &str,
+) {
     let rid = ctx.request_id.clone().unwrap_or_default();
-    let head = match UpstreamClient::request_head("POST", req.path_and_query, decode.addr(), req.headers, drop_header, &rid, req.body.len()) {
+    let head = match UpstreamClient::request_head(
+        "POST",
+        req.path_and_query,
+        decode.addr(),
+        req.headers,
+        drop_header,
+        &rid,
+        req.body.len(),
+    ) {
         Ok(h) => h,
         Err(e) => return write_error(session, ctx, &ApiError::Internal(e.to_string())).await,
     };
@@ -87,14 +122,22 @@ pub async fn forward(app: &App, session: &mut Session, ctx: &mut Ctx, decode: Pi
     match sent {
         Ok(exchange) => relay(app, session, ctx, exchange, Rewrite::default(), route).await,
         Err(e) => {
-            app.metrics.upstream_errors.with_label_values(&[ctx.stage_label(), e.kind()]).inc();
+            app.metrics
+                .upstream_errors
+                .with_label_values(&[ctx.stage_label(), e.kind()])
+                .inc();
             write_error(session, ctx, &ApiError::DecodeUnavailable(e.to_string())).await;
         }
     }
 }
 
 /// Decides, before the prefill, whether this request may reuse ids.
-async fn reuse_gate(app: &App, route: &RouteSpec, view: &RequestView, decode: &Endpoint) -> Option<FallbackReason> {
+async fn reuse_gate(
+    app: &App,
+    route: &RouteSpec,
+    view: &RequestView,
+    decode: &Endpoint,
+) -> Option<FallbackReason> {
     if !route.options.token_reuse {
         return Some(FallbackReason::Disabled);
     }
@@ -104,7 +147,10 @@ async fn reuse_gate(app: &App, route: &RouteSpec, view: &RequestView, decode: &E
     if view.api == Api::Completions {
         return None; // `prompt: [ids]` is token-in on every vLLM version
     }
-    let pool_pin = app.pools.get(route.decode_pool).and_then(|p| p.pinned_version());
+    let pool_pin = app
+        .pools
+        .get(route.decode_pool)
+        .and_then(|p| p.pinned_version());
     let version = match pool_pin.or_else(|| decode.version()) {
         Some(v) => Some(v),
         None => learn_version(&app.client, decode).await,
@@ -117,19 +163,34 @@ async fn reuse_gate(app: &App, route: &RouteSpec, view: &RequestView, decode: &E
 }
 
 /// Runs one orchestrated request to the end, writing the response (or error) itself.
-pub async fn orchestrate(app: &App, session: &mut Session, ctx: &mut Ctx, route: &RouteSpec, obj: &RawObject<'_>, view: &RequestView, req: &Incoming<'_>) {
+pub async fn orchestrate(
+    app: &App,
+    session: &mut Session,
+    ctx: &mut Ctx,
+    route: &RouteSpec,
+    obj: &RawObject<'_>,
+    view: &RequestView,
+    req: &Incoming<'_>,
+) {
     let route_name = route.name.as_str();
     let drop_header = header_to_drop(route);
     let Some(decode) = app.pools.get(route.decode_pool).and_then(|p| p.pick()) else {
-        return write_error(session, ctx, &ApiError::DecodeUnavailable("decode pool has no endpoints".into())).await;
+        return write_error(
+            session,
+            ctx,
+            &ApiError::DecodeUnavailable("decode pool has no endpoints".into()),
+        )
+        .await;
     };
     let prefill = match &route.prefill {
         Some(PrefillSource::Pool(i)) => app.pools.get(*i).and_then(|p| p.pick()),
-        Some(PrefillSource::Header { name, allow }) => match prefiller_from_header(req.headers, name, allow) {
-            Ok(Some(addr)) => Some(Picked::new(Arc::new(Endpoint::new(addr)))),
-            Ok(None) => None,
-            Err(e) => return write_error(session, ctx, &e).await,
-        },
+        Some(PrefillSource::Header { name, allow }) => {
+            match prefiller_from_header(req.headers, name, allow) {
+                Ok(Some(addr)) => Some(Picked::new(Arc::new(Endpoint::new(addr)))),
+                Ok(None) => None,
+                Err(e) => return write_error(session, ctx, &e).await,
+            }
+        }
         None => None,
     };
     let Some(prefill) = prefill else {
@@ -145,7 +206,15 @@ pub async fn orchestrate(app: &App, session: &mut Session, ctx: &mut Ctx, route:
     // (1) Prefill leg.
     ctx.stage = Some(Stage::Prefill);
     let prefill_bytes = Bytes::from(prefill_body(obj, want_ids));
-    let head = match UpstreamClient::request_head("POST", req.path_and_query, prefill.addr(), req.headers, drop_header, &rid, prefill_bytes.len()) {
+    let head = match UpstreamClient::request_head(
+        "POST",
+        req.path_and_query,
+        prefill.addr(),
+        req.headers,
+        drop_header,
+        &rid,
+        prefill_bytes.len(),
+    ) {
         Ok(h) => h,
         Err(e) => return write_error(session, ctx, &ApiError::Internal(e.to_string())).await,
     };
@@ -154,11 +223,19 @@ pub async fn orchestrate(app: &App, session: &mut Session, ctx: &mut Ctx, route:
     let leg = async {
         let exchange = app
             .client
-            .send(prefill.addr(), &head, prefill_bytes, || metrics.upstream_retries.with_label_values(&["prefill"]).inc())
+            .send(prefill.addr(), &head, prefill_bytes, || {
+                metrics
+                    .upstream_retries
+                    .with_label_values(&["prefill"])
+                    .inc()
+            })
             .await?;
         let status = exchange.status();
         let content_type = exchange.header("content-type").map(str::to_owned);
-        let body = app.client.read_to_end(exchange, PREFILL_RESPONSE_LIMIT).await?;
+        let body = app
+            .client
+            .read_to_end(exchange, PREFILL_RESPONSE_LIMIT)
+            .await?;
         Ok::<_, crate::upstream::UpstreamError>((status, content_type, body))
     };
     let outcome = tokio::select! {
@@ -166,15 +243,24 @@ pub async fn orchestrate(app: &App, session: &mut Session, ctx: &mut Ctx, route:
         _ = client_gone(session) => { ctx.outcome = Some(Outcome::ClientClosed); return; }
     };
     drop(prefill);
-    metrics.stage_duration.with_label_values(&[route_name, "prefill"]).observe(started.elapsed().as_secs_f64());
+    metrics
+        .stage_duration
+        .with_label_values(&[route_name, "prefill"])
+        .observe(started.elapsed().as_secs_f64());
     let (status, content_type, prefill_response) = match outcome {
         Err(_) => {
-            metrics.upstream_errors.with_label_values(&["prefill", "timeout"]).inc();
+            metrics
+                .upstream_errors
+                .with_label_values(&["prefill", "timeout"])
+                .inc();
             let ms = u64::try_from(route.options.prefill_timeout.as_millis()).unwrap_or(u64::MAX);
             return write_error(session, ctx, &ApiError::PrefillTimeout(ms)).await;
         }
         Ok(Err(e)) => {
-            metrics.upstream_errors.with_label_values(&["prefill", e.kind()]).inc();
+            metrics
+                .upstream_errors
+                .with_label_values(&["prefill", e.kind()])
+                .inc();
             return write_error(session, ctx, &ApiError::PrefillUnavailable(e.to_string())).await;
         }
         Ok(Ok(parts)) => parts,
@@ -182,9 +268,19 @@ pub async fn orchestrate(app: &App, session: &mut Session, ctx: &mut Ctx, route:
     if !(200..300).contains(&status) {
         // The prefill's own error (e.g. vLLM's 400 for a too-long prompt) goes back unchanged.
         if status >= 500 {
-            metrics.upstream_errors.with_label_values(&["prefill", "status_5xx"]).inc();
+            metrics
+                .upstream_errors
+                .with_label_values(&["prefill", "status_5xx"])
+                .inc();
         }
-        return write_full(session, ctx, status, content_type.as_deref(), prefill_response).await;
+        return write_full(
+            session,
+            ctx,
+            status,
+            content_type.as_deref(),
+            prefill_response,
+        )
+        .await;
     }
 
     // (2) Handoff.
@@ -193,39 +289,68 @@ pub async fn orchestrate(app: &App, session: &mut Session, ctx: &mut Ctx, route:
     let handoff = match extract_handoff(view.api, &prefill_response) {
         Ok(h) => h,
         Err(detail) => {
-            metrics.upstream_errors.with_label_values(&["prefill", "bad_response"]).inc();
+            metrics
+                .upstream_errors
+                .with_label_values(&["prefill", "bad_response"])
+                .inc();
             return write_error(session, ctx, &ApiError::PrefillBadResponse(detail)).await;
         }
     };
-    let (ids, reason): (Option<&PromptIds>, Option<FallbackReason>) = match (&fallback, &handoff.ids) {
-        (Some(reason), _) => (None, Some(*reason)),
-        (None, Ok(ids)) => (Some(ids), None),
-        (None, Err(IdsFault::Missing)) => (None, Some(FallbackReason::IdsMissing)),
-        (None, Err(IdsFault::Invalid(e))) => {
-            tracing::info!(request_id = %rid, error = %e, "prefill ids refused");
-            (None, Some(FallbackReason::IdsMalformed))
-        }
-    };
-    let decode_bytes = Bytes::from(decode_body(obj, view.api, handoff.kv_transfer_params.as_deref(), ids));
+    let (ids, reason): (Option<&PromptIds>, Option<FallbackReason>) =
+        match (&fallback, &handoff.ids) {
+            (Some(reason), _) => (None, Some(*reason)),
+            (None, Ok(ids)) => (Some(ids), None),
+            (None, Err(IdsFault::Missing)) => (None, Some(FallbackReason::IdsMissing)),
+            (None, Err(IdsFault::Invalid(e))) => {
+                tracing::info!(request_id = %rid, error = %e, "prefill ids refused");
+                (None, Some(FallbackReason::IdsMalformed))
+            }
+        };
+    let decode_bytes = Bytes::from(decode_body(
+        obj,
+        view.api,
+        handoff.kv_transfer_params.as_deref(),
+        ids,
+    ));
     match (ids, reason) {
         (Some(ids), _) => {
-            metrics.token_reuse.with_label_values(&[route_name, "applied", "none"]).inc();
-            metrics.reused_prompt_tokens.with_label_values(&[route_name]).inc_by(ids.len() as u64);
+            metrics
+                .token_reuse
+                .with_label_values(&[route_name, "applied", "none"])
+                .inc();
+            metrics
+                .reused_prompt_tokens
+                .with_label_values(&[route_name])
+                .inc_by(ids.len() as u64);
             metrics.relayed_id_bytes.inc_by(ids.as_json().len() as u64);
             ctx.reuse = Some("applied");
         }
         (None, reason) => {
             let reason = reason.unwrap_or(FallbackReason::IdsMissing);
-            metrics.token_reuse.with_label_values(&[route_name, "fallback", reason.as_str()]).inc();
+            metrics
+                .token_reuse
+                .with_label_values(&[route_name, "fallback", reason.as_str()])
+                .inc();
             tracing::info!(request_id = %rid, route = route_name, reason = reason.as_str(), "token reuse fallback");
             ctx.reuse = Some(reason.as_str());
         }
     }
-    metrics.stage_duration.with_label_values(&[route_name, "handoff"]).observe(handoff_started.elapsed().as_secs_f64());
+    metrics
+        .stage_duration
+        .with_label_values(&[route_name, "handoff"])
+        .observe(handoff_started.elapsed().as_secs_f64());
 
     // (3) Decode leg.
     ctx.stage = Some(Stage::DecodeFirstByte);
-    let head = match UpstreamClient::request_head("POST", req.path_and_query, decode.addr(), req.headers, drop_header, &rid, decode_bytes.len()) {
+    let head = match UpstreamClient::request_head(
+        "POST",
+        req.path_and_query,
+        decode.addr(),
+        req.headers,
+        drop_header,
+        &rid,
+        decode_bytes.len(),
+    ) {
         Ok(h) => h,
         Err(e) => return write_error(session, ctx, &ApiError::Internal(e.to_string())).await,
     };
@@ -240,21 +365,41 @@ pub async fn orchestrate(app: &App, session: &mut Session, ctx: &mut Ctx, route:
     };
     let exchange = match sent {
         Err(_) => {
-            metrics.upstream_errors.with_label_values(&["decode", "timeout"]).inc();
-            let ms = u64::try_from(route.options.decode_first_byte_timeout.as_millis()).unwrap_or(u64::MAX);
+            metrics
+                .upstream_errors
+                .with_label_values(&["decode", "timeout"])
+                .inc();
+            let ms = u64::try_from(route.options.decode_first_byte_timeout.as_millis())
+                .unwrap_or(u64::MAX);
             return write_error(session, ctx, &ApiError::DecodeTimeout(ms)).await;
         }
         Ok(Err(e)) => {
-            metrics.upstream_errors.with_label_values(&["decode", e.kind()]).inc();
+            metrics
+                .upstream_errors
+                .with_label_values(&["decode", e.kind()])
+                .inc();
             return write_error(session, ctx, &ApiError::DecodeUnavailable(e.to_string())).await;
         }
         Ok(Ok(exchange)) => exchange,
     };
-    metrics.stage_duration.with_label_values(&[route_name, "decode_first_byte"]).observe(decode_started.elapsed().as_secs_f64());
+    metrics
+        .stage_duration
+        .with_label_values(&[route_name, "decode_first_byte"])
+        .observe(decode_started.elapsed().as_secs_f64());
 
     // (4) Relay back.
     ctx.stage = Some(Stage::DecodeTotal);
-    relay(app, session, ctx, exchange, Rewrite { cached_tokens: handoff.cached_tokens }, route_name).await;
+    relay(
+        app,
+        session,
+        ctx,
+        exchange,
+        Rewrite {
+            cached_tokens: handoff.cached_tokens,
+        },
+        route_name,
+    )
+    .await;
     drop(decode);
 }
 
@@ -273,15 +418,45 @@ mod tests {
 
     #[test]
     fn prefiller_header_is_checked() {
-        let allow: Vec<AllowEntry> = ["127.0.0.0/8", "prefill.svc"].iter().map(|a| parse_allow(a).unwrap()).collect();
+        let allow: Vec<AllowEntry> = ["127.0.0.0/8", "prefill.svc"]
+            .iter()
+            .map(|a| parse_allow(a).unwrap())
+            .collect();
         let name = "x-prefiller-host-port";
         assert_eq!(prefiller_from_header(&headers(&[]), name, &allow), Ok(None));
-        assert_eq!(prefiller_from_header(&headers(&["127.0.0.9:8100"]), name, &allow), Ok(Some("127.0.0.9:8100".into())));
-        assert_eq!(prefiller_from_header(&headers(&["PREFILL.svc:80"]), name, &allow), Ok(Some("PREFILL.svc:80".into())));
-        for bad in [&["127.0.0.1:1,127.0.0.1:2"][..], &["127.0.0.1"], &["127.0.0.1:1", "127.0.0.1:2"], &["h:0"]] {
-            assert_eq!(prefiller_from_header(&headers(bad), name, &allow).unwrap_err().status(), 400, "{bad:?}");
+        assert_eq!(
+            prefiller_from_header(&headers(&["127.0.0.9:8100"]), name, &allow),
+            Ok(Some("127.0.0.9:8100".into()))
+        );
+        assert_eq!(
+            prefiller_from_header(&headers(&["PREFILL.svc:80"]), name, &allow),
+            Ok(Some("PREFILL.svc:80".into()))
+        );
+        for bad in [
+            &["127.0.0.1:1,127.0.0.1:2"][..],
+            &["127.0.0.1"],
+            &["127.0.0.1:1", "127.0.0.1:2"],
+            &["h:0"],
+        ] {
+            assert_eq!(
+                prefiller_from_header(&headers(bad), name, &allow)
+                    .unwrap_err()
+                    .status(),
+                400,
+                "{bad:?}"
+            );
         }
-        assert_eq!(prefiller_from_header(&headers(&["10.1.2.3:8000"]), name, &allow).unwrap_err().status(), 403);
-        assert_eq!(prefiller_from_header(&headers(&["evil.svc:80"]), name, &allow).unwrap_err().status(), 403);
+        assert_eq!(
+            prefiller_from_header(&headers(&["10.1.2.3:8000"]), name, &allow)
+                .unwrap_err()
+                .status(),
+            403
+        );
+        assert_eq!(
+            prefiller_from_header(&headers(&["evil.svc:80"]), name, &allow)
+                .unwrap_err()
+                .status(),
+            403
+        );
     }
 }

@@ -1,0 +1,225 @@
+//! Everything that is not orchestrated: byte-for-byte passthrough, the admin listener
+//! (`/metrics`, `/healthz`, `/readyz`), the stale-connection retry, and `tokenonce check`.
+
+mod support;
+
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Other paths go to the decode pool unchanged, request and response.
+#[tokio::test(flavor = "multi_thread")]
+async fn other_paths_are_proxied_byte_for_byte() {
+    let (p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    let via = reqwest::get(format!("{}/v1/models", proxy.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let direct = reqwest::get(format!("http://{}/v1/models", d.host_port()))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(via, direct);
+    let raw = r#"{"model":"tiny-qwen3",  "prompt":"Hello there!", "n":1.0}"#;
+    let (status, _, text) = post_raw(
+        &format!("{}/tokenize", proxy.url),
+        raw,
+        &[("x-custom", "kept")],
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(text.ends_with(&format!("\"echo\":{raw}}}")), "{text}");
+    let rec = d.posts().pop().unwrap();
+    assert_eq!(rec.text(), raw);
+    assert_eq!(rec.header("x-custom").as_deref(), Some("kept"));
+    let health = reqwest::get(format!("{}/health", proxy.url)).await.unwrap();
+    assert_eq!(health.status(), 200);
+    assert!(
+        p.posts().is_empty(),
+        "passthrough never touches the prefill"
+    );
+}
+
+/// A passthrough route on an API path forwards the body unchanged (no P/D).
+#[tokio::test(flavor = "multi_thread")]
+async fn passthrough_routes_skip_pd() {
+    let p = FakeVllm::start(FakeConfig::default()).await;
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let conf = format!(
+        "{}\n[[routes]]\nname = \"direct\"\nmode = \"passthrough\"\ndecode_pool = \"decode\"\n",
+        pd_config(&p, &d, "").replace(
+            "paths = [\"/v1/chat/completions\", \"/v1/completions\"]",
+            "paths = [\"/v1/chat/completions\"]\nmodel = \"qwen*\""
+        )
+    );
+    let proxy = TokenOnce::start(&conf).await;
+    let body = chat_body("direct", json!({}));
+    let raw = serde_json::to_vec(&body).unwrap();
+    let (status, _, _) = post_raw(
+        &format!("{}/v1/chat/completions", proxy.url),
+        raw.clone(),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(p.posts().is_empty());
+    assert_eq!(d.posts()[0].body.as_ref(), raw.as_slice());
+    assert_eq!(proxy.metric(r#"tokenonce_requests_total{api="chat",mode="passthrough",outcome="success",route="direct"}"#).await, 1.0);
+}
+
+/// /readyz follows the decode's /health; /healthz is always up; /metrics has the families.
+#[tokio::test(flavor = "multi_thread")]
+async fn readiness_follows_the_decode_health() {
+    let (_p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    proxy.wait_ready(200).await;
+    d.configure(|c| c.healthy = false);
+    proxy.wait_ready(503).await;
+    assert_eq!(
+        reqwest::get(format!("{}/healthz", proxy.admin))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    d.configure(|c| c.healthy = true);
+    proxy.wait_ready(200).await;
+    post_json(
+        &format!("{}/v1/chat/completions", proxy.url),
+        &chat_body("m", json!({})),
+        &[],
+    )
+    .await;
+    let metrics = proxy.metrics().await;
+    for family in [
+        "tokenonce_requests_total",
+        "tokenonce_request_duration_seconds",
+        "tokenonce_stage_duration_seconds",
+        "tokenonce_token_reuse_total",
+        "tokenonce_upstream_errors_total",
+        "tokenonce_inflight_requests",
+        "tokenonce_build_info",
+    ] {
+        assert!(metrics.contains(&format!("# TYPE {family} ")), "{family}");
+    }
+    for stage in ["prefill", "handoff", "decode_first_byte", "decode_total"] {
+        let series =
+            format!(r#"tokenonce_stage_duration_seconds_count{{route="pd",stage="{stage}"}}"#);
+        assert_eq!(proxy.metric(&series).await, 1.0, "{stage}");
+    }
+    assert_eq!(proxy.metric("tokenonce_inflight_requests").await, 0.0);
+}
+
+/// A decode whose pooled connection dies under a request (it reads the second request on a
+/// kept-alive connection and closes without answering, as a server whose keep-alive just
+/// expired does) gets that request retried once on a fresh connection, which succeeds.
+#[tokio::test(flavor = "multi_thread")]
+async fn stale_pooled_connection_is_retried_once() {
+    let p = FakeVllm::start(FakeConfig::default()).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        for _ in 0..50 {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 1 << 20];
+                for request_on_conn in 0..2 {
+                    let mut got = Vec::new();
+                    let complete = tokio::time::timeout(Duration::from_secs(5), async {
+                        loop {
+                            let n = sock.read(&mut buf).await.unwrap_or(0);
+                            if n == 0 {
+                                return false;
+                            }
+                            got.extend_from_slice(&buf[..n]);
+                            let text = String::from_utf8_lossy(&got);
+                            if let Some(end) = text.find("\r\n\r\n") {
+                                let len = text[..end]
+                                    .lines()
+                                    .find_map(|l| {
+                                        l.to_ascii_lowercase()
+                                            .strip_prefix("content-length:")
+                                            .map(|v| v.trim().parse::<usize>().unwrap())
+                                    })
+                                    .unwrap_or(0);
+                                if got.len() >= end + 4 + len {
+                                    return true;
+                                }
+                            }
+                        }
+                    })
+                    .await;
+                    if complete != Ok(true) || request_on_conn == 1 {
+                        return; // the second request on a connection: close, no answer
+                    }
+                    let body = "{\"ok\":true}";
+                    let resp = format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len());
+                    let _ = sock.write_all(resp.as_bytes()).await;
+                }
+            });
+        }
+    });
+    let conf = pd_config(&p, &p, "").replace(
+        &format!("[pools.decode]\nendpoints = [\"{}\"]", p.host_port()),
+        &format!("[pools.decode]\nendpoints = [\"{addr}\"]\nvllm_version = \"0.32.0\""),
+    );
+    let proxy = TokenOnce::start(&conf).await;
+    for i in 0..4 {
+        let (status, _, text) = post_json(
+            &format!("{}/v1/chat/completions", proxy.url),
+            &chat_body(&format!("r{i}"), json!({})),
+            &[],
+        )
+        .await;
+        assert_eq!(status, 200, "request {i}: {text}");
+        assert_eq!(text, "{\"ok\":true}");
+    }
+    assert!(
+        proxy
+            .metric(r#"tokenonce_upstream_retries_total{stage="decode"}"#)
+            .await
+            >= 1.0,
+        "{}",
+        proxy.metrics().await
+    );
+}
+
+/// `tokenonce check` accepts the shipped configs and lists every problem of a bad one.
+#[test]
+fn check_command_reports_problems_with_locations() {
+    let bin = env!("CARGO_BIN_EXE_tokenonce");
+    for file in [
+        "conf/default.toml",
+        "conf/pd-pools.toml",
+        "conf/llmd-header.toml",
+    ] {
+        let out = Command::new(bin).args(["check", file]).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{file}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[pools.decode]\nendpoints = [\"nohost\"]\n\n[[routes]]\nname = \"r\"\nmode = \"sideways\"\ndecode_pool = \"nope\"\n").unwrap();
+    let out = Command::new(bin).arg("check").arg(&bad).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("3 problem(s)"), "{err}");
+    assert!(
+        err.contains("bad.toml:2:14: pools.decode.endpoints"),
+        "{err}"
+    );
+    assert!(err.contains(":6:8: routes[0].mode"), "{err}");
+    assert!(err.contains(":7:15: routes[0].decode_pool"), "{err}");
+    let _: Option<Value> = None;
+}
