@@ -362,7 +362,7 @@ fn async_stream(
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> {
     futures_util::stream::unfold(
         (events.into_iter().enumerate(), guard),
-        move |(mut it, mut guard)| async move {
+        move |(mut it, guard)| async move {
             let (i, event) = match it.next() {
                 Some(next) => next,
                 None => {
