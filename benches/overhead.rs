@@ -1,0 +1,2 @@
+//! Placeholder; replaced by the overhead benchmark.
+fn main() {}
