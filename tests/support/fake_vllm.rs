@@ -308,7 +308,7 @@ async fn handle(
                 200,
                 "application/json",
                 Body::from(format!(
-                    "{{\"object\":\"list\",\"data\":[{{\"id\":\"{m}\",\"object\":\"model\",\"created\":1796062677,\"owned_by\":\"vllm\",\"root\":\"/models/{m}\",\"parent\":null,\"max_model_len\":49152,\"permission\":[]}}]}}",
+                    "{{\"object\":\"list\",\"data\":[{{\"id\":\"{m}\",\"object\":\"model\",\"created\":1796062677,\"owned_by\":\"vllm\",\"root\":\"/models/{m}\",\"parent\":null,\"max_model_len\":49152,\"permission\":[{{\"id\":\"modelperm-0\",\"object\":\"model_permission\",\"created\":1796062677,\"allow_create_engine\":false,\"allow_sampling\":true,\"allow_logprobs\":true,\"allow_search_indices\":false,\"allow_view\":true,\"allow_fine_tuning\":false,\"organization\":\"*\",\"group\":null,\"is_blocking\":false}}]}}]}}",
                     m = config.model
                 )),
             ),
@@ -449,7 +449,7 @@ fn completion(
                 &format!(
                     "min_tokens must be less than or equal to max_tokens={max_tokens}, got {min}."
                 ),
-                Some("min_tokens"),
+                None,
             ));
         }
     }
@@ -583,7 +583,7 @@ fn completion(
         let tid = if want_ids {
             format!(",\"token_ids\":[{t}]")
         } else {
-            String::new()
+            ",\"token_ids\":null".to_owned()
         };
         let finish = if i == last {
             "\"length\",\"stop_reason\":null"
