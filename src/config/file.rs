@@ -102,6 +102,9 @@ pub struct Route {
     pub decode_first_byte_timeout_ms: Option<Spanned<i64>>,
     /// Largest accepted request body, bytes (default 32 MiB).
     pub max_body_bytes: Option<Spanned<i64>>,
+    /// TESTS ONLY: cut the relayed prompt ids to this many, to prove the decode follows the
+    /// ids and not the messages. Never set in production: the answer is for a shorter prompt.
+    pub test_truncate_prompt_ids: Option<Spanned<i64>>,
 }
 
 /// `[routes.match]`

@@ -148,6 +148,8 @@ pub struct RouteOptions {
     pub decode_first_byte_timeout: Duration,
     /// Largest accepted body.
     pub max_body_bytes: usize,
+    /// Tests only: relay just the first N prompt ids.
+    pub test_truncate_prompt_ids: Option<usize>,
 }
 
 /// What a route matches.
@@ -538,6 +540,7 @@ impl Config {
                 prefill_timeout_ms,
                 decode_first_byte_timeout_ms,
                 max_body_bytes,
+                test_truncate_prompt_ids,
             } = route.into_inner();
             if seen_names.contains(name.get_ref()) {
                 ck.at(
@@ -715,6 +718,14 @@ impl Config {
                     DEFAULT_BODY_LIMIT,
                     1 << 30,
                 ) as usize,
+                test_truncate_prompt_ids: test_truncate_prompt_ids.as_ref().map(|_| {
+                    ck.positive(
+                        &test_truncate_prompt_ids,
+                        &format!("{key}.test_truncate_prompt_ids"),
+                        1,
+                        1 << 24,
+                    ) as usize
+                }),
             };
             route_specs.push(RouteSpec {
                 name: name.into_inner(),

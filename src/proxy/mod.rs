@@ -54,6 +54,10 @@ pub struct Ctx {
     pub pass_endpoint: Option<Picked>,
     /// Whether `inflight_requests` was raised for this request.
     pub counted: bool,
+    /// Prefill leg duration, for the access log.
+    pub prefill_ms: Option<f64>,
+    /// Decode time to response header, for the access log.
+    pub decode_first_byte_ms: Option<f64>,
 }
 
 impl Ctx {
@@ -224,6 +228,8 @@ impl ProxyHttp for Proxy {
             pass_pool: self.app.passthrough_pool,
             pass_endpoint: None,
             counted: false,
+            prefill_ms: None,
+            decode_first_byte_ms: None,
         }
     }
 
@@ -406,6 +412,8 @@ impl ProxyHttp for Proxy {
             status,
             outcome = outcome.as_str(),
             reuse = ctx.reuse.unwrap_or("-"),
+            prefill_ms = ctx.prefill_ms.unwrap_or(0.0),
+            decode_first_byte_ms = ctx.decode_first_byte_ms.unwrap_or(0.0),
             ttfb_ms = ctx.first_byte.map_or(0.0, |d| d.as_secs_f64() * 1000.0),
             total_ms = elapsed.as_secs_f64() * 1000.0,
             "request"
