@@ -62,21 +62,9 @@ impl App {
         for route in routes.routes() {
             metrics.init_route(&route.name);
         }
-        let pools = config
-            .pools
-            .iter()
-            .map(|spec| Arc::new(Pool::new(spec)))
-            .collect();
-        let client = Arc::new(UpstreamClient::new(
-            config.upstream.connect_timeout,
-            config.upstream.idle_timeout,
-        ));
-        let max_body_bytes = config
-            .routes
-            .iter()
-            .map(|r| r.options.max_body_bytes)
-            .max()
-            .unwrap_or(32 << 20);
+        let pools = config.pools.iter().map(|spec| Arc::new(Pool::new(spec))).collect();
+        let client = Arc::new(UpstreamClient::new(config.upstream.connect_timeout, config.upstream.idle_timeout));
+        let max_body_bytes = config.routes.iter().map(|r| r.options.max_body_bytes).max().unwrap_or(32 << 20);
         Ok(Self {
             passthrough_pool: config.passthrough_pool,
             config,
@@ -91,8 +79,6 @@ impl App {
 
     /// The metric label of a route index (`default` when none matched).
     pub fn route_label(&self, route: Option<usize>) -> &str {
-        route
-            .and_then(|i| self.routes.routes().get(i))
-            .map_or("default", |r| r.name.as_str())
+        route.and_then(|i| self.routes.routes().get(i)).map_or("default", |r| r.name.as_str())
     }
 }

@@ -8,11 +8,7 @@ use clap::{Parser, Subcommand};
 use tokenonce::config::{self, Config, ConfigError};
 
 #[derive(Parser)]
-#[command(
-    name = "tokenonce",
-    version,
-    about = "P/D sidecar for vLLM that tokenizes each prompt once"
-)]
+#[command(name = "tokenonce", version, about = "P/D sidecar for vLLM that tokenizes each prompt once")]
 struct Cli {
     /// TOML config file (default: the embedded default).
     #[arg(long, short)]
@@ -41,11 +37,9 @@ fn report(err: &ConfigError) {
 
 fn init_logging(config: &Config) {
     let filter = std::env::var("TOKENONCE_LOG").unwrap_or_else(|_| config.server.log_level.clone());
-    let filter = tracing_subscriber::EnvFilter::try_new(&filter)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let filter =
+        tracing_subscriber::EnvFilter::try_new(&filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     if config.server.log_json {
         builder.json().init();
     } else {
@@ -59,12 +53,7 @@ fn main() -> ExitCode {
         Some(Command::Check { file }) => {
             return match config::load(&file) {
                 Ok(c) => {
-                    println!(
-                        "{}: ok ({} pools, {} routes)",
-                        file.display(),
-                        c.pools.len(),
-                        c.routes.len()
-                    );
+                    println!("{}: ok ({} pools, {} routes)", file.display(), c.pools.len(), c.routes.len());
                     ExitCode::SUCCESS
                 }
                 Err(e) => {

@@ -1,16 +1,12 @@
 //! Every metric tokenonce exports, defined in this one place (prefix `tokenonce_`). Label
 //! values are bounded: route and pool names come from config, the rest from fixed enums.
 
-use prometheus::{
-    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-};
+use prometheus::{HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 
 /// Latency buckets from 1 ms to 120 s: loopback overheads at the bottom, long prefills and
 /// whole streamed answers at the top.
-pub const LATENCY_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
-    120.0,
-];
+pub const LATENCY_BUCKETS: &[f64] =
+    &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0];
 
 /// Stages of an orchestrated request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,26 +106,13 @@ pub struct Metrics {
     pub build_info: IntGaugeVec,
 }
 
-fn histogram(
-    registry: &Registry,
-    name: &str,
-    help: &str,
-    labels: &[&str],
-) -> prometheus::Result<HistogramVec> {
-    let h = HistogramVec::new(
-        HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
-        labels,
-    )?;
+fn histogram(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheus::Result<HistogramVec> {
+    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()), labels)?;
     registry.register(Box::new(h.clone()))?;
     Ok(h)
 }
 
-fn counter(
-    registry: &Registry,
-    name: &str,
-    help: &str,
-    labels: &[&str],
-) -> prometheus::Result<IntCounterVec> {
+fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheus::Result<IntCounterVec> {
     let c = IntCounterVec::new(Opts::new(name, help), labels)?;
     registry.register(Box::new(c.clone()))?;
     Ok(c)
@@ -153,21 +136,14 @@ impl Metrics {
         )?;
         registry.register(Box::new(relayed_id_bytes.clone()))?;
         let upstream_healthy = IntGaugeVec::new(
-            Opts::new(
-                "tokenonce_upstream_healthy",
-                "1 while the endpoint answers GET /health with 200.",
-            ),
+            Opts::new("tokenonce_upstream_healthy", "1 while the endpoint answers GET /health with 200."),
             &["pool", "endpoint"],
         )?;
         registry.register(Box::new(upstream_healthy.clone()))?;
-        let build_info = IntGaugeVec::new(
-            Opts::new("tokenonce_build_info", "Always 1; labelled with the build."),
-            &["version"],
-        )?;
+        let build_info =
+            IntGaugeVec::new(Opts::new("tokenonce_build_info", "Always 1; labelled with the build."), &["version"])?;
         registry.register(Box::new(build_info.clone()))?;
-        build_info
-            .with_label_values(&[env!("CARGO_PKG_VERSION")])
-            .set(1);
+        build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
         let metrics = Self {
             requests: counter(
                 registry,
@@ -218,27 +194,11 @@ impl Metrics {
                 "Requests re-sent once after a pooled connection turned out stale.",
                 &["stage"],
             )?,
-            inflight: gauge(
-                registry,
-                "tokenonce_inflight_requests",
-                "Client requests being served now.",
-            )?,
+            inflight: gauge(registry, "tokenonce_inflight_requests", "Client requests being served now.")?,
             upstream_healthy,
-            ready: gauge(
-                registry,
-                "tokenonce_ready",
-                "1 while every decode pool has an endpoint answering /health.",
-            )?,
-            cache_entries: gauge(
-                registry,
-                "tokenonce_cache_entries",
-                "Relay id cache: entries held.",
-            )?,
-            cache_bytes: gauge(
-                registry,
-                "tokenonce_cache_bytes",
-                "Relay id cache: bytes of ids held.",
-            )?,
+            ready: gauge(registry, "tokenonce_ready", "1 while every decode pool has an endpoint answering /health.")?,
+            cache_entries: gauge(registry, "tokenonce_cache_entries", "Relay id cache: entries held.")?,
+            cache_bytes: gauge(registry, "tokenonce_cache_bytes", "Relay id cache: bytes of ids held.")?,
             cache_lookups: counter(
                 registry,
                 "tokenonce_cache_lookups_total",
@@ -260,11 +220,9 @@ impl Metrics {
     /// Creates the series of one route up front so dashboards see zeros, not gaps.
     pub fn init_route(&self, route: &str) {
         for reason in crate::openai::FallbackReason::ALL {
-            self.token_reuse
-                .with_label_values(&[route, "fallback", reason.as_str()]);
+            self.token_reuse.with_label_values(&[route, "fallback", reason.as_str()]);
         }
-        self.token_reuse
-            .with_label_values(&[route, "applied", "none"]);
+        self.token_reuse.with_label_values(&[route, "applied", "none"]);
         self.reused_prompt_tokens.with_label_values(&[route]);
     }
 
@@ -304,27 +262,15 @@ mod tests {
         let registry = Registry::new();
         let m = Metrics::register(&registry).unwrap();
         m.init_route("r");
-        m.requests
-            .with_label_values(&["r", "chat", "orchestrate", "success"])
-            .inc();
-        m.stage_duration
-            .with_label_values(&["r", "prefill"])
-            .observe(0.1);
-        m.request_duration
-            .with_label_values(&["r", "chat", "orchestrate"])
-            .observe(0.1);
-        m.time_to_first_byte
-            .with_label_values(&["r", "chat", "orchestrate"])
-            .observe(0.1);
-        m.upstream_errors
-            .with_label_values(&["prefill", "connect"])
-            .inc();
+        m.requests.with_label_values(&["r", "chat", "orchestrate", "success"]).inc();
+        m.stage_duration.with_label_values(&["r", "prefill"]).observe(0.1);
+        m.request_duration.with_label_values(&["r", "chat", "orchestrate"]).observe(0.1);
+        m.time_to_first_byte.with_label_values(&["r", "chat", "orchestrate"]).observe(0.1);
+        m.upstream_errors.with_label_values(&["prefill", "connect"]).inc();
         m.upstream_retries.with_label_values(&["decode"]).inc();
         m.cache_lookups.with_label_values(&["hit"]).inc();
         m.cache_evictions.with_label_values(&["ttl"]).inc();
-        m.upstream_healthy
-            .with_label_values(&["decode", "127.0.0.1:1"])
-            .set(1);
+        m.upstream_healthy.with_label_values(&["decode", "127.0.0.1:1"]).set(1);
         let text = String::from_utf8(Metrics::render(&registry)).unwrap();
         for name in [
             "tokenonce_requests_total",
@@ -347,9 +293,6 @@ mod tests {
         ] {
             assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing");
         }
-        assert!(
-            Metrics::register(&registry).is_err(),
-            "double registration must fail"
-        );
+        assert!(Metrics::register(&registry).is_err(), "double registration must fail");
     }
 }

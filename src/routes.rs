@@ -25,9 +25,7 @@ pub struct RouteTable {
 impl RouteTable {
     /// The table of a validated config.
     pub fn new(config: &Config) -> Self {
-        Self {
-            routes: config.routes.clone(),
-        }
+        Self { routes: config.routes.clone() }
     }
 
     /// The routes in order.
@@ -43,9 +41,7 @@ impl RouteTable {
     /// True when some route could match `path` once the model is known, i.e. the body
     /// must be read before choosing.
     pub fn needs_model(&self, path: &str) -> bool {
-        self.routes
-            .iter()
-            .any(|r| r.matcher.model.is_some() && path_matches(r, path))
+        self.routes.iter().any(|r| r.matcher.model.is_some() && path_matches(r, path))
     }
 }
 
@@ -56,15 +52,9 @@ fn path_matches(route: &RouteSpec, path: &str) -> bool {
 fn matches(route: &RouteSpec, facts: &RequestFacts<'_>) -> bool {
     let m = &route.matcher;
     path_matches(route, facts.path)
-        && m.model
-            .as_ref()
-            .is_none_or(|glob| facts.model.is_some_and(|model| glob.is_match(model)))
+        && m.model.as_ref().is_none_or(|glob| facts.model.is_some_and(|model| glob.is_match(model)))
         && m.headers.iter().all(|(name, value)| {
-            facts
-                .headers
-                .get(name.as_str())
-                .and_then(|v| v.to_str().ok())
-                .is_some_and(|v| v == value)
+            facts.headers.get(name.as_str()).and_then(|v| v.to_str().ok()).is_some_and(|v| v == value)
         })
 }
 
@@ -98,61 +88,29 @@ mode = "passthrough"
 decode_pool = "decode"
 "#;
 
-    fn pick(
-        path: &str,
-        model: Option<&str>,
-        headers: &[(&'static str, &'static str)],
-    ) -> Option<String> {
+    fn pick(path: &str, model: Option<&str>, headers: &[(&'static str, &'static str)]) -> Option<String> {
         let table = RouteTable::new(&Config::from_toml(CONF, "t").unwrap());
         let mut map = HeaderMap::new();
         for (k, v) in headers {
             map.insert(*k, v.parse().unwrap());
         }
-        table
-            .select(&RequestFacts {
-                path,
-                model,
-                headers: &map,
-            })
-            .map(|i| table.routes()[i].name.clone())
+        table.select(&RequestFacts { path, model, headers: &map }).map(|i| table.routes()[i].name.clone())
     }
 
     #[test]
     fn first_match_wins_in_order() {
         assert_eq!(
-            pick(
-                "/v1/chat/completions",
-                Some("Qwen/Qwen3-8B"),
-                &[("x-tenant", "b")]
-            )
-            .as_deref(),
+            pick("/v1/chat/completions", Some("Qwen/Qwen3-8B"), &[("x-tenant", "b")]).as_deref(),
             Some("tenant-b")
         );
-        assert_eq!(
-            pick(
-                "/v1/chat/completions",
-                Some("Qwen/Qwen3-8B"),
-                &[("x-tenant", "a")]
-            )
-            .as_deref(),
-            Some("qwen")
-        );
-        assert_eq!(
-            pick("/v1/completions", Some("Qwen/Qwen3-8B"), &[]).as_deref(),
-            Some("qwen")
-        );
+        assert_eq!(pick("/v1/chat/completions", Some("Qwen/Qwen3-8B"), &[("x-tenant", "a")]).as_deref(), Some("qwen"));
+        assert_eq!(pick("/v1/completions", Some("Qwen/Qwen3-8B"), &[]).as_deref(), Some("qwen"));
     }
 
     #[test]
     fn model_glob_needs_a_model() {
-        assert_eq!(
-            pick("/v1/chat/completions", Some("llama"), &[]).as_deref(),
-            Some("rest")
-        );
-        assert_eq!(
-            pick("/v1/chat/completions", None, &[]).as_deref(),
-            Some("rest")
-        );
+        assert_eq!(pick("/v1/chat/completions", Some("llama"), &[]).as_deref(), Some("rest"));
+        assert_eq!(pick("/v1/chat/completions", None, &[]).as_deref(), Some("rest"));
         assert_eq!(pick("/v1/models", None, &[]).as_deref(), Some("rest"));
     }
 

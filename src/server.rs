@@ -29,8 +29,7 @@ pub enum BuildError {
 /// # Errors
 /// [`BuildError`] when metrics or pingora's configuration fail.
 pub fn build(config: Config) -> Result<Server, BuildError> {
-    let mut conf =
-        ServerConf::new().ok_or_else(|| BuildError::Conf("default ServerConf".into()))?;
+    let mut conf = ServerConf::new().ok_or_else(|| BuildError::Conf("default ServerConf".into()))?;
     conf.threads = config.server.threads;
     conf.grace_period_seconds = Some(config.server.grace_period_seconds);
     conf.graceful_shutdown_timeout_seconds = Some(config.server.graceful_shutdown_timeout_seconds);
@@ -56,21 +55,10 @@ pub fn build(config: Config) -> Result<Server, BuildError> {
         interval,
     };
 
-    let mut proxy = http_proxy_service_with_name(
-        &server.configuration,
-        Proxy {
-            app: Arc::clone(&app),
-        },
-        "tokenonce",
-    );
+    let mut proxy = http_proxy_service_with_name(&server.configuration, Proxy { app: Arc::clone(&app) }, "tokenonce");
     proxy.add_tcp(&listen);
-    let mut admin = http_proxy_service_with_name(
-        &server.configuration,
-        Admin {
-            app: Arc::clone(&app),
-        },
-        "tokenonce-admin",
-    );
+    let mut admin =
+        http_proxy_service_with_name(&server.configuration, Admin { app: Arc::clone(&app) }, "tokenonce-admin");
     admin.threads = Some(1);
     admin.add_tcp(&admin_listen);
     let health = background_service("health", poller);

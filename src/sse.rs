@@ -47,9 +47,7 @@ impl Event {
 }
 
 fn lines(raw: &[u8]) -> impl Iterator<Item = &[u8]> {
-    raw.split(|&b| b == b'\n')
-        .map(|l| l.strip_suffix(b"\r").unwrap_or(l))
-        .filter(|l| !l.is_empty())
+    raw.split(|&b| b == b'\n').map(|l| l.strip_suffix(b"\r").unwrap_or(l)).filter(|l| !l.is_empty())
 }
 
 /// Bytes left over when a stream ended in the middle of an event.
@@ -85,9 +83,7 @@ impl SseDecoder {
                     let line = self.buf.get(self.line_start..i).unwrap_or_default();
                     let line = line.strip_suffix(b"\r").unwrap_or(line);
                     if line.is_empty() && self.line_start > event_start {
-                        events.push(Event {
-                            raw: self.buf.get(event_start..=i).unwrap_or_default().to_vec(),
-                        });
+                        events.push(Event { raw: self.buf.get(event_start..=i).unwrap_or_default().to_vec() });
                         event_start = i + 1;
                     } else if line.is_empty() {
                         // Blank line with no event before it: keep it as part of the next event.
@@ -130,8 +126,7 @@ impl SseDecoder {
 mod tests {
     use super::*;
 
-    const STREAM: &[u8] =
-        b"data: {\"a\":1}\n\n: keep-alive\n\ndata: {\"b\":\n data: 2}\r\n\r\ndata: [DONE]\n\n";
+    const STREAM: &[u8] = b"data: {\"a\":1}\n\n: keep-alive\n\ndata: {\"b\":\n data: 2}\r\n\r\ndata: [DONE]\n\n";
 
     fn decode_in_pieces(cuts: &[usize]) -> Vec<Event> {
         let mut dec = SseDecoder::new();
@@ -164,11 +159,7 @@ mod tests {
             assert_eq!(decode_in_pieces(&[cut]), whole, "cut at {cut}");
         }
         for a in 0..STREAM.len() {
-            assert_eq!(
-                decode_in_pieces(&[a, (a + 7).min(STREAM.len())]),
-                whole,
-                "cuts at {a}"
-            );
+            assert_eq!(decode_in_pieces(&[a, (a + 7).min(STREAM.len())]), whole, "cuts at {a}");
         }
     }
 

@@ -14,16 +14,9 @@ use support::*;
 #[tokio::test(flavor = "multi_thread")]
 async fn chat_reuses_prefill_ids_and_answers_like_the_plain_decode() {
     let (p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
-    let body = chat_body(
-        "Hello there!",
-        json!({"max_completion_tokens": 4, "min_tokens": 2, "stream_options": null}),
-    );
-    let (status, headers, text) = post_json(
-        &format!("{}/v1/chat/completions", proxy.url),
-        &body,
-        &[("x-request-id", "req-1")],
-    )
-    .await;
+    let body = chat_body("Hello there!", json!({"max_completion_tokens": 4, "min_tokens": 2, "stream_options": null}));
+    let (status, headers, text) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[("x-request-id", "req-1")]).await;
     assert_eq!(status, 200, "{text}");
     assert_eq!(headers.get("x-request-id").unwrap(), "req-1");
 
@@ -43,72 +36,33 @@ async fn chat_reuses_prefill_ids_and_answers_like_the_plain_decode() {
     let decode = &d.posts()[0];
     let dj = decode.json();
     let expected_ids: Vec<u64> = fake_tokenize(&fake_render_chat(&body));
-    assert_eq!(
-        dj["kv_transfer_params"]["prompt_token_ids"],
-        json!(expected_ids)
-    );
+    assert_eq!(dj["kv_transfer_params"]["prompt_token_ids"], json!(expected_ids));
     assert_eq!(dj["max_completion_tokens"], 4);
     assert_eq!(dj["min_tokens"], 2);
     assert_eq!(dj["messages"], body["messages"]);
-    assert!(
-        dj.get("return_token_ids").is_none(),
-        "the client's return_token_ids must be restored (absent)"
-    );
+    assert!(dj.get("return_token_ids").is_none(), "the client's return_token_ids must be restored (absent)");
     assert_eq!(decode.header("x-request-id").as_deref(), Some("req-1"));
 
     // The same request sent straight to the decode as plain text gives identical bytes.
-    let (_, _, direct) = post_json(
-        &format!("http://{}/v1/chat/completions", d.host_port()),
-        &body,
-        &[("x-request-id", "req-1")],
-    )
-    .await;
+    let (_, _, direct) =
+        post_json(&format!("http://{}/v1/chat/completions", d.host_port()), &body, &[("x-request-id", "req-1")]).await;
     assert_eq!(text, direct);
-    assert_eq!(
-        proxy
-            .metric(r#"tokenonce_token_reuse_total{reason="none",result="applied",route="pd"}"#)
-            .await,
-        1.0
-    );
-    assert_eq!(
-        proxy
-            .metric(r#"tokenonce_reused_prompt_tokens_total{route="pd"}"#)
-            .await,
-        expected_ids.len() as f64
-    );
+    assert_eq!(proxy.metric(r#"tokenonce_token_reuse_total{reason="none",result="applied",route="pd"}"#).await, 1.0);
+    assert_eq!(proxy.metric(r#"tokenonce_reused_prompt_tokens_total{route="pd"}"#).await, expected_ids.len() as f64);
 }
 
 /// Chat, streamed with events cut every 7 bytes: the client stream equals the decode's.
 #[tokio::test(flavor = "multi_thread")]
 async fn chat_stream_is_relayed_unchanged_across_arbitrary_cuts() {
-    let decode_conf = FakeConfig {
-        split_every: Some(7),
-        ..FakeConfig::default()
-    };
+    let decode_conf = FakeConfig { split_every: Some(7), ..FakeConfig::default() };
     let (_p, d, proxy) = pd_setup(FakeConfig::default(), decode_conf, "").await;
-    let body = chat_body(
-        "Stream me",
-        json!({"stream": true, "stream_options": {"include_usage": true}}),
-    );
-    let (status, headers, text) = post_json(
-        &format!("{}/v1/chat/completions", proxy.url),
-        &body,
-        &[("x-request-id", "s-1")],
-    )
-    .await;
+    let body = chat_body("Stream me", json!({"stream": true, "stream_options": {"include_usage": true}}));
+    let (status, headers, text) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[("x-request-id", "s-1")]).await;
     assert_eq!(status, 200);
-    assert!(headers
-        .get("content-type")
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .starts_with("text/event-stream"));
-    let (_, _, direct) = post_json(
-        &format!("http://{}/v1/chat/completions", d.host_port()),
-        &body,
-        &[("x-request-id", "s-1")],
-    )
-    .await;
+    assert!(headers.get("content-type").unwrap().to_str().unwrap().starts_with("text/event-stream"));
+    let (_, _, direct) =
+        post_json(&format!("http://{}/v1/chat/completions", d.host_port()), &body, &[("x-request-id", "s-1")]).await;
     assert_eq!(text, direct);
     assert!(text.ends_with("data: [DONE]\n\n"));
     // The decode leg kept the client's stream settings.
@@ -123,22 +77,14 @@ async fn completions_decode_gets_token_prompt() {
     let (p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
     for stream in [false, true] {
         let body = json!({"model": "tiny-qwen3", "prompt": "Hello there friend", "max_tokens": 3, "stream": stream});
-        let (status, _, text) = post_json(
-            &format!("{}/v1/completions", proxy.url),
-            &body,
-            &[("x-request-id", "c-1")],
-        )
-        .await;
+        let (status, _, text) =
+            post_json(&format!("{}/v1/completions", proxy.url), &body, &[("x-request-id", "c-1")]).await;
         assert_eq!(status, 200, "{text}");
         let dj = d.posts().last().unwrap().json();
         assert_eq!(dj["prompt"], json!(fake_tokenize("Hello there friend")));
         assert_eq!(dj["max_tokens"], 3);
-        let (_, _, direct) = post_json(
-            &format!("http://{}/v1/completions", d.host_port()),
-            &body,
-            &[("x-request-id", "c-1")],
-        )
-        .await;
+        let (_, _, direct) =
+            post_json(&format!("http://{}/v1/completions", d.host_port()), &body, &[("x-request-id", "c-1")]).await;
         assert_eq!(text, direct, "stream={stream}");
     }
     assert_eq!(p.posts()[0].json()["return_token_ids"], true);
@@ -155,33 +101,16 @@ async fn unsafe_requests_fall_back_to_text_and_are_counted() {
         (&chat, media, "media"),
         (&chat, chat_body("n two", json!({"n": 2})), "n_gt_1"),
         (&chat, chat_body("echo", json!({"echo": true})), "echo"),
-        (
-            &cmpl,
-            json!({"model":"tiny-qwen3","prompt":["a","b"],"max_tokens":2}),
-            "batch_prompt",
-        ),
-        (
-            &cmpl,
-            json!({"model":"tiny-qwen3","prompt":[1,2,3],"max_tokens":2}),
-            "prompt_is_tokens",
-        ),
+        (&cmpl, json!({"model":"tiny-qwen3","prompt":["a","b"],"max_tokens":2}), "batch_prompt"),
+        (&cmpl, json!({"model":"tiny-qwen3","prompt":[1,2,3],"max_tokens":2}), "prompt_is_tokens"),
     ];
     for (url, body, reason) in cases {
         let (status, _, text) = post_json(url, &body, &[]).await;
         assert_eq!(status, 200, "{reason}: {text}");
         let dj = d.posts().last().unwrap().json();
-        assert!(
-            dj["kv_transfer_params"].get("prompt_token_ids").is_none(),
-            "{reason}"
-        );
-        assert_eq!(
-            dj.get("prompt"),
-            body.get("prompt"),
-            "{reason}: prompt must be untouched"
-        );
-        let series = format!(
-            r#"tokenonce_token_reuse_total{{reason="{reason}",result="fallback",route="pd"}}"#
-        );
+        assert!(dj["kv_transfer_params"].get("prompt_token_ids").is_none(), "{reason}");
+        assert_eq!(dj.get("prompt"), body.get("prompt"), "{reason}: prompt must be untouched");
+        let series = format!(r#"tokenonce_token_reuse_total{{reason="{reason}",result="fallback",route="pd"}}"#);
         assert_eq!(proxy.metric(&series).await, 1.0, "{reason}");
     }
 }
@@ -190,49 +119,17 @@ async fn unsafe_requests_fall_back_to_text_and_are_counted() {
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_prefill_ids_fall_back() {
     for (config, reason) in [
-        (
-            FakeConfig {
-                omit_prompt_ids: true,
-                ..FakeConfig::default()
-            },
-            "ids_missing",
-        ),
-        (
-            FakeConfig {
-                corrupt_prompt_ids: Some("[1,-5,3]".into()),
-                ..FakeConfig::default()
-            },
-            "ids_malformed",
-        ),
-        (
-            FakeConfig {
-                corrupt_prompt_ids: Some("[1,2]".into()),
-                ..FakeConfig::default()
-            },
-            "ids_malformed",
-        ),
-        (
-            FakeConfig {
-                corrupt_prompt_ids: Some("[1.5,2]".into()),
-                ..FakeConfig::default()
-            },
-            "ids_malformed",
-        ),
+        (FakeConfig { omit_prompt_ids: true, ..FakeConfig::default() }, "ids_missing"),
+        (FakeConfig { corrupt_prompt_ids: Some("[1,-5,3]".into()), ..FakeConfig::default() }, "ids_malformed"),
+        (FakeConfig { corrupt_prompt_ids: Some("[1,2]".into()), ..FakeConfig::default() }, "ids_malformed"),
+        (FakeConfig { corrupt_prompt_ids: Some("[1.5,2]".into()), ..FakeConfig::default() }, "ids_malformed"),
     ] {
         let (_p, d, proxy) = pd_setup(config, FakeConfig::default(), "").await;
-        let (status, _, text) = post_json(
-            &format!("{}/v1/chat/completions", proxy.url),
-            &chat_body("ids please", json!({})),
-            &[],
-        )
-        .await;
+        let (status, _, text) =
+            post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("ids please", json!({})), &[]).await;
         assert_eq!(status, 200, "{text}");
-        assert!(d.posts()[0].json()["kv_transfer_params"]
-            .get("prompt_token_ids")
-            .is_none());
-        let series = format!(
-            r#"tokenonce_token_reuse_total{{reason="{reason}",result="fallback",route="pd"}}"#
-        );
+        assert!(d.posts()[0].json()["kv_transfer_params"].get("prompt_token_ids").is_none());
+        let series = format!(r#"tokenonce_token_reuse_total{{reason="{reason}",result="fallback",route="pd"}}"#);
         assert_eq!(proxy.metric(&series).await, 1.0, "{reason}");
     }
 }
@@ -241,23 +138,15 @@ async fn bad_prefill_ids_fall_back() {
 /// completions (which every version accepts); a pinned version overrides /version.
 #[tokio::test(flavor = "multi_thread")]
 async fn old_decode_versions_gate_chat_reuse() {
-    let old = FakeConfig {
-        version: "0.26.0".into(),
-        ..FakeConfig::default()
-    };
+    let old = FakeConfig { version: "0.26.0".into(), ..FakeConfig::default() };
     let (p, d, proxy) = pd_setup(FakeConfig::default(), old, "").await;
-    post_json(
-        &format!("{}/v1/chat/completions", proxy.url),
-        &chat_body("old", json!({})),
-        &[],
-    )
-    .await;
-    assert!(
-        p.posts()[0].json().get("return_token_ids").is_none(),
-        "no ids asked when they cannot be used"
-    );
+    post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("old", json!({})), &[]).await;
+    assert!(p.posts()[0].json().get("return_token_ids").is_none(), "no ids asked when they cannot be used");
     assert!(d.posts()[0].json()["kv_transfer_params"].is_null());
-    assert_eq!(proxy.metric(r#"tokenonce_token_reuse_total{reason="decode_version_old",result="fallback",route="pd"}"#).await, 1.0);
+    assert_eq!(
+        proxy.metric(r#"tokenonce_token_reuse_total{reason="decode_version_old",result="fallback",route="pd"}"#).await,
+        1.0
+    );
     post_json(
         &format!("{}/v1/completions", proxy.url),
         &json!({"model":"tiny-qwen3","prompt":"a b","max_tokens":2}),
@@ -268,48 +157,22 @@ async fn old_decode_versions_gate_chat_reuse() {
 
     // Pinning 0.32 in config trusts the operator over /version.
     let p2 = FakeVllm::start(FakeConfig::default()).await;
-    let d2 = FakeVllm::start(FakeConfig {
-        version: "0.26.0".into(),
-        ..FakeConfig::default()
-    })
-    .await;
-    let conf = pd_config(&p2, &d2, "").replace(
-        "[pools.decode]\n",
-        "[pools.decode]\nvllm_version = \"0.32.0\"\n",
-    );
+    let d2 = FakeVllm::start(FakeConfig { version: "0.26.0".into(), ..FakeConfig::default() }).await;
+    let conf = pd_config(&p2, &d2, "").replace("[pools.decode]\n", "[pools.decode]\nvllm_version = \"0.32.0\"\n");
     let proxy2 = TokenOnce::start(&conf).await;
-    post_json(
-        &format!("{}/v1/chat/completions", proxy2.url),
-        &chat_body("pinned", json!({})),
-        &[],
-    )
-    .await;
+    post_json(&format!("{}/v1/chat/completions", proxy2.url), &chat_body("pinned", json!({})), &[]).await;
     assert!(d2.posts()[0].json()["kv_transfer_params"]["prompt_token_ids"].is_array());
 }
 
 /// token_reuse = false: P/D as the toy proxy does it, counted as `disabled`.
 #[tokio::test(flavor = "multi_thread")]
 async fn reuse_can_be_turned_off_per_route() {
-    let (p, d, proxy) = pd_setup(
-        FakeConfig::default(),
-        FakeConfig::default(),
-        "token_reuse = false",
-    )
-    .await;
-    post_json(
-        &format!("{}/v1/chat/completions", proxy.url),
-        &chat_body("off", json!({})),
-        &[],
-    )
-    .await;
+    let (p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "token_reuse = false").await;
+    post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("off", json!({})), &[]).await;
     assert!(p.posts()[0].json().get("return_token_ids").is_none());
     assert!(d.posts()[0].json().get("kv_transfer_params").is_none());
     assert_eq!(
-        proxy
-            .metric(
-                r#"tokenonce_token_reuse_total{reason="disabled",result="fallback",route="pd"}"#
-            )
-            .await,
+        proxy.metric(r#"tokenonce_token_reuse_total{reason="disabled",result="fallback",route="pd"}"#).await,
         1.0
     );
 }
@@ -319,25 +182,12 @@ async fn reuse_can_be_turned_off_per_route() {
 #[tokio::test(flavor = "multi_thread")]
 async fn kv_transfer_params_are_relayed_verbatim() {
     let raw = r#"{"do_remote_prefill":true,"remote_block_ids":[[12,13],[14]],"remote_port":5600,"tp_size":1,"weight":1.0,"ratio":2.50,"big":12345678901234,"nested":{"a":{"b":[1,2.0,"x",null,true]}},"remote_engine_id":"e-1"}"#;
-    let prefill = FakeConfig {
-        kv_params_raw: Some(raw.into()),
-        ..FakeConfig::default()
-    };
+    let prefill = FakeConfig { kv_params_raw: Some(raw.into()), ..FakeConfig::default() };
     let (_p, d, proxy) = pd_setup(prefill.clone(), FakeConfig::default(), "").await;
-    post_json(
-        &format!("{}/v1/chat/completions", proxy.url),
-        &chat_body("kv", json!({})),
-        &[],
-    )
-    .await;
+    post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("kv", json!({})), &[]).await;
     let decode_text = d.posts()[0].text();
     let inner = raw.trim_end_matches('}');
-    assert!(
-        decode_text.contains(&format!(
-            "\"kv_transfer_params\":{inner},\"prompt_token_ids\":["
-        )),
-        "{decode_text}"
-    );
+    assert!(decode_text.contains(&format!("\"kv_transfer_params\":{inner},\"prompt_token_ids\":[")), "{decode_text}");
     // Completions: the params are relayed as they are.
     post_json(
         &format!("{}/v1/completions", proxy.url),
@@ -345,41 +195,22 @@ async fn kv_transfer_params_are_relayed_verbatim() {
         &[],
     )
     .await;
-    assert!(d.posts()[1]
-        .text()
-        .contains(&format!("\"kv_transfer_params\":{raw}")));
+    assert!(d.posts()[1].text().contains(&format!("\"kv_transfer_params\":{raw}")));
 }
 
 /// The prefill's cached_tokens replace the decode's in usage, JSON and SSE.
 #[tokio::test(flavor = "multi_thread")]
 async fn usage_reports_the_prefill_cached_tokens() {
-    let prefill = FakeConfig {
-        cached_tokens: Some(7),
-        ..FakeConfig::default()
-    };
-    let decode = FakeConfig {
-        cached_tokens: Some(99),
-        split_every: Some(5),
-        ..FakeConfig::default()
-    };
+    let prefill = FakeConfig { cached_tokens: Some(7), ..FakeConfig::default() };
+    let decode = FakeConfig { cached_tokens: Some(99), split_every: Some(5), ..FakeConfig::default() };
     let (_p, _d, proxy) = pd_setup(prefill, decode, "").await;
-    let (_, _, text) = post_json(
-        &format!("{}/v1/chat/completions", proxy.url),
-        &chat_body("cache", json!({})),
-        &[],
-    )
-    .await;
+    let (_, _, text) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("cache", json!({})), &[]).await;
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 7);
-    let body = chat_body(
-        "cache",
-        json!({"stream": true, "stream_options": {"include_usage": true}}),
-    );
+    let body = chat_body("cache", json!({"stream": true, "stream_options": {"include_usage": true}}));
     let (_, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
-    let usage_event = text
-        .split("\n\n")
-        .find(|e| e.contains("\"usage\""))
-        .unwrap();
+    let usage_event = text.split("\n\n").find(|e| e.contains("\"usage\"")).unwrap();
     assert!(usage_event.contains("\"cached_tokens\":7"), "{usage_event}");
     assert!(text.ends_with("data: [DONE]\n\n"));
 }
@@ -388,12 +219,9 @@ async fn usage_reports_the_prefill_cached_tokens() {
 /// oversized 413; a prefill answering garbage 502.
 #[tokio::test(flavor = "multi_thread")]
 async fn errors_are_openai_shaped_with_the_right_status() {
-    let (p, d, proxy) = pd_setup(
-        FakeConfig::default(),
-        FakeConfig::default(),
-        "prefill_timeout_ms = 500\nmax_body_bytes = 100000",
-    )
-    .await;
+    let (p, d, proxy) =
+        pd_setup(FakeConfig::default(), FakeConfig::default(), "prefill_timeout_ms = 500\nmax_body_bytes = 100000")
+            .await;
     let chat = format!("{}/v1/chat/completions", proxy.url);
 
     let (status, _, text) = post_json(&chat, &chat_body("m", json!({"model": "nope"})), &[]).await;
@@ -402,33 +230,21 @@ async fn errors_are_openai_shaped_with_the_right_status() {
         text,
         r#"{"error":{"message":"The model `nope` does not exist. Valid aliases: tiny-qwen3.","type":"NotFoundError","param":"model","code":404}}"#
     );
-    assert!(
-        d.posts().is_empty(),
-        "a failed prefill must not reach the decode"
-    );
+    assert!(d.posts().is_empty(), "a failed prefill must not reach the decode");
 
     let (status, _, text) = post_raw(&chat, r#"{"model":"tiny-qwen3","messages":["#, &[]).await;
     assert_eq!(status, 400);
-    assert_eq!(
-        serde_json::from_str::<Value>(&text).unwrap()["error"]["code"],
-        "invalid_request"
-    );
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["code"], "invalid_request");
 
     let big = chat_body(&"word ".repeat(30_000), json!({}));
     let (status, _, text) = post_json(&chat, &big, &[]).await;
     assert_eq!(status, 413, "{text}");
-    assert_eq!(
-        serde_json::from_str::<Value>(&text).unwrap()["error"]["code"],
-        "body_too_large"
-    );
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["code"], "body_too_large");
 
     p.configure(|c| c.delay = Duration::from_secs(3));
     let (status, _, text) = post_json(&chat, &chat_body("slow", json!({})), &[]).await;
     assert_eq!(status, 504, "{text}");
-    assert_eq!(
-        serde_json::from_str::<Value>(&text).unwrap()["error"]["code"],
-        "prefill_timeout"
-    );
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["code"], "prefill_timeout");
 
     p.configure(|c| {
         c.delay = Duration::ZERO;
@@ -436,17 +252,9 @@ async fn errors_are_openai_shaped_with_the_right_status() {
     });
     let (status, _, text) = post_json(&chat, &chat_body("garbage", json!({})), &[]).await;
     assert_eq!(status, 502);
-    assert_eq!(
-        serde_json::from_str::<Value>(&text).unwrap()["error"]["code"],
-        "prefill_bad_response"
-    );
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["code"], "prefill_bad_response");
     assert!(d.posts().is_empty());
-    assert!(
-        proxy
-            .metric(r#"tokenonce_upstream_errors_total{kind="timeout",stage="prefill"}"#)
-            .await
-            >= 1.0
-    );
+    assert!(proxy.metric(r#"tokenonce_upstream_errors_total{kind="timeout",stage="prefill"}"#).await >= 1.0);
 }
 
 /// Unreachable engines: prefill 502 prefill_unavailable, decode 502 decode_unavailable.
@@ -456,12 +264,8 @@ async fn unreachable_engines_are_502() {
     let dead = format!("127.0.0.1:{}", free_port());
     let conf = pd_config(&d, &d, "").replacen(&d.host_port(), &dead, 1);
     let proxy = TokenOnce::start(&conf).await;
-    let (status, _, text) = post_json(
-        &format!("{}/v1/chat/completions", proxy.url),
-        &chat_body("x", json!({})),
-        &[],
-    )
-    .await;
+    let (status, _, text) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("x", json!({})), &[]).await;
     assert_eq!(status, 502);
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["error"]["code"], "prefill_unavailable");
@@ -475,31 +279,20 @@ async fn unreachable_engines_are_502() {
         &format!("[pools.decode]\nendpoints = [\"{dead}\"]"),
     );
     let proxy = TokenOnce::start(&conf).await;
-    let (status, _, text) = post_json(
-        &format!("{}/v1/chat/completions", proxy.url),
-        &chat_body("x", json!({})),
-        &[],
-    )
-    .await;
+    let (status, _, text) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("x", json!({})), &[]).await;
     assert_eq!(status, 502, "{text}");
-    assert_eq!(
-        serde_json::from_str::<Value>(&text).unwrap()["error"]["code"],
-        "decode_unavailable"
-    );
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["code"], "decode_unavailable");
 }
 
 /// A decode stream that breaks mid-way ends with an SSE error event, not a silent cut.
 #[tokio::test(flavor = "multi_thread")]
 async fn broken_decode_stream_ends_with_an_error_event() {
-    let decode = FakeConfig {
-        break_stream_after: Some(2),
-        chunk_delay: Duration::from_millis(100),
-        ..FakeConfig::default()
-    };
+    let decode =
+        FakeConfig { break_stream_after: Some(2), chunk_delay: Duration::from_millis(100), ..FakeConfig::default() };
     let (_p, _d, proxy) = pd_setup(FakeConfig::default(), decode, "").await;
     let body = chat_body("break", json!({"stream": true}));
-    let (status, _, text) =
-        post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
     assert_eq!(status, 200);
     assert!(text.contains("\"code\":\"decode_stream_failed\""), "{text}");
     assert!(text.ends_with("data: [DONE]\n\n"));
@@ -509,18 +302,11 @@ async fn broken_decode_stream_ends_with_an_error_event() {
 /// disconnects during the prefill makes it close the prefill leg (and never send a decode).
 #[tokio::test(flavor = "multi_thread")]
 async fn client_disconnect_closes_both_legs() {
-    let decode = FakeConfig {
-        chunk_delay: Duration::from_millis(300),
-        ..FakeConfig::default()
-    };
+    let decode = FakeConfig { chunk_delay: Duration::from_millis(300), ..FakeConfig::default() };
     let (p, d, proxy) = pd_setup(FakeConfig::default(), decode, "").await;
     let body = chat_body("slow stream", json!({"stream": true, "max_tokens": 20}));
-    let resp = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", proxy.url))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let resp =
+        reqwest::Client::new().post(format!("{}/v1/chat/completions", proxy.url)).json(&body).send().await.unwrap();
     assert_eq!(resp.status(), 200);
     let mut stream = resp.bytes_stream();
     let first = futures_util::StreamExt::next(&mut stream).await;
@@ -528,18 +314,12 @@ async fn client_disconnect_closes_both_legs() {
     drop(stream);
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while d.cancelled() == 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "decode stream was not closed"
-        );
+        assert!(std::time::Instant::now() < deadline, "decode stream was not closed");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
     p.configure(|c| c.delay = Duration::from_secs(2));
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_millis(300))
-        .build()
-        .unwrap();
+    let client = reqwest::Client::builder().timeout(Duration::from_millis(300)).build().unwrap();
     let posts_before = d.posts().len();
     assert!(client
         .post(format!("{}/v1/chat/completions", proxy.url))
@@ -549,18 +329,11 @@ async fn client_disconnect_closes_both_legs() {
         .is_err());
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while p.cancelled() == 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "prefill leg was not closed"
-        );
+        assert!(std::time::Instant::now() < deadline, "prefill leg was not closed");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(Duration::from_millis(2200)).await;
-    assert_eq!(
-        d.posts().len(),
-        posts_before,
-        "no decode after the client left"
-    );
+    assert_eq!(d.posts().len(), posts_before, "no decode after the client left");
 }
 
 /// 256 concurrent requests with distinct prompts: every decode carries exactly its own
@@ -574,30 +347,15 @@ async fn concurrent_requests_never_cross_ids() {
     for i in 0..256 {
         let (client, url) = (client.clone(), url.clone());
         tasks.push(tokio::spawn(async move {
-            let body = chat_body(
-                &format!("prompt number {i} with words {}", i * 7),
-                json!({"stream": i % 2 == 0}),
-            );
-            let resp = client
-                .post(&url)
-                .header("x-request-id", format!("c-{i}"))
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
+            let body = chat_body(&format!("prompt number {i} with words {}", i * 7), json!({"stream": i % 2 == 0}));
+            let resp = client.post(&url).header("x-request-id", format!("c-{i}")).json(&body).send().await.unwrap();
             (i, resp.status().as_u16(), resp.text().await.unwrap())
         }));
     }
     for t in tasks {
-        let (i, status, text) = tokio::time::timeout(Duration::from_secs(60), t)
-            .await
-            .unwrap()
-            .unwrap();
+        let (i, status, text) = tokio::time::timeout(Duration::from_secs(60), t).await.unwrap().unwrap();
         assert_eq!(status, 200, "{i}: {text}");
-        assert!(
-            text.contains(&format!("chatcmpl-c-{i}\"")),
-            "{i} got another request's answer"
-        );
+        assert!(text.contains(&format!("chatcmpl-c-{i}\"")), "{i} got another request's answer");
     }
     let posts = d.posts();
     assert_eq!(posts.len(), 256);
@@ -621,15 +379,11 @@ async fn large_bodies_work_streaming_and_not() {
     assert!(long.len() > 200_000);
     for stream in [false, true] {
         let body = chat_body(&long, json!({"stream": stream}));
-        let (status, _, text) =
-            post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+        let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
         assert_eq!(status, 200, "{text}");
         let dj = d.posts().last().unwrap().json();
         assert_eq!(
-            dj["kv_transfer_params"]["prompt_token_ids"]
-                .as_array()
-                .unwrap()
-                .len(),
+            dj["kv_transfer_params"]["prompt_token_ids"].as_array().unwrap().len(),
             fake_tokenize(&fake_render_chat(&body)).len()
         );
         assert_eq!(dj["messages"], body["messages"]);
@@ -648,12 +402,8 @@ async fn prefiller_header_mode() {
     );
     let proxy = TokenOnce::start(&conf).await;
     let url = format!("{}/v1/chat/completions", proxy.url);
-    let (status, _, _) = post_json(
-        &url,
-        &chat_body("hdr", json!({})),
-        &[("x-prefiller-host-port", &p.host_port())],
-    )
-    .await;
+    let (status, _, _) =
+        post_json(&url, &chat_body("hdr", json!({})), &[("x-prefiller-host-port", &p.host_port())]).await;
     assert_eq!(status, 200);
     assert_eq!(p.posts().len(), 1);
     assert!(p.posts()[0].header("x-prefiller-host-port").is_none());
@@ -671,17 +421,9 @@ async fn prefiller_header_mode() {
         ("not-a-port", "invalid_prefiller_header", 400),
         ("10.0.0.1:8000", "prefiller_not_allowed", 403),
     ] {
-        let (got, _, text) = post_json(
-            &url,
-            &chat_body("bad", json!({})),
-            &[("x-prefiller-host-port", value)],
-        )
-        .await;
+        let (got, _, text) = post_json(&url, &chat_body("bad", json!({})), &[("x-prefiller-host-port", value)]).await;
         assert_eq!(got, status, "{value}: {text}");
-        assert_eq!(
-            serde_json::from_str::<Value>(&text).unwrap()["error"]["code"],
-            code
-        );
+        assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["code"], code);
     }
 }
 
@@ -689,23 +431,11 @@ async fn prefiller_header_mode() {
 /// decode follows the ids, not the messages).
 #[tokio::test(flavor = "multi_thread")]
 async fn test_truncation_cuts_the_relayed_ids() {
-    let (_p, d, proxy) = pd_setup(
-        FakeConfig::default(),
-        FakeConfig::default(),
-        "test_truncate_prompt_ids = 3",
-    )
-    .await;
+    let (_p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "test_truncate_prompt_ids = 3").await;
     let body = chat_body("a fairly long prompt with many words", json!({}));
-    let (status, _, text) =
-        post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
     assert_eq!(status, 200);
     let full = fake_tokenize(&fake_render_chat(&body));
-    assert_eq!(
-        d.posts()[0].json()["kv_transfer_params"]["prompt_token_ids"],
-        json!(full[..3])
-    );
-    assert_eq!(
-        serde_json::from_str::<Value>(&text).unwrap()["usage"]["prompt_tokens"],
-        3
-    );
+    assert_eq!(d.posts()[0].json()["kv_transfer_params"]["prompt_token_ids"], json!(full[..3]));
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["usage"]["prompt_tokens"], 3);
 }

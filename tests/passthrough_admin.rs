@@ -14,26 +14,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 #[tokio::test(flavor = "multi_thread")]
 async fn other_paths_are_proxied_byte_for_byte() {
     let (p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
-    let via = reqwest::get(format!("{}/v1/models", proxy.url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let direct = reqwest::get(format!("http://{}/v1/models", d.host_port()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let via = reqwest::get(format!("{}/v1/models", proxy.url)).await.unwrap().text().await.unwrap();
+    let direct = reqwest::get(format!("http://{}/v1/models", d.host_port())).await.unwrap().text().await.unwrap();
     assert_eq!(via, direct);
     let raw = r#"{"model":"tiny-qwen3",  "prompt":"Hello there!", "n":1.0}"#;
-    let (status, _, text) = post_raw(
-        &format!("{}/tokenize", proxy.url),
-        raw,
-        &[("x-custom", "kept")],
-    )
-    .await;
+    let (status, _, text) = post_raw(&format!("{}/tokenize", proxy.url), raw, &[("x-custom", "kept")]).await;
     assert_eq!(status, 200);
     assert!(text.ends_with(&format!("\"echo\":{raw}}}")), "{text}");
     let rec = d.posts().pop().unwrap();
@@ -41,10 +26,7 @@ async fn other_paths_are_proxied_byte_for_byte() {
     assert_eq!(rec.header("x-custom").as_deref(), Some("kept"));
     let health = reqwest::get(format!("{}/health", proxy.url)).await.unwrap();
     assert_eq!(health.status(), 200);
-    assert!(
-        p.posts().is_empty(),
-        "passthrough never touches the prefill"
-    );
+    assert!(p.posts().is_empty(), "passthrough never touches the prefill");
 }
 
 /// A passthrough route on an API path forwards the body unchanged (no P/D).
@@ -62,16 +44,16 @@ async fn passthrough_routes_skip_pd() {
     let proxy = TokenOnce::start(&conf).await;
     let body = chat_body("direct", json!({}));
     let raw = serde_json::to_vec(&body).unwrap();
-    let (status, _, _) = post_raw(
-        &format!("{}/v1/chat/completions", proxy.url),
-        raw.clone(),
-        &[],
-    )
-    .await;
+    let (status, _, _) = post_raw(&format!("{}/v1/chat/completions", proxy.url), raw.clone(), &[]).await;
     assert_eq!(status, 200);
     assert!(p.posts().is_empty());
     assert_eq!(d.posts()[0].body.as_ref(), raw.as_slice());
-    assert_eq!(proxy.metric(r#"tokenonce_requests_total{api="chat",mode="passthrough",outcome="success",route="direct"}"#).await, 1.0);
+    assert_eq!(
+        proxy
+            .metric(r#"tokenonce_requests_total{api="chat",mode="passthrough",outcome="success",route="direct"}"#)
+            .await,
+        1.0
+    );
 }
 
 /// /readyz follows the decode's /health; /healthz is always up; /metrics has the families.
@@ -81,21 +63,10 @@ async fn readiness_follows_the_decode_health() {
     proxy.wait_ready(200).await;
     d.configure(|c| c.healthy = false);
     proxy.wait_ready(503).await;
-    assert_eq!(
-        reqwest::get(format!("{}/healthz", proxy.admin))
-            .await
-            .unwrap()
-            .status(),
-        200
-    );
+    assert_eq!(reqwest::get(format!("{}/healthz", proxy.admin)).await.unwrap().status(), 200);
     d.configure(|c| c.healthy = true);
     proxy.wait_ready(200).await;
-    post_json(
-        &format!("{}/v1/chat/completions", proxy.url),
-        &chat_body("m", json!({})),
-        &[],
-    )
-    .await;
+    post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("m", json!({})), &[]).await;
     let metrics = proxy.metrics().await;
     for family in [
         "tokenonce_requests_total",
@@ -109,8 +80,7 @@ async fn readiness_follows_the_decode_health() {
         assert!(metrics.contains(&format!("# TYPE {family} ")), "{family}");
     }
     for stage in ["prefill", "handoff", "decode_first_byte", "decode_total"] {
-        let series =
-            format!(r#"tokenonce_stage_duration_seconds_count{{route="pd",stage="{stage}"}}"#);
+        let series = format!(r#"tokenonce_stage_duration_seconds_count{{route="pd",stage="{stage}"}}"#);
         assert_eq!(proxy.metric(&series).await, 1.0, "{stage}");
     }
     assert_eq!(proxy.metric("tokenonce_inflight_requests").await, 0.0);
@@ -161,7 +131,10 @@ async fn stale_pooled_connection_is_retried_once() {
                         return; // the second request on a connection: close, no answer
                     }
                     let body = "{\"ok\":true}";
-                    let resp = format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len());
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
                     let _ = sock.write_all(resp.as_bytes()).await;
                 }
             });
@@ -173,20 +146,14 @@ async fn stale_pooled_connection_is_retried_once() {
     );
     let proxy = TokenOnce::start(&conf).await;
     for i in 0..4 {
-        let (status, _, text) = post_json(
-            &format!("{}/v1/chat/completions", proxy.url),
-            &chat_body(&format!("r{i}"), json!({})),
-            &[],
-        )
-        .await;
+        let (status, _, text) =
+            post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body(&format!("r{i}"), json!({})), &[])
+                .await;
         assert_eq!(status, 200, "request {i}: {text}");
         assert_eq!(text, "{\"ok\":true}");
     }
     assert!(
-        proxy
-            .metric(r#"tokenonce_upstream_retries_total{stage="decode"}"#)
-            .await
-            >= 1.0,
+        proxy.metric(r#"tokenonce_upstream_retries_total{stage="decode"}"#).await >= 1.0,
         "{}",
         proxy.metrics().await
     );
@@ -196,17 +163,9 @@ async fn stale_pooled_connection_is_retried_once() {
 #[test]
 fn check_command_reports_problems_with_locations() {
     let bin = env!("CARGO_BIN_EXE_tokenonce");
-    for file in [
-        "conf/default.toml",
-        "conf/pd-pools.toml",
-        "conf/llmd-header.toml",
-    ] {
+    for file in ["conf/default.toml", "conf/pd-pools.toml", "conf/llmd-header.toml"] {
         let out = Command::new(bin).args(["check", file]).output().unwrap();
-        assert!(
-            out.status.success(),
-            "{file}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert!(out.status.success(), "{file}: {}", String::from_utf8_lossy(&out.stderr));
     }
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("bad.toml");
@@ -215,10 +174,7 @@ fn check_command_reports_problems_with_locations() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("3 problem(s)"), "{err}");
-    assert!(
-        err.contains("bad.toml:2:14: pools.decode.endpoints"),
-        "{err}"
-    );
+    assert!(err.contains("bad.toml:2:14: pools.decode.endpoints"), "{err}");
     assert!(err.contains(":6:8: routes[0].mode"), "{err}");
     assert!(err.contains(":7:15: routes[0].decode_pool"), "{err}");
     let _: Option<Value> = None;

@@ -7,9 +7,7 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 use support::*;
 use tokenonce::openai::request::{decode_body, prefill_body};
-use tokenonce::openai::response::{
-    extract_handoff, hide_token_ids, rewrite_cached_tokens, SseRewriter,
-};
+use tokenonce::openai::response::{extract_handoff, hide_token_ids, rewrite_cached_tokens, SseRewriter};
 use tokenonce::openai::{Api, RawObject, RequestView};
 use tokenonce::sse::SseDecoder;
 
@@ -23,10 +21,7 @@ struct Fixture {
 }
 
 fn fixture(name: &str) -> Fixture {
-    let path = format!(
-        "{}/tests/fixtures/vllm/{name}.json",
-        env!("CARGO_MANIFEST_DIR")
-    );
+    let path = format!("{}/tests/fixtures/vllm/{name}.json", env!("CARGO_MANIFEST_DIR"));
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     Fixture {
         path: v["path"].as_str().unwrap().to_owned(),
@@ -37,7 +32,8 @@ fn fixture(name: &str) -> Fixture {
     }
 }
 
-const IDS: &str = "[151644,8948,198,2610,525,50537,13,151645,198,151644,872,198,9707,1052,0,151645,198,151644,77091,198]";
+const IDS: &str =
+    "[151644,8948,198,2610,525,50537,13,151645,198,151644,872,198,9707,1052,0,151645,198,151644,77091,198]";
 
 fn json(text: &str) -> Value {
     serde_json::from_str(text).unwrap()
@@ -49,18 +45,11 @@ fn json(text: &str) -> Value {
 fn prefill_rewrite_matches_the_recorded_prefill_request() {
     for (plain, prefill, api) in [
         ("chat_plain", "chat_prefill", Api::Chat),
-        (
-            "completions_plain_stream",
-            "completions_prefill",
-            Api::Completions,
-        ),
+        ("completions_plain_stream", "completions_prefill", Api::Completions),
     ] {
         let plain = fixture(plain);
         let obj = RawObject::parse(&plain.request).unwrap();
-        assert!(RequestView::parse(api, &obj)
-            .unwrap()
-            .reuse_blocker()
-            .is_none());
+        assert!(RequestView::parse(api, &obj).unwrap().reuse_blocker().is_none());
         let ours = json(std::str::from_utf8(&prefill_body(&obj, true)).unwrap());
         let recorded = json(&fixture(prefill).request);
         assert_eq!(ours, recorded, "{api:?}");
@@ -74,17 +63,9 @@ fn handoff_from_real_prefill_responses() {
     let h = extract_handoff(Api::Chat, fixture("chat_prefill").response.as_bytes()).unwrap();
     assert_eq!(h.ids.unwrap().as_json(), IDS);
     assert_eq!(h.kv_transfer_params, None);
-    let h = extract_handoff(
-        Api::Completions,
-        fixture("completions_prefill").response.as_bytes(),
-    )
-    .unwrap();
+    let h = extract_handoff(Api::Completions, fixture("completions_prefill").response.as_bytes()).unwrap();
     assert_eq!(h.ids.unwrap().to_vec(), vec![9707, 1052, 0]);
-    for name in [
-        "chat_tools_prefill",
-        "chat_thinking_off_prefill",
-        "chat_multiturn_prefill",
-    ] {
+    for name in ["chat_tools_prefill", "chat_thinking_off_prefill", "chat_multiturn_prefill"] {
         let f = fixture(name);
         if f.status == 200 {
             let h = extract_handoff(Api::Chat, f.response.as_bytes()).unwrap();
@@ -100,43 +81,19 @@ fn handoff_from_real_prefill_responses() {
 /// token-in request real vLLM answered identically to the plain one.
 #[test]
 fn decode_rewrite_matches_the_recorded_token_in_requests() {
-    let ids = extract_handoff(Api::Chat, fixture("chat_prefill").response.as_bytes())
-        .unwrap()
-        .ids
-        .unwrap();
+    let ids = extract_handoff(Api::Chat, fixture("chat_prefill").response.as_bytes()).unwrap().ids.unwrap();
     let plain = fixture("chat_plain");
-    let ours = decode_body(
-        &RawObject::parse(&plain.request).unwrap(),
-        Api::Chat,
-        None,
-        Some(&ids),
-    );
-    assert_eq!(
-        json(std::str::from_utf8(&ours).unwrap()),
-        json(&fixture("chat_decode_ids").request)
-    );
+    let ours = decode_body(&RawObject::parse(&plain.request).unwrap(), Api::Chat, None, Some(&ids));
+    assert_eq!(json(std::str::from_utf8(&ours).unwrap()), json(&fixture("chat_decode_ids").request));
 
-    let ids = extract_handoff(
-        Api::Completions,
-        fixture("completions_prefill").response.as_bytes(),
-    )
-    .unwrap()
-    .ids
-    .unwrap();
+    let ids =
+        extract_handoff(Api::Completions, fixture("completions_prefill").response.as_bytes()).unwrap().ids.unwrap();
     let mut plain_cmpl = json(&fixture("completions_plain_stream").request);
     plain_cmpl.as_object_mut().unwrap().remove("stream");
     plain_cmpl.as_object_mut().unwrap().remove("stream_options");
     let plain_text = serde_json::to_string(&plain_cmpl).unwrap();
-    let ours = decode_body(
-        &RawObject::parse(&plain_text).unwrap(),
-        Api::Completions,
-        None,
-        Some(&ids),
-    );
-    assert_eq!(
-        json(std::str::from_utf8(&ours).unwrap()),
-        json(&fixture("completions_decode_ids").request)
-    );
+    let ours = decode_body(&RawObject::parse(&plain_text).unwrap(), Api::Completions, None, Some(&ids));
+    assert_eq!(json(std::str::from_utf8(&ours).unwrap()), json(&fixture("completions_decode_ids").request));
 
     // And on the real engine the answers were the same: text, ids, usage.
     let a = json(&fixture("chat_plain").response);
@@ -182,24 +139,12 @@ fn recorded_streams_survive_every_cut() {
             out.extend(rw.feed(&raw[cut..]));
             out.extend(rw.finish());
             let text = String::from_utf8(out).unwrap();
-            let changed: Vec<&str> = text
-                .split("\n\n")
-                .filter(|e| e.contains("\"cached_tokens\":4"))
-                .collect();
-            let usage_events = text
-                .split("\n\n")
-                .filter(|e| e.contains("\"usage\":{"))
-                .count();
+            let changed: Vec<&str> = text.split("\n\n").filter(|e| e.contains("\"cached_tokens\":4")).collect();
+            let usage_events = text.split("\n\n").filter(|e| e.contains("\"usage\":{")).count();
             assert_eq!(changed.len(), usage_events, "{name}");
             let original = String::from_utf8(raw.clone()).unwrap();
-            let untouched_in: Vec<&str> = original
-                .split("\n\n")
-                .filter(|e| !e.contains("\"usage\":{"))
-                .collect();
-            let untouched_out: Vec<&str> = text
-                .split("\n\n")
-                .filter(|e| !e.contains("\"usage\":{"))
-                .collect();
+            let untouched_in: Vec<&str> = original.split("\n\n").filter(|e| !e.contains("\"usage\":{")).collect();
+            let untouched_out: Vec<&str> = text.split("\n\n").filter(|e| !e.contains("\"usage\":{")).collect();
             assert_eq!(untouched_in, untouched_out, "{name}");
         }
     }
@@ -222,18 +167,10 @@ fn hiding_ids_restores_the_plain_shape() {
         .unwrap()
         .trim_start_matches("data: ")
         .to_owned();
-    let plain_first = fixture("chat_plain_stream")
-        .response
-        .split("\n\n")
-        .next()
-        .unwrap()
-        .trim_start_matches("data: ")
-        .to_owned();
+    let plain_first =
+        fixture("chat_plain_stream").response.split("\n\n").next().unwrap().trim_start_matches("data: ").to_owned();
     let hidden = hide_token_ids(Api::Chat, &first_chunk).unwrap();
-    let (a, b) = (
-        json(std::str::from_utf8(&hidden).unwrap()),
-        json(&plain_first),
-    );
+    let (a, b) = (json(std::str::from_utf8(&hidden).unwrap()), json(&plain_first));
     assert_eq!(a["prompt_token_ids"], b["prompt_token_ids"]);
 }
 
@@ -244,10 +181,7 @@ fn shape(text: &str) -> String {
     match text.as_bytes().first() {
         Some(b'{') => {
             let obj = RawObject::parse(text).unwrap();
-            let parts: Vec<String> = obj
-                .keys()
-                .map(|k| format!("{k}:{}", shape(obj.get(k).unwrap())))
-                .collect();
+            let parts: Vec<String> = obj.keys().map(|k| format!("{k}:{}", shape(obj.get(k).unwrap()))).collect();
             format!("{{{}}}", parts.join(","))
         }
         Some(b'[') => {
@@ -310,25 +244,14 @@ async fn fake_engine_matches_the_recordings() {
         let resp = if f.method == "GET" {
             client.get(&url).send().await.unwrap()
         } else {
-            client
-                .post(&url)
-                .header("content-type", "application/json")
-                .body(f.request.clone())
-                .send()
-                .await
-                .unwrap()
+            client.post(&url).header("content-type", "application/json").body(f.request.clone()).send().await.unwrap()
         };
         assert_eq!(resp.status().as_u16(), f.status, "{name}");
         let body = resp.text().await.unwrap();
         if f.response.starts_with("data: ") {
             assert_eq!(stream_shapes(&body), stream_shapes(&f.response), "{name}");
         } else if !f.response.is_empty() {
-            assert_eq!(
-                shape(&body),
-                shape(&f.response),
-                "{name}\nfake: {body}\nreal: {}",
-                f.response
-            );
+            assert_eq!(shape(&body), shape(&f.response), "{name}\nfake: {body}\nreal: {}", f.response);
         }
     }
 }

@@ -5,8 +5,8 @@ pub mod file;
 pub mod model;
 
 pub use model::{
-    AllowEntry, Balance, Config, ConfigError, Mode, PoolSpec, PrefillSource, Problem, RouteMatch,
-    RouteOptions, RouteSpec, Version,
+    AllowEntry, Balance, Config, ConfigError, Mode, PoolSpec, PrefillSource, Problem, RouteMatch, RouteOptions,
+    RouteSpec, Version,
 };
 
 /// The embedded default configuration text.
@@ -30,12 +30,7 @@ pub fn load(path: &std::path::Path) -> Result<Config, ConfigError> {
         Ok(text) => Config::from_toml(&text, &name),
         Err(e) => Err(ConfigError {
             source_name: name,
-            problems: vec![Problem {
-                line: 0,
-                column: 0,
-                key: String::from("(file)"),
-                message: e.to_string(),
-            }],
+            problems: vec![Problem { line: 0, column: 0, key: String::from("(file)"), message: e.to_string() }],
         }),
     }
 }
@@ -49,14 +44,7 @@ mod tests {
         let c = embedded_default().unwrap();
         assert_eq!(c.server.listen, "0.0.0.0:8000");
         assert_eq!(c.server.admin_listen, "127.0.0.1:9000");
-        let pool = |name: &str| {
-            c.pools
-                .iter()
-                .find(|p| p.name == name)
-                .unwrap()
-                .endpoints
-                .clone()
-        };
+        let pool = |name: &str| c.pools.iter().find(|p| p.name == name).unwrap().endpoints.clone();
         assert_eq!(pool("prefill"), ["127.0.0.1:8100"]);
         assert_eq!(pool("decode"), ["127.0.0.1:8200"]);
         assert_eq!(c.routes[0].mode, Mode::Orchestrate);
@@ -73,10 +61,7 @@ mod tests {
                 checked += 1;
             }
         }
-        assert!(
-            checked >= 3,
-            "expected the example configs, found {checked}"
-        );
+        assert!(checked >= 3, "expected the example configs, found {checked}");
     }
 
     #[test]
@@ -119,11 +104,7 @@ prefill_timeout_ms = 0
         let err = Config::from_toml("[server]\nlisten = \n", "t").unwrap_err();
         assert_eq!(err.problems[0].line, 2);
         let err = Config::from_toml("[server]\nlisten_addr = \"1\"\n", "t").unwrap_err();
-        assert!(
-            err.problems[0].message.contains("listen_addr"),
-            "{:?}",
-            err.problems
-        );
+        assert!(err.problems[0].message.contains("listen_addr"), "{:?}", err.problems);
         assert_eq!(err.problems[0].line, 2);
     }
 
@@ -145,24 +126,13 @@ prefill = { header = "x-prefiller-host-port" }
     #[test]
     fn versions_and_host_ports_parse() {
         assert_eq!(Version::parse("0.32.0"), Some(Version(0, 32, 0)));
-        assert_eq!(
-            Version::parse("0.27.0rc1.dev12+gabc"),
-            Some(Version(0, 27, 0))
-        );
+        assert_eq!(Version::parse("0.27.0rc1.dev12+gabc"), Some(Version(0, 27, 0)));
         assert!(Version::parse("0.26.9") < Some(Version::CHAT_TOKEN_REUSE));
         assert_eq!(Version::parse("x"), None);
         assert!(model::is_host_port("10.0.0.5:8000"));
         assert!(model::is_host_port("prefill-0.svc:8000"));
         assert!(model::is_host_port("[::1]:8000"));
-        for bad in [
-            "10.0.0.5",
-            "a:b",
-            ":80",
-            "a:0",
-            "a b:80",
-            "a:80,b:80",
-            "h:99999",
-        ] {
+        for bad in ["10.0.0.5", "a:b", ":80", "a:0", "a b:80", "a:80,b:80", "h:99999"] {
             assert!(!model::is_host_port(bad), "{bad}");
         }
     }

@@ -28,11 +28,7 @@ pub struct Problem {
 
 impl fmt::Display for Problem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}:{}: {}: {}",
-            self.line, self.column, self.key, self.message
-        )
+        write!(f, "{}:{}: {}: {}", self.line, self.column, self.key, self.message)
     }
 }
 
@@ -232,19 +228,9 @@ struct Checker<'s> {
 }
 
 impl Checker<'_> {
-    fn at(
-        &mut self,
-        span: Option<Range<usize>>,
-        key: impl Into<String>,
-        message: impl Into<String>,
-    ) {
+    fn at(&mut self, span: Option<Range<usize>>, key: impl Into<String>, message: impl Into<String>) {
         let (line, column) = span.map_or((0, 0), |s| line_col(self.source, s.start));
-        self.problems.push(Problem {
-            line,
-            column,
-            key: key.into(),
-            message: message.into(),
-        });
+        self.problems.push(Problem { line, column, key: key.into(), message: message.into() });
     }
 
     fn positive(&mut self, v: &Option<Spanned<i64>>, key: &str, default: u64, max: u64) -> u64 {
@@ -263,11 +249,7 @@ impl Checker<'_> {
             None => default.to_owned(),
             Some(s) => {
                 if s.get_ref().parse::<SocketAddr>().is_err() {
-                    self.at(
-                        Some(s.span()),
-                        key,
-                        format!("`{}` is not an ip:port address", s.get_ref()),
-                    );
+                    self.at(Some(s.span()), key, format!("`{}` is not an ip:port address", s.get_ref()));
                 }
                 s.get_ref().clone()
             }
@@ -278,10 +260,7 @@ impl Checker<'_> {
 fn line_col(source: &str, offset: usize) -> (usize, usize) {
     let before = source.get(..offset).unwrap_or(source);
     let line = before.matches('\n').count() + 1;
-    let column = before
-        .rfind('\n')
-        .map_or(before.len(), |nl| before.len() - nl - 1)
-        + 1;
+    let column = before.rfind('\n').map_or(before.len(), |nl| before.len() - nl - 1) + 1;
     (line, column)
 }
 
@@ -293,11 +272,7 @@ pub fn is_host_port(text: &str) -> bool {
     let host_ok = if let Some(inner) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
         inner.parse::<std::net::Ipv6Addr>().is_ok()
     } else {
-        !host.is_empty()
-            && host.len() <= 253
-            && host
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-')
+        !host.is_empty() && host.len() <= 253 && host.chars().all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-')
     };
     host_ok && port.parse::<u16>().is_ok_and(|p| p > 0)
 }
@@ -310,11 +285,8 @@ pub fn parse_allow(text: &str) -> Option<AllowEntry> {
     if let Ok(ip) = text.parse::<IpAddr>() {
         return Some(AllowEntry::Net(IpNet::from(ip)));
     }
-    (!text.is_empty()
-        && text
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-'))
-    .then(|| AllowEntry::Host(text.to_ascii_lowercase()))
+    (!text.is_empty() && text.chars().all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-'))
+        .then(|| AllowEntry::Host(text.to_ascii_lowercase()))
 }
 
 const DEFAULT_BODY_LIMIT: u64 = 32 * 1024 * 1024;
@@ -325,27 +297,16 @@ impl Config {
     /// # Errors
     /// [`ConfigError`] listing every problem found.
     pub fn from_toml(text: &str, source_name: &str) -> Result<Self, ConfigError> {
-        let fail = |problems| ConfigError {
-            source_name: source_name.to_owned(),
-            problems,
-        };
+        let fail = |problems| ConfigError { source_name: source_name.to_owned(), problems };
         let parsed: file::File = match toml::from_str(text) {
             Ok(f) => f,
             Err(e) => {
                 let (line, column) = e.span().map_or((0, 0), |s| line_col(text, s.start));
                 let message = e.message().to_owned();
-                return Err(fail(vec![Problem {
-                    line,
-                    column,
-                    key: String::from("(syntax)"),
-                    message,
-                }]));
+                return Err(fail(vec![Problem { line, column, key: String::from("(syntax)"), message }]));
             }
         };
-        let mut ck = Checker {
-            source: text,
-            problems: Vec::new(),
-        };
+        let mut ck = Checker { source: text, problems: Vec::new() };
         let config = Self::check(parsed, &mut ck);
         if ck.problems.is_empty() {
             Ok(config)
@@ -356,13 +317,7 @@ impl Config {
     }
 
     fn check(f: file::File, ck: &mut Checker<'_>) -> Self {
-        let file::File {
-            server,
-            upstream,
-            pools,
-            defaults,
-            routes,
-        } = f;
+        let file::File { server, upstream, pools, defaults, routes } = f;
 
         let file::Server {
             listen,
@@ -378,11 +333,7 @@ impl Config {
             Some(s) if s.get_ref() == "text" => false,
             Some(s) if s.get_ref() == "json" => true,
             Some(s) => {
-                ck.at(
-                    Some(s.span()),
-                    "server.log_format",
-                    "must be `text` or `json`",
-                );
+                ck.at(Some(s.span()), "server.log_format", "must be `text` or `json`");
                 false
             }
         };
@@ -390,12 +341,7 @@ impl Config {
             listen: ck.addr(&listen, "server.listen", "0.0.0.0:8000"),
             admin_listen: ck.addr(&admin_listen, "server.admin_listen", "127.0.0.1:9000"),
             threads: ck.positive(&threads, "server.threads", 2, 256) as usize,
-            grace_period_seconds: ck.positive(
-                &grace_period_seconds,
-                "server.grace_period_seconds",
-                5,
-                3600,
-            ),
+            grace_period_seconds: ck.positive(&grace_period_seconds, "server.grace_period_seconds", 5, 3600),
             graceful_shutdown_timeout_seconds: ck.positive(
                 &graceful_shutdown_timeout_seconds,
                 "server.graceful_shutdown_timeout_seconds",
@@ -406,11 +352,7 @@ impl Config {
             log_json,
         };
 
-        let file::Upstream {
-            connect_timeout_ms,
-            idle_timeout_ms,
-            health_interval_ms,
-        } = upstream;
+        let file::Upstream { connect_timeout_ms, idle_timeout_ms, health_interval_ms } = upstream;
         let upstream = UpstreamSettings {
             connect_timeout: Duration::from_millis(ck.positive(
                 &connect_timeout_ms,
@@ -418,12 +360,7 @@ impl Config {
                 2000,
                 600_000,
             )),
-            idle_timeout: Duration::from_millis(ck.positive(
-                &idle_timeout_ms,
-                "upstream.idle_timeout_ms",
-                4000,
-                4999,
-            )),
+            idle_timeout: Duration::from_millis(ck.positive(&idle_timeout_ms, "upstream.idle_timeout_ms", 4000, 4999)),
             health_interval: Duration::from_millis(ck.positive(
                 &health_interval_ms,
                 "upstream.health_interval_ms",
@@ -435,25 +372,13 @@ impl Config {
         let mut pool_specs = Vec::with_capacity(pools.len());
         for (name, pool) in &pools {
             let key = format!("pools.{name}");
-            let file::Pool {
-                endpoints,
-                balance,
-                vllm_version,
-            } = pool.get_ref();
+            let file::Pool { endpoints, balance, vllm_version } = pool.get_ref();
             if endpoints.get_ref().is_empty() {
-                ck.at(
-                    Some(endpoints.span()),
-                    format!("{key}.endpoints"),
-                    "needs at least one host:port",
-                );
+                ck.at(Some(endpoints.span()), format!("{key}.endpoints"), "needs at least one host:port");
             }
             for ep in endpoints.get_ref() {
                 if !is_host_port(ep.get_ref()) {
-                    ck.at(
-                        Some(ep.span()),
-                        format!("{key}.endpoints"),
-                        format!("`{}` is not host:port", ep.get_ref()),
-                    );
+                    ck.at(Some(ep.span()), format!("{key}.endpoints"), format!("`{}` is not host:port", ep.get_ref()));
                 }
             }
             let balance = match balance.as_ref().map(|b| (b.get_ref().as_str(), b.span())) {
@@ -471,21 +396,13 @@ impl Config {
             let vllm_version = vllm_version.as_ref().and_then(|v| {
                 let parsed = Version::parse(v.get_ref());
                 if parsed.is_none() {
-                    ck.at(
-                        Some(v.span()),
-                        format!("{key}.vllm_version"),
-                        format!("`{}` is not a version", v.get_ref()),
-                    );
+                    ck.at(Some(v.span()), format!("{key}.vllm_version"), format!("`{}` is not a version", v.get_ref()));
                 }
                 parsed
             });
             pool_specs.push(PoolSpec {
                 name: name.clone(),
-                endpoints: endpoints
-                    .get_ref()
-                    .iter()
-                    .map(|e| e.get_ref().clone())
-                    .collect(),
+                endpoints: endpoints.get_ref().iter().map(|e| e.get_ref().clone()).collect(),
                 balance,
                 vllm_version,
             });
@@ -498,11 +415,7 @@ impl Config {
                     ck.at(
                         Some(name.span()),
                         key,
-                        format!(
-                            "no pool named `{}` (pools: {})",
-                            name.get_ref(),
-                            known.join(", ")
-                        ),
+                        format!("no pool named `{}` (pools: {})", name.get_ref(), known.join(", ")),
                     );
                     0
                 }
@@ -515,11 +428,7 @@ impl Config {
             None => match pool_specs.iter().position(|p| p.name == "decode") {
                 Some(i) => i,
                 None => {
-                    ck.at(
-                        None,
-                        "defaults.passthrough_pool",
-                        "not set and there is no pool named `decode`",
-                    );
+                    ck.at(None, "defaults.passthrough_pool", "not set and there is no pool named `decode`");
                     0
                 }
             },
@@ -543,23 +452,12 @@ impl Config {
                 test_truncate_prompt_ids,
             } = route.into_inner();
             if seen_names.contains(name.get_ref()) {
-                ck.at(
-                    Some(name.span()),
-                    format!("{key}.name"),
-                    format!("duplicate route name `{}`", name.get_ref()),
-                );
+                ck.at(Some(name.span()), format!("{key}.name"), format!("duplicate route name `{}`", name.get_ref()));
             }
             if name.get_ref().is_empty()
-                || !name
-                    .get_ref()
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+                || !name.get_ref().chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
             {
-                ck.at(
-                    Some(name.span()),
-                    format!("{key}.name"),
-                    "must be non-empty [A-Za-z0-9._-]",
-                );
+                ck.at(Some(name.span()), format!("{key}.name"), "must be non-empty [A-Za-z0-9._-]");
             }
             seen_names.push(name.get_ref().clone());
             let mode = match mode.get_ref().as_str() {
@@ -574,28 +472,16 @@ impl Config {
                     Mode::Passthrough
                 }
             };
-            let file::Match {
-                paths,
-                model,
-                headers,
-            } = matcher;
+            let file::Match { paths, model, headers } = matcher;
             for p in &paths {
                 if !p.get_ref().starts_with('/') {
-                    ck.at(
-                        Some(p.span()),
-                        format!("{key}.match.paths"),
-                        "a path starts with /",
-                    );
+                    ck.at(Some(p.span()), format!("{key}.match.paths"), "a path starts with /");
                 }
             }
             let model = model.and_then(|g| match Glob::new(g.get_ref()) {
                 Ok(glob) => Some(glob.compile_matcher()),
                 Err(e) => {
-                    ck.at(
-                        Some(g.span()),
-                        format!("{key}.match.model"),
-                        format!("bad glob: {e}"),
-                    );
+                    ck.at(Some(g.span()), format!("{key}.match.model"), format!("bad glob: {e}"));
                     None
                 }
             });
@@ -622,21 +508,13 @@ impl Config {
                     None
                 }
                 (Mode::Passthrough, Some(p)) => {
-                    ck.at(
-                        Some(p.span()),
-                        format!("{key}.prefill"),
-                        "passthrough routes have no prefill",
-                    );
+                    ck.at(Some(p.span()), format!("{key}.prefill"), "passthrough routes have no prefill");
                     None
                 }
                 (Mode::Passthrough, None) => None,
                 (Mode::Orchestrate, Some(p)) => {
                     let pspan = p.span();
-                    let file::Prefill {
-                        pool,
-                        header,
-                        allow,
-                    } = p.into_inner();
+                    let file::Prefill { pool, header, allow } = p.into_inner();
                     match (pool, header) {
                         (Some(pool), None) => {
                             if !allow.is_empty() {
@@ -646,19 +524,11 @@ impl Config {
                                     "`allow` goes with `header`, not `pool`",
                                 );
                             }
-                            Some(PrefillSource::Pool(pool_index(
-                                ck,
-                                &pool,
-                                &format!("{key}.prefill.pool"),
-                            )))
+                            Some(PrefillSource::Pool(pool_index(ck, &pool, &format!("{key}.prefill.pool"))))
                         }
                         (None, Some(header)) => {
                             if http::HeaderName::from_bytes(header.get_ref().as_bytes()).is_err() {
-                                ck.at(
-                                    Some(header.span()),
-                                    format!("{key}.prefill.header"),
-                                    "not a header name",
-                                );
+                                ck.at(Some(header.span()), format!("{key}.prefill.header"), "not a header name");
                             }
                             if allow.is_empty() {
                                 ck.at(
@@ -681,17 +551,10 @@ impl Config {
                                     entry
                                 })
                                 .collect();
-                            Some(PrefillSource::Header {
-                                name: header.get_ref().to_ascii_lowercase(),
-                                allow,
-                            })
+                            Some(PrefillSource::Header { name: header.get_ref().to_ascii_lowercase(), allow })
                         }
                         _ => {
-                            ck.at(
-                                Some(pspan),
-                                format!("{key}.prefill"),
-                                "set exactly one of `pool` or `header`",
-                            );
+                            ck.at(Some(pspan), format!("{key}.prefill"), "set exactly one of `pool` or `header`");
                             None
                         }
                     }
@@ -719,21 +582,13 @@ impl Config {
                     1 << 30,
                 ) as usize,
                 test_truncate_prompt_ids: test_truncate_prompt_ids.as_ref().map(|_| {
-                    ck.positive(
-                        &test_truncate_prompt_ids,
-                        &format!("{key}.test_truncate_prompt_ids"),
-                        1,
-                        1 << 24,
-                    ) as usize
+                    ck.positive(&test_truncate_prompt_ids, &format!("{key}.test_truncate_prompt_ids"), 1, 1 << 24)
+                        as usize
                 }),
             };
             route_specs.push(RouteSpec {
                 name: name.into_inner(),
-                matcher: RouteMatch {
-                    paths: paths.into_iter().map(Spanned::into_inner).collect(),
-                    model,
-                    headers,
-                },
+                matcher: RouteMatch { paths: paths.into_iter().map(Spanned::into_inner).collect(), model, headers },
                 mode,
                 prefill,
                 decode_pool,
@@ -743,12 +598,6 @@ impl Config {
         if pool_specs.is_empty() {
             ck.at(None, "pools", "at least one pool is needed");
         }
-        Self {
-            server,
-            upstream,
-            pools: pool_specs,
-            routes: route_specs,
-            passthrough_pool,
-        }
+        Self { server, upstream, pools: pool_specs, routes: route_specs, passthrough_pool }
     }
 }

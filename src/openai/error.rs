@@ -9,10 +9,7 @@ use serde::Serialize;
 pub enum ApiError {
     /// The request body is not valid JSON or misses a required field.
     #[error("invalid request: {message}")]
-    InvalidRequest {
-        message: String,
-        param: Option<&'static str>,
-    },
+    InvalidRequest { message: String, param: Option<&'static str> },
     /// The request body is over the route's `max_body_bytes`.
     #[error("request body over {limit} bytes")]
     BodyTooLarge { limit: usize },
@@ -105,9 +102,7 @@ impl ApiError {
     fn param(&self) -> Option<&'static str> {
         match self {
             Self::InvalidRequest { param, .. } => *param,
-            Self::InvalidPrefillerHeader(_) | Self::PrefillerNotAllowed(_) => {
-                Some("x-prefiller-host-port")
-            }
+            Self::InvalidPrefillerHeader(_) | Self::PrefillerNotAllowed(_) => Some("x-prefiller-host-port"),
             _ => None,
         }
     }
@@ -115,12 +110,7 @@ impl ApiError {
     /// The JSON body `{"error":{message,type,param,code}}`.
     pub fn body(&self) -> Vec<u8> {
         let envelope = Envelope {
-            error: Body {
-                message: self.to_string(),
-                kind: self.kind(),
-                param: self.param(),
-                code: self.code(),
-            },
+            error: Body { message: self.to_string(), kind: self.kind(), param: self.param(), code: self.code() },
         };
         serde_json::to_vec(&envelope).unwrap_or_else(|_| b"{\"error\":{}}".to_vec())
     }
@@ -135,10 +125,7 @@ impl ApiError {
 
     /// Shorthand for an invalid request with an optional parameter name.
     pub fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
-        Self::InvalidRequest {
-            message: message.into(),
-            param,
-        }
+        Self::InvalidRequest { message: message.into(), param }
     }
 }
 
@@ -151,38 +138,14 @@ mod tests {
         let table: [(ApiError, u16, &str); 11] = [
             (ApiError::invalid("x", None), 400, "invalid_request"),
             (ApiError::BodyTooLarge { limit: 1 }, 413, "body_too_large"),
-            (
-                ApiError::InvalidPrefillerHeader("x".into()),
-                400,
-                "invalid_prefiller_header",
-            ),
-            (
-                ApiError::PrefillerNotAllowed("x".into()),
-                403,
-                "prefiller_not_allowed",
-            ),
-            (
-                ApiError::PrefillUnavailable("x".into()),
-                502,
-                "prefill_unavailable",
-            ),
+            (ApiError::InvalidPrefillerHeader("x".into()), 400, "invalid_prefiller_header"),
+            (ApiError::PrefillerNotAllowed("x".into()), 403, "prefiller_not_allowed"),
+            (ApiError::PrefillUnavailable("x".into()), 502, "prefill_unavailable"),
             (ApiError::PrefillTimeout(5), 504, "prefill_timeout"),
-            (
-                ApiError::PrefillBadResponse("x".into()),
-                502,
-                "prefill_bad_response",
-            ),
-            (
-                ApiError::DecodeUnavailable("x".into()),
-                502,
-                "decode_unavailable",
-            ),
+            (ApiError::PrefillBadResponse("x".into()), 502, "prefill_bad_response"),
+            (ApiError::DecodeUnavailable("x".into()), 502, "decode_unavailable"),
             (ApiError::DecodeTimeout(5), 504, "decode_timeout"),
-            (
-                ApiError::DecodeStreamFailed("x".into()),
-                502,
-                "decode_stream_failed",
-            ),
+            (ApiError::DecodeStreamFailed("x".into()), 502, "decode_stream_failed"),
             (ApiError::Internal("x".into()), 500, "internal_error"),
         ];
         for (err, status, code) in table {

@@ -45,10 +45,7 @@ impl PromptIds {
                 return Err(IdsError::CountMismatch { count, expected });
             }
         }
-        Ok(Self {
-            raw: raw.trim().into(),
-            count,
-        })
+        Ok(Self { raw: raw.trim().into(), count })
     }
 
     /// Builds from ids already held as integers (used by the relay cache and tests).
@@ -62,10 +59,7 @@ impl PromptIds {
             raw.push_str(&id.to_string());
         }
         raw.push(']');
-        Self {
-            raw: raw.into(),
-            count: ids.len(),
-        }
+        Self { raw: raw.into(), count: ids.len() }
     }
 
     /// The ids as a compact JSON array text.
@@ -90,12 +84,7 @@ impl PromptIds {
         for &b in self.raw.as_bytes() {
             if b.is_ascii_digit() {
                 let digit = u32::from(b - b'0');
-                current = Some(
-                    current
-                        .unwrap_or(0)
-                        .saturating_mul(10)
-                        .saturating_add(digit),
-                );
+                current = Some(current.unwrap_or(0).saturating_mul(10).saturating_add(digit));
             } else if let Some(v) = current.take() {
                 out.push(v);
             }
@@ -119,11 +108,7 @@ fn count_ids(bytes: &[u8]) -> Result<usize, IdsError> {
     if it.peek() == Some(&b']') {
         it.next();
         skip_ws(&mut it);
-        return if it.next().is_none() {
-            Ok(0)
-        } else {
-            Err(IdsError::Malformed("trailing bytes"))
-        };
+        return if it.next().is_none() { Ok(0) } else { Err(IdsError::Malformed("trailing bytes")) };
     }
     let mut count = 0usize;
     loop {
@@ -186,46 +171,23 @@ mod tests {
 
     #[test]
     fn rejects_what_vllm_would_choke_on() {
-        for bad in [
-            "[1,-2]",
-            "[1.0]",
-            "[1e3]",
-            "[\"1\"]",
-            "[[1]]",
-            "{}",
-            "[1,]",
-            "[01]",
-            "[4294967296]",
-            "[1] x",
-            "null",
-            "",
-        ] {
-            assert!(
-                matches!(PromptIds::parse(bad, None), Err(IdsError::Malformed(_))),
-                "{bad}"
-            );
+        for bad in
+            ["[1,-2]", "[1.0]", "[1e3]", "[\"1\"]", "[[1]]", "{}", "[1,]", "[01]", "[4294967296]", "[1] x", "null", ""]
+        {
+            assert!(matches!(PromptIds::parse(bad, None), Err(IdsError::Malformed(_))), "{bad}");
         }
         assert_eq!(PromptIds::parse("[]", None), Err(IdsError::Empty));
     }
 
     #[test]
     fn count_must_match_usage() {
-        assert_eq!(
-            PromptIds::parse("[1,2,3]", Some(4)),
-            Err(IdsError::CountMismatch {
-                count: 3,
-                expected: 4
-            })
-        );
+        assert_eq!(PromptIds::parse("[1,2,3]", Some(4)), Err(IdsError::CountMismatch { count: 3, expected: 4 }));
     }
 
     #[test]
     fn from_ids_round_trips() {
         let ids = PromptIds::from_ids(&[5, 0, 4294967295]);
         assert_eq!(ids.as_json(), "[5,0,4294967295]");
-        assert_eq!(
-            PromptIds::parse(ids.as_json(), Some(3)).unwrap().to_vec(),
-            vec![5, 0, u32::MAX]
-        );
+        assert_eq!(PromptIds::parse(ids.as_json(), Some(3)).unwrap().to_vec(), vec![5, 0, u32::MAX]);
     }
 }

@@ -66,18 +66,12 @@ impl<'a> RawObject<'a> {
 
     /// An empty object.
     pub fn new() -> Self {
-        Self {
-            members: Vec::new(),
-        }
+        Self { members: Vec::new() }
     }
 
     /// The raw JSON text of the last member named `key` (JSON parsers keep the last duplicate).
     pub fn get(&self, key: &str) -> Option<&str> {
-        self.members
-            .iter()
-            .rev()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_ref())
+        self.members.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_ref())
     }
 
     /// True when `key` is present with a value other than `null`.
@@ -86,10 +80,7 @@ impl<'a> RawObject<'a> {
     }
 
     /// Parses the member `key` as `T`; `None` when absent, `Some(Err)` when mistyped.
-    pub fn get_as<'s, T: Deserialize<'s>>(
-        &'s self,
-        key: &str,
-    ) -> Option<Result<T, serde_json::Error>> {
+    pub fn get_as<'s, T: Deserialize<'s>>(&'s self, key: &str) -> Option<Result<T, serde_json::Error>> {
         self.get(key).map(serde_json::from_str)
     }
 
@@ -134,11 +125,7 @@ impl<'a> RawObject<'a> {
 
     /// Writes the object compactly: members in order, each value byte for byte.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let size: usize = self
-            .members
-            .iter()
-            .map(|(k, v)| k.len() + v.len() + 4)
-            .sum();
+        let size: usize = self.members.iter().map(|(k, v)| k.len() + v.len() + 4).sum();
         let mut out = Vec::with_capacity(size + 2);
         self.write_to(&mut out);
         out

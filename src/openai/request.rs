@@ -81,10 +81,7 @@ struct Part<'a> {
     kind: Option<std::borrow::Cow<'a, str>>,
 }
 
-fn field<'a, T: Deserialize<'a>>(
-    obj: &'a RawObject<'a>,
-    key: &'static str,
-) -> Result<Option<T>, ApiError> {
+fn field<'a, T: Deserialize<'a>>(obj: &'a RawObject<'a>, key: &'static str) -> Result<Option<T>, ApiError> {
     match obj.get(key) {
         None => Ok(None),
         Some(raw) if raw.trim() == "null" => Ok(None),
@@ -95,12 +92,8 @@ fn field<'a, T: Deserialize<'a>>(
 }
 
 fn messages_have_media(raw: &str) -> Result<bool, ApiError> {
-    let messages: Vec<Message<'_>> = serde_json::from_str(raw).map_err(|e| {
-        ApiError::invalid(
-            format!("`messages` must be an array of objects: {e}"),
-            Some("messages"),
-        )
-    })?;
+    let messages: Vec<Message<'_>> = serde_json::from_str(raw)
+        .map_err(|e| ApiError::invalid(format!("`messages` must be an array of objects: {e}"), Some("messages")))?;
     for message in messages {
         let Some(content) = message.content else {
             continue;
@@ -108,16 +101,9 @@ fn messages_have_media(raw: &str) -> Result<bool, ApiError> {
         if !content.get().trim_start().starts_with('[') {
             continue;
         }
-        let parts: Vec<Part<'_>> = serde_json::from_str(content.get()).map_err(|e| {
-            ApiError::invalid(
-                format!("message content parts must be objects: {e}"),
-                Some("messages"),
-            )
-        })?;
-        if parts
-            .iter()
-            .any(|p| p.kind.as_deref().is_some_and(|k| k != "text"))
-        {
+        let parts: Vec<Part<'_>> = serde_json::from_str(content.get())
+            .map_err(|e| ApiError::invalid(format!("message content parts must be objects: {e}"), Some("messages")))?;
+        if parts.iter().any(|p| p.kind.as_deref().is_some_and(|k| k != "text")) {
             return Ok(true);
         }
     }
@@ -155,23 +141,13 @@ impl RequestView {
         let return_token_ids = field::<bool>(obj, "return_token_ids")?.unwrap_or(false);
         let (has_media, prompt) = match api {
             Api::Chat => {
-                let messages = obj
-                    .get("messages")
-                    .ok_or_else(|| ApiError::invalid("`messages` is required", Some("messages")))?;
+                let messages =
+                    obj.get("messages").ok_or_else(|| ApiError::invalid("`messages` is required", Some("messages")))?;
                 (messages_have_media(messages)?, PromptShape::Text)
             }
             Api::Completions => (false, prompt_shape(obj.get("prompt"))),
         };
-        Ok(Self {
-            api,
-            model,
-            stream,
-            n,
-            echo,
-            has_media,
-            prompt,
-            return_token_ids,
-        })
+        Ok(Self { api, model, stream, n, echo, has_media, prompt, return_token_ids })
     }
 
     /// Why this request must not reuse prefill ids, if it must not.
@@ -239,10 +215,7 @@ pub fn decode_body(
         (Api::Chat, Some(ids)) => {
             let merged = kv_params_with_ids(kv, ids);
             // The merged object is valid JSON by construction (built from RawObject bytes).
-            obj.set_raw(
-                "kv_transfer_params",
-                String::from_utf8_lossy(&merged).into_owned(),
-            );
+            obj.set_raw("kv_transfer_params", String::from_utf8_lossy(&merged).into_owned());
         }
         (Api::Completions, Some(ids)) => {
             obj.set_raw("prompt", ids.as_json());
@@ -269,10 +242,7 @@ mod tests {
 
     #[test]
     fn view_reads_the_deciding_fields() {
-        let v = view(
-            Api::Chat,
-            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"n":1}"#,
-        );
+        let v = view(Api::Chat, r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"n":1}"#);
         assert_eq!(v.model.as_deref(), Some("m"));
         assert!(v.stream && !v.has_media && !v.echo);
         assert_eq!(v.reuse_blocker(), None);
@@ -281,20 +251,11 @@ mod tests {
     #[test]
     fn media_echo_n_and_batches_block_reuse() {
         let media = r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"x"}}]}]}"#;
-        assert_eq!(
-            view(Api::Chat, media).reuse_blocker(),
-            Some(FallbackReason::Media)
-        );
+        assert_eq!(view(Api::Chat, media).reuse_blocker(), Some(FallbackReason::Media));
         let text_parts = r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"}]}]}"#;
         assert_eq!(view(Api::Chat, text_parts).reuse_blocker(), None);
-        assert_eq!(
-            view(Api::Chat, r#"{"messages":[],"echo":true}"#).reuse_blocker(),
-            Some(FallbackReason::Echo)
-        );
-        assert_eq!(
-            view(Api::Chat, r#"{"messages":[],"n":2}"#).reuse_blocker(),
-            Some(FallbackReason::NGreaterThanOne)
-        );
+        assert_eq!(view(Api::Chat, r#"{"messages":[],"echo":true}"#).reuse_blocker(), Some(FallbackReason::Echo));
+        assert_eq!(view(Api::Chat, r#"{"messages":[],"n":2}"#).reuse_blocker(), Some(FallbackReason::NGreaterThanOne));
         assert_eq!(
             view(Api::Completions, r#"{"prompt":["a","b"]}"#).reuse_blocker(),
             Some(FallbackReason::BatchPrompt)
@@ -303,14 +264,8 @@ mod tests {
             view(Api::Completions, r#"{"prompt":[[1],[2]]}"#).reuse_blocker(),
             Some(FallbackReason::BatchPrompt)
         );
-        assert_eq!(
-            view(Api::Completions, r#"{"prompt":[1,2]}"#).reuse_blocker(),
-            Some(FallbackReason::PromptIsTokens)
-        );
-        assert_eq!(
-            view(Api::Completions, r#"{"prompt":"hi"}"#).reuse_blocker(),
-            None
-        );
+        assert_eq!(view(Api::Completions, r#"{"prompt":[1,2]}"#).reuse_blocker(), Some(FallbackReason::PromptIsTokens));
+        assert_eq!(view(Api::Completions, r#"{"prompt":"hi"}"#).reuse_blocker(), None);
     }
 
     #[test]
@@ -319,10 +274,7 @@ mod tests {
         let err = RequestView::parse(Api::Chat, &obj).unwrap_err();
         assert_eq!(err.code(), "invalid_request");
         let obj = RawObject::parse(r#"{"model":"m"}"#).unwrap();
-        assert_eq!(
-            RequestView::parse(Api::Chat, &obj).unwrap_err().status(),
-            400
-        );
+        assert_eq!(RequestView::parse(Api::Chat, &obj).unwrap_err().status(), 400);
     }
 
     #[test]
@@ -338,9 +290,7 @@ mod tests {
             assert!(v.get(gone).is_none(), "{gone}");
         }
         assert_eq!(v["kv_transfer_params"]["do_remote_decode"], true);
-        assert!(String::from_utf8(out)
-            .unwrap()
-            .contains(r#""temperature":0.70"#));
+        assert!(String::from_utf8(out).unwrap().contains(r#""temperature":0.70"#));
     }
 
     #[test]
@@ -353,10 +303,8 @@ mod tests {
 
     #[test]
     fn chat_decode_carries_ids_inside_kv_params_verbatim() {
-        let client = RawObject::parse(
-            r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":9,"stream":true}"#,
-        )
-        .unwrap();
+        let client =
+            RawObject::parse(r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":9,"stream":true}"#).unwrap();
         let ids = PromptIds::parse("[1,2,3]", Some(3)).unwrap();
         let kv = r#"{"remote_port":5600,"tp_size":1,"f":1.0,"nested":{"a":[1,2]}}"#;
         let out = String::from_utf8(decode_body(&client, Api::Chat, Some(kv), Some(&ids))).unwrap();
@@ -377,10 +325,7 @@ mod tests {
     #[test]
     fn text_decode_only_adds_non_null_kv_params() {
         let client = RawObject::parse(r#"{"messages":[]}"#).unwrap();
-        assert_eq!(
-            decode_body(&client, Api::Chat, Some("null"), None),
-            br#"{"messages":[]}"#
-        );
+        assert_eq!(decode_body(&client, Api::Chat, Some("null"), None), br#"{"messages":[]}"#);
         assert_eq!(
             decode_body(&client, Api::Chat, Some(r#"{"a":1}"#), None),
             br#"{"messages":[],"kv_transfer_params":{"a":1}}"#

@@ -70,37 +70,21 @@ pub fn extract_handoff(api: Api, body: &[u8]) -> Result<Handoff, String> {
         serde_json::from_slice(body).map_err(|e| format!("not a completion response: {e}"))?;
     let raw_ids = match api {
         Api::Chat => resp.prompt_token_ids,
-        Api::Completions => resp
-            .choices
-            .as_ref()
-            .and_then(|c| c.first())
-            .and_then(|c| c.prompt_token_ids),
+        Api::Completions => resp.choices.as_ref().and_then(|c| c.first()).and_then(|c| c.prompt_token_ids),
     }
     .filter(|raw| raw.get() != "null");
     let expected = resp.usage.as_ref().and_then(|u| u.prompt_tokens);
     let ids = match raw_ids {
         None => Err(IdsFault::Missing),
         Some(raw) => match expected {
-            None => Err(IdsFault::Invalid(IdsError::Malformed(
-                "usage.prompt_tokens missing",
-            ))),
+            None => Err(IdsFault::Invalid(IdsError::Malformed("usage.prompt_tokens missing"))),
             Some(n) => PromptIds::parse(raw.get(), Some(n)).map_err(IdsFault::Invalid),
         },
     };
-    let kv_transfer_params = resp
-        .kv_transfer_params
-        .map(RawValue::get)
-        .filter(|raw| !is_null(Some(raw)))
-        .map(str::to_owned);
-    let cached_tokens = resp
-        .usage
-        .and_then(|u| u.prompt_tokens_details)
-        .and_then(|d| d.cached_tokens);
-    Ok(Handoff {
-        kv_transfer_params,
-        ids,
-        cached_tokens,
-    })
+    let kv_transfer_params =
+        resp.kv_transfer_params.map(RawValue::get).filter(|raw| !is_null(Some(raw))).map(str::to_owned);
+    let cached_tokens = resp.usage.and_then(|u| u.prompt_tokens_details).and_then(|d| d.cached_tokens);
+    Ok(Handoff { kv_transfer_params, ids, cached_tokens })
 }
 
 /// Sets `usage.prompt_tokens_details.cached_tokens` in a response object; `None` when the
@@ -109,10 +93,7 @@ pub fn rewrite_cached_tokens(text: &str, cached: u64) -> Option<Vec<u8>> {
     let mut top = RawObject::parse(text).ok()?;
     let usage_raw = top.get("usage").filter(|u| !is_null(Some(u)))?;
     let mut usage = RawObject::parse(usage_raw).ok()?;
-    let details = match usage
-        .get("prompt_tokens_details")
-        .filter(|d| !is_null(Some(d)))
-    {
+    let details = match usage.get("prompt_tokens_details").filter(|d| !is_null(Some(d))) {
         Some(raw) => {
             let mut d = RawObject::parse(raw).ok()?;
             d.set_raw("cached_tokens", cached.to_string());
@@ -172,10 +153,7 @@ pub struct SseRewriter<F> {
 impl<F: FnMut(&str) -> Option<Vec<u8>>> SseRewriter<F> {
     /// A rewriter applying `rewrite` to each event's JSON data.
     pub fn new(rewrite: F) -> Self {
-        Self {
-            decoder: SseDecoder::new(),
-            rewrite,
-        }
+        Self { decoder: SseDecoder::new(), rewrite }
     }
 
     /// Feeds upstream bytes; returns the bytes ready for the client (possibly empty).
@@ -222,10 +200,7 @@ mod tests {
         let body = br#"{"id":"x","prompt_token_ids":[1,2,3],"usage":{"prompt_tokens":3,"prompt_tokens_details":{"cached_tokens":2}},"kv_transfer_params":{"remote_port":5600,"x":1.0}}"#;
         let h = extract_handoff(Api::Chat, body).unwrap();
         assert_eq!(h.ids.unwrap().as_json(), "[1,2,3]");
-        assert_eq!(
-            h.kv_transfer_params.as_deref(),
-            Some(r#"{"remote_port":5600,"x":1.0}"#)
-        );
+        assert_eq!(h.kv_transfer_params.as_deref(), Some(r#"{"remote_port":5600,"x":1.0}"#));
         assert_eq!(h.cached_tokens, Some(2));
     }
 
@@ -240,53 +215,24 @@ mod tests {
 
     #[test]
     fn missing_or_bad_ids_are_faults_not_errors() {
-        let h = extract_handoff(
-            Api::Chat,
-            br#"{"prompt_token_ids":null,"usage":{"prompt_tokens":2}}"#,
-        )
-        .unwrap();
+        let h = extract_handoff(Api::Chat, br#"{"prompt_token_ids":null,"usage":{"prompt_tokens":2}}"#).unwrap();
         assert_eq!(h.ids.unwrap_err(), IdsFault::Missing);
-        let h = extract_handoff(
-            Api::Chat,
-            br#"{"prompt_token_ids":[1,2],"usage":{"prompt_tokens":3}}"#,
-        )
-        .unwrap();
-        assert!(matches!(
-            h.ids.unwrap_err(),
-            IdsFault::Invalid(IdsError::CountMismatch { .. })
-        ));
-        let h = extract_handoff(
-            Api::Chat,
-            br#"{"prompt_token_ids":[1,-2],"usage":{"prompt_tokens":2}}"#,
-        )
-        .unwrap();
-        assert!(matches!(
-            h.ids.unwrap_err(),
-            IdsFault::Invalid(IdsError::Malformed(_))
-        ));
+        let h = extract_handoff(Api::Chat, br#"{"prompt_token_ids":[1,2],"usage":{"prompt_tokens":3}}"#).unwrap();
+        assert!(matches!(h.ids.unwrap_err(), IdsFault::Invalid(IdsError::CountMismatch { .. })));
+        let h = extract_handoff(Api::Chat, br#"{"prompt_token_ids":[1,-2],"usage":{"prompt_tokens":2}}"#).unwrap();
+        assert!(matches!(h.ids.unwrap_err(), IdsFault::Invalid(IdsError::Malformed(_))));
         assert!(extract_handoff(Api::Chat, b"<html>").is_err());
     }
 
     #[test]
     fn cached_tokens_rewrite_creates_or_updates_details() {
-        let out = rewrite_cached_tokens(
-            r#"{"a":1.0,"usage":{"prompt_tokens":5,"prompt_tokens_details":null}}"#,
-            3,
-        )
-        .unwrap();
-        assert_eq!(
-            out,
-            br#"{"a":1.0,"usage":{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":3}}}"#
-        );
-        let out = rewrite_cached_tokens(
-            r#"{"usage":{"prompt_tokens_details":{"cached_tokens":5,"audio_tokens":0}}}"#,
-            1,
-        )
-        .unwrap();
-        assert_eq!(
-            out,
-            br#"{"usage":{"prompt_tokens_details":{"cached_tokens":1,"audio_tokens":0}}}"#
-        );
+        let out =
+            rewrite_cached_tokens(r#"{"a":1.0,"usage":{"prompt_tokens":5,"prompt_tokens_details":null}}"#, 3).unwrap();
+        assert_eq!(out, br#"{"a":1.0,"usage":{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":3}}}"#);
+        let out =
+            rewrite_cached_tokens(r#"{"usage":{"prompt_tokens_details":{"cached_tokens":5,"audio_tokens":0}}}"#, 1)
+                .unwrap();
+        assert_eq!(out, br#"{"usage":{"prompt_tokens_details":{"cached_tokens":1,"audio_tokens":0}}}"#);
         assert_eq!(rewrite_cached_tokens(r#"{"usage":null}"#, 1), None);
         assert_eq!(rewrite_cached_tokens(r#"{"choices":[]}"#, 1), None);
     }
@@ -303,13 +249,7 @@ mod tests {
             hide_token_ids(Api::Completions, cmpl).unwrap(),
             br#"{"choices":[{"prompt_token_ids":null,"token_ids":null}]}"#
         );
-        assert_eq!(
-            hide_token_ids(
-                Api::Chat,
-                r#"{"choices":[{"token_ids":null}],"prompt_token_ids":null}"#
-            ),
-            None
-        );
+        assert_eq!(hide_token_ids(Api::Chat, r#"{"choices":[{"token_ids":null}],"prompt_token_ids":null}"#), None);
     }
 
     #[test]

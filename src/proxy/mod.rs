@@ -63,8 +63,7 @@ pub struct Ctx {
 impl Ctx {
     /// Records the time to first byte once.
     pub fn mark_first_byte(&mut self) {
-        self.first_byte
-            .get_or_insert_with(|| self.started.elapsed());
+        self.first_byte.get_or_insert_with(|| self.started.elapsed());
     }
 
     /// Stage label for upstream error metrics.
@@ -84,11 +83,8 @@ pub struct Proxy {
 }
 
 async fn read_body(session: &mut Session, limit: usize) -> std::result::Result<Bytes, ApiError> {
-    if let Some(len) = session
-        .req_header()
-        .headers
-        .get("content-length")
-        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
+    if let Some(len) =
+        session.req_header().headers.get("content-length").and_then(|v| v.to_str().ok()?.parse::<usize>().ok())
     {
         if len > limit {
             return Err(ApiError::BodyTooLarge { limit });
@@ -104,12 +100,7 @@ async fn read_body(session: &mut Session, limit: usize) -> std::result::Result<B
                 body.extend_from_slice(&chunk);
             }
             Ok(None) => return Ok(body.freeze()),
-            Err(e) => {
-                return Err(ApiError::invalid(
-                    format!("reading the body failed: {e}"),
-                    None,
-                ))
-            }
+            Err(e) => return Err(ApiError::invalid(format!("reading the body failed: {e}"), None)),
         }
     }
 }
@@ -119,11 +110,7 @@ impl Proxy {
     async fn handle_api(&self, session: &mut Session, ctx: &mut Ctx, api: Api) {
         let app = &*self.app;
         let path = session.req_header().uri.path().to_owned();
-        let path_and_query = session
-            .req_header()
-            .uri
-            .path_and_query()
-            .map_or(path.clone(), |p| p.as_str().to_owned());
+        let path_and_query = session.req_header().uri.path_and_query().map_or(path.clone(), |p| p.as_str().to_owned());
         let headers = session.req_header().headers.clone();
         session.as_downstream_mut().set_abort_on_close(true);
 
@@ -137,49 +124,27 @@ impl Proxy {
         };
         let parsed = RawObject::parse_bytes(&body);
         let view = parsed.as_ref().ok().map(|obj| RequestView::parse(api, obj));
-        let model = view
-            .as_ref()
-            .and_then(|v| v.as_ref().ok())
-            .and_then(|v| v.model.as_deref());
-        let facts = RequestFacts {
-            path: &path,
-            model,
-            headers: &headers,
-        };
+        let model = view.as_ref().and_then(|v| v.as_ref().ok()).and_then(|v| v.model.as_deref());
+        let facts = RequestFacts { path: &path, model, headers: &headers };
         let route_index = app.routes.select(&facts);
         ctx.route = route_index;
         let route = route_index.and_then(|i| app.routes.routes().get(i));
-        let req = pd::Incoming {
-            path_and_query: &path_and_query,
-            headers: &headers,
-            body: &body,
-        };
+        let req = pd::Incoming { path_and_query: &path_and_query, headers: &headers, body: &body };
 
         let Some(route) = route.filter(|r| r.mode == Mode::Orchestrate) else {
             // Passthrough with a body already read: forward it unchanged ourselves.
             ctx.mode = Mode::Passthrough;
             let pool = route.map_or(app.passthrough_pool, |r| r.decode_pool);
             let Some(endpoint) = app.pools.get(pool).and_then(|p| p.pick()) else {
-                return respond::write_error(
-                    session,
-                    ctx,
-                    &ApiError::DecodeUnavailable("empty pool".into()),
-                )
-                .await;
+                return respond::write_error(session, ctx, &ApiError::DecodeUnavailable("empty pool".into())).await;
             };
             let name = app.route_label(ctx.route).to_owned();
             return pd::forward(app, session, ctx, endpoint, &req, None, &name).await;
         };
         ctx.mode = Mode::Orchestrate;
         if body.len() > route.options.max_body_bytes {
-            return respond::write_error(
-                session,
-                ctx,
-                &ApiError::BodyTooLarge {
-                    limit: route.options.max_body_bytes,
-                },
-            )
-            .await;
+            return respond::write_error(session, ctx, &ApiError::BodyTooLarge { limit: route.options.max_body_bytes })
+                .await;
         }
         let obj = match parsed {
             Ok(obj) => obj,
@@ -196,12 +161,7 @@ impl Proxy {
             Some(Ok(v)) => v,
             Some(Err(e)) => return respond::write_error(session, ctx, &e).await,
             None => {
-                return respond::write_error(
-                    session,
-                    ctx,
-                    &ApiError::invalid("body is not a JSON object", None),
-                )
-                .await
+                return respond::write_error(session, ctx, &ApiError::invalid("body is not a JSON object", None)).await
             }
         };
         pd::orchestrate(app, session, ctx, route, &obj, &view, &req).await;
@@ -247,32 +207,19 @@ impl ProxyHttp for Proxy {
                 .filter(|v| !v.is_empty())
                 .map_or_else(|| uuid::Uuid::new_v4().simple().to_string(), str::to_owned),
         );
-        let api = (header.method == http::Method::POST)
-            .then(|| Api::from_path(header.uri.path()))
-            .flatten();
+        let api = (header.method == http::Method::POST).then(|| Api::from_path(header.uri.path())).flatten();
         if let Some(api) = api {
             ctx.api = Some(api);
             let path = header.uri.path();
             let decided_without_body = if self.app.routes.needs_model(path) {
                 None
             } else {
-                let facts = RequestFacts {
-                    path,
-                    model: None,
-                    headers: &header.headers,
-                };
+                let facts = RequestFacts { path, model: None, headers: &header.headers };
                 Some(self.app.routes.select(&facts))
             };
             let pipeline_route = match decided_without_body {
                 Some(None) => Some(None),
-                Some(Some(i))
-                    if self
-                        .app
-                        .routes
-                        .routes()
-                        .get(i)
-                        .is_some_and(|r| r.mode == Mode::Passthrough) =>
-                {
+                Some(Some(i)) if self.app.routes.routes().get(i).is_some_and(|r| r.mode == Mode::Passthrough) => {
                     Some(Some(i))
                 }
                 _ => None,
@@ -283,11 +230,7 @@ impl ProxyHttp for Proxy {
             }
             ctx.route = pipeline_route.flatten();
         } else {
-            let facts = RequestFacts {
-                path: header.uri.path(),
-                model: None,
-                headers: &header.headers,
-            };
+            let facts = RequestFacts { path: header.uri.path(), model: None, headers: &header.headers };
             ctx.route = self.app.routes.select(&facts);
         }
         ctx.mode = Mode::Passthrough;
@@ -305,9 +248,7 @@ impl ProxyHttp for Proxy {
             .pools
             .get(ctx.pass_pool)
             .and_then(|p| p.pick())
-            .ok_or_else(|| {
-                Error::explain(ErrorType::HTTPStatus(502), "passthrough pool is empty")
-            })?;
+            .ok_or_else(|| Error::explain(ErrorType::HTTPStatus(502), "passthrough pool is empty"))?;
         let peer = self
             .app
             .client
@@ -336,19 +277,11 @@ impl ProxyHttp for Proxy {
             | ErrorType::ConnectRefused
             | ErrorType::ConnectError
             | ErrorType::ConnectNoRoute => {
-                self.app
-                    .metrics
-                    .upstream_errors
-                    .with_label_values(&["passthrough", "connect"])
-                    .inc();
+                self.app.metrics.upstream_errors.with_label_values(&["passthrough", "connect"]).inc();
                 Some(ApiError::DecodeUnavailable(e.to_string()))
             }
             _ if matches!(e.esource(), ErrorSource::Upstream) => {
-                self.app
-                    .metrics
-                    .upstream_errors
-                    .with_label_values(&["passthrough", "io"])
-                    .inc();
+                self.app.metrics.upstream_errors.with_label_values(&["passthrough", "io"]).inc();
                 Some(ApiError::DecodeUnavailable(e.to_string()))
             }
             _ if matches!(e.esource(), ErrorSource::Downstream) => None,
@@ -365,10 +298,7 @@ impl ProxyHttp for Proxy {
                 0
             }
         };
-        FailToProxy {
-            error_code: code,
-            can_reuse_downstream: false,
-        }
+        FailToProxy { error_code: code, can_reuse_downstream: false }
     }
 
     /// Counts the request once, whatever path it took.
@@ -376,33 +306,27 @@ impl ProxyHttp for Proxy {
         if ctx.counted {
             self.app.metrics.inflight.dec();
         }
-        let status = if ctx.status != 0 {
-            ctx.status
-        } else {
-            session.response_written().map_or(0, |h| h.status.as_u16())
-        };
-        let outcome = ctx.outcome.unwrap_or_else(|| {
-            if status == 0 {
-                Outcome::ClientClosed
-            } else {
-                Outcome::from_status(status)
-            }
-        });
+        let status =
+            if ctx.status != 0 { ctx.status } else { session.response_written().map_or(0, |h| h.status.as_u16()) };
+        let outcome =
+            ctx.outcome.unwrap_or_else(
+                || {
+                    if status == 0 {
+                        Outcome::ClientClosed
+                    } else {
+                        Outcome::from_status(status)
+                    }
+                },
+            );
         let route = self.app.route_label(ctx.route);
         let api = ctx.api.map_or("other", Api::as_str);
         let mode = ctx.mode.as_str();
         let m: &Metrics = &self.app.metrics;
-        m.requests
-            .with_label_values(&[route, api, mode, outcome.as_str()])
-            .inc();
+        m.requests.with_label_values(&[route, api, mode, outcome.as_str()]).inc();
         let elapsed = ctx.started.elapsed();
-        m.request_duration
-            .with_label_values(&[route, api, mode])
-            .observe(elapsed.as_secs_f64());
+        m.request_duration.with_label_values(&[route, api, mode]).observe(elapsed.as_secs_f64());
         if let Some(ttfb) = ctx.first_byte {
-            m.time_to_first_byte
-                .with_label_values(&[route, api, mode])
-                .observe(ttfb.as_secs_f64());
+            m.time_to_first_byte.with_label_values(&[route, api, mode]).observe(ttfb.as_secs_f64());
         }
         tracing::info!(
             request_id = ctx.request_id.as_deref().unwrap_or("-"),
@@ -434,38 +358,22 @@ impl ProxyHttp for Admin {
     fn new_ctx(&self) {}
 
     async fn request_filter(&self, session: &mut Session, _ctx: &mut ()) -> Result<bool> {
-        let (status, content_type, body): (u16, &str, Vec<u8>) =
-            match session.req_header().uri.path() {
-                "/metrics" => (
-                    200,
-                    "text/plain; version=0.0.4",
-                    Metrics::render(&self.app.registry),
-                ),
-                "/healthz" => (200, "text/plain", b"ok\n".to_vec()),
-                "/readyz" if self.app.metrics.ready.get() == 1 => {
-                    (200, "text/plain", b"ready\n".to_vec())
-                }
-                "/readyz" => (
-                    503,
-                    "text/plain",
-                    b"decode upstream not answering /health\n".to_vec(),
-                ),
-                _ => (404, "text/plain", b"not found\n".to_vec()),
-            };
+        let (status, content_type, body): (u16, &str, Vec<u8>) = match session.req_header().uri.path() {
+            "/metrics" => (200, "text/plain; version=0.0.4", Metrics::render(&self.app.registry)),
+            "/healthz" => (200, "text/plain", b"ok\n".to_vec()),
+            "/readyz" if self.app.metrics.ready.get() == 1 => (200, "text/plain", b"ready\n".to_vec()),
+            "/readyz" => (503, "text/plain", b"decode upstream not answering /health\n".to_vec()),
+            _ => (404, "text/plain", b"not found\n".to_vec()),
+        };
         let mut head = ResponseHeader::build(status, Some(2))?;
         head.insert_header("content-type", content_type)?;
         head.insert_header("content-length", body.len().to_string())?;
         session.write_response_header(Box::new(head), false).await?;
-        session
-            .write_response_body(Some(Bytes::from(body)), true)
-            .await?;
+        session.write_response_body(Some(Bytes::from(body)), true).await?;
         Ok(true)
     }
 
     async fn upstream_peer(&self, _session: &mut Session, _ctx: &mut ()) -> Result<Box<HttpPeer>> {
-        Err(Error::explain(
-            ErrorType::HTTPStatus(404),
-            "admin listener proxies nothing",
-        ))
+        Err(Error::explain(ErrorType::HTTPStatus(404), "admin listener proxies nothing"))
     }
 }

@@ -48,33 +48,20 @@ pub fn prefiller_from_header(
         return Ok(None);
     };
     if values.next().is_some() {
-        return Err(ApiError::InvalidPrefillerHeader(
-            "header repeated; exactly one host:port expected".into(),
-        ));
+        return Err(ApiError::InvalidPrefillerHeader("header repeated; exactly one host:port expected".into()));
     }
-    let text = value
-        .to_str()
-        .map_err(|_| ApiError::InvalidPrefillerHeader("not ASCII".into()))?
-        .trim();
+    let text = value.to_str().map_err(|_| ApiError::InvalidPrefillerHeader("not ASCII".into()))?.trim();
     if text.contains(',') {
-        return Err(ApiError::InvalidPrefillerHeader(
-            "a list; exactly one host:port expected".into(),
-        ));
+        return Err(ApiError::InvalidPrefillerHeader("a list; exactly one host:port expected".into()));
     }
     if !crate::config::model::is_host_port(text) {
-        return Err(ApiError::InvalidPrefillerHeader(format!(
-            "`{text}` is not host:port"
-        )));
+        return Err(ApiError::InvalidPrefillerHeader(format!("`{text}` is not host:port")));
     }
     let host = text.rsplit_once(':').map_or(text, |(h, _)| h);
     let host = host.trim_start_matches('[').trim_end_matches(']');
     let allowed = match host.parse::<IpAddr>() {
-        Ok(ip) => allow
-            .iter()
-            .any(|a| matches!(a, AllowEntry::Net(net) if net.contains(&ip))),
-        Err(_) => allow
-            .iter()
-            .any(|a| matches!(a, AllowEntry::Host(h) if h.eq_ignore_ascii_case(host))),
+        Ok(ip) => allow.iter().any(|a| matches!(a, AllowEntry::Net(net) if net.contains(&ip))),
+        Err(_) => allow.iter().any(|a| matches!(a, AllowEntry::Host(h) if h.eq_ignore_ascii_case(host))),
     };
     if allowed {
         Ok(Some(text.to_owned()))
@@ -122,22 +109,14 @@ pub async fn forward(
     match sent {
         Ok(exchange) => relay(app, session, ctx, exchange, Rewrite::default(), route).await,
         Err(e) => {
-            app.metrics
-                .upstream_errors
-                .with_label_values(&[ctx.stage_label(), e.kind()])
-                .inc();
+            app.metrics.upstream_errors.with_label_values(&[ctx.stage_label(), e.kind()]).inc();
             write_error(session, ctx, &ApiError::DecodeUnavailable(e.to_string())).await;
         }
     }
 }
 
 /// Decides, before the prefill, whether this request may reuse ids.
-async fn reuse_gate(
-    app: &App,
-    route: &RouteSpec,
-    view: &RequestView,
-    decode: &Endpoint,
-) -> Option<FallbackReason> {
+async fn reuse_gate(app: &App, route: &RouteSpec, view: &RequestView, decode: &Endpoint) -> Option<FallbackReason> {
     if !route.options.token_reuse {
         return Some(FallbackReason::Disabled);
     }
@@ -147,10 +126,7 @@ async fn reuse_gate(
     if view.api == Api::Completions {
         return None; // `prompt: [ids]` is token-in on every vLLM version
     }
-    let pool_pin = app
-        .pools
-        .get(route.decode_pool)
-        .and_then(|p| p.pinned_version());
+    let pool_pin = app.pools.get(route.decode_pool).and_then(|p| p.pinned_version());
     let version = match pool_pin.or_else(|| decode.version()) {
         Some(v) => Some(v),
         None => learn_version(&app.client, decode).await,
@@ -175,22 +151,15 @@ pub async fn orchestrate(
     let route_name = route.name.as_str();
     let drop_header = header_to_drop(route);
     let Some(decode) = app.pools.get(route.decode_pool).and_then(|p| p.pick()) else {
-        return write_error(
-            session,
-            ctx,
-            &ApiError::DecodeUnavailable("decode pool has no endpoints".into()),
-        )
-        .await;
+        return write_error(session, ctx, &ApiError::DecodeUnavailable("decode pool has no endpoints".into())).await;
     };
     let prefill = match &route.prefill {
         Some(PrefillSource::Pool(i)) => app.pools.get(*i).and_then(|p| p.pick()),
-        Some(PrefillSource::Header { name, allow }) => {
-            match prefiller_from_header(req.headers, name, allow) {
-                Ok(Some(addr)) => Some(Picked::new(Arc::new(Endpoint::new(addr)))),
-                Ok(None) => None,
-                Err(e) => return write_error(session, ctx, &e).await,
-            }
-        }
+        Some(PrefillSource::Header { name, allow }) => match prefiller_from_header(req.headers, name, allow) {
+            Ok(Some(addr)) => Some(Picked::new(Arc::new(Endpoint::new(addr)))),
+            Ok(None) => None,
+            Err(e) => return write_error(session, ctx, &e).await,
+        },
         None => None,
     };
     let Some(prefill) = prefill else {
@@ -224,18 +193,12 @@ pub async fn orchestrate(
         let exchange = app
             .client
             .send(prefill.addr(), &head, prefill_bytes, || {
-                metrics
-                    .upstream_retries
-                    .with_label_values(&["prefill"])
-                    .inc()
+                metrics.upstream_retries.with_label_values(&["prefill"]).inc()
             })
             .await?;
         let status = exchange.status();
         let content_type = exchange.header("content-type").map(str::to_owned);
-        let body = app
-            .client
-            .read_to_end(exchange, PREFILL_RESPONSE_LIMIT)
-            .await?;
+        let body = app.client.read_to_end(exchange, PREFILL_RESPONSE_LIMIT).await?;
         Ok::<_, crate::upstream::UpstreamError>((status, content_type, body))
     };
     let outcome = tokio::select! {
@@ -243,24 +206,16 @@ pub async fn orchestrate(
         _ = client_gone(session) => { ctx.outcome = Some(Outcome::ClientClosed); return; }
     };
     drop(prefill);
-    metrics
-        .stage_duration
-        .with_label_values(&[route_name, "prefill"])
-        .observe(started.elapsed().as_secs_f64());
+    ctx.prefill_ms = Some(started.elapsed().as_secs_f64() * 1000.0);
+    metrics.stage_duration.with_label_values(&[route_name, "prefill"]).observe(started.elapsed().as_secs_f64());
     let (status, content_type, prefill_response) = match outcome {
         Err(_) => {
-            metrics
-                .upstream_errors
-                .with_label_values(&["prefill", "timeout"])
-                .inc();
+            metrics.upstream_errors.with_label_values(&["prefill", "timeout"]).inc();
             let ms = u64::try_from(route.options.prefill_timeout.as_millis()).unwrap_or(u64::MAX);
             return write_error(session, ctx, &ApiError::PrefillTimeout(ms)).await;
         }
         Ok(Err(e)) => {
-            metrics
-                .upstream_errors
-                .with_label_values(&["prefill", e.kind()])
-                .inc();
+            metrics.upstream_errors.with_label_values(&["prefill", e.kind()]).inc();
             return write_error(session, ctx, &ApiError::PrefillUnavailable(e.to_string())).await;
         }
         Ok(Ok(parts)) => parts,
@@ -268,19 +223,9 @@ pub async fn orchestrate(
     if !(200..300).contains(&status) {
         // The prefill's own error (e.g. vLLM's 400 for a too-long prompt) goes back unchanged.
         if status >= 500 {
-            metrics
-                .upstream_errors
-                .with_label_values(&["prefill", "status_5xx"])
-                .inc();
+            metrics.upstream_errors.with_label_values(&["prefill", "status_5xx"]).inc();
         }
-        return write_full(
-            session,
-            ctx,
-            status,
-            content_type.as_deref(),
-            prefill_response,
-        )
-        .await;
+        return write_full(session, ctx, status, content_type.as_deref(), prefill_response).await;
     }
 
     // (2) Handoff.
@@ -289,56 +234,41 @@ pub async fn orchestrate(
     let handoff = match extract_handoff(view.api, &prefill_response) {
         Ok(h) => h,
         Err(detail) => {
-            metrics
-                .upstream_errors
-                .with_label_values(&["prefill", "bad_response"])
-                .inc();
+            metrics.upstream_errors.with_label_values(&["prefill", "bad_response"]).inc();
             return write_error(session, ctx, &ApiError::PrefillBadResponse(detail)).await;
         }
     };
-    let (ids, reason): (Option<&PromptIds>, Option<FallbackReason>) =
-        match (&fallback, &handoff.ids) {
-            (Some(reason), _) => (None, Some(*reason)),
-            (None, Ok(ids)) => (Some(ids), None),
-            (None, Err(IdsFault::Missing)) => (None, Some(FallbackReason::IdsMissing)),
-            (None, Err(IdsFault::Invalid(e))) => {
-                tracing::info!(request_id = %rid, error = %e, "prefill ids refused");
-                (None, Some(FallbackReason::IdsMalformed))
-            }
-        };
-    let decode_bytes = Bytes::from(decode_body(
-        obj,
-        view.api,
-        handoff.kv_transfer_params.as_deref(),
-        ids,
-    ));
+    let (ids, reason): (Option<&PromptIds>, Option<FallbackReason>) = match (&fallback, &handoff.ids) {
+        (Some(reason), _) => (None, Some(*reason)),
+        (None, Ok(ids)) => (Some(ids), None),
+        (None, Err(IdsFault::Missing)) => (None, Some(FallbackReason::IdsMissing)),
+        (None, Err(IdsFault::Invalid(e))) => {
+            tracing::info!(request_id = %rid, error = %e, "prefill ids refused");
+            (None, Some(FallbackReason::IdsMalformed))
+        }
+    };
+    // Tests only (see RouteOptions::test_truncate_prompt_ids).
+    let truncated = match (ids, route.options.test_truncate_prompt_ids) {
+        (Some(ids), Some(n)) if n < ids.len() => Some(PromptIds::from_ids(ids.to_vec().get(..n).unwrap_or_default())),
+        _ => None,
+    };
+    let ids = truncated.as_ref().or(ids);
+    let decode_bytes = Bytes::from(decode_body(obj, view.api, handoff.kv_transfer_params.as_deref(), ids));
     match (ids, reason) {
         (Some(ids), _) => {
-            metrics
-                .token_reuse
-                .with_label_values(&[route_name, "applied", "none"])
-                .inc();
-            metrics
-                .reused_prompt_tokens
-                .with_label_values(&[route_name])
-                .inc_by(ids.len() as u64);
+            metrics.token_reuse.with_label_values(&[route_name, "applied", "none"]).inc();
+            metrics.reused_prompt_tokens.with_label_values(&[route_name]).inc_by(ids.len() as u64);
             metrics.relayed_id_bytes.inc_by(ids.as_json().len() as u64);
             ctx.reuse = Some("applied");
         }
         (None, reason) => {
             let reason = reason.unwrap_or(FallbackReason::IdsMissing);
-            metrics
-                .token_reuse
-                .with_label_values(&[route_name, "fallback", reason.as_str()])
-                .inc();
+            metrics.token_reuse.with_label_values(&[route_name, "fallback", reason.as_str()]).inc();
             tracing::info!(request_id = %rid, route = route_name, reason = reason.as_str(), "token reuse fallback");
             ctx.reuse = Some(reason.as_str());
         }
     }
-    metrics
-        .stage_duration
-        .with_label_values(&[route_name, "handoff"])
-        .observe(handoff_started.elapsed().as_secs_f64());
+    metrics.stage_duration.with_label_values(&[route_name, "handoff"]).observe(handoff_started.elapsed().as_secs_f64());
 
     // (3) Decode leg.
     ctx.stage = Some(Stage::DecodeFirstByte);
@@ -365,23 +295,17 @@ pub async fn orchestrate(
     };
     let exchange = match sent {
         Err(_) => {
-            metrics
-                .upstream_errors
-                .with_label_values(&["decode", "timeout"])
-                .inc();
-            let ms = u64::try_from(route.options.decode_first_byte_timeout.as_millis())
-                .unwrap_or(u64::MAX);
+            metrics.upstream_errors.with_label_values(&["decode", "timeout"]).inc();
+            let ms = u64::try_from(route.options.decode_first_byte_timeout.as_millis()).unwrap_or(u64::MAX);
             return write_error(session, ctx, &ApiError::DecodeTimeout(ms)).await;
         }
         Ok(Err(e)) => {
-            metrics
-                .upstream_errors
-                .with_label_values(&["decode", e.kind()])
-                .inc();
+            metrics.upstream_errors.with_label_values(&["decode", e.kind()]).inc();
             return write_error(session, ctx, &ApiError::DecodeUnavailable(e.to_string())).await;
         }
         Ok(Ok(exchange)) => exchange,
     };
+    ctx.decode_first_byte_ms = Some(decode_started.elapsed().as_secs_f64() * 1000.0);
     metrics
         .stage_duration
         .with_label_values(&[route_name, "decode_first_byte"])
@@ -389,17 +313,7 @@ pub async fn orchestrate(
 
     // (4) Relay back.
     ctx.stage = Some(Stage::DecodeTotal);
-    relay(
-        app,
-        session,
-        ctx,
-        exchange,
-        Rewrite {
-            cached_tokens: handoff.cached_tokens,
-        },
-        route_name,
-    )
-    .await;
+    relay(app, session, ctx, exchange, Rewrite { cached_tokens: handoff.cached_tokens }, route_name).await;
     drop(decode);
 }
 
@@ -418,10 +332,7 @@ mod tests {
 
     #[test]
     fn prefiller_header_is_checked() {
-        let allow: Vec<AllowEntry> = ["127.0.0.0/8", "prefill.svc"]
-            .iter()
-            .map(|a| parse_allow(a).unwrap())
-            .collect();
+        let allow: Vec<AllowEntry> = ["127.0.0.0/8", "prefill.svc"].iter().map(|a| parse_allow(a).unwrap()).collect();
         let name = "x-prefiller-host-port";
         assert_eq!(prefiller_from_header(&headers(&[]), name, &allow), Ok(None));
         assert_eq!(
@@ -432,31 +343,10 @@ mod tests {
             prefiller_from_header(&headers(&["PREFILL.svc:80"]), name, &allow),
             Ok(Some("PREFILL.svc:80".into()))
         );
-        for bad in [
-            &["127.0.0.1:1,127.0.0.1:2"][..],
-            &["127.0.0.1"],
-            &["127.0.0.1:1", "127.0.0.1:2"],
-            &["h:0"],
-        ] {
-            assert_eq!(
-                prefiller_from_header(&headers(bad), name, &allow)
-                    .unwrap_err()
-                    .status(),
-                400,
-                "{bad:?}"
-            );
+        for bad in [&["127.0.0.1:1,127.0.0.1:2"][..], &["127.0.0.1"], &["127.0.0.1:1", "127.0.0.1:2"], &["h:0"]] {
+            assert_eq!(prefiller_from_header(&headers(bad), name, &allow).unwrap_err().status(), 400, "{bad:?}");
         }
-        assert_eq!(
-            prefiller_from_header(&headers(&["10.1.2.3:8000"]), name, &allow)
-                .unwrap_err()
-                .status(),
-            403
-        );
-        assert_eq!(
-            prefiller_from_header(&headers(&["evil.svc:80"]), name, &allow)
-                .unwrap_err()
-                .status(),
-            403
-        );
+        assert_eq!(prefiller_from_header(&headers(&["10.1.2.3:8000"]), name, &allow).unwrap_err().status(), 403);
+        assert_eq!(prefiller_from_header(&headers(&["evil.svc:80"]), name, &allow).unwrap_err().status(), 403);
     }
 }

@@ -25,13 +25,7 @@ pub async fn client_gone(session: &mut Session) {
 }
 
 /// Writes a complete response with `Content-Length`.
-pub async fn write_full(
-    session: &mut Session,
-    ctx: &mut Ctx,
-    status: u16,
-    content_type: Option<&str>,
-    body: Bytes,
-) {
+pub async fn write_full(session: &mut Session, ctx: &mut Ctx, status: u16, content_type: Option<&str>, body: Bytes) {
     let outcome = write_full_inner(session, ctx, status, content_type, body).await;
     ctx.outcome.get_or_insert(outcome);
 }
@@ -46,22 +40,14 @@ async fn write_full_inner(
     let Ok(mut head) = ResponseHeader::build(status, Some(4)) else {
         return Outcome::ServerError;
     };
-    let ok = head
-        .insert_header("content-length", body.len().to_string())
-        .is_ok()
+    let ok = head.insert_header("content-length", body.len().to_string()).is_ok()
         && content_type.is_none_or(|ct| head.insert_header("content-type", ct).is_ok())
-        && ctx
-            .request_id
-            .as_deref()
-            .is_none_or(|id| head.insert_header("x-request-id", id).is_ok());
+        && ctx.request_id.as_deref().is_none_or(|id| head.insert_header("x-request-id", id).is_ok());
     if !ok {
         return Outcome::ServerError;
     }
     ctx.mark_first_byte();
-    if session
-        .write_response_header(Box::new(head), false)
-        .await
-        .is_err()
+    if session.write_response_header(Box::new(head), false).await.is_err()
         || session.write_response_body(Some(body), true).await.is_err()
     {
         return Outcome::ClientClosed;
@@ -73,14 +59,7 @@ async fn write_full_inner(
 /// Answers with tokenonce's own OpenAI-shaped error.
 pub async fn write_error(session: &mut Session, ctx: &mut Ctx, err: &ApiError) {
     tracing::info!(request_id = ctx.request_id.as_deref().unwrap_or("-"), code = err.code(), error = %err, "request failed");
-    write_full(
-        session,
-        ctx,
-        err.status(),
-        Some("application/json"),
-        Bytes::from(err.body()),
-    )
-    .await;
+    write_full(session, ctx, err.status(), Some("application/json"), Bytes::from(err.body())).await;
 }
 
 /// How to rewrite a relayed engine response.
@@ -102,16 +81,9 @@ pub async fn relay(
     route: &str,
 ) {
     let status = exchange.status();
-    let is_sse = exchange
-        .header("content-type")
-        .is_some_and(|ct| ct.starts_with("text/event-stream"));
+    let is_sse = exchange.header("content-type").is_some_and(|ct| ct.starts_with("text/event-stream"));
     let Some(upstream_head) = exchange.session.response_header() else {
-        write_error(
-            session,
-            ctx,
-            &ApiError::DecodeUnavailable("no response header".into()),
-        )
-        .await;
+        write_error(session, ctx, &ApiError::DecodeUnavailable("no response header".into())).await;
         return;
     };
     let Ok(mut head) = ResponseHeader::build(status, Some(upstream_head.headers.len() + 2)) else {
@@ -141,37 +113,23 @@ pub async fn relay(
         let body = match body {
             Ok(b) => b,
             Err(e) => {
-                app.metrics
-                    .upstream_errors
-                    .with_label_values(&[ctx.stage_label(), e.kind()])
-                    .inc();
+                app.metrics.upstream_errors.with_label_values(&[ctx.stage_label(), e.kind()]).inc();
                 write_error(session, ctx, &ApiError::DecodeUnavailable(e.to_string())).await;
                 return;
             }
         };
-        let body = match rewrite
-            .cached_tokens
-            .filter(|_| (200..300).contains(&status))
-        {
-            Some(n) => std::str::from_utf8(&body)
-                .ok()
-                .and_then(|t| rewrite_cached_tokens(t, n))
-                .map_or(body, Bytes::from),
+        let body = match rewrite.cached_tokens.filter(|_| (200..300).contains(&status)) {
+            Some(n) => {
+                std::str::from_utf8(&body).ok().and_then(|t| rewrite_cached_tokens(t, n)).map_or(body, Bytes::from)
+            }
             None => body,
         };
         let _ = head.insert_header("content-length", body.len().to_string());
         ctx.mark_first_byte();
-        let written = session
-            .write_response_header(Box::new(head), false)
-            .await
-            .is_ok()
+        let written = session.write_response_header(Box::new(head), false).await.is_ok()
             && session.write_response_body(Some(body), true).await.is_ok();
         ctx.status = status;
-        ctx.outcome = Some(if written {
-            Outcome::from_status(status)
-        } else {
-            Outcome::ClientClosed
-        });
+        ctx.outcome = Some(if written { Outcome::from_status(status) } else { Outcome::ClientClosed });
         observe_decode_total(app, ctx, route, started);
         return;
     }
@@ -181,17 +139,12 @@ pub async fn relay(
     let _ = head.insert_header("transfer-encoding", "chunked");
     ctx.mark_first_byte();
     ctx.status = status;
-    if session
-        .write_response_header(Box::new(head), false)
-        .await
-        .is_err()
-    {
+    if session.write_response_header(Box::new(head), false).await.is_err() {
         ctx.outcome = Some(Outcome::ClientClosed);
         return;
     }
-    let mut rewriter = rewrite
-        .cached_tokens
-        .map(|n| SseRewriter::new(move |data: &str| rewrite_cached_tokens(data, n)));
+    let mut rewriter =
+        rewrite.cached_tokens.map(|n| SseRewriter::new(move |data: &str| rewrite_cached_tokens(data, n)));
     loop {
         tokio::select! {
             chunk = exchange.session.read_response_body() => match chunk {

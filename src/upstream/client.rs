@@ -52,14 +52,8 @@ const DROPPED_REQUEST_HEADERS: &[&str] = &[
 ];
 
 /// Headers never copied from an engine response to the client.
-pub const DROPPED_RESPONSE_HEADERS: &[&str] = &[
-    "connection",
-    "keep-alive",
-    "transfer-encoding",
-    "content-length",
-    "trailer",
-    "upgrade",
-];
+pub const DROPPED_RESPONSE_HEADERS: &[&str] =
+    &["connection", "keep-alive", "transfer-encoding", "content-length", "trailer", "upgrade"];
 
 /// An exchange that has its response header; the body is still to be read.
 pub struct Exchange {
@@ -74,17 +68,12 @@ pub struct Exchange {
 impl Exchange {
     /// Response status.
     pub fn status(&self) -> u16 {
-        self.session
-            .response_header()
-            .map_or(0, |h| h.status.as_u16())
+        self.session.response_header().map_or(0, |h| h.status.as_u16())
     }
 
     /// A response header value.
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.session
-            .response_header()
-            .and_then(|h| h.headers.get(name))
-            .and_then(|v| v.to_str().ok())
+        self.session.response_header().and_then(|h| h.headers.get(name)).and_then(|v| v.to_str().ok())
     }
 }
 
@@ -98,26 +87,16 @@ pub struct UpstreamClient {
 impl UpstreamClient {
     /// A client with its own connection pool.
     pub fn new(connect_timeout: Duration, idle_timeout: Duration) -> Self {
-        Self {
-            connector: Connector::new(None),
-            connect_timeout,
-            idle_timeout,
-        }
+        Self { connector: Connector::new(None), connect_timeout, idle_timeout }
     }
 
     /// A peer for `addr` with tokenonce's connection options.
     pub async fn peer(&self, addr: &str) -> Result<HttpPeer, UpstreamError> {
         let resolved = tokio::net::lookup_host(addr)
             .await
-            .map_err(|e| UpstreamError::Connect {
-                addr: addr.to_owned(),
-                detail: e.to_string(),
-            })?
+            .map_err(|e| UpstreamError::Connect { addr: addr.to_owned(), detail: e.to_string() })?
             .next()
-            .ok_or_else(|| UpstreamError::Connect {
-                addr: addr.to_owned(),
-                detail: "no address".into(),
-            })?;
+            .ok_or_else(|| UpstreamError::Connect { addr: addr.to_owned(), detail: "no address".into() })?;
         let mut peer = HttpPeer::new(resolved, false, String::new());
         peer.options.connection_timeout = Some(self.connect_timeout);
         peer.options.idle_timeout = Some(self.idle_timeout);
@@ -135,31 +114,20 @@ impl UpstreamClient {
         request_id: &str,
         body_len: usize,
     ) -> Result<RequestHeader, UpstreamError> {
-        let io = |e: pingora::BError| UpstreamError::Io {
-            addr: addr.to_owned(),
-            detail: e.to_string(),
-        };
-        let mut head = RequestHeader::build(
-            method,
-            path_and_query.as_bytes(),
-            Some(client_headers.len() + 3),
-        )
-        .map_err(io)?;
+        let io = |e: pingora::BError| UpstreamError::Io { addr: addr.to_owned(), detail: e.to_string() };
+        let mut head =
+            RequestHeader::build(method, path_and_query.as_bytes(), Some(client_headers.len() + 3)).map_err(io)?;
         for (name, value) in client_headers {
             let n = name.as_str();
-            if DROPPED_REQUEST_HEADERS.contains(&n)
-                || extra_drop.is_some_and(|x| x.eq_ignore_ascii_case(n))
-            {
+            if DROPPED_REQUEST_HEADERS.contains(&n) || extra_drop.is_some_and(|x| x.eq_ignore_ascii_case(n)) {
                 continue;
             }
-            head.append_header(name.clone(), value.clone())
-                .map_err(io)?;
+            head.append_header(name.clone(), value.clone()).map_err(io)?;
         }
         head.insert_header("host", addr).map_err(io)?;
         head.insert_header("x-request-id", request_id).map_err(io)?;
         if method != "GET" || body_len > 0 {
-            head.insert_header("content-length", body_len.to_string())
-                .map_err(io)?;
+            head.insert_header("content-length", body_len.to_string()).map_err(io)?;
         }
         Ok(head)
     }
@@ -171,33 +139,15 @@ impl UpstreamClient {
         body: &Bytes,
     ) -> Result<(HttpSession, bool), (UpstreamError, bool)> {
         let addr = peer.to_string();
-        let (mut session, reused) = self.connector.get_http_session(peer).await.map_err(|e| {
-            (
-                UpstreamError::Connect {
-                    addr: addr.clone(),
-                    detail: e.to_string(),
-                },
-                false,
-            )
-        })?;
-        let io = |e: pingora::BError| {
-            (
-                UpstreamError::Io {
-                    addr: addr.clone(),
-                    detail: e.to_string(),
-                },
-                reused,
-            )
-        };
-        session
-            .write_request_header(Box::new(head.clone()))
+        let (mut session, reused) = self
+            .connector
+            .get_http_session(peer)
             .await
-            .map_err(io)?;
+            .map_err(|e| (UpstreamError::Connect { addr: addr.clone(), detail: e.to_string() }, false))?;
+        let io = |e: pingora::BError| (UpstreamError::Io { addr: addr.clone(), detail: e.to_string() }, reused);
+        session.write_request_header(Box::new(head.clone())).await.map_err(io)?;
         if !body.is_empty() {
-            session
-                .write_request_body(body.clone(), true)
-                .await
-                .map_err(io)?;
+            session.write_request_body(body.clone(), true).await.map_err(io)?;
         }
         session.finish_request_body().await.map_err(io)?;
         session.read_response_header().await.map_err(io)?;
@@ -218,19 +168,11 @@ impl UpstreamClient {
     ) -> Result<Exchange, UpstreamError> {
         let peer = self.peer(addr).await?;
         match self.attempt(&peer, head, &body).await {
-            Ok((session, _)) => Ok(Exchange {
-                session,
-                peer,
-                retried: false,
-            }),
+            Ok((session, _)) => Ok(Exchange { session, peer, retried: false }),
             Err((_, true)) => {
                 on_retry();
                 let (session, _) = self.attempt(&peer, head, &body).await.map_err(|(e, _)| e)?;
-                Ok(Exchange {
-                    session,
-                    peer,
-                    retried: true,
-                })
+                Ok(Exchange { session, peer, retried: true })
             }
             Err((e, false)) => Err(e),
         }
@@ -240,11 +182,7 @@ impl UpstreamClient {
     ///
     /// # Errors
     /// [`UpstreamError`] on a read failure or an oversized body.
-    pub async fn read_to_end(
-        &self,
-        mut exchange: Exchange,
-        limit: usize,
-    ) -> Result<Bytes, UpstreamError> {
+    pub async fn read_to_end(&self, mut exchange: Exchange, limit: usize) -> Result<Bytes, UpstreamError> {
         let addr = exchange.peer.to_string();
         let mut buf = BytesMut::new();
         loop {
@@ -256,12 +194,7 @@ impl UpstreamClient {
                     buf.extend_from_slice(&chunk);
                 }
                 Ok(None) => break,
-                Err(e) => {
-                    return Err(UpstreamError::Io {
-                        addr,
-                        detail: e.to_string(),
-                    })
-                }
+                Err(e) => return Err(UpstreamError::Io { addr, detail: e.to_string() }),
             }
         }
         self.release(exchange).await;
@@ -271,31 +204,16 @@ impl UpstreamClient {
     /// Returns a fully read exchange's connection to the pool (dropped if not reusable).
     pub async fn release(&self, exchange: Exchange) {
         let Exchange { session, peer, .. } = exchange;
-        self.connector
-            .release_http_session(session, &peer, Some(self.idle_timeout))
-            .await;
+        self.connector.release_http_session(session, &peer, Some(self.idle_timeout)).await;
     }
 
     /// `GET path` with a deadline; returns the status and body.
     ///
     /// # Errors
     /// [`UpstreamError`] on failure or when `timeout` passes.
-    pub async fn get(
-        &self,
-        addr: &str,
-        path: &str,
-        timeout: Duration,
-    ) -> Result<(u16, Bytes), UpstreamError> {
+    pub async fn get(&self, addr: &str, path: &str, timeout: Duration) -> Result<(u16, Bytes), UpstreamError> {
         let work = async {
-            let head = Self::request_head(
-                "GET",
-                path,
-                addr,
-                &HeaderMap::new(),
-                None,
-                "tokenonce-health",
-                0,
-            )?;
+            let head = Self::request_head("GET", path, addr, &HeaderMap::new(), None, "tokenonce-health", 0)?;
             let exchange = self.send(addr, &head, Bytes::new(), || {}).await?;
             let status = exchange.status();
             let body = self.read_to_end(exchange, 1 << 20).await?;
@@ -303,10 +221,7 @@ impl UpstreamClient {
         };
         match tokio::time::timeout(timeout, work).await {
             Ok(result) => result,
-            Err(_) => Err(UpstreamError::Io {
-                addr: addr.to_owned(),
-                detail: format!("GET {path} timed out"),
-            }),
+            Err(_) => Err(UpstreamError::Io { addr: addr.to_owned(), detail: format!("GET {path} timed out") }),
         }
     }
 }

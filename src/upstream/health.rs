@@ -18,10 +18,7 @@ pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Asks `GET /version` and records it on the endpoint.
 pub async fn learn_version(client: &UpstreamClient, endpoint: &Endpoint) -> Option<Version> {
-    let (status, body) = client
-        .get(&endpoint.addr, "/version", PROBE_TIMEOUT)
-        .await
-        .ok()?;
+    let (status, body) = client.get(&endpoint.addr, "/version", PROBE_TIMEOUT).await.ok()?;
     if status != 200 {
         return None;
     }
@@ -54,26 +51,15 @@ impl HealthPoller {
     pub async fn poll_once(&self) {
         for pool in &self.pools {
             for endpoint in &pool.endpoints {
-                let healthy = matches!(
-                    self.client
-                        .get(&endpoint.addr, "/health", PROBE_TIMEOUT)
-                        .await,
-                    Ok((200, _))
-                );
+                let healthy = matches!(self.client.get(&endpoint.addr, "/health", PROBE_TIMEOUT).await, Ok((200, _)));
                 endpoint.set_healthy(healthy);
-                self.metrics
-                    .upstream_healthy
-                    .with_label_values(&[&pool.name, &endpoint.addr])
-                    .set(i64::from(healthy));
+                self.metrics.upstream_healthy.with_label_values(&[&pool.name, &endpoint.addr]).set(i64::from(healthy));
                 if healthy && pool.pinned_version().is_none() && endpoint.version().is_none() {
                     learn_version(&self.client, endpoint).await;
                 }
             }
         }
-        let ready = self
-            .decode_pools
-            .iter()
-            .all(|&i| self.pools.get(i).is_some_and(|p| p.any_healthy()));
+        let ready = self.decode_pools.iter().all(|&i| self.pools.get(i).is_some_and(|p| p.any_healthy()));
         self.metrics.ready.set(i64::from(ready));
     }
 }

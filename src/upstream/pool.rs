@@ -102,11 +102,7 @@ impl Pool {
     pub fn new(spec: &PoolSpec) -> Self {
         Self {
             name: spec.name.clone(),
-            endpoints: spec
-                .endpoints
-                .iter()
-                .map(|a| Arc::new(Endpoint::new(a.clone())))
-                .collect(),
+            endpoints: spec.endpoints.iter().map(|a| Arc::new(Endpoint::new(a.clone()))).collect(),
             balance: spec.balance,
             pinned_version: spec.vllm_version,
             next: AtomicUsize::new(0),
@@ -125,13 +121,9 @@ impl Pool {
 
     /// Chooses an endpoint: healthy ones first (all when none is), then by the policy.
     pub fn pick(&self) -> Option<Picked> {
-        let healthy: Vec<&Arc<Endpoint>> =
-            self.endpoints.iter().filter(|e| e.is_healthy()).collect();
-        let candidates: Vec<&Arc<Endpoint>> = if healthy.is_empty() {
-            self.endpoints.iter().collect()
-        } else {
-            healthy
-        };
+        let healthy: Vec<&Arc<Endpoint>> = self.endpoints.iter().filter(|e| e.is_healthy()).collect();
+        let candidates: Vec<&Arc<Endpoint>> =
+            if healthy.is_empty() { self.endpoints.iter().collect() } else { healthy };
         if candidates.is_empty() {
             return None;
         }
@@ -141,9 +133,7 @@ impl Pool {
             Balance::LeastInFlight => {
                 // Start the scan at the round-robin position so ties rotate.
                 let n = candidates.len();
-                (0..n)
-                    .filter_map(|i| candidates.get((turn + i) % n).copied())
-                    .min_by_key(|e| e.inflight())
+                (0..n).filter_map(|i| candidates.get((turn + i) % n).copied()).min_by_key(|e| e.inflight())
             }
         }?;
         Some(Picked::new(Arc::clone(chosen)))
@@ -166,9 +156,7 @@ mod tests {
     #[test]
     fn round_robin_rotates() {
         let p = pool(Balance::RoundRobin, 3);
-        let picks: Vec<String> = (0..6)
-            .map(|_| p.pick().unwrap().addr().to_owned())
-            .collect();
+        let picks: Vec<String> = (0..6).map(|_| p.pick().unwrap().addr().to_owned()).collect();
         assert_eq!(picks[0..3], picks[3..6]);
         assert_ne!(picks[0], picks[1]);
     }

@@ -94,10 +94,7 @@ impl Recorded {
 
     /// A header value.
     pub fn header(&self, name: &str) -> Option<String> {
-        self.headers
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
+        self.headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned)
     }
 }
 
@@ -144,9 +141,7 @@ pub fn fake_render_chat(body: &Value) -> String {
             "<|im_start|>{} {} {} <|im_end|> ",
             m["role"].as_str().unwrap_or("?"),
             content,
-            m.get("tool_calls")
-                .map(|t| t.to_string())
-                .unwrap_or_default()
+            m.get("tool_calls").map(|t| t.to_string()).unwrap_or_default()
         ));
     }
     if let Some(k) = body.get("chat_template_kwargs") {
@@ -157,12 +152,8 @@ pub fn fake_render_chat(body: &Value) -> String {
 }
 
 fn output_ids(prompt: &[u64], n: usize) -> Vec<u64> {
-    let seed: u64 = prompt
-        .iter()
-        .fold(17u64, |a, &b| a.wrapping_mul(31).wrapping_add(b));
-    (0..n as u64)
-        .map(|i| (seed.wrapping_add(i * 7919)) % 150_000)
-        .collect()
+    let seed: u64 = prompt.iter().fold(17u64, |a, &b| a.wrapping_mul(31).wrapping_add(b));
+    (0..n as u64).map(|i| (seed.wrapping_add(i * 7919)) % 150_000).collect()
 }
 
 fn token_text(id: u64) -> String {
@@ -183,15 +174,10 @@ fn ids_json(ids: &[u64]) -> String {
 impl FakeVllm {
     /// Starts a fake on an ephemeral loopback port.
     pub async fn start(config: FakeConfig) -> Self {
-        let shared = Arc::new(Shared {
-            config: Mutex::new(config),
-            ..Default::default()
-        });
+        let shared = Arc::new(Shared { config: Mutex::new(config), ..Default::default() });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let app = axum::Router::new()
-            .fallback(handle)
-            .with_state(Arc::clone(&shared));
+        let app = axum::Router::new().fallback(handle).with_state(Arc::clone(&shared));
         tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
@@ -215,10 +201,7 @@ impl FakeVllm {
 
     /// POST requests received so far.
     pub fn posts(&self) -> Vec<Recorded> {
-        self.requests()
-            .into_iter()
-            .filter(|r| r.method == "POST")
-            .collect()
+        self.requests().into_iter().filter(|r| r.method == "POST").collect()
     }
 
     /// Streams whose consumer went away before the end.
@@ -267,11 +250,8 @@ fn split_body(text: String, split: Option<usize>) -> Body {
     match split {
         None => Body::from(text),
         Some(n) => {
-            let pieces: Vec<Result<Bytes, Infallible>> = text
-                .into_bytes()
-                .chunks(n.max(1))
-                .map(|c| Ok(Bytes::copy_from_slice(c)))
-                .collect();
+            let pieces: Vec<Result<Bytes, Infallible>> =
+                text.into_bytes().chunks(n.max(1)).map(|c| Ok(Bytes::copy_from_slice(c))).collect();
             Body::from_stream(futures_util::stream::iter(pieces))
         }
     }
@@ -284,9 +264,7 @@ async fn handle(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let path = uri
-        .path_and_query()
-        .map_or(uri.path().to_owned(), |p| p.as_str().to_owned());
+    let path = uri.path_and_query().map_or(uri.path().to_owned(), |p| p.as_str().to_owned());
     shared.requests.lock().unwrap().push(Recorded {
         method: method.to_string(),
         path: path.clone(),
@@ -294,10 +272,7 @@ async fn handle(
         body: body.clone(),
     });
     let config = shared.config.lock().unwrap().clone();
-    let mut guard = CancelGuard {
-        shared: Arc::clone(&shared),
-        done: false,
-    };
+    let mut guard = CancelGuard { shared: Arc::clone(&shared), done: false };
     if method == Method::GET {
         guard.done = true;
         return match uri.path() {
@@ -325,7 +300,10 @@ async fn handle(
     let result = match uri.path() {
         "/v1/chat/completions" => completion(&config, &headers, &body, true),
         "/v1/completions" => completion(&config, &headers, &body, false),
-        "/tokenize" => Ok(Reply::Json(format!("{{\"count\":3,\"max_model_len\":49152,\"tokens\":[9707,1052,0],\"token_strs\":null,\"echo\":{}}}", String::from_utf8_lossy(&body)))),
+        "/tokenize" => Ok(Reply::Json(format!(
+            "{{\"count\":3,\"max_model_len\":49152,\"tokens\":[9707,1052,0],\"token_strs\":null,\"echo\":{}}}",
+            String::from_utf8_lossy(&body)
+        ))),
         _ => Err(error_body(404, "NotFoundError", "Not Found", None)),
     };
     match result {
@@ -335,21 +313,13 @@ async fn handle(
         }
         Ok(Reply::Json(text)) => {
             guard.done = true;
-            respond(
-                200,
-                "application/json",
-                split_body(text, config.split_every),
-            )
+            respond(200, "application/json", split_body(text, config.split_every))
         }
         Ok(Reply::Sse(events)) => {
             let chunk_delay = config.chunk_delay;
             let break_after = config.break_stream_after;
             let stream = async_stream(events, chunk_delay, break_after, guard);
-            respond(
-                200,
-                "text/event-stream; charset=utf-8",
-                Body::from_stream(stream),
-            )
+            respond(200, "text/event-stream; charset=utf-8", Body::from_stream(stream))
         }
     }
 }
@@ -360,28 +330,22 @@ fn async_stream(
     break_after: Option<usize>,
     guard: CancelGuard,
 ) -> impl futures_util::Stream<Item = Result<Bytes, std::io::Error>> {
-    futures_util::stream::unfold(
-        (events.into_iter().enumerate(), guard),
-        move |(mut it, guard)| async move {
-            let (i, event) = match it.next() {
-                Some(next) => next,
-                None => {
-                    guard.finish();
-                    return None;
-                }
-            };
-            if break_after == Some(i) {
-                return Some((
-                    Err(std::io::Error::other("injected stream break")),
-                    (it, guard),
-                ));
+    futures_util::stream::unfold((events.into_iter().enumerate(), guard), move |(mut it, guard)| async move {
+        let (i, event) = match it.next() {
+            Some(next) => next,
+            None => {
+                guard.finish();
+                return None;
             }
-            if !chunk_delay.is_zero() && i > 0 {
-                tokio::time::sleep(chunk_delay).await;
-            }
-            Some((Ok(Bytes::from(event)), (it, guard)))
-        },
-    )
+        };
+        if break_after == Some(i) {
+            return Some((Err(std::io::Error::other("injected stream break")), (it, guard)));
+        }
+        if !chunk_delay.is_zero() && i > 0 {
+            tokio::time::sleep(chunk_delay).await;
+        }
+        Some((Ok(Bytes::from(event)), (it, guard)))
+    })
 }
 
 enum Reply {
@@ -389,17 +353,8 @@ enum Reply {
     Sse(Vec<String>),
 }
 
-fn completion(
-    config: &FakeConfig,
-    headers: &HeaderMap,
-    raw: &[u8],
-    chat: bool,
-) -> Result<Reply, (u16, String)> {
-    if headers
-        .get("content-type")
-        .and_then(|v| v.to_str().ok())
-        .is_none_or(|c| !c.starts_with("application/json"))
-    {
+fn completion(config: &FakeConfig, headers: &HeaderMap, raw: &[u8], chat: bool) -> Result<Reply, (u16, String)> {
+    if headers.get("content-type").and_then(|v| v.to_str().ok()).is_none_or(|c| !c.starts_with("application/json")) {
         return Err(error_body(
             400,
             "Bad Request",
@@ -420,10 +375,7 @@ fn completion(
             return Err(error_body(
                 404,
                 "NotFoundError",
-                &format!(
-                    "The model `{model}` does not exist. Valid aliases: {}.",
-                    config.model
-                ),
+                &format!("The model `{model}` does not exist. Valid aliases: {}.", config.model),
                 Some("model"),
             ));
         }
@@ -437,28 +389,20 @@ fn completion(
             Some("stream_options"),
         ));
     }
-    let max_tokens = body["max_completion_tokens"]
-        .as_u64()
-        .or(body["max_tokens"].as_u64())
-        .unwrap_or(if chat { 8 } else { 16 });
+    let max_tokens =
+        body["max_completion_tokens"].as_u64().or(body["max_tokens"].as_u64()).unwrap_or(if chat { 8 } else { 16 });
     if let Some(min) = body["min_tokens"].as_u64() {
         if min > max_tokens {
             return Err(error_body(
                 400,
                 "BadRequestError",
-                &format!(
-                    "min_tokens must be less than or equal to max_tokens={max_tokens}, got {min}."
-                ),
+                &format!("min_tokens must be less than or equal to max_tokens={max_tokens}, got {min}."),
                 None,
             ));
         }
     }
     let version_ok = config.version.as_str() >= "0.27.0" || config.version.starts_with("0.3");
-    let reused = if chat && version_ok {
-        body["kv_transfer_params"].get("prompt_token_ids").cloned()
-    } else {
-        None
-    };
+    let reused = if chat && version_ok { body["kv_transfer_params"].get("prompt_token_ids").cloned() } else { None };
     let prompt_ids: Vec<u64> = if let Some(ids) = reused {
         let arr = ids.as_array().ok_or_else(|| {
             error_body(
@@ -476,69 +420,38 @@ fn completion(
                 Some("kv_transfer_params.prompt_token_ids"),
             ));
         }
-        arr.iter()
-            .map(|v| v.as_u64().filter(|&i| i < 151_936))
-            .collect::<Option<Vec<u64>>>()
-            .ok_or_else(|| {
-                error_body(
-                    400,
-                    "BadRequestError",
-                    "Token id out of vocabulary",
-                    Some("kv_transfer_params.prompt_token_ids"),
-                )
-            })?
+        arr.iter().map(|v| v.as_u64().filter(|&i| i < 151_936)).collect::<Option<Vec<u64>>>().ok_or_else(|| {
+            error_body(
+                400,
+                "BadRequestError",
+                "Token id out of vocabulary",
+                Some("kv_transfer_params.prompt_token_ids"),
+            )
+        })?
     } else if chat {
         fake_tokenize(&fake_render_chat(&body))
     } else {
         match &body["prompt"] {
             Value::String(s) => fake_tokenize(s),
-            Value::Array(a) if a.iter().all(Value::is_u64) => {
-                a.iter().filter_map(Value::as_u64).collect()
-            }
-            Value::Array(a) => a
-                .first()
-                .and_then(Value::as_str)
-                .map(fake_tokenize)
-                .unwrap_or_default(),
-            _ => {
-                return Err(error_body(
-                    400,
-                    "BadRequestError",
-                    "You must pass at least one prompt",
-                    None,
-                ))
-            }
+            Value::Array(a) if a.iter().all(Value::is_u64) => a.iter().filter_map(Value::as_u64).collect(),
+            Value::Array(a) => a.first().and_then(Value::as_str).map(fake_tokenize).unwrap_or_default(),
+            _ => return Err(error_body(400, "BadRequestError", "You must pass at least one prompt", None)),
         }
     };
     if prompt_ids.iter().any(|&i| i >= 151_936) {
-        return Err(error_body(
-            400,
-            "BadRequestError",
-            "Token id is out of vocabulary",
-            None,
-        ));
+        return Err(error_body(400, "BadRequestError", "Token id is out of vocabulary", None));
     }
     let out = output_ids(&prompt_ids, max_tokens as usize);
     let want_ids = body["return_token_ids"].as_bool().unwrap_or(false);
-    let rid = headers
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("0000");
-    let id = if chat {
-        format!("chatcmpl-{rid}")
-    } else {
-        format!("cmpl-{rid}")
-    };
+    let rid = headers.get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("0000");
+    let id = if chat { format!("chatcmpl-{rid}") } else { format!("cmpl-{rid}") };
     let model = &config.model;
     let created = 1796062677u64;
     let n_prompt = prompt_ids.len();
     let prompt_json = if config.omit_prompt_ids || !want_ids {
         "null".to_owned()
     } else {
-        config
-            .corrupt_prompt_ids
-            .clone()
-            .unwrap_or_else(|| ids_json(&prompt_ids))
+        config.corrupt_prompt_ids.clone().unwrap_or_else(|| ids_json(&prompt_ids))
     };
     let remote_decode = body["kv_transfer_params"]["do_remote_decode"].as_bool() == Some(true);
     let kv = if !remote_decode {
@@ -550,16 +463,10 @@ fn completion(
     } else {
         "null".to_owned()
     };
-    let details = config
-        .cached_tokens
-        .map_or("null".to_owned(), |c| format!("{{\"cached_tokens\":{c}}}"));
+    let details = config.cached_tokens.map_or("null".to_owned(), |c| format!("{{\"cached_tokens\":{c}}}"));
     let text: String = out.iter().map(|&t| token_text(t)).collect();
     let total = n_prompt + out.len();
-    let out_ids = if want_ids {
-        ids_json(&out)
-    } else {
-        "null".into()
-    };
+    let out_ids = if want_ids { ids_json(&out) } else { "null".into() };
     let fingerprint = format!("vllm-{}-91c5f304", config.version);
     if !stream {
         let text_json = serde_json::to_string(&text).unwrap();
@@ -570,9 +477,7 @@ fn completion(
             format!("{{\"id\":\"{id}\",\"object\":\"text_completion\",\"created\":{created},\"model\":\"{model}\",\"choices\":[{{\"index\":0,\"text\":{text_json},\"logprobs\":null,\"finish_reason\":\"length\",\"stop_reason\":null,\"token_ids\":{out_ids},\"prompt_logprobs\":null,\"prompt_token_ids\":{prompt_json},\"routed_experts\":null}}],\"service_tier\":null,\"system_fingerprint\":\"{fingerprint}\",\"usage\":{usage},\"kv_transfer_params\":{kv},\"ec_transfer_params\":null,\"metrics\":null}}")
         }));
     }
-    let include_usage = body["stream_options"]["include_usage"]
-        .as_bool()
-        .unwrap_or(false);
+    let include_usage = body["stream_options"]["include_usage"].as_bool().unwrap_or(false);
     let mut events = Vec::new();
     let last = out.len().saturating_sub(1);
     if chat {
@@ -580,37 +485,21 @@ fn completion(
     }
     for (i, &t) in out.iter().enumerate() {
         let tj = serde_json::to_string(&token_text(t)).unwrap();
-        let tid = if want_ids {
-            format!(",\"token_ids\":[{t}]")
-        } else {
-            ",\"token_ids\":null".to_owned()
-        };
-        let finish = if i == last {
-            "\"length\",\"stop_reason\":null"
-        } else {
-            "null"
-        };
+        let tid = if want_ids { format!(",\"token_ids\":[{t}]") } else { ",\"token_ids\":null".to_owned() };
+        let finish = if i == last { "\"length\",\"stop_reason\":null" } else { "null" };
         if chat {
             events.push(format!("data: {{\"id\":\"{id}\",\"object\":\"chat.completion.chunk\",\"created\":{created},\"model\":\"{model}\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":{tj}}},\"logprobs\":null,\"finish_reason\":{finish}{tid}}}]}}\n\n"));
         } else {
-            let p = if i == 0 {
-                prompt_json.clone()
-            } else {
-                "null".into()
-            };
+            let p = if i == 0 { prompt_json.clone() } else { "null".into() };
             let fin = if i == last { "\"length\"" } else { "null" };
             events.push(format!("data: {{\"id\":\"{id}\",\"object\":\"text_completion\",\"created\":{created},\"model\":\"{model}\",\"choices\":[{{\"index\":0,\"text\":{tj},\"logprobs\":null,\"finish_reason\":{fin},\"stop_reason\":null,\"prompt_token_ids\":{p}{tid}}}]}}\n\n"));
         }
     }
     if include_usage {
-        let obj = if chat {
-            "chat.completion.chunk"
-        } else {
-            "text_completion"
-        };
-        let det = config.cached_tokens.map_or(String::new(), |c| {
-            format!(",\"prompt_tokens_details\":{{\"cached_tokens\":{c}}}")
-        });
+        let obj = if chat { "chat.completion.chunk" } else { "text_completion" };
+        let det = config
+            .cached_tokens
+            .map_or(String::new(), |c| format!(",\"prompt_tokens_details\":{{\"cached_tokens\":{c}}}"));
         events.push(format!("data: {{\"id\":\"{id}\",\"object\":\"{obj}\",\"created\":{created},\"model\":\"{model}\",\"choices\":[],\"usage\":{{\"prompt_tokens\":{n_prompt},\"total_tokens\":{total},\"completion_tokens\":{}{det}}},\"system_fingerprint\":\"{fingerprint}\"}}\n\n", out.len()));
     }
     events.push("data: [DONE]\n\n".to_owned());
@@ -618,10 +507,7 @@ fn completion(
         // Re-cut the whole stream into n-byte pieces so events split mid-JSON and mid-"\n\n".
         let joined: String = events.concat();
         let bytes = joined.into_bytes();
-        events = bytes
-            .chunks(n.max(1))
-            .map(|c| String::from_utf8_lossy(c).into_owned())
-            .collect();
+        events = bytes.chunks(n.max(1)).map(|c| String::from_utf8_lossy(c).into_owned()).collect();
         // from_utf8_lossy on cuts inside multi-byte chars would corrupt; the fake only emits ASCII.
     }
     Ok(Reply::Sse(events))

@@ -1,14 +1,7 @@
 //! Shared integration-test harness: a fake vLLM (`fake_vllm`), the real `tokenonce` binary
 //! started on free loopback ports with a given config, and small HTTP helpers.
 
-#![allow(
-    dead_code,
-    unused_imports,
-    clippy::unwrap_used,
-    clippy::expect_used,
-    clippy::panic,
-    clippy::indexing_slicing
-)]
+#![allow(dead_code, unused_imports, clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 pub mod fake_vllm;
 
@@ -21,11 +14,7 @@ pub use fake_vllm::{fake_render_chat, fake_tokenize, FakeConfig, FakeVllm};
 
 /// A free loopback port (bound then released).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// A running tokenonce process; killed on drop.
@@ -50,10 +39,7 @@ impl TokenOnce {
         let text = format!(
             "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nthreads = 2\ngrace_period_seconds = 1\ngraceful_shutdown_timeout_seconds = 1\n\n[upstream]\nhealth_interval_ms = 200\n\n{config}"
         );
-        std::fs::File::create(&path)
-            .unwrap()
-            .write_all(text.as_bytes())
-            .unwrap();
+        std::fs::File::create(&path).unwrap().write_all(text.as_bytes()).unwrap();
         let log = dir.path().join("tokenonce.log");
         let child = Command::new(env!("CARGO_BIN_EXE_tokenonce"))
             .arg("--config")
@@ -74,16 +60,11 @@ impl TokenOnce {
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
             if let Ok(r) = client.get(format!("{}/healthz", me.admin)).send().await {
-                if r.status() == 200 && client.get(format!("{}/v1/x", me.url)).send().await.is_ok()
-                {
+                if r.status() == 200 && client.get(format!("{}/v1/x", me.url)).send().await.is_ok() {
                     break;
                 }
             }
-            assert!(
-                Instant::now() < deadline,
-                "tokenonce did not start:\n{}",
-                me.log_text()
-            );
+            assert!(Instant::now() < deadline, "tokenonce did not start:\n{}", me.log_text());
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         me
@@ -96,29 +77,18 @@ impl TokenOnce {
 
     /// Scrapes `/metrics`.
     pub async fn metrics(&self) -> String {
-        reqwest::get(format!("{}/metrics", self.admin))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
+        reqwest::get(format!("{}/metrics", self.admin)).await.unwrap().text().await.unwrap()
     }
 
     /// Waits until `/readyz` answers `status` (bounded: 10 s).
     pub async fn wait_ready(&self, status: u16) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let got = reqwest::get(format!("{}/readyz", self.admin))
-                .await
-                .map(|r| r.status().as_u16())
-                .unwrap_or(0);
+            let got = reqwest::get(format!("{}/readyz", self.admin)).await.map(|r| r.status().as_u16()).unwrap_or(0);
             if got == status {
                 return;
             }
-            assert!(
-                Instant::now() < deadline,
-                "readyz stayed {got}, wanted {status}"
-            );
+            assert!(Instant::now() < deadline, "readyz stayed {got}, wanted {status}");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -127,10 +97,7 @@ impl TokenOnce {
     pub async fn metric(&self, series: &str) -> f64 {
         let text = self.metrics().await;
         text.lines()
-            .find_map(|l| {
-                l.strip_prefix(series)
-                    .and_then(|rest| rest.strip_prefix(' '))
-            })
+            .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
             .map_or(0.0, |v| v.trim().parse().unwrap())
     }
 }
@@ -152,11 +119,7 @@ pub fn pd_config(prefill: &FakeVllm, decode: &FakeVllm, route_extra: &str) -> St
 }
 
 /// Starts a prefill fake, a decode fake and tokenonce between them.
-pub async fn pd_setup(
-    prefill: FakeConfig,
-    decode: FakeConfig,
-    route_extra: &str,
-) -> (FakeVllm, FakeVllm, TokenOnce) {
+pub async fn pd_setup(prefill: FakeConfig, decode: FakeConfig, route_extra: &str) -> (FakeVllm, FakeVllm, TokenOnce) {
     let p = FakeVllm::start(prefill).await;
     let d = FakeVllm::start(decode).await;
     let proxy = TokenOnce::start(&pd_config(&p, &d, route_extra)).await;
@@ -185,10 +148,7 @@ pub async fn post_raw(
     body: impl Into<reqwest::Body>,
     headers: &[(&str, &str)],
 ) -> (u16, reqwest::header::HeaderMap, String) {
-    let mut req = reqwest::Client::new()
-        .post(url)
-        .header("content-type", "application/json")
-        .body(body);
+    let mut req = reqwest::Client::new().post(url).header("content-type", "application/json").body(body);
     for (k, v) in headers {
         req = req.header(*k, *v);
     }

@@ -1,0 +1,329 @@
+#!/usr/bin/env python3
+"""Record real vLLM request/response exchanges as JSON fixtures for tokenonce's Rust tests.
+
+Sends a fixed list of requests to a vLLM OpenAI-compatible server (started with
+tests/e2e/vllm/start.sh: model "tiny-qwen3", random weights, real Qwen3 tokenizer) and
+writes one file per exchange, OUT/<name>.json, with this envelope (keys in this order):
+
+    {"name", "vllm_version", "method", "path", "request_headers", "request_body",
+     "status", "response_headers", "response_body"}
+
+request_body and response_body hold the exact bytes sent and received (decoded as UTF-8;
+SSE streams byte for byte). Python 3 standard library only.
+
+Usage:
+    python3 tests/e2e/record_fixtures.py --port 8311 --out tests/fixtures/vllm [--port2 8312]
+
+With --port2, every decode leg (the names containing "decode") is sent to the second
+server, as a P/D sidecar would; everything else goes to --port. Prints one line per
+fixture (name, status, bytes, milliseconds), then the result of a few consistency checks;
+exits 1 if a check fails (the fixtures are written anyway).
+"""
+
+import argparse
+import http.client
+import json
+import os
+import sys
+import time
+
+MODEL = "tiny-qwen3"
+HOST = "127.0.0.1"  # loopback only
+TIMEOUT_S = 120
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hello there!"},
+]
+
+# What a P/D sidecar (vLLM's toy proxy) puts on the prefill leg.
+PREFILL_KV = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+STREAM_USAGE = {"stream": True, "stream_options": {"include_usage": True}}
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "City name"}},
+            "required": ["city"],
+        },
+    },
+}
+
+TOOLS_MESSAGES = [
+    {"role": "system", "content": "You are a weather assistant. Use the tools."},
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_0",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_0", "content": "{\"temp_c\": 18, \"sky\": \"clear\"}"},
+    {"role": "user", "content": "Should I take an umbrella?"},
+]
+
+MULTITURN_MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hello there!"},
+    # Qwen3's template drops the <think> part of assistant turns before the last user turn.
+    {"role": "assistant", "content": "<think>\nA greeting.\n</think>\n\nHi."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4."},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "6."},
+    {"role": "user", "content": "Thanks, bye."},
+]
+
+
+def dumps(obj):
+    """Compact JSON, as a proxy would send it."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def chat(messages=MESSAGES, **fields):
+    return {"model": MODEL, "messages": messages, **fields}
+
+
+def completion(prompt, **fields):
+    return {"model": MODEL, "prompt": prompt, **fields}
+
+
+def prefill(body):
+    """Shape a request as the prefill leg of P/D."""
+    return {**body, "max_tokens": 1, "temperature": 0, "stream": False,
+            "return_token_ids": True, "kv_transfer_params": dict(PREFILL_KV)}
+
+
+def decode_chat(ids, **fields):
+    """The chat decode leg in token-in form."""
+    return chat(max_tokens=5, temperature=0, **fields,
+                kv_transfer_params={"prompt_token_ids": ids})
+
+
+class Recorder:
+    def __init__(self, port, port2, out):
+        self.ports = {1: port, 2: port2 or port}
+        self.out = out
+        self.versions = {}
+        self.results = {}
+        self.timings = []
+
+    def version(self, which):
+        if which not in self.versions:
+            status, _, body = self.send(which, "GET", "/version", None)
+            if status != 200:
+                sys.exit(f"GET /version on port {self.ports[which]} answered {status}")
+            self.versions[which] = json.loads(body)["version"]
+        return self.versions[which]
+
+    def send(self, which, method, path, body):
+        conn = http.client.HTTPConnection(HOST, self.ports[which], timeout=TIMEOUT_S)
+        try:
+            headers = {} if body is None else {"Content-Type": "application/json"}
+            conn.request(method, path, body=body, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()  # de-chunked, otherwise untouched (no Accept-Encoding sent)
+            return resp.status, resp.getheader("content-type"), raw
+        finally:
+            conn.close()
+
+    def record(self, name, path, body, method="POST", which=1):
+        """body: a dict (sent as compact JSON), a str (sent as is), or None (GET)."""
+        if isinstance(body, dict):
+            body = dumps(body)
+        body_bytes = None if body is None else body.encode("utf-8")
+        version = self.version(which)
+        t0 = time.monotonic()
+        status, ctype, raw = self.send(which, method, path, body_bytes)
+        ms = (time.monotonic() - t0) * 1000.0
+        text = raw.decode("utf-8")  # strict: fixtures must hold the exact bytes
+        fixture = {
+            "name": name,
+            "vllm_version": version,
+            "method": method,
+            "path": path,
+            "request_headers": {} if body is None else {"content-type": "application/json"},
+            "request_body": "" if body is None else body,
+            "status": status,
+            "response_headers": {} if ctype is None else {"content-type": ctype},
+            "response_body": text,
+        }
+        with open(os.path.join(self.out, name + ".json"), "w", encoding="utf-8") as f:
+            json.dump(fixture, f, indent=2, ensure_ascii=False)
+            f.write("\n")
+        self.results[name] = fixture
+        self.timings.append((name, ms))
+        print(f"{name:36s} {status:3d} {len(raw):7d} bytes {ms:8.1f} ms  (port {self.ports[which]})",
+              flush=True)
+        return fixture
+
+    def json_body(self, name):
+        return json.loads(self.results[name]["response_body"])
+
+
+def sse_events(body):
+    """The JSON payloads of an SSE body, without the final [DONE]."""
+    events = []
+    for block in body.split("\n\n"):
+        for line in block.split("\n"):
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: "):]))
+    return events
+
+
+def stream_text(body, kind):
+    parts = []
+    for ev in sse_events(body):
+        for ch in ev.get("choices", []):
+            if kind == "chat":
+                parts.append(ch.get("delta", {}).get("content") or "")
+            else:
+                parts.append(ch.get("text") or "")
+    return "".join(parts)
+
+
+def stream_usage(body):
+    usages = [ev["usage"] for ev in sse_events(body) if ev.get("usage")]
+    return usages[-1] if usages else None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--port", type=int, required=True, help="vLLM server on 127.0.0.1 (prefill and plain requests)")
+    ap.add_argument("--port2", type=int, help="optional second server on 127.0.0.1 for the decode legs")
+    ap.add_argument("--out", required=True, help="output folder, e.g. tests/fixtures/vllm")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    r = Recorder(args.port, args.port2, args.out)
+    D = 2  # decode legs go to port2 when given
+    CHAT, COMPL = "/v1/chat/completions", "/v1/completions"
+
+    # ---- P/D prefill legs
+    r.record("chat_prefill", CHAT, prefill(chat()))
+    chat_ids = r.json_body("chat_prefill")["prompt_token_ids"]
+    r.record("completions_prefill", COMPL, prefill(completion("Hello there!")))
+    compl_ids = r.json_body("completions_prefill")["choices"][0]["prompt_token_ids"]
+
+    # ---- decode legs, token-in
+    r.record("chat_decode_ids", CHAT, decode_chat(chat_ids), which=D)
+    r.record("chat_decode_ids_stream", CHAT, decode_chat(chat_ids, **STREAM_USAGE), which=D)
+    r.record("chat_decode_short_ids", CHAT, decode_chat(chat_ids[:10]), which=D)
+    r.record("completions_decode_ids", COMPL, completion(compl_ids, max_tokens=5, temperature=0), which=D)
+    r.record("completions_decode_ids_stream", COMPL,
+             completion(compl_ids, max_tokens=5, temperature=0, **STREAM_USAGE), which=D)
+
+    # ---- plain (no kv_transfer_params), for comparison
+    r.record("chat_plain", CHAT, chat(max_tokens=5, temperature=0))
+    r.record("chat_plain_stream", CHAT, chat(max_tokens=5, temperature=0, **STREAM_USAGE))
+    r.record("chat_stream_return_ids", CHAT,
+             chat(max_tokens=5, temperature=0, **STREAM_USAGE, return_token_ids=True))
+    r.record("completions_plain_stream", COMPL,
+             completion("Hello there!", max_tokens=5, temperature=0, **STREAM_USAGE))
+
+    # ---- more prefill shapes (template features)
+    # tool_choice "none": the default "auto" needs --enable-auto-tool-choice and
+    # --tool-call-parser on the server (see err_tools_auto_without_parser); with "none"
+    # the tools are still rendered into the prompt (vLLM's default).
+    r.record("chat_tools_prefill", CHAT,
+             prefill(chat(TOOLS_MESSAGES, tools=[WEATHER_TOOL], tool_choice="none")))
+    r.record("chat_thinking_off_prefill", CHAT,
+             prefill(chat(chat_template_kwargs={"enable_thinking": False})))
+    r.record("chat_multiturn_prefill", CHAT, prefill(chat(MULTITURN_MESSAGES)))
+
+    # ---- errors
+    r.record("err_unknown_model", CHAT, {**chat(max_tokens=5, temperature=0), "model": "nope"})
+    r.record("err_invalid_json", CHAT, '{"model":"tiny-qwen3","messages":[')
+    r.record("err_decode_oov_id", CHAT, decode_chat([151644, 999999]), which=D)
+    r.record("err_decode_negative_id", CHAT, decode_chat([1, -2]), which=D)
+    r.record("err_decode_empty_ids", CHAT, decode_chat([]), which=D)
+    r.record("err_prompt_too_long", COMPL, completion([9707] * 50000, max_tokens=5, temperature=0))
+    r.record("err_stream_options_without_stream", CHAT,
+             chat(max_tokens=5, temperature=0, stream_options={"include_usage": True}))
+    r.record("err_min_tokens_gt_max", CHAT, chat(max_tokens=1, min_tokens=5, temperature=0))
+    r.record("err_tools_auto_without_parser", CHAT, prefill(chat(TOOLS_MESSAGES, tools=[WEATHER_TOOL])))
+
+    # ---- GET endpoints
+    r.record("get_version", "/version", None, method="GET")
+    r.record("get_models", "/v1/models", None, method="GET")
+    r.record("get_health", "/health", None, method="GET")
+
+    # ---- consistency checks
+    failures = []
+
+    def check(label, ok, detail=""):
+        print(f"CHECK {'ok  ' if ok else 'FAIL'} {label}{(': ' + detail) if detail else ''}")
+        if not ok:
+            failures.append(label)
+
+    plain = r.json_body("chat_plain")
+    dec = r.json_body("chat_decode_ids")
+    plain_text = plain["choices"][0]["message"]["content"]
+    ids_stream = sse_events(r.results["chat_stream_return_ids"]["response_body"])
+    plain_out_ids = [i for ev in ids_stream for ch in ev.get("choices", []) for i in (ch.get("token_ids") or [])]
+    check("chat_prefill prompt ids", len(chat_ids) > 0, f"{len(chat_ids)} ids {chat_ids}")
+    check("chat_stream_return_ids prompt ids == chat_prefill ids",
+          ids_stream[0].get("prompt_token_ids") == chat_ids)
+    check("chat_decode_ids text == chat_plain text", dec["choices"][0]["message"]["content"] == plain_text,
+          repr(plain_text))
+    check("chat_decode_ids usage == chat_plain usage",
+          (dec["usage"]["prompt_tokens"], dec["usage"]["completion_tokens"])
+          == (plain["usage"]["prompt_tokens"], plain["usage"]["completion_tokens"]),
+          json.dumps(dec["usage"]))
+    check("chat_decode_ids_stream text == chat_plain text",
+          stream_text(r.results["chat_decode_ids_stream"]["response_body"], "chat") == plain_text)
+    check("chat_plain_stream text == chat_plain text",
+          stream_text(r.results["chat_plain_stream"]["response_body"], "chat") == plain_text)
+    check("chat_stream_return_ids text == chat_plain text",
+          stream_text(r.results["chat_stream_return_ids"]["response_body"], "chat") == plain_text,
+          f"output ids {plain_out_ids}")
+    check("chat_decode_ids_stream usage == chat_plain usage",
+          stream_usage(r.results["chat_decode_ids_stream"]["response_body"])["prompt_tokens"]
+          == plain["usage"]["prompt_tokens"])
+    short = r.json_body("chat_decode_short_ids")
+    check("chat_decode_short_ids usage.prompt_tokens follows the ids (10)",
+          short.get("usage", {}).get("prompt_tokens") == 10,
+          f"usage {json.dumps(short.get('usage'))}, text {short['choices'][0]['message']['content']!r}")
+    cdec = r.json_body("completions_decode_ids")
+    ctext = cdec["choices"][0]["text"]
+    check("completions_decode_ids text == completions_plain_stream text",
+          stream_text(r.results["completions_plain_stream"]["response_body"], "completions") == ctext,
+          repr(ctext))
+    check("completions_decode_ids_stream text == completions_decode_ids text",
+          stream_text(r.results["completions_decode_ids_stream"]["response_body"], "completions") == ctext)
+    for name in ("chat_prefill", "completions_prefill", "chat_tools_prefill",
+                 "chat_thinking_off_prefill", "chat_multiturn_prefill"):
+        b = r.json_body(name)
+        ok = r.results[name]["status"] == 200 and "choices" in b
+        check(f"{name} answered 200", ok, "" if ok else r.results[name]["response_body"][:200])
+        if ok:
+            ids = b.get("prompt_token_ids") or b["choices"][0].get("prompt_token_ids")
+            print(f"INFO  {name}: {len(ids)} prompt ids, "
+                  f"kv_transfer_params={json.dumps(b.get('kv_transfer_params'))}")
+    for name in sorted(r.results):
+        if name.startswith("err_"):
+            f = r.results[name]
+            print(f"INFO  {name}: {f['status']} {f['response_body'][:160]}")
+    if failures:
+        print(f"{len(failures)} check(s) failed", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
