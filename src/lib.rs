@@ -13,6 +13,7 @@
 //! - `server`: wiring config into a pingora server.
 
 pub mod config;
+pub mod handoff;
 pub mod metrics;
 pub mod openai;
 pub mod proxy;
@@ -48,6 +49,8 @@ pub struct App {
     pub metrics: Metrics,
     /// Their registry.
     pub registry: Registry,
+    /// Relay-mode ids waiting for their decode.
+    pub cache: handoff::IdCache,
 }
 
 impl App {
@@ -65,7 +68,9 @@ impl App {
         let pools = config.pools.iter().map(|spec| Arc::new(Pool::new(spec))).collect();
         let client = Arc::new(UpstreamClient::new(config.upstream.connect_timeout, config.upstream.idle_timeout));
         let max_body_bytes = config.routes.iter().map(|r| r.options.max_body_bytes).max().unwrap_or(32 << 20);
+        let cache = handoff::IdCache::new(config.cache.capacity_bytes, config.cache.ttl);
         Ok(Self {
+            cache,
             passthrough_pool: config.passthrough_pool,
             config,
             routes,

@@ -234,7 +234,7 @@ impl Metrics {
             }
             self.upstream_retries.with_label_values(&[stage]);
         }
-        for result in ["hit", "miss", "expired"] {
+        for result in ["hit", "miss", "expired", "mismatch"] {
             self.cache_lookups.with_label_values(&[result]);
         }
         for reason in ["ttl", "capacity"] {

@@ -53,6 +53,10 @@ pub fn build(config: Config) -> Result<Server, BuildError> {
         client: Arc::clone(&app.client),
         metrics: app.metrics.clone(),
         interval,
+        on_tick: {
+            let app = Arc::clone(&app);
+            Box::new(move || crate::proxy::relay::sweep_cache(&app))
+        },
     };
 
     let mut proxy = http_proxy_service_with_name(&server.configuration, Proxy { app: Arc::clone(&app) }, "tokenonce");

@@ -25,6 +25,19 @@ pub struct File {
     /// Ordered routing rules; the first match wins.
     #[serde(default)]
     pub routes: Vec<Spanned<Route>>,
+    /// The relay-mode id cache.
+    #[serde(default)]
+    pub cache: Cache,
+}
+
+/// `[cache]`
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Cache {
+    /// Largest total size of cached ids, bytes (default 256 MiB).
+    pub capacity_bytes: Option<Spanned<i64>>,
+    /// How long ids wait for their decode, ms (default 30000: vLLM's KV hold on the prefill).
+    pub ttl_ms: Option<Spanned<i64>>,
 }
 
 /// `[server]`
@@ -88,8 +101,11 @@ pub struct Route {
     /// What requests this route takes.
     #[serde(default, rename = "match")]
     pub matcher: Match,
-    /// `orchestrate` or `passthrough`.
+    /// `orchestrate`, `relay` or `passthrough`.
     pub mode: Spanned<String>,
+    /// Relay only: `cache` (ids kept here until the decode) or `stateless` (ids ride in the
+    /// prefill response's `kv_transfer_params`, which the orchestrator copies to the decode).
+    pub relay_handoff: Option<Spanned<String>>,
     /// Where the prefill leg goes (orchestrate only).
     pub prefill: Option<Spanned<Prefill>>,
     /// Pool of the decode leg (and of passthrough).

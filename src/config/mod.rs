@@ -5,8 +5,8 @@ pub mod file;
 pub mod model;
 
 pub use model::{
-    AllowEntry, Balance, Config, ConfigError, Mode, PoolSpec, PrefillSource, Problem, RouteMatch, RouteOptions,
-    RouteSpec, Version,
+    AllowEntry, Balance, CacheSettings, Config, ConfigError, Mode, PoolSpec, PrefillSource, Problem, RelayHandoff,
+    RouteMatch, RouteOptions, RouteSpec, Version,
 };
 
 /// The embedded default configuration text.

@@ -96,8 +96,28 @@ pub struct PoolSpec {
 pub enum Mode {
     /// tokenonce runs the prefill and the decode leg itself.
     Orchestrate,
+    /// An orchestrator sends both legs; tokenonce rewrites each and correlates them.
+    Relay,
     /// Proxied byte for byte to the decode pool.
     Passthrough,
+}
+
+/// How relay mode hands ids from the prefill to the decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RelayHandoff {
+    /// Kept in this instance's cache, found again by correlation keys.
+    Cache,
+    /// Returned inside the prefill response's `kv_transfer_params.prompt_token_ids`.
+    Stateless,
+}
+
+/// The relay cache bounds.
+#[derive(Debug, Clone)]
+pub struct CacheSettings {
+    /// Byte capacity.
+    pub capacity_bytes: usize,
+    /// Entry lifetime.
+    pub ttl: Duration,
 }
 
 impl Mode {
@@ -105,6 +125,7 @@ impl Mode {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Orchestrate => "orchestrate",
+            Self::Relay => "relay",
             Self::Passthrough => "passthrough",
         }
     }
@@ -146,6 +167,8 @@ pub struct RouteOptions {
     pub max_body_bytes: usize,
     /// Tests only: relay just the first N prompt ids.
     pub test_truncate_prompt_ids: Option<usize>,
+    /// Relay mode: where the ids wait between the legs.
+    pub relay_handoff: RelayHandoff,
 }
 
 /// What a route matches.
@@ -219,6 +242,8 @@ pub struct Config {
     pub routes: Vec<RouteSpec>,
     /// Pool for unmatched requests.
     pub passthrough_pool: usize,
+    /// Relay cache bounds.
+    pub cache: CacheSettings,
 }
 
 /// Collects problems while converting.
@@ -317,7 +342,12 @@ impl Config {
     }
 
     fn check(f: file::File, ck: &mut Checker<'_>) -> Self {
-        let file::File { server, upstream, pools, defaults, routes } = f;
+        let file::File { server, upstream, pools, defaults, routes, cache } = f;
+        let file::Cache { capacity_bytes, ttl_ms } = cache;
+        let cache = CacheSettings {
+            capacity_bytes: ck.positive(&capacity_bytes, "cache.capacity_bytes", 256 * 1024 * 1024, 1 << 40) as usize,
+            ttl: Duration::from_millis(ck.positive(&ttl_ms, "cache.ttl_ms", 30_000, 3_600_000)),
+        };
 
         let file::Server {
             listen,
@@ -443,6 +473,7 @@ impl Config {
                 name,
                 matcher,
                 mode,
+                relay_handoff,
                 prefill,
                 decode_pool,
                 token_reuse,
@@ -462,12 +493,13 @@ impl Config {
             seen_names.push(name.get_ref().clone());
             let mode = match mode.get_ref().as_str() {
                 "orchestrate" => Mode::Orchestrate,
+                "relay" => Mode::Relay,
                 "passthrough" => Mode::Passthrough,
                 other => {
                     ck.at(
                         Some(mode.span()),
                         format!("{key}.mode"),
-                        format!("`{other}` is not orchestrate or passthrough"),
+                        format!("`{other}` is not orchestrate, relay or passthrough"),
                     );
                     Mode::Passthrough
                 }
@@ -511,7 +543,24 @@ impl Config {
                     ck.at(Some(p.span()), format!("{key}.prefill"), "passthrough routes have no prefill");
                     None
                 }
-                (Mode::Passthrough, None) => None,
+                (Mode::Passthrough | Mode::Relay, None) => None,
+                (Mode::Relay, Some(p)) => {
+                    let pspan = p.span();
+                    let file::Prefill { pool, header, allow } = p.into_inner();
+                    match (pool, header, allow.is_empty()) {
+                        (Some(pool), None, true) => {
+                            Some(PrefillSource::Pool(pool_index(ck, &pool, &format!("{key}.prefill.pool"))))
+                        }
+                        _ => {
+                            ck.at(
+                                Some(pspan),
+                                format!("{key}.prefill"),
+                                "relay routes take only `prefill = { pool = ... }`",
+                            );
+                            None
+                        }
+                    }
+                }
                 (Mode::Orchestrate, Some(p)) => {
                     let pspan = p.span();
                     let file::Prefill { pool, header, allow } = p.into_inner();
@@ -581,6 +630,18 @@ impl Config {
                     DEFAULT_BODY_LIMIT,
                     1 << 30,
                 ) as usize,
+                relay_handoff: match relay_handoff.as_ref().map(|h| (h.get_ref().as_str(), h.span())) {
+                    None | Some(("cache", _)) => RelayHandoff::Cache,
+                    Some(("stateless", _)) => RelayHandoff::Stateless,
+                    Some((other, span)) => {
+                        ck.at(
+                            Some(span),
+                            format!("{key}.relay_handoff"),
+                            format!("`{other}` is not cache or stateless"),
+                        );
+                        RelayHandoff::Cache
+                    }
+                },
                 test_truncate_prompt_ids: test_truncate_prompt_ids.as_ref().map(|_| {
                     ck.positive(&test_truncate_prompt_ids, &format!("{key}.test_truncate_prompt_ids"), 1, 1 << 24)
                         as usize
@@ -598,6 +659,6 @@ impl Config {
         if pool_specs.is_empty() {
             ck.at(None, "pools", "at least one pool is needed");
         }
-        Self { server, upstream, pools: pool_specs, routes: route_specs, passthrough_pool }
+        Self { server, upstream, pools: pool_specs, routes: route_specs, passthrough_pool, cache }
     }
 }

@@ -6,6 +6,7 @@
 //! → fail_to_proxy (passthrough errors, OpenAI-shaped) → logging (metrics, access log).
 
 pub mod pd;
+pub mod relay;
 pub mod respond;
 
 use std::sync::Arc;
@@ -131,7 +132,7 @@ impl Proxy {
         let route = route_index.and_then(|i| app.routes.routes().get(i));
         let req = pd::Incoming { path_and_query: &path_and_query, headers: &headers, body: &body };
 
-        let Some(route) = route.filter(|r| r.mode == Mode::Orchestrate) else {
+        let Some(route) = route.filter(|r| r.mode != Mode::Passthrough) else {
             // Passthrough with a body already read: forward it unchanged ourselves.
             ctx.mode = Mode::Passthrough;
             let pool = route.map_or(app.passthrough_pool, |r| r.decode_pool);
@@ -141,7 +142,7 @@ impl Proxy {
             let name = app.route_label(ctx.route).to_owned();
             return pd::forward(app, session, ctx, endpoint, &req, None, &name).await;
         };
-        ctx.mode = Mode::Orchestrate;
+        ctx.mode = route.mode;
         if body.len() > route.options.max_body_bytes {
             return respond::write_error(session, ctx, &ApiError::BodyTooLarge { limit: route.options.max_body_bytes })
                 .await;
@@ -164,7 +165,10 @@ impl Proxy {
                 return respond::write_error(session, ctx, &ApiError::invalid("body is not a JSON object", None)).await
             }
         };
-        pd::orchestrate(app, session, ctx, route, &obj, &view, &req).await;
+        match route.mode {
+            Mode::Relay => relay::handle(app, session, ctx, route, &obj, &view, &req).await,
+            _ => pd::orchestrate(app, session, ctx, route, &obj, &view, &req).await,
+        }
     }
 }
 
@@ -359,7 +363,10 @@ impl ProxyHttp for Admin {
 
     async fn request_filter(&self, session: &mut Session, _ctx: &mut ()) -> Result<bool> {
         let (status, content_type, body): (u16, &str, Vec<u8>) = match session.req_header().uri.path() {
-            "/metrics" => (200, "text/plain; version=0.0.4", Metrics::render(&self.app.registry)),
+            "/metrics" => {
+                relay::sweep_cache(&self.app);
+                (200, "text/plain; version=0.0.4", Metrics::render(&self.app.registry))
+            }
             "/healthz" => (200, "text/plain", b"ok\n".to_vec()),
             "/readyz" if self.app.metrics.ready.get() == 1 => (200, "text/plain", b"ready\n".to_vec()),
             "/readyz" => (503, "text/plain", b"decode upstream not answering /health\n".to_vec()),

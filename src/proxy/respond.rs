@@ -62,6 +62,36 @@ pub async fn write_error(session: &mut Session, ctx: &mut Ctx, err: &ApiError) {
     write_full(session, ctx, err.status(), Some("application/json"), Bytes::from(err.body())).await;
 }
 
+/// The client's response head from an engine's: status and end-to-end headers kept,
+/// framing headers dropped (tokenonce sets its own), `x-request-id` added when absent.
+pub fn client_head(upstream: &ResponseHeader, request_id: Option<&str>) -> Option<ResponseHeader> {
+    let mut head = ResponseHeader::build(upstream.status.as_u16(), Some(upstream.headers.len() + 2)).ok()?;
+    for (name, value) in &upstream.headers {
+        if !DROPPED_RESPONSE_HEADERS.contains(&name.as_str()) {
+            head.append_header(name.clone(), value.clone()).ok()?;
+        }
+    }
+    if let Some(id) = request_id {
+        if head.headers.get("x-request-id").is_none() {
+            head.insert_header("x-request-id", id).ok()?;
+        }
+    }
+    Some(head)
+}
+
+/// Writes `head` with `body` and its `Content-Length`.
+pub async fn write_buffered(session: &mut Session, ctx: &mut Ctx, mut head: ResponseHeader, body: Bytes) {
+    let status = head.status.as_u16();
+    if head.insert_header("content-length", body.len().to_string()).is_err() {
+        return write_error(session, ctx, &ApiError::Internal("content-length".into())).await;
+    }
+    ctx.mark_first_byte();
+    let written = session.write_response_header(Box::new(head), false).await.is_ok()
+        && session.write_response_body(Some(body), true).await.is_ok();
+    ctx.status = status;
+    ctx.outcome = Some(if written { Outcome::from_status(status) } else { Outcome::ClientClosed });
+}
+
 /// How to rewrite a relayed engine response.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Rewrite {
@@ -82,24 +112,11 @@ pub async fn relay(
 ) {
     let status = exchange.status();
     let is_sse = exchange.header("content-type").is_some_and(|ct| ct.starts_with("text/event-stream"));
-    let Some(upstream_head) = exchange.session.response_header() else {
+    let Some(mut head) = exchange.session.response_header().and_then(|h| client_head(h, ctx.request_id.as_deref()))
+    else {
         write_error(session, ctx, &ApiError::DecodeUnavailable("no response header".into())).await;
         return;
     };
-    let Ok(mut head) = ResponseHeader::build(status, Some(upstream_head.headers.len() + 2)) else {
-        write_error(session, ctx, &ApiError::Internal("response header".into())).await;
-        return;
-    };
-    for (name, value) in &upstream_head.headers {
-        if !DROPPED_RESPONSE_HEADERS.contains(&name.as_str()) {
-            let _ = head.append_header(name.clone(), value.clone());
-        }
-    }
-    if let Some(id) = ctx.request_id.as_deref() {
-        if head.headers.get("x-request-id").is_none() {
-            let _ = head.insert_header("x-request-id", id);
-        }
-    }
     let started = Instant::now();
 
     if !is_sse || !(200..300).contains(&status) {

@@ -44,6 +44,8 @@ pub struct HealthPoller {
     pub metrics: Metrics,
     /// Poll period.
     pub interval: Duration,
+    /// Other periodic upkeep run after each round (the relay cache sweep).
+    pub on_tick: Box<dyn Fn() + Send + Sync>,
 }
 
 impl HealthPoller {
@@ -61,6 +63,7 @@ impl HealthPoller {
         }
         let ready = self.decode_pools.iter().all(|&i| self.pools.get(i).is_some_and(|p| p.any_healthy()));
         self.metrics.ready.set(i64::from(ready));
+        (self.on_tick)();
     }
 }
 
