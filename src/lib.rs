@@ -10,6 +10,7 @@
 //! - `upstream`: pools, the HTTP client for the legs, health and version polling.
 //! - `proxy`: pingora phases; `proxy/pd.rs` runs the P/D exchange.
 //! - `metrics`: every exported metric.
+//! - `reload`: SIGHUP config reload.
 //! - `server`: wiring config into a pingora server.
 
 pub mod config;
@@ -17,6 +18,7 @@ pub mod handoff;
 pub mod metrics;
 pub mod openai;
 pub mod proxy;
+pub mod reload;
 pub mod routes;
 pub mod server;
 pub mod sse;
@@ -49,9 +51,13 @@ pub struct App {
     pub metrics: Metrics,
     /// Their registry.
     pub registry: Registry,
-    /// Relay-mode ids waiting for their decode.
-    pub cache: handoff::IdCache,
+    /// Relay-mode ids waiting for their decode (kept across reloads).
+    pub cache: Arc<handoff::IdCache>,
 }
+
+/// The current [`App`], swapped whole when the config is reloaded; each request takes one
+/// snapshot and keeps it to the end.
+pub type SharedApp = Arc<arc_swap::ArcSwap<App>>;
 
 impl App {
     /// Builds the state from a validated config.
@@ -68,7 +74,7 @@ impl App {
         let pools = config.pools.iter().map(|spec| Arc::new(Pool::new(spec))).collect();
         let client = Arc::new(UpstreamClient::new(config.upstream.connect_timeout, config.upstream.idle_timeout));
         let max_body_bytes = config.routes.iter().map(|r| r.options.max_body_bytes).max().unwrap_or(32 << 20);
-        let cache = handoff::IdCache::new(config.cache.capacity_bytes, config.cache.ttl);
+        let cache = Arc::new(handoff::IdCache::new(config.cache.capacity_bytes, config.cache.ttl));
         Ok(Self {
             cache,
             passthrough_pool: config.passthrough_pool,
@@ -80,6 +86,53 @@ impl App {
             metrics,
             registry,
         })
+    }
+
+    /// The state for a reloaded `config`: metrics, client and cache carry over, and pools
+    /// whose spec did not change keep their endpoints (health, in-flight counts, versions).
+    pub fn reload(&self, config: Config) -> Self {
+        let routes = RouteTable::new(&config);
+        for route in routes.routes() {
+            self.metrics.init_route(&route.name);
+        }
+        let pools = config
+            .pools
+            .iter()
+            .map(|spec| {
+                self.config
+                    .pools
+                    .iter()
+                    .position(|old| {
+                        old.name == spec.name
+                            && old.endpoints == spec.endpoints
+                            && old.balance == spec.balance
+                            && old.vllm_version == spec.vllm_version
+                    })
+                    .and_then(|i| self.pools.get(i).cloned())
+                    .unwrap_or_else(|| Arc::new(Pool::new(spec)))
+            })
+            .collect();
+        let max_body_bytes = config.routes.iter().map(|r| r.options.max_body_bytes).max().unwrap_or(32 << 20);
+        Self {
+            passthrough_pool: config.passthrough_pool,
+            config,
+            routes,
+            pools,
+            max_body_bytes,
+            client: Arc::clone(&self.client),
+            metrics: self.metrics.clone(),
+            registry: self.registry.clone(),
+            cache: Arc::clone(&self.cache),
+        }
+    }
+
+    /// Indexes of the pools that serve decodes (readiness needs each to have a healthy endpoint).
+    pub fn decode_pools(&self) -> Vec<usize> {
+        let mut pools: Vec<usize> = self.routes.routes().iter().map(|r| r.decode_pool).collect();
+        pools.push(self.passthrough_pool);
+        pools.sort_unstable();
+        pools.dedup();
+        pools
     }
 
     /// The metric label of a route index (`default` when none matched).

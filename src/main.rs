@@ -81,7 +81,7 @@ fn main() -> ExitCode {
     };
     init_logging(&config);
     tracing::info!(listen = %config.server.listen, admin = %config.server.admin_listen, routes = config.routes.len(), "tokenonce starting");
-    match tokenonce::server::build(config) {
+    match tokenonce::server::build(config, cli.config.clone()) {
         Ok(server) => server.run_forever(),
         Err(e) => {
             eprintln!("tokenonce: {e}");

@@ -102,6 +102,8 @@ pub struct Metrics {
     pub cache_lookups: IntCounterVec,
     /// Relay cache evictions by reason.
     pub cache_evictions: IntCounterVec,
+    /// Config reloads by result (success, failure).
+    pub config_reloads: IntCounterVec,
     /// Constant 1 labelled with the version.
     pub build_info: IntGaugeVec,
 }
@@ -211,6 +213,12 @@ impl Metrics {
                 "Relay id cache evictions by reason (ttl, capacity).",
                 &["reason"],
             )?,
+            config_reloads: counter(
+                registry,
+                "tokenonce_config_reloads_total",
+                "Config reloads on SIGHUP by result; a failed one keeps the running config.",
+                &["result"],
+            )?,
             build_info,
         };
         metrics.init_fixed();
@@ -236,6 +244,9 @@ impl Metrics {
         }
         for result in ["hit", "miss", "expired", "mismatch"] {
             self.cache_lookups.with_label_values(&[result]);
+        }
+        for result in ["success", "failure"] {
+            self.config_reloads.with_label_values(&[result]);
         }
         for reason in ["ttl", "capacity"] {
             self.cache_evictions.with_label_values(&[reason]);

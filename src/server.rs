@@ -1,7 +1,10 @@
-//! Wires a validated config into a pingora server: the client listener, the admin listener
-//! and the health poller, with shutdown timings from the config.
+//! Wires a validated config into a pingora server: the client listener, the admin listener,
+//! the health poller and the SIGHUP reloader, with shutdown timings from the config.
 
+use std::path::PathBuf;
 use std::sync::Arc;
+
+use arc_swap::ArcSwap;
 
 use pingora::proxy::http_proxy_service_with_name;
 use pingora::server::configuration::ServerConf;
@@ -10,8 +13,9 @@ use pingora::services::background::background_service;
 
 use crate::config::Config;
 use crate::proxy::{Admin, Proxy};
+use crate::reload::Reloader;
 use crate::upstream::health::HealthPoller;
-use crate::App;
+use crate::{App, SharedApp};
 
 /// Why the server could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -28,7 +32,7 @@ pub enum BuildError {
 ///
 /// # Errors
 /// [`BuildError`] when metrics or pingora's configuration fail.
-pub fn build(config: Config) -> Result<Server, BuildError> {
+pub fn build(config: Config, path: Option<PathBuf>) -> Result<Server, BuildError> {
     let mut conf = ServerConf::new().ok_or_else(|| BuildError::Conf("default ServerConf".into()))?;
     conf.threads = config.server.threads;
     conf.grace_period_seconds = Some(config.server.grace_period_seconds);
@@ -41,23 +45,10 @@ pub fn build(config: Config) -> Result<Server, BuildError> {
     let listen = config.server.listen.clone();
     let admin_listen = config.server.admin_listen.clone();
     let interval = config.upstream.health_interval;
-    let app = Arc::new(App::new(config)?);
+    let app: SharedApp = Arc::new(ArcSwap::from_pointee(App::new(config)?));
 
-    let mut decode_pools: Vec<usize> = app.routes.routes().iter().map(|r| r.decode_pool).collect();
-    decode_pools.push(app.passthrough_pool);
-    decode_pools.sort_unstable();
-    decode_pools.dedup();
-    let poller = HealthPoller {
-        pools: app.pools.clone(),
-        decode_pools,
-        client: Arc::clone(&app.client),
-        metrics: app.metrics.clone(),
-        interval,
-        on_tick: {
-            let app = Arc::clone(&app);
-            Box::new(move || crate::proxy::relay::sweep_cache(&app))
-        },
-    };
+    let poller = HealthPoller { app: Arc::clone(&app), interval, on_tick: Box::new(crate::proxy::relay::sweep_cache) };
+    let reloader = Reloader { path, app: Arc::clone(&app) };
 
     let mut proxy = http_proxy_service_with_name(&server.configuration, Proxy { app: Arc::clone(&app) }, "tokenonce");
     proxy.add_tcp(&listen);
@@ -65,10 +56,10 @@ pub fn build(config: Config) -> Result<Server, BuildError> {
         http_proxy_service_with_name(&server.configuration, Admin { app: Arc::clone(&app) }, "tokenonce-admin");
     admin.threads = Some(1);
     admin.add_tcp(&admin_listen);
-    let health = background_service("health", poller);
 
     server.add_service(proxy);
     server.add_service(admin);
-    server.add_service(health);
+    server.add_service(background_service("health", poller));
+    server.add_service(background_service("reload", reloader));
     Ok(server)
 }

@@ -181,3 +181,31 @@ fn check_command_reports_problems_with_locations() {
     assert!(err.contains(":7:15: routes[0].decode_pool"), "{err}");
     let _: Option<Value> = None;
 }
+
+/// SIGHUP reloads the file: a good one changes routing for new requests and is counted; a
+/// bad one is rejected, counted, and the running config keeps serving.
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_reloads_good_configs_and_keeps_the_old_on_bad_ones() {
+    let (p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    let chat = format!("{}/v1/chat/completions", proxy.url);
+    post_json(&chat, &chat_body("before", json!({})), &[]).await;
+    assert!(d.posts()[0].json()["kv_transfer_params"]["prompt_token_ids"].is_array());
+
+    proxy.reconfigure(&pd_config(&p, &d, "token_reuse = false"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while proxy.metric(r#"tokenonce_config_reloads_total{result="success"}"#).await < 1.0 {
+        assert!(std::time::Instant::now() < deadline, "no reload: {}", proxy.log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    post_json(&chat, &chat_body("after", json!({})), &[]).await;
+    assert!(d.posts()[1].json().get("kv_transfer_params").is_none(), "reuse is off after the reload");
+
+    proxy.reconfigure("[pools.decode]\nendpoints = [\"not a host\"]\n");
+    while proxy.metric(r#"tokenonce_config_reloads_total{result="failure"}"#).await < 1.0 {
+        assert!(std::time::Instant::now() < deadline, "bad reload not counted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, _, _) = post_json(&chat, &chat_body("still", json!({})), &[]).await;
+    assert_eq!(status, 200, "the previous config keeps serving");
+    assert!(d.posts()[2].json().get("kv_transfer_params").is_none());
+}

@@ -23,10 +23,12 @@ use crate::metrics::{Metrics, Outcome, Stage};
 use crate::openai::{Api, ApiError, RawObject, RequestView};
 use crate::routes::RequestFacts;
 use crate::upstream::Picked;
-use crate::App;
+use crate::{App, SharedApp};
 
 /// Per-request state.
 pub struct Ctx {
+    /// The configuration snapshot this request runs on.
+    pub app: Arc<App>,
     /// When the request head was seen.
     pub started: Instant,
     /// Index of the chosen route.
@@ -79,8 +81,8 @@ impl Ctx {
 
 /// The client-facing proxy.
 pub struct Proxy {
-    /// Shared state.
-    pub app: Arc<App>,
+    /// The current state; replaced whole on reload.
+    pub app: SharedApp,
 }
 
 async fn read_body(session: &mut Session, limit: usize) -> std::result::Result<Bytes, ApiError> {
@@ -109,7 +111,8 @@ async fn read_body(session: &mut Session, limit: usize) -> std::result::Result<B
 impl Proxy {
     /// Handles a POST to an OpenAI path: reads the body, picks the route, runs it.
     async fn handle_api(&self, session: &mut Session, ctx: &mut Ctx, api: Api) {
-        let app = &*self.app;
+        let app = Arc::clone(&ctx.app);
+        let app = &*app;
         let path = session.req_header().uri.path().to_owned();
         let path_and_query = session.req_header().uri.path_and_query().map_or(path.clone(), |p| p.as_str().to_owned());
         let headers = session.req_header().headers.clone();
@@ -177,6 +180,8 @@ impl ProxyHttp for Proxy {
     type CTX = Ctx;
 
     fn new_ctx(&self) -> Ctx {
+        // One config snapshot per request: a reload never changes a request in flight.
+        let app = self.app.load_full();
         Ctx {
             started: Instant::now(),
             route: None,
@@ -189,7 +194,8 @@ impl ProxyHttp for Proxy {
             decode_sent_at: None,
             request_id: None,
             reuse: None,
-            pass_pool: self.app.passthrough_pool,
+            pass_pool: app.passthrough_pool,
+            app,
             pass_endpoint: None,
             counted: false,
             prefill_ms: None,
@@ -199,9 +205,10 @@ impl ProxyHttp for Proxy {
 
     /// Routes the request; orchestrated API calls are answered here (`Ok(true)`).
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        let app = Arc::clone(&ctx.app);
         ctx.started = Instant::now();
         ctx.counted = true;
-        self.app.metrics.inflight.inc();
+        app.metrics.inflight.inc();
         let header = session.req_header();
         ctx.request_id = Some(
             header
@@ -215,15 +222,15 @@ impl ProxyHttp for Proxy {
         if let Some(api) = api {
             ctx.api = Some(api);
             let path = header.uri.path();
-            let decided_without_body = if self.app.routes.needs_model(path) {
+            let decided_without_body = if app.routes.needs_model(path) {
                 None
             } else {
                 let facts = RequestFacts { path, model: None, headers: &header.headers };
-                Some(self.app.routes.select(&facts))
+                Some(app.routes.select(&facts))
             };
             let pipeline_route = match decided_without_body {
                 Some(None) => Some(None),
-                Some(Some(i)) if self.app.routes.routes().get(i).is_some_and(|r| r.mode == Mode::Passthrough) => {
+                Some(Some(i)) if app.routes.routes().get(i).is_some_and(|r| r.mode == Mode::Passthrough) => {
                     Some(Some(i))
                 }
                 _ => None,
@@ -235,30 +242,24 @@ impl ProxyHttp for Proxy {
             ctx.route = pipeline_route.flatten();
         } else {
             let facts = RequestFacts { path: header.uri.path(), model: None, headers: &header.headers };
-            ctx.route = self.app.routes.select(&facts);
+            ctx.route = app.routes.select(&facts);
         }
         ctx.mode = Mode::Passthrough;
-        ctx.pass_pool = ctx
-            .route
-            .and_then(|i| self.app.routes.routes().get(i))
-            .map_or(self.app.passthrough_pool, |r| r.decode_pool);
+        ctx.pass_pool =
+            ctx.route.and_then(|i| app.routes.routes().get(i)).map_or(app.passthrough_pool, |r| r.decode_pool);
         Ok(false)
     }
 
     /// Passthrough only: an endpoint of the route's pool.
     async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
-        let picked = self
-            .app
+        let app = Arc::clone(&ctx.app);
+        let picked = app
             .pools
             .get(ctx.pass_pool)
             .and_then(|p| p.pick())
             .ok_or_else(|| Error::explain(ErrorType::HTTPStatus(502), "passthrough pool is empty"))?;
-        let peer = self
-            .app
-            .client
-            .peer(picked.addr())
-            .await
-            .map_err(|e| Error::explain(ErrorType::ConnectError, e.to_string()))?;
+        let peer =
+            app.client.peer(picked.addr()).await.map_err(|e| Error::explain(ErrorType::ConnectError, e.to_string()))?;
         ctx.pass_endpoint = Some(picked);
         Ok(Box::new(peer))
     }
@@ -276,16 +277,17 @@ impl ProxyHttp for Proxy {
 
     /// Passthrough failures answer OpenAI-shaped errors instead of pingora's bare pages.
     async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
+        let app = Arc::clone(&ctx.app);
         let err = match e.etype() {
             ErrorType::ConnectTimedout
             | ErrorType::ConnectRefused
             | ErrorType::ConnectError
             | ErrorType::ConnectNoRoute => {
-                self.app.metrics.upstream_errors.with_label_values(&["passthrough", "connect"]).inc();
+                app.metrics.upstream_errors.with_label_values(&["passthrough", "connect"]).inc();
                 Some(ApiError::DecodeUnavailable(e.to_string()))
             }
             _ if matches!(e.esource(), ErrorSource::Upstream) => {
-                self.app.metrics.upstream_errors.with_label_values(&["passthrough", "io"]).inc();
+                app.metrics.upstream_errors.with_label_values(&["passthrough", "io"]).inc();
                 Some(ApiError::DecodeUnavailable(e.to_string()))
             }
             _ if matches!(e.esource(), ErrorSource::Downstream) => None,
@@ -307,8 +309,9 @@ impl ProxyHttp for Proxy {
 
     /// Counts the request once, whatever path it took.
     async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Ctx) {
+        let app = Arc::clone(&ctx.app);
         if ctx.counted {
-            self.app.metrics.inflight.dec();
+            app.metrics.inflight.dec();
         }
         let status =
             if ctx.status != 0 { ctx.status } else { session.response_written().map_or(0, |h| h.status.as_u16()) };
@@ -322,10 +325,10 @@ impl ProxyHttp for Proxy {
                     }
                 },
             );
-        let route = self.app.route_label(ctx.route);
+        let route = app.route_label(ctx.route);
         let api = ctx.api.map_or("other", Api::as_str);
         let mode = ctx.mode.as_str();
-        let m: &Metrics = &self.app.metrics;
+        let m: &Metrics = &app.metrics;
         m.requests.with_label_values(&[route, api, mode, outcome.as_str()]).inc();
         let elapsed = ctx.started.elapsed();
         m.request_duration.with_label_values(&[route, api, mode]).observe(elapsed.as_secs_f64());
@@ -351,8 +354,8 @@ impl ProxyHttp for Proxy {
 
 /// The admin listener: `/metrics`, `/healthz`, `/readyz`; 404 otherwise.
 pub struct Admin {
-    /// Shared state.
-    pub app: Arc<App>,
+    /// The current state.
+    pub app: SharedApp,
 }
 
 #[async_trait]
@@ -362,13 +365,14 @@ impl ProxyHttp for Admin {
     fn new_ctx(&self) {}
 
     async fn request_filter(&self, session: &mut Session, _ctx: &mut ()) -> Result<bool> {
+        let app = self.app.load_full();
         let (status, content_type, body): (u16, &str, Vec<u8>) = match session.req_header().uri.path() {
             "/metrics" => {
-                relay::sweep_cache(&self.app);
-                (200, "text/plain; version=0.0.4", Metrics::render(&self.app.registry))
+                relay::sweep_cache(&app);
+                (200, "text/plain; version=0.0.4", Metrics::render(&app.registry))
             }
             "/healthz" => (200, "text/plain", b"ok\n".to_vec()),
-            "/readyz" if self.app.metrics.ready.get() == 1 => (200, "text/plain", b"ready\n".to_vec()),
+            "/readyz" if app.metrics.ready.get() == 1 => (200, "text/plain", b"ready\n".to_vec()),
             "/readyz" => (503, "text/plain", b"decode upstream not answering /health\n".to_vec()),
             _ => (404, "text/plain", b"not found\n".to_vec()),
         };

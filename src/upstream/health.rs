@@ -1,7 +1,6 @@
 //! Background poller: every interval, each endpoint's `GET /health` (for `/readyz` and
 //! endpoint choice) and, until known, its `GET /version` (for the token-reuse gate).
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -9,9 +8,8 @@ use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 
 use super::client::UpstreamClient;
-use super::pool::{Endpoint, Pool};
+use super::pool::Endpoint;
 use crate::config::Version;
-use crate::metrics::Metrics;
 
 /// Deadline of one health or version probe.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -32,38 +30,33 @@ pub async fn learn_version(client: &UpstreamClient, endpoint: &Endpoint) -> Opti
     Some(version)
 }
 
-/// The poller.
+/// The poller; it reads the current pools each round, so reloads take effect.
 pub struct HealthPoller {
-    /// Every pool (prefill pools are polled too, for the health metric).
-    pub pools: Vec<Arc<Pool>>,
-    /// Indexes of the pools that decode (readiness needs each to have a healthy endpoint).
-    pub decode_pools: Vec<usize>,
-    /// The client.
-    pub client: Arc<UpstreamClient>,
-    /// Metrics to update.
-    pub metrics: Metrics,
+    /// The current state.
+    pub app: crate::SharedApp,
     /// Poll period.
     pub interval: Duration,
     /// Other periodic upkeep run after each round (the relay cache sweep).
-    pub on_tick: Box<dyn Fn() + Send + Sync>,
+    pub on_tick: Box<dyn Fn(&crate::App) + Send + Sync>,
 }
 
 impl HealthPoller {
     /// One round over every endpoint.
     pub async fn poll_once(&self) {
-        for pool in &self.pools {
+        let app = self.app.load_full();
+        for pool in &app.pools {
             for endpoint in &pool.endpoints {
-                let healthy = matches!(self.client.get(&endpoint.addr, "/health", PROBE_TIMEOUT).await, Ok((200, _)));
+                let healthy = matches!(app.client.get(&endpoint.addr, "/health", PROBE_TIMEOUT).await, Ok((200, _)));
                 endpoint.set_healthy(healthy);
-                self.metrics.upstream_healthy.with_label_values(&[&pool.name, &endpoint.addr]).set(i64::from(healthy));
+                app.metrics.upstream_healthy.with_label_values(&[&pool.name, &endpoint.addr]).set(i64::from(healthy));
                 if healthy && pool.pinned_version().is_none() && endpoint.version().is_none() {
-                    learn_version(&self.client, endpoint).await;
+                    learn_version(&app.client, endpoint).await;
                 }
             }
         }
-        let ready = self.decode_pools.iter().all(|&i| self.pools.get(i).is_some_and(|p| p.any_healthy()));
-        self.metrics.ready.set(i64::from(ready));
-        (self.on_tick)();
+        let ready = app.decode_pools().iter().all(|&i| app.pools.get(i).is_some_and(|p| p.any_healthy()));
+        app.metrics.ready.set(i64::from(ready));
+        (self.on_tick)(&app);
     }
 }
 

@@ -27,6 +27,8 @@ pub struct TokenOnce {
     pub admin: String,
     _dir: tempfile::TempDir,
     log: std::path::PathBuf,
+    config_path: std::path::PathBuf,
+    server_section: String,
 }
 
 impl TokenOnce {
@@ -37,9 +39,10 @@ impl TokenOnce {
         let admin_port = free_port();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tokenonce.toml");
-        let text = format!(
-            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nthreads = 2\ngrace_period_seconds = 1\ngraceful_shutdown_timeout_seconds = 1\n\n[upstream]\nhealth_interval_ms = 200\n\n{config}"
+        let server_section = format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nthreads = 2\ngrace_period_seconds = 1\ngraceful_shutdown_timeout_seconds = 1\n\n[upstream]\nhealth_interval_ms = 200\n\n"
         );
+        let text = format!("{server_section}{config}");
         std::fs::File::create(&path).unwrap().write_all(text.as_bytes()).unwrap();
         let log = dir.path().join("tokenonce.log");
         let child = Command::new(env!("CARGO_BIN_EXE_tokenonce"))
@@ -56,6 +59,8 @@ impl TokenOnce {
             admin: format!("http://127.0.0.1:{admin_port}"),
             _dir: dir,
             log,
+            config_path: path,
+            server_section,
         };
         let client = reqwest::Client::new();
         let deadline = Instant::now() + Duration::from_secs(15);
@@ -69,6 +74,13 @@ impl TokenOnce {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         me
+    }
+
+    /// Rewrites the config file (same listeners) and sends SIGHUP.
+    pub fn reconfigure(&self, config: &str) {
+        std::fs::write(&self.config_path, format!("{}{config}", self.server_section)).unwrap();
+        let status = Command::new("kill").arg("-HUP").arg(self.child.id().to_string()).status().unwrap();
+        assert!(status.success());
     }
 
     /// What the process logged so far.
