@@ -92,6 +92,11 @@ fn field<'a, T: Deserialize<'a>>(obj: &'a RawObject<'a>, key: &'static str) -> R
 }
 
 fn messages_have_media(raw: &str) -> Result<bool, ApiError> {
+    // Every content part has a "type" key; text inside strings has its quotes escaped, so a
+    // body without the bare token `"type"` has no parts and needs no second parse.
+    if !raw.contains("\"type\"") {
+        return Ok(false);
+    }
     let messages: Vec<Message<'_>> = serde_json::from_str(raw)
         .map_err(|e| ApiError::invalid(format!("`messages` must be an array of objects: {e}"), Some("messages")))?;
     for message in messages {

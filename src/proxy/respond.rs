@@ -1,8 +1,6 @@
 //! Writing responses to the client: tokenonce's own errors and bodies, and relaying an
 //! engine's response (buffered JSON, or SSE streamed as it arrives) with optional rewrites.
 
-use std::time::Instant;
-
 use bytes::Bytes;
 use pingora::http::ResponseHeader;
 use pingora::proxy::Session;
@@ -117,7 +115,6 @@ pub async fn relay(
         write_error(session, ctx, &ApiError::DecodeUnavailable("no response header".into())).await;
         return;
     };
-    let started = Instant::now();
 
     if !is_sse || !(200..300).contains(&status) {
         let body = tokio::select! {
@@ -147,7 +144,7 @@ pub async fn relay(
             && session.write_response_body(Some(body), true).await.is_ok();
         ctx.status = status;
         ctx.outcome = Some(if written { Outcome::from_status(status) } else { Outcome::ClientClosed });
-        observe_decode_total(app, ctx, route, started);
+        observe_decode_total(app, ctx, route);
         return;
     }
 
@@ -180,7 +177,7 @@ pub async fn relay(
                     let ended = session.write_response_body(Some(tail), true).await.is_ok();
                     ctx.outcome = Some(if ended { Outcome::Success } else { Outcome::ClientClosed });
                     app.client.release(exchange).await;
-                    observe_decode_total(app, ctx, route, started);
+                    observe_decode_total(app, ctx, route);
                     return;
                 }
                 Err(e) => {
@@ -206,9 +203,9 @@ pub async fn relay(
     }
 }
 
-fn observe_decode_total(app: &App, ctx: &Ctx, route: &str, started: Instant) {
+/// Records the decode leg's whole duration (send to last byte) when one was sent.
+fn observe_decode_total(app: &App, ctx: &Ctx, route: &str) {
     if let Some(t) = ctx.decode_sent_at {
-        let _ = started;
         app.metrics
             .stage_duration
             .with_label_values(&[route, Stage::DecodeTotal.as_str()])
