@@ -257,3 +257,21 @@ async fn fake_engine_matches_the_recordings() {
         }
     }
 }
+
+/// With a real NIXL prefill response (vLLM 0.32, NixlConnector), the decode body carries the
+/// engine's kv_transfer_params byte for byte, ids added inside, and the relay cache key
+/// (remote_request_id) is the one the engine reported.
+#[test]
+fn real_nixl_kv_params_are_spliced_verbatim() {
+    let prefill = fixture("chat_prefill_nixl");
+    let h = extract_handoff(Api::Chat, prefill.response.as_bytes()).unwrap();
+    let kv = h.kv_transfer_params.clone().unwrap();
+    assert!(kv.contains("\"remote_request_id\":\"chatcmpl-"));
+    let ids = h.ids.unwrap();
+    let plain = fixture("chat_plain");
+    let body = decode_body(&RawObject::parse(&plain.request).unwrap(), Api::Chat, Some(&kv), Some(&ids));
+    let text = String::from_utf8(body).unwrap();
+    let expected = format!("\"kv_transfer_params\":{},\"prompt_token_ids\":{IDS}}}", kv.trim_end_matches('}'));
+    assert!(text.contains(&expected), "{text}");
+    assert!(text.contains("\"remote_port\":5600,\"tp_size\":1"), "integers stay integers");
+}
