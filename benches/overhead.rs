@@ -3,13 +3,16 @@
 //! a ~37k-token chat prompt.
 //!
 //! Run: `cargo bench --bench overhead` (options after `--`: `--runs N` measured rounds per
-//! prompt size, default 60; `--warmup N`, default 5; `--max-seconds S`, the measuring budget,
-//! default 150). `cargo bench` builds this file and the `tokenonce` binary with the bench
-//! profile (= release) into `target/release/`; the bench runs that binary
-//! (`CARGO_BIN_EXE_tokenonce`; `TOKENONCE_BIN=path` runs another build instead).
+//! prompt size, default 100; `--warmup N`, default 5; `--max-seconds S`, the measuring
+//! budget, default 150). `cargo bench` builds this file and the `tokenonce` binary with the
+//! bench profile (= release) into `target/release/`, and the bench runs that binary
+//! (`CARGO_BIN_EXE_tokenonce`, so it is never stale; `TOKENONCE_BIN=path` runs another build).
 //!
-//! Variants, interleaved round-robin (the starting variant rotates every round) so machine
-//! noise hits all alike, each non-streamed and streamed:
+//! Each prompt size gets fresh fakes and a fresh tokenonce (the fakes keep every request
+//! body, so this bounds memory, about 0.6 GB at the default 100 rounds, and gives a peak RSS
+//! per size). Variants, interleaved (every
+//! round runs each once, in a freshly shuffled order) so machine noise hits all alike, each
+//! non-streamed and streamed:
 //! - (a) direct: client → fake decode, the plain chat request;
 //! - (b) direct P then D: client → fake prefill (`max_tokens: 1`, `return_token_ids`, not
 //!   streamed), then client → fake decode with the echoed ids in
@@ -42,8 +45,10 @@ use serde_json::{json, Value};
 const PROMPT_WORDS: [usize; 2] = [1_000, 37_000];
 /// `max_tokens` of every measured request.
 const MAX_TOKENS: u64 = 16;
-/// One constant request id: responses of all variants are then byte-identical.
-const REQUEST_ID: &str = "bench";
+/// A gap between two body chunks longer than this counts as a delayed-ACK stall.
+const STALL_MS: f64 = 30.0;
+/// Delay between SSE events in the streaming relay check.
+const CHECK_CHUNK_DELAY: Duration = Duration::from_millis(5);
 
 struct Options {
     runs: usize,
@@ -53,7 +58,7 @@ struct Options {
 }
 
 fn parse_options() -> Options {
-    let mut o = Options { runs: 60, warmup: 5, max_seconds: 150, user_args: Vec::new() };
+    let mut o = Options { runs: 100, warmup: 5, max_seconds: 150, user_args: Vec::new() };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = |name: &str| -> u64 {
@@ -137,7 +142,11 @@ impl TokenOnce {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tokenonce.toml");
         let text = format!(
-            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nthreads = 2\ngrace_period_seconds = 1\ngraceful_shutdown_timeout_seconds = 1\n\n[upstream]\nhealth_interval_ms = 1000\n\n[pools.prefill]\nendpoints = [\"{}\"]\n\n[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\ntoken_reuse = true\n[routes.match]\npaths = [\"/v1/chat/completions\", \"/v1/completions\"]\n",
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nthreads = 2\n\
+             grace_period_seconds = 1\ngraceful_shutdown_timeout_seconds = 1\n\n[upstream]\nhealth_interval_ms = 1000\n\n\
+             [pools.prefill]\nendpoints = [\"{}\"]\n\n[pools.decode]\nendpoints = [\"{}\"]\n\n\
+             [[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n\
+             token_reuse = true\n[routes.match]\npaths = [\"/v1/chat/completions\", \"/v1/completions\"]\n",
             prefill.host_port(),
             decode.host_port()
         );
@@ -178,11 +187,6 @@ impl TokenOnce {
             }
         }
     }
-
-    /// `(VmHWM, VmRSS)` in KiB from `/proc/PID/status`.
-    fn memory_kib(&self) -> (Option<u64>, Option<u64>) {
-        proc_memory_kib(self.child.id())
-    }
 }
 
 impl Drop for TokenOnce {
@@ -192,6 +196,7 @@ impl Drop for TokenOnce {
     }
 }
 
+/// `(VmHWM, VmRSS)` in KiB from `/proc/PID/status`.
 fn proc_memory_kib(pid: u32) -> (Option<u64>, Option<u64>) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     let field = |name: &str| {
@@ -202,30 +207,29 @@ fn proc_memory_kib(pid: u32) -> (Option<u64>, Option<u64>) {
     (field("VmHWM:"), field("VmRSS:"))
 }
 
+fn mib(kib: Option<u64>) -> String {
+    kib.map_or("?".into(), |k| format!("{:.1} MiB", k as f64 / 1024.0))
+}
+
 /// `n` deterministic lowercase words of 3–7 letters (about 6 bytes each with the space).
 fn words(n: usize, seed: u64) -> String {
     let mut state = seed | 1;
-    let mut next = move || {
+    let mut text = String::with_capacity(n * 7);
+    for i in 0..n {
         state ^= state << 13;
         state ^= state >> 7;
         state ^= state << 17;
-        state
-    };
-    let mut text = String::with_capacity(n * 7);
-    for i in 0..n {
         if i > 0 {
             text.push(' ');
         }
-        let r = next();
-        let len = 3 + (r % 5) as usize;
-        for k in 0..len {
-            text.push(char::from(b'a' + ((r >> (8 + 5 * k)) % 26) as u8));
+        for k in 0..3 + (state % 5) as usize {
+            text.push(char::from(b'a' + ((state >> (8 + 5 * k)) % 26) as u8));
         }
     }
     text
 }
 
-/// The bodies of one prompt size.
+/// The request bodies of one prompt size, serialized once.
 struct Prompt {
     plain: Bytes,
     plain_stream: Bytes,
@@ -238,10 +242,7 @@ impl Prompt {
         let body = |extra: Value| {
             let mut b = json!({
                 "model": "tiny-qwen3",
-                "messages": [
-                    {"role": "system", "content": "You are terse."},
-                    {"role": "user", "content": user}
-                ],
+                "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": user}],
                 "max_tokens": MAX_TOKENS,
                 "temperature": 0
             });
@@ -253,12 +254,13 @@ impl Prompt {
         Self {
             plain: body(json!({})),
             plain_stream: body(json!({"stream": true})),
-            // The prefill leg as tokenonce shapes it (src/openai/request.rs prefill_body).
+            // The prefill leg as tokenonce shapes it (README "How a request flows", step 1).
             prefill: body(json!({
                 "max_tokens": 1,
                 "stream": false,
                 "return_token_ids": true,
-                "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}
+                "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+                    "remote_block_ids": null, "remote_host": null, "remote_port": null}
             })),
         }
     }
@@ -281,7 +283,7 @@ struct Usage {
 /// The zero-cost orchestrator's handoff: `plain` + `kv_transfer_params` = the prefill's kv
 /// params with `prompt_token_ids` inside, spliced as bytes. Returns the body and the number of
 /// prompt tokens.
-fn decode_body_bench(plain: &[u8], prefill_response: &[u8]) -> (Bytes, u64) {
+fn handoff_body(plain: &[u8], prefill_response: &[u8]) -> (Bytes, u64) {
     let echo: PrefillEcho<'_> = serde_json::from_slice(prefill_response).unwrap_or_else(|e| {
         panic!(
             "prefill answer without ids ({e}): {}",
@@ -291,8 +293,8 @@ fn decode_body_bench(plain: &[u8], prefill_response: &[u8]) -> (Bytes, u64) {
     let ids = echo.prompt_token_ids.get();
     assert!(ids.starts_with('['), "prefill echoed no ids: {ids:.100}");
     let mut kv = match echo.kv_transfer_params.map(RawValue::get) {
-        Some(raw) if raw.trim_end().ends_with('}') && raw.trim() != "{}" => {
-            let mut s = raw.trim_end().to_owned();
+        Some(raw) if raw.ends_with('}') && raw != "{}" => {
+            let mut s = raw.to_owned();
             s.pop();
             s.push(',');
             s
@@ -318,6 +320,16 @@ enum Via {
     Tokenonce,
 }
 
+impl Via {
+    fn letter(self) -> &'static str {
+        match self {
+            Self::Direct => "a",
+            Self::DirectPd => "b",
+            Self::Tokenonce => "c",
+        }
+    }
+}
+
 const VARIANTS: [(Via, bool); 6] = [
     (Via::Direct, false),
     (Via::DirectPd, false),
@@ -327,17 +339,30 @@ const VARIANTS: [(Via, bool); 6] = [
     (Via::Tokenonce, true),
 ];
 
+fn variant_index(via: Via, stream: bool) -> usize {
+    VARIANTS.iter().position(|&v| v == (via, stream)).unwrap()
+}
+
+/// One HTTP exchange, times in ms from just before sending.
+struct Exchange {
+    first: f64,
+    total: f64,
+    /// Largest gap between two body chunks.
+    max_gap: f64,
+    body: Bytes,
+}
+
 /// One timed request (or P-then-D pair).
 struct Sample {
-    /// To the last body byte, ms.
+    /// To the last body byte.
     total: f64,
-    /// To the first body chunk, ms (streamed only).
+    /// To the first body chunk (streamed only).
     ttfb: Option<f64>,
-    /// The bench's own handoff work, ms (excluded from `total`/`ttfb`; (b) only).
-    handoff: Option<f64>,
-    /// The response body.
+    max_gap: f64,
+    /// (b) only: the prefill leg, the decode leg to first chunk, the bench's own handoff work
+    /// (excluded from `total`/`ttfb`).
+    legs: Option<[f64; 3]>,
     body: Bytes,
-    /// Size of the decode request body sent.
     decode_bytes: usize,
     prompt_tokens: Option<u64>,
 }
@@ -350,62 +375,69 @@ struct Bench {
 }
 
 impl Bench {
-    /// Sends one POST; returns (time to first body chunk, time to last byte, body), both
-    /// measured from just before sending.
-    async fn post(&self, url: &str, body: Bytes) -> (f64, f64, Bytes) {
+    async fn post(&self, url: &str, body: Bytes, request_id: &str) -> Exchange {
         let started = Instant::now();
         let mut resp = self
             .client
             .post(url)
             .header("content-type", "application/json")
-            .header("x-request-id", REQUEST_ID)
+            .header("x-request-id", request_id)
             .body(body)
             .send()
             .await
             .unwrap_or_else(|e| panic!("POST {url}: {e}"));
         let status = resp.status();
         let mut first = None;
+        let mut last = started.elapsed();
+        let mut max_gap = Duration::ZERO;
         let mut all = Vec::new();
-        // Bounded: the client's 60 s timeout also covers the body.
+        // Bounded: the client's 60 s timeout covers the body too.
         while let Some(chunk) = resp.chunk().await.unwrap_or_else(|e| panic!("POST {url}: body: {e}")) {
-            first.get_or_insert_with(|| started.elapsed());
+            let now = started.elapsed();
+            if first.is_some() {
+                max_gap = max_gap.max(now - last);
+            }
+            first.get_or_insert(now);
+            last = now;
             all.extend_from_slice(&chunk);
         }
         let total = started.elapsed();
         let body = Bytes::from(all);
         assert!(status.is_success(), "POST {url}: {status}: {}", String::from_utf8_lossy(&body[..body.len().min(500)]));
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        (ms(first.unwrap_or(total)), ms(total), body)
+        Exchange { first: ms(first.unwrap_or(total)), total: ms(total), max_gap: ms(max_gap), body }
     }
 
-    async fn run(&self, prompt: &Prompt, path: Via, stream: bool) -> Sample {
+    async fn run(&self, prompt: &Prompt, via: Via, stream: bool, request_id: &str) -> Sample {
         let plain = if stream { &prompt.plain_stream } else { &prompt.plain };
-        let url = match path {
+        let url = match via {
             Via::Direct => &self.decode_url,
             Via::Tokenonce => &self.proxy_url,
             Via::DirectPd => {
-                let (_, p_total, p_body) = self.post(&self.prefill_url, prompt.prefill.clone()).await;
+                let p = self.post(&self.prefill_url, prompt.prefill.clone(), request_id).await;
                 let handoff_started = Instant::now();
-                let (decode, tokens) = decode_body_bench(plain, &p_body);
+                let (decode, tokens) = handoff_body(plain, &p.body);
                 let handoff = handoff_started.elapsed().as_secs_f64() * 1e3;
                 let decode_bytes = decode.len();
-                let (d_first, d_total, body) = self.post(&self.decode_url, decode).await;
+                let d = self.post(&self.decode_url, decode, request_id).await;
                 return Sample {
-                    total: p_total + d_total,
-                    ttfb: stream.then_some(p_total + d_first),
-                    handoff: Some(handoff),
-                    body,
+                    total: p.total + d.total,
+                    ttfb: stream.then_some(p.total + d.first),
+                    max_gap: d.max_gap,
+                    legs: Some([p.total, d.first, handoff]),
+                    body: d.body,
                     decode_bytes,
                     prompt_tokens: Some(tokens),
                 };
             }
         };
-        let (first, total, body) = self.post(url, plain.clone()).await;
+        let x = self.post(url, plain.clone(), request_id).await;
         Sample {
-            total,
-            ttfb: stream.then_some(first),
-            handoff: None,
-            body,
+            total: x.total,
+            ttfb: stream.then_some(x.first),
+            max_gap: x.max_gap,
+            legs: None,
+            body: x.body,
             decode_bytes: plain.len(),
             prompt_tokens: None,
         }
@@ -439,31 +471,17 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
-#[derive(Default)]
-struct Series {
-    total: Vec<f64>,
-    ttfb: Vec<f64>,
-    handoff: Vec<f64>,
-}
-
-impl Series {
-    fn push(&mut self, s: &Sample) {
-        self.total.push(s.total);
-        if let Some(t) = s.ttfb {
-            self.ttfb.push(t);
-        }
-        if let Some(h) = s.handoff {
-            self.handoff.push(h);
-        }
-    }
-}
-
 fn sorted(v: &[f64]) -> Vec<f64> {
     let mut v = v.to_vec();
     v.sort_by(f64::total_cmp);
     v
 }
 
+fn median(v: &[f64]) -> f64 {
+    quantile(&sorted(v), 0.5)
+}
+
+/// p50, p90, p99.
 fn q3(v: &[f64]) -> [f64; 3] {
     let s = sorted(v);
     [quantile(&s, 0.5), quantile(&s, 0.9), quantile(&s, 0.99)]
@@ -472,7 +490,50 @@ fn q3(v: &[f64]) -> [f64; 3] {
 /// Median of per-round differences `a[i] - b[i]` (rounds are interleaved, so paired).
 fn paired_median(a: &[f64], b: &[f64]) -> f64 {
     let d: Vec<f64> = a.iter().zip(b).map(|(x, y)| x - y).collect();
-    quantile(&sorted(&d), 0.5)
+    median(&d)
+}
+
+#[derive(Default)]
+struct Series {
+    total: Vec<f64>,
+    ttfb: Vec<f64>,
+    max_gap: Vec<f64>,
+    legs: Vec<[f64; 3]>,
+}
+
+impl Series {
+    fn push(&mut self, s: &Sample) {
+        self.total.push(s.total);
+        self.ttfb.extend(s.ttfb);
+        self.max_gap.push(s.max_gap);
+        self.legs.extend(s.legs);
+    }
+}
+
+/// Fresh fakes and a fresh tokenonce for one prompt size.
+struct Env {
+    proxy: TokenOnce,
+    prefill: FakeVllm,
+    decode: FakeVllm,
+    fake_rt: tokio::runtime::Runtime,
+}
+
+impl Env {
+    fn start(binary: &Path) -> Self {
+        // The fakes get their own runtime so their CPU work never delays the client's clock.
+        let fake_rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("fake-vllm")
+            .enable_all()
+            .build()
+            .unwrap();
+        // Answer prefills like a NIXL engine (non-null kv_transfer_params).
+        let engine = FakeConfig { connector: true, ..FakeConfig::default() };
+        let prefill = fake_rt.block_on(FakeVllm::start(engine.clone()));
+        let decode = fake_rt.block_on(FakeVllm::start(engine));
+        let proxy = TokenOnce::start(binary, &prefill, &decode);
+        Self { proxy, prefill, decode, fake_rt }
+    }
 }
 
 struct SizeResult {
@@ -488,7 +549,139 @@ struct SizeResult {
     own: Vec<(&'static str, f64)>,
     reuse_applied: f64,
     proxied: usize,
-    mismatches: Vec<String>,
+    retries: f64,
+    peak_rss_kib: Option<u64>,
+    reuse_races: usize,
+    warnings: Vec<String>,
+    /// Streaming relay check: (via, median TTFB, median total).
+    relay_check: Vec<(Via, f64, f64)>,
+}
+
+async fn measure(bench: &Bench, env: &Env, words_n: usize, opts: &Options, budget: Duration) -> SizeResult {
+    let prompt = Prompt::new(words_n);
+    let mut warnings = Vec::new();
+    // Warm-up (connections, tokenonce's version lookup, allocators) and sanity checks: with the
+    // same request id, all three paths must answer the same bytes.
+    let mut prompt_tokens = 0;
+    let mut decode_bytes = 0;
+    for round in 0..opts.warmup.max(1) {
+        let mut outs = Vec::new();
+        for &(via, stream) in &VARIANTS {
+            outs.push(bench.run(&prompt, via, stream, "bench").await);
+        }
+        if round == 0 {
+            prompt_tokens = outs[1].prompt_tokens.unwrap_or(0);
+            decode_bytes = outs[1].decode_bytes;
+            for (i, what) in [(0, "non-streamed"), (3, "streamed")] {
+                if outs[i].body != outs[i + 1].body || outs[i].body != outs[i + 2].body {
+                    warnings.push(format!(
+                        "{what} answers differ between (a), (b) and (c) ({} / {} / {} bytes)",
+                        outs[i].body.len(),
+                        outs[i + 1].body.len(),
+                        outs[i + 2].body.len()
+                    ));
+                }
+            }
+        }
+    }
+    let before = bench.metrics(&env.proxy.admin).await;
+    let mut series: Vec<Series> = VARIANTS.iter().map(|_| Series::default()).collect();
+    let started = Instant::now();
+    let mut rounds = 0;
+    let mut cut_short = false;
+    let mut order: Vec<usize> = (0..VARIANTS.len()).collect();
+    let mut rng = 0x2545_F491_4F6C_DD1D_u64;
+    for round in 0..opts.runs {
+        if started.elapsed() > budget {
+            cut_short = true;
+            break;
+        }
+        // A fresh order every round (Fisher-Yates, deterministic xorshift), so no variant
+        // always follows the same one (a streamed direct request ends with a ~40 ms idle stall).
+        for i in (1..order.len()).rev() {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            order.swap(i, (rng % (i as u64 + 1)) as usize);
+        }
+        for &v in &order {
+            let (via, stream) = VARIANTS[v];
+            let rid = format!("{}-{}-{round}", via.letter(), if stream { "s" } else { "n" });
+            series[v].push(&bench.run(&prompt, via, stream, &rid).await);
+        }
+        rounds += 1;
+        if rounds % 20 == 0 {
+            eprintln!("  {words_n} words: {rounds}/{} rounds, {:.1} s", opts.runs, started.elapsed().as_secs_f64());
+        }
+    }
+    let after = bench.metrics(&env.proxy.admin).await;
+    let delta = |name: &str, filter: &[&str]| metric_sum(&after, name, filter) - metric_sum(&before, name, filter);
+    let mean = |base: &str, filter: &[&str]| {
+        delta(&format!("{base}_sum"), filter) / delta(&format!("{base}_count"), filter) * 1e3
+    };
+    let stage = "tokenonce_stage_duration_seconds";
+    // Means, so a few slow requests weigh in. (Request and decode totals are left out: streamed
+    // ones include the fake's delayed-ACK stalls.)
+    let own = vec![
+        ("to response header", mean("tokenonce_time_to_first_byte_seconds", &[])),
+        ("prefill leg", mean(stage, &["stage=\"prefill\""])),
+        ("handoff", mean(stage, &["stage=\"handoff\""])),
+        ("decode to header", mean(stage, &["stage=\"decode_first_byte\""])),
+    ];
+    let reuse_applied = delta("tokenonce_token_reuse_total", &["result=\"applied\""]);
+    let proxied = 2 * rounds;
+    let retries = delta("tokenonce_upstream_retries_total", &[]);
+    if (reuse_applied - proxied as f64).abs() > 0.5 {
+        warnings.push(format!("token reuse applied on {reuse_applied} of {proxied} proxied requests"));
+    }
+
+    // Streaming relay check (first size only): with 5 ms between the decode's SSE events, the
+    // first byte must come long before the last, through tokenonce as directly.
+    let mut relay_check = Vec::new();
+    if words_n == PROMPT_WORDS[0] {
+        env.decode.configure(|c| c.chunk_delay = CHECK_CHUNK_DELAY);
+        let mut got: [(Vec<f64>, Vec<f64>); 2] = Default::default();
+        for _ in 0..3 {
+            for (i, via) in [Via::Direct, Via::Tokenonce].into_iter().enumerate() {
+                let s = bench.run(&prompt, via, true, "relay-check").await;
+                got[i].0.push(s.ttfb.unwrap_or(f64::NAN));
+                got[i].1.push(s.total);
+            }
+        }
+        env.decode.configure(|c| c.chunk_delay = Duration::ZERO);
+        for (i, via) in [Via::Direct, Via::Tokenonce].into_iter().enumerate() {
+            relay_check.push((via, median(&got[i].0), median(&got[i].1)));
+        }
+    }
+
+    let log = env.proxy.log_text();
+    let reuse_races = log.matches("failed to acquire reusable stream").count();
+    let others: Vec<&str> =
+        log.lines().filter(|l| !l.contains("failed to acquire reusable stream") && !l.contains("INFO")).collect();
+    if !others.is_empty() {
+        warnings.push(format!(
+            "tokenonce logged {} other line(s) at warn or above, first: {}",
+            others.len(),
+            others[0]
+        ));
+    }
+    SizeResult {
+        words: words_n,
+        prompt_tokens,
+        request_bytes: prompt.plain.len(),
+        decode_bytes,
+        rounds,
+        cut_short,
+        series,
+        own,
+        reuse_applied,
+        proxied,
+        retries,
+        peak_rss_kib: proc_memory_kib(env.proxy.child.id()).0,
+        reuse_races,
+        warnings,
+        relay_check,
+    }
 }
 
 fn f(ms: f64) -> String {
@@ -510,166 +703,115 @@ fn signed(ms: f64) -> String {
 }
 
 fn print_size(r: &SizeResult) {
-    let idx = |p: Via, s: bool| VARIANTS.iter().position(|&(vp, vs)| vp == p && vs == s).unwrap();
     println!(
-        "### ~{}k-token prompt ({} words → {} prompt tokens; client body {:.1} KB, decode body with ids {:.1} KB; {} measured rounds{})\n",
+        "### ~{}k-token prompt: {} words → {} prompt tokens; client body {:.1} KB, decode body with ids {:.1} KB; {} measured rounds{}\n",
         (r.prompt_tokens as f64 / 1000.0).round(),
         r.words,
         r.prompt_tokens,
         r.request_bytes as f64 / 1000.0,
         r.decode_bytes as f64 / 1000.0,
         r.rounds,
-        if r.cut_short { ", cut short by the time budget" } else { "" }
+        if r.cut_short { " (cut short by the time budget)" } else { "" }
     );
-    println!("| variant | non-stream total p50 | p90 | p99 | stream TTFB p50 | p90 | p99 | stream total p50 |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| variant | non-stream total p50 | p90 | p99 | stream TTFB p50 | p90 | p99 |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    let s = |via, stream| &r.series[variant_index(via, stream)];
     let names = [
         (Via::Direct, "(a) direct → decode"),
         (Via::DirectPd, "(b) direct P then D"),
-        (Via::Tokenonce, "(c) tokenonce"),
+        (Via::Tokenonce, "(c) through tokenonce"),
     ];
     let mut qs = Vec::new();
-    for (p, name) in names {
-        let ns = q3(&r.series[idx(p, false)].total);
-        let st = q3(&r.series[idx(p, true)].ttfb);
-        let stt = q3(&r.series[idx(p, true)].total);
+    for (via, name) in names {
+        let (ns, st) = (q3(&s(via, false).total), q3(&s(via, true).ttfb));
         println!(
-            "| {name} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {name} | {} | {} | {} | {} | {} | {} |",
             f(ns[0]),
             f(ns[1]),
             f(ns[2]),
             f(st[0]),
             f(st[1]),
-            f(st[2]),
-            f(stt[0])
+            f(st[2])
         );
-        qs.push((ns, st, stt));
+        qs.push((ns, st));
     }
     for (other, name) in [(1, "**added: (c) − (b)**"), (0, "**added: (c) − (a)**")] {
-        let (cn, cs, ct) = qs[2];
-        let (on, os, ot) = qs[other];
+        let ((cn, cs), (on, os)) = (qs[2], qs[other]);
         println!(
-            "| {name} | **{}** | {} | **{}** | **{}** | {} | **{}** | {} |",
+            "| {name} | **{}** | {} | **{}** | **{}** | {} | **{}** |",
             signed(cn[0] - on[0]),
             signed(cn[1] - on[1]),
             signed(cn[2] - on[2]),
             signed(cs[0] - os[0]),
             signed(cs[1] - os[1]),
-            signed(cs[2] - os[2]),
-            signed(ct[0] - ot[0])
+            signed(cs[2] - os[2])
         );
     }
-    let c = |s| &r.series[idx(Via::Tokenonce, s)];
-    let b = |s| &r.series[idx(Via::DirectPd, s)];
-    let a = |s| &r.series[idx(Via::Direct, s)];
+    let (c, b, a) = (Via::Tokenonce, Via::DirectPd, Via::Direct);
     println!(
-        "\nPaired per-round medians (c − b): non-stream {} ms, stream TTFB {} ms; (c − a): non-stream {} ms, stream TTFB {} ms.",
-        signed(paired_median(&c(false).total, &b(false).total)),
-        signed(paired_median(&c(true).ttfb, &b(true).ttfb)),
-        signed(paired_median(&c(false).total, &a(false).total)),
-        signed(paired_median(&c(true).ttfb, &a(true).ttfb)),
+        "\n- Added latency as the median of per-round paired differences: (c) − (b) {} ms non-streamed, {} ms TTFB; \
+         (c) − (a) {} ms non-streamed, {} ms TTFB.",
+        signed(paired_median(&s(c, false).total, &s(b, false).total)),
+        signed(paired_median(&s(c, true).ttfb, &s(b, true).ttfb)),
+        signed(paired_median(&s(c, false).total, &s(a, false).total)),
+        signed(paired_median(&s(c, true).ttfb, &s(a, true).ttfb)),
     );
-    let mut handoff = b(false).handoff.clone();
-    handoff.extend_from_slice(&b(true).handoff);
+    let legs: Vec<[f64; 3]> = s(b, false).legs.iter().chain(&s(b, true).legs).copied().collect();
+    let leg = |i: usize| median(&legs.iter().map(|l| l[i]).collect::<Vec<_>>());
     println!(
-        "The bench's own (b) handoff (parse the prefill answer, splice the ids; excluded from (b)): median {} ms.",
-        f(quantile(&sorted(&handoff), 0.5))
+        "- (b) legs, median: prefill {} ms, decode to first byte {} ms; the bench's own handoff between them \
+         (parse the prefill answer, splice the ids; not counted in (b)) {} ms.",
+        f(leg(0)),
+        f(leg(1)),
+        f(leg(2))
     );
     let own: Vec<String> = r.own.iter().map(|(k, v)| format!("{k} {}", f(*v))).collect();
-    println!("tokenonce's own view of its (c) requests (/metrics sum/count deltas, mean ms): {}.", own.join(", "));
-    println!("Token reuse applied on {} of {} proxied requests.", r.reuse_applied, r.proxied);
-    for m in &r.mismatches {
-        println!("WARNING: {m}");
+    println!(
+        "- tokenonce's own timings of its (c) requests (`/metrics` sum/count deltas, means, ms): {}.",
+        own.join(", ")
+    );
+    let stalled = |via| {
+        let gaps = &s(via, true).max_gap;
+        100.0 * gaps.iter().filter(|&&g| g > STALL_MS).count() as f64 / gaps.len().max(1) as f64
+    };
+    println!(
+        "- Streamed to the last byte, p50 (share of streams with a gap > {STALL_MS} ms between two chunks): \
+         (a) {} ms ({:.0}%), (b) {} ms ({:.0}%), (c) {} ms ({:.0}%). Not in the table: the axum fake does not set \
+         TCP_NODELAY, so its later SSE writes wait for the receiver's delayed ACK (~40 ms); a fake artifact \
+         that TTFB does not include.",
+        f(median(&s(a, true).total)),
+        stalled(a),
+        f(median(&s(b, true).total)),
+        stalled(b),
+        f(median(&s(c, true).total)),
+        stalled(c)
+    );
+    println!(
+        "- Token reuse applied on {} of {} proxied requests; tokenonce peak RSS (VmHWM) {}; upstream connections: \
+         {} stale-connection retries, {} pingora \"failed to acquire reusable stream\" (pooled connection dropped, \
+         a new one opened).",
+        r.reuse_applied,
+        r.proxied,
+        mib(r.peak_rss_kib),
+        r.retries,
+        r.reuse_races
+    );
+    for (via, ttfb, total) in &r.relay_check {
+        println!(
+            "- Streaming relay check ({} ms between the decode's SSE events): ({}) TTFB {} ms, last byte {} ms.",
+            CHECK_CHUNK_DELAY.as_millis(),
+            via.letter(),
+            f(*ttfb),
+            f(*total)
+        );
+    }
+    for w in &r.warnings {
+        println!("- **WARNING**: {w}");
     }
     println!();
 }
 
-#[allow(clippy::too_many_lines)]
-async fn measure(bench: &Bench, admin: &str, words_n: usize, opts: &Options, budget: Duration) -> SizeResult {
-    let prompt = Prompt::new(words_n);
-    let mut mismatches = Vec::new();
-    // Warm-up (connections, tokenonce's version lookup, allocator) and sanity checks.
-    let mut prompt_tokens = 0;
-    let mut decode_bytes = 0;
-    for round in 0..opts.warmup.max(1) {
-        let mut outs: Vec<Sample> = Vec::new();
-        for &(p, s) in &VARIANTS {
-            outs.push(bench.run(&prompt, p, s).await);
-        }
-        if round == 0 {
-            prompt_tokens = outs[1].prompt_tokens.unwrap_or(0);
-            decode_bytes = outs[1].decode_bytes;
-            for (i, what) in [(0, "non-streamed"), (3, "streamed")] {
-                if outs[i].body != outs[i + 1].body || outs[i].body != outs[i + 2].body {
-                    mismatches.push(format!(
-                        "{what} answers differ between (a), (b) and (c) ({} / {} / {} bytes)",
-                        outs[i].body.len(),
-                        outs[i + 1].body.len(),
-                        outs[i + 2].body.len()
-                    ));
-                }
-            }
-        }
-    }
-    let before = bench.metrics(admin).await;
-    let mut series: Vec<Series> = VARIANTS.iter().map(|_| Series::default()).collect();
-    let started = Instant::now();
-    let mut rounds = 0;
-    let mut cut_short = false;
-    for round in 0..opts.runs {
-        if started.elapsed() > budget {
-            cut_short = true;
-            break;
-        }
-        for k in 0..VARIANTS.len() {
-            let v = (round + k) % VARIANTS.len();
-            let (p, s) = VARIANTS[v];
-            let sample = bench.run(&prompt, p, s).await;
-            series[v].push(&sample);
-        }
-        rounds += 1;
-        if rounds % 10 == 0 {
-            eprintln!("  {words_n} words: {rounds}/{} rounds, {:.1} s", opts.runs, started.elapsed().as_secs_f64());
-        }
-    }
-    let after = bench.metrics(admin).await;
-    let delta = |name: &str, filter: &[&str]| metric_sum(&after, name, filter) - metric_sum(&before, name, filter);
-    let mean = |base: &str, filter: &[&str]| {
-        let count = delta(&format!("{base}_count"), filter);
-        delta(&format!("{base}_sum"), filter) / count * 1e3
-    };
-    let own = vec![
-        ("request (head → last byte)", mean("tokenonce_request_duration_seconds", &[])),
-        ("prefill leg", mean("tokenonce_stage_duration_seconds", &["stage=\"prefill\""])),
-        ("handoff", mean("tokenonce_stage_duration_seconds", &["stage=\"handoff\""])),
-        ("decode first byte", mean("tokenonce_stage_duration_seconds", &["stage=\"decode_first_byte\""])),
-        ("decode total", mean("tokenonce_stage_duration_seconds", &["stage=\"decode_total\""])),
-    ];
-    let reuse_applied = delta("tokenonce_token_reuse_total", &["result=\"applied\""]);
-    let proxied = 2 * rounds;
-    if (reuse_applied - proxied as f64).abs() > 0.5 {
-        mismatches.push(format!("token reuse applied on {reuse_applied} of {proxied} proxied requests"));
-    }
-    SizeResult {
-        words: words_n,
-        prompt_tokens,
-        request_bytes: prompt.plain.len(),
-        decode_bytes,
-        rounds,
-        cut_short,
-        series,
-        own,
-        reuse_applied,
-        proxied,
-        mismatches,
-    }
-}
-
 fn main() {
-    if std::env::args().any(|a| a == "--micro") {
-        micro();
-        return;
-    }
     let run_started = Instant::now();
     let opts = parse_options();
     let command = if opts.user_args.is_empty() {
@@ -688,28 +830,15 @@ fn main() {
     );
     println!("- tokenonce binary: {}", binary.display());
     println!(
-        "- machine: {} CPUs; tokenonce threads = 2, TOKENONCE_LOG=warn; fakes on a 2-worker runtime in this process; client on one thread",
+        "- {} CPUs; tokenonce threads = 2, TOKENONCE_LOG=warn; both fakes on one 1-worker runtime in the bench process; \
+         the client on one thread",
         std::thread::available_parallelism().map_or(0, std::num::NonZero::get)
     );
     println!(
-        "- per prompt size: {} warm-up + {} measured rounds; each round runs all 6 variants once, starting variant rotating; max_tokens {MAX_TOKENS}; quantiles nearest-rank; times in ms\n",
+        "- per prompt size: {} warm-up + up to {} measured rounds of all 6 variants (in a fresh shuffled order each round); \
+         max_tokens {MAX_TOKENS}; nearest-rank quantiles; ms\n",
         opts.warmup, opts.runs
     );
-
-    // The fakes get their own runtime so their CPU work never delays the client's clock reads.
-    let fake_rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("fake-vllm")
-        .enable_all()
-        .build()
-        .unwrap();
-    let engine = FakeConfig {
-        connector: true, // answer prefills like a NIXL engine (non-null kv_transfer_params)
-        ..FakeConfig::default()
-    };
-    let prefill = fake_rt.block_on(FakeVllm::start(engine.clone()));
-    let decode = fake_rt.block_on(FakeVllm::start(engine));
-    let proxy = TokenOnce::start(&binary, &prefill, &decode);
 
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let client = reqwest::Client::builder()
@@ -720,102 +849,33 @@ fn main() {
         .timeout(Duration::from_secs(60))
         .build()
         .unwrap();
-    let bench = Bench {
-        client,
-        prefill_url: format!("http://{}/v1/chat/completions", prefill.host_port()),
-        decode_url: format!("http://{}/v1/chat/completions", decode.host_port()),
-        proxy_url: format!("{}/v1/chat/completions", proxy.url),
-    };
-    let results: Vec<SizeResult> = rt.block_on(async {
-        proxy.wait_ready(&bench.client).await;
-        let mut out = Vec::new();
-        let measuring = Instant::now();
-        let total_budget = Duration::from_secs(opts.max_seconds);
-        for (i, &n) in PROMPT_WORDS.iter().enumerate() {
-            let left = total_budget.saturating_sub(measuring.elapsed());
-            let budget = left / u32::try_from(PROMPT_WORDS.len() - i).unwrap();
-            eprintln!("overhead: {n}-word prompt ...");
-            out.push(measure(&bench, &proxy.admin, n, &opts, budget).await);
-        }
-        out
-    });
+    let measuring = Instant::now();
+    let total_budget = Duration::from_secs(opts.max_seconds);
+    let mut results = Vec::new();
+    for (i, &n) in PROMPT_WORDS.iter().enumerate() {
+        let env = Env::start(&binary);
+        let bench = Bench {
+            client: client.clone(),
+            prefill_url: format!("http://{}/v1/chat/completions", env.prefill.host_port()),
+            decode_url: format!("http://{}/v1/chat/completions", env.decode.host_port()),
+            proxy_url: format!("{}/v1/chat/completions", env.proxy.url),
+        };
+        let budget = total_budget.saturating_sub(measuring.elapsed()) / u32::try_from(PROMPT_WORDS.len() - i).unwrap();
+        eprintln!("overhead: {n}-word prompt ...");
+        results.push(rt.block_on(async {
+            env.proxy.wait_ready(&bench.client).await;
+            measure(&bench, &env, n, &opts, budget).await
+        }));
+        let Env { proxy, fake_rt, .. } = env;
+        drop(proxy);
+        drop(fake_rt);
+    }
     for r in &results {
         print_size(r);
     }
-    let (hwm, rss) = proxy.memory_kib();
-    let (self_hwm, _) = proc_memory_kib(std::process::id());
-    let mib = |k: Option<u64>| k.map_or("?".into(), |k| format!("{:.1} MiB", k as f64 / 1024.0));
     println!(
-        "tokenonce peak RSS (VmHWM): {} (VmRSS now {}); this bench process (client + both fakes, which keep every request body): {}.",
-        mib(hwm),
-        mib(rss),
-        mib(self_hwm)
+        "This bench process (client + fakes, which keep every request body) peaked at {}.\n",
+        mib(proc_memory_kib(std::process::id()).0)
     );
-    let log = proxy.log_text();
-    if !log.trim().is_empty() {
-        println!(
-            "\ntokenonce logged at warn or above:\n```\n{}\n```",
-            log.lines().take(20).collect::<Vec<_>>().join("\n")
-        );
-    }
-    drop(proxy);
-    drop(fake_rt);
-    println!("\nBench run time: {:.1} s (excluding the build).", run_started.elapsed().as_secs_f64());
-}
-
-// TEMP
-fn micro() {
-    use tokenonce::openai::request::{decode_body, prefill_body};
-    use tokenonce::openai::response::extract_handoff;
-    use tokenonce::openai::{Api, RawObject, RequestView};
-    let prompt = Prompt::new(37_000);
-    let ids: Vec<u64> =
-        fake_vllm::fake_tokenize(&fake_vllm::fake_render_chat(&serde_json::from_slice(&prompt.plain).unwrap()));
-    let resp = format!("{{\"id\":\"x\",\"choices\":[{{\"index\":0,\"message\":{{\"role\":\"assistant\",\"content\":\"t1 \"}},\"token_ids\":[1]}}],\"usage\":{{\"prompt_tokens\":{},\"total_tokens\":1,\"completion_tokens\":1,\"prompt_tokens_details\":null}},\"prompt_token_ids\":{},\"kv_transfer_params\":{{\"do_remote_prefill\":true,\"remote_block_ids\":[[1,2,3]]}}}}", ids.len(), serde_json::to_string(&ids).unwrap());
-    let n = 200;
-    let t = |name: &str, f: &mut dyn FnMut()| {
-        for _ in 0..5 {
-            f();
-        }
-        let s = Instant::now();
-        for _ in 0..n {
-            f();
-        }
-        println!("{name}: {:.3} ms", s.elapsed().as_secs_f64() * 1e3 / n as f64);
-    };
-    t("RawObject::parse_bytes(222KB)", &mut || {
-        std::hint::black_box(RawObject::parse_bytes(&prompt.plain).unwrap());
-    });
-    let obj = RawObject::parse_bytes(&prompt.plain).unwrap();
-    t("RequestView::parse", &mut || {
-        std::hint::black_box(RequestView::parse(Api::Chat, &obj).unwrap());
-    });
-    t("prefill_body", &mut || {
-        std::hint::black_box(prefill_body(&obj, true));
-    });
-    t("extract_handoff(230KB)", &mut || {
-        std::hint::black_box(extract_handoff(Api::Chat, resp.as_bytes()).unwrap());
-    });
-    let h = extract_handoff(Api::Chat, resp.as_bytes()).unwrap();
-    let pid = h.ids.as_ref().unwrap();
-    t("decode_body", &mut || {
-        std::hint::black_box(decode_body(&obj, Api::Chat, h.kv_transfer_params.as_deref(), Some(pid)));
-    });
-    t("bench decode_body", &mut || {
-        std::hint::black_box(decode_body_bench(&prompt.plain, resp.as_bytes()));
-    });
-    t("fake: serde Value parse of plain", &mut || {
-        std::hint::black_box(serde_json::from_slice::<Value>(&prompt.plain).unwrap());
-    });
-    let v: Value = serde_json::from_slice(&prompt.plain).unwrap();
-    t("fake: render+tokenize", &mut || {
-        std::hint::black_box(fake_vllm::fake_tokenize(&fake_vllm::fake_render_chat(&v)));
-    });
-    let db = decode_body(&obj, Api::Chat, h.kv_transfer_params.as_deref(), Some(pid));
-    t("fake: serde Value parse of decode body", &mut || {
-        std::hint::black_box(serde_json::from_slice::<Value>(&db).unwrap());
-    });
-    t("fake: ids_json", &mut || {
-        std::hint::black_box(serde_json::to_string(&ids).unwrap());
-    });
+    println!("Bench run time: {:.1} s (excluding the build).", run_started.elapsed().as_secs_f64());
 }
