@@ -196,13 +196,14 @@ pub fn prefill_body(client: &RawObject<'_>, want_ids: bool) -> Vec<u8> {
 }
 
 /// Merges `ids` into a `kv_transfer_params` object text (or a fresh object when absent/null).
-pub fn kv_params_with_ids(kv_transfer_params: Option<&str>, ids: &PromptIds) -> Vec<u8> {
+pub fn kv_params_with_ids(kv_transfer_params: Option<&str>, ids: &PromptIds) -> String {
     let mut kv = match kv_transfer_params.filter(|raw| !is_null(Some(raw))) {
         Some(raw) => RawObject::parse(raw).unwrap_or_default(),
         None => RawObject::new(),
     };
     kv.set_raw("prompt_token_ids", ids.as_json());
-    kv.to_bytes()
+    // Valid UTF-8 by construction: every piece came from `&str`s.
+    String::from_utf8(kv.to_bytes()).unwrap_or_default()
 }
 
 /// The decode leg: the client's body with the prefill's `kv_transfer_params` and, when
@@ -218,9 +219,7 @@ pub fn decode_body(
     let kv = kv_transfer_params.filter(|raw| !is_null(Some(raw)));
     match (api, ids) {
         (Api::Chat, Some(ids)) => {
-            let merged = kv_params_with_ids(kv, ids);
-            // The merged object is valid JSON by construction (built from RawObject bytes).
-            obj.set_raw("kv_transfer_params", String::from_utf8_lossy(&merged).into_owned());
+            obj.set_raw("kv_transfer_params", kv_params_with_ids(kv, ids));
         }
         (Api::Completions, Some(ids)) => {
             obj.set_raw("prompt", ids.as_json());

@@ -209,7 +209,7 @@ async fn prefill(
             RelayHandoff::Stateless => {
                 let kv = kv_params_with_ids(handoff.kv_transfer_params.as_deref(), ids);
                 if let Ok(mut top) = RawObject::parse(text) {
-                    top.set_raw("kv_transfer_params", String::from_utf8_lossy(&kv).into_owned());
+                    top.set_raw("kv_transfer_params", kv);
                     out = Some(top.to_bytes());
                 }
             }
@@ -301,7 +301,7 @@ async fn decode(
     match (&ids, view.api) {
         (Some(ids), Api::Chat) => {
             let merged = kv_params_with_ids(kv_raw, ids);
-            body.set_raw("kv_transfer_params", String::from_utf8_lossy(&merged).into_owned());
+            body.set_raw("kv_transfer_params", merged);
         }
         (Some(ids), Api::Completions) => {
             body.set_raw("prompt", ids.as_json().to_owned());

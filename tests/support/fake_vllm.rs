@@ -179,6 +179,11 @@ impl FakeVllm {
         let addr = listener.local_addr().unwrap();
         let app = axum::Router::new().fallback(handle).with_state(Arc::clone(&shared));
         tokio::spawn(async move {
+            // TCP_NODELAY, like uvicorn: otherwise small SSE writes wait on delayed ACKs (~40 ms).
+            use axum::serve::ListenerExt;
+            let listener = listener.tap_io(|tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
             let _ = axum::serve(listener, app).await;
         });
         Self { addr, shared }
