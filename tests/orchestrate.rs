@@ -441,3 +441,26 @@ async fn test_truncation_cuts_the_relayed_ids() {
     assert_eq!(d.posts()[0].json()["kv_transfer_params"]["prompt_token_ids"], json!(full[..3]));
     assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["usage"]["prompt_tokens"], 3);
 }
+
+/// A decode whose /version cannot be read: chat falls back (counted), and requests do not
+/// each ask /version again.
+#[tokio::test(flavor = "multi_thread")]
+async fn unknown_decode_version_falls_back_without_asking_every_time() {
+    let (_p, d, proxy) =
+        pd_setup(FakeConfig::default(), FakeConfig { version: String::new(), ..FakeConfig::default() }, "").await;
+    for i in 0..5 {
+        let (status, _, _) =
+            post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body(&format!("v{i}"), json!({})), &[])
+                .await;
+        assert_eq!(status, 200);
+    }
+    assert!(d.posts().iter().all(|r| r.json().get("kv_transfer_params").is_none()));
+    assert_eq!(
+        proxy
+            .metric(r#"tokenonce_token_reuse_total{reason="decode_version_unknown",result="fallback",route="pd"}"#)
+            .await,
+        5.0
+    );
+    let asked = d.requests().iter().filter(|r| r.path == "/version").count();
+    assert!(asked <= 2, "/version asked {asked} times");
+}

@@ -15,19 +15,34 @@ use crate::config::Version;
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Asks `GET /version` and records it on the endpoint.
+/// A failed `/version` is not asked again on the request path for this long.
+pub const VERSION_RETRY_PAUSE: Duration = Duration::from_secs(30);
+
+/// Asks `GET /version` and records it on the endpoint; a failure is remembered so requests
+/// do not each pay for asking again (the poller and later requests retry after a pause).
 pub async fn learn_version(client: &UpstreamClient, endpoint: &Endpoint) -> Option<Version> {
-    let (status, body) = client.get(&endpoint.addr, "/version", PROBE_TIMEOUT).await.ok()?;
-    if status != 200 {
+    if !endpoint.may_ask_version(VERSION_RETRY_PAUSE) {
         return None;
     }
+    let version = ask_version(client, &endpoint.addr).await;
+    match version {
+        Some(v) => endpoint.set_version(v),
+        None => endpoint.version_failed(),
+    }
+    version
+}
+
+async fn ask_version(client: &UpstreamClient, addr: &str) -> Option<Version> {
     #[derive(serde::Deserialize)]
     struct VersionBody {
         version: String,
     }
+    let (status, body) = client.get(addr, "/version", PROBE_TIMEOUT).await.ok()?;
+    if status != 200 {
+        return None;
+    }
     let parsed: VersionBody = serde_json::from_slice(&body).ok()?;
-    let version = Version::parse(&parsed.version)?;
-    endpoint.set_version(version);
-    Some(version)
+    Version::parse(&parsed.version)
 }
 
 /// The poller; it reads the current pools each round, so reloads take effect.

@@ -14,6 +14,8 @@ pub struct Endpoint {
     inflight: AtomicUsize,
     healthy: AtomicBool,
     version: RwLock<Option<Version>>,
+    /// When `/version` was last asked and gave nothing usable (retried after a pause).
+    version_failed_at: RwLock<Option<std::time::Instant>>,
 }
 
 impl Endpoint {
@@ -24,6 +26,7 @@ impl Endpoint {
             inflight: AtomicUsize::new(0),
             healthy: AtomicBool::new(false),
             version: RwLock::new(None),
+            version_failed_at: RwLock::new(None),
         }
     }
 
@@ -45,6 +48,18 @@ impl Endpoint {
     /// The vLLM version learned from `GET /version`.
     pub fn version(&self) -> Option<Version> {
         self.version.read().ok().and_then(|v| *v)
+    }
+
+    /// True when `/version` may be asked now: never failed, or failed over `pause` ago.
+    pub fn may_ask_version(&self, pause: std::time::Duration) -> bool {
+        self.version_failed_at.read().ok().and_then(|t| *t).is_none_or(|t| t.elapsed() >= pause)
+    }
+
+    /// Records that `/version` gave nothing usable.
+    pub fn version_failed(&self) {
+        if let Ok(mut t) = self.version_failed_at.write() {
+            *t = Some(std::time::Instant::now());
+        }
     }
 
     /// Records the version.

@@ -283,6 +283,7 @@ async fn handle(
         return match uri.path() {
             "/health" if config.healthy => respond(200, "application/json", Body::empty()),
             "/health" => respond(503, "application/json", Body::empty()),
+            "/version" if config.version.is_empty() => respond(404, "application/json", Body::from("{\"detail\":\"Not Found\"}")),
             "/version" => respond(200, "application/json", Body::from(format!("{{\"version\":\"{}\"}}", config.version))),
             "/v1/models" => respond(
                 200,
