@@ -18,7 +18,7 @@ use pingora::prelude::*;
 use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use pingora::upstreams::peer::HttpPeer;
 
-use crate::config::Mode;
+use crate::config::{Mode, PrefillSource};
 use crate::metrics::{Metrics, Outcome, Stage};
 use crate::openai::{Api, ApiError, RawObject, RequestView};
 use crate::routes::RequestFacts;
@@ -133,7 +133,11 @@ impl Proxy {
         let route_index = app.routes.select(&facts);
         ctx.route = route_index;
         let route = route_index.and_then(|i| app.routes.routes().get(i));
-        let req = pd::Incoming { path_and_query: &path_and_query, headers: &headers, body: &body };
+        let drop_header = route.and_then(|r| match &r.prefill {
+            Some(PrefillSource::Header { name, .. }) => Some(name.as_str()),
+            _ => None,
+        });
+        let req = pd::Incoming { path_and_query: &path_and_query, headers: &headers, body: &body, drop_header };
 
         let Some(route) = route.filter(|r| r.mode != Mode::Passthrough) else {
             // Passthrough with a body already read: forward it unchanged ourselves.
@@ -143,7 +147,7 @@ impl Proxy {
                 return respond::write_error(session, ctx, &ApiError::DecodeUnavailable("empty pool".into())).await;
             };
             let name = app.route_label(ctx.route).to_owned();
-            return pd::forward(app, session, ctx, endpoint, &req, None, &name).await;
+            return pd::forward(app, session, ctx, endpoint, &req, &name).await;
         };
         ctx.mode = route.mode;
         if body.len() > route.options.max_body_bytes {

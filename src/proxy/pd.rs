@@ -7,9 +7,10 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use http::HeaderMap;
+use pingora::http::ResponseHeader;
 use pingora::proxy::Session;
 
-use super::respond::{client_gone, relay, write_error, write_full, Rewrite};
+use super::respond::{client_gone, client_head, relay, write_buffered, write_error, Rewrite};
 use super::Ctx;
 use crate::config::{AllowEntry, PrefillSource, RouteSpec, Version};
 use crate::metrics::{Outcome, Stage};
@@ -24,6 +25,7 @@ use crate::App;
 const PREFILL_RESPONSE_LIMIT: usize = 64 * 1024 * 1024;
 
 /// The request as read by `request_filter`.
+#[derive(Clone, Copy)]
 pub struct Incoming<'a> {
     /// Path and query as the client sent them.
     pub path_and_query: &'a str,
@@ -31,6 +33,8 @@ pub struct Incoming<'a> {
     pub headers: &'a HeaderMap,
     /// The client's body.
     pub body: &'a Bytes,
+    /// A header never forwarded (the route's `x-prefiller-host-port`).
+    pub drop_header: Option<&'a str>,
 }
 
 /// Checks an `x-prefiller-host-port` style header and returns the endpoint it names;
@@ -70,30 +74,15 @@ pub fn prefiller_from_header(
     }
 }
 
-fn header_to_drop(route: &RouteSpec) -> Option<&str> {
-    match &route.prefill {
-        Some(PrefillSource::Header { name, .. }) => Some(name.as_str()),
-        _ => None,
-    }
-}
-
 /// Sends the client's body unchanged to `decode` and relays the answer (no prefill).
-pub async fn forward(
-    app: &App,
-    session: &mut Session,
-    ctx: &mut Ctx,
-    decode: Picked,
-    req: &Incoming<'_>,
-    drop_header: Option<&str>,
-    route: &str,
-) {
+pub async fn forward(app: &App, session: &mut Session, ctx: &mut Ctx, decode: Picked, req: &Incoming<'_>, route: &str) {
     let rid = ctx.request_id.clone().unwrap_or_default();
     let head = match UpstreamClient::request_head(
         "POST",
         req.path_and_query,
         decode.addr(),
         req.headers,
-        drop_header,
+        req.drop_header,
         &rid,
         req.body.len(),
     ) {
@@ -126,6 +115,12 @@ async fn reuse_gate(app: &App, route: &RouteSpec, view: &RequestView, decode: &E
     if view.api == Api::Completions {
         return None; // `prompt: [ids]` is token-in on every vLLM version
     }
+    chat_version_blocker(app, route, decode).await
+}
+
+/// Whether the decode's vLLM is too old (or unknown) for chat ids in `kv_transfer_params`:
+/// the pool's pinned version, else the endpoint's learned one, else ask `/version`.
+pub async fn chat_version_blocker(app: &App, route: &RouteSpec, decode: &Endpoint) -> Option<FallbackReason> {
     let pool_pin = app.pools.get(route.decode_pool).and_then(|p| p.pinned_version());
     let version = match pool_pin.or_else(|| decode.version()) {
         Some(v) => Some(v),
@@ -136,6 +131,76 @@ async fn reuse_gate(app: &App, route: &RouteSpec, view: &RequestView, decode: &E
         Some(v) if v < Version::CHAT_TOKEN_REUSE => Some(FallbackReason::DecodeVersionOld),
         Some(_) => None,
     }
+}
+
+/// Sends a prefill leg to `addr` and reads its whole answer within the route's prefill
+/// timeout, watching the client. On failure the error response is written (or the client
+/// is gone) and `None` comes back; otherwise the engine's response head and body.
+pub async fn prefill_leg(
+    app: &App,
+    session: &mut Session,
+    ctx: &mut Ctx,
+    route: &RouteSpec,
+    addr: &str,
+    req: &Incoming<'_>,
+    body: Bytes,
+) -> Option<(ResponseHeader, Bytes)> {
+    ctx.stage = Some(Stage::Prefill);
+    let rid = ctx.request_id.clone().unwrap_or_default();
+    let head = match UpstreamClient::request_head(
+        "POST",
+        req.path_and_query,
+        addr,
+        req.headers,
+        req.drop_header,
+        &rid,
+        body.len(),
+    ) {
+        Ok(h) => h,
+        Err(e) => {
+            write_error(session, ctx, &ApiError::Internal(e.to_string())).await;
+            return None;
+        }
+    };
+    let started = Instant::now();
+    let metrics = &app.metrics;
+    let leg = async {
+        let exchange = app
+            .client
+            .send(addr, &head, body, || metrics.upstream_retries.with_label_values(&["prefill"]).inc())
+            .await?;
+        let response_head = exchange.session.response_header().cloned();
+        let body = app.client.read_to_end(exchange, PREFILL_RESPONSE_LIMIT).await?;
+        Ok::<_, crate::upstream::UpstreamError>((response_head, body))
+    };
+    let outcome = tokio::select! {
+        r = tokio::time::timeout(route.options.prefill_timeout, leg) => r,
+        _ = client_gone(session) => { ctx.outcome = Some(Outcome::ClientClosed); return None; }
+    };
+    ctx.prefill_ms = Some(started.elapsed().as_secs_f64() * 1000.0);
+    metrics
+        .stage_duration
+        .with_label_values(&[route.name.as_str(), "prefill"])
+        .observe(started.elapsed().as_secs_f64());
+    let err = match outcome {
+        Err(_) => {
+            metrics.upstream_errors.with_label_values(&["prefill", "timeout"]).inc();
+            ApiError::PrefillTimeout(u64::try_from(route.options.prefill_timeout.as_millis()).unwrap_or(u64::MAX))
+        }
+        Ok(Err(e)) => {
+            metrics.upstream_errors.with_label_values(&["prefill", e.kind()]).inc();
+            ApiError::PrefillUnavailable(e.to_string())
+        }
+        Ok(Ok((Some(head), body))) => {
+            if head.status.as_u16() >= 500 {
+                metrics.upstream_errors.with_label_values(&["prefill", "status_5xx"]).inc();
+            }
+            return Some((head, body));
+        }
+        Ok(Ok((None, _))) => ApiError::PrefillBadResponse("no response header".into()),
+    };
+    write_error(session, ctx, &err).await;
+    None
 }
 
 /// Runs one orchestrated request to the end, writing the response (or error) itself.
@@ -149,7 +214,6 @@ pub async fn orchestrate(
     req: &Incoming<'_>,
 ) {
     let route_name = route.name.as_str();
-    let drop_header = header_to_drop(route);
     let Some(decode) = app.pools.get(route.decode_pool).and_then(|p| p.pick()) else {
         return write_error(session, ctx, &ApiError::DecodeUnavailable("decode pool has no endpoints".into())).await;
     };
@@ -165,67 +229,25 @@ pub async fn orchestrate(
     let Some(prefill) = prefill else {
         // Header mode without the header: the picker chose decode-only; send it as is.
         ctx.stage = Some(Stage::DecodeTotal);
-        return forward(app, session, ctx, decode, req, drop_header, route_name).await;
+        return forward(app, session, ctx, decode, req, route_name).await;
     };
 
     let fallback = reuse_gate(app, route, view, decode.endpoint()).await;
     let want_ids = fallback.is_none();
     let rid = ctx.request_id.clone().unwrap_or_default();
+    let metrics = &app.metrics;
 
     // (1) Prefill leg.
-    ctx.stage = Some(Stage::Prefill);
     let prefill_bytes = Bytes::from(prefill_body(obj, want_ids));
-    let head = match UpstreamClient::request_head(
-        "POST",
-        req.path_and_query,
-        prefill.addr(),
-        req.headers,
-        drop_header,
-        &rid,
-        prefill_bytes.len(),
-    ) {
-        Ok(h) => h,
-        Err(e) => return write_error(session, ctx, &ApiError::Internal(e.to_string())).await,
-    };
-    let started = Instant::now();
-    let metrics = &app.metrics;
-    let leg = async {
-        let exchange = app
-            .client
-            .send(prefill.addr(), &head, prefill_bytes, || {
-                metrics.upstream_retries.with_label_values(&["prefill"]).inc()
-            })
-            .await?;
-        let status = exchange.status();
-        let content_type = exchange.header("content-type").map(str::to_owned);
-        let body = app.client.read_to_end(exchange, PREFILL_RESPONSE_LIMIT).await?;
-        Ok::<_, crate::upstream::UpstreamError>((status, content_type, body))
-    };
-    let outcome = tokio::select! {
-        r = tokio::time::timeout(route.options.prefill_timeout, leg) => r,
-        _ = client_gone(session) => { ctx.outcome = Some(Outcome::ClientClosed); return; }
-    };
+    let answer = prefill_leg(app, session, ctx, route, prefill.addr(), req, prefill_bytes).await;
     drop(prefill);
-    ctx.prefill_ms = Some(started.elapsed().as_secs_f64() * 1000.0);
-    metrics.stage_duration.with_label_values(&[route_name, "prefill"]).observe(started.elapsed().as_secs_f64());
-    let (status, content_type, prefill_response) = match outcome {
-        Err(_) => {
-            metrics.upstream_errors.with_label_values(&["prefill", "timeout"]).inc();
-            let ms = u64::try_from(route.options.prefill_timeout.as_millis()).unwrap_or(u64::MAX);
-            return write_error(session, ctx, &ApiError::PrefillTimeout(ms)).await;
-        }
-        Ok(Err(e)) => {
-            metrics.upstream_errors.with_label_values(&["prefill", e.kind()]).inc();
-            return write_error(session, ctx, &ApiError::PrefillUnavailable(e.to_string())).await;
-        }
-        Ok(Ok(parts)) => parts,
-    };
-    if !(200..300).contains(&status) {
+    let Some((prefill_head, prefill_response)) = answer else { return };
+    if !prefill_head.status.is_success() {
         // The prefill's own error (e.g. vLLM's 400 for a too-long prompt) goes back unchanged.
-        if status >= 500 {
-            metrics.upstream_errors.with_label_values(&["prefill", "status_5xx"]).inc();
-        }
-        return write_full(session, ctx, status, content_type.as_deref(), prefill_response).await;
+        return match client_head(&prefill_head, ctx.request_id.as_deref()) {
+            Some(head) => write_buffered(session, ctx, head, prefill_response).await,
+            None => write_error(session, ctx, &ApiError::PrefillBadResponse("response header".into())).await,
+        };
     }
 
     // (2) Handoff.
@@ -277,7 +299,7 @@ pub async fn orchestrate(
         req.path_and_query,
         decode.addr(),
         req.headers,
-        drop_header,
+        req.drop_header,
         &rid,
         decode_bytes.len(),
     ) {

@@ -8,22 +8,16 @@ use std::time::Instant;
 use bytes::Bytes;
 use pingora::proxy::Session;
 
-use super::pd::{forward, Incoming};
-use super::respond::{client_gone, client_head, write_buffered, write_error};
+use super::pd::{chat_version_blocker, forward, prefill_leg, Incoming};
+use super::respond::{client_head, write_buffered, write_error};
 use super::Ctx;
-use crate::config::{PrefillSource, RelayHandoff, RouteSpec, Version};
+use crate::config::{PrefillSource, RelayHandoff, RouteSpec};
 use crate::handoff::{prompt_fingerprint, CacheKey, Evicted, Lookup};
-use crate::metrics::Outcome;
 use crate::openai::json::is_null;
 use crate::openai::request::kv_params_with_ids;
 use crate::openai::response::{extract_handoff, hide_token_ids};
 use crate::openai::{Api, ApiError, FallbackReason, PromptIds, RawObject, RequestView};
-use crate::upstream::health::learn_version;
-use crate::upstream::{Endpoint, UpstreamClient};
 use crate::App;
-
-/// Largest prefill response buffered (same bound as orchestrate mode).
-const PREFILL_RESPONSE_LIMIT: usize = 64 * 1024 * 1024;
 
 /// What the request's `kv_transfer_params` say it is.
 struct KvFacts {
@@ -126,56 +120,16 @@ async fn prefill(
     };
     let eligible = route.options.token_reuse && view.reuse_blocker().is_none() && !view.stream;
     if !eligible {
-        return forward(app, session, ctx, endpoint, req, None, &route.name).await;
+        return forward(app, session, ctx, endpoint, req, &route.name).await;
     }
     let mut body = obj.clone();
     if !view.return_token_ids {
         body.set_raw("return_token_ids", "true");
     }
-    let bytes = Bytes::from(body.to_bytes());
-    let rid = ctx.request_id.clone().unwrap_or_default();
-    let head = match UpstreamClient::request_head(
-        "POST",
-        req.path_and_query,
-        endpoint.addr(),
-        req.headers,
-        None,
-        &rid,
-        bytes.len(),
-    ) {
-        Ok(h) => h,
-        Err(e) => return write_error(session, ctx, &ApiError::Internal(e.to_string())).await,
-    };
-    let started = Instant::now();
-    let metrics = &app.metrics;
-    let leg = async {
-        let exchange = app
-            .client
-            .send(endpoint.addr(), &head, bytes, || metrics.upstream_retries.with_label_values(&["prefill"]).inc())
-            .await?;
-        let upstream_head = exchange.session.response_header().cloned();
-        let body = app.client.read_to_end(exchange, PREFILL_RESPONSE_LIMIT).await?;
-        Ok::<_, crate::upstream::UpstreamError>((upstream_head, body))
-    };
-    let result = tokio::select! {
-        r = tokio::time::timeout(route.options.prefill_timeout, leg) => r,
-        _ = client_gone(session) => { ctx.outcome = Some(Outcome::ClientClosed); return; }
-    };
-    metrics.stage_duration.with_label_values(&[&route.name, "prefill"]).observe(started.elapsed().as_secs_f64());
-    ctx.prefill_ms = Some(started.elapsed().as_secs_f64() * 1000.0);
-    let (upstream_head, response) = match result {
-        Err(_) => {
-            metrics.upstream_errors.with_label_values(&["prefill", "timeout"]).inc();
-            let ms = u64::try_from(route.options.prefill_timeout.as_millis()).unwrap_or(u64::MAX);
-            return write_error(session, ctx, &ApiError::PrefillTimeout(ms)).await;
-        }
-        Ok(Err(e)) => {
-            metrics.upstream_errors.with_label_values(&["prefill", e.kind()]).inc();
-            return write_error(session, ctx, &ApiError::PrefillUnavailable(e.to_string())).await;
-        }
-        Ok(Ok(parts)) => parts,
-    };
-    let Some(head) = upstream_head.as_ref().and_then(|h| client_head(h, ctx.request_id.as_deref())) else {
+    let answer = prefill_leg(app, session, ctx, route, endpoint.addr(), req, Bytes::from(body.to_bytes())).await;
+    drop(endpoint);
+    let Some((upstream_head, response)) = answer else { return };
+    let Some(head) = client_head(&upstream_head, ctx.request_id.as_deref()) else {
         return write_error(session, ctx, &ApiError::PrefillBadResponse("no response header".into())).await;
     };
     let status = head.status.as_u16();
@@ -226,19 +180,6 @@ async fn prefill(
     write_buffered(session, ctx, head, body).await;
 }
 
-async fn version_blocks_chat(app: &App, route: &RouteSpec, decode: &Endpoint) -> Option<FallbackReason> {
-    let pin = app.pools.get(route.decode_pool).and_then(|p| p.pinned_version());
-    let version = match pin.or_else(|| decode.version()) {
-        Some(v) => Some(v),
-        None => learn_version(&app.client, decode).await,
-    };
-    match version {
-        None => Some(FallbackReason::DecodeVersionUnknown),
-        Some(v) if v < Version::CHAT_TOKEN_REUSE => Some(FallbackReason::DecodeVersionOld),
-        Some(_) => None,
-    }
-}
-
 #[allow(clippy::too_many_arguments)]
 async fn decode(
     app: &App,
@@ -259,7 +200,7 @@ async fn decode(
         && view.api == Api::Chat
         && (facts.looks_like_decode || facts.ids_raw.is_some() || !app.cache.is_empty())
     {
-        blocker = version_blocks_chat(app, route, endpoint.endpoint()).await;
+        blocker = chat_version_blocker(app, route, endpoint.endpoint()).await;
     }
 
     // Find the ids: already inside (stateless) or in the cache.
@@ -338,7 +279,7 @@ async fn decode(
     }
     let changed = ids.is_some() || facts.ids_raw.is_some();
     let bytes = if changed { Bytes::from(body.to_bytes()) } else { req.body.clone() };
-    let incoming = Incoming { path_and_query: req.path_and_query, headers: req.headers, body: &bytes };
+    let incoming = Incoming { body: &bytes, ..*req };
     ctx.stage = Some(crate::metrics::Stage::DecodeFirstByte);
-    forward(app, session, ctx, endpoint, &incoming, None, route_name).await;
+    forward(app, session, ctx, endpoint, &incoming, route_name).await;
 }
