@@ -53,6 +53,8 @@ pub struct App {
     pub registry: Registry,
     /// Relay-mode ids waiting for their decode (kept across reloads).
     pub cache: Arc<handoff::IdCache>,
+    /// Set by the admin `/drain` (a preStop hook): `/readyz` answers 503 from then on.
+    pub draining: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The current [`App`], swapped whole when the config is reloaded; each request takes one
@@ -77,6 +79,7 @@ impl App {
         let cache = Arc::new(handoff::IdCache::new(config.cache.capacity_bytes, config.cache.ttl));
         Ok(Self {
             cache,
+            draining: Arc::default(),
             passthrough_pool: config.passthrough_pool,
             config,
             routes,
@@ -123,6 +126,7 @@ impl App {
             metrics: self.metrics.clone(),
             registry: self.registry.clone(),
             cache: Arc::clone(&self.cache),
+            draining: Arc::clone(&self.draining),
         }
     }
 

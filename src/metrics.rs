@@ -204,7 +204,7 @@ impl Metrics {
             cache_lookups: counter(
                 registry,
                 "tokenonce_cache_lookups_total",
-                "Relay id cache lookups by result (hit, miss, expired).",
+                "Relay id cache lookups by result (hit, miss, expired, mismatch).",
                 &["result"],
             )?,
             cache_evictions: counter(

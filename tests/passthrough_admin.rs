@@ -209,3 +209,20 @@ async fn sighup_reloads_good_configs_and_keeps_the_old_on_bad_ones() {
     assert_eq!(status, 200, "the previous config keeps serving");
     assert!(d.posts()[2].json().get("kv_transfer_params").is_none());
 }
+
+/// GET /drain (a preStop hook) makes /readyz answer 503 while the process keeps serving;
+/// `wait_seconds` holds the hook that long.
+#[tokio::test(flavor = "multi_thread")]
+async fn drain_fails_readiness_but_keeps_serving() {
+    let (_p, _d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    proxy.wait_ready(200).await;
+    let started = std::time::Instant::now();
+    let resp = reqwest::get(format!("{}/drain?wait_seconds=1", proxy.admin)).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(started.elapsed() >= Duration::from_millis(900), "the hook is held for wait_seconds");
+    assert_eq!(reqwest::get(format!("{}/readyz", proxy.admin)).await.unwrap().status(), 503);
+    assert_eq!(reqwest::get(format!("{}/healthz", proxy.admin)).await.unwrap().status(), 200);
+    let (status, _, _) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("draining", json!({})), &[]).await;
+    assert_eq!(status, 200, "in-flight and late requests are still served");
+}

@@ -9,6 +9,7 @@ pub mod pd;
 pub mod relay;
 pub mod respond;
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -356,7 +357,18 @@ impl ProxyHttp for Proxy {
     }
 }
 
-/// The admin listener: `/metrics`, `/healthz`, `/readyz`; 404 otherwise.
+/// The `wait_seconds` of a `/drain` query, capped at 300 s.
+fn drain_wait(query: Option<&str>) -> Duration {
+    let secs = query
+        .into_iter()
+        .flat_map(|q| q.split('&'))
+        .find_map(|kv| kv.strip_prefix("wait_seconds="))
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0);
+    Duration::from_secs(secs.min(300))
+}
+
+/// The admin listener: `/metrics`, `/healthz`, `/readyz`, `/drain`; 404 otherwise.
 pub struct Admin {
     /// The current state.
     pub app: SharedApp,
@@ -376,7 +388,18 @@ impl ProxyHttp for Admin {
                 (200, "text/plain; version=0.0.4", Metrics::render(&app.registry))
             }
             "/healthz" => (200, "text/plain", b"ok\n".to_vec()),
+            "/readyz" if app.draining.load(Ordering::Relaxed) => (503, "text/plain", b"draining\n".to_vec()),
             "/readyz" if app.metrics.ready.get() == 1 => (200, "text/plain", b"ready\n".to_vec()),
+            "/drain" => {
+                // For a preStop hook: fail readiness now, then hold the hook for `wait_seconds`
+                // (at most 300) so SIGTERM, which closes the listeners, comes after load
+                // balancers have seen the pod go unready.
+                app.draining.store(true, Ordering::Relaxed);
+                let wait = drain_wait(session.req_header().uri.query());
+                tracing::info!(wait_seconds = wait.as_secs(), "draining: /readyz now answers 503");
+                tokio::time::sleep(wait).await;
+                (200, "text/plain", b"draining\n".to_vec())
+            }
             "/readyz" => (503, "text/plain", b"decode upstream not answering /health\n".to_vec()),
             _ => (404, "text/plain", b"not found\n".to_vec()),
         };

@@ -1,0 +1,856 @@
+//! Observability and deployment artefacts checked against the real binary: every metric the
+//! Grafana dashboard (dashboards/tokenonce.json) and the alert rules name exists after real
+//! traffic and follows Prometheus conventions; Debian's real `prometheus` scrapes tokenonce and
+//! answers queries; `promtool` accepts and unit-tests conf/prometheus/; the Kubernetes example
+//! (conf/k8s/) carries a valid tokenonce config and shutdown timings that fit.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+use serde_yaml_ng::Value as Yaml;
+use support::*;
+
+// ---------------------------------------------------------------------------------------------
+// Shared helpers
+// ---------------------------------------------------------------------------------------------
+
+/// A file of this repository.
+fn repo(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
+}
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(repo(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+/// A path on disk as a `&str` (temp dirs and the checkout are UTF-8 here).
+fn path_str(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// Every `tokenonce_[a-z_]+` token in `text`.
+fn metric_tokens(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("tokenonce_") {
+        let tail = &rest[i..];
+        let end = tail.find(|c: char| !(c.is_ascii_lowercase() || c == '_')).unwrap_or(tail.len());
+        out.insert(tail[..end].to_owned());
+        rest = &tail[end..];
+    }
+    out
+}
+
+/// One sample line of the text exposition format.
+#[derive(Debug)]
+struct Sample {
+    name: String,
+    labels: Vec<(String, String)>,
+    value: f64,
+}
+
+impl Sample {
+    fn label(&self, key: &str) -> Option<&str> {
+        self.labels.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+    }
+}
+
+/// A parsed `/metrics` scrape.
+#[derive(Debug, Default)]
+struct Scrape {
+    /// Family name to its `# TYPE`.
+    types: BTreeMap<String, String>,
+    /// Family name to its `# HELP` text.
+    helps: BTreeMap<String, String>,
+    samples: Vec<Sample>,
+}
+
+impl Scrape {
+    fn parse(text: &str) -> Self {
+        let mut s = Self::default();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').expect("TYPE line");
+                s.types.insert(name.to_owned(), kind.to_owned());
+            } else if let Some(rest) = line.strip_prefix("# HELP ") {
+                let (name, help) = rest.split_once(' ').unwrap_or((rest, ""));
+                s.helps.insert(name.to_owned(), help.to_owned());
+            } else if !line.is_empty() && !line.starts_with('#') {
+                s.samples.push(parse_sample(line));
+            }
+        }
+        s
+    }
+
+    fn sample_names(&self) -> BTreeSet<&str> {
+        self.samples.iter().map(|s| s.name.as_str()).collect()
+    }
+
+    /// The family a sample name belongs to (`x_bucket` of histogram `x` is `x`).
+    fn family_of<'a>(&self, sample: &'a str) -> &'a str {
+        for suffix in ["_bucket", "_sum", "_count"] {
+            if let Some(base) = sample.strip_suffix(suffix) {
+                if self.types.get(base).is_some_and(|t| t == "histogram" || t == "summary") {
+                    return base;
+                }
+            }
+        }
+        sample
+    }
+
+    /// Sum of the samples named `name` whose labels include every pair of `labels`.
+    fn sum(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.samples
+            .iter()
+            .filter(|s| s.name == name && labels.iter().all(|(k, v)| s.label(k) == Some(*v)))
+            .map(|s| s.value)
+            .sum()
+    }
+}
+
+fn parse_sample(line: &str) -> Sample {
+    let (name, rest) = match line.find(['{', ' ']) {
+        Some(i) => (&line[..i], &line[i..]),
+        None => panic!("bad sample line {line:?}"),
+    };
+    let mut labels = Vec::new();
+    let mut rest = rest;
+    if let Some(body) = rest.strip_prefix('{') {
+        let mut chars = body.char_indices().peekable();
+        let mut end = None;
+        let mut key = String::new();
+        while let Some((i, c)) = chars.next() {
+            match c {
+                '}' => {
+                    end = Some(i + 1);
+                    break;
+                }
+                ',' | ' ' => {}
+                '=' => {
+                    assert_eq!(chars.next().map(|(_, c)| c), Some('"'), "label value must be quoted: {line}");
+                    let mut value = String::new();
+                    loop {
+                        match chars.next().map(|(_, c)| c) {
+                            Some('\\') => match chars.next().map(|(_, c)| c) {
+                                Some('n') => value.push('\n'),
+                                Some(other) => value.push(other),
+                                None => panic!("bad escape in {line}"),
+                            },
+                            Some('"') => break,
+                            Some(other) => value.push(other),
+                            None => panic!("unterminated label value in {line}"),
+                        }
+                    }
+                    labels.push((std::mem::take(&mut key), value));
+                }
+                other => key.push(other),
+            }
+        }
+        rest = &body[end.expect("closing brace")..];
+    }
+    let value = rest.split_whitespace().next().expect("sample value");
+    let value = match value {
+        "+Inf" => f64::INFINITY,
+        "-Inf" => f64::NEG_INFINITY,
+        v => v.parse().unwrap_or_else(|e| panic!("{line}: {e}")),
+    };
+    Sample { name: name.to_owned(), labels, value }
+}
+
+/// Every panel of the dashboard, rows' nested panels included (rows themselves left out).
+fn dashboard_panels(dashboard: &Value) -> Vec<&Value> {
+    fn walk<'a>(panels: &'a Value, out: &mut Vec<&'a Value>) {
+        for p in panels.as_array().into_iter().flatten() {
+            if p["type"] == "row" {
+                walk(&p["panels"], out);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(&dashboard["panels"], &mut out);
+    out
+}
+
+fn dashboard() -> Value {
+    serde_json::from_str(&read("dashboards/tokenonce.json")).expect("dashboards/tokenonce.json is JSON")
+}
+
+/// The PromQL expression of every target of every panel, with the panel title.
+fn dashboard_exprs(dashboard: &Value) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for panel in dashboard_panels(dashboard) {
+        let title = panel["title"].as_str().unwrap_or("?").to_owned();
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            out.push((title.clone(), target["expr"].as_str().unwrap_or_default().to_owned()));
+        }
+    }
+    out
+}
+
+/// The alert rules of conf/prometheus/alerts.yml: (name, expr).
+fn alert_rules() -> Vec<(String, String)> {
+    let doc: Yaml = serde_yaml_ng::from_str(&read("conf/prometheus/alerts.yml")).expect("alerts.yml is YAML");
+    let mut out = Vec::new();
+    for group in doc["groups"].as_sequence().expect("groups") {
+        for rule in group["rules"].as_sequence().expect("rules") {
+            let name = rule["alert"].as_str().or_else(|| rule["record"].as_str()).expect("alert or record name");
+            out.push((name.to_owned(), rule["expr"].as_str().expect("expr").to_owned()));
+        }
+    }
+    out
+}
+
+/// Requests sent by [`send_traffic`], by route label.
+struct Sent {
+    /// On route `pd`.
+    pd: f64,
+    /// On no route (label `default`).
+    default: f64,
+}
+
+/// Sends a known mix through tokenonce: 4 requests that reuse ids (chat, streamed chat,
+/// completions), one fallback (`n: 2`), an engine 404 (unknown model), a prefill 503, and a
+/// request on a raw path no route matches.
+async fn send_traffic(proxy: &TokenOnce, prefill: &FakeVllm) -> Sent {
+    let chat = format!("{}/v1/chat/completions", proxy.url);
+    let cmpl = format!("{}/v1/completions", proxy.url);
+    let mut sent = 0.0;
+    for (url, body, want) in [
+        (&chat, chat_body("Hello there!", json!({})), 200),
+        (&chat, chat_body("Hello again!", json!({})), 200),
+        (&chat, chat_body("Stream it", json!({"stream": true, "stream_options": {"include_usage": true}})), 200),
+        (&cmpl, json!({"model": "tiny-qwen3", "prompt": "Complete me", "max_tokens": 3}), 200),
+        (&chat, chat_body("Two answers", json!({"n": 2})), 200),
+        (&chat, chat_body("Who?", json!({"model": "no-such-model"})), 404),
+    ] {
+        let (status, _, text) = post_json(url, &body, &[]).await;
+        assert_eq!(status, want, "{body}: {text}");
+        sent += 1.0;
+    }
+    prefill.configure(|c| c.fail_with = Some((503, r#"{"error":"overloaded"}"#.into())));
+    let (status, _, text) = post_json(&chat, &chat_body("Prefill down", json!({})), &[]).await;
+    prefill.configure(|c| c.fail_with = None);
+    assert_eq!(status, 503, "{text}");
+    sent += 1.0;
+    let (status, _, text) =
+        post_json(&format!("{}/v1/raw/secret-path/abc?user=zed", proxy.url), &json!({"x": 1}), &[]).await;
+    assert!(status >= 400, "an unknown path is passed through to the fake, which refuses it: {status} {text}");
+    Sent { pd: sent, default: 1.0 }
+}
+
+/// Scrapes until `tokenonce_requests_total` counts what [`send_traffic`] sent: exactly on route
+/// `pd`, at least on `default` (the harness's start-up probe is counted there too). Requests
+/// are counted in pingora's logging phase, which may run just after the client has its
+/// response. Bounded: 5 s.
+async fn scrape_counted(proxy: &TokenOnce, sent: &Sent) -> (String, Scrape) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let text = proxy.metrics().await;
+        let scrape = Scrape::parse(&text);
+        let pd = scrape.sum("tokenonce_requests_total", &[("route", "pd")]);
+        let default = scrape.sum("tokenonce_requests_total", &[("route", "default")]);
+        if pd == sent.pd && default >= sent.default {
+            return (text, scrape);
+        }
+        assert!(
+            pd <= sent.pd && Instant::now() < deadline,
+            "tokenonce_requests_total: route pd {pd} (sent {}), default {default} (sent {})",
+            sent.pd,
+            sent.default
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Runs a command to completion; the binary must exist (no skipping when it is missing).
+fn run(program: &str, args: &[&str]) -> std::process::Output {
+    Command::new(program).args(args).current_dir(repo("")).output().unwrap_or_else(|e| {
+        panic!("cannot run `{program}` ({e}): install Debian's `prometheus` package (it ships promtool), as .ci/setup does")
+    })
+}
+
+fn assert_success(what: &str, out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// a. The dashboard's metrics exist after real traffic; naming and label conventions
+// ---------------------------------------------------------------------------------------------
+
+/// After real traffic (reuse, a fallback, an engine 4xx, a prefill 5xx, an unmatched raw
+/// path), every metric named in a dashboard panel, a dashboard variable or an alert rule is a
+/// series of the scrape; every exported family is shown on the dashboard; names follow
+/// Prometheus conventions (promtool agrees) and label values are bounded.
+#[tokio::test(flavor = "multi_thread")]
+async fn dashboard_and_alert_metrics_exist_after_real_traffic() {
+    let (p, _d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    proxy.wait_ready(200).await;
+    let sent = send_traffic(&proxy, &p).await;
+    // The traffic is counted as sent.
+    let (text, scrape) = scrape_counted(&proxy, &sent).await;
+    let names = scrape.sample_names();
+    assert_eq!(scrape.sum("tokenonce_token_reuse_total", &[("route", "pd"), ("result", "applied")]), 4.0);
+    assert_eq!(scrape.sum("tokenonce_token_reuse_total", &[("reason", "n_gt_1"), ("result", "fallback")]), 1.0);
+    assert_eq!(scrape.sum("tokenonce_upstream_errors_total", &[("stage", "prefill"), ("kind", "status_5xx")]), 1.0);
+    assert_eq!(scrape.sum("tokenonce_requests_total", &[("route", "pd"), ("outcome", "client_error")]), 1.0);
+    assert_eq!(scrape.sum("tokenonce_requests_total", &[("route", "pd"), ("outcome", "server_error")]), 1.0);
+    assert_eq!(scrape.sum("tokenonce_ready", &[]), 1.0);
+    assert!(scrape.sum("tokenonce_reused_prompt_tokens_total", &[("route", "pd")]) > 0.0);
+
+    // The dashboard: shape, datasource variable, route variable.
+    let dash = dashboard();
+    assert!(dash["schemaVersion"].as_u64().is_some_and(|v| (36..=41).contains(&v)), "schemaVersion ~39");
+    let vars = dash["templating"]["list"].as_array().expect("templating.list");
+    let var = |name: &str| vars.iter().find(|v| v["name"] == name).unwrap_or_else(|| panic!("variable {name}"));
+    assert_eq!(var("datasource")["type"], "datasource");
+    assert_eq!(var("datasource")["query"], "prometheus");
+    assert_eq!(var("route")["definition"], "label_values(tokenonce_requests_total, route)");
+    let panels = dashboard_panels(&dash);
+    assert!(panels.len() >= 10, "only {} panels", panels.len());
+    let mut ids = BTreeSet::new();
+    let mut used = BTreeMap::<String, String>::new();
+    for panel in &panels {
+        let title = panel["title"].as_str().expect("panel title");
+        assert!(ids.insert(panel["id"].as_u64().expect("panel id")), "{title}: duplicate id");
+        assert_eq!(panel["datasource"]["uid"], "${datasource}", "{title}: datasource must be the variable");
+        let targets = panel["targets"].as_array().filter(|t| !t.is_empty());
+        for target in targets.unwrap_or_else(|| panic!("{title}: no targets")) {
+            assert_eq!(target["datasource"]["uid"], "${datasource}", "{title}");
+            let expr = target["expr"].as_str().filter(|e| !e.trim().is_empty());
+            let expr = expr.unwrap_or_else(|| panic!("{title}: a target without expr"));
+            let tokens = metric_tokens(expr);
+            assert!(!tokens.is_empty(), "{title}: {expr} names no tokenonce metric");
+            for t in tokens {
+                used.entry(t).or_insert_with(|| format!("panel {title:?}"));
+            }
+        }
+    }
+    for v in vars {
+        for t in metric_tokens(v["definition"].as_str().unwrap_or_default()) {
+            used.entry(t).or_insert_with(|| format!("variable {}", v["name"]));
+        }
+    }
+    for (alert, expr) in alert_rules() {
+        for t in metric_tokens(&expr) {
+            used.entry(t).or_insert_with(|| format!("alert {alert}"));
+        }
+    }
+
+    // Every metric named there is a series of the scrape (histograms only through their
+    // _bucket/_sum/_count series, which is all PromQL can read).
+    for (metric, whence) in &used {
+        assert!(names.contains(metric.as_str()), "{whence} uses {metric}, which /metrics does not have:\n{text}");
+        let family = scrape.family_of(metric);
+        assert!(scrape.types.contains_key(family), "{whence}: {metric} has no # TYPE");
+    }
+    // ... and every exported family is on the dashboard.
+    let shown: BTreeSet<&str> = used.keys().map(|m| scrape.family_of(m)).collect();
+    for family in scrape.types.keys() {
+        assert!(shown.contains(family.as_str()), "{family} is exported but no dashboard panel shows it");
+    }
+
+    // Naming conventions.
+    for (family, kind) in &scrape.types {
+        assert!(family.starts_with("tokenonce_"), "{family}: prefix");
+        assert!(family.chars().all(|c| c.is_ascii_lowercase() || c == '_'), "{family}: snake_case");
+        assert!(scrape.helps.get(family).is_some_and(|h| !h.trim().is_empty()), "{family}: no HELP");
+        match kind.as_str() {
+            "counter" => assert!(family.ends_with("_total"), "counter {family} must end in _total"),
+            "histogram" => assert!(family.ends_with("_seconds"), "histogram {family} must end in _seconds"),
+            "gauge" => assert!(!family.ends_with("_total"), "gauge {family} must not end in _total"),
+            other => panic!("{family}: unexpected type {other}"),
+        }
+    }
+    // Latency buckets span 1 ms to 120 s.
+    let les: BTreeSet<&str> = scrape
+        .samples
+        .iter()
+        .filter(|s| s.name == "tokenonce_time_to_first_byte_seconds_bucket")
+        .filter_map(|s| s.label("le"))
+        .collect();
+    for le in ["0.001", "120", "+Inf"] {
+        assert!(les.contains(le), "ttfb buckets lack le={le}: {les:?}");
+    }
+    // promtool's own lint of the exposition agrees.
+    let mut lint = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian package `prometheus`, installed by .ci/setup)");
+    std::io::Write::write_all(&mut lint.stdin.take().unwrap(), text.as_bytes()).unwrap();
+    assert_success("promtool check metrics", &lint.wait_with_output().unwrap());
+
+    // Bounded labels: route names from config, fixed enums; no client path or model string.
+    let fixed: &[(&str, &[&str])] = &[
+        ("route", &["pd", "default"]),
+        ("api", &["chat", "completions", "other"]),
+        ("mode", &["orchestrate", "relay", "passthrough"]),
+        ("outcome", &["success", "client_error", "server_error", "client_closed"]),
+        ("stage", &["prefill", "handoff", "decode_first_byte", "decode_total", "decode", "passthrough"]),
+        ("pool", &["prefill", "decode"]),
+    ];
+    for s in &scrape.samples {
+        for (k, v) in &s.labels {
+            assert!(!v.contains('/') && !v.contains('?'), "{}: raw path in label {k}={v:?}", s.name);
+            assert!(!v.contains("no-such-model") && !v.contains("tiny-qwen3"), "{}: model in label {k}={v:?}", s.name);
+            if let Some((_, allowed)) = fixed.iter().find(|(key, _)| key == k) {
+                assert!(allowed.contains(&v.as_str()), "{}: unexpected {k}={v:?}", s.name);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// b. Real Prometheus
+// ---------------------------------------------------------------------------------------------
+
+/// A `prometheus` server process; killed on drop.
+struct Prometheus {
+    child: Child,
+    url: String,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Prometheus {
+    /// Starts Debian's `prometheus` on a free loopback port with conf/prometheus/prometheus.yml
+    /// adapted to scrape `target` (host:port) and evaluate the alert rules every second.
+    /// Waits until `/-/ready` (bounded: 20 s).
+    async fn start(target: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config: Yaml =
+            serde_yaml_ng::from_str(&read("conf/prometheus/prometheus.yml")).expect("prometheus.yml is YAML");
+        config["global"]["scrape_interval"] = Yaml::from("1s");
+        config["global"]["evaluation_interval"] = Yaml::from("1s");
+        let rules = config["rule_files"].as_sequence().expect("rule_files").clone();
+        config["rule_files"] = Yaml::Sequence(
+            rules
+                .iter()
+                .map(|r| Yaml::from(path_str(&repo("conf/prometheus").join(r.as_str().expect("rule file")))))
+                .collect(),
+        );
+        let job = config["scrape_configs"]
+            .as_sequence_mut()
+            .and_then(|jobs| jobs.iter_mut().find(|j| j["job_name"] == "tokenonce"))
+            .expect("a scrape job named tokenonce");
+        job["static_configs"] = serde_yaml_ng::from_str(&format!("[{{targets: [\"{target}\"]}}]")).unwrap();
+        let config_path = dir.path().join("prometheus.yml");
+        std::fs::write(&config_path, serde_yaml_ng::to_string(&config).unwrap()).unwrap();
+
+        let port = free_port();
+        let log = dir.path().join("prometheus.log");
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", path_str(&config_path)))
+            .arg(format!("--storage.tsdb.path={}", path_str(&dir.path().join("data"))))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .arg("--log.level=warn")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("Debian's `prometheus` binary is required (apt-get install prometheus; .ci/setup does it)");
+        let mut me = Self { child, url: format!("http://127.0.0.1:{port}"), log, _dir: dir };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(r) = reqwest::get(format!("{}/-/ready", me.url)).await {
+                if r.status() == 200 {
+                    break;
+                }
+            }
+            if let Ok(Some(status)) = me.child.try_wait() {
+                panic!("prometheus exited ({status}):\n{}", me.log_text());
+            }
+            assert!(Instant::now() < deadline, "prometheus not ready within 20 s:\n{}", me.log_text());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        me
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// GET an API path; the parsed JSON.
+    async fn api(&self, path_and_query: &str) -> Value {
+        let resp = reqwest::get(format!("{}{path_and_query}", self.url)).await.unwrap();
+        resp.json().await.unwrap()
+    }
+
+    /// An instant query (`/api/v1/query`); the whole answer.
+    async fn query(&self, promql: &str) -> Value {
+        self.api(&format!("/api/v1/query?query={}", urlencode(promql))).await
+    }
+
+    /// Polls `promql` until its single value equals `want` (bounded by `deadline`).
+    async fn wait_value(&self, promql: &str, want: f64, deadline: Instant) -> Value {
+        loop {
+            let answer = self.query(promql).await;
+            let got = answer["data"]["result"][0]["value"][1].as_str().and_then(|v| v.parse::<f64>().ok());
+            if got == Some(want) {
+                return answer;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{promql}: got {got:?}, wanted {want}; last answer {answer}\nprometheus log:\n{}",
+                self.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn urlencode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() * 3);
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Debian's Prometheus scrapes the admin listener every second; after real traffic its query
+/// API returns the request and token-reuse counts tokenonce holds, every dashboard expression
+/// and variable query evaluates, and every alert rule loads and evaluates without error.
+#[tokio::test(flavor = "multi_thread")]
+async fn real_prometheus_scrapes_tokenonce_and_answers_queries() {
+    let (p, _d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    proxy.wait_ready(200).await;
+    let target = proxy.admin.trim_start_matches("http://").to_owned();
+    let prom = Prometheus::start(&target).await;
+    let sent = send_traffic(&proxy, &p).await;
+    scrape_counted(&proxy, &sent).await;
+
+    // Prometheus' sum of every request series equals tokenonce's own.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let own = Scrape::parse(&proxy.metrics().await).sum("tokenonce_requests_total", &[]);
+        let answer = prom.query("sum(tokenonce_requests_total)").await;
+        let got = answer["data"]["result"][0]["value"][1].as_str().and_then(|v| v.parse::<f64>().ok());
+        if got == Some(own) {
+            assert!(own >= sent.pd + sent.default);
+            break;
+        }
+        assert!(Instant::now() < deadline, "sum(tokenonce_requests_total): got {got:?}, tokenonce has {own}: {answer}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    prom.wait_value(r#"sum(tokenonce_requests_total{route="pd"})"#, sent.pd, deadline).await;
+    let applied = prom.wait_value(r#"tokenonce_token_reuse_total{result="applied"}"#, 4.0, deadline).await;
+    let series = &applied["data"]["result"];
+    assert_eq!(series.as_array().map(Vec::len), Some(1), "{applied}");
+    let metric = &series[0]["metric"];
+    assert_eq!(metric["route"], "pd");
+    assert_eq!(metric["reason"], "none");
+    assert_eq!(metric["job"], "tokenonce");
+    assert_eq!(metric["instance"], target.as_str());
+    prom.wait_value(r#"sum(tokenonce_token_reuse_total{result="fallback", reason="n_gt_1"})"#, 1.0, deadline).await;
+    prom.wait_value(r#"sum(tokenonce_upstream_errors_total{stage="prefill", kind="status_5xx"})"#, 1.0, deadline).await;
+    prom.wait_value(r#"up{job="tokenonce"}"#, 1.0, deadline).await;
+    prom.wait_value("tokenonce_ready", 1.0, deadline).await;
+
+    // The dashboard's variable queries (Grafana's label_values) as the label API answers them.
+    let routes =
+        prom.api(&format!("/api/v1/label/route/values?match[]={}", urlencode("tokenonce_requests_total"))).await;
+    assert!(routes["data"].as_array().unwrap().contains(&json!("pd")), "{routes}");
+    let instances =
+        prom.api(&format!("/api/v1/label/instance/values?match[]={}", urlencode("tokenonce_build_info"))).await;
+    assert!(instances["data"].as_array().unwrap().contains(&json!(target)), "{instances}");
+
+    // Every panel expression is valid PromQL to this Prometheus (Grafana's variables filled in).
+    for (title, expr) in dashboard_exprs(&dashboard()) {
+        let promql = expr
+            .replace("$__rate_interval", "1m")
+            .replace("$__range", "5m")
+            .replace("$route", ".*")
+            .replace("$instance", ".*");
+        let answer = prom.query(&promql).await;
+        assert_eq!(answer["status"], "success", "panel {title:?}: {promql}\n{answer}");
+    }
+
+    // Every alert rule of alerts.yml is loaded and evaluates cleanly on the real series.
+    let want: BTreeSet<String> = alert_rules().into_iter().map(|(name, _)| name).collect();
+    loop {
+        let rules = prom.api("/api/v1/rules").await;
+        let loaded: Vec<&Value> = rules["data"]["groups"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|g| g["rules"].as_array().into_iter().flatten())
+            .collect();
+        let names: BTreeSet<String> = loaded.iter().filter_map(|r| r["name"].as_str().map(str::to_owned)).collect();
+        assert_eq!(names, want, "loaded rules differ from alerts.yml");
+        let bad: Vec<&&Value> = loaded.iter().filter(|r| r["health"] != "ok").collect();
+        if bad.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline && bad.iter().all(|r| r["health"] == "unknown"),
+            "rules not healthy: {bad:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    // The one prefill 503 and the engine 404 stay below every `for:` window: nothing fires.
+    let alerts = prom.api("/api/v1/alerts").await;
+    let firing: Vec<&Value> =
+        alerts["data"]["alerts"].as_array().into_iter().flatten().filter(|a| a["state"] == "firing").collect();
+    assert!(firing.is_empty(), "{firing:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// c. promtool on conf/prometheus
+// ---------------------------------------------------------------------------------------------
+
+/// `promtool check rules` accepts alerts.yml, `promtool test rules` passes its unit tests (one
+/// firing case per alert), and `promtool check config` accepts prometheus.yml; the alerts the
+/// issue asks for are there.
+#[test]
+fn promtool_accepts_and_tests_the_alert_rules() {
+    assert_success("promtool check rules", &run("promtool", &["check", "rules", "conf/prometheus/alerts.yml"]));
+    assert_success("promtool test rules", &run("promtool", &["test", "rules", "conf/prometheus/alerts_test.yml"]));
+    assert_success("promtool check config", &run("promtool", &["check", "config", "conf/prometheus/prometheus.yml"]));
+
+    let rules: BTreeMap<String, String> = alert_rules().into_iter().collect();
+    for name in [
+        "TokenoncePrefillErrorRatioHigh",
+        "TokenonceTokenReuseFallbackRatioHigh",
+        "TokenonceDecodeNotReady",
+        "TokenonceCacheEvictionsByCapacity",
+    ] {
+        assert!(rules.contains_key(name), "alerts.yml lacks {name}");
+    }
+    assert!(rules["TokenonceDecodeNotReady"].contains("tokenonce_ready == 0"));
+    assert!(rules["TokenonceCacheEvictionsByCapacity"].contains(r#"reason="capacity""#));
+
+    // Each alert has a unit test that expects it to fire.
+    let tests: Yaml = serde_yaml_ng::from_str(&read("conf/prometheus/alerts_test.yml")).unwrap();
+    let mut fired = BTreeSet::new();
+    for t in tests["tests"].as_sequence().expect("tests") {
+        for case in t["alert_rule_test"].as_sequence().into_iter().flatten() {
+            if case["exp_alerts"].as_sequence().is_some_and(|a| !a.is_empty()) {
+                fired.insert(case["alertname"].as_str().unwrap().to_owned());
+            }
+        }
+    }
+    let names: BTreeSet<String> = rules.keys().cloned().collect();
+    assert_eq!(fired, names, "every alert needs a firing case in alerts_test.yml");
+}
+
+// ---------------------------------------------------------------------------------------------
+// d. The Kubernetes example
+// ---------------------------------------------------------------------------------------------
+
+fn k8s_documents() -> Vec<(String, Yaml)> {
+    let mut docs = Vec::new();
+    let dir = repo("conf/k8s");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml" || e == "yml"))
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "no YAML in conf/k8s");
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for doc in serde_yaml_ng::Deserializer::from_str(&text) {
+            let value = Yaml::deserialize(doc).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+            if !value.is_null() {
+                docs.push((file.display().to_string(), value));
+            }
+        }
+    }
+    docs
+}
+
+fn of_kind<'a>(docs: &'a [(String, Yaml)], kind: &str) -> Vec<&'a Yaml> {
+    docs.iter().filter(|(_, d)| d["kind"] == kind).map(|(_, d)| d).collect()
+}
+
+/// A container port given by number or by name.
+fn port_number(container: &Yaml, port: &Yaml) -> u64 {
+    if let Some(n) = port.as_u64() {
+        return n;
+    }
+    let name = port.as_str().expect("port is a number or a name");
+    container["ports"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .find(|p| p["name"] == name)
+        .and_then(|p| p["containerPort"].as_u64())
+        .unwrap_or_else(|| panic!("no container port named {name}"))
+}
+
+/// Seconds a preStop hook waits: the native `sleep` action, `exec: [sleep, N]`, or
+/// tokenonce's admin `GET /drain?wait_seconds=N`.
+fn prestop_seconds(container: &Yaml) -> u64 {
+    let hook = &container["lifecycle"]["preStop"];
+    if let Some(s) = hook["sleep"]["seconds"].as_u64() {
+        return s;
+    }
+    if let Some(path) = hook["httpGet"]["path"].as_str() {
+        assert!(path.starts_with("/drain?"), "an httpGet preStop must call /drain: {path}");
+        return path.split("wait_seconds=").nth(1).and_then(|v| v.parse().ok()).expect("wait_seconds");
+    }
+    let cmd: Vec<&str> =
+        hook["exec"]["command"].as_sequence().expect("a preStop sleep").iter().filter_map(Yaml::as_str).collect();
+    let n = cmd.iter().rev().find_map(|w| w.parse::<u64>().ok());
+    assert!(cmd.iter().any(|w| w.contains("sleep")), "preStop must sleep: {cmd:?}");
+    n.expect("preStop sleep seconds")
+}
+
+fn port_of(host_port: &str) -> u64 {
+    host_port.rsplit_once(':').and_then(|(_, p)| p.parse().ok()).unwrap_or_else(|| panic!("{host_port}: host:port"))
+}
+
+/// The manifest's ConfigMap holds a tokenonce config that `tokenonce check` accepts and that
+/// matches the Deployment (mount path, ports, decode address); the tokenonce container has the
+/// probes, scrape annotations and preStop hook; the pod's termination grace period covers the
+/// preStop sleep plus pingora's grace and shutdown timeouts, and the engine outlives tokenonce.
+#[test]
+fn k8s_sidecar_manifest_is_valid_and_stops_within_its_grace_period() {
+    let docs = k8s_documents();
+
+    // The ConfigMap and its TOML, checked by the real binary.
+    let maps = of_kind(&docs, "ConfigMap");
+    let (map, key, toml_text) = maps
+        .iter()
+        .find_map(|m| {
+            m["data"].as_mapping()?.iter().find_map(|(k, v)| {
+                let k = k.as_str()?;
+                k.ends_with(".toml").then(|| (*m, k.to_owned(), v.as_str().expect("TOML text").to_owned()))
+            })
+        })
+        .expect("a ConfigMap holding tokenonce's TOML");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join(&key);
+    std::fs::write(&file, &toml_text).unwrap();
+    let out = run(env!("CARGO_BIN_EXE_tokenonce"), &["check", path_str(&file)]);
+    assert_success("tokenonce check on the ConfigMap's TOML", &out);
+    let config: toml::Table = toml::from_str(&toml_text).unwrap();
+    let server = config["server"].as_table().expect("[server]");
+    let listen = server["listen"].as_str().unwrap();
+    let admin_listen = server["admin_listen"].as_str().unwrap();
+    assert!(listen.starts_with("0.0.0.0:"), "the pod IP must reach the client listener");
+    assert!(
+        admin_listen.starts_with("0.0.0.0:"),
+        "kubelet probes and Prometheus reach the admin listener on the pod IP"
+    );
+    let grace = server["grace_period_seconds"].as_integer().expect("server.grace_period_seconds");
+    let shutdown =
+        server["graceful_shutdown_timeout_seconds"].as_integer().expect("server.graceful_shutdown_timeout_seconds");
+
+    // The Deployment and its two containers.
+    let deployments = of_kind(&docs, "Deployment");
+    assert_eq!(deployments.len(), 1, "one Deployment");
+    let deploy = deployments[0];
+    let pod = &deploy["spec"]["template"];
+    let containers = pod["spec"]["containers"].as_sequence().expect("containers");
+    let tokenonce = containers.iter().find(|c| c["name"] == "tokenonce").expect("a container named tokenonce");
+    let engine = containers
+        .iter()
+        .find(|c| c["image"].as_str().is_some_and(|i| i.starts_with("vllm/vllm-openai")))
+        .expect("a vllm/vllm-openai container");
+
+    // tokenonce reads the ConfigMap's key at the path its args name.
+    let args: Vec<&str> = tokenonce["args"].as_sequence().expect("args").iter().filter_map(Yaml::as_str).collect();
+    let at = args.iter().position(|a| *a == "--config").expect("--config");
+    let config_path = Path::new(args[at + 1]);
+    assert_eq!(config_path.file_name().and_then(|f| f.to_str()), Some(key.as_str()));
+    let mount = tokenonce["volumeMounts"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .find(|m| m["mountPath"].as_str().map(Path::new) == config_path.parent())
+        .expect("a volume mounted at the config's directory");
+    let volume = pod["spec"]["volumes"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .find(|v| v["name"] == mount["name"])
+        .expect("the mounted volume");
+    assert_eq!(volume["configMap"]["name"], map["metadata"]["name"], "the volume is the ConfigMap");
+
+    // Probes on the admin port, scrape annotations for it.
+    let admin_port = port_of(admin_listen);
+    for (probe, path) in [("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")] {
+        let get = &tokenonce[probe]["httpGet"];
+        assert_eq!(get["path"], path, "{probe}");
+        assert_eq!(port_number(tokenonce, &get["port"]), admin_port, "{probe} on the admin port");
+    }
+    let annotations = &pod["metadata"]["annotations"];
+    assert_eq!(annotations["prometheus.io/scrape"], "true");
+    assert_eq!(annotations["prometheus.io/port"].as_str(), Some(admin_port.to_string().as_str()));
+    assert_eq!(annotations["prometheus.io/path"], "/metrics");
+
+    // Shutdown: preStop, then pingora's grace period and shutdown timeout, all inside the pod's
+    // termination grace period; the engine gets SIGTERM only after tokenonce has exited.
+    let termination = pod["spec"]["terminationGracePeriodSeconds"].as_u64().expect("terminationGracePeriodSeconds");
+    let prestop = prestop_seconds(tokenonce);
+    assert!(prestop >= 5, "preStop must leave endpoints time to update: {prestop} s");
+    let tokenonce_done = prestop + u64::try_from(grace + shutdown).unwrap();
+    assert!(
+        termination > tokenonce_done,
+        "terminationGracePeriodSeconds {termination} must exceed preStop {prestop} + grace {grace} + shutdown {shutdown}"
+    );
+    let engine_prestop = prestop_seconds(engine);
+    assert!(
+        engine_prestop >= tokenonce_done && engine_prestop < termination,
+        "the engine's preStop ({engine_prestop} s) must outlast tokenonce ({tokenonce_done} s) within {termination} s"
+    );
+
+    // The engine serves on the address the decode pool names, on loopback only.
+    let decode = config["pools"]["decode"]["endpoints"].as_array().expect("pools.decode.endpoints");
+    assert_eq!(decode.len(), 1);
+    let decode = decode[0].as_str().unwrap();
+    let engine_args: Vec<String> = engine["args"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .filter_map(Yaml::as_str)
+        .flat_map(|a| a.split('=').map(str::to_owned).collect::<Vec<_>>())
+        .collect();
+    let arg = |flag: &str| {
+        let i = engine_args.iter().position(|a| a == flag).unwrap_or_else(|| panic!("engine arg {flag}"));
+        engine_args[i + 1].clone()
+    };
+    assert_eq!(format!("{}:{}", arg("--host"), arg("--port")), decode);
+    assert!(decode.starts_with("127.0.0.1:"));
+    let kv = engine["args"].as_sequence().unwrap().iter().filter_map(Yaml::as_str).any(|a| a.contains("NixlConnector"));
+    assert!(kv, "the engine's --kv-transfer-config names NixlConnector");
+
+    // The Service sends clients to tokenonce's listener.
+    let services = of_kind(&docs, "Service");
+    assert_eq!(services.len(), 1, "one Service");
+    let svc_port = &services[0]["spec"]["ports"][0];
+    assert_eq!(port_number(tokenonce, &svc_port["targetPort"]), port_of(listen));
+    let selector = services[0]["spec"]["selector"].as_mapping().expect("selector");
+    for (k, v) in selector {
+        assert_eq!(&pod["metadata"]["labels"][k], v, "the Service selects the pod");
+    }
+}
