@@ -189,7 +189,7 @@ def main():
     ap.add_argument("--runs", type=int, default=15, help="runs of each measurement, prefix cache warm")
     ap.add_argument("--cold-runs", type=int, default=None, help="runs with prefix caching off (default --runs)")
     ap.add_argument("--tokens", type=int, default=37000)
-    ap.add_argument("--pause", type=float, default=0.2, help="seconds between requests")
+    ap.add_argument("--pause", type=float, default=0.0, help="seconds between requests (noisier when > 0 here)")
     ap.add_argument("--skip-cold", action="store_true", help="no run with the decode's prefix caching off")
     ap.add_argument("--json", help="also write the raw samples here")
     a = ap.parse_args()
