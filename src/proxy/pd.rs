@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use http::HeaderMap;
-use pingora::http::ResponseHeader;
+use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::proxy::Session;
 
 use super::respond::{client_gone, client_head, relay, write_buffered, write_error, Rewrite};
@@ -18,7 +18,7 @@ use crate::openai::request::{decode_body, prefill_body};
 use crate::openai::response::{extract_handoff, IdsFault};
 use crate::openai::{Api, ApiError, FallbackReason, PromptIds, RawObject, RequestView};
 use crate::upstream::health::learn_version;
-use crate::upstream::{Endpoint, Picked, UpstreamClient};
+use crate::upstream::{Endpoint, Picked, UpstreamClient, UpstreamError};
 use crate::App;
 
 /// Largest prefill response accepted (a 128k-token prompt echoed is about 1 MB).
@@ -35,6 +35,22 @@ pub struct Incoming<'a> {
     pub body: &'a Bytes,
     /// A header never forwarded (the route's `x-prefiller-host-port`).
     pub drop_header: Option<&'a str>,
+}
+
+impl Incoming<'_> {
+    /// The head of a leg to `addr`: this request's path and end-to-end headers, `request_id`
+    /// as `X-Request-Id`, and the leg's body length.
+    pub fn head(&self, addr: &str, request_id: &str, body_len: usize) -> Result<RequestHeader, UpstreamError> {
+        UpstreamClient::request_head(
+            "POST",
+            self.path_and_query,
+            addr,
+            self.headers,
+            self.drop_header,
+            request_id,
+            body_len,
+        )
+    }
 }
 
 /// Checks an `x-prefiller-host-port` style header and returns the endpoint it names;
@@ -77,15 +93,7 @@ pub fn prefiller_from_header(
 /// Sends the client's body unchanged to `decode` and relays the answer (no prefill).
 pub async fn forward(app: &App, session: &mut Session, ctx: &mut Ctx, decode: Picked, req: &Incoming<'_>, route: &str) {
     let rid = ctx.request_id.clone().unwrap_or_default();
-    let head = match UpstreamClient::request_head(
-        "POST",
-        req.path_and_query,
-        decode.addr(),
-        req.headers,
-        req.drop_header,
-        &rid,
-        req.body.len(),
-    ) {
+    let head = match req.head(decode.addr(), &rid, req.body.len()) {
         Ok(h) => h,
         Err(e) => return write_error(session, ctx, &ApiError::Internal(e.to_string())).await,
     };
@@ -147,15 +155,7 @@ pub async fn prefill_leg(
 ) -> Option<(ResponseHeader, Bytes)> {
     ctx.stage = Some(Stage::Prefill);
     let rid = ctx.request_id.clone().unwrap_or_default();
-    let head = match UpstreamClient::request_head(
-        "POST",
-        req.path_and_query,
-        addr,
-        req.headers,
-        req.drop_header,
-        &rid,
-        body.len(),
-    ) {
+    let head = match req.head(addr, &rid, body.len()) {
         Ok(h) => h,
         Err(e) => {
             write_error(session, ctx, &ApiError::Internal(e.to_string())).await;
@@ -294,15 +294,7 @@ pub async fn orchestrate(
 
     // (3) Decode leg.
     ctx.stage = Some(Stage::DecodeFirstByte);
-    let head = match UpstreamClient::request_head(
-        "POST",
-        req.path_and_query,
-        decode.addr(),
-        req.headers,
-        req.drop_header,
-        &rid,
-        decode_bytes.len(),
-    ) {
+    let head = match req.head(decode.addr(), &rid, decode_bytes.len()) {
         Ok(h) => h,
         Err(e) => return write_error(session, ctx, &ApiError::Internal(e.to_string())).await,
     };
