@@ -92,25 +92,25 @@ pub async fn handle(
     view: &RequestView,
     req: &Incoming<'_>,
 ) {
-    let facts = kv_facts(obj);
-    if facts.is_prefill {
-        prefill(app, session, ctx, route, obj, view, req, &facts).await;
+    let leg = Leg { route, obj, view, req, facts: kv_facts(obj) };
+    if leg.facts.is_prefill {
+        prefill(app, session, ctx, &leg).await;
     } else {
-        decode(app, session, ctx, route, obj, view, req, &facts).await;
+        decode(app, session, ctx, &leg).await;
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn prefill(
-    app: &App,
-    session: &mut Session,
-    ctx: &mut Ctx,
-    route: &RouteSpec,
-    obj: &RawObject<'_>,
-    view: &RequestView,
-    req: &Incoming<'_>,
-    facts: &KvFacts,
-) {
+/// One relayed request, read once.
+struct Leg<'r, 'a> {
+    route: &'r RouteSpec,
+    obj: &'r RawObject<'a>,
+    view: &'r RequestView,
+    req: &'r Incoming<'a>,
+    facts: KvFacts,
+}
+
+async fn prefill(app: &App, session: &mut Session, ctx: &mut Ctx, leg: &Leg<'_, '_>) {
+    let Leg { route, obj, view, req, ref facts } = *leg;
     let pool = match route.prefill {
         Some(PrefillSource::Pool(i)) => i,
         _ => route.decode_pool,
@@ -149,15 +149,16 @@ async fn prefill(
                     .as_deref()
                     .and_then(|kv| RawObject::parse(kv).ok())
                     .and_then(|kv| kv.get_as::<String>("remote_request_id").and_then(Result::ok));
+                let fingerprint = prompt_fingerprint(obj);
                 let mut keys = keys(
                     facts,
                     ctx.request_id.as_deref().filter(|_| req.headers.contains_key("x-request-id")),
-                    prompt_fingerprint(obj),
+                    fingerprint,
                 );
                 if let Some(r) = remote {
                     keys.insert(0, CacheKey::RemoteRequestId(r));
                 }
-                let evicted = app.cache.insert(keys, prompt_fingerprint(obj), ids.to_vec(), Instant::now());
+                let evicted = app.cache.insert(keys, fingerprint, ids.to_vec(), Instant::now());
                 record_cache(app, None, evicted);
             }
             RelayHandoff::Stateless => {
@@ -180,17 +181,8 @@ async fn prefill(
     write_buffered(session, ctx, head, body).await;
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn decode(
-    app: &App,
-    session: &mut Session,
-    ctx: &mut Ctx,
-    route: &RouteSpec,
-    obj: &RawObject<'_>,
-    view: &RequestView,
-    req: &Incoming<'_>,
-    facts: &KvFacts,
-) {
+async fn decode(app: &App, session: &mut Session, ctx: &mut Ctx, leg: &Leg<'_, '_>) {
+    let Leg { route, obj, view, req, ref facts } = *leg;
     let Some(endpoint) = app.pools.get(route.decode_pool).and_then(|p| p.pick()) else {
         return write_error(session, ctx, &ApiError::DecodeUnavailable("decode pool is empty".into())).await;
     };
@@ -204,7 +196,6 @@ async fn decode(
     }
 
     // Find the ids: already inside (stateless) or in the cache.
-    let fingerprint = prompt_fingerprint(obj);
     let (ids, miss_is_fallback): (Option<PromptIds>, bool) = match (&facts.ids_raw, blocker) {
         (Some(raw), None) => match PromptIds::parse(raw, None) {
             Ok(ids) => (Some(ids), true),
@@ -215,6 +206,8 @@ async fn decode(
             }
         },
         (None, None) => {
+            // Only a cache lookup needs the fingerprint (a full parse of the prompt fields).
+            let fingerprint = prompt_fingerprint(obj);
             let keys = keys(
                 facts,
                 ctx.request_id.as_deref().filter(|_| req.headers.contains_key("x-request-id")),
