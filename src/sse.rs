@@ -13,11 +13,6 @@ impl Event {
         &self.raw
     }
 
-    /// Consumes the event into its raw bytes.
-    pub fn into_raw(self) -> Vec<u8> {
-        self.raw
-    }
-
     /// The `data` field: the event's `data:` lines joined with `\n` (one leading space after
     /// the colon removed, as the SSE spec says); `None` for events without data (comments).
     pub fn data(&self) -> Option<Vec<u8>> {

@@ -160,13 +160,6 @@ pub fn write_json_string(out: &mut Vec<u8>, s: &str) {
     }
 }
 
-/// A JSON string literal for `s`.
-pub fn json_string(s: &str) -> String {
-    let mut out = Vec::with_capacity(s.len() + 2);
-    write_json_string(&mut out, s);
-    String::from_utf8(out).unwrap_or_default()
-}
-
 /// True when the raw JSON value is `null` (or absent).
 pub fn is_null(raw: Option<&str>) -> bool {
     raw.is_none_or(|v| v.trim() == "null")

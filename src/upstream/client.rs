@@ -61,8 +61,6 @@ pub struct Exchange {
     pub session: HttpSession,
     /// The peer it talks to (needed to release the connection).
     pub peer: HttpPeer,
-    /// True when a retry was needed.
-    pub retried: bool,
 }
 
 impl Exchange {
@@ -168,11 +166,11 @@ impl UpstreamClient {
     ) -> Result<Exchange, UpstreamError> {
         let peer = self.peer(addr).await?;
         match self.attempt(&peer, head, &body).await {
-            Ok((session, _)) => Ok(Exchange { session, peer, retried: false }),
+            Ok((session, _)) => Ok(Exchange { session, peer }),
             Err((_, true)) => {
                 on_retry();
                 let (session, _) = self.attempt(&peer, head, &body).await.map_err(|(e, _)| e)?;
-                Ok(Exchange { session, peer, retried: true })
+                Ok(Exchange { session, peer })
             }
             Err((e, false)) => Err(e),
         }
@@ -203,7 +201,7 @@ impl UpstreamClient {
 
     /// Returns a fully read exchange's connection to the pool (dropped if not reusable).
     pub async fn release(&self, exchange: Exchange) {
-        let Exchange { session, peer, .. } = exchange;
+        let Exchange { session, peer } = exchange;
         self.connector.release_http_session(session, &peer, Some(self.idle_timeout)).await;
     }
 
