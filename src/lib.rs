@@ -1,15 +1,17 @@
 //! tokenonce: a sidecar reverse proxy for vLLM prefill/decode disaggregation that sends the
 //! prefill's prompt token ids to the decode, so the prompt is rendered and tokenized once.
 //!
-//! Layout (formats → model → pipeline):
+//! Layout (formats → model → plan → execution); README "Architecture" walks the request path:
 //! - `config`: TOML file format → validated model; the embedded default.
-//! - `routes`: ordered rule matching.
-//! - `openai`: request view, prefill/decode rewrites, handoff extraction, response rewrites,
-//!   prompt-id validation, error bodies; pure functions on bytes.
+//! - `routes`: the runtime route table (routes holding their pools, policy, metric handles).
+//! - `plan`: pure decisions per request: legs, reuse gate, prefill and decode bodies.
+//! - `openai`: the wire protocol as pure functions on bytes (request view, rewrites, handoff
+//!   extraction, prompt-id validation, error bodies).
+//! - `handoff`: the relay-mode id cache and correlation keys.
 //! - `sse`: incremental SSE framing.
 //! - `upstream`: pools, the HTTP client for the legs, health and version polling.
-//! - `proxy`: pingora phases; `proxy/pd.rs` runs the P/D exchange.
-//! - `metrics`: every exported metric.
+//! - `proxy`: pingora glue and the executor that runs a plan; the one error exit.
+//! - `metrics`: every exported metric and its label enums.
 //! - `reload`: SIGHUP config reload.
 //! - `server`: wiring config into a pingora server.
 
@@ -17,6 +19,7 @@ pub mod config;
 pub mod handoff;
 pub mod metrics;
 pub mod openai;
+pub mod plan;
 pub mod proxy;
 pub mod reload;
 pub mod routes;
@@ -30,21 +33,28 @@ use prometheus::Registry;
 
 use crate::config::Config;
 use crate::metrics::Metrics;
-use crate::routes::RouteTable;
+use crate::routes::{DanglingPool, RouteTable};
 use crate::upstream::{Pool, UpstreamClient};
+
+/// Why the state could not be built from a config.
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    /// Metrics registration failed.
+    #[error("metrics: {0}")]
+    Metrics(#[from] prometheus::Error),
+    /// A route names a pool that does not exist.
+    #[error(transparent)]
+    Routes(#[from] DanglingPool),
+}
 
 /// Everything a request needs, built once from the config.
 pub struct App {
     /// The validated config.
     pub config: Config,
-    /// Routes in order.
+    /// Routes in order, each holding its pools.
     pub routes: RouteTable,
-    /// Pools, indexed as in the config.
+    /// Every pool, in config order (the health poller walks them).
     pub pools: Vec<Arc<Pool>>,
-    /// Pool for unmatched requests.
-    pub passthrough_pool: usize,
-    /// Largest body any API route accepts (bounds the read before a route is chosen).
-    pub max_body_bytes: usize,
     /// The upstream client.
     pub client: Arc<UpstreamClient>,
     /// Metric handles.
@@ -66,39 +76,23 @@ impl App {
     ///
     /// # Errors
     /// When metrics cannot be registered.
-    pub fn new(config: Config) -> prometheus::Result<Self> {
+    pub fn new(config: Config) -> Result<Self, AppError> {
         let registry = Registry::new();
         let metrics = Metrics::register(&registry)?;
-        let routes = RouteTable::new(&config);
-        for route in routes.routes() {
-            metrics.init_route(&route.name);
-        }
-        let pools = config.pools.iter().map(|spec| Arc::new(Pool::new(spec))).collect();
+        let pools: Vec<Arc<Pool>> = config.pools.iter().map(|spec| Arc::new(Pool::new(spec))).collect();
+        let routes = RouteTable::new(&config, &pools, &metrics)?;
         let client = Arc::new(UpstreamClient::new(config.upstream.connect_timeout, config.upstream.idle_timeout));
-        let max_body_bytes = config.routes.iter().map(|r| r.options.max_body_bytes).max().unwrap_or(32 << 20);
         let cache = Arc::new(handoff::IdCache::new(config.cache.capacity_bytes, config.cache.ttl));
-        Ok(Self {
-            cache,
-            draining: Arc::default(),
-            passthrough_pool: config.passthrough_pool,
-            config,
-            routes,
-            pools,
-            max_body_bytes,
-            client,
-            metrics,
-            registry,
-        })
+        Ok(Self { cache, draining: Arc::default(), config, routes, pools, client, metrics, registry })
     }
 
     /// The state for a reloaded `config`: metrics, client and cache carry over, and pools
     /// whose spec did not change keep their endpoints (health, in-flight counts, versions).
-    pub fn reload(&self, config: Config) -> Self {
-        let routes = RouteTable::new(&config);
-        for route in routes.routes() {
-            self.metrics.init_route(&route.name);
-        }
-        let pools = config
+    ///
+    /// # Errors
+    /// [`AppError::Routes`] if a route names a missing pool (validation prevents it).
+    pub fn reload(&self, config: Config) -> Result<Self, AppError> {
+        let pools: Vec<Arc<Pool>> = config
             .pools
             .iter()
             .map(|spec| {
@@ -115,32 +109,36 @@ impl App {
                     .unwrap_or_else(|| Arc::new(Pool::new(spec)))
             })
             .collect();
-        let max_body_bytes = config.routes.iter().map(|r| r.options.max_body_bytes).max().unwrap_or(32 << 20);
-        Self {
-            passthrough_pool: config.passthrough_pool,
+        let routes = RouteTable::new(&config, &pools, &self.metrics)?;
+        Ok(Self {
             config,
             routes,
             pools,
-            max_body_bytes,
             client: Arc::clone(&self.client),
             metrics: self.metrics.clone(),
             registry: self.registry.clone(),
             cache: Arc::clone(&self.cache),
             draining: Arc::clone(&self.draining),
-        }
+        })
     }
 
-    /// Indexes of the pools that serve decodes (readiness needs each to have a healthy endpoint).
-    pub fn decode_pools(&self) -> Vec<usize> {
-        let mut pools: Vec<usize> = self.routes.routes().iter().map(|r| r.decode_pool).collect();
-        pools.push(self.passthrough_pool);
-        pools.sort_unstable();
-        pools.dedup();
+    /// The pools that serve decodes (readiness needs each to have a healthy endpoint).
+    pub fn decode_pools(&self) -> Vec<Arc<Pool>> {
+        let mut pools: Vec<Arc<Pool>> = Vec::new();
+        let all = self.routes.routes().iter().chain(std::iter::once(self.routes.default_route()));
+        for route in all {
+            if !pools.iter().any(|p| Arc::ptr_eq(p, &route.decode_pool)) {
+                pools.push(Arc::clone(&route.decode_pool));
+            }
+        }
         pools
     }
 
-    /// The metric label of a route index (`default` when none matched).
-    pub fn route_label(&self, route: Option<usize>) -> &str {
-        route.and_then(|i| self.routes.routes().get(i)).map_or("default", |r| r.name.as_str())
+    /// Drops expired relay cache entries and refreshes the cache gauges (scrapes and the
+    /// health poller call it).
+    pub fn sweep_cache(&self) {
+        let evicted = self.cache.purge(std::time::Instant::now());
+        let (entries, bytes) = self.cache.stats();
+        self.metrics.cache_state(evicted.ttl, evicted.capacity, entries, bytes);
     }
 }

@@ -1,62 +1,113 @@
 //! Every metric tokenonce exports, defined in this one place (prefix `tokenonce_`). Label
-//! values are bounded: route and pool names come from config, the rest from fixed enums.
+//! values are enums owned here (bounded cardinality); route and pool names come from config.
+//! Per-route handles are resolved once, when the route table is built ([`RouteMetrics`]);
+//! every series that can occur is created up front, so dashboards never see a gap.
 
-use prometheus::{HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+use std::time::Duration;
+
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
+
+use crate::config::Mode;
+use crate::openai::Api;
 
 /// Latency buckets from 1 ms to 120 s: loopback overheads at the bottom, long prefills and
 /// whole streamed answers at the top.
 pub const LATENCY_BUCKETS: &[f64] =
     &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0];
 
-/// Stages of an orchestrated request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stage {
-    /// The prefill leg, send to full response.
-    Prefill,
-    /// Extracting and validating the handoff, building the decode body.
-    Handoff,
-    /// Decode leg, send to response header.
-    DecodeFirstByte,
-    /// Decode leg, send to end of stream.
-    DecodeTotal,
+/// Declares a label enum: variants, their label strings, and `ALL` in declaration order
+/// (so `variant as usize` indexes `ALL` and the per-route handle tables).
+macro_rules! label_enum {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident => $label:literal,)+ }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum $name {
+            $($(#[$vmeta])* $variant,)+
+        }
+
+        impl $name {
+            /// Every value, in declaration order.
+            pub const ALL: &'static [Self] = &[$(Self::$variant,)+];
+
+            /// The label value.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $label,)+
+                }
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
 }
 
-impl Stage {
-    /// Label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Prefill => "prefill",
-            Self::Handoff => "handoff",
-            Self::DecodeFirstByte => "decode_first_byte",
-            Self::DecodeTotal => "decode_total",
-        }
+label_enum! {
+    /// Timed stages of an orchestrated request (`stage_duration_seconds{stage}`).
+    Stage {
+        /// The prefill leg, send to full response.
+        Prefill => "prefill",
+        /// Extracting and validating the handoff, building the decode body.
+        Handoff => "handoff",
+        /// Decode leg, send to response header.
+        DecodeFirstByte => "decode_first_byte",
+        /// Decode leg, send to end of stream.
+        DecodeTotal => "decode_total",
     }
 }
 
-/// How a request ended, for `requests_total{outcome}`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// 2xx fully relayed.
-    Success,
-    /// 4xx (ours or an engine's).
-    ClientError,
-    /// 5xx, or a stream that broke.
-    ServerError,
-    /// The client went away first.
-    ClientClosed,
+label_enum! {
+    /// Which leg an upstream error or retry happened on (`upstream_errors_total{stage}`).
+    Leg {
+        /// The prefill leg.
+        Prefill => "prefill",
+        /// The decode leg (orchestrated, relayed, or decode-only).
+        Decode => "decode",
+        /// A passthrough route or an unmatched request.
+        Passthrough => "passthrough",
+    }
+}
+
+label_enum! {
+    /// How an upstream exchange failed (`upstream_errors_total{kind}`).
+    ErrorKind {
+        /// Could not connect.
+        Connect => "connect",
+        /// The connection failed while sending or reading.
+        Io => "io",
+        /// No answer within the leg's deadline.
+        Timeout => "timeout",
+        /// The answer was over the size tokenonce buffers.
+        TooLarge => "too_large",
+        /// The engine answered 5xx.
+        Status5xx => "status_5xx",
+        /// A 2xx prefill answer that is not a completion response.
+        BadResponse => "bad_response",
+        /// A stream broke after the response began.
+        StreamBroken => "stream_broken",
+    }
+}
+
+label_enum! {
+    /// How a request ended (`requests_total{outcome}`).
+    Outcome {
+        /// 2xx fully relayed.
+        Success => "success",
+        /// 4xx (ours or an engine's).
+        ClientError => "client_error",
+        /// 5xx, or a stream that broke.
+        ServerError => "server_error",
+        /// The client went away first.
+        ClientClosed => "client_closed",
+    }
 }
 
 impl Outcome {
-    /// Label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Success => "success",
-            Self::ClientError => "client_error",
-            Self::ServerError => "server_error",
-            Self::ClientClosed => "client_closed",
-        }
-    }
-
     /// The outcome of a finished response with `status`.
     pub fn from_status(status: u16) -> Self {
         match status {
@@ -67,45 +118,117 @@ impl Outcome {
     }
 }
 
-/// Handles to every metric.
+label_enum! {
+    /// Why a request took the text decode instead of reusing the prefill's ids
+    /// (`token_reuse_total{result="fallback",reason}`).
+    FallbackReason {
+        /// The route turns token reuse off.
+        Disabled => "disabled",
+        /// The decode vLLM is older than 0.27 (no `kv_transfer_params.prompt_token_ids`).
+        DecodeVersionOld => "decode_version_old",
+        /// The decode vLLM's version could not be learned.
+        DecodeVersionUnknown => "decode_version_unknown",
+        /// Messages carry media: ids alone would drop it.
+        Media => "media",
+        /// `echo` is set.
+        Echo => "echo",
+        /// `n > 1`.
+        NGreaterThanOne => "n_gt_1",
+        /// A completions batch (several prompts).
+        BatchPrompt => "batch_prompt",
+        /// The client already sent token ids: nothing to save.
+        PromptIsTokens => "prompt_is_tokens",
+        /// The prefill echoed no ids.
+        IdsMissing => "ids_missing",
+        /// The prefill's ids failed validation.
+        IdsMalformed => "ids_malformed",
+        /// Relay mode: no cached ids for this decode.
+        CacheMiss => "cache_miss",
+    }
+}
+
+label_enum! {
+    /// Result of a relay cache lookup (`cache_lookups_total{result}`).
+    CacheLookup {
+        /// Ids found and taken.
+        Hit => "hit",
+        /// No entry under any key.
+        Miss => "miss",
+        /// An entry was found but had expired.
+        Expired => "expired",
+        /// An entry was found under a key but for another prompt.
+        Mismatch => "mismatch",
+    }
+}
+
+label_enum! {
+    /// Why relay cache entries were dropped (`cache_evictions_total{reason}`).
+    Eviction {
+        /// The TTL passed.
+        Ttl => "ttl",
+        /// Room was needed (or the entry was larger than the cache).
+        Capacity => "capacity",
+    }
+}
+
+label_enum! {
+    /// Result of a config reload (`config_reloads_total{result}`).
+    Reload {
+        /// The new config is in use.
+        Success => "success",
+        /// The file was rejected; the running config stays.
+        Failure => "failure",
+    }
+}
+
+/// The `api` label: an orchestrated API, or `other`.
+fn api_label(api: Option<Api>) -> &'static str {
+    api.map_or("other", Api::as_str)
+}
+
+/// The three `api` label values, in the order [`RouteMetrics`] tables them.
+const API_LABELS: [Option<Api>; 3] = [Some(Api::Chat), Some(Api::Completions), None];
+
+/// The `mode` label of a request: its route's mode for the OpenAI APIs; every other
+/// request is passed through whatever its route.
+pub fn served_as(api: Option<Api>, route_mode: Mode) -> Mode {
+    if api.is_some() {
+        route_mode
+    } else {
+        Mode::Passthrough
+    }
+}
+
+fn api_index(api: Option<Api>) -> usize {
+    match api {
+        Some(Api::Chat) => 0,
+        Some(Api::Completions) => 1,
+        None => 2,
+    }
+}
+
+/// Handles to every metric family.
 #[derive(Clone)]
 pub struct Metrics {
-    /// Finished requests by route, api, mode and outcome.
-    pub requests: IntCounterVec,
-    /// Whole request duration.
-    pub request_duration: HistogramVec,
-    /// Time until the client got the response header.
-    pub time_to_first_byte: HistogramVec,
-    /// Per-stage durations of orchestrated requests.
-    pub stage_duration: HistogramVec,
-    /// Token reuse applied vs fallback by reason.
-    pub token_reuse: IntCounterVec,
-    /// Prompt tokens the decode did not have to tokenize.
-    pub reused_prompt_tokens: IntCounterVec,
-    /// Bytes of id arrays spliced into decode requests.
-    pub relayed_id_bytes: IntCounter,
-    /// Upstream failures by stage and kind.
-    pub upstream_errors: IntCounterVec,
-    /// Retries after a stale pooled connection, by stage.
-    pub upstream_retries: IntCounterVec,
+    requests: IntCounterVec,
+    request_duration: HistogramVec,
+    time_to_first_byte: HistogramVec,
+    stage_duration: HistogramVec,
+    token_reuse: IntCounterVec,
+    reused_prompt_tokens: IntCounterVec,
+    relayed_id_bytes: IntCounter,
+    upstream_errors: IntCounterVec,
+    upstream_retries: IntCounterVec,
     /// Requests being served now.
     pub inflight: IntGauge,
-    /// 1 while an endpoint answers its `/health`, by pool and endpoint.
-    pub upstream_healthy: IntGaugeVec,
+    upstream_healthy: IntGaugeVec,
     /// 1 while every decode pool has a healthy endpoint (what `/readyz` reports).
     pub ready: IntGauge,
-    /// Relay cache: entries held.
-    pub cache_entries: IntGauge,
-    /// Relay cache: bytes held.
-    pub cache_bytes: IntGauge,
-    /// Relay cache lookups by result.
-    pub cache_lookups: IntCounterVec,
-    /// Relay cache evictions by reason.
-    pub cache_evictions: IntCounterVec,
-    /// Config reloads by result (success, failure).
-    pub config_reloads: IntCounterVec,
-    /// Constant 1 labelled with the version.
-    pub build_info: IntGaugeVec,
+    cache_entries: IntGauge,
+    cache_bytes: IntGauge,
+    cache_lookups: IntCounterVec,
+    cache_evictions: IntCounterVec,
+    config_reloads: IntCounterVec,
 }
 
 fn histogram(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheus::Result<HistogramVec> {
@@ -219,38 +342,106 @@ impl Metrics {
                 "Config reloads on SIGHUP by result; a failed one keeps the running config.",
                 &["result"],
             )?,
-            build_info,
         };
         metrics.init_fixed();
         Ok(metrics)
     }
 
-    /// Creates the series of one route up front so dashboards see zeros, not gaps.
-    pub fn init_route(&self, route: &str) {
-        for reason in crate::openai::FallbackReason::ALL {
-            self.token_reuse.with_label_values(&[route, "fallback", reason.as_str()]);
-        }
-        self.token_reuse.with_label_values(&[route, "applied", "none"]);
-        self.reused_prompt_tokens.with_label_values(&[route]);
-    }
-
     /// Creates the route-independent series up front (zeros instead of gaps).
     fn init_fixed(&self) {
-        for stage in ["prefill", "decode", "passthrough"] {
-            for kind in ["connect", "io", "timeout"] {
-                self.upstream_errors.with_label_values(&[stage, kind]);
+        for leg in Leg::ALL {
+            for kind in ErrorKind::ALL {
+                self.upstream_errors.with_label_values(&[leg.as_str(), kind.as_str()]);
             }
-            self.upstream_retries.with_label_values(&[stage]);
+            self.upstream_retries.with_label_values(&[leg.as_str()]);
         }
-        for result in ["hit", "miss", "expired", "mismatch"] {
-            self.cache_lookups.with_label_values(&[result]);
+        for result in CacheLookup::ALL {
+            self.cache_lookups.with_label_values(&[result.as_str()]);
         }
-        for result in ["success", "failure"] {
-            self.config_reloads.with_label_values(&[result]);
+        for reason in Eviction::ALL {
+            self.cache_evictions.with_label_values(&[reason.as_str()]);
         }
-        for reason in ["ttl", "capacity"] {
-            self.cache_evictions.with_label_values(&[reason]);
+        for result in Reload::ALL {
+            self.config_reloads.with_label_values(&[result.as_str()]);
         }
+    }
+
+    /// Resolves (and so creates) every series of one configured route with mode `mode`.
+    pub fn route(&self, route: &str, mode: Mode) -> RouteMetrics {
+        self.route_series(route, mode, true)
+    }
+
+    /// The series of unmatched requests: requests and durations only (they never reuse ids,
+    /// so no reuse series is exported for them).
+    pub fn default_route(&self, route: &str) -> RouteMetrics {
+        self.route_series(route, Mode::Passthrough, false)
+    }
+
+    fn route_series(&self, route: &str, mode: Mode, counts_reuse: bool) -> RouteMetrics {
+        let reuse = |result: &str, reason: &str| {
+            if counts_reuse {
+                self.token_reuse.with_label_values(&[route, result, reason])
+            } else {
+                // Detached: never registered, so never exported.
+                IntCounter::new("tokenonce_detached", "unexported").unwrap_or_else(|_| self.relayed_id_bytes.clone())
+            }
+        };
+        let per_api = |f: &dyn Fn(&str, &str) -> Histogram| {
+            API_LABELS.map(|api| f(api_label(api), served_as(api, mode).as_str()))
+        };
+        RouteMetrics {
+            requests: API_LABELS.map(|api| {
+                let (api, mode) = (api_label(api), served_as(api, mode).as_str());
+                Outcome::ALL.iter().map(|o| self.requests.with_label_values(&[route, api, mode, o.as_str()])).collect()
+            }),
+            request_duration: per_api(&|api, mode| self.request_duration.with_label_values(&[route, api, mode])),
+            time_to_first_byte: per_api(&|api, mode| self.time_to_first_byte.with_label_values(&[route, api, mode])),
+            stages: Stage::ALL.iter().map(|s| self.stage_duration.with_label_values(&[route, s.as_str()])).collect(),
+            reuse_applied: reuse("applied", "none"),
+            reuse_fallback: FallbackReason::ALL.iter().map(|r| reuse("fallback", r.as_str())).collect(),
+            reused_prompt_tokens: if counts_reuse {
+                self.reused_prompt_tokens.with_label_values(&[route])
+            } else {
+                reuse("", "")
+            },
+            relayed_id_bytes: self.relayed_id_bytes.clone(),
+        }
+    }
+
+    /// Counts one upstream failure.
+    pub fn upstream_error(&self, leg: Leg, kind: ErrorKind) {
+        self.upstream_errors.with_label_values(&[leg.as_str(), kind.as_str()]).inc();
+    }
+
+    /// Counts one leg re-sent.
+    pub fn upstream_retry(&self, leg: Leg) {
+        self.upstream_retries.with_label_values(&[leg.as_str()]).inc();
+    }
+
+    /// Records an endpoint's health poll.
+    pub fn upstream_health(&self, pool: &str, endpoint: &str, healthy: bool) {
+        self.upstream_healthy.with_label_values(&[pool, endpoint]).set(i64::from(healthy));
+    }
+
+    /// Counts one relay cache lookup.
+    pub fn cache_lookup(&self, result: CacheLookup) {
+        self.cache_lookups.with_label_values(&[result.as_str()]).inc();
+    }
+
+    /// Counts cache evictions and sets the cache gauges to `entries` and `bytes`.
+    pub fn cache_state(&self, ttl_evicted: u64, capacity_evicted: u64, entries: usize, bytes: usize) {
+        for (reason, n) in [(Eviction::Ttl, ttl_evicted), (Eviction::Capacity, capacity_evicted)] {
+            if n > 0 {
+                self.cache_evictions.with_label_values(&[reason.as_str()]).inc_by(n);
+            }
+        }
+        self.cache_entries.set(i64::try_from(entries).unwrap_or(i64::MAX));
+        self.cache_bytes.set(i64::try_from(bytes).unwrap_or(i64::MAX));
+    }
+
+    /// Counts one config reload.
+    pub fn reload(&self, result: Reload) {
+        self.config_reloads.with_label_values(&[result.as_str()]).inc();
     }
 
     /// Renders `registry` in the Prometheus text format.
@@ -264,24 +455,112 @@ impl Metrics {
     }
 }
 
+/// One route's series, resolved when the route table is built; the request path only
+/// increments and observes.
+#[derive(Clone)]
+pub struct RouteMetrics {
+    /// `[api][outcome]`.
+    requests: [Vec<IntCounter>; 3],
+    request_duration: [Histogram; 3],
+    time_to_first_byte: [Histogram; 3],
+    /// By [`Stage`].
+    stages: Vec<Histogram>,
+    reuse_applied: IntCounter,
+    /// By [`FallbackReason`].
+    reuse_fallback: Vec<IntCounter>,
+    reused_prompt_tokens: IntCounter,
+    relayed_id_bytes: IntCounter,
+}
+
+impl RouteMetrics {
+    /// Counts a finished request and observes its duration and time to first byte.
+    pub fn finished(&self, api: Option<Api>, outcome: Outcome, total: Duration, first_byte: Option<Duration>) {
+        let i = api_index(api);
+        if let Some(c) = self.requests.get(i).and_then(|by_outcome| by_outcome.get(outcome as usize)) {
+            c.inc();
+        }
+        if let Some(h) = self.request_duration.get(i) {
+            h.observe(total.as_secs_f64());
+        }
+        if let (Some(h), Some(t)) = (self.time_to_first_byte.get(i), first_byte) {
+            h.observe(t.as_secs_f64());
+        }
+    }
+
+    /// Observes one stage's duration.
+    pub fn stage(&self, stage: Stage, took: Duration) {
+        if let Some(h) = self.stages.get(stage as usize) {
+            h.observe(took.as_secs_f64());
+        }
+    }
+
+    /// Counts a decode that reused `tokens` prompt ids, `id_bytes` of JSON.
+    pub fn reuse_applied(&self, tokens: usize, id_bytes: usize) {
+        self.reuse_applied.inc();
+        self.reused_prompt_tokens.inc_by(tokens as u64);
+        self.relayed_id_bytes.inc_by(id_bytes as u64);
+    }
+
+    /// Counts a decode that fell back to text.
+    pub fn reuse_fallback(&self, reason: FallbackReason) {
+        if let Some(c) = self.reuse_fallback.get(reason as usize) {
+            c.inc();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
+    fn label_tables_follow_declaration_order() {
+        for (i, s) in Stage::ALL.iter().enumerate() {
+            assert_eq!(*s as usize, i);
+        }
+        for (i, o) in Outcome::ALL.iter().enumerate() {
+            assert_eq!(*o as usize, i);
+        }
+        for (i, r) in FallbackReason::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i);
+        }
+        for (i, api) in API_LABELS.iter().enumerate() {
+            assert_eq!(api_index(*api), i);
+        }
+    }
+
+    #[test]
+    fn a_route_creates_every_series_it_can_touch() {
+        let registry = Registry::new();
+        let m = Metrics::register(&registry).unwrap();
+        let r = m.route("r", Mode::Orchestrate);
+        let text = String::from_utf8(Metrics::render(&registry)).unwrap();
+        let count = |prefix: &str| text.lines().filter(|l| l.starts_with(prefix)).count();
+        assert_eq!(count("tokenonce_requests_total{"), 3 * Outcome::ALL.len());
+        assert_eq!(count("tokenonce_token_reuse_total{"), 1 + FallbackReason::ALL.len());
+        assert_eq!(count("tokenonce_upstream_errors_total{"), Leg::ALL.len() * ErrorKind::ALL.len());
+        assert_eq!(count("tokenonce_stage_duration_seconds_count{"), Stage::ALL.len());
+        r.finished(Some(Api::Completions), Outcome::ClientClosed, Duration::from_millis(5), None);
+        r.reuse_fallback(FallbackReason::CacheMiss);
+        r.reuse_applied(7, 20);
+        let text = String::from_utf8(Metrics::render(&registry)).unwrap();
+        for line in [
+            r#"tokenonce_requests_total{api="completions",mode="orchestrate",outcome="client_closed",route="r"} 1"#,
+            r#"tokenonce_token_reuse_total{reason="cache_miss",result="fallback",route="r"} 1"#,
+            r#"tokenonce_token_reuse_total{reason="none",result="applied",route="r"} 1"#,
+            r#"tokenonce_reused_prompt_tokens_total{route="r"} 7"#,
+            "tokenonce_relayed_id_bytes_total 20",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line}");
+        }
+    }
+
+    #[test]
     fn registers_every_design_metric_once() {
         let registry = Registry::new();
         let m = Metrics::register(&registry).unwrap();
-        m.init_route("r");
-        m.requests.with_label_values(&["r", "chat", "orchestrate", "success"]).inc();
-        m.stage_duration.with_label_values(&["r", "prefill"]).observe(0.1);
-        m.request_duration.with_label_values(&["r", "chat", "orchestrate"]).observe(0.1);
-        m.time_to_first_byte.with_label_values(&["r", "chat", "orchestrate"]).observe(0.1);
-        m.upstream_errors.with_label_values(&["prefill", "connect"]).inc();
-        m.upstream_retries.with_label_values(&["decode"]).inc();
-        m.cache_lookups.with_label_values(&["hit"]).inc();
-        m.cache_evictions.with_label_values(&["ttl"]).inc();
-        m.upstream_healthy.with_label_values(&["decode", "127.0.0.1:1"]).set(1);
+        m.route("r", Mode::Relay);
+        m.upstream_health("decode", "127.0.0.1:1", true);
         let text = String::from_utf8(Metrics::render(&registry)).unwrap();
         for name in [
             "tokenonce_requests_total",

@@ -10,6 +10,7 @@ use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 
 use crate::config::{self, Config};
+use crate::metrics::Reload;
 use crate::SharedApp;
 
 /// Listens for SIGHUP and reloads `path`.
@@ -26,23 +27,31 @@ impl Reloader {
         let current = self.app.load_full();
         let Some(path) = &self.path else {
             tracing::warn!("SIGHUP ignored: running on the embedded default config");
-            current.metrics.config_reloads.with_label_values(&["failure"]).inc();
+            current.metrics.reload(Reload::Failure);
             return false;
         };
         match config::load(path) {
             Ok(new) => {
                 warn_fixed_settings(&current.config, &new);
-                let next = current.reload(new);
-                self.app.store(Arc::new(next));
-                current.metrics.config_reloads.with_label_values(&["success"]).inc();
-                tracing::info!(file = %path.display(), "config reloaded");
-                true
+                match current.reload(new) {
+                    Ok(next) => {
+                        self.app.store(Arc::new(next));
+                        current.metrics.reload(Reload::Success);
+                        tracing::info!(file = %path.display(), "config reloaded");
+                        true
+                    }
+                    Err(e) => {
+                        tracing::error!(file = %path.display(), error = %e, "config reload rejected");
+                        current.metrics.reload(Reload::Failure);
+                        false
+                    }
+                }
             }
             Err(e) => {
                 for p in &e.problems {
                     tracing::error!(file = %e.source_name, problem = %p, "config reload rejected");
                 }
-                current.metrics.config_reloads.with_label_values(&["failure"]).inc();
+                current.metrics.reload(Reload::Failure);
                 false
             }
         }

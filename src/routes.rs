@@ -1,9 +1,17 @@
-//! Route selection: the first rule whose path, model glob and headers all match wins.
-//! Built once from the config; `select` is a pure function of the request's facts.
+//! The route table the request path runs on, built once per config: routes in order, each
+//! holding its pools (`Arc`), its reuse policy, limits and pre-resolved metric handles; the
+//! first rule whose path, model glob and headers all match wins, else the `default` route
+//! (passthrough to `defaults.passthrough_pool`). `select` is a pure function of the request.
+
+use std::sync::Arc;
+use std::time::Duration;
 
 use http::HeaderMap;
 
-use crate::config::{Config, RouteSpec};
+use crate::config::{AllowEntry, Config, Mode, PrefillSource, RouteMatch};
+use crate::metrics::{Metrics, RouteMetrics};
+use crate::plan::ReusePolicy;
+use crate::upstream::Pool;
 
 /// The facts a route is chosen on.
 #[derive(Debug, Clone, Copy)]
@@ -16,47 +24,158 @@ pub struct RequestFacts<'a> {
     pub headers: &'a HeaderMap,
 }
 
-/// Ordered routes.
-#[derive(Debug, Clone)]
+/// Where a route's prefill leg goes.
+#[derive(Debug)]
+pub enum PrefillTarget {
+    /// An endpoint of this pool.
+    Pool(Arc<Pool>),
+    /// The `host:port` a request header names, checked against `allow`.
+    Header {
+        /// Lower-case header name (never forwarded to an engine).
+        name: String,
+        /// Permitted hosts and networks.
+        allow: Vec<AllowEntry>,
+    },
+}
+
+/// One route, ready to serve.
+pub struct Route {
+    /// Name in metrics and logs.
+    pub name: String,
+    /// What it does.
+    pub mode: Mode,
+    matcher: Option<RouteMatch>,
+    /// The decode leg's pool (and a passthrough's).
+    pub decode_pool: Arc<Pool>,
+    /// The prefill leg's destination (orchestrate; relay: the pool for prefills).
+    pub prefill: Option<PrefillTarget>,
+    /// What decides token reuse.
+    pub policy: ReusePolicy,
+    /// Whole prefill leg deadline.
+    pub prefill_timeout: Duration,
+    /// Decode response-header deadline.
+    pub decode_first_byte_timeout: Duration,
+    /// Largest accepted body.
+    pub max_body_bytes: usize,
+    /// This route's series.
+    pub metrics: RouteMetrics,
+}
+
+impl Route {
+    /// The header naming the prefiller, which is never forwarded to an engine.
+    pub fn prefiller_header(&self) -> Option<&str> {
+        match &self.prefill {
+            Some(PrefillTarget::Header { name, .. }) => Some(name),
+            _ => None,
+        }
+    }
+
+    fn path_matches(&self, path: &str) -> bool {
+        self.matcher.as_ref().is_some_and(|m| m.paths.is_empty() || m.paths.iter().any(|p| p == path))
+    }
+
+    fn matches(&self, facts: &RequestFacts<'_>) -> bool {
+        let Some(m) = &self.matcher else { return false };
+        self.path_matches(facts.path)
+            && m.model.as_ref().is_none_or(|glob| facts.model.is_some_and(|model| glob.is_match(model)))
+            && m.headers.iter().all(|(name, value)| {
+                facts.headers.get(name.as_str()).and_then(|v| v.to_str().ok()).is_some_and(|v| v == value)
+            })
+    }
+}
+
+/// A pool reference the validated config should never contain.
+#[derive(Debug, thiserror::Error)]
+#[error("route `{route}` refers to a pool that does not exist")]
+pub struct DanglingPool {
+    route: String,
+}
+
+/// Ordered routes and the default.
 pub struct RouteTable {
-    routes: Vec<RouteSpec>,
+    routes: Vec<Arc<Route>>,
+    default: Arc<Route>,
 }
 
 impl RouteTable {
-    /// The table of a validated config.
-    pub fn new(config: &Config) -> Self {
-        Self { routes: config.routes.clone() }
+    /// Builds the table of a validated `config` over its `pools` (same order as
+    /// `config.pools`), resolving each route's series in `metrics`.
+    ///
+    /// # Errors
+    /// [`DanglingPool`] if a pool index is out of range (validation prevents it).
+    pub fn new(config: &Config, pools: &[Arc<Pool>], metrics: &Metrics) -> Result<Self, DanglingPool> {
+        let pool = |i: usize, route: &str| pools.get(i).cloned().ok_or(DanglingPool { route: route.to_owned() });
+        let mut routes = Vec::with_capacity(config.routes.len());
+        for spec in &config.routes {
+            let prefill = match &spec.prefill {
+                Some(PrefillSource::Pool(i)) => Some(PrefillTarget::Pool(pool(*i, &spec.name)?)),
+                Some(PrefillSource::Header { name, allow }) => {
+                    Some(PrefillTarget::Header { name: name.clone(), allow: allow.clone() })
+                }
+                None => None,
+            };
+            let o = &spec.options;
+            routes.push(Arc::new(Route {
+                name: spec.name.clone(),
+                mode: spec.mode,
+                matcher: Some(spec.matcher.clone()),
+                decode_pool: pool(spec.decode_pool, &spec.name)?,
+                prefill,
+                policy: ReusePolicy { token_reuse: o.token_reuse, relay_handoff: o.relay_handoff },
+                prefill_timeout: o.prefill_timeout,
+                decode_first_byte_timeout: o.decode_first_byte_timeout,
+                max_body_bytes: o.max_body_bytes,
+                metrics: metrics.route(&spec.name, spec.mode),
+            }));
+        }
+        let largest_body = routes.iter().map(|r| r.max_body_bytes).max().unwrap_or(DEFAULT_ROUTE_BODY_LIMIT);
+        let default = Arc::new(Route {
+            name: DEFAULT_ROUTE.to_owned(),
+            mode: Mode::Passthrough,
+            matcher: None,
+            decode_pool: pool(config.passthrough_pool, DEFAULT_ROUTE)?,
+            prefill: None,
+            policy: ReusePolicy { token_reuse: false, relay_handoff: crate::config::RelayHandoff::Cache },
+            prefill_timeout: Duration::ZERO,
+            decode_first_byte_timeout: Duration::ZERO,
+            max_body_bytes: largest_body,
+            metrics: metrics.default_route(DEFAULT_ROUTE),
+        });
+        Ok(Self { routes, default })
     }
 
-    /// The routes in order.
-    pub fn routes(&self) -> &[RouteSpec] {
+    /// The configured routes in order.
+    pub fn routes(&self) -> &[Arc<Route>] {
         &self.routes
     }
 
-    /// Index of the first route matching `facts`.
-    pub fn select(&self, facts: &RequestFacts<'_>) -> Option<usize> {
-        self.routes.iter().position(|r| matches(r, facts))
+    /// The route of requests no rule matches.
+    pub fn default_route(&self) -> &Arc<Route> {
+        &self.default
+    }
+
+    /// The first route matching `facts`, else the default.
+    pub fn select(&self, facts: &RequestFacts<'_>) -> &Arc<Route> {
+        self.routes.iter().find(|r| r.matches(facts)).unwrap_or(&self.default)
     }
 
     /// True when some route could match `path` once the model is known, i.e. the body
     /// must be read before choosing.
     pub fn needs_model(&self, path: &str) -> bool {
-        self.routes.iter().any(|r| r.matcher.model.is_some() && path_matches(r, path))
+        self.routes.iter().any(|r| r.matcher.as_ref().is_some_and(|m| m.model.is_some()) && r.path_matches(path))
+    }
+
+    /// Largest body any route accepts (bounds the read before a route is chosen).
+    pub fn max_body_bytes(&self) -> usize {
+        self.default.max_body_bytes
     }
 }
 
-fn path_matches(route: &RouteSpec, path: &str) -> bool {
-    route.matcher.paths.is_empty() || route.matcher.paths.iter().any(|p| p == path)
-}
+/// The metric label of unmatched requests.
+pub const DEFAULT_ROUTE: &str = "default";
 
-fn matches(route: &RouteSpec, facts: &RequestFacts<'_>) -> bool {
-    let m = &route.matcher;
-    path_matches(route, facts.path)
-        && m.model.as_ref().is_none_or(|glob| facts.model.is_some_and(|model| glob.is_match(model)))
-        && m.headers.iter().all(|(name, value)| {
-            facts.headers.get(name.as_str()).and_then(|v| v.to_str().ok()).is_some_and(|v| v == value)
-        })
-}
+/// The body bound when no route is configured (the route default, 32 MiB).
+const DEFAULT_ROUTE_BODY_LIMIT: usize = 32 << 20;
 
 #[cfg(test)]
 mod tests {
@@ -88,13 +207,20 @@ mode = "passthrough"
 decode_pool = "decode"
 "#;
 
+    fn table() -> RouteTable {
+        let config = Config::from_toml(CONF, "t").unwrap();
+        let pools: Vec<Arc<Pool>> = config.pools.iter().map(|p| Arc::new(Pool::new(p))).collect();
+        RouteTable::new(&config, &pools, &Metrics::register(&prometheus::Registry::new()).unwrap()).unwrap()
+    }
+
     fn pick(path: &str, model: Option<&str>, headers: &[(&'static str, &'static str)]) -> Option<String> {
-        let table = RouteTable::new(&Config::from_toml(CONF, "t").unwrap());
+        let table = table();
         let mut map = HeaderMap::new();
         for (k, v) in headers {
             map.insert(*k, v.parse().unwrap());
         }
-        table.select(&RequestFacts { path, model, headers: &map }).map(|i| table.routes()[i].name.clone())
+        let name = &table.select(&RequestFacts { path, model, headers: &map }).name;
+        (name != DEFAULT_ROUTE).then(|| name.clone())
     }
 
     #[test]
@@ -115,8 +241,21 @@ decode_pool = "decode"
     }
 
     #[test]
+    fn routes_hold_their_pools_and_unmatched_requests_get_the_default() {
+        let table = table();
+        let qwen = &table.routes()[1];
+        assert_eq!(qwen.decode_pool.name, "decode");
+        assert!(matches!(&qwen.prefill, Some(PrefillTarget::Pool(p)) if p.name == "prefill"));
+        assert!(Arc::ptr_eq(&table.routes()[0].decode_pool, &qwen.decode_pool), "one pool, shared");
+        let none = table.select(&RequestFacts { path: "/x", model: None, headers: &HeaderMap::new() });
+        assert!(none.name == "rest", "the catch-all route takes it");
+        assert_eq!(table.default_route().mode, Mode::Passthrough);
+        assert_eq!(table.default_route().decode_pool.name, "decode");
+    }
+
+    #[test]
     fn needs_model_only_where_a_glob_applies() {
-        let table = RouteTable::new(&Config::from_toml(CONF, "t").unwrap());
+        let table = table();
         assert!(table.needs_model("/v1/completions"));
         assert!(!table.needs_model("/v1/models"));
     }

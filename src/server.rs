@@ -20,9 +20,9 @@ use crate::{App, SharedApp};
 /// Why the server could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
-    /// Metrics registration failed.
-    #[error("metrics: {0}")]
-    Metrics(#[from] prometheus::Error),
+    /// The state could not be built (metrics, routes).
+    #[error(transparent)]
+    App(#[from] crate::AppError),
     /// pingora refused its configuration.
     #[error("server configuration: {0}")]
     Conf(String),
@@ -47,7 +47,7 @@ pub fn build(config: Config, path: Option<PathBuf>) -> Result<Server, BuildError
     let interval = config.upstream.health_interval;
     let app: SharedApp = Arc::new(ArcSwap::from_pointee(App::new(config)?));
 
-    let poller = HealthPoller { app: Arc::clone(&app), interval, on_tick: Box::new(crate::proxy::relay::sweep_cache) };
+    let poller = HealthPoller { app: Arc::clone(&app), interval, on_tick: Box::new(App::sweep_cache) };
     let reloader = Reloader { path, app: Arc::clone(&app) };
 
     let mut proxy = http_proxy_service_with_name(&server.configuration, Proxy { app: Arc::clone(&app) }, "tokenonce");

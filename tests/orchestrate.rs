@@ -429,19 +429,6 @@ async fn prefiller_header_mode() {
     }
 }
 
-/// The test-only truncation relays just the first N ids (the e2e tier uses it to show the
-/// decode follows the ids, not the messages).
-#[tokio::test(flavor = "multi_thread")]
-async fn test_truncation_cuts_the_relayed_ids() {
-    let (_p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "test_truncate_prompt_ids = 3").await;
-    let body = chat_body("a fairly long prompt with many words", json!({}));
-    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
-    assert_eq!(status, 200);
-    let full = fake_tokenize(&fake_render_chat(&body));
-    assert_eq!(d.posts()[0].json()["kv_transfer_params"]["prompt_token_ids"], json!(full[..3]));
-    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["usage"]["prompt_tokens"], 3);
-}
-
 /// A decode whose /version cannot be read: chat falls back (counted), and requests do not
 /// each ask /version again.
 #[tokio::test(flavor = "multi_thread")]

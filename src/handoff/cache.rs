@@ -8,6 +8,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::key::CacheKey;
+use crate::metrics::CacheLookup;
 
 /// Bytes charged per entry on top of its ids (map slots, keys, bookkeeping).
 const ENTRY_OVERHEAD: usize = 128;
@@ -26,13 +27,13 @@ pub enum Lookup {
 }
 
 impl Lookup {
-    /// Label value for `cache_lookups_total{result}`.
-    pub fn as_str(&self) -> &'static str {
+    /// Its `cache_lookups_total{result}` label.
+    pub fn label(&self) -> CacheLookup {
         match self {
-            Self::Hit(_) => "hit",
-            Self::Miss => "miss",
-            Self::Expired => "expired",
-            Self::Mismatch => "mismatch",
+            Self::Hit(_) => CacheLookup::Hit,
+            Self::Miss => CacheLookup::Miss,
+            Self::Expired => CacheLookup::Expired,
+            Self::Mismatch => CacheLookup::Mismatch,
         }
     }
 }

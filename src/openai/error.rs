@@ -20,22 +20,22 @@ pub enum ApiError {
     #[error("prefiller {0} is not in the allowlist")]
     PrefillerNotAllowed(String),
     /// The prefill engine could not be reached or closed the connection.
-    #[error("prefill unavailable: {0}")]
+    #[error("prefill engine unavailable: {0}")]
     PrefillUnavailable(String),
     /// The prefill engine did not answer within the route's prefill timeout.
     #[error("prefill timed out after {0} ms")]
     PrefillTimeout(u64),
     /// The prefill engine answered 2xx with a body that is not a usable response.
-    #[error("prefill returned a bad response: {0}")]
+    #[error("prefill engine returned a bad response: {0}")]
     PrefillBadResponse(String),
     /// The decode engine could not be reached or failed before its first byte.
-    #[error("decode unavailable: {0}")]
+    #[error("decode engine unavailable: {0}")]
     DecodeUnavailable(String),
     /// The decode engine sent no response header within the first-byte timeout.
     #[error("decode timed out after {0} ms before its first byte")]
     DecodeTimeout(u64),
     /// The decode stream broke after the response had started.
-    #[error("decode stream failed: {0}")]
+    #[error("decode engine stream failed: {0}")]
     DecodeStreamFailed(String),
     /// A bug or an unclassified failure inside tokenonce.
     #[error("internal error: {0}")]

@@ -61,13 +61,17 @@ struct Details {
     cached_tokens: Option<u64>,
 }
 
+/// A 2xx prefill answer that is not a completion response (the parser's complaint inside).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("prefill answer is not a completion response: {0}")]
+pub struct HandoffError(pub String);
+
 /// Reads the handoff from a 2xx prefill body.
 ///
 /// # Errors
-/// A description when the body is not a JSON object of the expected shape.
-pub fn extract_handoff(api: Api, body: &[u8]) -> Result<Handoff, String> {
-    let resp: PrefillResponse<'_> =
-        serde_json::from_slice(body).map_err(|e| format!("not a completion response: {e}"))?;
+/// [`HandoffError`] when the body is not a JSON object of the expected shape.
+pub fn extract_handoff(api: Api, body: &[u8]) -> Result<Handoff, HandoffError> {
+    let resp: PrefillResponse<'_> = serde_json::from_slice(body).map_err(|e| HandoffError(e.to_string()))?;
     let raw_ids = match api {
         Api::Chat => resp.prompt_token_ids,
         Api::Completions => resp.choices.as_ref().and_then(|c| c.first()).and_then(|c| c.prompt_token_ids),

@@ -1,17 +1,19 @@
-//! Writing responses to the client: tokenonce's own errors and bodies, and relaying an
-//! engine's response (buffered JSON, or SSE streamed as it arrives) with optional rewrites.
+//! Writing to the client: complete bodies (tokenonce's own and an engine's buffered answer),
+//! and relaying a decode's answer (JSON buffered and rewritten, SSE streamed event by event).
+//! Failures are returned to the caller; `error::fail` is what answers them.
+
+use std::time::Instant;
 
 use bytes::Bytes;
 use pingora::http::ResponseHeader;
 use pingora::proxy::Session;
 
+use super::error::ProxyError;
 use super::Ctx;
-use crate::metrics::{Outcome, Stage};
+use crate::metrics::{Leg, Outcome, Stage};
 use crate::openai::response::{rewrite_cached_tokens, SseRewriter};
-use crate::openai::ApiError;
 use crate::upstream::client::DROPPED_RESPONSE_HEADERS;
 use crate::upstream::Exchange;
-use crate::App;
 
 /// Largest non-streamed engine response tokenonce buffers (a long answer with logprobs).
 pub const RESPONSE_LIMIT: usize = 256 * 1024 * 1024;
@@ -22,193 +24,182 @@ pub async fn client_gone(session: &mut Session) {
     let _ = session.as_downstream_mut().read_body_or_idle(true).await;
 }
 
-/// Writes a complete response with `Content-Length`.
+/// Writes a complete response with `Content-Length` (and `x-request-id`).
 pub async fn write_full(session: &mut Session, ctx: &mut Ctx, status: u16, content_type: Option<&str>, body: Bytes) {
-    let outcome = write_full_inner(session, ctx, status, content_type, body).await;
-    ctx.outcome.get_or_insert(outcome);
-}
-
-async fn write_full_inner(
-    session: &mut Session,
-    ctx: &mut Ctx,
-    status: u16,
-    content_type: Option<&str>,
-    body: Bytes,
-) -> Outcome {
     let Ok(mut head) = ResponseHeader::build(status, Some(4)) else {
-        return Outcome::ServerError;
+        ctx.outcome.get_or_insert(Outcome::ServerError);
+        return;
     };
-    let ok = head.insert_header("content-length", body.len().to_string()).is_ok()
-        && content_type.is_none_or(|ct| head.insert_header("content-type", ct).is_ok())
-        && ctx.request_id.as_deref().is_none_or(|id| head.insert_header("x-request-id", id).is_ok());
-    if !ok {
-        return Outcome::ServerError;
+    let built = content_type.is_none_or(|ct| head.insert_header("content-type", ct).is_ok())
+        && head.insert_header("x-request-id", ctx.request_id.as_str()).is_ok();
+    if !built {
+        ctx.outcome.get_or_insert(Outcome::ServerError);
+        return;
     }
-    ctx.mark_first_byte();
-    if session.write_response_header(Box::new(head), false).await.is_err()
-        || session.write_response_body(Some(body), true).await.is_err()
-    {
-        return Outcome::ClientClosed;
-    }
-    ctx.status = status;
-    Outcome::from_status(status)
-}
-
-/// Answers with tokenonce's own OpenAI-shaped error.
-pub async fn write_error(session: &mut Session, ctx: &mut Ctx, err: &ApiError) {
-    tracing::info!(request_id = ctx.request_id.as_deref().unwrap_or("-"), code = err.code(), error = %err, "request failed");
-    write_full(session, ctx, err.status(), Some("application/json"), Bytes::from(err.body())).await;
+    write_buffered(session, ctx, head, body).await;
 }
 
 /// The client's response head from an engine's: status and end-to-end headers kept,
 /// framing headers dropped (tokenonce sets its own), `x-request-id` added when absent.
-pub fn client_head(upstream: &ResponseHeader, request_id: Option<&str>) -> Option<ResponseHeader> {
+pub fn client_head(upstream: &ResponseHeader, request_id: &str) -> Option<ResponseHeader> {
     let mut head = ResponseHeader::build(upstream.status.as_u16(), Some(upstream.headers.len() + 2)).ok()?;
     for (name, value) in &upstream.headers {
         if !DROPPED_RESPONSE_HEADERS.contains(&name.as_str()) {
             head.append_header(name.clone(), value.clone()).ok()?;
         }
     }
-    if let Some(id) = request_id {
-        if head.headers.get("x-request-id").is_none() {
-            head.insert_header("x-request-id", id).ok()?;
-        }
+    if head.headers.get("x-request-id").is_none() {
+        head.insert_header("x-request-id", request_id).ok()?;
     }
     Some(head)
 }
 
-/// Writes `head` with `body` and its `Content-Length`.
+/// Writes `head` with `body` and its `Content-Length`; records status and outcome.
 pub async fn write_buffered(session: &mut Session, ctx: &mut Ctx, mut head: ResponseHeader, body: Bytes) {
     let status = head.status.as_u16();
     if head.insert_header("content-length", body.len().to_string()).is_err() {
-        return write_error(session, ctx, &ApiError::Internal("content-length".into())).await;
+        ctx.outcome.get_or_insert(Outcome::ServerError);
+        return;
     }
     ctx.mark_first_byte();
     let written = session.write_response_header(Box::new(head), false).await.is_ok()
         && session.write_response_body(Some(body), true).await.is_ok();
     ctx.status = status;
-    ctx.outcome = Some(if written { Outcome::from_status(status) } else { Outcome::ClientClosed });
+    ctx.outcome.get_or_insert(if written { Outcome::from_status(status) } else { Outcome::ClientClosed });
 }
 
-/// How to rewrite a relayed engine response.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Rewrite {
-    /// Set `usage.prompt_tokens_details.cached_tokens` to this (the prefill's count).
-    pub cached_tokens: Option<u64>,
+/// Writes an engine's buffered answer as it came (status, end-to-end headers, `body`).
+///
+/// # Errors
+/// [`ProxyError::Internal`] when the engine's head cannot be copied.
+pub async fn write_engine_answer(
+    session: &mut Session,
+    ctx: &mut Ctx,
+    upstream: &ResponseHeader,
+    body: Bytes,
+) -> Result<(), ProxyError> {
+    let head = client_head(upstream, &ctx.request_id)
+        .ok_or_else(|| ProxyError::Internal("engine response head cannot be copied".into()))?;
+    write_buffered(session, ctx, head, body).await;
+    Ok(())
 }
 
-/// Relays an engine response to the client: status and end-to-end headers as sent, a JSON
-/// body buffered (and rewritten), an SSE body streamed event by event. A stream that breaks
-/// ends with an SSE error event; a client that leaves closes the engine connection.
+/// Relays an engine's answer on `leg` to the client: status and end-to-end headers as sent, a
+/// JSON body buffered (its `cached_tokens` set when given), an SSE body streamed event by
+/// event. A client that leaves closes the engine connection.
+///
+/// # Errors
+/// [`ProxyError`] when the engine fails (before the head: a JSON error follows; mid-stream:
+/// an SSE error event) or the client is gone.
 pub async fn relay(
-    app: &App,
+    session: &mut Session,
+    ctx: &mut Ctx,
+    exchange: Exchange,
+    cached_tokens: Option<u64>,
+    leg: Leg,
+) -> Result<(), ProxyError> {
+    let status = exchange.status();
+    let is_sse = exchange.header("content-type").is_some_and(|ct| ct.starts_with("text/event-stream"));
+    let head = exchange
+        .session
+        .response_header()
+        .and_then(|h| client_head(h, &ctx.request_id))
+        .ok_or_else(|| ProxyError::Internal("engine response head cannot be copied".into()))?;
+    if is_sse && (200..300).contains(&status) {
+        relay_stream(session, ctx, exchange, head, cached_tokens, leg).await
+    } else {
+        relay_buffered(session, ctx, exchange, head, cached_tokens.filter(|_| (200..300).contains(&status)), leg).await
+    }
+}
+
+async fn relay_buffered(
+    session: &mut Session,
+    ctx: &mut Ctx,
+    exchange: Exchange,
+    head: ResponseHeader,
+    cached_tokens: Option<u64>,
+    leg: Leg,
+) -> Result<(), ProxyError> {
+    let client = std::sync::Arc::clone(&ctx.app.client);
+    let body = tokio::select! {
+        r = client.read_to_end(exchange, RESPONSE_LIMIT) => r.map_err(|e| ProxyError::upstream(leg, e))?,
+        _ = client_gone(session) => return Err(ProxyError::ClientGone),
+    };
+    let body = match cached_tokens {
+        Some(n) => std::str::from_utf8(&body).ok().and_then(|t| rewrite_cached_tokens(t, n)).map_or(body, Bytes::from),
+        None => body,
+    };
+    write_buffered(session, ctx, head, body).await;
+    observe_decode_total(ctx);
+    Ok(())
+}
+
+async fn relay_stream(
     session: &mut Session,
     ctx: &mut Ctx,
     mut exchange: Exchange,
-    rewrite: Rewrite,
-    route: &str,
-) {
-    let status = exchange.status();
-    let is_sse = exchange.header("content-type").is_some_and(|ct| ct.starts_with("text/event-stream"));
-    let Some(mut head) = exchange.session.response_header().and_then(|h| client_head(h, ctx.request_id.as_deref()))
-    else {
-        write_error(session, ctx, &ApiError::DecodeUnavailable("no response header".into())).await;
-        return;
-    };
-
-    if !is_sse || !(200..300).contains(&status) {
-        let body = tokio::select! {
-            r = app.client.read_to_end(exchange, RESPONSE_LIMIT) => r,
-            _ = client_gone(session) => {
-                ctx.outcome = Some(Outcome::ClientClosed);
-                return;
-            }
-        };
-        let body = match body {
-            Ok(b) => b,
-            Err(e) => {
-                app.metrics.upstream_errors.with_label_values(&[ctx.stage_label(), e.kind()]).inc();
-                write_error(session, ctx, &ApiError::DecodeUnavailable(e.to_string())).await;
-                return;
-            }
-        };
-        let body = match rewrite.cached_tokens.filter(|_| (200..300).contains(&status)) {
-            Some(n) => {
-                std::str::from_utf8(&body).ok().and_then(|t| rewrite_cached_tokens(t, n)).map_or(body, Bytes::from)
-            }
-            None => body,
-        };
-        let _ = head.insert_header("content-length", body.len().to_string());
-        ctx.mark_first_byte();
-        let written = session.write_response_header(Box::new(head), false).await.is_ok()
-            && session.write_response_body(Some(body), true).await.is_ok();
-        ctx.status = status;
-        ctx.outcome = Some(if written { Outcome::from_status(status) } else { Outcome::ClientClosed });
-        observe_decode_total(app, ctx, route);
-        return;
-    }
-
+    mut head: ResponseHeader,
+    cached_tokens: Option<u64>,
+    leg: Leg,
+) -> Result<(), ProxyError> {
     // Chunked, so the client connection stays reusable (a hand-written response without a
     // length would be close-delimited).
     let _ = head.insert_header("transfer-encoding", "chunked");
     ctx.mark_first_byte();
-    ctx.status = status;
+    ctx.status = head.status.as_u16();
     if session.write_response_header(Box::new(head), false).await.is_err() {
-        ctx.outcome = Some(Outcome::ClientClosed);
-        return;
+        return Err(ProxyError::ClientGone);
     }
-    let mut rewriter =
-        rewrite.cached_tokens.map(|n| SseRewriter::new(move |data: &str| rewrite_cached_tokens(data, n)));
+    ctx.streaming = true;
+    let mut rewriter = cached_tokens.map(|n| SseRewriter::new(move |data: &str| rewrite_cached_tokens(data, n)));
     loop {
-        tokio::select! {
-            chunk = exchange.session.read_response_body() => match chunk {
-                Ok(Some(chunk)) => {
-                    let out = match rewriter.as_mut() {
-                        Some(rw) => Bytes::from(rw.feed(&chunk)),
-                        None => chunk,
-                    };
-                    if !out.is_empty() && session.write_response_body(Some(out), false).await.is_err() {
-                        ctx.outcome = Some(Outcome::ClientClosed);
-                        return;
-                    }
+        let chunk = tokio::select! {
+            chunk = exchange.session.read_response_body() => chunk,
+            // Dropping `exchange` closes the engine connection; vLLM aborts the request.
+            _ = client_gone(session) => return Err(ProxyError::ClientGone),
+        };
+        match chunk {
+            Ok(Some(chunk)) => {
+                let out = match rewriter.as_mut() {
+                    Some(rw) => Bytes::from(rw.feed(&chunk)),
+                    None => chunk,
+                };
+                if !out.is_empty() && session.write_response_body(Some(out), false).await.is_err() {
+                    return Err(ProxyError::ClientGone);
                 }
-                Ok(None) => {
-                    let tail = rewriter.take().map(|rw| Bytes::from(rw.finish())).unwrap_or_default();
-                    let ended = session.write_response_body(Some(tail), true).await.is_ok();
-                    ctx.outcome = Some(if ended { Outcome::Success } else { Outcome::ClientClosed });
-                    app.client.release(exchange).await;
-                    observe_decode_total(app, ctx, route);
-                    return;
+            }
+            Ok(None) => {
+                let tail = rewriter.take().map(|rw| Bytes::from(rw.finish())).unwrap_or_default();
+                let ended = session.write_response_body(Some(tail), true).await.is_ok();
+                ctx.outcome = Some(if ended { Outcome::Success } else { Outcome::ClientClosed });
+                ctx.app.client.release(exchange).await;
+                observe_decode_total(ctx);
+                return Ok(());
+            }
+            Err(e) => {
+                let addr = exchange.peer.to_string();
+                let mut tail = rewriter.take().map(|rw| rw.finish()).unwrap_or_default();
+                if !tail.is_empty() && !tail.ends_with(b"\n\n") {
+                    tail.extend_from_slice(b"\n\n");
                 }
-                Err(e) => {
-                    app.metrics.upstream_errors.with_label_values(&[ctx.stage_label(), "stream_broken"]).inc();
-                    let err = ApiError::DecodeStreamFailed(e.to_string());
-                    tracing::warn!(request_id = ctx.request_id.as_deref().unwrap_or("-"), error = %err, "decode stream broke");
-                    let mut out = rewriter.take().map(|rw| rw.finish()).unwrap_or_default();
-                    if !out.is_empty() && !out.ends_with(b"\n\n") {
-                        out.extend_from_slice(b"\n\n");
-                    }
-                    out.extend_from_slice(&err.sse_event());
-                    let _ = session.write_response_body(Some(Bytes::from(out)), true).await;
-                    ctx.outcome = Some(Outcome::ServerError);
-                    return;
+                if !tail.is_empty() {
+                    let _ = session.write_response_body(Some(Bytes::from(tail)), false).await;
                 }
-            },
-            _ = client_gone(session) => {
-                // Dropping `exchange` closes the engine connection; vLLM aborts the request.
-                ctx.outcome = Some(Outcome::ClientClosed);
-                return;
+                let source = crate::upstream::UpstreamError::io(&addr, &e);
+                return Err(ProxyError::StreamBroken { leg, source });
             }
         }
     }
 }
 
 /// Records the decode leg's whole duration (send to last byte) when one was sent.
-fn observe_decode_total(app: &App, ctx: &Ctx, route: &str) {
+fn observe_decode_total(ctx: &Ctx) {
     if let Some(t) = ctx.decode_sent_at {
-        app.metrics
-            .stage_duration
-            .with_label_values(&[route, Stage::DecodeTotal.as_str()])
-            .observe(t.elapsed().as_secs_f64());
+        ctx.route.metrics.stage(Stage::DecodeTotal, t.elapsed());
     }
+}
+
+/// Time since `t` in milliseconds, for the access log.
+pub fn ms_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1000.0
 }

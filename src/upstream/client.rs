@@ -11,15 +11,18 @@ use pingora::http::RequestHeader;
 use pingora::protocols::http::client::HttpSession;
 use pingora::upstreams::peer::HttpPeer;
 
-/// Why an upstream exchange failed.
+use crate::metrics::ErrorKind;
+
+/// Why an upstream exchange failed. `Display` names the address and pingora's detail (for
+/// the log); [`UpstreamError::cause`] is the short, address-free text a client may see.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum UpstreamError {
     /// Could not connect.
     #[error("connect to {addr} failed: {detail}")]
-    Connect { addr: String, detail: String },
+    Connect { addr: String, cause: &'static str, detail: String },
     /// The connection failed while sending or reading.
     #[error("{addr}: {detail}")]
-    Io { addr: String, detail: String },
+    Io { addr: String, cause: &'static str, detail: String },
     /// The response body exceeded the allowed size.
     #[error("{addr}: response body over {limit} bytes")]
     TooLarge { addr: String, limit: usize },
@@ -27,12 +30,48 @@ pub enum UpstreamError {
 
 impl UpstreamError {
     /// Label value for `upstream_errors_total{kind}`.
-    pub fn kind(&self) -> &'static str {
+    pub fn kind(&self) -> ErrorKind {
         match self {
-            Self::Connect { .. } => "connect",
-            Self::Io { .. } => "io",
-            Self::TooLarge { .. } => "too_large",
+            Self::Connect { .. } => ErrorKind::Connect,
+            Self::Io { .. } => ErrorKind::Io,
+            Self::TooLarge { .. } => ErrorKind::TooLarge,
         }
+    }
+
+    /// What went wrong in a few words, without address or error chain (`connection refused`).
+    pub fn cause(&self) -> &'static str {
+        match self {
+            Self::Connect { cause, .. } | Self::Io { cause, .. } => cause,
+            Self::TooLarge { .. } => "answer too large",
+        }
+    }
+
+    /// A connect failure to `addr`.
+    pub fn connect(addr: &str, e: &pingora::Error) -> Self {
+        Self::Connect { addr: addr.to_owned(), cause: cause_of(e), detail: e.to_string() }
+    }
+
+    /// A send or read failure with `addr`.
+    pub fn io(addr: &str, e: &pingora::Error) -> Self {
+        Self::Io { addr: addr.to_owned(), cause: cause_of(e), detail: e.to_string() }
+    }
+}
+
+/// The client-safe words for a pingora error type.
+fn cause_of(e: &pingora::Error) -> &'static str {
+    use pingora::ErrorType as T;
+    match e.etype() {
+        T::ConnectTimedout => "connect timed out",
+        T::ConnectRefused => "connection refused",
+        T::ConnectNoRoute => "no route to host",
+        T::ConnectionClosed => "connection closed",
+        T::ReadTimedout => "read timed out",
+        T::WriteTimedout => "write timed out",
+        T::ReadError => "read failed",
+        T::WriteError => "write failed",
+        T::InvalidHTTPHeader | T::H1Error => "not an HTTP/1.1 answer",
+        T::ConnectError | T::BindError | T::SocketError | T::ConnectProxyFailure => "connect failed",
+        _ => "connection failed",
     }
 }
 
@@ -92,9 +131,17 @@ impl UpstreamClient {
     pub async fn peer(&self, addr: &str) -> Result<HttpPeer, UpstreamError> {
         let resolved = tokio::net::lookup_host(addr)
             .await
-            .map_err(|e| UpstreamError::Connect { addr: addr.to_owned(), detail: e.to_string() })?
+            .map_err(|e| UpstreamError::Connect {
+                addr: addr.to_owned(),
+                cause: "name resolution failed",
+                detail: e.to_string(),
+            })?
             .next()
-            .ok_or_else(|| UpstreamError::Connect { addr: addr.to_owned(), detail: "no address".into() })?;
+            .ok_or_else(|| UpstreamError::Connect {
+                addr: addr.to_owned(),
+                cause: "name resolution failed",
+                detail: "no address".into(),
+            })?;
         let mut peer = HttpPeer::new(resolved, false, String::new());
         peer.options.connection_timeout = Some(self.connect_timeout);
         peer.options.idle_timeout = Some(self.idle_timeout);
@@ -112,7 +159,7 @@ impl UpstreamClient {
         request_id: &str,
         body_len: usize,
     ) -> Result<RequestHeader, UpstreamError> {
-        let io = |e: pingora::BError| UpstreamError::Io { addr: addr.to_owned(), detail: e.to_string() };
+        let io = |e: pingora::BError| UpstreamError::io(addr, &e);
         let mut head =
             RequestHeader::build(method, path_and_query.as_bytes(), Some(client_headers.len() + 3)).map_err(io)?;
         for (name, value) in client_headers {
@@ -137,12 +184,9 @@ impl UpstreamClient {
         body: &Bytes,
     ) -> Result<(HttpSession, bool), (UpstreamError, bool)> {
         let addr = peer.to_string();
-        let (mut session, reused) = self
-            .connector
-            .get_http_session(peer)
-            .await
-            .map_err(|e| (UpstreamError::Connect { addr: addr.clone(), detail: e.to_string() }, false))?;
-        let io = |e: pingora::BError| (UpstreamError::Io { addr: addr.clone(), detail: e.to_string() }, reused);
+        let (mut session, reused) =
+            self.connector.get_http_session(peer).await.map_err(|e| (UpstreamError::connect(&addr, &e), false))?;
+        let io = |e: pingora::BError| (UpstreamError::io(&addr, &e), reused);
         session.write_request_header(Box::new(head.clone())).await.map_err(io)?;
         if !body.is_empty() {
             session.write_request_body(body.clone(), true).await.map_err(io)?;
@@ -192,7 +236,7 @@ impl UpstreamClient {
                     buf.extend_from_slice(&chunk);
                 }
                 Ok(None) => break,
-                Err(e) => return Err(UpstreamError::Io { addr, detail: e.to_string() }),
+                Err(e) => return Err(UpstreamError::io(&addr, &e)),
             }
         }
         self.release(exchange).await;
@@ -219,7 +263,11 @@ impl UpstreamClient {
         };
         match tokio::time::timeout(timeout, work).await {
             Ok(result) => result,
-            Err(_) => Err(UpstreamError::Io { addr: addr.to_owned(), detail: format!("GET {path} timed out") }),
+            Err(_) => Err(UpstreamError::Io {
+                addr: addr.to_owned(),
+                cause: "timed out",
+                detail: format!("GET {path} timed out"),
+            }),
         }
     }
 }

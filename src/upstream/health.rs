@@ -63,13 +63,13 @@ impl HealthPoller {
             for endpoint in &pool.endpoints {
                 let healthy = matches!(app.client.get(&endpoint.addr, "/health", PROBE_TIMEOUT).await, Ok((200, _)));
                 endpoint.set_healthy(healthy);
-                app.metrics.upstream_healthy.with_label_values(&[&pool.name, &endpoint.addr]).set(i64::from(healthy));
+                app.metrics.upstream_health(&pool.name, &endpoint.addr, healthy);
                 if healthy && pool.pinned_version().is_none() && endpoint.version().is_none() {
                     learn_version(&app.client, endpoint).await;
                 }
             }
         }
-        let ready = app.decode_pools().iter().all(|&i| app.pools.get(i).is_some_and(|p| p.any_healthy()));
+        let ready = app.decode_pools().iter().all(|p| p.any_healthy());
         app.metrics.ready.set(i64::from(ready));
         (self.on_tick)(&app);
     }

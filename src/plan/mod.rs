@@ -1,0 +1,188 @@
+//! The request plan: every decision about an API request that can be made without I/O, from
+//! the request, the route's policy and what is known of the engines. Which legs run, the
+//! prefill body, the reuse gate and, given the prefill's answer, the decode body and the reuse
+//! outcome. Orchestrate and relay both plan here; `proxy/` only sends what a plan says.
+//!
+//! - `mod.rs`: the policy and engine facts, the reuse gate, the orchestrated plan.
+//! - `relay.rs`: relay-mode plans (a prefill to annotate, a decode to complete).
+//! - `prefiller.rs`: the `x-prefiller-host-port` check.
+
+mod prefiller;
+pub mod relay;
+#[cfg(test)]
+mod tests;
+
+use bytes::Bytes;
+
+pub use prefiller::prefiller_from_header;
+
+use crate::config::{RelayHandoff, Version};
+use crate::openai::request::{decode_body, prefill_body};
+use crate::openai::response::{extract_handoff, HandoffError, IdsFault};
+use crate::openai::{Api, FallbackReason, IdsError, PromptIds, RawObject, RequestView};
+
+/// A route's knobs that decide reuse, copied from its config once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReusePolicy {
+    /// Reuse the prefill's prompt ids on the decode.
+    pub token_reuse: bool,
+    /// Relay mode: where the ids wait between the legs.
+    pub relay_handoff: RelayHandoff,
+}
+
+/// What tokenonce knows of the decode engine's vLLM version when planning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeVersion {
+    /// Pinned in config or learned from `GET /version`.
+    Known(Version),
+    /// Asked, but no usable answer.
+    Unknown,
+    /// Not asked, because the plan said it does not matter ([`needs_decode_version`]).
+    NotAsked,
+}
+
+/// The client request as the plan reads it: the parsed body and its view.
+#[derive(Clone, Copy)]
+pub struct Request<'r, 'a> {
+    /// The body's members, raw.
+    pub obj: &'r RawObject<'a>,
+    /// The fields that decide reuse.
+    pub view: &'r RequestView,
+}
+
+/// Whether the decode may go token-in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gate {
+    /// Ask the prefill for its ids and hand them on.
+    Reuse,
+    /// Send the text decode, counted with this reason.
+    Fallback(FallbackReason),
+}
+
+/// How a decode was sent, for metrics and the access log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reuse {
+    /// Token-in, with `tokens` ids in `id_bytes` of JSON.
+    Applied {
+        /// Ids handed to the decode.
+        tokens: usize,
+        /// Their JSON size.
+        id_bytes: usize,
+    },
+    /// Text decode, for this reason.
+    Fallback(FallbackReason),
+    /// Not a P/D decode at all (a plain request on a relay route): nothing to count.
+    NotCounted,
+}
+
+impl Reuse {
+    /// The access-log value: `applied`, the fallback reason, or `None`.
+    pub fn log_value(self) -> Option<&'static str> {
+        match self {
+            Self::Applied { .. } => Some("applied"),
+            Self::Fallback(reason) => Some(reason.as_str()),
+            Self::NotCounted => None,
+        }
+    }
+
+    fn of(ids: Option<&PromptIds>, fallback: FallbackReason) -> Self {
+        match ids {
+            Some(ids) => Self::Applied { tokens: ids.len(), id_bytes: ids.as_json().len() },
+            None => Self::Fallback(fallback),
+        }
+    }
+}
+
+/// The decode leg, fully decided.
+#[derive(Debug, Clone)]
+pub struct DecodeStep {
+    /// The body to send.
+    pub body: Bytes,
+    /// Token-in or text, and why.
+    pub reuse: Reuse,
+    /// Set `usage.prompt_tokens_details.cached_tokens` in the answer to this (the prefill's).
+    pub cached_tokens: Option<u64>,
+    /// Why the prefill's ids were refused, for the log.
+    pub refused: Option<IdsError>,
+}
+
+/// Why this request may not reuse ids whatever the engines say.
+fn request_gate(view: &RequestView, policy: &ReusePolicy) -> Option<FallbackReason> {
+    if policy.token_reuse {
+        view.reuse_blocker()
+    } else {
+        Some(FallbackReason::Disabled)
+    }
+}
+
+/// The chat gate on the decode's version: chat ids in `kv_transfer_params` need vLLM 0.27.
+fn version_gate(version: DecodeVersion) -> Option<FallbackReason> {
+    match version {
+        DecodeVersion::Known(v) if v >= Version::CHAT_TOKEN_REUSE => None,
+        DecodeVersion::Known(_) => Some(FallbackReason::DecodeVersionOld),
+        // NotAsked here means the caller skipped a check the plan needed: be safe.
+        DecodeVersion::Unknown | DecodeVersion::NotAsked => Some(FallbackReason::DecodeVersionUnknown),
+    }
+}
+
+/// True when an orchestrated request's gate depends on the decode's version (chat, with
+/// nothing else already blocking reuse): only then is it worth asking `GET /version`.
+pub fn needs_decode_version(view: &RequestView, policy: &ReusePolicy) -> bool {
+    view.api == Api::Chat && request_gate(view, policy).is_none()
+}
+
+/// The reuse gate of an orchestrated request. Completions go token-in on every vLLM version
+/// (`prompt: [ids]`); chat needs a decode of 0.27 or later.
+pub fn gate(view: &RequestView, policy: &ReusePolicy, decode: DecodeVersion) -> Gate {
+    let blocker = match request_gate(view, policy) {
+        Some(reason) => Some(reason),
+        None if view.api == Api::Completions => None,
+        None => version_gate(decode),
+    };
+    blocker.map_or(Gate::Reuse, Gate::Fallback)
+}
+
+/// An orchestrated request, planned: the prefill body to send, and what to do with its answer.
+pub struct Orchestration<'r, 'a> {
+    request: Request<'r, 'a>,
+    /// The reuse gate, decided before the prefill.
+    pub gate: Gate,
+    /// The prefill leg's body.
+    pub prefill_body: Bytes,
+}
+
+/// Plans an orchestrated request (prefill, then decode).
+pub fn orchestrate<'r, 'a>(
+    request: Request<'r, 'a>,
+    policy: &ReusePolicy,
+    decode: DecodeVersion,
+) -> Orchestration<'r, 'a> {
+    let gate = gate(request.view, policy, decode);
+    let prefill_body = Bytes::from(prefill_body(request.obj, gate == Gate::Reuse));
+    Orchestration { request, gate, prefill_body }
+}
+
+impl Orchestration<'_, '_> {
+    /// The decode leg, given the prefill's 2xx answer: its `kv_transfer_params`, its ids when
+    /// the gate allowed reuse and they validate, else the text decode with the reason.
+    ///
+    /// # Errors
+    /// [`HandoffError`] when the answer is not a completion response.
+    pub fn after_prefill(&self, answer: &[u8]) -> Result<DecodeStep, HandoffError> {
+        let api = self.request.view.api;
+        let handoff = extract_handoff(api, answer)?;
+        let (ids, fallback, refused) = match (self.gate, handoff.ids) {
+            (Gate::Fallback(reason), _) => (None, reason, None),
+            (Gate::Reuse, Ok(ids)) => (Some(ids), FallbackReason::IdsMissing, None),
+            (Gate::Reuse, Err(IdsFault::Missing)) => (None, FallbackReason::IdsMissing, None),
+            (Gate::Reuse, Err(IdsFault::Invalid(e))) => (None, FallbackReason::IdsMalformed, Some(e)),
+        };
+        let body = decode_body(self.request.obj, api, handoff.kv_transfer_params.as_deref(), ids.as_ref());
+        Ok(DecodeStep {
+            body: Bytes::from(body),
+            reuse: Reuse::of(ids.as_ref(), fallback),
+            cached_tokens: handoff.cached_tokens,
+            refused,
+        })
+    }
+}

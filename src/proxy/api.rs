@@ -1,0 +1,81 @@
+//! An OpenAI API request, from `request_filter`: read the body (bounded), parse it once,
+//! choose the route (its model glob may need the body), and hand it to the route's mode.
+
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use pingora::proxy::Session;
+
+use super::error::ProxyError;
+use super::exec::{self, Incoming};
+use super::{orchestrate, relay, ApiRequest, Ctx};
+use crate::config::Mode;
+use crate::metrics::Leg;
+use crate::openai::{Api, ApiError, RawObject, RequestView};
+use crate::routes::RequestFacts;
+
+/// Reads the whole request body, refusing more than `limit` bytes.
+async fn read_body(session: &mut Session, limit: usize) -> Result<Bytes, ApiError> {
+    let declared = session.req_header().headers.get("content-length").and_then(|v| v.to_str().ok()?.parse().ok());
+    if declared.is_some_and(|len: usize| len > limit) {
+        return Err(ApiError::BodyTooLarge { limit });
+    }
+    let mut body = BytesMut::new();
+    loop {
+        match session.read_request_body().await {
+            Ok(Some(chunk)) if body.len() + chunk.len() > limit => return Err(ApiError::BodyTooLarge { limit }),
+            Ok(Some(chunk)) => body.extend_from_slice(&chunk),
+            Ok(None) => return Ok(body.freeze()),
+            Err(e) => return Err(ApiError::invalid(format!("reading the body failed: {}", e.etype().as_str()), None)),
+        }
+    }
+}
+
+/// Serves one API request to the end.
+///
+/// # Errors
+/// Any [`ProxyError`]; the caller's error exit answers it.
+pub async fn handle(session: &mut Session, ctx: &mut Ctx, api: Api) -> Result<(), ProxyError> {
+    let app = Arc::clone(&ctx.app);
+    let head = session.req_header();
+    let path = head.uri.path().to_owned();
+    let path_and_query = head.uri.path_and_query().map_or_else(|| path.clone(), |p| p.as_str().to_owned());
+    let headers = head.headers.clone();
+    session.as_downstream_mut().set_abort_on_close(true);
+    let body = match read_body(session, app.routes.max_body_bytes()).await {
+        Ok(body) => body,
+        Err(e) => {
+            // Do not try to reuse a connection whose body was not read to the end.
+            session.set_keepalive(None);
+            return Err(e.into());
+        }
+    };
+
+    let parsed = RawObject::parse_bytes(&body);
+    let view = parsed.as_ref().ok().map(|obj| RequestView::parse(api, obj));
+    let model = view.as_ref().and_then(|v| v.as_ref().ok()).and_then(|v| v.model.as_deref());
+    ctx.route = Arc::clone(app.routes.select(&RequestFacts { path: &path, model, headers: &headers }));
+    let route = Arc::clone(&ctx.route);
+    let incoming = Incoming {
+        path_and_query: &path_and_query,
+        headers: &headers,
+        body: &body,
+        drop_header: route.prefiller_header(),
+    };
+
+    if route.mode == Mode::Passthrough {
+        // The body was read to choose the route: forward it unchanged ourselves.
+        let endpoint = exec::pick(&route.decode_pool, Leg::Passthrough)?;
+        return exec::forward(session, ctx, &incoming, Leg::Passthrough, endpoint, body.clone()).await;
+    }
+    if body.len() > route.max_body_bytes {
+        return Err(ApiError::BodyTooLarge { limit: route.max_body_bytes }.into());
+    }
+    let obj = parsed.map_err(|e| ApiError::invalid(format!("body is not a JSON object: {e}"), None))?;
+    let view = view.ok_or_else(|| ApiError::invalid("body is not a JSON object", None))??;
+    let req = ApiRequest { incoming, obj, view };
+    match route.mode {
+        Mode::Relay => relay::handle(session, ctx, &req).await,
+        _ => orchestrate::run(session, ctx, &req).await,
+    }
+}

@@ -1,0 +1,206 @@
+//! The one error exit. Every handler returns `Result<(), ProxyError>`; [`fail`] is the only
+//! place that turns an error into the client's answer (status, OpenAI code, a message that
+//! names no upstream address and carries no internal error chain), the log line (full detail
+//! with the request id) and the `upstream_errors_total` count.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use pingora::proxy::Session;
+
+use super::respond::write_full;
+use super::Ctx;
+use crate::metrics::{ErrorKind, Leg, Outcome};
+use crate::openai::response::HandoffError;
+use crate::openai::ApiError;
+use crate::upstream::UpstreamError;
+
+/// Why a request could not be served as planned.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// The client's request is refused (bad body, too large, bad prefiller header).
+    #[error(transparent)]
+    Request(#[from] ApiError),
+    /// A leg's engine could not be reached or failed before the client saw a byte.
+    #[error("{leg} leg: {source}")]
+    Upstream {
+        /// Which leg.
+        leg: Leg,
+        /// The failure, with the address (for the log only).
+        source: UpstreamError,
+    },
+    /// A leg's deadline passed before its answer.
+    #[error("{leg} leg: no answer within {} ms", after.as_millis())]
+    Timeout {
+        /// Which leg.
+        leg: Leg,
+        /// The deadline that passed.
+        after: Duration,
+    },
+    /// The prefill answered 2xx with something that is not a completion response.
+    #[error(transparent)]
+    PrefillBadResponse(#[from] HandoffError),
+    /// The leg's pool has no endpoint to send to.
+    #[error("{0} pool has no endpoint")]
+    NoEndpoint(Leg),
+    /// A relayed stream broke after the response began.
+    #[error("{leg} stream broke: {source}")]
+    StreamBroken {
+        /// Which leg.
+        leg: Leg,
+        /// The failure.
+        source: UpstreamError,
+    },
+    /// The client went away; nothing is answered.
+    #[error("client closed the connection")]
+    ClientGone,
+    /// A bug or an unclassified failure inside tokenonce.
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+impl ProxyError {
+    /// A leg's upstream failure.
+    pub fn upstream(leg: Leg, source: UpstreamError) -> Self {
+        Self::Upstream { leg, source }
+    }
+
+    /// The client's answer, with a message safe to show.
+    pub fn api_error(&self) -> ApiError {
+        let unavailable = |leg: Leg, cause: &str| match leg {
+            Leg::Prefill => ApiError::PrefillUnavailable(cause.to_owned()),
+            Leg::Decode | Leg::Passthrough => ApiError::DecodeUnavailable(cause.to_owned()),
+        };
+        let ms = |d: &Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        match self {
+            Self::Request(e) => e.clone(),
+            Self::Upstream { leg, source } => unavailable(*leg, source.cause()),
+            Self::Timeout { leg: Leg::Prefill, after } => ApiError::PrefillTimeout(ms(after)),
+            Self::Timeout { after, .. } => ApiError::DecodeTimeout(ms(after)),
+            Self::PrefillBadResponse(_) => ApiError::PrefillBadResponse("not a completion response".into()),
+            Self::NoEndpoint(leg) => unavailable(*leg, "no endpoint in its pool"),
+            Self::StreamBroken { source, .. } => ApiError::DecodeStreamFailed(source.cause().to_owned()),
+            Self::ClientGone | Self::Internal(_) => ApiError::Internal("tokenonce failed to serve the request".into()),
+        }
+    }
+
+    /// The `upstream_errors_total{stage,kind}` series this error counts in, if any.
+    pub fn counted_as(&self) -> Option<(Leg, ErrorKind)> {
+        match self {
+            Self::Upstream { leg, source } => Some((*leg, source.kind())),
+            Self::Timeout { leg, .. } => Some((*leg, ErrorKind::Timeout)),
+            Self::PrefillBadResponse(_) => Some((Leg::Prefill, ErrorKind::BadResponse)),
+            Self::StreamBroken { leg, .. } => Some((*leg, ErrorKind::StreamBroken)),
+            Self::Request(_) | Self::NoEndpoint(_) | Self::ClientGone | Self::Internal(_) => None,
+        }
+    }
+}
+
+/// Ends a request that failed: counts it, logs the full detail, and answers the client
+/// (a JSON error before the response began; an SSE error event and `[DONE]` after the head
+/// of a stream went out; nothing when the client is gone).
+pub async fn fail(session: &mut Session, ctx: &mut Ctx, err: ProxyError) {
+    if let ProxyError::ClientGone = err {
+        ctx.outcome = Some(Outcome::ClientClosed);
+        return;
+    }
+    if let Some((leg, kind)) = err.counted_as() {
+        ctx.app.metrics.upstream_error(leg, kind);
+    }
+    let api = err.api_error();
+    if ctx.streaming {
+        tracing::warn!(request_id = %ctx.request_id, code = api.code(), error = %err, "decode stream broke");
+        let _ = session.write_response_body(Some(Bytes::from(api.sse_event())), true).await;
+        ctx.outcome = Some(Outcome::ServerError);
+        return;
+    }
+    tracing::info!(request_id = %ctx.request_id, code = api.code(), error = %err, "request failed");
+    if session.response_written().is_some() {
+        // A buffered answer was already on its way; nothing more can be said.
+        ctx.outcome = Some(Outcome::ServerError);
+        return;
+    }
+    write_full(session, ctx, api.status(), Some("application/json"), Bytes::from(api.body())).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused() -> UpstreamError {
+        UpstreamError::Connect {
+            addr: "10.1.2.3:8100".into(),
+            cause: "connection refused",
+            detail: "connect to addr: 10.1.2.3:8100, scheme: HTTP failed: ConnectRefused context: x".into(),
+        }
+    }
+
+    /// Every error a client can receive: its code and status, and a body that names no
+    /// upstream address and carries no internal error chain.
+    #[test]
+    fn every_error_body_is_typed_and_reveals_nothing_inside() {
+        let addr_free = |body: &str| !body.contains("10.1.2.3") && !body.contains("8100") && !body.contains("context");
+        let io = UpstreamError::Io { addr: "10.1.2.3:8100".into(), cause: "connection closed", detail: "x".into() };
+        type Row = (ProxyError, u16, &'static str, Option<(Leg, ErrorKind)>);
+        let table: Vec<Row> = vec![
+            (ApiError::invalid("bad", None).into(), 400, "invalid_request", None),
+            (
+                ProxyError::upstream(Leg::Prefill, refused()),
+                502,
+                "prefill_unavailable",
+                Some((Leg::Prefill, ErrorKind::Connect)),
+            ),
+            (
+                ProxyError::upstream(Leg::Decode, refused()),
+                502,
+                "decode_unavailable",
+                Some((Leg::Decode, ErrorKind::Connect)),
+            ),
+            (
+                ProxyError::upstream(Leg::Passthrough, io.clone()),
+                502,
+                "decode_unavailable",
+                Some((Leg::Passthrough, ErrorKind::Io)),
+            ),
+            (
+                ProxyError::Timeout { leg: Leg::Prefill, after: Duration::from_millis(300) },
+                504,
+                "prefill_timeout",
+                Some((Leg::Prefill, ErrorKind::Timeout)),
+            ),
+            (
+                ProxyError::Timeout { leg: Leg::Decode, after: Duration::from_millis(300) },
+                504,
+                "decode_timeout",
+                Some((Leg::Decode, ErrorKind::Timeout)),
+            ),
+            (
+                HandoffError("expected value at line 1 column 1".into()).into(),
+                502,
+                "prefill_bad_response",
+                Some((Leg::Prefill, ErrorKind::BadResponse)),
+            ),
+            (ProxyError::NoEndpoint(Leg::Prefill), 502, "prefill_unavailable", None),
+            (
+                ProxyError::StreamBroken { leg: Leg::Decode, source: io },
+                502,
+                "decode_stream_failed",
+                Some((Leg::Decode, ErrorKind::StreamBroken)),
+            ),
+            (ProxyError::Internal("pingora said 10.1.2.3:8100".into()), 500, "internal_error", None),
+        ];
+        for (err, status, code, counted) in table {
+            let api = err.api_error();
+            assert_eq!((api.status(), api.code()), (status, code), "{err}");
+            assert_eq!(err.counted_as(), counted, "{err}");
+            let body = String::from_utf8(api.body()).unwrap();
+            assert!(addr_free(&body), "{err}: {body}");
+        }
+        let body = String::from_utf8(ProxyError::upstream(Leg::Prefill, refused()).api_error().body()).unwrap();
+        assert!(body.contains("prefill engine unavailable: connection refused"), "{body}");
+        assert!(
+            ProxyError::upstream(Leg::Prefill, refused()).to_string().contains("10.1.2.3:8100"),
+            "the log keeps it"
+        );
+    }
+}

@@ -1,0 +1,216 @@
+//! The executor: runs the legs a plan decided. Sends a leg (the one place that calls the
+//! upstream client, so retry and failover policies go here), waits within the leg's
+//! deadline while watching the client, reads the prefill's answer, relays the decode's, and
+//! records the stage timings and the reuse outcome. Every failure is returned as a
+//! [`ProxyError`] for the one error exit.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::HeaderMap;
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::proxy::Session;
+
+use super::error::ProxyError;
+use super::respond::{client_gone, ms_since, relay};
+use super::Ctx;
+use crate::metrics::{ErrorKind, Leg, Stage};
+use crate::openai::response::HandoffError;
+use crate::openai::IdsError;
+use crate::plan::{DecodeStep, DecodeVersion, Reuse};
+use crate::routes::Route;
+use crate::upstream::health::learn_version;
+use crate::upstream::{Endpoint, Exchange, Picked, Pool, UpstreamClient};
+use crate::App;
+
+/// Largest prefill response accepted (a 128k-token prompt echoed is about 1 MB).
+const PREFILL_RESPONSE_LIMIT: usize = 64 * 1024 * 1024;
+
+/// The client request as read by `request_filter`: what every leg's head is built from.
+#[derive(Clone, Copy)]
+pub struct Incoming<'a> {
+    /// Path and query as the client sent them.
+    pub path_and_query: &'a str,
+    /// The client's headers.
+    pub headers: &'a HeaderMap,
+    /// The client's body.
+    pub body: &'a Bytes,
+    /// A header never forwarded (the route's `x-prefiller-host-port`).
+    pub drop_header: Option<&'a str>,
+}
+
+impl Incoming<'_> {
+    /// The head of a leg to `addr`: this request's path and end-to-end headers, `request_id`
+    /// as `X-Request-Id`, and the leg's body length.
+    fn head(&self, addr: &str, request_id: &str, body_len: usize) -> Result<RequestHeader, ProxyError> {
+        UpstreamClient::request_head(
+            "POST",
+            self.path_and_query,
+            addr,
+            self.headers,
+            self.drop_header,
+            request_id,
+            body_len,
+        )
+        .map_err(|e| ProxyError::Internal(format!("building the leg's head: {e}")))
+    }
+}
+
+/// An endpoint of `pool` for `leg`, counted in flight until dropped.
+///
+/// # Errors
+/// [`ProxyError::NoEndpoint`] when the pool is empty.
+pub fn pick(pool: &Pool, leg: Leg) -> Result<Picked, ProxyError> {
+    pool.pick().ok_or(ProxyError::NoEndpoint(leg))
+}
+
+/// A header-named prefiller, as a one-off endpoint (not in any pool).
+pub fn named_endpoint(addr: String) -> Picked {
+    Picked::new(Arc::new(Endpoint::new(addr)))
+}
+
+/// What is known of the decode engine's vLLM: the pool's pinned version, else the learned
+/// one, else asked now (a failed ask is remembered, so requests do not each ask).
+pub async fn decode_version(app: &App, route: &Route, decode: &Endpoint) -> DecodeVersion {
+    match route.decode_pool.pinned_version().or_else(|| decode.version()) {
+        Some(v) => DecodeVersion::Known(v),
+        None => learn_version(&app.client, decode).await.map_or(DecodeVersion::Unknown, DecodeVersion::Known),
+    }
+}
+
+/// Runs `work` within `limit` (none: unbounded); `Err` carries the limit that passed.
+async fn within<F: Future>(limit: Option<Duration>, work: F) -> Result<F::Output, Duration> {
+    match limit {
+        Some(limit) => tokio::time::timeout(limit, work).await.map_err(|_| limit),
+        None => Ok(work.await),
+    }
+}
+
+/// Sends one leg and returns its engine's answer head (the one call of the upstream client).
+async fn exchange(
+    ctx: &Ctx,
+    req: &Incoming<'_>,
+    leg: Leg,
+    endpoint: &Picked,
+    body: Bytes,
+) -> Result<Exchange, ProxyError> {
+    let head = req.head(endpoint.addr(), &ctx.request_id, body.len())?;
+    let app = &ctx.app;
+    let sent = app.client.send(endpoint.addr(), &head, body, || app.metrics.upstream_retry(leg)).await;
+    sent.map_err(|e| ProxyError::upstream(leg, e))
+}
+
+/// [`exchange`] within `first_byte_timeout`, racing the client going away.
+async fn send(
+    session: &mut Session,
+    ctx: &Ctx,
+    req: &Incoming<'_>,
+    leg: Leg,
+    endpoint: &Picked,
+    body: Bytes,
+    first_byte_timeout: Option<Duration>,
+) -> Result<Exchange, ProxyError> {
+    tokio::select! {
+        r = within(first_byte_timeout, exchange(ctx, req, leg, endpoint, body)) => {
+            r.unwrap_or_else(|after| Err(ProxyError::Timeout { leg, after }))
+        }
+        _ = client_gone(session) => Err(ProxyError::ClientGone),
+    }
+}
+
+/// The prefill leg, whole: sends `body` and reads the answer within the route's prefill
+/// timeout. A 5xx answer is counted but returned (the caller passes it to the client).
+///
+/// # Errors
+/// [`ProxyError`] on timeout, engine failure, or the client leaving.
+pub async fn prefill(
+    session: &mut Session,
+    ctx: &mut Ctx,
+    req: &Incoming<'_>,
+    endpoint: &Picked,
+    body: Bytes,
+) -> Result<(ResponseHeader, Bytes), ProxyError> {
+    let route = Arc::clone(&ctx.route);
+    let started = Instant::now();
+    let answer = async {
+        let exchange = exchange(ctx, req, Leg::Prefill, endpoint, body).await?;
+        let head = exchange.session.response_header().cloned();
+        let body = ctx.app.client.read_to_end(exchange, PREFILL_RESPONSE_LIMIT).await;
+        Ok::<_, ProxyError>((head, body.map_err(|e| ProxyError::upstream(Leg::Prefill, e))?))
+    };
+    let answer = tokio::select! {
+        r = within(Some(route.prefill_timeout), answer) => r,
+        _ = client_gone(session) => return Err(ProxyError::ClientGone),
+    };
+    ctx.prefill_ms = Some(ms_since(started));
+    route.metrics.stage(Stage::Prefill, started.elapsed());
+    match answer {
+        Err(after) => Err(ProxyError::Timeout { leg: Leg::Prefill, after }),
+        Ok(Err(e)) => Err(e),
+        Ok(Ok((None, _))) => Err(HandoffError("no response header".into()).into()),
+        Ok(Ok((Some(head), body))) => {
+            if head.status.as_u16() >= 500 {
+                ctx.app.metrics.upstream_error(Leg::Prefill, ErrorKind::Status5xx);
+            }
+            Ok((head, body))
+        }
+    }
+}
+
+/// Sends the planned decode leg (response head within the route's first-byte timeout) and
+/// relays its answer.
+///
+/// # Errors
+/// [`ProxyError`] when the decode fails, times out, or the client leaves.
+pub async fn decode(
+    session: &mut Session,
+    ctx: &mut Ctx,
+    req: &Incoming<'_>,
+    endpoint: &Picked,
+    step: DecodeStep,
+) -> Result<(), ProxyError> {
+    let route = Arc::clone(&ctx.route);
+    let started = Instant::now();
+    ctx.decode_sent_at = Some(started);
+    let timeout = Some(route.decode_first_byte_timeout);
+    let exchange = send(session, ctx, req, Leg::Decode, endpoint, step.body, timeout).await?;
+    ctx.decode_first_byte_ms = Some(ms_since(started));
+    route.metrics.stage(Stage::DecodeFirstByte, started.elapsed());
+    relay(session, ctx, exchange, step.cached_tokens, Leg::Decode).await
+}
+
+/// Sends `body` to `endpoint` on `leg` and relays the answer unchanged (passthrough with a
+/// read body, decode-only, relay legs).
+///
+/// # Errors
+/// [`ProxyError`] when the engine fails or the client leaves.
+pub async fn forward(
+    session: &mut Session,
+    ctx: &mut Ctx,
+    req: &Incoming<'_>,
+    leg: Leg,
+    endpoint: Picked,
+    body: Bytes,
+) -> Result<(), ProxyError> {
+    ctx.decode_sent_at = Some(Instant::now());
+    let exchange = send(session, ctx, req, leg, &endpoint, body, None).await?;
+    relay(session, ctx, exchange, None, leg).await
+}
+
+/// Counts how the decode was sent and notes it for the access log.
+pub fn record_reuse(ctx: &mut Ctx, reuse: Reuse, refused: Option<&IdsError>) {
+    if let Some(e) = refused {
+        tracing::info!(request_id = %ctx.request_id, error = %e, "prompt ids refused");
+    }
+    match reuse {
+        Reuse::Applied { tokens, id_bytes } => ctx.route.metrics.reuse_applied(tokens, id_bytes),
+        Reuse::Fallback(reason) => {
+            ctx.route.metrics.reuse_fallback(reason);
+            tracing::info!(request_id = %ctx.request_id, route = %ctx.route.name, reason = %reason, "token reuse fallback");
+        }
+        Reuse::NotCounted => {}
+    }
+    ctx.reuse = reuse.log_value().or(ctx.reuse);
+}

@@ -1,0 +1,62 @@
+//! An orchestrated request, top to bottom: pick the engines, plan, prefill leg, handoff,
+//! decode leg, relay. Decisions come from `plan`; sending and waiting from `exec`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::HeaderMap;
+use pingora::proxy::Session;
+
+use super::error::ProxyError;
+use super::exec;
+use super::respond::write_engine_answer;
+use super::{ApiRequest, Ctx};
+use crate::metrics::{Leg, Stage};
+use crate::plan::{self, prefiller_from_header, DecodeVersion};
+use crate::routes::{PrefillTarget, Route};
+use crate::upstream::Picked;
+
+/// Runs one request of an orchestrate route.
+///
+/// # Errors
+/// Any [`ProxyError`]; the caller's error exit answers it.
+pub async fn run(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> Result<(), ProxyError> {
+    let (app, route) = (Arc::clone(&ctx.app), Arc::clone(&ctx.route));
+    let decode = exec::pick(&route.decode_pool, Leg::Decode)?;
+    let Some(prefill) = prefill_endpoint(&route, req.incoming.headers)? else {
+        // Header mode without the header: the picker chose decode-only; send it as is.
+        return exec::forward(session, ctx, &req.incoming, Leg::Decode, decode, req.incoming.body.clone()).await;
+    };
+    let version = if plan::needs_decode_version(&req.view, &route.policy) {
+        exec::decode_version(&app, &route, decode.endpoint()).await
+    } else {
+        DecodeVersion::NotAsked
+    };
+    let plan = plan::orchestrate(req.plan_input(), &route.policy, version);
+
+    let (head, answer) = exec::prefill(session, ctx, &req.incoming, &prefill, plan.prefill_body.clone()).await?;
+    drop(prefill);
+    if !head.status.is_success() {
+        // The prefill's own error (e.g. vLLM's 400 for a too-long prompt) goes back unchanged.
+        return write_engine_answer(session, ctx, &head, answer).await;
+    }
+
+    let handoff_started = Instant::now();
+    let step = plan.after_prefill(&answer)?;
+    exec::record_reuse(ctx, step.reuse, step.refused.as_ref());
+    route.metrics.stage(Stage::Handoff, handoff_started.elapsed());
+
+    exec::decode(session, ctx, &req.incoming, &decode, step).await
+}
+
+/// The prefill endpoint: one of the route's pool, or the one its header names (`None`: the
+/// header is absent, so the request is decode-only).
+fn prefill_endpoint(route: &Route, headers: &HeaderMap) -> Result<Option<Picked>, ProxyError> {
+    match &route.prefill {
+        Some(PrefillTarget::Pool(pool)) => exec::pick(pool, Leg::Prefill).map(Some),
+        Some(PrefillTarget::Header { name, allow }) => {
+            Ok(prefiller_from_header(headers, name, allow)?.map(exec::named_endpoint))
+        }
+        None => Ok(None),
+    }
+}
