@@ -1,1 +1,368 @@
+//! Table tests of the plan: request in, plan out, for every fallback reason and both modes.
 
+use super::relay::{plan as relay_plan, Found, RelayPlan, Search};
+use super::*;
+use crate::config::RelayHandoff;
+use crate::handoff::CacheKey;
+
+const ON: ReusePolicy = ReusePolicy { token_reuse: true, relay_handoff: RelayHandoff::Cache };
+const OFF: ReusePolicy = ReusePolicy { token_reuse: false, relay_handoff: RelayHandoff::Cache };
+const V32: DecodeVersion = DecodeVersion::Known(Version(0, 32, 0));
+const V26: DecodeVersion = DecodeVersion::Known(Version(0, 26, 1));
+
+const CHAT: &str = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":9,"temperature":0.50}"#;
+const CMPL: &str = r#"{"model":"m","prompt":"hello","max_tokens":5}"#;
+/// A prefill answer for CHAT / CMPL: three ids, NIXL-style kv params with an integer port.
+const CHAT_ANSWER: &str = r#"{"prompt_token_ids":[1,2,3],"usage":{"prompt_tokens":3,"prompt_tokens_details":{"cached_tokens":2}},"kv_transfer_params":{"remote_port":5600,"remote_engine_id":"e"}}"#;
+const CMPL_ANSWER: &str =
+    r#"{"choices":[{"prompt_token_ids":[7,8]}],"usage":{"prompt_tokens":2},"kv_transfer_params":null}"#;
+
+fn parsed(api: Api, body: &str) -> (RawObject<'_>, RequestView) {
+    let obj = RawObject::parse(body).unwrap();
+    let view = RequestView::parse(api, &obj).unwrap();
+    (obj, view)
+}
+
+fn json(bytes: &[u8]) -> serde_json::Value {
+    serde_json::from_slice(bytes).unwrap()
+}
+
+/// The gate decided before the prefill, one row per reason (and the two reuse cases).
+#[test]
+fn orchestrate_gate_covers_every_pre_prefill_reason() {
+    let media = r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#;
+    let rows: &[(&str, Api, &str, ReusePolicy, DecodeVersion, Gate)] = &[
+        ("chat on a new decode", Api::Chat, CHAT, ON, V32, Gate::Reuse),
+        ("completions on any decode", Api::Completions, CMPL, ON, V26, Gate::Reuse),
+        ("route off", Api::Chat, CHAT, OFF, V32, Gate::Fallback(FallbackReason::Disabled)),
+        ("old decode", Api::Chat, CHAT, ON, V26, Gate::Fallback(FallbackReason::DecodeVersionOld)),
+        (
+            "unknown decode",
+            Api::Chat,
+            CHAT,
+            ON,
+            DecodeVersion::Unknown,
+            Gate::Fallback(FallbackReason::DecodeVersionUnknown),
+        ),
+        (
+            "version skipped",
+            Api::Chat,
+            CHAT,
+            ON,
+            DecodeVersion::NotAsked,
+            Gate::Fallback(FallbackReason::DecodeVersionUnknown),
+        ),
+        ("media", Api::Chat, media, ON, V32, Gate::Fallback(FallbackReason::Media)),
+        ("echo", Api::Completions, r#"{"prompt":"a","echo":true}"#, ON, V32, Gate::Fallback(FallbackReason::Echo)),
+        ("n > 1", Api::Chat, r#"{"messages":[],"n":2}"#, ON, V32, Gate::Fallback(FallbackReason::NGreaterThanOne)),
+        ("batch", Api::Completions, r#"{"prompt":["a","b"]}"#, ON, V32, Gate::Fallback(FallbackReason::BatchPrompt)),
+        (
+            "ids prompt",
+            Api::Completions,
+            r#"{"prompt":[1,2]}"#,
+            ON,
+            V32,
+            Gate::Fallback(FallbackReason::PromptIsTokens),
+        ),
+    ];
+    for (name, api, body, policy, version, want) in rows {
+        let (obj, view) = parsed(*api, body);
+        let plan = orchestrate(Request { obj: &obj, view: &view }, policy, *version);
+        assert_eq!(plan.gate, *want, "{name}");
+        let prefill = json(&plan.prefill_body);
+        assert_eq!(prefill["max_tokens"], 1, "{name}");
+        assert_eq!(prefill["kv_transfer_params"]["do_remote_decode"], true, "{name}");
+        assert_eq!(prefill.get("return_token_ids").is_some(), *want == Gate::Reuse, "{name}: ids asked only to reuse");
+    }
+}
+
+/// Only chat requests that nothing else blocks are worth a `/version` probe.
+#[test]
+fn the_decode_version_is_asked_only_when_it_decides() {
+    let rows: &[(Api, &str, ReusePolicy, bool)] = &[
+        (Api::Chat, CHAT, ON, true),
+        (Api::Chat, CHAT, OFF, false),
+        (Api::Chat, r#"{"messages":[],"n":3}"#, ON, false),
+        (Api::Completions, CMPL, ON, false),
+    ];
+    for (api, body, policy, want) in rows {
+        let (_, view) = parsed(*api, body);
+        assert_eq!(needs_decode_version(&view, policy), *want, "{body}");
+    }
+}
+
+/// Given the prefill's answer: token-in when the ids validate, else the text decode with the
+/// reason; the prefill's kv params always travel verbatim, the client's fields keep their bytes.
+#[test]
+fn after_prefill_builds_the_decode_and_its_outcome() {
+    let applied = |tokens, id_bytes| Reuse::Applied { tokens, id_bytes };
+    let rows: &[(&str, Api, &str, DecodeVersion, &str, Reuse)] = &[
+        ("chat ids", Api::Chat, CHAT, V32, CHAT_ANSWER, applied(3, 7)),
+        ("completions ids", Api::Completions, CMPL, V26, CMPL_ANSWER, applied(2, 5)),
+        ("gate closed", Api::Chat, CHAT, V26, CHAT_ANSWER, Reuse::Fallback(FallbackReason::DecodeVersionOld)),
+        (
+            "no ids echoed",
+            Api::Chat,
+            CHAT,
+            V32,
+            r#"{"prompt_token_ids":null,"usage":{"prompt_tokens":3}}"#,
+            Reuse::Fallback(FallbackReason::IdsMissing),
+        ),
+        (
+            "count mismatch",
+            Api::Chat,
+            CHAT,
+            V32,
+            r#"{"prompt_token_ids":[1,2],"usage":{"prompt_tokens":3}}"#,
+            Reuse::Fallback(FallbackReason::IdsMalformed),
+        ),
+        (
+            "negative id",
+            Api::Completions,
+            CMPL,
+            V32,
+            r#"{"choices":[{"prompt_token_ids":[1,-2]}],"usage":{"prompt_tokens":2}}"#,
+            Reuse::Fallback(FallbackReason::IdsMalformed),
+        ),
+    ];
+    for (name, api, body, version, answer, want) in rows {
+        let (obj, view) = parsed(*api, body);
+        let plan = orchestrate(Request { obj: &obj, view: &view }, &ON, *version);
+        let step = plan.after_prefill(answer.as_bytes()).unwrap();
+        assert_eq!(step.reuse, *want, "{name}");
+        assert_eq!(step.refused.is_some(), *want == Reuse::Fallback(FallbackReason::IdsMalformed), "{name}");
+        let text = String::from_utf8(step.body.to_vec()).unwrap();
+        let decode = json(&step.body);
+        match (api, want) {
+            (Api::Chat, Reuse::Applied { .. }) => {
+                assert!(
+                    text.contains(
+                        r#""kv_transfer_params":{"remote_port":5600,"remote_engine_id":"e","prompt_token_ids":[1,2,3]}"#
+                    ),
+                    "{name}: {text}"
+                );
+                assert!(text.contains(r#""temperature":0.50"#), "{name}: client bytes kept");
+                assert_eq!(step.cached_tokens, Some(2));
+            }
+            (Api::Completions, Reuse::Applied { .. }) => {
+                assert_eq!(decode["prompt"], serde_json::json!([7, 8]), "{name}")
+            }
+            (Api::Chat, _) => {
+                assert!(decode["kv_transfer_params"].get("prompt_token_ids").is_none(), "{name}: {text}");
+                assert_eq!(decode["messages"][0]["content"], "hi", "{name}");
+            }
+            (Api::Completions, _) => assert_eq!(decode["prompt"], "hello", "{name}"),
+        }
+        assert_eq!(decode["max_tokens"], json(body.as_bytes())["max_tokens"], "{name}: the client's limit is restored");
+    }
+}
+
+#[test]
+fn a_prefill_answer_that_is_not_a_completion_is_an_error() {
+    let (obj, view) = parsed(Api::Chat, CHAT);
+    let plan = orchestrate(Request { obj: &obj, view: &view }, &ON, V32);
+    assert!(plan.after_prefill(b"<html>busy</html>").is_err());
+}
+
+/// Relay: a request is a prefill when its kv params say `do_remote_decode`.
+#[test]
+fn relay_prefill_asks_for_ids_only_when_they_can_be_used() {
+    let prefill = |body: &str, api: Api, policy: ReusePolicy| -> Option<serde_json::Value> {
+        let (obj, view) = parsed(api, body);
+        match relay_plan(Request { obj: &obj, view: &view }, &policy, None) {
+            RelayPlan::Prefill(p) => p.body().map(|b| json(&b)),
+            RelayPlan::Decode(_) => panic!("{body} is a prefill"),
+        }
+    };
+    let kv = r#""kv_transfer_params":{"do_remote_decode":true}"#;
+    let chat = format!(r#"{{"messages":[{{"role":"user","content":"x"}}],{kv}}}"#);
+    assert_eq!(prefill(&chat, Api::Chat, ON).unwrap()["return_token_ids"], true);
+    assert!(prefill(&chat, Api::Chat, OFF).is_none(), "route off: forwarded unchanged");
+    let streamed = format!(r#"{{"messages":[],"stream":true,{kv}}}"#);
+    assert!(prefill(&streamed, Api::Chat, ON).is_none(), "a streamed prefill cannot be read for ids");
+    let n2 = format!(r#"{{"prompt":"a","n":2,{kv}}}"#);
+    assert!(prefill(&n2, Api::Completions, ON).is_none());
+}
+
+#[test]
+fn relay_prefill_keeps_ids_in_the_cache_or_in_the_answer() {
+    let body =
+        r#"{"model":"m","messages":[{"role":"user","content":"x"}],"kv_transfer_params":{"do_remote_decode":true}}"#;
+    let answer = r#"{"id":"a","prompt_token_ids":[4,5],"usage":{"prompt_tokens":2},"kv_transfer_params":{"remote_request_id":"eng-1","remote_port":1}}"#;
+    let (obj, view) = parsed(Api::Chat, body);
+    let request = Request { obj: &obj, view: &view };
+    let RelayPlan::Prefill(cache) = relay_plan(request, &ON, Some("client-7")) else { panic!() };
+    let kept = cache.after_prefill(answer.as_bytes());
+    let entry = kept.store.unwrap();
+    assert_eq!(entry.ids, vec![4, 5]);
+    assert_eq!(entry.keys[0], CacheKey::RemoteRequestId("eng-1".into()));
+    assert_eq!(entry.keys[1], CacheKey::RequestId("client-7".into()));
+    assert!(matches!(entry.keys[2], CacheKey::Fingerprint(f) if f == entry.fingerprint));
+    assert_eq!(json(&kept.body.unwrap())["prompt_token_ids"], serde_json::Value::Null, "hidden: not asked");
+
+    let stateless = ReusePolicy { relay_handoff: RelayHandoff::Stateless, ..ON };
+    let RelayPlan::Prefill(p) = relay_plan(request, &stateless, None) else { panic!() };
+    let kept = p.after_prefill(answer.as_bytes());
+    assert!(kept.store.is_none() && kept.kept);
+    let out = String::from_utf8(kept.body.unwrap().to_vec()).unwrap();
+    assert!(
+        out.contains(r#""kv_transfer_params":{"remote_request_id":"eng-1","remote_port":1,"prompt_token_ids":[4,5]}"#),
+        "{out}"
+    );
+
+    let RelayPlan::Prefill(p) = relay_plan(request, &ON, None) else { panic!() };
+    let nothing = p.after_prefill(br#"{"prompt_token_ids":null,"usage":{"prompt_tokens":2}}"#);
+    assert!(!nothing.kept && nothing.store.is_none());
+}
+
+/// Relay decodes: where the ids come from, what is counted, what is sent.
+#[test]
+fn relay_decode_table() {
+    let handoff = r#""kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_port":5600}"#;
+    let decode_chat = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}],{handoff}}}"#);
+    let inline =
+        r#"{"model":"m","messages":[],"kv_transfer_params":{"do_remote_prefill":true,"prompt_token_ids":[9,9]}}"#;
+    let bad_inline =
+        r#"{"model":"m","messages":[],"kv_transfer_params":{"do_remote_prefill":true,"prompt_token_ids":[1,-2]}}"#;
+    let plain = r#"{"model":"m","messages":[{"role":"user","content":"plain"}]}"#;
+    let cmpl = format!(r#"{{"model":"m","prompt":"p",{handoff}}}"#);
+    let cached = || Found::Ids(PromptIds::from_ids(&[1, 2, 3]));
+    // (name, api, body, policy, version, expected search, what the cache gives, reuse, ids sent)
+    type Row<'a> = (&'a str, Api, &'a str, ReusePolicy, DecodeVersion, bool, Option<Found>, Reuse, Option<&'a str>);
+    let rows: Vec<Row<'_>> = vec![
+        (
+            "cache hit",
+            Api::Chat,
+            &decode_chat,
+            ON,
+            V32,
+            true,
+            Some(cached()),
+            Reuse::Applied { tokens: 3, id_bytes: 7 },
+            Some("[1,2,3]"),
+        ),
+        (
+            "cache miss",
+            Api::Chat,
+            &decode_chat,
+            ON,
+            V32,
+            true,
+            Some(Found::Missing),
+            Reuse::Fallback(FallbackReason::CacheMiss),
+            None,
+        ),
+        (
+            "plain miss not counted",
+            Api::Chat,
+            plain,
+            ON,
+            DecodeVersion::NotAsked,
+            true,
+            Some(Found::Missing),
+            Reuse::NotCounted,
+            None,
+        ),
+        (
+            "inline ids",
+            Api::Chat,
+            inline,
+            ON,
+            V32,
+            false,
+            None,
+            Reuse::Applied { tokens: 2, id_bytes: 5 },
+            Some("[9,9]"),
+        ),
+        (
+            "inline malformed",
+            Api::Chat,
+            bad_inline,
+            ON,
+            V32,
+            false,
+            None,
+            Reuse::Fallback(FallbackReason::IdsMalformed),
+            None,
+        ),
+        ("route off", Api::Chat, &decode_chat, OFF, V32, false, None, Reuse::Fallback(FallbackReason::Disabled), None),
+        (
+            "old decode",
+            Api::Chat,
+            inline,
+            ON,
+            V26,
+            false,
+            None,
+            Reuse::Fallback(FallbackReason::DecodeVersionOld),
+            None,
+        ),
+        ("plain, route off", Api::Chat, plain, OFF, V32, false, None, Reuse::NotCounted, None),
+        (
+            "completions hit",
+            Api::Completions,
+            &cmpl,
+            ON,
+            DecodeVersion::NotAsked,
+            true,
+            Some(cached()),
+            Reuse::Applied { tokens: 3, id_bytes: 7 },
+            Some("[1,2,3]"),
+        ),
+    ];
+    for (name, api, body, policy, version, searches_cache, from_cache, want, ids) in rows {
+        let (obj, view) = parsed(api, body);
+        let RelayPlan::Decode(plan) = relay_plan(Request { obj: &obj, view: &view }, &policy, None) else {
+            panic!("{name}: a decode")
+        };
+        let found = match (plan.search(version), from_cache) {
+            (Search::Cache { .. }, Some(found)) if searches_cache => found,
+            (Search::Done(found), None) if !searches_cache => found,
+            (other, _) => panic!("{name}: unexpected search {other:?}"),
+        };
+        let (body_out, reuse, _) = plan.step(found);
+        assert_eq!(reuse, want, "{name}");
+        match (ids, body_out) {
+            (Some(ids), Some(out)) => {
+                let out = json(&out);
+                let sent =
+                    if api == Api::Chat { &out["kv_transfer_params"]["prompt_token_ids"] } else { &out["prompt"] };
+                assert_eq!(sent.to_string(), ids, "{name}");
+                if api == Api::Completions {
+                    assert_eq!(out["kv_transfer_params"]["remote_port"], 5600, "{name}: handoff kept");
+                }
+            }
+            (None, Some(out)) => {
+                assert!(
+                    json(&out)["kv_transfer_params"].get("prompt_token_ids").is_none(),
+                    "{name}: inline ids dropped"
+                );
+            }
+            (None, None) => assert!(!body.contains("prompt_token_ids"), "{name}: unchanged only without inline ids"),
+            (Some(_), None) => panic!("{name}: ids found but body unchanged"),
+        }
+    }
+}
+
+#[test]
+fn relay_decode_asks_the_version_only_when_ids_could_apply() {
+    let check = |body: &str, cache_empty: bool| {
+        let (obj, view) = parsed(Api::Chat, body);
+        let RelayPlan::Decode(plan) = relay_plan(Request { obj: &obj, view: &view }, &ON, None) else { panic!() };
+        plan.needs_decode_version(cache_empty)
+    };
+    let plain = r#"{"messages":[]}"#;
+    assert!(!check(plain, true), "plain request, nothing cached: no /version probe");
+    assert!(check(plain, false));
+    assert!(check(r#"{"messages":[],"kv_transfer_params":{"remote_engine_id":"e"}}"#, true));
+}
+
+#[test]
+fn the_prefiller_header_is_planned_before_any_leg() {
+    use crate::config::model::parse_allow;
+    let allow = vec![parse_allow("127.0.0.0/8").unwrap()];
+    let mut headers = http::HeaderMap::new();
+    assert_eq!(prefiller_from_header(&headers, "x-prefiller-host-port", &allow), Ok(None));
+    headers.insert("x-prefiller-host-port", "127.0.0.2:8100".parse().unwrap());
+    assert_eq!(prefiller_from_header(&headers, "x-prefiller-host-port", &allow), Ok(Some("127.0.0.2:8100".into())));
+}
