@@ -52,6 +52,14 @@ fn keys(remote_request_id: Option<&str>, request_id: Option<&str>, fingerprint: 
     keys
 }
 
+/// One relayed request, read once.
+struct Relayed<'r, 'a> {
+    request: Request<'r, 'a>,
+    policy: ReusePolicy,
+    request_id: Option<&'r str>,
+    facts: KvFacts,
+}
+
 /// A relayed request, planned by what its `kv_transfer_params` say.
 pub enum RelayPlan<'r, 'a> {
     /// A prefill leg.
@@ -62,21 +70,16 @@ pub enum RelayPlan<'r, 'a> {
 
 /// Plans one request of a relay route; `request_id` is the client's own `X-Request-Id`.
 pub fn plan<'r, 'a>(request: Request<'r, 'a>, policy: &ReusePolicy, request_id: Option<&'r str>) -> RelayPlan<'r, 'a> {
-    let facts = kv_facts(request.obj);
-    if facts.is_prefill {
-        RelayPlan::Prefill(RelayPrefill { request, policy: *policy, request_id, facts })
+    let relayed = Relayed { request, policy: *policy, request_id, facts: kv_facts(request.obj) };
+    if relayed.facts.is_prefill {
+        RelayPlan::Prefill(RelayPrefill(relayed))
     } else {
-        RelayPlan::Decode(RelayDecode { request, policy: *policy, request_id, facts })
+        RelayPlan::Decode(RelayDecode(relayed))
     }
 }
 
 /// A relayed prefill.
-pub struct RelayPrefill<'r, 'a> {
-    request: Request<'r, 'a>,
-    policy: ReusePolicy,
-    request_id: Option<&'r str>,
-    facts: KvFacts,
-}
+pub struct RelayPrefill<'r, 'a>(Relayed<'r, 'a>);
 
 /// Ids to keep for a later decode.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -104,12 +107,12 @@ impl RelayPrefill<'_, '_> {
     /// The prefill body asking for ids; `None` when this request cannot reuse them (it is
     /// then forwarded unchanged).
     pub fn body(&self) -> Option<Bytes> {
-        let view = self.request.view;
-        let eligible = request_gate(view, &self.policy).is_none() && !view.stream;
+        let view = self.0.request.view;
+        let eligible = request_gate(view, &self.0.policy).is_none() && !view.stream;
         if !eligible {
             return None;
         }
-        let mut body = self.request.obj.clone();
+        let mut body = self.0.request.obj.clone();
         if !view.return_token_ids {
             body.set_raw("return_token_ids", "true");
         }
@@ -121,11 +124,11 @@ impl RelayPrefill<'_, '_> {
     pub fn after_prefill(&self, answer: &[u8]) -> PrefillAnswer {
         let mut out = PrefillAnswer { body: None, store: None, kept: false };
         let Ok(text) = std::str::from_utf8(answer) else { return out };
-        let api = self.request.view.api;
+        let api = self.0.request.view.api;
         let handoff = extract_handoff(api, answer).ok();
         let mut rewritten: Option<Vec<u8>> = None;
         if let Some((handoff, ids)) = handoff.as_ref().and_then(|h| h.ids.as_ref().ok().map(|ids| (h, ids))) {
-            match self.policy.relay_handoff {
+            match self.0.policy.relay_handoff {
                 RelayHandoff::Cache => {
                     // The prefill engine's own id, from its answer, is the best key.
                     let remote = handoff
@@ -133,8 +136,8 @@ impl RelayPrefill<'_, '_> {
                         .as_deref()
                         .and_then(|kv| RawObject::parse(kv).ok())
                         .and_then(|kv| kv.get_as::<String>("remote_request_id").and_then(Result::ok));
-                    let fingerprint = prompt_fingerprint(self.request.obj);
-                    let mut keys = keys(self.facts.remote_request_id.as_deref(), self.request_id, fingerprint);
+                    let fingerprint = prompt_fingerprint(self.0.request.obj);
+                    let mut keys = keys(self.0.facts.remote_request_id.as_deref(), self.0.request_id, fingerprint);
                     if let Some(r) = remote {
                         keys.insert(0, CacheKey::RemoteRequestId(r));
                     }
@@ -150,7 +153,7 @@ impl RelayPrefill<'_, '_> {
             }
             out.kept = true;
         }
-        if !self.request.view.return_token_ids {
+        if !self.0.request.view.return_token_ids {
             let current = rewritten.as_deref().and_then(|b| std::str::from_utf8(b).ok()).unwrap_or(text);
             if let Some(hidden) = hide_token_ids(api, current) {
                 rewritten = Some(hidden);
@@ -162,12 +165,7 @@ impl RelayPrefill<'_, '_> {
 }
 
 /// A relayed decode (or a plain request, which passes unchanged).
-pub struct RelayDecode<'r, 'a> {
-    request: Request<'r, 'a>,
-    policy: ReusePolicy,
-    request_id: Option<&'r str>,
-    facts: KvFacts,
-}
+pub struct RelayDecode<'r, 'a>(Relayed<'r, 'a>);
 
 /// Where a relayed decode's ids are to be found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -200,36 +198,39 @@ impl RelayDecode<'_, '_> {
     /// True when the decode's version decides this request: chat, not otherwise blocked,
     /// and some ids could apply (inline, a handoff-looking request, or a non-empty cache).
     pub fn needs_decode_version(&self, cache_is_empty: bool) -> bool {
-        self.request.view.api == Api::Chat
-            && request_gate(self.request.view, &self.policy).is_none()
-            && (self.facts.looks_like_decode || self.facts.ids_raw.is_some() || !cache_is_empty)
+        self.0.request.view.api == Api::Chat
+            && request_gate(self.0.request.view, &self.0.policy).is_none()
+            && (self.0.facts.looks_like_decode || self.0.facts.ids_raw.is_some() || !cache_is_empty)
     }
 
     /// Where the ids are: inline (validated here), in the cache, or nowhere (blocked).
     pub fn search(&self, decode: DecodeVersion) -> Search {
-        let blocked = request_gate(self.request.view, &self.policy).or_else(|| match decode {
+        let blocked = request_gate(self.0.request.view, &self.0.policy).or_else(|| match decode {
             DecodeVersion::NotAsked => None,
             known => version_gate(known),
         });
         if let Some(reason) = blocked {
             return Search::Done(Found::Blocked(reason));
         }
-        if let Some(raw) = &self.facts.ids_raw {
+        if let Some(raw) = &self.0.facts.ids_raw {
             return Search::Done(match PromptIds::parse(raw, None) {
                 Ok(ids) => Found::Ids(ids),
                 Err(e) => Found::Malformed(e),
             });
         }
         // Only a cache lookup needs the fingerprint (a full parse of the prompt fields).
-        let fingerprint = prompt_fingerprint(self.request.obj);
-        Search::Cache { keys: keys(self.facts.remote_request_id.as_deref(), self.request_id, fingerprint), fingerprint }
+        let fingerprint = prompt_fingerprint(self.0.request.obj);
+        Search::Cache {
+            keys: keys(self.0.facts.remote_request_id.as_deref(), self.0.request_id, fingerprint),
+            fingerprint,
+        }
     }
 
     /// The decode leg: token-in with the ids found, else the request as sent (minus any
     /// inline ids a blocked request carried: vLLM 0.27–0.31 would use them unchecked).
     /// `None` as the body means unchanged.
     pub fn step(&self, found: Found) -> (Option<Bytes>, Reuse, Option<IdsError>) {
-        let handoff_like = self.facts.looks_like_decode || self.facts.ids_raw.is_some();
+        let handoff_like = self.0.facts.looks_like_decode || self.0.facts.ids_raw.is_some();
         let (ids, reuse, refused) = match found {
             Found::Ids(ids) => {
                 let reuse = Reuse::of(Some(&ids), FallbackReason::CacheMiss);
@@ -237,21 +238,23 @@ impl RelayDecode<'_, '_> {
             }
             Found::Blocked(reason) if handoff_like => (None, Reuse::Fallback(reason), None),
             Found::Malformed(e) => (None, Reuse::Fallback(FallbackReason::IdsMalformed), Some(e)),
-            Found::Missing if self.facts.looks_like_decode => (None, Reuse::Fallback(FallbackReason::CacheMiss), None),
+            Found::Missing if self.0.facts.looks_like_decode => {
+                (None, Reuse::Fallback(FallbackReason::CacheMiss), None)
+            }
             Found::Blocked(_) | Found::Missing => (None, Reuse::NotCounted, None),
         };
-        if ids.is_none() && self.facts.ids_raw.is_none() {
+        if ids.is_none() && self.0.facts.ids_raw.is_none() {
             return (None, reuse, refused);
         }
-        let api = self.request.view.api;
-        let kv = self.request.obj.get("kv_transfer_params").filter(|raw| !is_null(Some(raw)));
+        let api = self.0.request.view.api;
+        let kv = self.0.request.obj.get("kv_transfer_params").filter(|raw| !is_null(Some(raw)));
         // Chat ids replace the inline ones in place; otherwise inline ids are dropped.
-        let strip = self.facts.ids_raw.is_some() && !(ids.is_some() && api == Api::Chat);
+        let strip = self.0.facts.ids_raw.is_some() && !(ids.is_some() && api == Api::Chat);
         let kv = match kv {
             Some(raw) if strip => Some(without_ids(raw).unwrap_or_else(|| raw.to_owned())),
             kv => kv.map(str::to_owned),
         };
-        let body = decode_body(self.request.obj, api, kv.as_deref(), ids.as_ref());
+        let body = decode_body(self.0.request.obj, api, kv.as_deref(), ids.as_ref());
         (Some(Bytes::from(body)), reuse, refused)
     }
 }
