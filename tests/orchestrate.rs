@@ -274,6 +274,9 @@ async fn unreachable_engines_are_502() {
     for key in ["message", "type", "param", "code"] {
         assert!(v["error"].as_object().unwrap().contains_key(key), "{key}");
     }
+    // The message says what failed and how, never where (the address stays in the log).
+    assert_eq!(v["error"]["message"], "prefill engine unavailable: connection refused", "{text}");
+    assert!(!text.contains("127.0.0.1") && !text.contains("context"), "{text}");
 
     let p = FakeVllm::start(FakeConfig::default()).await;
     let conf = pd_config(&p, &p, "").replace(
@@ -285,6 +288,7 @@ async fn unreachable_engines_are_502() {
         post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("x", json!({})), &[]).await;
     assert_eq!(status, 502, "{text}");
     assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["code"], "decode_unavailable");
+    assert!(!text.contains("127.0.0.1"), "{text}");
 }
 
 /// A decode stream that breaks mid-way ends with an SSE error event, not a silent cut.
