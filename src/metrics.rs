@@ -244,9 +244,16 @@ fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> prom
 }
 
 fn gauge(registry: &Registry, name: &str, help: &str) -> prometheus::Result<IntGauge> {
-    let g = IntGauge::new(name, help)?;
-    registry.register(Box::new(g.clone()))?;
-    Ok(g)
+    registered(registry, IntGauge::new(name, help)?)
+}
+
+fn gauge_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheus::Result<IntGaugeVec> {
+    registered(registry, IntGaugeVec::new(Opts::new(name, help), labels)?)
+}
+
+fn registered<C: prometheus::core::Collector + Clone + 'static>(registry: &Registry, c: C) -> prometheus::Result<C> {
+    registry.register(Box::new(c.clone()))?;
+    Ok(c)
 }
 
 impl Metrics {
@@ -255,19 +262,8 @@ impl Metrics {
     /// # Errors
     /// When a name is registered twice in the same registry.
     pub fn register(registry: &Registry) -> prometheus::Result<Self> {
-        let relayed_id_bytes = IntCounter::new(
-            "tokenonce_relayed_id_bytes_total",
-            "Bytes of prompt-id JSON spliced into decode requests.",
-        )?;
-        registry.register(Box::new(relayed_id_bytes.clone()))?;
-        let upstream_healthy = IntGaugeVec::new(
-            Opts::new("tokenonce_upstream_healthy", "1 while the endpoint answers GET /health with 200."),
-            &["pool", "endpoint"],
-        )?;
-        registry.register(Box::new(upstream_healthy.clone()))?;
         let build_info =
-            IntGaugeVec::new(Opts::new("tokenonce_build_info", "Always 1; labelled with the build."), &["version"])?;
-        registry.register(Box::new(build_info.clone()))?;
+            gauge_vec(registry, "tokenonce_build_info", "Always 1; labelled with the build.", &["version"])?;
         build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
         let metrics = Self {
             requests: counter(
@@ -306,7 +302,13 @@ impl Metrics {
                 "Prompt tokens whose rendering and tokenization the decode engine skipped.",
                 &["route"],
             )?,
-            relayed_id_bytes,
+            relayed_id_bytes: registered(
+                registry,
+                IntCounter::new(
+                    "tokenonce_relayed_id_bytes_total",
+                    "Bytes of prompt-id JSON spliced into decode requests.",
+                )?,
+            )?,
             upstream_errors: counter(
                 registry,
                 "tokenonce_upstream_errors_total",
@@ -320,7 +322,12 @@ impl Metrics {
                 &["stage"],
             )?,
             inflight: gauge(registry, "tokenonce_inflight_requests", "Client requests being served now.")?,
-            upstream_healthy,
+            upstream_healthy: gauge_vec(
+                registry,
+                "tokenonce_upstream_healthy",
+                "1 while the endpoint answers GET /health with 200.",
+                &["pool", "endpoint"],
+            )?,
             ready: gauge(registry, "tokenonce_ready", "1 while every decode pool has an endpoint answering /health.")?,
             cache_entries: gauge(registry, "tokenonce_cache_entries", "Relay id cache: entries held.")?,
             cache_bytes: gauge(registry, "tokenonce_cache_bytes", "Relay id cache: bytes of ids held.")?,
