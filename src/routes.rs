@@ -10,7 +10,7 @@ use http::HeaderMap;
 
 use crate::config::{AllowEntry, Config, Mode, PrefillSource, RouteMatch};
 use crate::metrics::{Metrics, RouteMetrics};
-use crate::plan::ReusePolicy;
+use crate::plan::{ClientHandoff, ReusePolicy};
 use crate::upstream::Pool;
 
 /// The facts a route is chosen on.
@@ -51,6 +51,8 @@ pub struct Route {
     pub prefill: Option<PrefillTarget>,
     /// What decides token reuse.
     pub policy: ReusePolicy,
+    /// Orchestrate: what to do with a client's own handoff fields.
+    pub client_handoff: ClientHandoff,
     /// Whole prefill leg deadline.
     pub prefill_timeout: Duration,
     /// Decode response-header deadline.
@@ -122,6 +124,7 @@ impl RouteTable {
                 decode_pool: pool(spec.decode_pool, &spec.name)?,
                 prefill,
                 policy: ReusePolicy { token_reuse: o.token_reuse, relay_handoff: o.relay_handoff },
+                client_handoff: ClientHandoff::Strip,
                 prefill_timeout: o.prefill_timeout,
                 decode_first_byte_timeout: o.decode_first_byte_timeout,
                 max_body_bytes: o.max_body_bytes,
@@ -136,6 +139,7 @@ impl RouteTable {
             decode_pool: pool(config.passthrough_pool, DEFAULT_ROUTE)?,
             prefill: None,
             policy: ReusePolicy { token_reuse: false, relay_handoff: crate::config::RelayHandoff::Cache },
+            client_handoff: ClientHandoff::Strip,
             prefill_timeout: Duration::ZERO,
             decode_first_byte_timeout: Duration::ZERO,
             max_body_bytes: largest_body,

@@ -19,7 +19,7 @@ pub use prefiller::prefiller_from_header;
 use crate::config::{RelayHandoff, Version};
 use crate::openai::request::{decode_body, prefill_body};
 use crate::openai::response::{extract_handoff, HandoffError, IdsFault};
-use crate::openai::{Api, FallbackReason, IdsError, PromptIds, RawObject, RequestView};
+use crate::openai::{Api, ApiError, FallbackReason, IdsError, PromptIds, RawObject, RequestView};
 
 /// A route's knobs that decide reuse, copied from its config once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +28,62 @@ pub struct ReusePolicy {
     pub token_reuse: bool,
     /// Relay mode: where the ids wait between the legs.
     pub relay_handoff: RelayHandoff,
+}
+
+/// What an orchestrate route does with handoff fields a client put in its own body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientHandoff {
+    /// Remove them before any leg (the default).
+    Strip,
+    /// Refuse the request with a 400.
+    Reject,
+}
+
+/// Body fields that steer the P/D handoff (vLLM reads them as the engine's transfer
+/// instructions: ids to decode, which host to pull KV blocks from). On orchestrate routes
+/// they belong to tokenonce, never to the client.
+pub const HANDOFF_FIELDS: &[&str] = &["kv_transfer_params", "ec_transfer_params"];
+
+/// `vllm_xargs` is merged into the same engine dict the transfer params live in, so the
+/// same keys inside it steer the handoff too.
+const XARGS: &str = "vllm_xargs";
+
+/// The client body without handoff fields (`Ok(None)`: it had none), or a 400 when the
+/// route refuses them.
+///
+/// # Errors
+/// [`ApiError::InvalidRequest`] naming the field, under [`ClientHandoff::Reject`].
+pub fn without_client_handoff<'a>(
+    obj: &RawObject<'a>,
+    policy: ClientHandoff,
+) -> Result<Option<RawObject<'a>>, ApiError> {
+    let top = HANDOFF_FIELDS.iter().copied().find(|f| obj.get(f).is_some());
+    let xargs = obj
+        .get(XARGS)
+        .and_then(|raw| RawObject::parse(raw).ok())
+        .filter(|x| HANDOFF_FIELDS.iter().any(|f| x.get(f).is_some()));
+    if top.is_none() && xargs.is_none() {
+        return Ok(None);
+    }
+    if policy == ClientHandoff::Reject {
+        let param = top.unwrap_or(XARGS);
+        return Err(ApiError::invalid(
+            format!("`{param}` is set by tokenonce on this route, not by clients"),
+            Some(param),
+        ));
+    }
+    let mut clean = obj.clone();
+    for field in HANDOFF_FIELDS {
+        clean.remove(field);
+    }
+    if let Some(mut xargs) = xargs {
+        for field in HANDOFF_FIELDS {
+            xargs.remove(field);
+        }
+        // Valid UTF-8 by construction: every piece came from `&str`s.
+        clean.set_raw(XARGS, String::from_utf8(xargs.to_bytes()).unwrap_or_else(|_| "{}".into()));
+    }
+    Ok(Some(clean))
 }
 
 /// What tokenonce knows of the decode engine's vLLM version when planning.

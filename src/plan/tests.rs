@@ -366,3 +366,19 @@ fn the_prefiller_header_is_planned_before_any_leg() {
     headers.insert("x-prefiller-host-port", "127.0.0.2:8100".parse().unwrap());
     assert_eq!(prefiller_from_header(&headers, "x-prefiller-host-port", &allow), Ok(Some("127.0.0.2:8100".into())));
 }
+
+/// Orchestrate routes own the handoff: a client's transfer fields are stripped or refused.
+#[test]
+fn client_handoff_fields_are_stripped_or_refused() {
+    let body = r#"{"messages":[],"kv_transfer_params":{"remote_host":"10.9.9.9"},"temperature":1.0,"vllm_xargs":{"kv_transfer_params":{"a":1},"session_id":"s"}}"#;
+    let obj = RawObject::parse(body).unwrap();
+    let clean = without_client_handoff(&obj, ClientHandoff::Strip).unwrap().unwrap();
+    assert_eq!(clean.to_bytes(), br#"{"messages":[],"temperature":1.0,"vllm_xargs":{"session_id":"s"}}"#);
+    let err = without_client_handoff(&obj, ClientHandoff::Reject).unwrap_err();
+    assert_eq!((err.status(), err.code()), (400, "invalid_request"));
+    assert!(String::from_utf8(err.body()).unwrap().contains(r#""param":"kv_transfer_params""#));
+    let xargs_only = RawObject::parse(r#"{"prompt":"p","vllm_xargs":{"ec_transfer_params":{}}}"#).unwrap();
+    assert!(without_client_handoff(&xargs_only, ClientHandoff::Reject).is_err());
+    let plain = RawObject::parse(r#"{"prompt":"p","vllm_xargs":{"session_id":"s"}}"#).unwrap();
+    assert!(without_client_handoff(&plain, ClientHandoff::Reject).unwrap().is_none(), "nothing to remove");
+}

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytes::Bytes;
 use http::HeaderMap;
 use pingora::proxy::Session;
 
@@ -22,17 +23,21 @@ use crate::upstream::Picked;
 /// Any [`ProxyError`]; the caller's error exit answers it.
 pub async fn run(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> Result<(), ProxyError> {
     let (app, route) = (Arc::clone(&ctx.app), Arc::clone(&ctx.route));
+    // The handoff is ours: a client's own kv_transfer_params never reach an engine.
+    let cleaned = plan::without_client_handoff(&req.obj, route.client_handoff)?;
+    let obj = cleaned.as_ref().unwrap_or(&req.obj);
     let decode = exec::pick(&route.decode_pool, Leg::Decode)?;
     let Some(prefill) = prefill_endpoint(&route, req.incoming.headers)? else {
         // Header mode without the header: the picker chose decode-only; send it as is.
-        return exec::forward(session, ctx, &req.incoming, Leg::Decode, decode, req.incoming.body.clone()).await;
+        let body = cleaned.as_ref().map_or_else(|| req.incoming.body.clone(), |c| Bytes::from(c.to_bytes()));
+        return exec::forward(session, ctx, &req.incoming, Leg::Decode, decode, body).await;
     };
     let version = if plan::needs_decode_version(&req.view, &route.policy) {
         exec::decode_version(&app, &route, decode.endpoint()).await
     } else {
         DecodeVersion::NotAsked
     };
-    let plan = plan::orchestrate(req.plan_input(), &route.policy, version);
+    let plan = plan::orchestrate(plan::Request { obj, view: &req.view }, &route.policy, version);
 
     let (head, answer) = exec::prefill(session, ctx, &req.incoming, &prefill, plan.prefill_body.clone()).await?;
     drop(prefill);

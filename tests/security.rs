@@ -1,0 +1,72 @@
+//! Untrusted clients on orchestrate routes: the P/D handoff belongs to tokenonce, so a
+//! client's own `kv_transfer_params` (and the same keys inside `vllm_xargs`) never reach
+//! either engine, whatever the prefill answers and whatever the route's reuse setting.
+
+mod support;
+
+use serde_json::{json, Value};
+use support::{chat_body, pd_setup, post_json, FakeConfig, FakeVllm, TokenOnce};
+
+/// What a hostile client puts in its body: ids of its choosing (skipping the chat template
+/// and its system prompt) and a KV pull from a host of its choosing.
+fn hostile_kv() -> Value {
+    json!({"prompt_token_ids": [1, 2, 3], "remote_host": "10.9.9.9", "remote_port": 1, "remote_engine_id": "evil",
+           "do_remote_prefill": true})
+}
+
+fn assert_no_client_handoff(engine: &str, body: &Value) {
+    let kv = &body["kv_transfer_params"];
+    assert!(kv.get("remote_host").is_none_or(Value::is_null), "{engine} got the client's remote_host: {body}");
+    assert!(kv.get("remote_engine_id").is_none_or(|v| v != "evil"), "{engine} got the client's engine id: {body}");
+    assert_ne!(kv.get("prompt_token_ids"), Some(&json!([1, 2, 3])), "{engine} got the client's ids: {body}");
+    assert!(body.get("ec_transfer_params").is_none(), "{engine}: {body}");
+    assert!(body["vllm_xargs"].get("kv_transfer_params").is_none(), "{engine}: {body}");
+}
+
+/// Chat and completions, reuse on and off, a prefill that answers no KV params of its own:
+/// neither leg carries the client's handoff; the decode's ids are the prefill's.
+#[tokio::test(flavor = "multi_thread")]
+async fn client_kv_transfer_params_never_reach_an_engine() {
+    for route_extra in ["", "token_reuse = false"] {
+        let (p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), route_extra).await;
+        let chat = chat_body(
+            "hello there",
+            json!({"kv_transfer_params": hostile_kv(), "ec_transfer_params": {"x": 1},
+                   "vllm_xargs": {"kv_transfer_params": hostile_kv(), "session_id": "s1"}}),
+        );
+        let cmpl = json!({"model": "tiny-qwen3", "prompt": "complete this", "max_tokens": 3,
+                          "kv_transfer_params": hostile_kv()});
+        for (path, body) in [("/v1/chat/completions", &chat), ("/v1/completions", &cmpl)] {
+            let (status, _, text) = post_json(&format!("{}{path}", proxy.url), body, &[]).await;
+            assert_eq!(status, 200, "{route_extra} {path}: {text}");
+        }
+        let (prefills, decodes) = (p.posts(), d.posts());
+        assert_eq!((prefills.len(), decodes.len()), (2, 2), "{route_extra}");
+        for r in prefills.iter().chain(&decodes) {
+            assert_no_client_handoff(&r.path, &r.json());
+        }
+        assert_eq!(decodes[0].json()["vllm_xargs"]["session_id"], "s1", "other xargs are the client's own");
+        if route_extra.is_empty() {
+            let ids = &decodes[0].json()["kv_transfer_params"]["prompt_token_ids"];
+            assert!(ids.as_array().is_some_and(|a| a.len() > 3), "the prefill's ids, not the client's: {ids}");
+        }
+    }
+}
+
+/// A header-mode route without the header sends the request to the decode alone: still
+/// without the client's handoff.
+#[tokio::test(flavor = "multi_thread")]
+async fn decode_only_requests_lose_the_client_handoff_too() {
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let conf = format!(
+        "[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"llmd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ header = \"x-prefiller-host-port\", allow = [\"127.0.0.0/8\"] }}\n",
+        d.host_port()
+    );
+    let proxy = TokenOnce::start(&conf).await;
+    let body = chat_body("alone", json!({"kv_transfer_params": hostile_kv()}));
+    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+    assert_eq!(status, 200, "{text}");
+    let sent = d.posts()[0].json();
+    assert!(sent.get("kv_transfer_params").is_none(), "{sent}");
+    assert_eq!(sent["messages"], body["messages"]);
+}
