@@ -53,6 +53,8 @@ pub struct Route {
     pub policy: ReusePolicy,
     /// Orchestrate: what to do with a client's own handoff fields.
     pub client_handoff: ClientHandoff,
+    /// Send the client's credentials to a header-named prefiller too.
+    pub prefill_credentials: bool,
     /// Whole prefill leg deadline.
     pub prefill_timeout: Duration,
     /// Decode response-header deadline.
@@ -125,6 +127,7 @@ impl RouteTable {
                 prefill,
                 policy: ReusePolicy { token_reuse: o.token_reuse, relay_handoff: o.relay_handoff },
                 client_handoff: ClientHandoff::Strip,
+                prefill_credentials: false,
                 prefill_timeout: o.prefill_timeout,
                 decode_first_byte_timeout: o.decode_first_byte_timeout,
                 max_body_bytes: o.max_body_bytes,
@@ -140,6 +143,7 @@ impl RouteTable {
             prefill: None,
             policy: ReusePolicy { token_reuse: false, relay_handoff: crate::config::RelayHandoff::Cache },
             client_handoff: ClientHandoff::Strip,
+            prefill_credentials: false,
             prefill_timeout: Duration::ZERO,
             decode_first_byte_timeout: Duration::ZERO,
             max_body_bytes: largest_body,

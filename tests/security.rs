@@ -70,3 +70,89 @@ async fn decode_only_requests_lose_the_client_handoff_too() {
     assert!(sent.get("kv_transfer_params").is_none(), "{sent}");
     assert_eq!(sent["messages"], body["messages"]);
 }
+
+fn header_route(decode: &FakeVllm) -> String {
+    format!(
+        "[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"llmd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ header = \"x-prefiller-host-port\", allow = [\"127.0.0.0/8\", \"nowhere.invalid\"] }}\n",
+        decode.host_port()
+    )
+}
+
+/// A prefiller named by a request header gets no client credentials; the decode (a
+/// configured pool) still does.
+#[tokio::test(flavor = "multi_thread")]
+async fn credentials_stay_away_from_header_named_prefillers() {
+    let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
+    let proxy = TokenOnce::start(&header_route(&d)).await;
+    let headers = [
+        ("x-prefiller-host-port", p.host_port()),
+        ("authorization", "Bearer sk-secret".to_owned()),
+        ("cookie", "session=1".to_owned()),
+        ("x-api-key", "k".to_owned()),
+    ];
+    let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let (status, _, text) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("x", json!({})), &headers).await;
+    assert_eq!(status, 200, "{text}");
+    let prefill = &p.posts()[0];
+    for h in ["authorization", "cookie", "x-api-key", "x-prefiller-host-port"] {
+        assert_eq!(prefill.header(h), None, "{h} went to the named prefiller");
+    }
+    assert_eq!(d.posts()[0].header("authorization").as_deref(), Some("Bearer sk-secret"));
+    assert_eq!(d.posts()[0].header("x-prefiller-host-port"), None);
+}
+
+/// Whatever keeps a named prefiller from answering (refused port, unknown host), the client
+/// reads the same words: tokenonce is no port scanner.
+#[tokio::test(flavor = "multi_thread")]
+async fn unreachable_named_prefillers_all_read_alike() {
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let proxy = TokenOnce::start(&header_route(&d)).await;
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port() // dropped here: nothing listens, so connects are refused
+    };
+    let mut messages = Vec::new();
+    for target in [format!("127.0.0.1:{closed}"), "nowhere.invalid:8000".to_owned()] {
+        let (status, _, text) = post_json(
+            &format!("{}/v1/chat/completions", proxy.url),
+            &chat_body("x", json!({})),
+            &[("x-prefiller-host-port", &target)],
+        )
+        .await;
+        assert_eq!(status, 502, "{target}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["code"], "prefill_unavailable");
+        messages.push(v["error"]["message"].clone());
+    }
+    assert_eq!(messages[0], messages[1]);
+    assert_eq!(messages[0], "prefill engine unavailable: cannot connect");
+    assert!(d.posts().is_empty());
+}
+
+/// A named prefiller's own error comes back as it sent it, up to 64 KiB; a larger one is
+/// replaced by tokenonce's error.
+#[tokio::test(flavor = "multi_thread")]
+async fn error_bodies_from_named_prefillers_are_capped() {
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let proxy = TokenOnce::start(&header_route(&d)).await;
+    let small = r#"{"error":{"message":"too long","type":"BadRequestError","param":null,"code":400}}"#;
+    let big = format!(r#"{{"error":{{"message":"{}"}}}}"#, "x".repeat(70 * 1024));
+    for (status, body, want_status) in [(400, small.to_owned(), 400), (503, big, 502)] {
+        let p = FakeVllm::start(FakeConfig { fail_with: Some((status, body.clone())), ..FakeConfig::default() }).await;
+        let (got, _, text) = post_json(
+            &format!("{}/v1/chat/completions", proxy.url),
+            &chat_body("x", json!({})),
+            &[("x-prefiller-host-port", &p.host_port())],
+        )
+        .await;
+        assert_eq!(got, want_status, "{text}");
+        if want_status == 400 {
+            assert_eq!(text, small);
+        } else {
+            assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["code"], "prefill_bad_response");
+            assert!(text.len() < 1024);
+        }
+    }
+    assert!(d.posts().is_empty());
+}

@@ -61,6 +61,7 @@ pub async fn handle(session: &mut Session, ctx: &mut Ctx, api: Api) -> Result<()
         headers: &headers,
         body: &body,
         drop_header: route.prefiller_header(),
+        drop_credentials: false,
     };
 
     if route.mode == Mode::Passthrough {

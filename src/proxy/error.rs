@@ -65,6 +65,17 @@ impl ProxyError {
         Self::Upstream { leg, source }
     }
 
+    /// The same failure with every connect cause reading alike (for prefillers a client names:
+    /// refused, timed out and unresolvable must not tell a port scan apart).
+    pub fn uniform_connect(self) -> Self {
+        match self {
+            Self::Upstream { leg, source: UpstreamError::Connect { addr, detail, .. } } => {
+                Self::Upstream { leg, source: UpstreamError::Connect { addr, cause: "cannot connect", detail } }
+            }
+            other => other,
+        }
+    }
+
     /// The client's answer, with a message safe to show.
     pub fn api_error(&self) -> ApiError {
         let unavailable = |leg: Leg, cause: &str| match leg {

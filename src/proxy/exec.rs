@@ -21,6 +21,7 @@ use crate::openai::response::HandoffError;
 use crate::openai::IdsError;
 use crate::plan::{DecodeStep, DecodeVersion, Reuse};
 use crate::routes::Route;
+use crate::upstream::client::CREDENTIAL_HEADERS;
 use crate::upstream::health::learn_version;
 use crate::upstream::{Endpoint, Exchange, Picked, Pool, UpstreamClient};
 use crate::App;
@@ -39,22 +40,20 @@ pub struct Incoming<'a> {
     pub body: &'a Bytes,
     /// A header never forwarded (the route's `x-prefiller-host-port`).
     pub drop_header: Option<&'a str>,
+    /// Leave the client's credentials out of this leg (a header-named prefiller).
+    pub drop_credentials: bool,
 }
 
 impl Incoming<'_> {
     /// The head of a leg to `addr`: this request's path and end-to-end headers, `request_id`
     /// as `X-Request-Id`, and the leg's body length.
     fn head(&self, addr: &str, request_id: &str, body_len: usize) -> Result<RequestHeader, ProxyError> {
-        UpstreamClient::request_head(
-            "POST",
-            self.path_and_query,
-            addr,
-            self.headers,
-            self.drop_header,
-            request_id,
-            body_len,
-        )
-        .map_err(|e| ProxyError::Internal(format!("building the leg's head: {e}")))
+        let mut drop: Vec<&str> = self.drop_header.into_iter().collect();
+        if self.drop_credentials {
+            drop.extend_from_slice(CREDENTIAL_HEADERS);
+        }
+        UpstreamClient::request_head("POST", self.path_and_query, addr, self.headers, &drop, request_id, body_len)
+            .map_err(|e| ProxyError::Internal(format!("building the leg's head: {e}")))
     }
 }
 

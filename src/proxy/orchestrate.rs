@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use http::HeaderMap;
+use pingora::http::ResponseHeader;
 use pingora::proxy::Session;
 
 use super::error::ProxyError;
@@ -13,6 +14,7 @@ use super::exec;
 use super::respond::write_engine_answer;
 use super::{ApiRequest, Ctx};
 use crate::metrics::{Leg, Stage};
+use crate::openai::response::HandoffError;
 use crate::plan::{self, prefiller_from_header, DecodeVersion};
 use crate::routes::{PrefillTarget, Route};
 use crate::upstream::Picked;
@@ -27,7 +29,7 @@ pub async fn run(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> 
     let cleaned = plan::without_client_handoff(&req.obj, route.client_handoff)?;
     let obj = cleaned.as_ref().unwrap_or(&req.obj);
     let decode = exec::pick(&route.decode_pool, Leg::Decode)?;
-    let Some(prefill) = prefill_endpoint(&route, req.incoming.headers)? else {
+    let Some(prefiller) = prefiller(&route, req.incoming.headers)? else {
         // Header mode without the header: the picker chose decode-only; send it as is.
         let body = cleaned.as_ref().map_or_else(|| req.incoming.body.clone(), |c| Bytes::from(c.to_bytes()));
         return exec::forward(session, ctx, &req.incoming, Leg::Decode, decode, body).await;
@@ -39,8 +41,8 @@ pub async fn run(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> 
     };
     let plan = plan::orchestrate(plan::Request { obj, view: &req.view }, &route.policy, version);
 
-    let (head, answer) = exec::prefill(session, ctx, &req.incoming, &prefill, plan.prefill_body.clone()).await?;
-    drop(prefill);
+    let (head, answer) = prefill(session, ctx, &req.incoming, &prefiller, plan.prefill_body.clone()).await?;
+    drop(prefiller);
     if !head.status.is_success() {
         // The prefill's own error (e.g. vLLM's 400 for a too-long prompt) goes back unchanged.
         return write_engine_answer(session, ctx, &head, answer).await;
@@ -54,14 +56,47 @@ pub async fn run(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> 
     exec::decode(session, ctx, &req.incoming, &decode, step).await
 }
 
-/// The prefill endpoint: one of the route's pool, or the one its header names (`None`: the
-/// header is absent, so the request is decode-only).
-fn prefill_endpoint(route: &Route, headers: &HeaderMap) -> Result<Option<Picked>, ProxyError> {
+/// Where the prefill leg goes.
+struct Prefiller {
+    endpoint: Picked,
+    /// Named by a request header, not taken from a configured pool: less trusted.
+    named: bool,
+}
+
+/// The prefiller: one of the route's pool, or the one its header names (`None`: the header
+/// is absent, so the request is decode-only).
+fn prefiller(route: &Route, headers: &HeaderMap) -> Result<Option<Prefiller>, ProxyError> {
     match &route.prefill {
-        Some(PrefillTarget::Pool(pool)) => exec::pick(pool, Leg::Prefill).map(Some),
-        Some(PrefillTarget::Header { name, allow }) => {
-            Ok(prefiller_from_header(headers, name, allow)?.map(exec::named_endpoint))
+        Some(PrefillTarget::Pool(pool)) => {
+            Ok(Some(Prefiller { endpoint: exec::pick(pool, Leg::Prefill)?, named: false }))
         }
+        Some(PrefillTarget::Header { name, allow }) => Ok(prefiller_from_header(headers, name, allow)?
+            .map(|addr| Prefiller { endpoint: exec::named_endpoint(addr), named: true })),
         None => Ok(None),
     }
+}
+
+/// Largest error body relayed from a header-named prefiller.
+const NAMED_PREFILLER_ERROR_LIMIT: usize = 64 * 1024;
+
+/// The prefill leg. A header-named prefiller gets no client credentials unless the route
+/// says so, its connect failures all read alike (no probing of ports and hosts through
+/// tokenonce), and its error bodies are relayed only up to a bound.
+async fn prefill(
+    session: &mut Session,
+    ctx: &mut Ctx,
+    req: &exec::Incoming<'_>,
+    prefiller: &Prefiller,
+    body: Bytes,
+) -> Result<(ResponseHeader, Bytes), ProxyError> {
+    if !prefiller.named {
+        return exec::prefill(session, ctx, req, &prefiller.endpoint, body).await;
+    }
+    let req = exec::Incoming { drop_credentials: !ctx.route.prefill_credentials, ..*req };
+    let (head, answer) =
+        exec::prefill(session, ctx, &req, &prefiller.endpoint, body).await.map_err(ProxyError::uniform_connect)?;
+    if !head.status.is_success() && answer.len() > NAMED_PREFILLER_ERROR_LIMIT {
+        return Err(HandoffError(format!("error answer over {NAMED_PREFILLER_ERROR_LIMIT} bytes")).into());
+    }
+    Ok((head, answer))
 }

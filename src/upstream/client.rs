@@ -90,6 +90,10 @@ const DROPPED_REQUEST_HEADERS: &[&str] = &[
     "x-request-id",
 ];
 
+/// Headers that carry the client's credentials: never sent to a prefiller a request header
+/// named, unless the route says so.
+pub const CREDENTIAL_HEADERS: &[&str] = &["authorization", "proxy-authorization", "cookie", "x-api-key", "api-key"];
+
 /// Headers never copied from an engine response to the client.
 pub const DROPPED_RESPONSE_HEADERS: &[&str] =
     &["connection", "keep-alive", "transfer-encoding", "content-length", "trailer", "upgrade"];
@@ -149,13 +153,14 @@ impl UpstreamClient {
     }
 
     /// Builds a request head: `method path`, the client's end-to-end headers (minus
-    /// `DROPPED_REQUEST_HEADERS` and `extra_drop`), our `x-request-id`, the body length.
+    /// `DROPPED_REQUEST_HEADERS` and `extra_drop`, lower-case), our `x-request-id`, the body
+    /// length.
     pub fn request_head(
         method: &str,
         path_and_query: &str,
         addr: &str,
         client_headers: &HeaderMap,
-        extra_drop: Option<&str>,
+        extra_drop: &[&str],
         request_id: &str,
         body_len: usize,
     ) -> Result<RequestHeader, UpstreamError> {
@@ -164,7 +169,7 @@ impl UpstreamClient {
             RequestHeader::build(method, path_and_query.as_bytes(), Some(client_headers.len() + 3)).map_err(io)?;
         for (name, value) in client_headers {
             let n = name.as_str();
-            if DROPPED_REQUEST_HEADERS.contains(&n) || extra_drop.is_some_and(|x| x.eq_ignore_ascii_case(n)) {
+            if DROPPED_REQUEST_HEADERS.contains(&n) || extra_drop.contains(&n) {
                 continue;
             }
             head.append_header(name.clone(), value.clone()).map_err(io)?;
@@ -255,7 +260,7 @@ impl UpstreamClient {
     /// [`UpstreamError`] on failure or when `timeout` passes.
     pub async fn get(&self, addr: &str, path: &str, timeout: Duration) -> Result<(u16, Bytes), UpstreamError> {
         let work = async {
-            let head = Self::request_head("GET", path, addr, &HeaderMap::new(), None, "tokenonce-health", 0)?;
+            let head = Self::request_head("GET", path, addr, &HeaderMap::new(), &[], "tokenonce-health", 0)?;
             let exchange = self.send(addr, &head, Bytes::new(), || {}).await?;
             let status = exchange.status();
             let body = self.read_to_end(exchange, 1 << 20).await?;
