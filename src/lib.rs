@@ -65,6 +65,8 @@ pub struct App {
     pub cache: Arc<handoff::IdCache>,
     /// Set by the admin `/drain` (a preStop hook): `/readyz` answers 503 from then on.
     pub draining: Arc<std::sync::atomic::AtomicBool>,
+    /// Client-edge limits (header count and size, body read deadline).
+    pub edge: proxy::edge::EdgeLimits,
 }
 
 /// The current [`App`], swapped whole when the config is reloaded; each request takes one
@@ -83,7 +85,8 @@ impl App {
         let routes = RouteTable::new(&config, &pools, &metrics)?;
         let client = Arc::new(UpstreamClient::new(config.upstream.connect_timeout, config.upstream.idle_timeout));
         let cache = Arc::new(handoff::IdCache::new(config.cache.capacity_bytes, config.cache.ttl));
-        Ok(Self { cache, draining: Arc::default(), config, routes, pools, client, metrics, registry })
+        let edge = proxy::edge::EdgeLimits::default();
+        Ok(Self { cache, draining: Arc::default(), edge, config, routes, pools, client, metrics, registry })
     }
 
     /// The state for a reloaded `config`: metrics, client and cache carry over, and pools
@@ -119,6 +122,7 @@ impl App {
             registry: self.registry.clone(),
             cache: Arc::clone(&self.cache),
             draining: Arc::clone(&self.draining),
+            edge: self.edge,
         })
     }
 

@@ -13,6 +13,12 @@ pub enum ApiError {
     /// The request body is over the route's `max_body_bytes`.
     #[error("request body over {limit} bytes")]
     BodyTooLarge { limit: usize },
+    /// The request head has too many header fields, or too many bytes of them.
+    #[error("request headers over the limit: {0}")]
+    HeadersTooLarge(String),
+    /// The client sent its body too slowly.
+    #[error("request body not received within {0} ms")]
+    RequestTimeout(u64),
     /// `x-prefiller-host-port` is missing, repeated or not one `host:port`.
     #[error("invalid x-prefiller-host-port header: {0}")]
     InvalidPrefillerHeader(String),
@@ -63,6 +69,8 @@ impl ApiError {
             Self::InvalidRequest { .. } | Self::InvalidPrefillerHeader(_) => 400,
             Self::PrefillerNotAllowed(_) => 403,
             Self::BodyTooLarge { .. } => 413,
+            Self::HeadersTooLarge(_) => 431,
+            Self::RequestTimeout(_) => 408,
             Self::PrefillUnavailable(_)
             | Self::PrefillBadResponse(_)
             | Self::DecodeUnavailable(_)
@@ -77,6 +85,8 @@ impl ApiError {
         match self {
             Self::InvalidRequest { .. } => "invalid_request",
             Self::BodyTooLarge { .. } => "body_too_large",
+            Self::HeadersTooLarge(_) => "headers_too_large",
+            Self::RequestTimeout(_) => "request_timeout",
             Self::InvalidPrefillerHeader(_) => "invalid_prefiller_header",
             Self::PrefillerNotAllowed(_) => "prefiller_not_allowed",
             Self::PrefillUnavailable(_) => "prefill_unavailable",
@@ -92,7 +102,7 @@ impl ApiError {
     /// OpenAI's `error.type` family for this error.
     pub fn kind(&self) -> &'static str {
         match self.status() {
-            400 | 413 => "invalid_request_error",
+            400 | 408 | 413 | 431 => "invalid_request_error",
             403 => "permission_error",
             500 => "internal_error",
             _ => "upstream_error",
@@ -135,9 +145,11 @@ mod tests {
 
     #[test]
     fn code_and_status_table() {
-        let table: [(ApiError, u16, &str); 11] = [
+        let table: [(ApiError, u16, &str); 13] = [
             (ApiError::invalid("x", None), 400, "invalid_request"),
             (ApiError::BodyTooLarge { limit: 1 }, 413, "body_too_large"),
+            (ApiError::HeadersTooLarge("x".into()), 431, "headers_too_large"),
+            (ApiError::RequestTimeout(5), 408, "request_timeout"),
             (ApiError::InvalidPrefillerHeader("x".into()), 400, "invalid_prefiller_header"),
             (ApiError::PrefillerNotAllowed("x".into()), 403, "prefiller_not_allowed"),
             (ApiError::PrefillUnavailable("x".into()), 502, "prefill_unavailable"),

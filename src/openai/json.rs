@@ -58,9 +58,13 @@ impl<'a> RawObject<'a> {
         }
     }
 
-    /// Like [`RawObject::parse`] on bytes that must be UTF-8.
+    /// Like [`RawObject::parse`] on bytes that must be UTF-8 and nest at most [`MAX_DEPTH`]
+    /// deep (raw members are not parsed here, so the depth is checked for them).
     pub fn parse_bytes(bytes: &'a [u8]) -> Result<Self, NotAnObject> {
         let text = std::str::from_utf8(bytes).map_err(|e| NotAnObject(e.to_string()))?;
+        if nests_deeper_than(bytes, MAX_DEPTH) {
+            return Err(NotAnObject(format!("nested deeper than {MAX_DEPTH} levels")));
+        }
         Self::parse(text)
     }
 
@@ -160,6 +164,39 @@ pub fn write_json_string(out: &mut Vec<u8>, s: &str) {
     }
 }
 
+/// How deep arrays and objects may nest in a request body: serde_json's own limit for typed
+/// parsing, so every field tokenonce or an engine parses later is within it.
+pub const MAX_DEPTH: usize = 128;
+
+/// True when `bytes` (JSON text) nests arrays and objects deeper than `limit`. One pass,
+/// tracking strings so brackets inside them do not count.
+pub fn nests_deeper_than(bytes: &[u8], limit: usize) -> bool {
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for &b in bytes {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > limit {
+                    return true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
+}
+
 /// True when the raw JSON value is `null` (or absent).
 pub fn is_null(raw: Option<&str>) -> bool {
     raw.is_none_or(|v| v.trim() == "null")
@@ -205,6 +242,17 @@ mod tests {
         assert!(RawObject::parse(r#"{"a":"#).is_err());
         assert!(RawObject::parse(r#"{"a":1} x"#).is_err());
         assert!(RawObject::parse_bytes(&[0xff, 0xfe]).is_err());
+    }
+
+    #[test]
+    fn depth_counts_brackets_outside_strings_only() {
+        assert!(!nests_deeper_than(br#"{"a":[[1]]}"#, 3));
+        assert!(nests_deeper_than(br#"{"a":[[[1]]]}"#, 3));
+        assert!(!nests_deeper_than(br#"{"a":"[[[[[[{{{{\"[[[["}"#, 1), "inside strings, escapes too");
+        let deep = format!("{{\"m\":{}1{}}}", "[".repeat(200), "]".repeat(200));
+        assert!(RawObject::parse_bytes(deep.as_bytes()).is_err());
+        let ok = format!("{{\"m\":{}1{}}}", "[".repeat(100), "]".repeat(100));
+        assert!(RawObject::parse_bytes(ok.as_bytes()).is_ok());
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! choose the route (its model glob may need the body), and hand it to the route's mode.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use pingora::proxy::Session;
@@ -14,8 +15,15 @@ use crate::metrics::Leg;
 use crate::openai::{Api, ApiError, RawObject, RequestView};
 use crate::routes::RequestFacts;
 
-/// Reads the whole request body, refusing more than `limit` bytes.
-async fn read_body(session: &mut Session, limit: usize) -> Result<Bytes, ApiError> {
+/// Reads the whole request body within `deadline`, refusing more than `limit` bytes.
+async fn read_body(session: &mut Session, limit: usize, deadline: Duration) -> Result<Bytes, ApiError> {
+    let ms = u64::try_from(deadline.as_millis()).unwrap_or(u64::MAX);
+    tokio::time::timeout(deadline, read_body_unbounded(session, limit))
+        .await
+        .unwrap_or(Err(ApiError::RequestTimeout(ms)))
+}
+
+async fn read_body_unbounded(session: &mut Session, limit: usize) -> Result<Bytes, ApiError> {
     let declared = session.req_header().headers.get("content-length").and_then(|v| v.to_str().ok()?.parse().ok());
     if declared.is_some_and(|len: usize| len > limit) {
         return Err(ApiError::BodyTooLarge { limit });
@@ -42,7 +50,7 @@ pub async fn handle(session: &mut Session, ctx: &mut Ctx, api: Api) -> Result<()
     let path_and_query = head.uri.path_and_query().map_or_else(|| path.clone(), |p| p.as_str().to_owned());
     let headers = head.headers.clone();
     session.as_downstream_mut().set_abort_on_close(true);
-    let body = match read_body(session, app.routes.max_body_bytes()).await {
+    let body = match read_body(session, app.routes.max_body_bytes(), app.edge.body_read_timeout).await {
         Ok(body) => body,
         Err(e) => {
             // Do not try to reuse a connection whose body was not read to the end.

@@ -12,6 +12,7 @@
 
 pub mod admin;
 mod api;
+pub mod edge;
 pub mod error;
 pub mod exec;
 pub mod orchestrate;
@@ -132,6 +133,12 @@ impl ProxyHttp for Proxy {
         ctx.started = Instant::now();
         ctx.counted = true;
         app.metrics.inflight.inc();
+        let header = session.req_header();
+        if let Err(e) = edge::check_head(&header.headers, &app.edge) {
+            session.set_keepalive(None);
+            error::fail(session, ctx, e.into()).await;
+            return Ok(true);
+        }
         let header = session.req_header();
         ctx.request_id = header
             .headers

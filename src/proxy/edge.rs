@@ -1,0 +1,69 @@
+//! Limits at the client edge, checked before any leg: how many header fields and bytes a
+//! request head may carry, and how long its body may take to arrive (a slowloris body).
+//! pingora itself caps a head at 256 fields and 1 MiB and waits at most 60 s per read.
+
+use std::time::Duration;
+
+use http::HeaderMap;
+
+use crate::openai::ApiError;
+
+/// The edge limits of one config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EdgeLimits {
+    /// Most header fields in a request head.
+    pub max_header_count: usize,
+    /// Most bytes of header names and values (each field counted with its `: ` and CRLF).
+    pub max_header_bytes: usize,
+    /// The whole request body must arrive within this.
+    pub body_read_timeout: Duration,
+}
+
+impl Default for EdgeLimits {
+    fn default() -> Self {
+        // 100 fields and 64 KiB: several times what OpenAI SDKs and gateways send.
+        Self { max_header_count: 100, max_header_bytes: 64 * 1024, body_read_timeout: Duration::from_secs(60) }
+    }
+}
+
+/// Refuses a head over the limits (431).
+///
+/// # Errors
+/// [`ApiError::HeadersTooLarge`] saying which limit.
+pub fn check_head(headers: &HeaderMap, limits: &EdgeLimits) -> Result<(), ApiError> {
+    if headers.len() > limits.max_header_count {
+        return Err(ApiError::HeadersTooLarge(format!(
+            "{} header fields, at most {}",
+            headers.len(),
+            limits.max_header_count
+        )));
+    }
+    let bytes: usize = headers.iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum();
+    if bytes > limits.max_header_bytes {
+        return Err(ApiError::HeadersTooLarge(format!(
+            "{bytes} bytes of headers, at most {}",
+            limits.max_header_bytes
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heads_over_either_limit_are_431() {
+        let limits = EdgeLimits { max_header_count: 3, max_header_bytes: 40, ..EdgeLimits::default() };
+        let mut h = HeaderMap::new();
+        h.insert("a", "1".parse().unwrap());
+        h.insert("b", "2".parse().unwrap());
+        assert_eq!(check_head(&h, &limits), Ok(()));
+        h.insert("c", "x".repeat(40).parse().unwrap());
+        assert_eq!(check_head(&h, &limits).unwrap_err().status(), 431, "bytes");
+        h.insert("c", "3".parse().unwrap());
+        h.insert("d", "4".parse().unwrap());
+        let err = check_head(&h, &limits).unwrap_err();
+        assert_eq!((err.status(), err.code()), (431, "headers_too_large"));
+    }
+}

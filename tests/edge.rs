@@ -1,0 +1,118 @@
+//! The client edge under hostile HTTP: oversized heads, ambiguous framing (RFC 9112), bodies
+//! that are not UTF-8 or nest too deep. Each is refused before any leg reaches an engine,
+//! and one client request never becomes two upstream.
+
+mod support;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use support::{chat_body, pd_setup, post_raw, FakeConfig};
+
+/// Writes `request` on a fresh connection and reads until the server closes it or 5 s pass.
+fn raw_exchange(url: &str, request: &[u8]) -> String {
+    let addr = url.trim_start_matches("http://");
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(request).unwrap();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 8192];
+    for _ in 0..1000 {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn status_of(response: &str) -> u16 {
+    response.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0)
+}
+
+/// Too many header fields, or too many header bytes: 431 before any leg.
+#[tokio::test(flavor = "multi_thread")]
+async fn oversized_heads_are_431() {
+    let (p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    let url = format!("{}/v1/chat/completions", proxy.url);
+    let body = serde_json::to_vec(&chat_body("x", json!({}))).unwrap();
+    let many: Vec<(String, String)> = (0..150).map(|i| (format!("x-h{i}"), "v".to_owned())).collect();
+    let many: Vec<(&str, &str)> = many.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let big = "b".repeat(70 * 1024);
+    for headers in [many, vec![("x-big", big.as_str())]] {
+        let (status, _, text) = post_raw(&url, body.clone(), &headers).await;
+        assert_eq!(status, 431, "{text}");
+        assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["code"], "headers_too_large");
+    }
+    let (status, _, _) = post_raw(&format!("{}/v1/models", proxy.url), Vec::new(), &[("x-big", &big)]).await;
+    assert_eq!(status, 431, "passthrough requests too");
+    assert!(p.posts().is_empty() && d.requests().iter().all(|r| r.path != "/v1/models"));
+}
+
+/// Content-Length next to chunked Transfer-Encoding: the chunked framing wins (RFC 9112
+/// §6.3), the connection is closed after the answer, and bytes hidden behind the body never
+/// become a second request upstream.
+#[tokio::test(flavor = "multi_thread")]
+async fn content_length_with_chunked_cannot_smuggle_a_request() {
+    let (p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    let body = serde_json::to_string(&chat_body("smuggle", json!({}))).unwrap();
+    let smuggled = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}";
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n{smuggled}",
+        body.len()
+    );
+    let response = tokio::task::spawn_blocking({
+        let url = proxy.url.clone();
+        move || raw_exchange(&url, request.as_bytes())
+    })
+    .await
+    .unwrap();
+    assert_eq!(status_of(&response), 200, "{response}");
+    assert_eq!(response.matches("HTTP/1.1 ").count(), 1, "one answer, then the connection closes: {response}");
+    assert_eq!(p.posts().len(), 1);
+    assert_eq!(d.posts().len(), 1);
+    assert!(d.posts().iter().chain(&p.posts()).all(|r| r.path == "/v1/chat/completions"));
+}
+
+/// Two different Content-Length values: refused, nothing sent upstream.
+#[tokio::test(flavor = "multi_thread")]
+async fn conflicting_content_lengths_are_refused() {
+    let (p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    let request =
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}".to_vec();
+    let response = tokio::task::spawn_blocking({
+        let url = proxy.url.clone();
+        move || raw_exchange(&url, &request)
+    })
+    .await
+    .unwrap();
+    let status = status_of(&response);
+    assert!(status == 400 || (status == 0 && response.is_empty()), "refused or closed: {response}");
+    assert!(p.posts().is_empty() && d.posts().is_empty());
+}
+
+/// Bodies tokenonce cannot read as one JSON object: non-UTF-8, or nested past serde_json's
+/// recursion limit. A clear 400 and no leg.
+#[tokio::test(flavor = "multi_thread")]
+async fn non_utf8_and_over_deep_bodies_are_400_before_any_leg() {
+    let (p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    let url = format!("{}/v1/chat/completions", proxy.url);
+    let mut latin1 = br#"{"model":"tiny-qwen3","messages":[{"role":"user","content":"caf"#.to_vec();
+    latin1.extend_from_slice(b"\xe9\"}]}");
+    let deep = format!(
+        r#"{{"model":"tiny-qwen3","messages":[{{"role":"user","content":{}1{}}}]}}"#,
+        "[".repeat(5000),
+        "]".repeat(5000)
+    );
+    let deep_view =
+        format!(r#"{{"model":"tiny-qwen3","messages":[{}"x"{}]}}"#, r#"{"content":["#.repeat(100), "]}".repeat(100));
+    for body in [latin1, deep.into_bytes(), deep_view.into_bytes()] {
+        let (status, _, text) = post_raw(&url, body, &[]).await;
+        assert_eq!(status, 400, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["code"], "invalid_request", "{text}");
+    }
+    assert!(p.posts().is_empty() && d.posts().is_empty());
+}
