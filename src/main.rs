@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use tokenonce::config::{self, Config, ConfigError};
+use tokenonce::config::{self, Config, ConfigError, LogFormat};
 
 #[derive(Parser)]
 #[command(name = "tokenonce", version, about = "P/D sidecar for vLLM that tokenizes each prompt once")]
@@ -40,7 +40,7 @@ fn init_logging(config: &Config) {
     let filter =
         tracing_subscriber::EnvFilter::try_new(&filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    if config.server.log_json {
+    if config.server.log_format == LogFormat::Json {
         builder.json().init();
     } else {
         builder.init();

@@ -1,12 +1,14 @@
-//! Configuration: the TOML file format (`file`), the validated model (`model`), and the
-//! embedded default (`conf/default.toml`) that runs when no file is given.
+//! Configuration: the TOML file format (`file`), the validated model (`model`), every
+//! default (`defaults`), and the embedded default (`conf/default.toml`) that runs when no
+//! file is given.
 
+pub mod defaults;
 pub mod file;
 pub mod model;
 
 pub use model::{
-    AllowEntry, Balance, CacheSettings, Config, ConfigError, Mode, PoolSpec, PrefillSource, Problem, RelayHandoff,
-    RouteMatch, RouteOptions, RouteSpec, Version,
+    AllowEntry, Balance, CacheSettings, Config, ConfigError, LogFormat, Mode, PoolSpec, PrefillSource, Problem,
+    RelayHandoff, RouteMatch, RouteOptions, RouteSpec, ServerSettings, UpstreamSettings, Version,
 };
 
 /// The embedded default configuration text.
@@ -42,12 +44,12 @@ mod tests {
     #[test]
     fn embedded_default_is_valid_and_as_documented() {
         let c = embedded_default().unwrap();
-        assert_eq!(c.server.listen, "0.0.0.0:8000");
-        assert_eq!(c.server.admin_listen, "127.0.0.1:9000");
-        let pool = |name: &str| c.pools.iter().find(|p| p.name == name).unwrap().endpoints.clone();
+        assert_eq!(c.server().listen(), "0.0.0.0:8000");
+        assert_eq!(c.server().admin_listen(), "127.0.0.1:9000");
+        let pool = |name: &str| c.pools().iter().find(|p| p.name() == name).unwrap().endpoints().to_vec();
         assert_eq!(pool("prefill"), ["127.0.0.1:8100"]);
         assert_eq!(pool("decode"), ["127.0.0.1:8200"]);
-        assert_eq!(c.routes[0].mode, Mode::Orchestrate);
+        assert_eq!(c.routes()[0].mode(), Mode::Orchestrate);
     }
 
     #[test]
@@ -106,6 +108,89 @@ prefill_timeout_ms = 0
         let err = Config::from_toml("[server]\nlisten_addr = \"1\"\n", "t").unwrap_err();
         assert!(err.problems[0].message.contains("listen_addr"), "{:?}", err.problems);
         assert_eq!(err.problems[0].line, 2);
+    }
+
+    /// A missing required key, a wrong type, a bad enum value, a typo'd key, a bad log
+    /// filter and a dangling pool reference: all reported in one run, each at its place.
+    #[test]
+    fn one_run_reports_missing_keys_types_enums_and_unknown_keys() {
+        let text = r#"bogus = 1
+
+[server]
+threads = "two"
+log_level = "warning"
+log_fromat = "json"
+
+[pools.decode]
+balance = "random"
+
+[[routes]]
+name = "r"
+mode = "sideways"
+prefill = { pool = "nowhere", extra = 1 }
+
+[[routes]]
+mode = "orchestrate"
+decode_pool = "decode"
+prefill = { pool = "decode" }
+token_reuse = "yes"
+[routes.match]
+pathz = ["/x"]
+"#;
+        let err = Config::from_toml(text, "t.toml").unwrap_err();
+        let got: Vec<(usize, usize, &str)> = err.problems.iter().map(|p| (p.line, p.column, p.key.as_str())).collect();
+        assert_eq!(
+            got,
+            [
+                (1, 1, "bogus"),
+                (4, 11, "server.threads"),
+                (5, 13, "server.log_level"),
+                (6, 1, "server.log_fromat"),
+                (8, 1, "pools.decode.endpoints"),
+                (9, 11, "pools.decode.balance"),
+                (11, 1, "routes[0].decode_pool"),
+                (13, 8, "routes[0].mode"),
+                (14, 20, "routes[0].prefill.pool"),
+                (14, 31, "routes[0].prefill.extra"),
+                (16, 1, "routes[1].name"),
+                (20, 15, "routes[1].token_reuse"),
+                (22, 1, "routes[1].match.pathz"),
+            ],
+            "{:#?}",
+            err.problems
+        );
+        let message = |key: &str| &err.problems.iter().find(|p| p.key == key).unwrap().message;
+        assert_eq!(message("pools.decode.endpoints"), "required key is missing");
+        assert_eq!(message("routes[0].mode"), "`sideways` is not one of: orchestrate, relay, passthrough");
+        assert_eq!(message("pools.decode.balance"), "`random` is not one of: round_robin, least_in_flight");
+        assert!(message("server.threads").contains("expected i64"), "{}", message("server.threads"));
+        assert!(message("routes[1].token_reuse").contains("expected a boolean"));
+        assert_eq!(message("routes[1].match.pathz"), "unknown key `pathz`");
+    }
+
+    #[test]
+    fn log_level_is_a_tracing_filter_whose_bare_words_are_levels() {
+        const POOL: &str = "[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n";
+        let with = |level: &str| Config::from_toml(&format!("{POOL}[server]\nlog_level = {level:?}\n"), "t");
+        for good in ["info", "warn,tokenonce=debug", "tokenonce::proxy=trace,pingora=error", "DEBUG", "off"] {
+            assert!(with(good).is_ok(), "{good}: {:?}", with(good).unwrap_err().problems);
+        }
+        for bad in ["verbose", "warning", "tokenonce=loud", "=info", "", "info;debug"] {
+            let err = with(bad).unwrap_err();
+            assert_eq!(
+                (err.problems.len(), err.problems[0].key.as_str(), err.problems[0].line),
+                (1, "server.log_level", 4),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_table_or_array_of_the_wrong_type_is_one_problem_at_its_key() {
+        let err = Config::from_toml("[pools.decode]\nendpoints = \"127.0.0.1:1\"\n", "t").unwrap_err();
+        assert_eq!(err.problems.len(), 1);
+        assert_eq!((err.problems[0].key.as_str(), err.problems[0].line), ("pools.decode.endpoints", 2));
+        assert!(err.problems[0].message.contains("expected a sequence"), "{:?}", err.problems);
     }
 
     #[test]

@@ -269,12 +269,6 @@ pub async fn orchestrate(
             (None, Some(FallbackReason::IdsMalformed))
         }
     };
-    // Tests only (see RouteOptions::test_truncate_prompt_ids).
-    let truncated = match (ids, route.options.test_truncate_prompt_ids) {
-        (Some(ids), Some(n)) if n < ids.len() => Some(PromptIds::from_ids(ids.to_vec().get(..n).unwrap_or_default())),
-        _ => None,
-    };
-    let ids = truncated.as_ref().or(ids);
     let decode_bytes = Bytes::from(decode_body(obj, view.api, handoff.kv_transfer_params.as_deref(), ids));
     match (ids, reason) {
         (Some(ids), _) => {
