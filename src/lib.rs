@@ -33,6 +33,9 @@ use crate::metrics::Metrics;
 use crate::routes::RouteTable;
 use crate::upstream::{Pool, UpstreamClient};
 
+/// Body read limit when no route sets one (no route at all: everything is passthrough).
+const MAX_BODY_BYTES: usize = config::defaults::MAX_BODY_BYTES as usize;
+
 /// Everything a request needs, built once from the config.
 pub struct App {
     /// The validated config.
@@ -71,16 +74,18 @@ impl App {
         let metrics = Metrics::register(&registry)?;
         let routes = RouteTable::new(&config);
         for route in routes.routes() {
-            metrics.init_route(&route.name);
+            metrics.init_route(route.name());
         }
-        let pools = config.pools.iter().map(|spec| Arc::new(Pool::new(spec))).collect();
-        let client = Arc::new(UpstreamClient::new(config.upstream.connect_timeout, config.upstream.idle_timeout));
-        let max_body_bytes = config.routes.iter().map(|r| r.options.max_body_bytes).max().unwrap_or(32 << 20);
-        let cache = Arc::new(handoff::IdCache::new(config.cache.capacity_bytes, config.cache.ttl));
+        let pools = config.pools().iter().map(|spec| Arc::new(Pool::new(spec))).collect();
+        let client =
+            Arc::new(UpstreamClient::new(config.upstream().connect_timeout(), config.upstream().idle_timeout()));
+        let max_body_bytes =
+            config.routes().iter().map(|r| r.options().max_body_bytes()).max().unwrap_or(MAX_BODY_BYTES);
+        let cache = Arc::new(handoff::IdCache::new(config.cache().capacity_bytes(), config.cache().ttl()));
         Ok(Self {
             cache,
             draining: Arc::default(),
-            passthrough_pool: config.passthrough_pool,
+            passthrough_pool: config.passthrough_pool(),
             config,
             routes,
             pools,
@@ -96,28 +101,29 @@ impl App {
     pub fn reload(&self, config: Config) -> Self {
         let routes = RouteTable::new(&config);
         for route in routes.routes() {
-            self.metrics.init_route(&route.name);
+            self.metrics.init_route(route.name());
         }
         let pools = config
-            .pools
+            .pools()
             .iter()
             .map(|spec| {
                 self.config
-                    .pools
+                    .pools()
                     .iter()
                     .position(|old| {
-                        old.name == spec.name
-                            && old.endpoints == spec.endpoints
-                            && old.balance == spec.balance
-                            && old.vllm_version == spec.vllm_version
+                        old.name() == spec.name()
+                            && old.endpoints() == spec.endpoints()
+                            && old.balance() == spec.balance()
+                            && old.vllm_version() == spec.vllm_version()
                     })
                     .and_then(|i| self.pools.get(i).cloned())
                     .unwrap_or_else(|| Arc::new(Pool::new(spec)))
             })
             .collect();
-        let max_body_bytes = config.routes.iter().map(|r| r.options.max_body_bytes).max().unwrap_or(32 << 20);
+        let max_body_bytes =
+            config.routes().iter().map(|r| r.options().max_body_bytes()).max().unwrap_or(MAX_BODY_BYTES);
         Self {
-            passthrough_pool: config.passthrough_pool,
+            passthrough_pool: config.passthrough_pool(),
             config,
             routes,
             pools,
@@ -132,7 +138,7 @@ impl App {
 
     /// Indexes of the pools that serve decodes (readiness needs each to have a healthy endpoint).
     pub fn decode_pools(&self) -> Vec<usize> {
-        let mut pools: Vec<usize> = self.routes.routes().iter().map(|r| r.decode_pool).collect();
+        let mut pools: Vec<usize> = self.routes.routes().iter().map(|r| r.decode_pool()).collect();
         pools.push(self.passthrough_pool);
         pools.sort_unstable();
         pools.dedup();
@@ -141,6 +147,6 @@ impl App {
 
     /// The metric label of a route index (`default` when none matched).
     pub fn route_label(&self, route: Option<usize>) -> &str {
-        route.and_then(|i| self.routes.routes().get(i)).map_or("default", |r| r.name.as_str())
+        route.and_then(|i| self.routes.routes().get(i)).map_or("default", |r| r.name())
     }
 }

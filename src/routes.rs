@@ -25,7 +25,7 @@ pub struct RouteTable {
 impl RouteTable {
     /// The table of a validated config.
     pub fn new(config: &Config) -> Self {
-        Self { routes: config.routes.clone() }
+        Self { routes: config.routes().to_vec() }
     }
 
     /// The routes in order.
@@ -41,19 +41,19 @@ impl RouteTable {
     /// True when some route could match `path` once the model is known, i.e. the body
     /// must be read before choosing.
     pub fn needs_model(&self, path: &str) -> bool {
-        self.routes.iter().any(|r| r.matcher.model.is_some() && path_matches(r, path))
+        self.routes.iter().any(|r| r.matcher().model().is_some() && path_matches(r, path))
     }
 }
 
 fn path_matches(route: &RouteSpec, path: &str) -> bool {
-    route.matcher.paths.is_empty() || route.matcher.paths.iter().any(|p| p == path)
+    route.matcher().paths().is_empty() || route.matcher().paths().iter().any(|p| p == path)
 }
 
 fn matches(route: &RouteSpec, facts: &RequestFacts<'_>) -> bool {
-    let m = &route.matcher;
+    let m = route.matcher();
     path_matches(route, facts.path)
-        && m.model.as_ref().is_none_or(|glob| facts.model.is_some_and(|model| glob.is_match(model)))
-        && m.headers.iter().all(|(name, value)| {
+        && m.model().is_none_or(|glob| facts.model.is_some_and(|model| glob.is_match(model)))
+        && m.headers().iter().all(|(name, value)| {
             facts.headers.get(name.as_str()).and_then(|v| v.to_str().ok()).is_some_and(|v| v == value)
         })
 }
@@ -94,7 +94,7 @@ decode_pool = "decode"
         for (k, v) in headers {
             map.insert(*k, v.parse().unwrap());
         }
-        table.select(&RequestFacts { path, model, headers: &map }).map(|i| table.routes()[i].name.clone())
+        table.select(&RequestFacts { path, model, headers: &map }).map(|i| table.routes()[i].name().to_owned())
     }
 
     #[test]

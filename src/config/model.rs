@@ -1,7 +1,7 @@
 //! The validated configuration tokenonce runs on. Built only from a parsed file through
 //! [`Config::from_toml`], which reports every problem with its line and column; after that
-//! its invariants hold (pool references resolve, timeouts are positive, globs compile). The
-//! checking itself is in `check.rs`.
+//! its invariants hold (pool references resolve, timeouts are positive, globs compile), so
+//! the fields are private and read through accessors. The checking itself is in `check.rs`.
 
 mod check;
 
@@ -98,10 +98,10 @@ impl fmt::Display for Version {
 /// A named set of engine endpoints.
 #[derive(Debug, Clone)]
 pub struct PoolSpec {
-    pub name: String,
-    pub endpoints: Vec<String>,
-    pub balance: Balance,
-    pub vllm_version: Option<Version>,
+    name: String,
+    endpoints: Vec<String>,
+    balance: Balance,
+    vllm_version: Option<Version>,
 }
 
 impl PoolSpec {
@@ -196,8 +196,8 @@ impl Choice for LogFormat {
 /// The relay cache bounds.
 #[derive(Debug, Clone)]
 pub struct CacheSettings {
-    pub capacity_bytes: usize,
-    pub ttl: Duration,
+    capacity_bytes: usize,
+    ttl: Duration,
 }
 
 impl CacheSettings {
@@ -238,11 +238,11 @@ pub enum PrefillSource {
 /// Per-route knobs.
 #[derive(Debug, Clone)]
 pub struct RouteOptions {
-    pub token_reuse: bool,
-    pub prefill_timeout: Duration,
-    pub decode_first_byte_timeout: Duration,
-    pub max_body_bytes: usize,
-    pub relay_handoff: RelayHandoff,
+    token_reuse: bool,
+    prefill_timeout: Duration,
+    decode_first_byte_timeout: Duration,
+    max_body_bytes: usize,
+    relay_handoff: RelayHandoff,
 }
 
 impl RouteOptions {
@@ -275,9 +275,9 @@ impl RouteOptions {
 /// What a route matches.
 #[derive(Debug, Clone)]
 pub struct RouteMatch {
-    pub paths: Vec<String>,
-    pub model: Option<GlobMatcher>,
-    pub headers: Vec<(String, String)>,
+    paths: Vec<String>,
+    model: Option<GlobMatcher>,
+    headers: Vec<(String, String)>,
 }
 
 impl RouteMatch {
@@ -300,12 +300,12 @@ impl RouteMatch {
 /// One routing rule.
 #[derive(Debug, Clone)]
 pub struct RouteSpec {
-    pub name: String,
-    pub matcher: RouteMatch,
-    pub mode: Mode,
-    pub prefill: Option<PrefillSource>,
-    pub decode_pool: usize,
-    pub options: RouteOptions,
+    name: String,
+    matcher: RouteMatch,
+    mode: Mode,
+    prefill: Option<PrefillSource>,
+    decode_pool: usize,
+    options: RouteOptions,
 }
 
 impl RouteSpec {
@@ -352,13 +352,13 @@ impl RouteSpec {
 /// Process-level settings.
 #[derive(Debug, Clone)]
 pub struct ServerSettings {
-    pub listen: String,
-    pub admin_listen: String,
-    pub threads: usize,
-    pub grace_period_seconds: u64,
-    pub graceful_shutdown_timeout_seconds: u64,
-    pub log_level: String,
-    pub log_format: LogFormat,
+    listen: String,
+    admin_listen: String,
+    threads: usize,
+    grace_period_seconds: u64,
+    graceful_shutdown_timeout_seconds: u64,
+    log_level: String,
+    log_format: LogFormat,
 }
 
 impl ServerSettings {
@@ -401,9 +401,9 @@ impl ServerSettings {
 /// Upstream connection settings.
 #[derive(Debug, Clone)]
 pub struct UpstreamSettings {
-    pub connect_timeout: Duration,
-    pub idle_timeout: Duration,
-    pub health_interval: Duration,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+    health_interval: Duration,
 }
 
 impl UpstreamSettings {
@@ -426,12 +426,12 @@ impl UpstreamSettings {
 /// The validated configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
-    pub server: ServerSettings,
-    pub upstream: UpstreamSettings,
-    pub pools: Vec<PoolSpec>,
-    pub routes: Vec<RouteSpec>,
-    pub passthrough_pool: usize,
-    pub cache: CacheSettings,
+    server: ServerSettings,
+    upstream: UpstreamSettings,
+    pools: Vec<PoolSpec>,
+    routes: Vec<RouteSpec>,
+    passthrough_pool: usize,
+    cache: CacheSettings,
 }
 
 impl Config {

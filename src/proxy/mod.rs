@@ -134,26 +134,30 @@ impl Proxy {
         let route_index = app.routes.select(&facts);
         ctx.route = route_index;
         let route = route_index.and_then(|i| app.routes.routes().get(i));
-        let drop_header = route.and_then(|r| match &r.prefill {
+        let drop_header = route.and_then(|r| match r.prefill() {
             Some(PrefillSource::Header { name, .. }) => Some(name.as_str()),
             _ => None,
         });
         let req = pd::Incoming { path_and_query: &path_and_query, headers: &headers, body: &body, drop_header };
 
-        let Some(route) = route.filter(|r| r.mode != Mode::Passthrough) else {
+        let Some(route) = route.filter(|r| r.mode() != Mode::Passthrough) else {
             // Passthrough with a body already read: forward it unchanged ourselves.
             ctx.mode = Mode::Passthrough;
-            let pool = route.map_or(app.passthrough_pool, |r| r.decode_pool);
+            let pool = route.map_or(app.passthrough_pool, |r| r.decode_pool());
             let Some(endpoint) = app.pools.get(pool).and_then(|p| p.pick()) else {
                 return respond::write_error(session, ctx, &ApiError::DecodeUnavailable("empty pool".into())).await;
             };
             let name = app.route_label(ctx.route).to_owned();
             return pd::forward(app, session, ctx, endpoint, &req, &name).await;
         };
-        ctx.mode = route.mode;
-        if body.len() > route.options.max_body_bytes {
-            return respond::write_error(session, ctx, &ApiError::BodyTooLarge { limit: route.options.max_body_bytes })
-                .await;
+        ctx.mode = route.mode();
+        if body.len() > route.options().max_body_bytes() {
+            return respond::write_error(
+                session,
+                ctx,
+                &ApiError::BodyTooLarge { limit: route.options().max_body_bytes() },
+            )
+            .await;
         }
         let obj = match parsed {
             Ok(obj) => obj,
@@ -173,7 +177,7 @@ impl Proxy {
                 return respond::write_error(session, ctx, &ApiError::invalid("body is not a JSON object", None)).await
             }
         };
-        match route.mode {
+        match route.mode() {
             Mode::Relay => relay::handle(app, session, ctx, route, &obj, &view, &req).await,
             _ => pd::orchestrate(app, session, ctx, route, &obj, &view, &req).await,
         }
@@ -235,7 +239,7 @@ impl ProxyHttp for Proxy {
             };
             let pipeline_route = match decided_without_body {
                 Some(None) => Some(None),
-                Some(Some(i)) if app.routes.routes().get(i).is_some_and(|r| r.mode == Mode::Passthrough) => {
+                Some(Some(i)) if app.routes.routes().get(i).is_some_and(|r| r.mode() == Mode::Passthrough) => {
                     Some(Some(i))
                 }
                 _ => None,
@@ -251,7 +255,7 @@ impl ProxyHttp for Proxy {
         }
         ctx.mode = Mode::Passthrough;
         ctx.pass_pool =
-            ctx.route.and_then(|i| app.routes.routes().get(i)).map_or(app.passthrough_pool, |r| r.decode_pool);
+            ctx.route.and_then(|i| app.routes.routes().get(i)).map_or(app.passthrough_pool, |r| r.decode_pool());
         Ok(false)
     }
 

@@ -114,7 +114,7 @@ pub async fn forward(app: &App, session: &mut Session, ctx: &mut Ctx, decode: Pi
 
 /// Decides, before the prefill, whether this request may reuse ids.
 async fn reuse_gate(app: &App, route: &RouteSpec, view: &RequestView, decode: &Endpoint) -> Option<FallbackReason> {
-    if !route.options.token_reuse {
+    if !route.options().token_reuse() {
         return Some(FallbackReason::Disabled);
     }
     if let Some(blocker) = view.reuse_blocker() {
@@ -129,7 +129,7 @@ async fn reuse_gate(app: &App, route: &RouteSpec, view: &RequestView, decode: &E
 /// Whether the decode's vLLM is too old (or unknown) for chat ids in `kv_transfer_params`:
 /// the pool's pinned version, else the endpoint's learned one, else ask `/version`.
 pub async fn chat_version_blocker(app: &App, route: &RouteSpec, decode: &Endpoint) -> Option<FallbackReason> {
-    let pool_pin = app.pools.get(route.decode_pool).and_then(|p| p.pinned_version());
+    let pool_pin = app.pools.get(route.decode_pool()).and_then(|p| p.pinned_version());
     let version = match pool_pin.or_else(|| decode.version()) {
         Some(v) => Some(v),
         None => learn_version(&app.client, decode).await,
@@ -174,18 +174,15 @@ pub async fn prefill_leg(
         Ok::<_, crate::upstream::UpstreamError>((response_head, body))
     };
     let outcome = tokio::select! {
-        r = tokio::time::timeout(route.options.prefill_timeout, leg) => r,
+        r = tokio::time::timeout(route.options().prefill_timeout(), leg) => r,
         _ = client_gone(session) => { ctx.outcome = Some(Outcome::ClientClosed); return None; }
     };
     ctx.prefill_ms = Some(started.elapsed().as_secs_f64() * 1000.0);
-    metrics
-        .stage_duration
-        .with_label_values(&[route.name.as_str(), "prefill"])
-        .observe(started.elapsed().as_secs_f64());
+    metrics.stage_duration.with_label_values(&[route.name(), "prefill"]).observe(started.elapsed().as_secs_f64());
     let err = match outcome {
         Err(_) => {
             metrics.upstream_errors.with_label_values(&["prefill", "timeout"]).inc();
-            ApiError::PrefillTimeout(u64::try_from(route.options.prefill_timeout.as_millis()).unwrap_or(u64::MAX))
+            ApiError::PrefillTimeout(u64::try_from(route.options().prefill_timeout().as_millis()).unwrap_or(u64::MAX))
         }
         Ok(Err(e)) => {
             metrics.upstream_errors.with_label_values(&["prefill", e.kind()]).inc();
@@ -213,11 +210,11 @@ pub async fn orchestrate(
     view: &RequestView,
     req: &Incoming<'_>,
 ) {
-    let route_name = route.name.as_str();
-    let Some(decode) = app.pools.get(route.decode_pool).and_then(|p| p.pick()) else {
+    let route_name = route.name();
+    let Some(decode) = app.pools.get(route.decode_pool()).and_then(|p| p.pick()) else {
         return write_error(session, ctx, &ApiError::DecodeUnavailable("decode pool has no endpoints".into())).await;
     };
-    let prefill = match &route.prefill {
+    let prefill = match route.prefill() {
         Some(PrefillSource::Pool(i)) => app.pools.get(*i).and_then(|p| p.pick()),
         Some(PrefillSource::Header { name, allow }) => match prefiller_from_header(req.headers, name, allow) {
             Ok(Some(addr)) => Some(Picked::new(Arc::new(Endpoint::new(addr)))),
@@ -296,7 +293,7 @@ pub async fn orchestrate(
     ctx.decode_sent_at = Some(decode_started);
     let sent = tokio::select! {
         r = tokio::time::timeout(
-            route.options.decode_first_byte_timeout,
+            route.options().decode_first_byte_timeout(),
             app.client.send(decode.addr(), &head, decode_bytes, || metrics.upstream_retries.with_label_values(&["decode"]).inc()),
         ) => r,
         _ = client_gone(session) => { ctx.outcome = Some(Outcome::ClientClosed); return; }
@@ -304,7 +301,7 @@ pub async fn orchestrate(
     let exchange = match sent {
         Err(_) => {
             metrics.upstream_errors.with_label_values(&["decode", "timeout"]).inc();
-            let ms = u64::try_from(route.options.decode_first_byte_timeout.as_millis()).unwrap_or(u64::MAX);
+            let ms = u64::try_from(route.options().decode_first_byte_timeout().as_millis()).unwrap_or(u64::MAX);
             return write_error(session, ctx, &ApiError::DecodeTimeout(ms)).await;
         }
         Ok(Err(e)) => {

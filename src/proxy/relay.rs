@@ -111,16 +111,16 @@ struct Leg<'r, 'a> {
 
 async fn prefill(app: &App, session: &mut Session, ctx: &mut Ctx, leg: &Leg<'_, '_>) {
     let Leg { route, obj, view, req, ref facts } = *leg;
-    let pool = match route.prefill {
-        Some(PrefillSource::Pool(i)) => i,
-        _ => route.decode_pool,
+    let pool = match route.prefill() {
+        Some(PrefillSource::Pool(i)) => *i,
+        _ => route.decode_pool(),
     };
     let Some(endpoint) = app.pools.get(pool).and_then(|p| p.pick()) else {
         return write_error(session, ctx, &ApiError::PrefillUnavailable("prefill pool is empty".into())).await;
     };
-    let eligible = route.options.token_reuse && view.reuse_blocker().is_none() && !view.stream;
+    let eligible = route.options().token_reuse() && view.reuse_blocker().is_none() && !view.stream;
     if !eligible {
-        return forward(app, session, ctx, endpoint, req, &route.name).await;
+        return forward(app, session, ctx, endpoint, req, route.name()).await;
     }
     let mut body = obj.clone();
     if !view.return_token_ids {
@@ -141,7 +141,7 @@ async fn prefill(app: &App, session: &mut Session, ctx: &mut Ctx, leg: &Leg<'_, 
     let ids = handoff.as_ref().ok().and_then(|h| h.ids.as_ref().ok());
     let mut out: Option<Vec<u8>> = None;
     if let (Some(ids), Ok(handoff)) = (ids, &handoff) {
-        match route.options.relay_handoff {
+        match route.options().relay_handoff() {
             RelayHandoff::Cache => {
                 // The prefill's own engine id, from its response, is the best key.
                 let remote = handoff
@@ -183,11 +183,11 @@ async fn prefill(app: &App, session: &mut Session, ctx: &mut Ctx, leg: &Leg<'_, 
 
 async fn decode(app: &App, session: &mut Session, ctx: &mut Ctx, leg: &Leg<'_, '_>) {
     let Leg { route, obj, view, req, ref facts } = *leg;
-    let Some(endpoint) = app.pools.get(route.decode_pool).and_then(|p| p.pick()) else {
+    let Some(endpoint) = app.pools.get(route.decode_pool()).and_then(|p| p.pick()) else {
         return write_error(session, ctx, &ApiError::DecodeUnavailable("decode pool is empty".into())).await;
     };
-    let route_name = route.name.as_str();
-    let mut blocker = if route.options.token_reuse { view.reuse_blocker() } else { Some(FallbackReason::Disabled) };
+    let route_name = route.name();
+    let mut blocker = if route.options().token_reuse() { view.reuse_blocker() } else { Some(FallbackReason::Disabled) };
     if blocker.is_none()
         && view.api == Api::Chat
         && (facts.looks_like_decode || facts.ids_raw.is_some() || !app.cache.is_empty())
