@@ -20,7 +20,7 @@ use super::{
 use crate::config::defaults;
 use crate::config::file::{self, Field, Unknown};
 
-/// Upper bounds: a value past these is a typo, not a setting.
+// Upper bounds: a value past these is a typo, not a setting.
 const MAX_SECONDS: u64 = 3600;
 const MAX_THREADS: u64 = 256;
 const MAX_CONNECT_MS: u64 = 600_000;
