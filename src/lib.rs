@@ -81,10 +81,11 @@ impl App {
     pub fn new(config: Config) -> Result<Self, AppError> {
         let registry = Registry::new();
         let metrics = Metrics::register(&registry)?;
-        let pools: Vec<Arc<Pool>> = config.pools.iter().map(|spec| Arc::new(Pool::new(spec))).collect();
+        let pools: Vec<Arc<Pool>> = config.pools().iter().map(|spec| Arc::new(Pool::new(spec))).collect();
         let routes = RouteTable::new(&config, &pools, &metrics)?;
-        let client = Arc::new(UpstreamClient::new(config.upstream.connect_timeout, config.upstream.idle_timeout));
-        let cache = Arc::new(handoff::IdCache::new(config.cache.capacity_bytes, config.cache.ttl));
+        let client =
+            Arc::new(UpstreamClient::new(config.upstream().connect_timeout(), config.upstream().idle_timeout()));
+        let cache = Arc::new(handoff::IdCache::new(config.cache().capacity_bytes(), config.cache().ttl()));
         let edge = proxy::edge::EdgeLimits::default();
         Ok(Self { cache, draining: Arc::default(), edge, config, routes, pools, client, metrics, registry })
     }
@@ -96,17 +97,17 @@ impl App {
     /// [`AppError::Routes`] if a route names a missing pool (validation prevents it).
     pub fn reload(&self, config: Config) -> Result<Self, AppError> {
         let pools: Vec<Arc<Pool>> = config
-            .pools
+            .pools()
             .iter()
             .map(|spec| {
                 self.config
-                    .pools
+                    .pools()
                     .iter()
                     .position(|old| {
-                        old.name == spec.name
-                            && old.endpoints == spec.endpoints
-                            && old.balance == spec.balance
-                            && old.vllm_version == spec.vllm_version
+                        old.name() == spec.name()
+                            && old.endpoints() == spec.endpoints()
+                            && old.balance() == spec.balance()
+                            && old.vllm_version() == spec.vllm_version()
                     })
                     .and_then(|i| self.pools.get(i).cloned())
                     .unwrap_or_else(|| Arc::new(Pool::new(spec)))

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use tokenonce::config::{self, Config, ConfigError};
+use tokenonce::config::{self, Config, ConfigError, LogFormat};
 
 #[derive(Parser)]
 #[command(name = "tokenonce", version, about = "P/D sidecar for vLLM that tokenizes each prompt once")]
@@ -36,11 +36,11 @@ fn report(err: &ConfigError) {
 }
 
 fn init_logging(config: &Config) {
-    let filter = std::env::var("TOKENONCE_LOG").unwrap_or_else(|_| config.server.log_level.clone());
-    let filter =
-        tracing_subscriber::EnvFilter::try_new(&filter).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let filter = std::env::var("TOKENONCE_LOG").unwrap_or_else(|_| config.server().log_level().to_owned());
+    let filter = tracing_subscriber::EnvFilter::try_new(&filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(config::defaults::LOG_LEVEL));
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    if config.server.log_json {
+    if config.server().log_format() == LogFormat::Json {
         builder.json().init();
     } else {
         builder.init();
@@ -53,7 +53,7 @@ fn main() -> ExitCode {
         Some(Command::Check { file }) => {
             return match config::load(&file) {
                 Ok(c) => {
-                    println!("{}: ok ({} pools, {} routes)", file.display(), c.pools.len(), c.routes.len());
+                    println!("{}: ok ({} pools, {} routes)", file.display(), c.pools().len(), c.routes().len());
                     ExitCode::SUCCESS
                 }
                 Err(e) => {
@@ -80,7 +80,7 @@ fn main() -> ExitCode {
         }
     };
     init_logging(&config);
-    tracing::info!(listen = %config.server.listen, admin = %config.server.admin_listen, routes = config.routes.len(), "tokenonce starting");
+    tracing::info!(listen = %config.server().listen(), admin = %config.server().admin_listen(), routes = config.routes().len(), "tokenonce starting");
     match tokenonce::server::build(config, cli.config.clone()) {
         Ok(server) => server.run_forever(),
         Err(e) => {

@@ -60,13 +60,13 @@ impl Reloader {
 
 /// Listeners, threads and cache bounds are fixed at start; say so when a reload changes them.
 fn warn_fixed_settings(old: &Config, new: &Config) {
-    if old.server.listen != new.server.listen
-        || old.server.admin_listen != new.server.admin_listen
-        || old.server.threads != new.server.threads
+    if old.server().listen() != new.server().listen()
+        || old.server().admin_listen() != new.server().admin_listen()
+        || old.server().threads() != new.server().threads()
     {
         tracing::warn!("listeners and threads change only on restart; the new values are ignored until then");
     }
-    if old.cache.capacity_bytes != new.cache.capacity_bytes || old.cache.ttl != new.cache.ttl {
+    if old.cache().capacity_bytes() != new.cache().capacity_bytes() || old.cache().ttl() != new.cache().ttl() {
         tracing::warn!("cache bounds change only on restart");
     }
 }

@@ -75,14 +75,14 @@ impl Route {
     }
 
     fn path_matches(&self, path: &str) -> bool {
-        self.matcher.as_ref().is_some_and(|m| m.paths.is_empty() || m.paths.iter().any(|p| p == path))
+        self.matcher.as_ref().is_some_and(|m| m.paths().is_empty() || m.paths().iter().any(|p| p == path))
     }
 
     fn matches(&self, facts: &RequestFacts<'_>) -> bool {
         let Some(m) = &self.matcher else { return false };
         self.path_matches(facts.path)
-            && m.model.as_ref().is_none_or(|glob| facts.model.is_some_and(|model| glob.is_match(model)))
-            && m.headers.iter().all(|(name, value)| {
+            && m.model().is_none_or(|glob| facts.model.is_some_and(|model| glob.is_match(model)))
+            && m.headers().iter().all(|(name, value)| {
                 facts.headers.get(name.as_str()).and_then(|v| v.to_str().ok()).is_some_and(|v| v == value)
             })
     }
@@ -109,29 +109,29 @@ impl RouteTable {
     /// [`DanglingPool`] if a pool index is out of range (validation prevents it).
     pub fn new(config: &Config, pools: &[Arc<Pool>], metrics: &Metrics) -> Result<Self, DanglingPool> {
         let pool = |i: usize, route: &str| pools.get(i).cloned().ok_or(DanglingPool { route: route.to_owned() });
-        let mut routes = Vec::with_capacity(config.routes.len());
-        for spec in &config.routes {
-            let prefill = match &spec.prefill {
-                Some(PrefillSource::Pool(i)) => Some(PrefillTarget::Pool(pool(*i, &spec.name)?)),
+        let mut routes = Vec::with_capacity(config.routes().len());
+        for spec in config.routes() {
+            let prefill = match spec.prefill() {
+                Some(PrefillSource::Pool(i)) => Some(PrefillTarget::Pool(pool(*i, spec.name())?)),
                 Some(PrefillSource::Header { name, allow }) => {
                     Some(PrefillTarget::Header { name: name.clone(), allow: allow.clone() })
                 }
                 None => None,
             };
-            let o = &spec.options;
+            let o = &spec.options();
             routes.push(Arc::new(Route {
-                name: spec.name.clone(),
-                mode: spec.mode,
-                matcher: Some(spec.matcher.clone()),
-                decode_pool: pool(spec.decode_pool, &spec.name)?,
+                name: spec.name().to_owned(),
+                mode: spec.mode(),
+                matcher: Some(spec.matcher().clone()),
+                decode_pool: pool(spec.decode_pool(), spec.name())?,
                 prefill,
-                policy: ReusePolicy { token_reuse: o.token_reuse, relay_handoff: o.relay_handoff },
+                policy: ReusePolicy { token_reuse: o.token_reuse(), relay_handoff: o.relay_handoff() },
                 client_handoff: ClientHandoff::Strip,
                 prefill_credentials: false,
-                prefill_timeout: o.prefill_timeout,
-                decode_first_byte_timeout: o.decode_first_byte_timeout,
-                max_body_bytes: o.max_body_bytes,
-                metrics: metrics.route(&spec.name, spec.mode),
+                prefill_timeout: o.prefill_timeout(),
+                decode_first_byte_timeout: o.decode_first_byte_timeout(),
+                max_body_bytes: o.max_body_bytes(),
+                metrics: metrics.route(spec.name(), spec.mode()),
             }));
         }
         let largest_body = routes.iter().map(|r| r.max_body_bytes).max().unwrap_or(DEFAULT_ROUTE_BODY_LIMIT);
@@ -139,7 +139,7 @@ impl RouteTable {
             name: DEFAULT_ROUTE.to_owned(),
             mode: Mode::Passthrough,
             matcher: None,
-            decode_pool: pool(config.passthrough_pool, DEFAULT_ROUTE)?,
+            decode_pool: pool(config.passthrough_pool(), DEFAULT_ROUTE)?,
             prefill: None,
             policy: ReusePolicy { token_reuse: false, relay_handoff: crate::config::RelayHandoff::Cache },
             client_handoff: ClientHandoff::Strip,
@@ -170,7 +170,7 @@ impl RouteTable {
     /// True when some route could match `path` once the model is known, i.e. the body
     /// must be read before choosing.
     pub fn needs_model(&self, path: &str) -> bool {
-        self.routes.iter().any(|r| r.matcher.as_ref().is_some_and(|m| m.model.is_some()) && r.path_matches(path))
+        self.routes.iter().any(|r| r.matcher.as_ref().is_some_and(|m| m.model().is_some()) && r.path_matches(path))
     }
 
     /// Largest body any route accepts (bounds the read before a route is chosen).
@@ -217,7 +217,7 @@ decode_pool = "decode"
 
     fn table() -> RouteTable {
         let config = Config::from_toml(CONF, "t").unwrap();
-        let pools: Vec<Arc<Pool>> = config.pools.iter().map(|p| Arc::new(Pool::new(p))).collect();
+        let pools: Vec<Arc<Pool>> = config.pools().iter().map(|p| Arc::new(Pool::new(p))).collect();
         RouteTable::new(&config, &pools, &Metrics::register(&prometheus::Registry::new()).unwrap()).unwrap()
     }
 

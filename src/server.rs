@@ -34,17 +34,17 @@ pub enum BuildError {
 /// [`BuildError`] when metrics or pingora's configuration fail.
 pub fn build(config: Config, path: Option<PathBuf>) -> Result<Server, BuildError> {
     let mut conf = ServerConf::new().ok_or_else(|| BuildError::Conf("default ServerConf".into()))?;
-    conf.threads = config.server.threads;
-    conf.grace_period_seconds = Some(config.server.grace_period_seconds);
-    conf.graceful_shutdown_timeout_seconds = Some(config.server.graceful_shutdown_timeout_seconds);
+    conf.threads = config.server().threads();
+    conf.grace_period_seconds = Some(config.server().grace_period_seconds());
+    conf.graceful_shutdown_timeout_seconds = Some(config.server().graceful_shutdown_timeout_seconds());
     conf.upgrade_sock = format!("/tmp/tokenonce-upgrade-{}.sock", std::process::id());
     conf.pid_file = format!("/tmp/tokenonce-{}.pid", std::process::id());
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
 
-    let listen = config.server.listen.clone();
-    let admin_listen = config.server.admin_listen.clone();
-    let interval = config.upstream.health_interval;
+    let listen = config.server().listen().to_owned();
+    let admin_listen = config.server().admin_listen().to_owned();
+    let interval = config.upstream().health_interval();
     let app: SharedApp = Arc::new(ArcSwap::from_pointee(App::new(config)?));
 
     let poller = HealthPoller { app: Arc::clone(&app), interval, on_tick: Box::new(App::sweep_cache) };

@@ -433,6 +433,24 @@ async fn prefiller_header_mode() {
     }
 }
 
+/// A prefill that echoes fewer ids than the messages tokenize to (consistent with its
+/// `usage.prompt_tokens`): the decode gets exactly those ids and answers for that many
+/// prompt tokens, so it followed the ids, not the messages (the e2e tier does the same with
+/// a tampering proxy in front of a real prefill).
+#[tokio::test(flavor = "multi_thread")]
+async fn decode_follows_the_relayed_ids_not_the_messages() {
+    let short_prefill = FakeConfig { echo_only_first_ids: Some(3), ..FakeConfig::default() };
+    let (_p, d, proxy) = pd_setup(short_prefill, FakeConfig::default(), "").await;
+    let body = chat_body("a fairly long prompt with many words", json!({}));
+    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+    assert_eq!(status, 200);
+    let full = fake_tokenize(&fake_render_chat(&body));
+    assert!(full.len() > 3);
+    assert_eq!(d.posts()[0].json()["kv_transfer_params"]["prompt_token_ids"], json!(full[..3]));
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["usage"]["prompt_tokens"], 3);
+    assert_eq!(proxy.metric(r#"tokenonce_reused_prompt_tokens_total{route="pd"}"#).await, 3.0);
+}
+
 /// A decode whose /version cannot be read: chat falls back (counted), and requests do not
 /// each ask /version again.
 #[tokio::test(flavor = "multi_thread")]

@@ -1,14 +1,53 @@
-//! The TOML file format: serde structs only, mirroring what operators write. Validation and
-//! defaults that depend on other fields live in `model.rs`; nothing else reads these types.
+//! The TOML file format: serde structs only, mirroring what operators write. Every key is
+//! optional here, scalars keep their span and their type error ([`Field`]) and each table
+//! keeps the keys it does not know (`unknown`), so `model.rs` can report a missing key, a
+//! wrong type and a typo next to every other problem. Defaults: [`super::defaults`].
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 
+use serde::de::{DeserializeOwned, Deserializer};
 use serde::Deserialize;
 use toml::Spanned;
 
+/// Keys of a table that no field takes (reported by the validator, with their place).
+pub type Unknown = BTreeMap<String, toml::Value>;
+
+/// A scalar as written: where it is, and its value or why it has the wrong type.
+#[derive(Debug, Clone)]
+pub struct Field<T> {
+    span: Range<usize>,
+    value: Result<T, String>,
+}
+
+impl<T> Field<T> {
+    /// Byte range of the value in the file.
+    pub fn span(&self) -> Range<usize> {
+        self.span.clone()
+    }
+
+    /// The value, or the type error (e.g. `invalid type: string "two", expected i64`).
+    ///
+    /// # Errors
+    /// When the value has the wrong type.
+    pub fn value(&self) -> Result<&T, &str> {
+        self.value.as_ref().map_err(String::as_str)
+    }
+}
+
+impl<'de, T: DeserializeOwned> Deserialize<'de> for Field<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        // Any value is accepted here; the type is checked second, so a wrong one is a problem
+        // of this key instead of the end of the parse.
+        let raw = Spanned::<toml::Value>::deserialize(deserializer)?;
+        let span = raw.span();
+        let value = T::deserialize(raw.into_inner()).map_err(|e| e.message().to_owned());
+        Ok(Self { span, value })
+    }
+}
+
 /// The whole file.
 #[derive(Debug, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
 pub struct File {
     /// Listeners, threads, shutdown, logging.
     #[serde(default)]
@@ -28,124 +67,148 @@ pub struct File {
     /// The relay-mode id cache.
     #[serde(default)]
     pub cache: Cache,
+    /// Unknown top-level keys.
+    #[serde(flatten)]
+    pub unknown: Unknown,
 }
 
 /// `[cache]`
 #[derive(Debug, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
 pub struct Cache {
-    /// Largest total size of cached ids, bytes (default 256 MiB).
-    pub capacity_bytes: Option<Spanned<i64>>,
-    /// How long ids wait for their decode, ms (default 30000: vLLM's KV hold on the prefill).
-    pub ttl_ms: Option<Spanned<i64>>,
+    /// Largest total size of cached ids, bytes ([`CACHE_CAPACITY_BYTES`](super::defaults::CACHE_CAPACITY_BYTES)).
+    pub capacity_bytes: Option<Field<i64>>,
+    /// How long ids wait for their decode, ms ([`CACHE_TTL_MS`](super::defaults::CACHE_TTL_MS)).
+    pub ttl_ms: Option<Field<i64>>,
+    /// Unknown keys.
+    #[serde(flatten)]
+    pub unknown: Unknown,
 }
 
 /// `[server]`
 #[derive(Debug, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
 pub struct Server {
-    /// Client listener, `host:port` (default `0.0.0.0:8000`).
-    pub listen: Option<Spanned<String>>,
-    /// Admin listener for `/metrics`, `/healthz`, `/readyz` (default `127.0.0.1:9000`).
-    pub admin_listen: Option<Spanned<String>>,
-    /// Worker threads of the proxy service (default 2).
-    pub threads: Option<Spanned<i64>>,
-    /// Seconds to let in-flight streams finish after SIGTERM (default 5).
-    pub grace_period_seconds: Option<Spanned<i64>>,
-    /// Seconds allowed for services to stop after the grace period (default 5).
-    pub graceful_shutdown_timeout_seconds: Option<Spanned<i64>>,
-    /// Log filter (tracing `EnvFilter` syntax, default `info`); `TOKENONCE_LOG` overrides it.
-    pub log_level: Option<Spanned<String>>,
-    /// Log format: `text` (default) or `json`.
-    pub log_format: Option<Spanned<String>>,
+    /// Client listener, `ip:port` ([`LISTEN`](super::defaults::LISTEN)).
+    pub listen: Option<Field<String>>,
+    /// Admin listener for `/metrics`, `/healthz`, `/readyz` ([`ADMIN_LISTEN`](super::defaults::ADMIN_LISTEN)).
+    pub admin_listen: Option<Field<String>>,
+    /// Worker threads of the proxy service ([`THREADS`](super::defaults::THREADS)).
+    pub threads: Option<Field<i64>>,
+    /// Seconds to let in-flight streams finish after SIGTERM
+    /// ([`GRACE_PERIOD_SECONDS`](super::defaults::GRACE_PERIOD_SECONDS)).
+    pub grace_period_seconds: Option<Field<i64>>,
+    /// Seconds allowed for services to stop after the grace period
+    /// ([`GRACEFUL_SHUTDOWN_TIMEOUT_SECONDS`](super::defaults::GRACEFUL_SHUTDOWN_TIMEOUT_SECONDS)).
+    pub graceful_shutdown_timeout_seconds: Option<Field<i64>>,
+    /// Log filter, tracing `EnvFilter` syntax ([`LOG_LEVEL`](super::defaults::LOG_LEVEL));
+    /// `TOKENONCE_LOG` overrides it.
+    pub log_level: Option<Field<String>>,
+    /// Log format, `text` or `json` ([`LOG_FORMAT`](super::defaults::LOG_FORMAT)).
+    pub log_format: Option<Field<String>>,
+    /// Unknown keys.
+    #[serde(flatten)]
+    pub unknown: Unknown,
 }
 
 /// `[upstream]`
 #[derive(Debug, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
 pub struct Upstream {
-    /// TCP connect timeout in ms (default 2000).
-    pub connect_timeout_ms: Option<Spanned<i64>>,
-    /// How long an idle pooled connection is kept, ms (default 4000; vLLM closes at 5 s).
-    pub idle_timeout_ms: Option<Spanned<i64>>,
-    /// How often each decode endpoint's `/health` is polled, ms (default 2000).
-    pub health_interval_ms: Option<Spanned<i64>>,
+    /// TCP connect timeout, ms ([`CONNECT_TIMEOUT_MS`](super::defaults::CONNECT_TIMEOUT_MS)).
+    pub connect_timeout_ms: Option<Field<i64>>,
+    /// How long an idle pooled connection is kept, ms; must stay below vLLM's keep-alive
+    /// ([`IDLE_TIMEOUT_MS`](super::defaults::IDLE_TIMEOUT_MS)).
+    pub idle_timeout_ms: Option<Field<i64>>,
+    /// How often each endpoint's `/health` is polled, ms
+    /// ([`HEALTH_INTERVAL_MS`](super::defaults::HEALTH_INTERVAL_MS)).
+    pub health_interval_ms: Option<Field<i64>>,
+    /// Unknown keys.
+    #[serde(flatten)]
+    pub unknown: Unknown,
 }
 
 /// `[pools.NAME]`
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Deserialize, Default)]
 pub struct Pool {
-    /// `host:port` of each engine.
-    pub endpoints: Spanned<Vec<Spanned<String>>>,
-    /// `round_robin` (default) or `least_in_flight`.
-    pub balance: Option<Spanned<String>>,
+    /// `host:port` of each engine (required).
+    pub endpoints: Option<Spanned<Vec<Field<String>>>>,
+    /// `round_robin` or `least_in_flight` ([`BALANCE`](super::defaults::BALANCE)).
+    pub balance: Option<Field<String>>,
     /// Pin the engines' vLLM version instead of asking `GET /version`.
-    pub vllm_version: Option<Spanned<String>>,
+    pub vllm_version: Option<Field<String>>,
+    /// Unknown keys.
+    #[serde(flatten)]
+    pub unknown: Unknown,
 }
 
 /// `[defaults]`
 #[derive(Debug, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
 pub struct Defaults {
-    /// Pool that receives every request no route matches (default `decode`).
-    pub passthrough_pool: Option<Spanned<String>>,
+    /// Pool that receives every request no route matches
+    /// ([`PASSTHROUGH_POOL`](super::defaults::PASSTHROUGH_POOL)).
+    pub passthrough_pool: Option<Field<String>>,
+    /// Unknown keys.
+    #[serde(flatten)]
+    pub unknown: Unknown,
 }
 
 /// `[[routes]]`
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Deserialize, Default)]
 pub struct Route {
-    /// Name used in metrics and logs.
-    pub name: Spanned<String>,
+    /// Name used in metrics and logs (required).
+    pub name: Option<Field<String>>,
     /// What requests this route takes.
     #[serde(default, rename = "match")]
     pub matcher: Match,
-    /// `orchestrate`, `relay` or `passthrough`.
-    pub mode: Spanned<String>,
+    /// `orchestrate`, `relay` or `passthrough` (required).
+    pub mode: Option<Field<String>>,
     /// Relay only: `cache` (ids kept here until the decode) or `stateless` (ids ride in the
-    /// prefill response's `kv_transfer_params`, which the orchestrator copies to the decode).
-    pub relay_handoff: Option<Spanned<String>>,
-    /// Where the prefill leg goes (orchestrate only).
+    /// prefill response's `kv_transfer_params`, which the orchestrator copies to the decode)
+    /// ([`RELAY_HANDOFF`](super::defaults::RELAY_HANDOFF)).
+    pub relay_handoff: Option<Field<String>>,
+    /// Where the prefill leg goes (required for orchestrate).
     pub prefill: Option<Spanned<Prefill>>,
-    /// Pool of the decode leg (and of passthrough).
-    pub decode_pool: Spanned<String>,
-    /// Reuse the prefill's prompt ids on the decode (default true).
-    pub token_reuse: Option<bool>,
-    /// Whole prefill leg deadline, ms (default 30000).
-    pub prefill_timeout_ms: Option<Spanned<i64>>,
-    /// Decode response-header deadline, ms (default 60000).
-    pub decode_first_byte_timeout_ms: Option<Spanned<i64>>,
-    /// Largest accepted request body, bytes (default 32 MiB).
-    pub max_body_bytes: Option<Spanned<i64>>,
-    /// TESTS ONLY: cut the relayed prompt ids to this many, to prove the decode follows the
-    /// ids and not the messages. Never set in production: the answer is for a shorter prompt.
-    pub test_truncate_prompt_ids: Option<Spanned<i64>>,
+    /// Pool of the decode leg and of passthrough (required).
+    pub decode_pool: Option<Field<String>>,
+    /// Reuse the prefill's prompt ids on the decode ([`TOKEN_REUSE`](super::defaults::TOKEN_REUSE)).
+    pub token_reuse: Option<Field<bool>>,
+    /// Whole prefill leg deadline, ms ([`PREFILL_TIMEOUT_MS`](super::defaults::PREFILL_TIMEOUT_MS)).
+    pub prefill_timeout_ms: Option<Field<i64>>,
+    /// Decode response-header deadline, ms
+    /// ([`DECODE_FIRST_BYTE_TIMEOUT_MS`](super::defaults::DECODE_FIRST_BYTE_TIMEOUT_MS)).
+    pub decode_first_byte_timeout_ms: Option<Field<i64>>,
+    /// Largest accepted request body, bytes ([`MAX_BODY_BYTES`](super::defaults::MAX_BODY_BYTES)).
+    pub max_body_bytes: Option<Field<i64>>,
+    /// Unknown keys.
+    #[serde(flatten)]
+    pub unknown: Unknown,
 }
 
 /// `[routes.match]`
 #[derive(Debug, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
 pub struct Match {
-    /// Exact paths (default: any).
+    /// Exact paths (none: any path).
     #[serde(default)]
-    pub paths: Vec<Spanned<String>>,
-    /// Glob on the body's `model` (default: any, including none).
-    pub model: Option<Spanned<String>>,
+    pub paths: Vec<Field<String>>,
+    /// Glob on the body's `model` (none: any model, including none).
+    pub model: Option<Field<String>>,
     /// Header name → exact value, all required.
     #[serde(default)]
-    pub headers: BTreeMap<String, Spanned<String>>,
+    pub headers: BTreeMap<String, Field<String>>,
+    /// Unknown keys.
+    #[serde(flatten)]
+    pub unknown: Unknown,
 }
 
 /// `[routes.prefill]`: a pool, or a header naming the prefiller (llm-d's endpoint picker).
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Deserialize, Default)]
 pub struct Prefill {
     /// Name of a pool.
-    pub pool: Option<Spanned<String>>,
+    pub pool: Option<Field<String>>,
     /// Header carrying one `host:port`, e.g. `x-prefiller-host-port`.
-    pub header: Option<Spanned<String>>,
+    pub header: Option<Field<String>>,
     /// Hosts or CIDRs the header may name (required with `header`).
     #[serde(default)]
-    pub allow: Vec<Spanned<String>>,
+    pub allow: Vec<Field<String>>,
+    /// Unknown keys.
+    #[serde(flatten)]
+    pub unknown: Unknown,
 }

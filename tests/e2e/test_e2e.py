@@ -10,11 +10,17 @@ same client request is sent four times, sequentially:
   direct    the OpenAI SDK straight to the decode server (no tokenonce, no prefill)
   off       through tokenonce, header `x-e2e-route: off` (token_reuse = false)
   on        through tokenonce, default route (token reuse: the decode gets the prefill's ids)
-  truncate  through tokenonce, header `x-e2e-route: truncate` (only the first 10 ids relayed)
+  truncate  through tokenonce, header `x-e2e-route: truncate`: its prefill pool is the
+            tampering proxy below, so the prefill answers with only the first 10 prompt ids
 and direct == off == on must hold for the output text (content, reasoning, tool calls), the
 output token ids, finish_reason, usage and the echoed prompt ids. tokenonce's /metrics is
 scraped before and after each call through it to prove which path ran; the truncate run
 proves the decode followed the relayed ids (usage.prompt_tokens == 10), not the messages.
+
+The tampering proxy (127.0.0.1:18101, pool `prefill-short` of tokenonce-e2e.toml) runs in
+this process for the session: it forwards everything to the prefill vLLM and, in a JSON
+completion that echoes prompt ids, keeps the first 10 and sets usage.prompt_tokens to 10
+(tokenonce accepts ids only when the two agree). tokenonce has no test knob for this.
 
 The error tests check that vLLM's own 4xx answers (prompt over the context, out-of-vocabulary
 id, unknown model) reach the client unchanged: same status, content-type and body as the
@@ -25,9 +31,12 @@ Run by tests/e2e/run.sh; against servers you started yourself:
 Env overrides: E2E_TOKENONCE_PORT, E2E_ADMIN_PORT, E2E_PREFILL_PORT, E2E_DECODE_PORT, E2E_MODEL.
 """
 
+import http.client
+import http.server
 import json
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 
 import httpx
@@ -41,7 +50,8 @@ PREFILL_PORT = int(os.environ.get("E2E_PREFILL_PORT", "18100"))
 DECODE_PORT = int(os.environ.get("E2E_DECODE_PORT", "18200"))
 MODEL = os.environ.get("E2E_MODEL", "tiny-qwen3")
 MAX_MODEL_LEN = 49152
-TRUNCATE_TO = 10  # test_truncate_prompt_ids of the `truncate` route
+TAMPER_PORT = 18101  # pool `prefill-short` of tokenonce-e2e.toml (the `truncate` route's prefill)
+TRUNCATE_TO = 10  # prompt ids the tampering proxy lets through
 TIMEOUT_S = 120.0
 
 ROUTE_HEADER = "x-e2e-route"
@@ -302,17 +312,83 @@ def check_paths(results, deltas, stream):
     assert trunc.completion_tokens == MAX_TOKENS
 
 
+# ----------------------------------------------------------------------------- tampering proxy
+
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
+
+
+def shorten_prompt_ids(raw):
+    """A completion body with only the first TRUNCATE_TO echoed prompt ids and usage to match;
+    None when it echoes no ids (nothing to cut)."""
+    body = json.loads(raw)
+    # chat echoes the ids at the top level, completions in choices[0]
+    holders = [h for h in [body, *body.get("choices", [])] if isinstance(h.get("prompt_token_ids"), list)]
+    if not holders:
+        return None
+    for h in holders:
+        h["prompt_token_ids"] = h["prompt_token_ids"][:TRUNCATE_TO]
+    usage = body["usage"]
+    usage["prompt_tokens"] = len(holders[0]["prompt_token_ids"])
+    usage["total_tokens"] = usage["prompt_tokens"] + usage.get("completion_tokens", 0)
+    return json.dumps(body).encode()
+
+
+class TamperingProxy(http.server.BaseHTTPRequestHandler):
+    """Forwards each request to the prefill vLLM; shortens the prompt ids of JSON completions."""
+    protocol_version = "HTTP/1.1"  # keep-alive, as tokenonce pools its connections
+
+    def forward(self):
+        length = int(self.headers.get("content-length") or 0)
+        body = self.rfile.read(length) if length else None
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
+        conn = http.client.HTTPConnection(HOST, PREFILL_PORT, timeout=TIMEOUT_S)
+        try:
+            conn.request(self.command, self.path, body=body, headers=headers)
+            resp = conn.getresponse()
+            status, resp_headers, data = resp.status, resp.getheaders(), resp.read()
+        finally:
+            conn.close()
+        content_type = dict((k.lower(), v) for k, v in resp_headers).get("content-type", "")
+        if status == 200 and self.command == "POST" and content_type.startswith("application/json"):
+            data = shorten_prompt_ids(data) or data
+        self.send_response(status)
+        for k, v in resp_headers:
+            if k.lower() not in HOP_HEADERS:
+                self.send_header(k, v)
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = forward
+
+    def log_message(self, *args):  # quiet: tokenonce's /health polls would fill pytest's output
+        pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tampering_proxy():
+    server = http.server.ThreadingHTTPServer((HOST, TAMPER_PORT), TamperingProxy)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, name="tampering-proxy", daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
 # ----------------------------------------------------------------------------- tests
 
 
 @pytest.fixture(scope="session", autouse=True)
-def stack_ready():
+def stack_ready(tampering_proxy):
     """Fails fast (not 14 times) if the stack is not up."""
     for port in (PREFILL_PORT, DECODE_PORT):
         r = httpx.get(f"http://{HOST}:{port}/health", timeout=10)
         assert r.status_code == 200, f"vLLM on :{port} is not healthy ({r.status_code})"
     r = httpx.get(f"http://{HOST}:{ADMIN_PORT}/readyz", timeout=10)
     assert r.status_code == 200, f"tokenonce /readyz answered {r.status_code}: {r.text}"
+    r = httpx.get(f"http://{HOST}:{TAMPER_PORT}/health", timeout=10)
+    assert r.status_code == 200, f"tampering proxy -> prefill /health answered {r.status_code}"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])

@@ -34,6 +34,8 @@ pub struct FakeConfig {
     pub omit_prompt_ids: bool,
     /// Replace the echoed prompt ids with this raw JSON.
     pub corrupt_prompt_ids: Option<String>,
+    /// Take only the first N prompt ids, as if the prompt were that short (echo and usage agree).
+    pub echo_only_first_ids: Option<usize>,
     /// Wait before answering.
     pub delay: Duration,
     /// Wait between SSE events.
@@ -58,6 +60,7 @@ impl Default for FakeConfig {
             cached_tokens: None,
             omit_prompt_ids: false,
             corrupt_prompt_ids: None,
+            echo_only_first_ids: None,
             delay: Duration::ZERO,
             chunk_delay: Duration::ZERO,
             split_every: None,
@@ -443,6 +446,10 @@ fn completion(config: &FakeConfig, headers: &HeaderMap, raw: &[u8], chat: bool) 
             Value::Array(a) => a.first().and_then(Value::as_str).map(fake_tokenize).unwrap_or_default(),
             _ => return Err(error_body(400, "BadRequestError", "You must pass at least one prompt", None)),
         }
+    };
+    let prompt_ids = match config.echo_only_first_ids {
+        Some(n) => prompt_ids.into_iter().take(n).collect(),
+        None => prompt_ids,
     };
     if prompt_ids.iter().any(|&i| i >= 151_936) {
         return Err(error_body(400, "BadRequestError", "Token id is out of vocabulary", None));

@@ -1,0 +1,44 @@
+//! Every default of the config file, in the file's own units, each with its reason. The
+//! validator applies these, `file.rs` links here instead of restating numbers, and a test
+//! checks README's configuration table against them.
+
+use super::model::{Balance, LogFormat, RelayHandoff};
+
+/// Client listener: all interfaces, on vLLM's own default port, so clients need no change.
+pub const LISTEN: &str = "0.0.0.0:8000";
+/// Admin listener: loopback only; metrics and probes are for the pod, not for clients.
+pub const ADMIN_LISTEN: &str = "127.0.0.1:9000";
+/// Proxy worker threads: a sidecar shares its pod's CPUs with the engine's API server.
+pub const THREADS: u64 = 2;
+/// Seconds in-flight streams may finish after SIGTERM: short decodes end well within it.
+pub const GRACE_PERIOD_SECONDS: u64 = 5;
+/// Seconds services get to stop after the grace period.
+pub const GRACEFUL_SHUTDOWN_TIMEOUT_SECONDS: u64 = 5;
+/// Log filter: one line per request and every fallback, no per-chunk noise.
+pub const LOG_LEVEL: &str = "info";
+/// Log format: text for people; `json` is opt-in for log pipelines.
+pub const LOG_FORMAT: LogFormat = LogFormat::Text;
+/// TCP connect deadline, ms: engines are on loopback or in the cluster.
+pub const CONNECT_TIMEOUT_MS: u64 = 2000;
+/// Pooled connection idle limit, ms: below vLLM's 5 s keep-alive, so no socket goes stale.
+pub const IDLE_TIMEOUT_MS: u64 = 4000;
+/// `GET /health` period of every endpoint, ms: readiness follows the engine within 2 s.
+pub const HEALTH_INTERVAL_MS: u64 = 2000;
+/// Endpoint choice: round robin needs no state beyond a counter.
+pub const BALANCE: Balance = Balance::RoundRobin;
+/// Pool for requests no route matches: the decode engine serves `/v1/models` and the rest.
+pub const PASSTHROUGH_POOL: &str = "decode";
+/// Relay handoff: the cache keeps the ids off the orchestrator's wire.
+pub const RELAY_HANDOFF: RelayHandoff = RelayHandoff::Cache;
+/// Token reuse is what tokenonce is for.
+pub const TOKEN_REUSE: bool = true;
+/// Whole prefill leg, ms: vLLM holds the prefill's KV for the decode 30 s by default.
+pub const PREFILL_TIMEOUT_MS: u64 = 30_000;
+/// Decode response header, ms: a queued decode may wait behind long prefills.
+pub const DECODE_FIRST_BYTE_TIMEOUT_MS: u64 = 60_000;
+/// Request body limit, bytes (32 MiB): a 128k-token chat is a few MB of JSON.
+pub const MAX_BODY_BYTES: u64 = 32 * 1024 * 1024;
+/// Relay id cache bound, bytes (256 MiB): ~64M ids at 4 bytes each.
+pub const CACHE_CAPACITY_BYTES: u64 = 256 * 1024 * 1024;
+/// Relay id cache entry lifetime, ms: vLLM's KV hold on the prefill, after which ids are useless.
+pub const CACHE_TTL_MS: u64 = 30_000;

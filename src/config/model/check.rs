@@ -1,0 +1,569 @@
+//! File structs → validated model. Each check records a [`Problem`] (key path, line:col) and
+//! goes on with a placeholder, so one run reports every problem of a file; the model is
+//! returned only when there are none. A syntax error, or a table/array of the wrong type,
+//! stops the parse and is the one problem reported.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::time::Duration;
+
+use globset::Glob;
+use toml::de::{DeTable, DeValue};
+use toml::Spanned;
+use tracing_subscriber::filter::LevelFilter;
+
+use super::{
+    is_host_port, parse_allow, CacheSettings, Choice, Config, Mode, PoolSpec, PrefillSource, Problem, RouteMatch,
+    RouteOptions, RouteSpec, ServerSettings, UpstreamSettings, Version,
+};
+use crate::config::defaults;
+use crate::config::file::{self, Field, Unknown};
+
+// Upper bounds: a value past these is a typo, not a setting.
+const MAX_SECONDS: u64 = 3600;
+const MAX_THREADS: u64 = 256;
+const MAX_CONNECT_MS: u64 = 600_000;
+/// vLLM closes idle keep-alive connections after 5 s; ours must close first.
+const MAX_IDLE_MS: u64 = 4999;
+const MAX_LEG_MS: u64 = 3_600_000;
+const MAX_BODY_BYTES: u64 = 1 << 30;
+const MAX_CACHE_BYTES: u64 = 1 << 40;
+
+/// Parses and validates; `Err` holds every problem, sorted by place.
+pub(super) fn from_toml(text: &str) -> Result<Config, Vec<Problem>> {
+    let doc = DeTable::parse(text).map_err(|e| vec![problem(text, e.span(), "(syntax)".into(), e.message())])?;
+    let parsed: file::File = toml::from_str(text).map_err(|e| {
+        let key = e.span().and_then(|s| key_at(doc.get_ref(), &s, "")).unwrap_or_else(|| "(file)".into());
+        vec![problem(text, e.span(), key, e.message())]
+    })?;
+    let mut ck = Checker { source: text, doc: doc.get_ref(), problems: Vec::new() };
+    let config = check(parsed, &mut ck);
+    if ck.problems.is_empty() {
+        Ok(config)
+    } else {
+        // File order; problems of the file as a whole (no place) last.
+        ck.problems.sort_by_key(|p| (p.line == 0, p.line, p.column));
+        Err(ck.problems)
+    }
+}
+
+fn problem(source: &str, span: Option<Range<usize>>, key: String, message: &str) -> Problem {
+    let (line, column) = span.map_or((0, 0), |s| line_col(source, s.start));
+    Problem { line, column, key, message: message.to_owned() }
+}
+
+fn line_col(source: &str, offset: usize) -> (usize, usize) {
+    let before = source.get(..offset).unwrap_or(source);
+    let line = before.matches('\n').count() + 1;
+    let column = before.rfind('\n').map_or(before.len(), |nl| before.len() - nl - 1) + 1;
+    (line, column)
+}
+
+/// One step of a key path: a table key or an array index.
+#[derive(Debug, Clone, Copy)]
+enum Seg<'a> {
+    Key(&'a str),
+    Index(usize),
+}
+
+/// `routes[0].match` for `[Key("routes"), Index(0), Key("match")]`, then `.name` if given.
+fn key_path(path: &[Seg<'_>], name: Option<&str>) -> String {
+    let mut out = String::new();
+    for seg in path.iter().copied().map(Some).chain([name.map(Seg::Key)]).flatten() {
+        match seg {
+            Seg::Key(k) if out.is_empty() => out.push_str(k),
+            Seg::Key(k) => {
+                out.push('.');
+                out.push_str(k);
+            }
+            Seg::Index(i) => out.push_str(&format!("[{i}]")),
+        }
+    }
+    out
+}
+
+/// Span of the key `name` in the table at `path`.
+fn locate(doc: &DeTable<'_>, path: &[Seg<'_>], name: &str) -> Option<Range<usize>> {
+    let mut table = doc;
+    let mut segs = path.iter().peekable();
+    while let Some(seg) = segs.next() {
+        let Seg::Key(key) = seg else { return None };
+        let mut value = table.get(*key)?;
+        while let Some(Seg::Index(i)) = segs.peek() {
+            value = value.get_ref().as_array()?.get(*i)?;
+            segs.next();
+        }
+        table = value.get_ref().as_table()?;
+    }
+    table.iter().find(|(k, _)| k.get_ref() == name).map(|(k, _)| k.span())
+}
+
+/// The deepest key whose value covers `span` (names the key of a serde type error).
+fn key_at(table: &DeTable<'_>, span: &Range<usize>, prefix: &str) -> Option<String> {
+    table.iter().find_map(|(k, v)| {
+        let key = if prefix.is_empty() { k.get_ref().to_string() } else { format!("{prefix}.{}", k.get_ref()) };
+        value_key_at(v, span, key)
+    })
+}
+
+fn value_key_at(value: &Spanned<DeValue<'_>>, span: &Range<usize>, key: String) -> Option<String> {
+    let inner = match value.get_ref() {
+        DeValue::Table(t) => key_at(t, span, &key),
+        DeValue::Array(a) => a.iter().enumerate().find_map(|(i, v)| value_key_at(v, span, format!("{key}[{i}]"))),
+        _ => None,
+    };
+    let own = value.span();
+    inner.or_else(|| (own.start <= span.start && span.end <= own.end).then_some(key))
+}
+
+/// Why `text` is not a log filter we accept: tracing's `EnvFilter` syntax, and a bare word
+/// must be a level (tracing would read `warning` as a target and log nothing else).
+fn log_filter_problem(text: &str) -> Option<String> {
+    if text.trim().is_empty() {
+        return Some("empty filter (`off` turns logging off)".into());
+    }
+    if let Err(e) = tracing_subscriber::EnvFilter::builder().parse(text) {
+        return Some(format!("not a tracing filter: {e}"));
+    }
+    text.split(',').map(str::trim).filter(|d| !d.is_empty() && !d.contains(['=', '['])).find_map(|d| {
+        d.parse::<LevelFilter>().is_err().then(|| {
+            format!("`{d}` is not a level (off, error, warn, info, debug, trace); a target needs `target=level`")
+        })
+    })
+}
+
+/// Collects problems while converting.
+struct Checker<'a> {
+    source: &'a str,
+    /// The spanned document, to find where unknown keys are.
+    doc: &'a DeTable<'a>,
+    problems: Vec<Problem>,
+}
+
+impl Checker<'_> {
+    fn at(&mut self, span: Option<Range<usize>>, key: impl Into<String>, message: impl Into<String>) {
+        let (line, column) = span.map_or((0, 0), |s| line_col(self.source, s.start));
+        self.problems.push(Problem { line, column, key: key.into(), message: message.into() });
+    }
+
+    /// Every key of the table at `path` that the file format does not have.
+    fn unknown(&mut self, unknown: &Unknown, path: &[Seg<'_>]) {
+        for name in unknown.keys() {
+            let span = locate(self.doc, path, name);
+            self.at(span, key_path(path, Some(name)), format!("unknown key `{name}`"));
+        }
+    }
+
+    /// The value, or `None` after recording its type error.
+    fn value<'f, T>(&mut self, field: &'f Field<T>, key: &str) -> Option<&'f T> {
+        match field.value() {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.at(Some(field.span()), key, e);
+                None
+            }
+        }
+    }
+
+    /// A present, well-typed value with its span.
+    fn get<'f, T>(&mut self, field: &'f Option<Field<T>>, key: &str) -> Option<(&'f T, Range<usize>)> {
+        let field = field.as_ref()?;
+        self.value(field, key).map(|v| (v, field.span()))
+    }
+
+    /// Like [`Checker::get`]; a missing key is a problem at its table (`table`).
+    fn required<'f, T>(
+        &mut self,
+        field: &'f Option<Field<T>>,
+        table: &Range<usize>,
+        key: &str,
+    ) -> Option<(&'f T, Range<usize>)> {
+        if field.is_none() {
+            self.at(Some(table.clone()), key, "required key is missing");
+        }
+        self.get(field, key)
+    }
+
+    /// One of `T`'s names; an unknown name is a problem that lists the allowed ones.
+    fn choice<T: Choice>(&mut self, got: Option<(&String, Range<usize>)>, key: &str) -> Option<T> {
+        let (text, span) = got?;
+        let found = T::ALL.iter().copied().find(|c| c.name() == text.as_str());
+        if found.is_none() {
+            let names: Vec<&str> = T::ALL.iter().map(|c| c.name()).collect();
+            self.at(Some(span), key, format!("`{text}` is not one of: {}", names.join(", ")));
+        }
+        found
+    }
+
+    fn optional_choice<T: Choice>(&mut self, field: &Option<Field<String>>, key: &str, default: T) -> T {
+        let got = self.get(field, key);
+        self.choice(got, key).unwrap_or(default)
+    }
+
+    fn positive(&mut self, field: &Option<Field<i64>>, key: &str, default: u64, max: u64) -> u64 {
+        match self.get(field, key) {
+            None => default,
+            Some((v, span)) => match u64::try_from(*v).ok().filter(|v| (1..=max).contains(v)) {
+                Some(v) => v,
+                None => {
+                    self.at(Some(span), key, format!("must be between 1 and {max}"));
+                    default
+                }
+            },
+        }
+    }
+
+    fn millis(&mut self, field: &Option<Field<i64>>, key: &str, default: u64, max: u64) -> Duration {
+        Duration::from_millis(self.positive(field, key, default, max))
+    }
+
+    fn addr(&mut self, field: &Option<Field<String>>, key: &str, default: &str) -> String {
+        match self.get(field, key) {
+            None => default.to_owned(),
+            Some((text, span)) => {
+                if text.parse::<SocketAddr>().is_err() {
+                    self.at(Some(span), key, format!("`{text}` is not an ip:port address"));
+                }
+                text.clone()
+            }
+        }
+    }
+
+    /// Index of the pool named by `got`.
+    fn pool_ref(&mut self, pools: &[PoolSpec], got: Option<(&String, Range<usize>)>, key: &str) -> Option<usize> {
+        let (name, span) = got?;
+        let found = pools.iter().position(|p| &p.name == name);
+        if found.is_none() {
+            let known: Vec<&str> = pools.iter().map(|p| p.name.as_str()).collect();
+            self.at(Some(span), key, format!("no pool named `{name}` (pools: {})", known.join(", ")));
+        }
+        found
+    }
+}
+
+fn check(f: file::File, ck: &mut Checker<'_>) -> Config {
+    let file::File { server, upstream, pools, defaults: defaults_table, routes, cache, unknown } = f;
+    ck.unknown(&unknown, &[]);
+    let server = check_server(ck, server);
+    let upstream = check_upstream(ck, upstream);
+    let cache = check_cache(ck, cache);
+    let pools = check_pools(ck, &pools);
+
+    let file::Defaults { passthrough_pool, unknown } = defaults_table;
+    ck.unknown(&unknown, &[Seg::Key("defaults")]);
+    const PASSTHROUGH_KEY: &str = "defaults.passthrough_pool";
+    let passthrough_pool = if passthrough_pool.is_some() {
+        let got = ck.get(&passthrough_pool, PASSTHROUGH_KEY);
+        ck.pool_ref(&pools, got, PASSTHROUGH_KEY)
+    } else {
+        let found = pools.iter().position(|p| p.name == defaults::PASSTHROUGH_POOL);
+        if found.is_none() {
+            let message = format!("not set and there is no pool named `{}`", defaults::PASSTHROUGH_POOL);
+            ck.at(None, PASSTHROUGH_KEY, message);
+        }
+        found
+    };
+
+    let mut seen_names = Vec::new();
+    let routes = routes.into_iter().enumerate().map(|(i, r)| check_route(ck, i, r, &pools, &mut seen_names)).collect();
+    if pools.is_empty() {
+        ck.at(None, "pools", "at least one pool is needed");
+    }
+    Config { server, upstream, pools, routes, passthrough_pool: passthrough_pool.unwrap_or(0), cache }
+}
+
+fn check_server(ck: &mut Checker<'_>, server: file::Server) -> ServerSettings {
+    let file::Server {
+        listen,
+        admin_listen,
+        threads,
+        grace_period_seconds,
+        graceful_shutdown_timeout_seconds,
+        log_level,
+        log_format,
+        unknown,
+    } = server;
+    ck.unknown(&unknown, &[Seg::Key("server")]);
+    let log_level = match ck.get(&log_level, "server.log_level") {
+        None => defaults::LOG_LEVEL.to_owned(),
+        Some((text, span)) => {
+            if let Some(why) = log_filter_problem(text) {
+                ck.at(Some(span), "server.log_level", why);
+            }
+            text.clone()
+        }
+    };
+    ServerSettings {
+        listen: ck.addr(&listen, "server.listen", defaults::LISTEN),
+        admin_listen: ck.addr(&admin_listen, "server.admin_listen", defaults::ADMIN_LISTEN),
+        threads: ck.positive(&threads, "server.threads", defaults::THREADS, MAX_THREADS) as usize,
+        grace_period_seconds: ck.positive(
+            &grace_period_seconds,
+            "server.grace_period_seconds",
+            defaults::GRACE_PERIOD_SECONDS,
+            MAX_SECONDS,
+        ),
+        graceful_shutdown_timeout_seconds: ck.positive(
+            &graceful_shutdown_timeout_seconds,
+            "server.graceful_shutdown_timeout_seconds",
+            defaults::GRACEFUL_SHUTDOWN_TIMEOUT_SECONDS,
+            MAX_SECONDS,
+        ),
+        log_level,
+        log_format: ck.optional_choice(&log_format, "server.log_format", defaults::LOG_FORMAT),
+    }
+}
+
+fn check_upstream(ck: &mut Checker<'_>, upstream: file::Upstream) -> UpstreamSettings {
+    let file::Upstream { connect_timeout_ms, idle_timeout_ms, health_interval_ms, unknown } = upstream;
+    ck.unknown(&unknown, &[Seg::Key("upstream")]);
+    UpstreamSettings {
+        connect_timeout: ck.millis(
+            &connect_timeout_ms,
+            "upstream.connect_timeout_ms",
+            defaults::CONNECT_TIMEOUT_MS,
+            MAX_CONNECT_MS,
+        ),
+        idle_timeout: ck.millis(&idle_timeout_ms, "upstream.idle_timeout_ms", defaults::IDLE_TIMEOUT_MS, MAX_IDLE_MS),
+        health_interval: ck.millis(
+            &health_interval_ms,
+            "upstream.health_interval_ms",
+            defaults::HEALTH_INTERVAL_MS,
+            MAX_CONNECT_MS,
+        ),
+    }
+}
+
+fn check_cache(ck: &mut Checker<'_>, cache: file::Cache) -> CacheSettings {
+    let file::Cache { capacity_bytes, ttl_ms, unknown } = cache;
+    ck.unknown(&unknown, &[Seg::Key("cache")]);
+    CacheSettings {
+        capacity_bytes: ck.positive(
+            &capacity_bytes,
+            "cache.capacity_bytes",
+            defaults::CACHE_CAPACITY_BYTES,
+            MAX_CACHE_BYTES,
+        ) as usize,
+        ttl: ck.millis(&ttl_ms, "cache.ttl_ms", defaults::CACHE_TTL_MS, MAX_LEG_MS),
+    }
+}
+
+fn check_pools(ck: &mut Checker<'_>, pools: &BTreeMap<String, Spanned<file::Pool>>) -> Vec<PoolSpec> {
+    let mut specs = Vec::with_capacity(pools.len());
+    for (name, pool) in pools {
+        let path = [Seg::Key("pools"), Seg::Key(name)];
+        let key = key_path(&path, None);
+        let file::Pool { endpoints, balance, vllm_version, unknown } = pool.get_ref();
+        ck.unknown(unknown, &path);
+        let endpoints_key = format!("{key}.endpoints");
+        let endpoints = match endpoints {
+            None => {
+                ck.at(Some(pool.span()), &endpoints_key, "required key is missing");
+                Vec::new()
+            }
+            Some(list) => {
+                if list.get_ref().is_empty() {
+                    ck.at(Some(list.span()), &endpoints_key, "needs at least one host:port");
+                }
+                let mut addrs = Vec::with_capacity(list.get_ref().len());
+                for ep in list.get_ref() {
+                    let Some(text) = ck.value(ep, &endpoints_key) else { continue };
+                    if !is_host_port(text) {
+                        ck.at(Some(ep.span()), &endpoints_key, format!("`{text}` is not host:port"));
+                    }
+                    addrs.push(text.clone());
+                }
+                addrs
+            }
+        };
+        let balance = ck.optional_choice(balance, &format!("{key}.balance"), defaults::BALANCE);
+        let version_key = format!("{key}.vllm_version");
+        let vllm_version = ck.get(vllm_version, &version_key).and_then(|(text, span)| {
+            let parsed = Version::parse(text);
+            if parsed.is_none() {
+                ck.at(Some(span), &version_key, format!("`{text}` is not a version"));
+            }
+            parsed
+        });
+        specs.push(PoolSpec { name: name.clone(), endpoints, balance, vllm_version });
+    }
+    specs
+}
+
+fn check_route(
+    ck: &mut Checker<'_>,
+    index: usize,
+    route: Spanned<file::Route>,
+    pools: &[PoolSpec],
+    seen_names: &mut Vec<String>,
+) -> RouteSpec {
+    let span = route.span();
+    let path = [Seg::Key("routes"), Seg::Index(index)];
+    let key = key_path(&path, None);
+    let file::Route {
+        name,
+        matcher,
+        mode,
+        relay_handoff,
+        prefill,
+        decode_pool,
+        token_reuse,
+        prefill_timeout_ms,
+        decode_first_byte_timeout_ms,
+        max_body_bytes,
+        unknown,
+    } = route.into_inner();
+    ck.unknown(&unknown, &path);
+
+    let name_key = format!("{key}.name");
+    let name = match ck.required(&name, &span, &name_key) {
+        None => String::new(),
+        Some((name, name_span)) => {
+            if seen_names.contains(name) {
+                ck.at(Some(name_span.clone()), &name_key, format!("duplicate route name `{name}`"));
+            }
+            if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+                ck.at(Some(name_span), &name_key, "must be non-empty [A-Za-z0-9._-]");
+            }
+            seen_names.push(name.clone());
+            name.clone()
+        }
+    };
+    let mode_key = format!("{key}.mode");
+    let got = ck.required(&mode, &span, &mode_key);
+    let mode: Option<Mode> = ck.choice(got, &mode_key);
+    let matcher = check_match(ck, matcher, &path);
+
+    let prefill_span = prefill.as_ref().map(Spanned::span);
+    let source = prefill.map(|p| check_prefill(ck, p, &path, pools));
+    let prefill_key = format!("{key}.prefill");
+    let prefill = match (mode, source) {
+        (Some(Mode::Orchestrate), None) => {
+            ck.at(Some(span.clone()), &prefill_key, "orchestrate needs `prefill` (a pool or a header)");
+            None
+        }
+        (Some(Mode::Passthrough), Some(_)) => {
+            ck.at(prefill_span, &prefill_key, "passthrough routes have no prefill");
+            None
+        }
+        (Some(Mode::Relay), Some(Some(PrefillSource::Header { .. }))) => {
+            ck.at(prefill_span, &prefill_key, "relay routes take only `prefill = { pool = ... }`");
+            None
+        }
+        (_, source) => source.flatten(),
+    };
+
+    let decode_key = format!("{key}.decode_pool");
+    let got = ck.required(&decode_pool, &span, &decode_key);
+    let decode_pool = ck.pool_ref(pools, got, &decode_key).unwrap_or(0);
+
+    let options = RouteOptions {
+        token_reuse: ck.get(&token_reuse, &format!("{key}.token_reuse")).map_or(defaults::TOKEN_REUSE, |(v, _)| *v),
+        prefill_timeout: ck.millis(
+            &prefill_timeout_ms,
+            &format!("{key}.prefill_timeout_ms"),
+            defaults::PREFILL_TIMEOUT_MS,
+            MAX_LEG_MS,
+        ),
+        decode_first_byte_timeout: ck.millis(
+            &decode_first_byte_timeout_ms,
+            &format!("{key}.decode_first_byte_timeout_ms"),
+            defaults::DECODE_FIRST_BYTE_TIMEOUT_MS,
+            MAX_LEG_MS,
+        ),
+        max_body_bytes: ck.positive(
+            &max_body_bytes,
+            &format!("{key}.max_body_bytes"),
+            defaults::MAX_BODY_BYTES,
+            MAX_BODY_BYTES,
+        ) as usize,
+        relay_handoff: ck.optional_choice(&relay_handoff, &format!("{key}.relay_handoff"), defaults::RELAY_HANDOFF),
+    };
+    RouteSpec { name, matcher, mode: mode.unwrap_or(Mode::Passthrough), prefill, decode_pool, options }
+}
+
+fn check_match(ck: &mut Checker<'_>, matcher: file::Match, route: &[Seg<'_>]) -> RouteMatch {
+    let path = [route, &[Seg::Key("match")]].concat();
+    let key = key_path(&path, None);
+    let file::Match { paths, model, headers, unknown } = matcher;
+    ck.unknown(&unknown, &path);
+    let paths_key = format!("{key}.paths");
+    let mut exact = Vec::with_capacity(paths.len());
+    for p in &paths {
+        let Some(text) = ck.value(p, &paths_key) else { continue };
+        if !text.starts_with('/') {
+            ck.at(Some(p.span()), &paths_key, "a path starts with /");
+        }
+        exact.push(text.clone());
+    }
+    let model_key = format!("{key}.model");
+    let model = ck.get(&model, &model_key).and_then(|(glob, span)| match Glob::new(glob) {
+        Ok(glob) => Some(glob.compile_matcher()),
+        Err(e) => {
+            ck.at(Some(span), &model_key, format!("bad glob: {e}"));
+            None
+        }
+    });
+    let headers_key = format!("{key}.headers");
+    let mut required = Vec::with_capacity(headers.len());
+    for (name, value) in &headers {
+        if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+            ck.at(Some(value.span()), &headers_key, format!("`{name}` is not a header name"));
+        }
+        if let Some(value) = ck.value(value, &headers_key) {
+            required.push((name.to_ascii_lowercase(), value.clone()));
+        }
+    }
+    RouteMatch { paths: exact, model, headers: required }
+}
+
+/// The prefill table on its own; the mode's rules are checked by the caller.
+fn check_prefill(
+    ck: &mut Checker<'_>,
+    prefill: Spanned<file::Prefill>,
+    route: &[Seg<'_>],
+    pools: &[PoolSpec],
+) -> Option<PrefillSource> {
+    let span = prefill.span();
+    let path = [route, &[Seg::Key("prefill")]].concat();
+    let key = key_path(&path, None);
+    let file::Prefill { pool, header, allow, unknown } = prefill.into_inner();
+    ck.unknown(&unknown, &path);
+    let allow_key = format!("{key}.allow");
+    match (&pool, &header) {
+        (Some(_), None) => {
+            if !allow.is_empty() {
+                ck.at(Some(span), &allow_key, "`allow` goes with `header`, not `pool`");
+            }
+            let pool_key = format!("{key}.pool");
+            let got = ck.get(&pool, &pool_key);
+            ck.pool_ref(pools, got, &pool_key).map(PrefillSource::Pool)
+        }
+        (None, Some(_)) => {
+            let header_key = format!("{key}.header");
+            let name = ck.get(&header, &header_key).map(|(name, name_span)| {
+                if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+                    ck.at(Some(name_span), &header_key, "not a header name");
+                }
+                name.to_ascii_lowercase()
+            });
+            if allow.is_empty() {
+                ck.at(Some(span), &allow_key, "a header prefill needs an allowlist of hosts or CIDRs");
+            }
+            let mut entries = Vec::with_capacity(allow.len());
+            for a in &allow {
+                let Some(text) = ck.value(a, &allow_key) else { continue };
+                match parse_allow(text) {
+                    Some(entry) => entries.push(entry),
+                    None => ck.at(Some(a.span()), &allow_key, format!("`{text}` is not a host or CIDR")),
+                }
+            }
+            name.map(|name| PrefillSource::Header { name, allow: entries })
+        }
+        _ => {
+            ck.at(Some(span), &key, "set exactly one of `pool` or `header`");
+            None
+        }
+    }
+}
