@@ -1,6 +1,7 @@
-//! Config reload on SIGHUP: the file is read and validated again; a good one replaces the
-//! state for new requests (in-flight ones keep theirs), a bad one is rejected with every
-//! problem logged and the running config kept. Counted in `config_reloads_total{result}`.
+//! Config reload on SIGHUP (or `server::Running::reload`): the file is read and validated
+//! again; a good one replaces the state for new requests (in-flight ones keep theirs), a bad
+//! one is rejected with every problem logged and the running config kept. Counted in
+//! `config_reloads_total{result}`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -25,7 +26,7 @@ impl Reloader {
     pub fn reload_now(&self) -> bool {
         let current = self.app.load_full();
         let Some(path) = &self.path else {
-            tracing::warn!("SIGHUP ignored: running on the embedded default config");
+            tracing::warn!("reload ignored: running on the embedded default config");
             current.metrics.config_reloads.with_label_values(&["failure"]).inc();
             return false;
         };
