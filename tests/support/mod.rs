@@ -18,11 +18,6 @@ use tokio::sync::oneshot;
 
 pub use fake_vllm::{fake_render_chat, fake_tokenize, FakeConfig, FakeVllm};
 
-/// A free loopback port (bound then released).
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 /// How the harness runs tokenonce, besides the test's own config.
 #[derive(Clone, Debug)]
 pub struct Settings {
