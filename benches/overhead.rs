@@ -6,7 +6,10 @@
 //! prompt size, default 100; `--warmup N`, default 5; `--max-seconds S`, the measuring
 //! budget, default 150). `cargo bench` builds this file and the `tokenonce` binary with the
 //! bench profile (= release) into `target/release/`, and the bench runs that binary
-//! (`CARGO_BIN_EXE_tokenonce`, so it is never stale; `TOKENONCE_BIN=path` runs another build).
+//! (`CARGO_BIN_EXE_tokenonce`, so it is never stale; `TOKENONCE_BIN=path` runs another build,
+//! one recent enough to log its bound addresses in a `tokenonce listening` line) as a separate
+//! process, started by the tests' harness (`tests/support/mod.rs`, `TokenOnce::spawn`) on
+//! port-0 listeners.
 //!
 //! Each prompt size gets fresh fakes and a fresh tokenonce (the fakes keep every request
 //! body, so this bounds memory, about 0.6 GB at the default 100 rounds, and gives a peak RSS
@@ -26,20 +29,17 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-#[allow(dead_code)]
-#[path = "../tests/support/fake_vllm.rs"]
-mod fake_vllm;
+#[path = "../tests/support/mod.rs"]
+mod support;
 
-use std::io::Write;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use fake_vllm::{FakeConfig, FakeVllm};
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
+use support::{pd_config, FakeConfig, FakeVllm, Settings, TokenOnce};
 
 /// User-message sizes in words (the fake tokenizer: one token per whitespace-separated word).
 const PROMPT_WORDS: [usize; 2] = [1_000, 37_000];
@@ -120,80 +120,6 @@ fn tokenonce_binary() -> PathBuf {
         assert!(status.success(), "cargo build --release failed");
     }
     fallback
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// The tokenonce process; killed (by its own pid) on drop.
-struct TokenOnce {
-    child: Child,
-    url: String,
-    admin: String,
-    log: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl TokenOnce {
-    fn start(binary: &Path, prefill: &FakeVllm, decode: &FakeVllm) -> Self {
-        let port = free_port();
-        let admin_port = free_port();
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("tokenonce.toml");
-        let text = format!(
-            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nthreads = 2\n\
-             grace_period_seconds = 1\ngraceful_shutdown_timeout_seconds = 1\n\n[upstream]\nhealth_interval_ms = 1000\n\n\
-             [pools.prefill]\nendpoints = [\"{}\"]\n\n[pools.decode]\nendpoints = [\"{}\"]\n\n\
-             [[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n\
-             token_reuse = true\n[routes.match]\npaths = [\"/v1/chat/completions\", \"/v1/completions\"]\n",
-            prefill.host_port(),
-            decode.host_port()
-        );
-        std::fs::File::create(&path).unwrap().write_all(text.as_bytes()).unwrap();
-        let log = dir.path().join("tokenonce.log");
-        let child = Command::new(binary)
-            .arg("--config")
-            .arg(&path)
-            .env("TOKENONCE_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {}: {e}", binary.display()));
-        Self {
-            child,
-            url: format!("http://127.0.0.1:{port}"),
-            admin: format!("http://127.0.0.1:{admin_port}"),
-            log,
-            _dir: dir,
-        }
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Waits (bounded: 20 s) until `/healthz` and `/readyz` answer 200.
-    async fn wait_ready(&self, client: &reqwest::Client) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        for path in ["/healthz", "/readyz"] {
-            loop {
-                let ok = client.get(format!("{}{path}", self.admin)).send().await.is_ok_and(|r| r.status() == 200);
-                if ok {
-                    break;
-                }
-                assert!(Instant::now() < deadline, "tokenonce: {path} not 200 within 20 s:\n{}", self.log_text());
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
-}
-
-impl Drop for TokenOnce {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// `(VmHWM, VmRSS)` in KiB from `/proc/PID/status`.
@@ -519,7 +445,8 @@ struct Env {
 }
 
 impl Env {
-    fn start(binary: &Path) -> Self {
+    /// Starts the fakes, then tokenonce (a child process) between them, on `rt`.
+    fn start(binary: &Path, rt: &tokio::runtime::Runtime) -> Self {
         // The fakes get their own runtime so their CPU work never delays the client's clock.
         let fake_rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -531,7 +458,9 @@ impl Env {
         let engine = FakeConfig { connector: true, ..FakeConfig::default() };
         let prefill = fake_rt.block_on(FakeVllm::start(engine.clone()));
         let decode = fake_rt.block_on(FakeVllm::start(engine));
-        let proxy = TokenOnce::start(binary, &prefill, &decode);
+        let settings = Settings { health_interval_ms: 1000, log: "warn".into() };
+        let config = pd_config(&prefill, &decode, "token_reuse = true");
+        let proxy = rt.block_on(TokenOnce::spawn(binary, &config, &settings));
         Self { proxy, prefill, decode, fake_rt }
     }
 }
@@ -677,7 +606,7 @@ async fn measure(bench: &Bench, env: &Env, words_n: usize, opts: &Options, budge
         reuse_applied,
         proxied,
         retries,
-        peak_rss_kib: proc_memory_kib(env.proxy.child.id()).0,
+        peak_rss_kib: env.proxy.pid().and_then(|pid| proc_memory_kib(pid).0),
         reuse_races,
         warnings,
         relay_check,
@@ -853,7 +782,7 @@ fn main() {
     let total_budget = Duration::from_secs(opts.max_seconds);
     let mut results = Vec::new();
     for (i, &n) in PROMPT_WORDS.iter().enumerate() {
-        let env = Env::start(&binary);
+        let env = Env::start(&binary, &rt);
         let bench = Bench {
             client: client.clone(),
             prefill_url: format!("http://{}/v1/chat/completions", env.prefill.host_port()),
@@ -863,7 +792,7 @@ fn main() {
         let budget = total_budget.saturating_sub(measuring.elapsed()) / u32::try_from(PROMPT_WORDS.len() - i).unwrap();
         eprintln!("overhead: {n}-word prompt ...");
         results.push(rt.block_on(async {
-            env.proxy.wait_ready(&bench.client).await;
+            env.proxy.wait_ready(200).await;
             measure(&bench, &env, n, &opts, budget).await
         }));
         let Env { proxy, fake_rt, .. } = env;

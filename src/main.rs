@@ -1,11 +1,13 @@
-//! The `tokenonce` binary: parse the CLI, load and validate the config, set up logging,
-//! hand over to the server. `tokenonce check FILE` only validates.
+//! The `tokenonce` binary: parse the CLI, load and validate the config, set up logging, bind
+//! the configured addresses, hand over to the server until a signal stops it.
+//! `tokenonce check FILE` only validates.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use tokenonce::config::{self, Config, ConfigError, LogFormat};
+use tokenonce::server::{self, Listeners, Signals};
 
 #[derive(Parser)]
 #[command(name = "tokenonce", version, about = "P/D sidecar for vLLM that tokenizes each prompt once")]
@@ -81,8 +83,17 @@ fn main() -> ExitCode {
     };
     init_logging(&config);
     tracing::info!(listen = %config.server().listen(), admin = %config.server().admin_listen(), routes = config.routes().len(), "tokenonce starting");
-    match tokenonce::server::build(config, cli.config.clone()) {
-        Ok(server) => server.run_forever(),
+    let started = Listeners::bind(config.server().listen(), config.server().admin_listen())
+        .and_then(|listeners| server::start(config, cli.config.clone(), listeners, Signals::Process));
+    let running = match started {
+        Ok(running) => running,
+        Err(e) => {
+            eprintln!("tokenonce: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match running.wait() {
+        Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tokenonce: {e}");
             ExitCode::FAILURE

@@ -26,7 +26,7 @@ impl Reloader {
     pub fn reload_now(&self) -> bool {
         let current = self.app.load_full();
         let Some(path) = &self.path else {
-            tracing::warn!("SIGHUP ignored: running on the embedded default config");
+            tracing::warn!("reload ignored: running on the embedded default config");
             current.metrics.reload(Reload::Failure);
             return false;
         };

@@ -1,4 +1,4 @@
-//! Observability and deployment artefacts checked against the real binary: every metric the
+//! Observability and deployment artefacts checked against a running tokenonce: every metric the
 //! Grafana dashboard (dashboards/tokenonce.json) and the alert rules name exists after real
 //! traffic and follows Prometheus conventions; Debian's real `prometheus` scrapes tokenonce and
 //! answers queries; `promtool` accepts and unit-tests conf/prometheus/; the Kubernetes example
@@ -431,7 +431,7 @@ struct Prometheus {
 }
 
 impl Prometheus {
-    /// Starts Debian's `prometheus` on a free loopback port with conf/prometheus/prometheus.yml
+    /// Starts Debian's `prometheus` on loopback port 0 with conf/prometheus/prometheus.yml
     /// adapted to scrape `target` (host:port) and evaluate the alert rules every second.
     /// Waits until `/-/ready` (bounded: 20 s).
     async fn start(target: &str) -> Self {
@@ -455,18 +455,22 @@ impl Prometheus {
         let config_path = dir.path().join("prometheus.yml");
         std::fs::write(&config_path, serde_yaml_ng::to_string(&config).unwrap()).unwrap();
 
-        let port = free_port();
         let log = dir.path().join("prometheus.log");
-        let child = Command::new("prometheus")
+        let mut command = Command::new("prometheus");
+        command
             .arg(format!("--config.file={}", path_str(&config_path)))
             .arg(format!("--storage.tsdb.path={}", path_str(&dir.path().join("data"))))
-            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
-            .arg("--log.level=warn")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
+            // Port 0: the kernel picks; the `Listening on` line (info) says which.
+            .arg("--web.listen-address=127.0.0.1:0")
+            .arg("--log.level=info");
+        let (mut child, listening) = spawn_logged(command, &log, listening_address)
             .expect("Debian's `prometheus` binary is required (apt-get install prometheus; .ci/setup does it)");
-        let mut me = Self { child, url: format!("http://127.0.0.1:{port}"), log, _dir: dir };
+        let Ok(Ok(addr)) = tokio::time::timeout(Duration::from_secs(20), listening).await else {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("prometheus reported no listen address within 20 s:\n{}", std::fs::read_to_string(&log).unwrap());
+        };
+        let mut me = Self { child, url: format!("http://{addr}"), log, _dir: dir };
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Ok(r) = reqwest::get(format!("{}/-/ready", me.url)).await {
@@ -514,6 +518,14 @@ impl Prometheus {
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
     }
+}
+
+/// The address of Prometheus's `msg="Listening on" address=127.0.0.1:PORT` log line.
+fn listening_address(line: &str) -> Option<std::net::SocketAddr> {
+    if !line.contains("msg=\"Listening on\"") {
+        return None;
+    }
+    line.split_whitespace().find_map(|word| word.strip_prefix("address=")).and_then(|a| a.parse().ok())
 }
 
 impl Drop for Prometheus {

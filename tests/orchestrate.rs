@@ -263,7 +263,9 @@ async fn errors_are_openai_shaped_with_the_right_status() {
 #[tokio::test(flavor = "multi_thread")]
 async fn unreachable_engines_are_502() {
     let d = FakeVllm::start(FakeConfig::default()).await;
-    let dead = format!("127.0.0.1:{}", free_port());
+    // Bound but never listening: connects are refused, and the port stays ours meanwhile.
+    let refused = RefusedAddr::new();
+    let dead = refused.addr.to_string();
     let conf = pd_config(&d, &d, "").replacen(&d.host_port(), &dead, 1);
     let proxy = TokenOnce::start(&conf).await;
     let (status, _, text) =

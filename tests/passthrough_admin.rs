@@ -1,5 +1,6 @@
 //! Everything that is not orchestrated: byte-for-byte passthrough, the admin listener
-//! (`/metrics`, `/healthz`, `/readyz`), the stale-connection retry, and `tokenonce check`.
+//! (`/metrics`, `/healthz`, `/readyz`), the stale-connection retry, `tokenonce check`, config
+//! reloads, and stopping (the binary on SIGTERM, the in-process handle).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -183,15 +184,32 @@ fn check_command_reports_problems_with_locations() {
 }
 
 /// SIGHUP reloads the file: a good one changes routing for new requests and is counted; a
-/// bad one is rejected, counted, and the running config keeps serving.
+/// bad one is rejected, counted, and the running config keeps serving. Drives the real binary
+/// end to end (startup on port 0, its own signal handling); SIGTERM then stops it cleanly.
 #[tokio::test(flavor = "multi_thread")]
 async fn sighup_reloads_good_configs_and_keeps_the_old_on_bad_ones() {
+    let p = FakeVllm::start(FakeConfig::default()).await;
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let mut proxy = TokenOnce::start_binary(&pd_config(&p, &d, "")).await;
+    reload_scenario(&p, &d, &proxy).await;
+    let exit = proxy.terminate().await;
+    assert!(exit.success(), "{exit}: {}", proxy.log_text());
+}
+
+/// The same scenario in-process, through the handle's direct reload (what SIGHUP calls).
+#[tokio::test(flavor = "multi_thread")]
+async fn direct_reload_applies_good_configs_and_keeps_the_old_on_bad_ones() {
     let (p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    reload_scenario(&p, &d, &proxy).await;
+}
+
+/// Good reload, then a bad one; `proxy` runs `pd_config(p, d, "")`.
+async fn reload_scenario(p: &FakeVllm, d: &FakeVllm, proxy: &TokenOnce) {
     let chat = format!("{}/v1/chat/completions", proxy.url);
     post_json(&chat, &chat_body("before", json!({})), &[]).await;
     assert!(d.posts()[0].json()["kv_transfer_params"]["prompt_token_ids"].is_array());
 
-    proxy.reconfigure(&pd_config(&p, &d, "token_reuse = false"));
+    proxy.reconfigure(&pd_config(p, d, "token_reuse = false"));
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while proxy.metric(r#"tokenonce_config_reloads_total{result="success"}"#).await < 1.0 {
         assert!(std::time::Instant::now() < deadline, "no reload: {}", proxy.log_text());
@@ -225,4 +243,45 @@ async fn drain_fails_readiness_but_keeps_serving() {
     let (status, _, _) =
         post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("draining", json!({})), &[]).await;
     assert_eq!(status, 200, "in-flight and late requests are still served");
+}
+
+/// The in-process handle (`server::start` on listeners the caller bound to port 0): a graceful
+/// stop closes the client listener at once, lets a stream already in flight finish, and
+/// `wait` returns after the grace period.
+#[tokio::test(flavor = "multi_thread")]
+async fn graceful_stop_closes_listeners_and_finishes_in_flight_streams() {
+    use tokenonce::server::{self, Listeners, Signals, Stop};
+    let p = FakeVllm::start(FakeConfig::default()).await;
+    let d = FakeVllm::start(FakeConfig { chunk_delay: Duration::from_millis(100), ..FakeConfig::default() }).await;
+    let text = format!(
+        "[server]\ngrace_period_seconds = 1\ngraceful_shutdown_timeout_seconds = 1\n\n{}",
+        pd_config(&p, &d, "")
+    );
+    let config = tokenonce::config::Config::from_toml(&text, "test").unwrap();
+    let running =
+        server::start(config, None, Listeners::bind("127.0.0.1:0", "127.0.0.1:0").unwrap(), Signals::HandleOnly)
+            .unwrap();
+    let addr = running.client_addr();
+    assert_ne!(addr.port(), 0);
+    let mut stream = reqwest::Client::new()
+        .post(format!("http://{addr}/v1/chat/completions"))
+        .json(&chat_body("in flight", json!({"stream": true})))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    let mut text = String::from_utf8(stream.chunk().await.unwrap().unwrap().to_vec()).unwrap();
+
+    running.stop(Stop::Graceful);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while tokio::net::TcpStream::connect(addr).await.is_ok() {
+        assert!(std::time::Instant::now() < deadline, "the client listener still accepts");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    while let Some(chunk) = stream.chunk().await.unwrap() {
+        text.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    let stopped = tokio::time::timeout(Duration::from_secs(10), tokio::task::spawn_blocking(move || running.wait()));
+    stopped.await.expect("stopped within grace + timeout").unwrap().unwrap();
 }
