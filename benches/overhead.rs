@@ -458,7 +458,7 @@ impl Env {
         let engine = FakeConfig { connector: true, ..FakeConfig::default() };
         let prefill = fake_rt.block_on(FakeVllm::start(engine.clone()));
         let decode = fake_rt.block_on(FakeVllm::start(engine));
-        let settings = Settings { health_interval_ms: 1000, log: "warn".into() };
+        let settings = Settings { health_interval_ms: 1000, log: "warn".into(), ..Settings::default() };
         let config = pd_config(&prefill, &decode, "token_reuse = true");
         let proxy = rt.block_on(TokenOnce::spawn(binary, &config, &settings));
         Self { proxy, prefill, decode, fake_rt }

@@ -86,7 +86,7 @@ impl App {
         let client =
             Arc::new(UpstreamClient::new(config.upstream().connect_timeout(), config.upstream().idle_timeout()));
         let cache = Arc::new(handoff::IdCache::new(config.cache().capacity_bytes(), config.cache().ttl()));
-        let edge = proxy::edge::EdgeLimits::default();
+        let edge = proxy::edge::EdgeLimits::of(&config);
         Ok(Self { cache, draining: Arc::default(), edge, config, routes, pools, client, metrics, registry })
     }
 
@@ -114,6 +114,7 @@ impl App {
             })
             .collect();
         let routes = RouteTable::new(&config, &pools, &self.metrics)?;
+        let edge = proxy::edge::EdgeLimits::of(&config);
         Ok(Self {
             config,
             routes,
@@ -123,7 +124,7 @@ impl App {
             registry: self.registry.clone(),
             cache: Arc::clone(&self.cache),
             draining: Arc::clone(&self.draining),
-            edge: self.edge,
+            edge,
         })
     }
 

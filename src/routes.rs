@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use http::HeaderMap;
 
-use crate::config::{AllowEntry, Config, Mode, PrefillSource, RouteMatch};
+use crate::config::{Config, Mode, PrefillSource, RouteMatch};
 use crate::metrics::{Metrics, RouteMetrics};
-use crate::plan::{ClientHandoff, ReusePolicy};
+use crate::plan::{ClientHandoff, HeaderRule, ReusePolicy};
 use crate::upstream::Pool;
 
 /// The facts a route is chosen on.
@@ -29,13 +29,8 @@ pub struct RequestFacts<'a> {
 pub enum PrefillTarget {
     /// An endpoint of this pool.
     Pool(Arc<Pool>),
-    /// The `host:port` a request header names, checked against `allow`.
-    Header {
-        /// Lower-case header name (never forwarded to an engine).
-        name: String,
-        /// Permitted hosts and networks.
-        allow: Vec<AllowEntry>,
-    },
+    /// The `host:port` a request header names, checked against its rule.
+    Header(HeaderRule),
 }
 
 /// One route, ready to serve.
@@ -53,8 +48,6 @@ pub struct Route {
     pub policy: ReusePolicy,
     /// Orchestrate: what to do with a client's own handoff fields.
     pub client_handoff: ClientHandoff,
-    /// Send the client's credentials to a header-named prefiller too.
-    pub prefill_credentials: bool,
     /// Whole prefill leg deadline.
     pub prefill_timeout: Duration,
     /// Decode response-header deadline.
@@ -69,7 +62,7 @@ impl Route {
     /// The header naming the prefiller, which is never forwarded to an engine.
     pub fn prefiller_header(&self) -> Option<&str> {
         match &self.prefill {
-            Some(PrefillTarget::Header { name, .. }) => Some(name),
+            Some(PrefillTarget::Header(rule)) => Some(&rule.name),
             _ => None,
         }
     }
@@ -113,8 +106,13 @@ impl RouteTable {
         for spec in config.routes() {
             let prefill = match spec.prefill() {
                 Some(PrefillSource::Pool(i)) => Some(PrefillTarget::Pool(pool(*i, spec.name())?)),
-                Some(PrefillSource::Header { name, allow }) => {
-                    Some(PrefillTarget::Header { name: name.clone(), allow: allow.clone() })
+                Some(PrefillSource::Header { name, allow, trusted_sources, forward_credentials }) => {
+                    Some(PrefillTarget::Header(HeaderRule {
+                        name: name.clone(),
+                        allow: allow.clone(),
+                        trusted_sources: trusted_sources.clone(),
+                        forward_credentials: *forward_credentials,
+                    }))
                 }
                 None => None,
             };
@@ -126,8 +124,7 @@ impl RouteTable {
                 decode_pool: pool(spec.decode_pool(), spec.name())?,
                 prefill,
                 policy: ReusePolicy { token_reuse: o.token_reuse(), relay_handoff: o.relay_handoff() },
-                client_handoff: ClientHandoff::Strip,
-                prefill_credentials: false,
+                client_handoff: o.client_handoff(),
                 prefill_timeout: o.prefill_timeout(),
                 decode_first_byte_timeout: o.decode_first_byte_timeout(),
                 max_body_bytes: o.max_body_bytes(),
@@ -143,7 +140,6 @@ impl RouteTable {
             prefill: None,
             policy: ReusePolicy { token_reuse: false, relay_handoff: crate::config::RelayHandoff::Cache },
             client_handoff: ClientHandoff::Strip,
-            prefill_credentials: false,
             prefill_timeout: Duration::ZERO,
             decode_first_byte_timeout: Duration::ZERO,
             max_body_bytes: largest_body,

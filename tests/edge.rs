@@ -118,3 +118,30 @@ async fn non_utf8_and_over_deep_bodies_are_400_before_any_leg() {
     }
     assert!(p.posts().is_empty() && d.posts().is_empty());
 }
+
+/// A body that stalls half-way (a slowloris client) is cut at `server.body_read_timeout_ms`
+/// with a 408, and nothing reaches an engine.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stalled_body_is_408_at_the_deadline() {
+    let (p, d) =
+        (support::FakeVllm::start(FakeConfig::default()).await, support::FakeVllm::start(FakeConfig::default()).await);
+    let settings = support::Settings { server_extra: "body_read_timeout_ms = 300\n".into(), ..Default::default() };
+    let proxy = support::TokenOnce::start_with(&support::pd_config(&p, &d, ""), &settings).await;
+    let started = std::time::Instant::now();
+    let response = tokio::task::spawn_blocking({
+        let url = proxy.url.clone();
+        move || {
+            // 100 bytes announced, 10 sent, then silence (the connection stays open).
+            raw_exchange(
+                &url,
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\":",
+            )
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(status_of(&response), 408, "{response}");
+    assert!(response.contains("request_timeout"), "{response}");
+    assert!(started.elapsed() < Duration::from_secs(4), "cut at the deadline, not by the client");
+    assert!(p.posts().is_empty() && d.posts().is_empty());
+}

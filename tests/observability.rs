@@ -759,12 +759,19 @@ fn k8s_sidecar_manifest_is_valid_and_stops_within_its_grace_period() {
             })
         })
         .expect("a ConfigMap holding tokenonce's TOML");
+    let config: toml::Table = toml::from_str(&toml_text).unwrap();
+    // The admin token file is the Secret's, mounted in the pod: here the check reads a copy.
+    let secrets = of_kind(&docs, "Secret");
+    let secret = secrets.iter().find(|s| s["metadata"]["name"] == "tokenonce-admin").expect("the admin token Secret");
+    let token = secret["stringData"]["token"].as_str().expect("stringData.token");
+    let token_path = config["server"]["admin_token_file"].as_str().expect("server.admin_token_file");
     let dir = tempfile::tempdir().unwrap();
+    let token_copy = dir.path().join("token");
+    std::fs::write(&token_copy, token).unwrap();
     let file = dir.path().join(&key);
-    std::fs::write(&file, &toml_text).unwrap();
+    std::fs::write(&file, toml_text.replace(token_path, path_str(&token_copy))).unwrap();
     let out = run(env!("CARGO_BIN_EXE_tokenonce"), &["check", path_str(&file)]);
     assert_success("tokenonce check on the ConfigMap's TOML", &out);
-    let config: toml::Table = toml::from_str(&toml_text).unwrap();
     let server = config["server"].as_table().expect("[server]");
     let listen = server["listen"].as_str().unwrap();
     let admin_listen = server["admin_listen"].as_str().unwrap();
@@ -788,6 +795,21 @@ fn k8s_sidecar_manifest_is_valid_and_stops_within_its_grace_period() {
         .iter()
         .find(|c| c["image"].as_str().is_some_and(|i| i.starts_with("vllm/vllm-openai")))
         .expect("a vllm/vllm-openai container");
+
+    // The preStop hook authenticates with the Secret's token, mounted where the config reads it.
+    let headers = tokenonce["lifecycle"]["preStop"]["httpGet"]["httpHeaders"].as_sequence().expect("preStop headers");
+    let bearer = headers.iter().find(|h| h["name"] == "Authorization").and_then(|h| h["value"].as_str());
+    assert_eq!(bearer, Some(format!("Bearer {token}").as_str()), "the /drain hook must send the admin token");
+    let token_dir = Path::new(token_path).parent().unwrap();
+    let secret_mount = tokenonce["volumeMounts"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .find(|m| m["mountPath"].as_str().map(Path::new) == Some(token_dir))
+        .expect("the admin token's directory is mounted");
+    let secret_volume =
+        pod["spec"]["volumes"].as_sequence().into_iter().flatten().find(|v| v["name"] == secret_mount["name"]);
+    assert_eq!(secret_volume.map(|v| &v["secret"]["secretName"]), Some(&secret["metadata"]["name"]));
 
     // tokenonce reads the ConfigMap's key at the path its args name.
     let args: Vec<&str> = tokenonce["args"].as_sequence().expect("args").iter().filter_map(Yaml::as_str).collect();

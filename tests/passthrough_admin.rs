@@ -228,14 +228,32 @@ async fn reload_scenario(p: &FakeVllm, d: &FakeVllm, proxy: &TokenOnce) {
     assert!(d.posts()[2].json().get("kv_transfer_params").is_none());
 }
 
-/// GET /drain (a preStop hook) makes /readyz answer 503 while the process keeps serving;
-/// `wait_seconds` holds the hook that long.
+/// GET /drain (a preStop hook) with the admin token makes /readyz answer 503 while the
+/// process keeps serving; `wait_seconds` holds the hook that long. Without the token, or with
+/// a wrong one, /drain is refused and changes nothing.
 #[tokio::test(flavor = "multi_thread")]
 async fn drain_fails_readiness_but_keeps_serving() {
-    let (_p, _d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, "s3cret-admin-token-0123\n").unwrap();
+    let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
+    let settings =
+        Settings { server_extra: format!("admin_token_file = \"{}\"\n", token_file.display()), ..Settings::default() };
+    let proxy = TokenOnce::start_with(&pd_config(&p, &d, ""), &settings).await;
     proxy.wait_ready(200).await;
+    let client = reqwest::Client::new();
+    let drain = format!("{}/drain?wait_seconds=1", proxy.admin);
+    for auth in [None, Some("Bearer wrong-token-0123456789"), Some("s3cret-admin-token-0123")] {
+        let mut req = client.get(&drain);
+        if let Some(a) = auth {
+            req = req.header("authorization", a);
+        }
+        assert_eq!(req.send().await.unwrap().status(), 403, "{auth:?}");
+    }
+    assert_eq!(reqwest::get(format!("{}/readyz", proxy.admin)).await.unwrap().status(), 200, "nothing changed");
+
     let started = std::time::Instant::now();
-    let resp = reqwest::get(format!("{}/drain?wait_seconds=1", proxy.admin)).await.unwrap();
+    let resp = client.get(&drain).header("authorization", "Bearer s3cret-admin-token-0123").send().await.unwrap();
     assert_eq!(resp.status(), 200);
     assert!(started.elapsed() >= Duration::from_millis(900), "the hook is held for wait_seconds");
     assert_eq!(reqwest::get(format!("{}/readyz", proxy.admin)).await.unwrap().status(), 503);
@@ -243,6 +261,21 @@ async fn drain_fails_readiness_but_keeps_serving() {
     let (status, _, _) =
         post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("draining", json!({})), &[]).await;
     assert_eq!(status, 200, "in-flight and late requests are still served");
+}
+
+/// Without `server.admin_token_file`, state-changing admin endpoints are off.
+#[tokio::test(flavor = "multi_thread")]
+async fn drain_is_off_without_an_admin_token() {
+    let (_p, _d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    proxy.wait_ready(200).await;
+    let resp = reqwest::Client::new()
+        .get(format!("{}/drain", proxy.admin))
+        .header("authorization", "Bearer anything-at-all-0123")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 403);
+    assert_eq!(reqwest::get(format!("{}/readyz", proxy.admin)).await.unwrap().status(), 200);
 }
 
 /// The in-process handle (`server::start` on listeners the caller bound to port 0): a graceful

@@ -158,3 +158,80 @@ async fn error_bodies_from_named_prefillers_are_capped() {
     }
     assert!(d.posts().is_empty());
 }
+
+/// `client_kv_transfer_params = "reject"`: a client's handoff fields are a 400 naming the
+/// field, before any leg.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_route_can_refuse_client_handoff_fields() {
+    let (p, d, proxy) =
+        pd_setup(FakeConfig::default(), FakeConfig::default(), "client_kv_transfer_params = \"reject\"").await;
+    let url = format!("{}/v1/chat/completions", proxy.url);
+    let (status, _, text) = post_json(&url, &chat_body("x", json!({"kv_transfer_params": hostile_kv()})), &[]).await;
+    assert_eq!(status, 400, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        (v["error"]["code"].as_str(), v["error"]["param"].as_str()),
+        (Some("invalid_request"), Some("kv_transfer_params"))
+    );
+    assert!(p.posts().is_empty() && d.posts().is_empty());
+    let (status, _, _) = post_json(&url, &chat_body("clean", json!({})), &[]).await;
+    assert_eq!(status, 200, "requests without them are served");
+}
+
+fn header_route_with(decode: &FakeVllm, extra: &str) -> String {
+    header_route(decode).replace("\"nowhere.invalid\"] }", &format!("\"nowhere.invalid\"]{extra} }}"))
+}
+
+/// `trusted_sources`: the header is believed only from those peers (the gateway); from any
+/// other peer it is a 403 and no leg is sent. A request without the header is served.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_prefiller_header_needs_a_trusted_peer() {
+    let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
+    let url_of = |proxy: &TokenOnce| format!("{}/v1/chat/completions", proxy.url);
+    let named = [("x-prefiller-host-port", p.host_port())];
+    let named: Vec<(&str, &str)> = named.iter().map(|(k, v)| (*k, v.as_str())).collect();
+
+    let untrusting = TokenOnce::start(&header_route_with(&d, ", trusted_sources = [\"10.0.0.0/8\"]")).await;
+    let (status, _, text) = post_json(&url_of(&untrusting), &chat_body("x", json!({})), &named).await;
+    assert_eq!(status, 403, "{text}");
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["code"], "prefiller_header_untrusted");
+    assert!(p.posts().is_empty() && d.posts().is_empty());
+    let (status, _, _) = post_json(&url_of(&untrusting), &chat_body("no header", json!({})), &[]).await;
+    assert_eq!(status, 200, "decode-only needs no trust");
+
+    let trusting = TokenOnce::start(&header_route_with(&d, ", trusted_sources = [\"127.0.0.0/8\"]")).await;
+    let (status, _, text) = post_json(&url_of(&trusting), &chat_body("x", json!({})), &named).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(p.posts().len(), 1);
+}
+
+/// `forward_credentials = true` sends the client's credentials to the named prefiller too.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_route_can_forward_credentials_to_named_prefillers() {
+    let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
+    let proxy = TokenOnce::start(&header_route_with(&d, ", forward_credentials = true")).await;
+    let headers = [("x-prefiller-host-port", p.host_port()), ("authorization", "Bearer sk-1".to_owned())];
+    let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let (status, _, text) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("x", json!({})), &headers).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(p.posts()[0].header("authorization").as_deref(), Some("Bearer sk-1"));
+}
+
+/// Allowlist ports: an allowed host on another port is refused (no scanning of the
+/// prefill hosts' other services through tokenonce).
+#[tokio::test(flavor = "multi_thread")]
+async fn allowlist_ports_are_enforced_end_to_end() {
+    let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
+    let port = p.host_port().rsplit_once(':').unwrap().1.to_owned();
+    let conf = header_route(&d).replace("[\"127.0.0.0/8\", \"nowhere.invalid\"]", &format!("[\"127.0.0.0/8:{port}\"]"));
+    let proxy = TokenOnce::start(&conf).await;
+    let url = format!("{}/v1/chat/completions", proxy.url);
+    let (status, _, _) =
+        post_json(&url, &chat_body("x", json!({})), &[("x-prefiller-host-port", &p.host_port())]).await;
+    assert_eq!(status, 200);
+    let (status, _, text) =
+        post_json(&url, &chat_body("x", json!({})), &[("x-prefiller-host-port", "127.0.0.1:22")]).await;
+    assert_eq!(status, 403, "{text}");
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["code"], "prefiller_not_allowed");
+}

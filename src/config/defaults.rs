@@ -2,7 +2,7 @@
 //! validator applies these, `file.rs` links here instead of restating numbers, and a test
 //! checks README's configuration table against them.
 
-use super::model::{Balance, LogFormat, RelayHandoff};
+use super::model::{Balance, ClientHandoff, LogFormat, RelayHandoff};
 
 /// Client listener: all interfaces, on vLLM's own default port, so clients need no change.
 pub const LISTEN: &str = "0.0.0.0:8000";
@@ -42,3 +42,15 @@ pub const MAX_BODY_BYTES: u64 = 32 * 1024 * 1024;
 pub const CACHE_CAPACITY_BYTES: u64 = 256 * 1024 * 1024;
 /// Relay id cache entry lifetime, ms: vLLM's KV hold on the prefill, after which ids are useless.
 pub const CACHE_TTL_MS: u64 = 30_000;
+/// A client's own `kv_transfer_params` on an orchestrate route: removed, so clients that
+/// copy a whole vLLM request keep working while never steering the handoff.
+pub const CLIENT_KV_TRANSFER_PARAMS: ClientHandoff = ClientHandoff::Strip;
+/// Client credentials to a prefiller a request header names: not sent; that host is less
+/// trusted than a configured pool.
+pub const FORWARD_CREDENTIALS: bool = false;
+/// Header fields per request head: several times what OpenAI SDKs and gateways send.
+pub const MAX_HEADER_COUNT: u64 = 100;
+/// Header bytes per request head (64 KiB): room for long tokens and tracing headers.
+pub const MAX_HEADER_BYTES: u64 = 64 * 1024;
+/// Whole request body, ms: a slow or stalled client (slowloris) is cut after a minute.
+pub const BODY_READ_TIMEOUT_MS: u64 = 60_000;

@@ -104,6 +104,15 @@ pub struct Server {
     pub log_level: Option<Field<String>>,
     /// Log format, `text` or `json` ([`LOG_FORMAT`](super::defaults::LOG_FORMAT)).
     pub log_format: Option<Field<String>>,
+    /// File holding the token `/drain` requires (no file: `/drain` is off).
+    pub admin_token_file: Option<Field<String>>,
+    /// Most header fields per request head ([`MAX_HEADER_COUNT`](super::defaults::MAX_HEADER_COUNT)).
+    pub max_header_count: Option<Field<i64>>,
+    /// Most header bytes per request head ([`MAX_HEADER_BYTES`](super::defaults::MAX_HEADER_BYTES)).
+    pub max_header_bytes: Option<Field<i64>>,
+    /// Deadline for a whole request body, ms
+    /// ([`BODY_READ_TIMEOUT_MS`](super::defaults::BODY_READ_TIMEOUT_MS)).
+    pub body_read_timeout_ms: Option<Field<i64>>,
     /// Unknown keys.
     #[serde(flatten)]
     pub unknown: Unknown,
@@ -177,6 +186,9 @@ pub struct Route {
     pub decode_first_byte_timeout_ms: Option<Field<i64>>,
     /// Largest accepted request body, bytes ([`MAX_BODY_BYTES`](super::defaults::MAX_BODY_BYTES)).
     pub max_body_bytes: Option<Field<i64>>,
+    /// Orchestrate: a client's own `kv_transfer_params`, `strip` or `reject`
+    /// ([`CLIENT_KV_TRANSFER_PARAMS`](super::defaults::CLIENT_KV_TRANSFER_PARAMS)).
+    pub client_kv_transfer_params: Option<Field<String>>,
     /// Unknown keys.
     #[serde(flatten)]
     pub unknown: Unknown,
@@ -205,9 +217,16 @@ pub struct Prefill {
     pub pool: Option<Field<String>>,
     /// Header carrying one `host:port`, e.g. `x-prefiller-host-port`.
     pub header: Option<Field<String>>,
-    /// Hosts or CIDRs the header may name (required with `header`).
+    /// Hosts or CIDRs the header may name, each optionally with `:port` or `:port-port`
+    /// (required with `header`).
     #[serde(default)]
     pub allow: Vec<Field<String>>,
+    /// CIDRs of the peers whose header is believed, e.g. the gateway (none: any peer).
+    #[serde(default)]
+    pub trusted_sources: Vec<Field<String>>,
+    /// Send the client's credentials to the named prefiller
+    /// ([`FORWARD_CREDENTIALS`](super::defaults::FORWARD_CREDENTIALS)).
+    pub forward_credentials: Option<Field<bool>>,
     /// Unknown keys.
     #[serde(flatten)]
     pub unknown: Unknown,

@@ -7,8 +7,9 @@ pub mod file;
 pub mod model;
 
 pub use model::{
-    AllowEntry, Balance, CacheSettings, Config, ConfigError, LogFormat, Mode, PoolSpec, PrefillSource, Problem,
-    RelayHandoff, RouteMatch, RouteOptions, RouteSpec, ServerSettings, UpstreamSettings, Version,
+    AdminToken, AllowEntry, AllowTarget, Balance, CacheSettings, ClientHandoff, Config, ConfigError, LogFormat, Mode,
+    PoolSpec, PrefillSource, Problem, RelayHandoff, RouteMatch, RouteOptions, RouteSpec, ServerSettings,
+    UpstreamSettings, Version,
 };
 
 /// The embedded default configuration text.
@@ -227,6 +228,10 @@ pathz = ["/x"]
                 graceful_shutdown_timeout_seconds,
                 log_level,
                 log_format,
+                admin_token_file,
+                max_header_count,
+                max_header_bytes,
+                body_read_timeout_ms,
             }
         ));
         all.extend(keys!("upstream.", Upstream { connect_timeout_ms, idle_timeout_ms, health_interval_ms }));
@@ -234,7 +239,7 @@ pathz = ["/x"]
         all.extend(keys!("defaults.", Defaults { passthrough_pool }));
         let route = keys!("routes.", Route {
             name, matcher as "match", mode, relay_handoff, prefill, decode_pool, token_reuse, prefill_timeout_ms,
-            decode_first_byte_timeout_ms, max_body_bytes,
+            decode_first_byte_timeout_ms, max_body_bytes, client_kv_transfer_params,
         });
         // `routes.match` is a table; README lists its keys instead.
         all.extend(route.into_iter().filter(|k| k != "routes.match"));
@@ -245,8 +250,9 @@ pathz = ["/x"]
 
     /// The keys `routes.prefill` takes (README describes them in that row).
     fn prefill_keys() -> Vec<&'static str> {
-        let file::Prefill { pool: _, header: _, allow: _, unknown: _ } = file::Prefill::default();
-        vec!["pool", "header", "allow"]
+        let file::Prefill { pool: _, header: _, allow: _, trusted_sources: _, forward_credentials: _, unknown: _ } =
+            file::Prefill::default();
+        vec!["pool", "header", "allow", "trusted_sources", "forward_credentials"]
     }
 
     #[test]
@@ -296,6 +302,9 @@ pathz = ["/x"]
             ("server.graceful_shutdown_timeout_seconds", defaults::GRACEFUL_SHUTDOWN_TIMEOUT_SECONDS.to_string()),
             ("server.log_level", code(defaults::LOG_LEVEL)),
             ("server.log_format", code(defaults::LOG_FORMAT.name())),
+            ("server.max_header_count", defaults::MAX_HEADER_COUNT.to_string()),
+            ("server.max_header_bytes", defaults::MAX_HEADER_BYTES.to_string()),
+            ("server.body_read_timeout_ms", defaults::BODY_READ_TIMEOUT_MS.to_string()),
             ("upstream.connect_timeout_ms", defaults::CONNECT_TIMEOUT_MS.to_string()),
             ("upstream.idle_timeout_ms", defaults::IDLE_TIMEOUT_MS.to_string()),
             ("upstream.health_interval_ms", defaults::HEALTH_INTERVAL_MS.to_string()),
@@ -306,6 +315,7 @@ pathz = ["/x"]
             ("routes.prefill_timeout_ms", defaults::PREFILL_TIMEOUT_MS.to_string()),
             ("routes.decode_first_byte_timeout_ms", defaults::DECODE_FIRST_BYTE_TIMEOUT_MS.to_string()),
             ("routes.max_body_bytes", defaults::MAX_BODY_BYTES.to_string()),
+            ("routes.client_kv_transfer_params", code(defaults::CLIENT_KV_TRANSFER_PARAMS.name())),
             ("cache.capacity_bytes", defaults::CACHE_CAPACITY_BYTES.to_string()),
             ("cache.ttl_ms", defaults::CACHE_TTL_MS.to_string()),
         ];
@@ -327,6 +337,77 @@ pathz = ["/x"]
         for line in include_str!("file.rs").lines().map(str::trim).filter(|l| l.starts_with("///")) {
             assert!(!line.replace("i64", "").chars().any(|c| c.is_ascii_digit()), "{line}");
         }
+    }
+
+    /// The security keys: port-fenced allowlists, trusted peers, header-only keys on a pool
+    /// prefill, an admin token that cannot be read or is too short: all reported together.
+    #[test]
+    fn security_keys_are_validated_together() {
+        let dir = tempfile::tempdir().unwrap();
+        let short = dir.path().join("short");
+        std::fs::write(&short, "abc\n").unwrap();
+        let text = format!(
+            r#"
+[server]
+admin_token_file = "{}"
+
+[pools.decode]
+endpoints = ["127.0.0.1:8200"]
+[pools.prefill]
+endpoints = ["127.0.0.1:8100"]
+
+[[routes]]
+name = "llmd"
+mode = "orchestrate"
+decode_pool = "decode"
+client_kv_transfer_params = "keep"
+prefill = {{ header = "x-prefiller-host-port", allow = ["10.0.0.0/8:8000", "h.svc:9-8", "h.svc:0"], trusted_sources = ["gateway"] }}
+
+[[routes]]
+name = "pooled"
+mode = "orchestrate"
+decode_pool = "decode"
+prefill = {{ pool = "prefill", forward_credentials = true }}
+"#,
+            short.display()
+        );
+        let err = Config::from_toml(&text, "t").unwrap_err();
+        let keys: Vec<&str> = err.problems.iter().map(|p| p.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            [
+                "server.admin_token_file",
+                "routes[0].client_kv_transfer_params",
+                "routes[0].prefill.allow",
+                "routes[0].prefill.allow",
+                "routes[0].prefill.trusted_sources",
+                "routes[1].prefill.forward_credentials",
+            ],
+            "{:#?}",
+            err.problems
+        );
+        assert!(err.problems[1].message.contains("strip, reject"), "{:?}", err.problems[1]);
+        let missing = Config::from_toml(
+            "[server]\nadmin_token_file = \"/nonexistent/token\"\n[pools.decode]\nendpoints = [\"127.0.0.1:1\"]\n",
+            "t",
+        );
+        assert!(missing.unwrap_err().problems[0].message.contains("cannot read"));
+    }
+
+    #[test]
+    fn an_admin_token_is_read_trimmed_and_never_printed() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "  0123456789abcdef-token \n").unwrap();
+        let text = format!(
+            "[server]\nadmin_token_file = \"{}\"\n[pools.decode]\nendpoints = [\"127.0.0.1:1\"]\n",
+            file.display()
+        );
+        let config = Config::from_toml(&text, "t").unwrap();
+        let token = config.server().admin_token().unwrap();
+        assert!(token.matches("0123456789abcdef-token"));
+        assert!(!token.matches("0123456789abcdef-tokeX") && !token.matches(""));
+        assert!(!format!("{config:?}").contains("0123456789abcdef"), "Debug must not print the token");
     }
 
     #[test]

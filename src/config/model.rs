@@ -174,6 +174,26 @@ impl Choice for RelayHandoff {
     }
 }
 
+/// What an orchestrate route does with handoff fields (`kv_transfer_params`, ...) a client
+/// put in its own body: the handoff is tokenonce's, never the client's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientHandoff {
+    /// Remove them before any leg.
+    Strip,
+    /// Refuse the request with a 400.
+    Reject,
+}
+
+impl Choice for ClientHandoff {
+    const ALL: &'static [Self] = &[Self::Strip, Self::Reject];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Strip => "strip",
+            Self::Reject => "reject",
+        }
+    }
+}
+
 /// How log lines are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogFormat {
@@ -212,13 +232,38 @@ impl CacheSettings {
     }
 }
 
-/// One entry of a prefiller allowlist.
+/// What an allowlist entry names.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum AllowEntry {
+pub enum AllowTarget {
     /// Any IP in this network.
     Net(IpNet),
     /// This exact host name (case-insensitive).
     Host(String),
+}
+
+/// One entry of a prefiller allowlist: a network or host name, and the ports it may be
+/// named with (`None`: any port).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllowEntry {
+    target: AllowTarget,
+    ports: Option<(u16, u16)>,
+}
+
+impl AllowEntry {
+    /// The network or host.
+    pub fn target(&self) -> &AllowTarget {
+        &self.target
+    }
+
+    /// True when `host:port` (a name, or the IP `ip` it is) is permitted.
+    pub fn permits(&self, host: &str, ip: Option<IpAddr>, port: u16) -> bool {
+        let target_ok = match (&self.target, ip) {
+            (AllowTarget::Net(net), Some(ip)) => net.contains(&ip),
+            (AllowTarget::Host(h), None) => h.eq_ignore_ascii_case(host),
+            _ => false,
+        };
+        target_ok && self.ports.is_none_or(|(lo, hi)| (lo..=hi).contains(&port))
+    }
 }
 
 /// Where a route's prefill leg goes.
@@ -232,6 +277,10 @@ pub enum PrefillSource {
         name: String,
         /// Permitted hosts and networks (never empty).
         allow: Vec<AllowEntry>,
+        /// Peers whose header is believed (the gateway); empty: any peer.
+        trusted_sources: Vec<IpNet>,
+        /// Send the client's credentials to the named prefiller too.
+        forward_credentials: bool,
     },
 }
 
@@ -243,6 +292,7 @@ pub struct RouteOptions {
     decode_first_byte_timeout: Duration,
     max_body_bytes: usize,
     relay_handoff: RelayHandoff,
+    client_handoff: ClientHandoff,
 }
 
 impl RouteOptions {
@@ -269,6 +319,11 @@ impl RouteOptions {
     /// Relay mode: where the ids wait between the legs.
     pub fn relay_handoff(&self) -> RelayHandoff {
         self.relay_handoff
+    }
+
+    /// Orchestrate: what to do with a client's own handoff fields.
+    pub fn client_handoff(&self) -> ClientHandoff {
+        self.client_handoff
     }
 }
 
@@ -359,6 +414,33 @@ pub struct ServerSettings {
     graceful_shutdown_timeout_seconds: u64,
     log_level: String,
     log_format: LogFormat,
+    admin_token: Option<AdminToken>,
+    max_header_count: usize,
+    max_header_bytes: usize,
+    body_read_timeout: Duration,
+}
+
+/// The secret state-changing admin requests must carry; never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct AdminToken(String);
+
+impl AdminToken {
+    /// A validated token (the checker's rules: long enough, printable).
+    pub(crate) fn new(token: String) -> Self {
+        Self(token)
+    }
+
+    /// True when `presented` is the token (compared in time independent of where they differ).
+    pub fn matches(&self, presented: &str) -> bool {
+        let (a, b) = (self.0.as_bytes(), presented.as_bytes());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+}
+
+impl fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("AdminToken(***)")
+    }
 }
 
 impl ServerSettings {
@@ -390,6 +472,26 @@ impl ServerSettings {
     /// Log filter, valid `EnvFilter` syntax.
     pub fn log_level(&self) -> &str {
         &self.log_level
+    }
+
+    /// The token `/drain` requires; `None`: state-changing admin endpoints are off.
+    pub fn admin_token(&self) -> Option<&AdminToken> {
+        self.admin_token.as_ref()
+    }
+
+    /// Most header fields a request head may have.
+    pub fn max_header_count(&self) -> usize {
+        self.max_header_count
+    }
+
+    /// Most header bytes a request head may have.
+    pub fn max_header_bytes(&self) -> usize {
+        self.max_header_bytes
+    }
+
+    /// Deadline for a whole request body to arrive.
+    pub fn body_read_timeout(&self) -> Duration {
+        self.body_read_timeout
     }
 
     /// Log format.
@@ -488,13 +590,40 @@ pub fn is_host_port(text: &str) -> bool {
 }
 
 /// Parses an allowlist entry: a CIDR, a bare IP (as a /32 or /128) or a host name.
+///
+/// A port or port range may follow: `10.0.0.0/8:8000`, `prefill.svc:8000-8009`,
+/// `[fd00::/8]:8000` (IPv6 needs the brackets when a port follows).
 pub fn parse_allow(text: &str) -> Option<AllowEntry> {
-    if let Ok(net) = text.parse::<IpNet>() {
-        return Some(AllowEntry::Net(net));
-    }
-    if let Ok(ip) = text.parse::<IpAddr>() {
-        return Some(AllowEntry::Net(IpNet::from(ip)));
-    }
-    (!text.is_empty() && text.chars().all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-'))
-        .then(|| AllowEntry::Host(text.to_ascii_lowercase()))
+    let (target, ports) = split_ports(text)?;
+    let target = if let Ok(net) = target.parse::<IpNet>() {
+        AllowTarget::Net(net)
+    } else if let Ok(ip) = target.parse::<IpAddr>() {
+        AllowTarget::Net(IpNet::from(ip))
+    } else if !target.is_empty() && target.chars().all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-') {
+        AllowTarget::Host(target.to_ascii_lowercase())
+    } else {
+        return None;
+    };
+    Some(AllowEntry { target, ports })
+}
+
+/// `target[:ports]` → target and the port range; `None` when the ports do not parse.
+fn split_ports(text: &str) -> Option<(&str, Option<(u16, u16)>)> {
+    let (target, ports) = if let Some(rest) = text.strip_prefix('[') {
+        let (inner, after) = rest.split_once(']')?;
+        match after.strip_prefix(':') {
+            Some(p) => (inner, Some(p)),
+            None if after.is_empty() => (inner, None),
+            None => return None,
+        }
+    } else if text.matches(':').count() == 1 {
+        let (t, p) = text.split_once(':')?;
+        (t, Some(p))
+    } else {
+        (text, None) // a bare IPv6 address or network, or no port
+    };
+    let Some(ports) = ports else { return Some((target, None)) };
+    let (lo, hi) = ports.split_once('-').unwrap_or((ports, ports));
+    let (lo, hi) = (lo.parse::<u16>().ok()?, hi.parse::<u16>().ok()?);
+    (lo >= 1 && lo <= hi).then_some((target, Some((lo, hi))))
 }

@@ -22,6 +22,9 @@ pub enum ApiError {
     /// `x-prefiller-host-port` is missing, repeated or not one `host:port`.
     #[error("invalid x-prefiller-host-port header: {0}")]
     InvalidPrefillerHeader(String),
+    /// `x-prefiller-host-port` came from a peer the route does not trust to send it.
+    #[error("x-prefiller-host-port is not accepted from this client")]
+    UntrustedPrefillerHeader,
     /// `x-prefiller-host-port` names a host outside the route's allowlist.
     #[error("prefiller {0} is not in the allowlist")]
     PrefillerNotAllowed(String),
@@ -67,7 +70,7 @@ impl ApiError {
     pub fn status(&self) -> u16 {
         match self {
             Self::InvalidRequest { .. } | Self::InvalidPrefillerHeader(_) => 400,
-            Self::PrefillerNotAllowed(_) => 403,
+            Self::PrefillerNotAllowed(_) | Self::UntrustedPrefillerHeader => 403,
             Self::BodyTooLarge { .. } => 413,
             Self::HeadersTooLarge(_) => 431,
             Self::RequestTimeout(_) => 408,
@@ -89,6 +92,7 @@ impl ApiError {
             Self::RequestTimeout(_) => "request_timeout",
             Self::InvalidPrefillerHeader(_) => "invalid_prefiller_header",
             Self::PrefillerNotAllowed(_) => "prefiller_not_allowed",
+            Self::UntrustedPrefillerHeader => "prefiller_header_untrusted",
             Self::PrefillUnavailable(_) => "prefill_unavailable",
             Self::PrefillTimeout(_) => "prefill_timeout",
             Self::PrefillBadResponse(_) => "prefill_bad_response",
@@ -112,7 +116,9 @@ impl ApiError {
     fn param(&self) -> Option<&'static str> {
         match self {
             Self::InvalidRequest { param, .. } => *param,
-            Self::InvalidPrefillerHeader(_) | Self::PrefillerNotAllowed(_) => Some("x-prefiller-host-port"),
+            Self::InvalidPrefillerHeader(_) | Self::PrefillerNotAllowed(_) | Self::UntrustedPrefillerHeader => {
+                Some("x-prefiller-host-port")
+            }
             _ => None,
         }
     }
@@ -145,7 +151,8 @@ mod tests {
 
     #[test]
     fn code_and_status_table() {
-        let table: [(ApiError, u16, &str); 13] = [
+        let table: [(ApiError, u16, &str); 14] = [
+            (ApiError::UntrustedPrefillerHeader, 403, "prefiller_header_untrusted"),
             (ApiError::invalid("x", None), 400, "invalid_request"),
             (ApiError::BodyTooLarge { limit: 1 }, 413, "body_too_large"),
             (ApiError::HeadersTooLarge("x".into()), 431, "headers_too_large"),

@@ -14,8 +14,9 @@ mod tests;
 
 use bytes::Bytes;
 
-pub use prefiller::prefiller_from_header;
+pub use prefiller::{prefiller_from_header, HeaderRule};
 
+pub use crate::config::ClientHandoff;
 use crate::config::{RelayHandoff, Version};
 use crate::openai::request::{decode_body, prefill_body};
 use crate::openai::response::{extract_handoff, HandoffError, IdsFault};
@@ -28,15 +29,6 @@ pub struct ReusePolicy {
     pub token_reuse: bool,
     /// Relay mode: where the ids wait between the legs.
     pub relay_handoff: RelayHandoff,
-}
-
-/// What an orchestrate route does with handoff fields a client put in its own body.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ClientHandoff {
-    /// Remove them before any leg (the default).
-    Strip,
-    /// Refuse the request with a 400.
-    Reject,
 }
 
 /// Body fields that steer the P/D handoff (vLLM reads them as the engine's transfer

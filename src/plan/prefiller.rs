@@ -4,24 +4,44 @@
 use std::net::IpAddr;
 
 use http::HeaderMap;
+use ipnet::IpNet;
 
 use crate::config::AllowEntry;
 use crate::openai::ApiError;
 
-/// Checks an `x-prefiller-host-port` style header and returns the endpoint it names;
-/// `Ok(None)` when the header is absent (the request then goes to the decode alone).
+/// A route's rule for a header-named prefiller.
+#[derive(Debug, Clone)]
+pub struct HeaderRule {
+    /// Lower-case header name (never forwarded to an engine).
+    pub name: String,
+    /// Hosts and networks (with ports) the header may name.
+    pub allow: Vec<AllowEntry>,
+    /// Peers whose header is believed; empty: any peer.
+    pub trusted_sources: Vec<IpNet>,
+    /// Send the client's credentials to the named prefiller.
+    pub forward_credentials: bool,
+}
+
+/// Checks an `x-prefiller-host-port` style header sent by `peer` and returns the endpoint
+/// it names; `Ok(None)` when the header is absent (the request then goes to the decode alone).
 ///
 /// # Errors
-/// 400 when repeated, a list, or not one `host:port`; 403 when outside `allow`.
+/// 400 when repeated, a list, or not one `host:port`; 403 when outside `allow`, or when the
+/// route trusts the header only from some peers and `peer` is not one of them.
 pub fn prefiller_from_header(
     headers: &HeaderMap,
-    name: &str,
-    allow: &[AllowEntry],
+    rule: &HeaderRule,
+    peer: Option<IpAddr>,
 ) -> Result<Option<String>, ApiError> {
-    let mut values = headers.get_all(name).iter();
+    let mut values = headers.get_all(rule.name.as_str()).iter();
     let Some(value) = values.next() else {
         return Ok(None);
     };
+    let trusted = rule.trusted_sources.is_empty()
+        || peer.is_some_and(|ip| rule.trusted_sources.iter().any(|net| net.contains(&ip)));
+    if !trusted {
+        return Err(ApiError::UntrustedPrefillerHeader);
+    }
     if values.next().is_some() {
         return Err(ApiError::InvalidPrefillerHeader("header repeated; exactly one host:port expected".into()));
     }
@@ -32,12 +52,11 @@ pub fn prefiller_from_header(
     if !crate::config::model::is_host_port(text) {
         return Err(ApiError::InvalidPrefillerHeader(format!("`{text}` is not host:port")));
     }
-    let host = text.rsplit_once(':').map_or(text, |(h, _)| h);
+    let (host, port) = text.rsplit_once(':').unwrap_or((text, ""));
     let host = host.trim_start_matches('[').trim_end_matches(']');
-    let allowed = match host.parse::<IpAddr>() {
-        Ok(ip) => allow.iter().any(|a| matches!(a, AllowEntry::Net(net) if net.contains(&ip))),
-        Err(_) => allow.iter().any(|a| matches!(a, AllowEntry::Host(h) if h.eq_ignore_ascii_case(host))),
-    };
+    let port = port.parse::<u16>().unwrap_or(0);
+    let ip = host.parse::<IpAddr>().ok();
+    let allowed = rule.allow.iter().any(|a| a.permits(host, ip, port));
     if allowed {
         Ok(Some(text.to_owned()))
     } else {
@@ -58,23 +77,50 @@ mod tests {
         h
     }
 
+    fn rule(allow: &[&str], trusted: &[&str]) -> HeaderRule {
+        HeaderRule {
+            name: "x-prefiller-host-port".into(),
+            allow: allow.iter().map(|a| parse_allow(a).unwrap()).collect(),
+            trusted_sources: trusted.iter().map(|t| t.parse().unwrap()).collect(),
+            forward_credentials: false,
+        }
+    }
+
     #[test]
     fn prefiller_header_is_checked() {
-        let allow: Vec<AllowEntry> = ["127.0.0.0/8", "prefill.svc"].iter().map(|a| parse_allow(a).unwrap()).collect();
-        let name = "x-prefiller-host-port";
-        assert_eq!(prefiller_from_header(&headers(&[]), name, &allow), Ok(None));
-        assert_eq!(
-            prefiller_from_header(&headers(&["127.0.0.9:8100"]), name, &allow),
-            Ok(Some("127.0.0.9:8100".into()))
-        );
-        assert_eq!(
-            prefiller_from_header(&headers(&["PREFILL.svc:80"]), name, &allow),
-            Ok(Some("PREFILL.svc:80".into()))
-        );
+        let r = rule(&["127.0.0.0/8", "prefill.svc"], &[]);
+        let check = |values: &[&str]| prefiller_from_header(&headers(values), &r, None);
+        assert_eq!(check(&[]), Ok(None));
+        assert_eq!(check(&["127.0.0.9:8100"]), Ok(Some("127.0.0.9:8100".into())));
+        assert_eq!(check(&["PREFILL.svc:80"]), Ok(Some("PREFILL.svc:80".into())));
         for bad in [&["127.0.0.1:1,127.0.0.1:2"][..], &["127.0.0.1"], &["127.0.0.1:1", "127.0.0.1:2"], &["h:0"]] {
-            assert_eq!(prefiller_from_header(&headers(bad), name, &allow).unwrap_err().status(), 400, "{bad:?}");
+            assert_eq!(check(bad).unwrap_err().status(), 400, "{bad:?}");
         }
-        assert_eq!(prefiller_from_header(&headers(&["10.1.2.3:8000"]), name, &allow).unwrap_err().status(), 403);
-        assert_eq!(prefiller_from_header(&headers(&["evil.svc:80"]), name, &allow).unwrap_err().status(), 403);
+        assert_eq!(check(&["10.1.2.3:8000"]).unwrap_err().status(), 403);
+        assert_eq!(check(&["evil.svc:80"]).unwrap_err().status(), 403);
+    }
+
+    #[test]
+    fn allowlist_ports_fence_the_named_host() {
+        let r = rule(&["10.0.0.0/8:8000", "prefill.svc:8000-8009", "[fd00::/8]:9000"], &[]);
+        let check = |v: &str| prefiller_from_header(&headers(&[v]), &r, None).map_err(|e| e.code());
+        assert_eq!(check("10.1.2.3:8000"), Ok(Some("10.1.2.3:8000".into())));
+        assert_eq!(check("10.1.2.3:22"), Err("prefiller_not_allowed"), "ssh port of an allowed host");
+        assert_eq!(check("prefill.svc:8009"), Ok(Some("prefill.svc:8009".into())));
+        assert_eq!(check("prefill.svc:8010"), Err("prefiller_not_allowed"));
+        assert_eq!(check("[fd00::1]:9000"), Ok(Some("[fd00::1]:9000".into())));
+        assert_eq!(check("[fd00::1]:9001"), Err("prefiller_not_allowed"));
+    }
+
+    #[test]
+    fn the_header_is_believed_only_from_trusted_peers() {
+        let r = rule(&["127.0.0.0/8"], &["10.0.0.0/24"]);
+        let h = headers(&["127.0.0.2:8100"]);
+        assert_eq!(prefiller_from_header(&h, &r, "10.0.0.7".parse().ok()), Ok(Some("127.0.0.2:8100".into())));
+        for peer in [Some("10.0.1.7"), None] {
+            let err = prefiller_from_header(&h, &r, peer.and_then(|p| p.parse().ok())).unwrap_err();
+            assert_eq!((err.status(), err.code()), (403, "prefiller_header_untrusted"), "{peer:?}");
+        }
+        assert_eq!(prefiller_from_header(&headers(&[]), &r, None), Ok(None), "no header: decode-only, from anyone");
     }
 }

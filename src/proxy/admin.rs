@@ -1,5 +1,5 @@
-//! The admin listener: `/metrics`, `/healthz`, `/readyz` and `/drain` (a preStop hook);
-//! 404 otherwise. It never proxies.
+//! The admin listener: `/metrics`, `/healthz`, `/readyz` and `/drain` (a preStop hook, which
+//! needs the configured admin token); 404 otherwise. It never proxies.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -11,7 +11,7 @@ use pingora::proxy::{ProxyHttp, Session};
 use pingora::upstreams::peer::HttpPeer;
 
 use crate::metrics::Metrics;
-use crate::SharedApp;
+use crate::{App, SharedApp};
 
 /// The `wait_seconds` of a `/drain` query, capped at 300 s.
 fn drain_wait(query: Option<&str>) -> Duration {
@@ -22,6 +22,17 @@ fn drain_wait(query: Option<&str>) -> Duration {
         .and_then(|v| v.parse::<u64>().ok())
         .unwrap_or(0);
     Duration::from_secs(secs.min(300))
+}
+
+/// True when the request carries the configured admin token as `Authorization: Bearer`;
+/// with no token configured, state-changing endpoints are off.
+fn drain_authorized(app: &App, head: &RequestHeader) -> bool {
+    let Some(token) = app.config.server().admin_token() else { return false };
+    head.headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|presented| token.matches(presented.trim()))
 }
 
 /// The admin listener: `/metrics`, `/healthz`, `/readyz`, `/drain`; 404 otherwise.
@@ -46,6 +57,14 @@ impl ProxyHttp for Admin {
             "/healthz" => (200, "text/plain", b"ok\n".to_vec()),
             "/readyz" if app.draining.load(Ordering::Relaxed) => (503, "text/plain", b"draining\n".to_vec()),
             "/readyz" if app.metrics.ready.get() == 1 => (200, "text/plain", b"ready\n".to_vec()),
+            "/drain" if !drain_authorized(&app, session.req_header()) => {
+                tracing::warn!("/drain refused: no or wrong admin token");
+                (
+                    403,
+                    "text/plain",
+                    b"forbidden: /drain needs Authorization: Bearer <server.admin_token_file>\n".to_vec(),
+                )
+            }
             "/drain" => {
                 // For a preStop hook: fail readiness now, then hold the hook for `wait_seconds`
                 // (at most 300) so SIGTERM, which closes the listeners, comes after load

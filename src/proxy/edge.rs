@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use http::HeaderMap;
 
+use crate::config::Config;
 use crate::openai::ApiError;
 
 /// The edge limits of one config.
@@ -19,10 +20,15 @@ pub struct EdgeLimits {
     pub body_read_timeout: Duration,
 }
 
-impl Default for EdgeLimits {
-    fn default() -> Self {
-        // 100 fields and 64 KiB: several times what OpenAI SDKs and gateways send.
-        Self { max_header_count: 100, max_header_bytes: 64 * 1024, body_read_timeout: Duration::from_secs(60) }
+impl EdgeLimits {
+    /// The limits `config` sets.
+    pub fn of(config: &Config) -> Self {
+        let server = config.server();
+        Self {
+            max_header_count: server.max_header_count(),
+            max_header_bytes: server.max_header_bytes(),
+            body_read_timeout: server.body_read_timeout(),
+        }
     }
 }
 
@@ -54,7 +60,8 @@ mod tests {
 
     #[test]
     fn heads_over_either_limit_are_431() {
-        let limits = EdgeLimits { max_header_count: 3, max_header_bytes: 40, ..EdgeLimits::default() };
+        let limits =
+            EdgeLimits { max_header_count: 3, max_header_bytes: 40, body_read_timeout: Duration::from_secs(1) };
         let mut h = HeaderMap::new();
         h.insert("a", "1".parse().unwrap());
         h.insert("b", "2".parse().unwrap());

@@ -49,6 +49,8 @@ pub struct Ctx {
     pub api: Option<Api>,
     /// Request id used on both legs (the client's `X-Request-Id`, else a new one).
     pub request_id: String,
+    /// The client's (peer's) IP address.
+    pub client_ip: Option<std::net::IpAddr>,
     /// Final status sent to the client.
     pub status: u16,
     /// How it ended (set when known; else derived from the status in `logging`).
@@ -114,6 +116,7 @@ impl ProxyHttp for Proxy {
             started: Instant::now(),
             api: None,
             request_id: String::new(),
+            client_ip: None,
             status: 0,
             outcome: None,
             first_byte: None,
@@ -132,6 +135,7 @@ impl ProxyHttp for Proxy {
         let app = Arc::clone(&ctx.app);
         ctx.started = Instant::now();
         ctx.counted = true;
+        ctx.client_ip = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
         app.metrics.inflight.inc();
         let header = session.req_header();
         if let Err(e) = edge::check_head(&header.headers, &app.edge) {

@@ -1,6 +1,7 @@
 //! An orchestrated request, top to bottom: pick the engines, plan, prefill leg, handoff,
 //! decode leg, relay. Decisions come from `plan`; sending and waiting from `exec`.
 
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -29,7 +30,7 @@ pub async fn run(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> 
     let cleaned = plan::without_client_handoff(&req.obj, route.client_handoff)?;
     let obj = cleaned.as_ref().unwrap_or(&req.obj);
     let decode = exec::pick(&route.decode_pool, Leg::Decode)?;
-    let Some(prefiller) = prefiller(&route, req.incoming.headers)? else {
+    let Some(prefiller) = prefiller(&route, req.incoming.headers, ctx.client_ip)? else {
         // Header mode without the header: the picker chose decode-only; send it as is.
         let body = cleaned.as_ref().map_or_else(|| req.incoming.body.clone(), |c| Bytes::from(c.to_bytes()));
         return exec::forward(session, ctx, &req.incoming, Leg::Decode, decode, body).await;
@@ -65,12 +66,12 @@ struct Prefiller {
 
 /// The prefiller: one of the route's pool, or the one its header names (`None`: the header
 /// is absent, so the request is decode-only).
-fn prefiller(route: &Route, headers: &HeaderMap) -> Result<Option<Prefiller>, ProxyError> {
+fn prefiller(route: &Route, headers: &HeaderMap, peer: Option<IpAddr>) -> Result<Option<Prefiller>, ProxyError> {
     match &route.prefill {
         Some(PrefillTarget::Pool(pool)) => {
             Ok(Some(Prefiller { endpoint: exec::pick(pool, Leg::Prefill)?, named: false }))
         }
-        Some(PrefillTarget::Header { name, allow }) => Ok(prefiller_from_header(headers, name, allow)?
+        Some(PrefillTarget::Header(rule)) => Ok(prefiller_from_header(headers, rule, peer)?
             .map(|addr| Prefiller { endpoint: exec::named_endpoint(addr), named: true })),
         None => Ok(None),
     }
@@ -92,7 +93,8 @@ async fn prefill(
     if !prefiller.named {
         return exec::prefill(session, ctx, req, &prefiller.endpoint, body).await;
     }
-    let req = exec::Incoming { drop_credentials: !ctx.route.prefill_credentials, ..*req };
+    let forward = matches!(&ctx.route.prefill, Some(PrefillTarget::Header(rule)) if rule.forward_credentials);
+    let req = exec::Incoming { drop_credentials: !forward, ..*req };
     let (head, answer) =
         exec::prefill(session, ctx, &req, &prefiller.endpoint, body).await.map_err(ProxyError::uniform_connect)?;
     if !head.status.is_success() && answer.len() > NAMED_PREFILLER_ERROR_LIMIT {

@@ -26,11 +26,13 @@ pub struct Settings {
     /// Log filter (`TOKENONCE_LOG` syntax). In-process, the first instance of the test
     /// process sets it for all (one global subscriber), and `TOKENONCE_LOG` overrides it.
     pub log: String,
+    /// More `[server]` lines (e.g. `admin_token_file = "..."`).
+    pub server_extra: String,
 }
 
 impl Default for Settings {
     fn default() -> Self {
-        Self { health_interval_ms: 200, log: "info".into() }
+        Self { health_interval_ms: 200, log: "info".into(), server_extra: String::new() }
     }
 }
 
@@ -237,8 +239,8 @@ impl Drop for TokenOnce {
 /// The `[server]` and `[upstream]` sections the harness puts above a test's config.
 fn server_section(settings: &Settings) -> String {
     format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nthreads = 2\ngrace_period_seconds = 1\ngraceful_shutdown_timeout_seconds = 1\n\n[upstream]\nhealth_interval_ms = {}\n\n",
-        settings.health_interval_ms
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nthreads = 2\ngrace_period_seconds = 1\ngraceful_shutdown_timeout_seconds = 1\n{}\n[upstream]\nhealth_interval_ms = {}\n\n",
+        settings.server_extra, settings.health_interval_ms
     )
 }
 

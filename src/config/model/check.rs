@@ -4,18 +4,19 @@
 //! stops the parse and is the one problem reported.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::ops::Range;
 use std::time::Duration;
 
 use globset::Glob;
+use ipnet::IpNet;
 use toml::de::{DeTable, DeValue};
 use toml::Spanned;
 use tracing_subscriber::filter::LevelFilter;
 
 use super::{
-    is_host_port, parse_allow, CacheSettings, Choice, Config, Mode, PoolSpec, PrefillSource, Problem, RouteMatch,
-    RouteOptions, RouteSpec, ServerSettings, UpstreamSettings, Version,
+    is_host_port, parse_allow, AdminToken, CacheSettings, Choice, Config, Mode, PoolSpec, PrefillSource, Problem,
+    RouteMatch, RouteOptions, RouteSpec, ServerSettings, UpstreamSettings, Version,
 };
 use crate::config::defaults;
 use crate::config::file::{self, Field, Unknown};
@@ -29,6 +30,9 @@ const MAX_IDLE_MS: u64 = 4999;
 const MAX_LEG_MS: u64 = 3_600_000;
 const MAX_BODY_BYTES: u64 = 1 << 30;
 const MAX_CACHE_BYTES: u64 = 1 << 40;
+/// pingora refuses more than 256 header fields and 1 MiB of head itself.
+const MAX_HEADER_COUNT: u64 = 256;
+const MAX_HEADER_BYTES: u64 = 1 << 20;
 
 /// Parses and validates; `Err` holds every problem, sorted by place.
 pub(super) fn from_toml(text: &str) -> Result<Config, Vec<Problem>> {
@@ -282,9 +286,16 @@ fn check_server(ck: &mut Checker<'_>, server: file::Server) -> ServerSettings {
         graceful_shutdown_timeout_seconds,
         log_level,
         log_format,
+        admin_token_file,
+        max_header_count,
+        max_header_bytes,
+        body_read_timeout_ms,
         unknown,
     } = server;
     ck.unknown(&unknown, &[Seg::Key("server")]);
+    let admin_token = ck.get(&admin_token_file, "server.admin_token_file").and_then(|(path, span)| {
+        read_token(path).map_err(|why| ck.at(Some(span), "server.admin_token_file", why)).ok()
+    });
     let log_level = match ck.get(&log_level, "server.log_level") {
         None => defaults::LOG_LEVEL.to_owned(),
         Some((text, span)) => {
@@ -312,7 +323,37 @@ fn check_server(ck: &mut Checker<'_>, server: file::Server) -> ServerSettings {
         ),
         log_level,
         log_format: ck.optional_choice(&log_format, "server.log_format", defaults::LOG_FORMAT),
+        admin_token,
+        max_header_count: ck.positive(
+            &max_header_count,
+            "server.max_header_count",
+            defaults::MAX_HEADER_COUNT,
+            MAX_HEADER_COUNT,
+        ) as usize,
+        max_header_bytes: ck.positive(
+            &max_header_bytes,
+            "server.max_header_bytes",
+            defaults::MAX_HEADER_BYTES,
+            MAX_HEADER_BYTES,
+        ) as usize,
+        body_read_timeout: ck.millis(
+            &body_read_timeout_ms,
+            "server.body_read_timeout_ms",
+            defaults::BODY_READ_TIMEOUT_MS,
+            MAX_LEG_MS,
+        ),
     }
+}
+
+/// The admin token from its file: the file's text without surrounding white space, at least
+/// 16 characters (a guessable token protects nothing).
+fn read_token(path: &str) -> Result<AdminToken, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read `{path}`: {e}"))?;
+    let token = text.trim();
+    if token.len() < 16 || token.chars().any(|c| !c.is_ascii_graphic()) {
+        return Err(format!("`{path}` must hold one token of at least 16 printable characters"));
+    }
+    Ok(AdminToken::new(token.to_owned()))
 }
 
 fn check_upstream(ck: &mut Checker<'_>, upstream: file::Upstream) -> UpstreamSettings {
@@ -401,35 +442,16 @@ fn check_route(
     let span = route.span();
     let path = [Seg::Key("routes"), Seg::Index(index)];
     let key = key_path(&path, None);
+    let route = route.into_inner();
+    let options = check_route_options(ck, &key, &route);
+    #[rustfmt::skip]
     let file::Route {
-        name,
-        matcher,
-        mode,
-        relay_handoff,
-        prefill,
-        decode_pool,
-        token_reuse,
-        prefill_timeout_ms,
-        decode_first_byte_timeout_ms,
-        max_body_bytes,
-        unknown,
-    } = route.into_inner();
+        name, matcher, mode, prefill, decode_pool, unknown,
+        relay_handoff: _, token_reuse: _, prefill_timeout_ms: _, decode_first_byte_timeout_ms: _,
+        max_body_bytes: _, client_kv_transfer_params: _,
+    } = route;
     ck.unknown(&unknown, &path);
-
-    let name_key = format!("{key}.name");
-    let name = match ck.required(&name, &span, &name_key) {
-        None => String::new(),
-        Some((name, name_span)) => {
-            if seen_names.contains(name) {
-                ck.at(Some(name_span.clone()), &name_key, format!("duplicate route name `{name}`"));
-            }
-            if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
-                ck.at(Some(name_span), &name_key, "must be non-empty [A-Za-z0-9._-]");
-            }
-            seen_names.push(name.clone());
-            name.clone()
-        }
-    };
+    let name = check_route_name(ck, &name, &span, &key, seen_names);
     let mode_key = format!("{key}.mode");
     let got = ck.required(&mode, &span, &mode_key);
     let mode: Option<Mode> = ck.choice(got, &mode_key);
@@ -457,30 +479,64 @@ fn check_route(
     let decode_key = format!("{key}.decode_pool");
     let got = ck.required(&decode_pool, &span, &decode_key);
     let decode_pool = ck.pool_ref(pools, got, &decode_key).unwrap_or(0);
+    RouteSpec { name, matcher, mode: mode.unwrap_or(Mode::Passthrough), prefill, decode_pool, options }
+}
 
-    let options = RouteOptions {
-        token_reuse: ck.get(&token_reuse, &format!("{key}.token_reuse")).map_or(defaults::TOKEN_REUSE, |(v, _)| *v),
+/// A route's name: present, unique, `[A-Za-z0-9._-]`.
+fn check_route_name(
+    ck: &mut Checker<'_>,
+    name: &Option<Field<String>>,
+    table: &Range<usize>,
+    key: &str,
+    seen_names: &mut Vec<String>,
+) -> String {
+    let name_key = format!("{key}.name");
+    let Some((name, name_span)) = ck.required(name, table, &name_key) else { return String::new() };
+    if seen_names.contains(name) {
+        ck.at(Some(name_span.clone()), &name_key, format!("duplicate route name `{name}`"));
+    }
+    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+        ck.at(Some(name_span), &name_key, "must be non-empty [A-Za-z0-9._-]");
+    }
+    seen_names.push(name.clone());
+    name.clone()
+}
+
+/// A route's knobs, each with its default.
+fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> RouteOptions {
+    #[rustfmt::skip]
+    let file::Route {
+        token_reuse, prefill_timeout_ms, decode_first_byte_timeout_ms, max_body_bytes, relay_handoff,
+        client_kv_transfer_params,
+        name: _, matcher: _, mode: _, prefill: _, decode_pool: _, unknown: _,
+    } = route;
+    RouteOptions {
+        token_reuse: ck.get(token_reuse, &format!("{key}.token_reuse")).map_or(defaults::TOKEN_REUSE, |(v, _)| *v),
         prefill_timeout: ck.millis(
-            &prefill_timeout_ms,
+            prefill_timeout_ms,
             &format!("{key}.prefill_timeout_ms"),
             defaults::PREFILL_TIMEOUT_MS,
             MAX_LEG_MS,
         ),
         decode_first_byte_timeout: ck.millis(
-            &decode_first_byte_timeout_ms,
+            decode_first_byte_timeout_ms,
             &format!("{key}.decode_first_byte_timeout_ms"),
             defaults::DECODE_FIRST_BYTE_TIMEOUT_MS,
             MAX_LEG_MS,
         ),
         max_body_bytes: ck.positive(
-            &max_body_bytes,
+            max_body_bytes,
             &format!("{key}.max_body_bytes"),
             defaults::MAX_BODY_BYTES,
             MAX_BODY_BYTES,
         ) as usize,
-        relay_handoff: ck.optional_choice(&relay_handoff, &format!("{key}.relay_handoff"), defaults::RELAY_HANDOFF),
-    };
-    RouteSpec { name, matcher, mode: mode.unwrap_or(Mode::Passthrough), prefill, decode_pool, options }
+        relay_handoff: ck.optional_choice(relay_handoff, &format!("{key}.relay_handoff"), defaults::RELAY_HANDOFF),
+        client_handoff: ck.optional_choice(
+            client_kv_transfer_params,
+            &format!("{key}.client_kv_transfer_params"),
+            defaults::CLIENT_KV_TRANSFER_PARAMS,
+        ),
+    }
 }
 
 fn check_match(ck: &mut Checker<'_>, matcher: file::Match, route: &[Seg<'_>]) -> RouteMatch {
@@ -528,13 +584,22 @@ fn check_prefill(
     let span = prefill.span();
     let path = [route, &[Seg::Key("prefill")]].concat();
     let key = key_path(&path, None);
-    let file::Prefill { pool, header, allow, unknown } = prefill.into_inner();
+    let file::Prefill { pool, header, allow, trusted_sources, forward_credentials, unknown } = prefill.into_inner();
     ck.unknown(&unknown, &path);
     let allow_key = format!("{key}.allow");
     match (&pool, &header) {
         (Some(_), None) => {
-            if !allow.is_empty() {
-                ck.at(Some(span), &allow_key, "`allow` goes with `header`, not `pool`");
+            let header_only = [
+                (!allow.is_empty(), "allow"),
+                (!trusted_sources.is_empty(), "trusted_sources"),
+                (forward_credentials.is_some(), "forward_credentials"),
+            ];
+            for (_, field) in header_only.iter().filter(|(set, _)| *set) {
+                ck.at(
+                    Some(span.clone()),
+                    format!("{key}.{field}"),
+                    format!("`{field}` goes with `header`, not `pool`"),
+                );
             }
             let pool_key = format!("{key}.pool");
             let got = ck.get(&pool, &pool_key);
@@ -556,10 +621,30 @@ fn check_prefill(
                 let Some(text) = ck.value(a, &allow_key) else { continue };
                 match parse_allow(text) {
                     Some(entry) => entries.push(entry),
-                    None => ck.at(Some(a.span()), &allow_key, format!("`{text}` is not a host or CIDR")),
+                    None => {
+                        let why = format!("`{text}` is not a host or CIDR with an optional :port or :port-port");
+                        ck.at(Some(a.span()), &allow_key, why);
+                    }
                 }
             }
-            name.map(|name| PrefillSource::Header { name, allow: entries })
+            let trusted_key = format!("{key}.trusted_sources");
+            let mut trusted = Vec::with_capacity(trusted_sources.len());
+            for t in &trusted_sources {
+                let Some(text) = ck.value(t, &trusted_key) else { continue };
+                match text.parse::<IpNet>().or_else(|_| text.parse::<IpAddr>().map(IpNet::from)) {
+                    Ok(net) => trusted.push(net),
+                    Err(_) => ck.at(Some(t.span()), &trusted_key, format!("`{text}` is not an IP or CIDR")),
+                }
+            }
+            let credentials_key = format!("{key}.forward_credentials");
+            let forward_credentials =
+                ck.get(&forward_credentials, &credentials_key).map_or(defaults::FORWARD_CREDENTIALS, |(v, _)| *v);
+            name.map(|name| PrefillSource::Header {
+                name,
+                allow: entries,
+                trusted_sources: trusted,
+                forward_credentials,
+            })
         }
         _ => {
             ck.at(Some(span), &key, "set exactly one of `pool` or `header`");
