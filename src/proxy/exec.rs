@@ -89,10 +89,10 @@ async fn within<F: Future>(limit: Option<Duration>, work: F) -> Result<F::Output
 
 /// Sends one leg and returns its engine's answer head (the one call of the upstream client).
 ///
-/// Retry rule: a leg is re-sent once, to the same endpoint on a new connection, only when the engine provably
-/// never got it (connect failed, or the request could not be written whole; see
-/// `UpstreamClient::attempt`) and the route's retry budget has a retry. A failure after the
-/// request was written is never re-sent: a decode must not run twice.
+/// Retry rule: a leg is re-sent once, to the same endpoint on a new connection, only when
+/// the engine provably never got it (connect failed, or the request could not be written
+/// whole; see `UpstreamClient::attempt`) and the route's retry budget has a retry. A failure
+/// after the request was written is never re-sent: a decode must not run twice.
 async fn exchange(
     ctx: &Ctx,
     req: &Incoming<'_>,
