@@ -219,6 +219,7 @@ pub struct Metrics {
     relayed_id_bytes: IntCounter,
     upstream_errors: IntCounterVec,
     upstream_retries: IntCounterVec,
+    retry_budget_exhausted: IntCounterVec,
     /// Requests being served now.
     pub inflight: IntGauge,
     upstream_healthy: IntGaugeVec,
@@ -318,8 +319,14 @@ impl Metrics {
             upstream_retries: counter(
                 registry,
                 "tokenonce_upstream_retries_total",
-                "Requests re-sent once after a pooled connection turned out stale.",
+                "Legs re-sent once because the engine provably never got them (connect failed, or the request could not be written whole).",
                 &["stage"],
+            )?,
+            retry_budget_exhausted: counter(
+                registry,
+                "tokenonce_retry_budget_exhausted_total",
+                "Legs that could safely have been re-sent but the route's retry budget refused.",
+                &["route"],
             )?,
             inflight: gauge(registry, "tokenonce_inflight_requests", "Client requests being served now.")?,
             upstream_healthy: gauge_vec(
@@ -412,6 +419,7 @@ impl Metrics {
                 reuse("", "")
             },
             relayed_id_bytes: self.relayed_id_bytes.clone(),
+            retry_refused: self.retry_budget_exhausted.with_label_values(&[route]),
         }
     }
 
@@ -477,6 +485,7 @@ pub struct RouteMetrics {
     reuse_fallback: Vec<IntCounter>,
     reused_prompt_tokens: IntCounter,
     relayed_id_bytes: IntCounter,
+    retry_refused: IntCounter,
 }
 
 impl RouteMetrics {
@@ -506,6 +515,11 @@ impl RouteMetrics {
         self.reuse_applied.inc();
         self.reused_prompt_tokens.inc_by(tokens as u64);
         self.relayed_id_bytes.inc_by(id_bytes as u64);
+    }
+
+    /// Counts a retry the budget refused.
+    pub fn retry_refused(&self) {
+        self.retry_refused.inc();
     }
 
     /// Counts a decode that fell back to text.
@@ -579,6 +593,7 @@ mod tests {
             "tokenonce_relayed_id_bytes_total",
             "tokenonce_upstream_errors_total",
             "tokenonce_upstream_retries_total",
+            "tokenonce_retry_budget_exhausted_total",
             "tokenonce_inflight_requests",
             "tokenonce_cache_entries",
             "tokenonce_cache_bytes",

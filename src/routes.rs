@@ -11,7 +11,7 @@ use http::HeaderMap;
 use crate::config::{Config, Mode, PrefillSource, RouteMatch};
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::plan::{ClientHandoff, HeaderRule, ReusePolicy};
-use crate::upstream::Pool;
+use crate::upstream::{Pool, RetryBudget};
 
 /// The facts a route is chosen on.
 #[derive(Debug, Clone, Copy)]
@@ -54,6 +54,8 @@ pub struct Route {
     pub decode_first_byte_timeout: Duration,
     /// Largest accepted body.
     pub max_body_bytes: usize,
+    /// Caps the legs re-sent after an unstarted failure.
+    pub retry_budget: RetryBudget,
     /// This route's series.
     pub metrics: RouteMetrics,
 }
@@ -128,6 +130,11 @@ impl RouteTable {
                 prefill_timeout: o.prefill_timeout(),
                 decode_first_byte_timeout: o.decode_first_byte_timeout(),
                 max_body_bytes: o.max_body_bytes(),
+                retry_budget: RetryBudget::new(
+                    o.retry_budget_percent(),
+                    o.retry_budget_min_per_second(),
+                    std::time::Instant::now(),
+                ),
                 metrics: metrics.route(spec.name(), spec.mode()),
             }));
         }
@@ -143,6 +150,11 @@ impl RouteTable {
             prefill_timeout: Duration::ZERO,
             decode_first_byte_timeout: Duration::ZERO,
             max_body_bytes: largest_body,
+            retry_budget: RetryBudget::new(
+                crate::config::defaults::RETRY_BUDGET_PERCENT as u32,
+                crate::config::defaults::RETRY_BUDGET_MIN_PER_SECOND as u32,
+                std::time::Instant::now(),
+            ),
             metrics: metrics.default_route(DEFAULT_ROUTE),
         });
         Ok(Self { routes, default })

@@ -306,6 +306,44 @@ async fn broken_decode_stream_ends_with_an_error_event() {
     assert!(text.ends_with("data: [DONE]\n\n"));
 }
 
+/// A decode stream the engine cuts mid-event, at many offsets (each side of every event
+/// boundary and a stride in between), with and without the cached-tokens rewrite: the client
+/// gets exactly the events completed before the cut, then the error event and `[DONE]`, each
+/// on lines of their own.
+#[tokio::test(flavor = "multi_thread")]
+async fn cut_decode_stream_sends_only_whole_events_then_the_error() {
+    let (p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    let url = format!("{}/v1/chat/completions", proxy.url);
+    let body = chat_body("cut me", json!({"stream": true, "stream_options": {"include_usage": true}}));
+    let rid = [("x-request-id", "cut-1")];
+    let (_, _, plain) = post_json(&url, &body, &rid).await;
+    assert!(plain.ends_with("data: [DONE]\n\n"), "{plain}");
+    let ends: Vec<usize> = plain.match_indices("\n\n").map(|(i, _)| i + 2).collect();
+    let mut cuts: Vec<usize> =
+        ends.iter().flat_map(|&e| [e - 1, e, e + 1]).chain((0..plain.len()).step_by(17)).collect();
+    cuts.retain(|&c| c < plain.len());
+    cuts.sort_unstable();
+    cuts.dedup();
+    for cached in [None, Some(3)] {
+        p.configure(|c| c.cached_tokens = cached);
+        d.configure(|c| c.cut_stream_at_byte = None);
+        let (_, _, full) = post_json(&url, &body, &rid).await;
+        let events: Vec<&str> = full.split_inclusive("\n\n").collect();
+        assert_eq!(events.len(), ends.len(), "{full}");
+        for &cut in &cuts {
+            d.configure(|c| c.cut_stream_at_byte = Some(cut));
+            let (status, _, text) = post_json(&url, &body, &rid).await;
+            assert_eq!(status, 200);
+            let complete = ends.iter().filter(|&&e| e <= cut).count();
+            let expected: String = events[..complete].concat();
+            let rest = text.strip_prefix(&expected).unwrap_or_else(|| panic!("cut {cut} {cached:?}: {text}"));
+            let error = rest.strip_suffix("\n\ndata: [DONE]\n\n").unwrap_or_else(|| panic!("cut {cut}: {rest}"));
+            let json: Value = serde_json::from_str(error.strip_prefix("data: ").unwrap()).unwrap();
+            assert_eq!(json["error"]["code"], "decode_stream_failed", "cut {cut}: {rest}");
+        }
+    }
+}
+
 /// A client that disconnects mid-stream makes tokenonce close the decode leg; one that
 /// disconnects during the prefill makes it close the prefill leg (and never send a decode).
 #[tokio::test(flavor = "multi_thread")]

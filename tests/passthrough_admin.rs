@@ -1,5 +1,5 @@
 //! Everything that is not orchestrated: byte-for-byte passthrough, the admin listener
-//! (`/metrics`, `/healthz`, `/readyz`), the stale-connection retry, `tokenonce check`, config
+//! (`/metrics`, `/healthz`, `/readyz`), `tokenonce check`, config
 //! reloads, and stopping (the binary on SIGTERM, the in-process handle).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use support::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Other paths go to the decode pool unchanged, request and response.
 #[tokio::test(flavor = "multi_thread")]
@@ -87,79 +86,6 @@ async fn readiness_follows_the_decode_health() {
         assert_eq!(proxy.metric(&series).await, 1.0, "{stage}");
     }
     assert_eq!(proxy.metric("tokenonce_inflight_requests").await, 0.0);
-}
-
-/// A decode whose pooled connection dies under a request (it reads the second request on a
-/// kept-alive connection and closes without answering, as a server whose keep-alive just
-/// expired does) gets that request retried once on a fresh connection, which succeeds.
-#[tokio::test(flavor = "multi_thread")]
-async fn stale_pooled_connection_is_retried_once() {
-    let p = FakeVllm::start(FakeConfig::default()).await;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        for _ in 0..50 {
-            let Ok((mut sock, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 1 << 20];
-                for request_on_conn in 0..2 {
-                    let mut got = Vec::new();
-                    let complete = tokio::time::timeout(Duration::from_secs(5), async {
-                        loop {
-                            let n = sock.read(&mut buf).await.unwrap_or(0);
-                            if n == 0 {
-                                return false;
-                            }
-                            got.extend_from_slice(&buf[..n]);
-                            let text = String::from_utf8_lossy(&got);
-                            if let Some(end) = text.find("\r\n\r\n") {
-                                let len = text[..end]
-                                    .lines()
-                                    .find_map(|l| {
-                                        l.to_ascii_lowercase()
-                                            .strip_prefix("content-length:")
-                                            .map(|v| v.trim().parse::<usize>().unwrap())
-                                    })
-                                    .unwrap_or(0);
-                                if got.len() >= end + 4 + len {
-                                    return true;
-                                }
-                            }
-                        }
-                    })
-                    .await;
-                    if complete != Ok(true) || request_on_conn == 1 {
-                        return; // the second request on a connection: close, no answer
-                    }
-                    let body = "{\"ok\":true}";
-                    let resp = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                        body.len()
-                    );
-                    let _ = sock.write_all(resp.as_bytes()).await;
-                }
-            });
-        }
-    });
-    let conf = pd_config(&p, &p, "").replace(
-        &format!("[pools.decode]\nendpoints = [\"{}\"]", p.host_port()),
-        &format!("[pools.decode]\nendpoints = [\"{addr}\"]\nvllm_version = \"0.32.0\""),
-    );
-    let proxy = TokenOnce::start(&conf).await;
-    for i in 0..4 {
-        let (status, _, text) =
-            post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body(&format!("r{i}"), json!({})), &[])
-                .await;
-        assert_eq!(status, 200, "request {i}: {text}");
-        assert_eq!(text, "{\"ok\":true}");
-    }
-    assert!(
-        proxy.metric(r#"tokenonce_upstream_retries_total{stage="decode"}"#).await >= 1.0,
-        "{}",
-        proxy.metrics().await
-    );
 }
 
 /// `tokenonce check` accepts the shipped configs and lists every problem of a bad one.

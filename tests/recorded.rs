@@ -9,7 +9,7 @@ use serde_json::value::RawValue;
 use serde_json::Value;
 use support::*;
 use tokenonce::openai::request::{decode_body, prefill_body};
-use tokenonce::openai::response::{extract_handoff, hide_token_ids, rewrite_cached_tokens, SseRewriter};
+use tokenonce::openai::response::{extract_handoff, hide_token_ids, rewrite_cached_tokens, SseRewriter, StreamFraming};
 use tokenonce::openai::{Api, RawObject, RequestView};
 use tokenonce::sse::SseDecoder;
 
@@ -148,6 +148,46 @@ fn recorded_streams_survive_every_cut() {
             let untouched_in: Vec<&str> = original.split("\n\n").filter(|e| !e.contains("\"usage\":{")).collect();
             let untouched_out: Vec<&str> = text.split("\n\n").filter(|e| !e.contains("\"usage\":{")).collect();
             assert_eq!(untouched_in, untouched_out, "{name}");
+        }
+    }
+}
+
+/// A recorded stream broken at every byte offset: the relay framing passes exactly the events
+/// completed before the cut (their bytes kept; with the cached-tokens rewrite, the rewritten
+/// ones) and drops the cut event, so the error event that follows starts on its own line.
+#[test]
+fn broken_stream_passes_only_whole_events_at_every_cut() {
+    let raw = fixture("chat_decode_ids_stream").response.into_bytes();
+    let events = SseDecoder::new().feed(&raw);
+    let rewritten: Vec<Vec<u8>> = events
+        .iter()
+        .map(|e| {
+            let mut f = StreamFraming::new(Some(4));
+            let out = f.feed(e.raw());
+            assert_eq!(f.broken(), 0);
+            out
+        })
+        .collect();
+    for cut in 0..=raw.len() {
+        let whole = events.iter().scan(0, |end, e| {
+            *end += e.raw().len();
+            Some(*end)
+        });
+        let complete = whole.take_while(|&end| end <= cut).count();
+        let expected_plain: Vec<u8> = events[..complete].iter().flat_map(|e| e.raw().to_vec()).collect();
+        let expected_rewritten: Vec<u8> = rewritten[..complete].concat();
+        for (cached, expected) in [(None, expected_plain), (Some(4), expected_rewritten)] {
+            let mut framing = StreamFraming::new(cached);
+            let mut out = Vec::new();
+            // Fed as the network might: in two pieces around an earlier point.
+            let mid = cut / 2;
+            out.extend(framing.feed(&raw[..mid]));
+            out.extend(framing.feed(&raw[mid..cut]));
+            let dropped = framing.broken();
+            assert_eq!(out, expected, "cut at {cut}, cached {cached:?}");
+            let consumed: usize = events[..complete].iter().map(|e| e.raw().len()).sum();
+            assert_eq!(dropped, cut - consumed, "cut at {cut}");
+            assert!(out.is_empty() || out.ends_with(b"\n\n"), "cut at {cut}");
         }
     }
 }

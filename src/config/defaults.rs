@@ -36,6 +36,11 @@ pub const TOKEN_REUSE: bool = true;
 pub const PREFILL_TIMEOUT_MS: u64 = 30_000;
 /// Decode response header, ms: a queued decode may wait behind long prefills.
 pub const DECODE_FIRST_BYTE_TIMEOUT_MS: u64 = 60_000;
+/// Retries as a share of a route's legs, percent: a failing engine sees at most 1.2× the
+/// load, while the rare keep-alive race is still retried.
+pub const RETRY_BUDGET_PERCENT: u64 = 20;
+/// Retries a route may make per second whatever its traffic, so a quiet route can retry.
+pub const RETRY_BUDGET_MIN_PER_SECOND: u64 = 3;
 /// Request body limit, bytes (32 MiB): a 128k-token chat is a few MB of JSON.
 pub const MAX_BODY_BYTES: u64 = 32 * 1024 * 1024;
 /// Relay id cache bound, bytes (256 MiB): ~64M ids at 4 bytes each.

@@ -186,6 +186,12 @@ pub struct Route {
     pub decode_first_byte_timeout_ms: Option<Field<i64>>,
     /// Largest accepted request body, bytes ([`MAX_BODY_BYTES`](super::defaults::MAX_BODY_BYTES)).
     pub max_body_bytes: Option<Field<i64>>,
+    /// Retries of unstarted legs as a share of legs sent, percent
+    /// ([`RETRY_BUDGET_PERCENT`](super::defaults::RETRY_BUDGET_PERCENT)).
+    pub retry_budget_percent: Option<Field<i64>>,
+    /// Retries allowed per second whatever the traffic
+    /// ([`RETRY_BUDGET_MIN_PER_SECOND`](super::defaults::RETRY_BUDGET_MIN_PER_SECOND)).
+    pub retry_budget_min_per_second: Option<Field<i64>>,
     /// Orchestrate: a client's own `kv_transfer_params`, `strip` or `reject`
     /// ([`CLIENT_KV_TRANSFER_PARAMS`](super::defaults::CLIENT_KV_TRANSFER_PARAMS)).
     pub client_kv_transfer_params: Option<Field<String>>,

@@ -239,7 +239,8 @@ pathz = ["/x"]
         all.extend(keys!("defaults.", Defaults { passthrough_pool }));
         let route = keys!("routes.", Route {
             name, matcher as "match", mode, relay_handoff, prefill, decode_pool, token_reuse, prefill_timeout_ms,
-            decode_first_byte_timeout_ms, max_body_bytes, client_kv_transfer_params,
+            decode_first_byte_timeout_ms, max_body_bytes, client_kv_transfer_params, retry_budget_percent,
+            retry_budget_min_per_second,
         });
         // `routes.match` is a table; README lists its keys instead.
         all.extend(route.into_iter().filter(|k| k != "routes.match"));
@@ -316,6 +317,8 @@ pathz = ["/x"]
             ("routes.decode_first_byte_timeout_ms", defaults::DECODE_FIRST_BYTE_TIMEOUT_MS.to_string()),
             ("routes.max_body_bytes", defaults::MAX_BODY_BYTES.to_string()),
             ("routes.client_kv_transfer_params", code(defaults::CLIENT_KV_TRANSFER_PARAMS.name())),
+            ("routes.retry_budget_percent", defaults::RETRY_BUDGET_PERCENT.to_string()),
+            ("routes.retry_budget_min_per_second", defaults::RETRY_BUDGET_MIN_PER_SECOND.to_string()),
             ("cache.capacity_bytes", defaults::CACHE_CAPACITY_BYTES.to_string()),
             ("cache.ttl_ms", defaults::CACHE_TTL_MS.to_string()),
         ];

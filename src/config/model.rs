@@ -293,6 +293,8 @@ pub struct RouteOptions {
     max_body_bytes: usize,
     relay_handoff: RelayHandoff,
     client_handoff: ClientHandoff,
+    retry_budget_percent: u32,
+    retry_budget_min_per_second: u32,
 }
 
 impl RouteOptions {
@@ -324,6 +326,16 @@ impl RouteOptions {
     /// Orchestrate: what to do with a client's own handoff fields.
     pub fn client_handoff(&self) -> ClientHandoff {
         self.client_handoff
+    }
+
+    /// Retries as a share of legs sent, percent (0–100).
+    pub fn retry_budget_percent(&self) -> u32 {
+        self.retry_budget_percent
+    }
+
+    /// Retries allowed per second whatever the traffic.
+    pub fn retry_budget_min_per_second(&self) -> u32 {
+        self.retry_budget_min_per_second
     }
 }
 

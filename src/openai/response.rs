@@ -165,25 +165,9 @@ impl<F: FnMut(&str) -> Option<Vec<u8>>> SseRewriter<F> {
         let events = self.decoder.feed(chunk);
         let mut out = Vec::with_capacity(chunk.len() + 64);
         for event in events {
-            self.emit(event, &mut out);
+            emit(&event, &mut self.rewrite, &mut out);
         }
         out
-    }
-
-    fn emit(&mut self, event: Event, out: &mut Vec<u8>) {
-        let rewritten = event
-            .data()
-            .filter(|d| d.first() == Some(&b'{'))
-            .and_then(|d| String::from_utf8(d).ok())
-            .and_then(|d| (self.rewrite)(&d));
-        match rewritten {
-            Some(data) => {
-                out.extend_from_slice(b"data: ");
-                out.extend_from_slice(&data);
-                out.extend_from_slice(b"\n\n");
-            }
-            None => out.extend_from_slice(event.raw()),
-        }
     }
 
     /// Ends the stream; returns any unterminated tail unchanged so nothing is dropped.
@@ -192,6 +176,66 @@ impl<F: FnMut(&str) -> Option<Vec<u8>>> SseRewriter<F> {
             Ok(()) => Vec::new(),
             Err(tail) => tail.0,
         }
+    }
+}
+
+/// Appends `event` to `out`: `rewrite`'s version of its JSON data, else its exact bytes.
+fn emit(event: &Event, rewrite: &mut impl FnMut(&str) -> Option<Vec<u8>>, out: &mut Vec<u8>) {
+    let rewritten = event
+        .data()
+        .filter(|d| d.first() == Some(&b'{'))
+        .and_then(|d| String::from_utf8(d).ok())
+        .and_then(|d| rewrite(&d));
+    match rewritten {
+        Some(data) => {
+            out.extend_from_slice(b"data: ");
+            out.extend_from_slice(&data);
+            out.extend_from_slice(b"\n\n");
+        }
+        None => out.extend_from_slice(event.raw()),
+    }
+}
+
+/// The framing of a relayed decode stream: only complete events go to the client, each as
+/// soon as its blank line arrives, with their exact bytes (or, given `cached_tokens`, with
+/// `usage.prompt_tokens_details.cached_tokens` set). An event the engine cut by breaking the
+/// stream is dropped, so an error event after it starts on a line of its own.
+#[derive(Debug)]
+pub struct StreamFraming {
+    decoder: SseDecoder,
+    cached_tokens: Option<u64>,
+}
+
+impl StreamFraming {
+    /// Framing for one stream; `cached_tokens` as the prefill reported it.
+    pub fn new(cached_tokens: Option<u64>) -> Self {
+        Self { decoder: SseDecoder::new(), cached_tokens }
+    }
+
+    /// Feeds engine bytes; returns the complete events among them (possibly none).
+    pub fn feed(&mut self, chunk: &[u8]) -> Vec<u8> {
+        let events = self.decoder.feed(chunk);
+        let mut out = Vec::with_capacity(chunk.len());
+        for event in &events {
+            match self.cached_tokens {
+                Some(n) => emit(event, &mut |d: &str| rewrite_cached_tokens(d, n), &mut out),
+                None => out.extend_from_slice(event.raw()),
+            }
+        }
+        out
+    }
+
+    /// The stream ended cleanly: a last event without its blank line is passed as it came.
+    pub fn end(self) -> Vec<u8> {
+        match self.decoder.finish() {
+            Ok(()) => Vec::new(),
+            Err(tail) => tail.0,
+        }
+    }
+
+    /// The stream broke: the unfinished event is dropped; returns how many bytes that was.
+    pub fn broken(self) -> usize {
+        self.decoder.pending()
     }
 }
 

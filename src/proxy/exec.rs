@@ -88,6 +88,11 @@ async fn within<F: Future>(limit: Option<Duration>, work: F) -> Result<F::Output
 }
 
 /// Sends one leg and returns its engine's answer head (the one call of the upstream client).
+///
+/// Retry rule: a leg is re-sent once, to the same endpoint on a new connection, only when
+/// the engine provably never got it (connect failed, or the request could not be written
+/// whole; see `UpstreamClient::attempt`) and the route's retry budget has a retry. A failure
+/// after the request was written is never re-sent: a decode must not run twice.
 async fn exchange(
     ctx: &Ctx,
     req: &Incoming<'_>,
@@ -96,9 +101,23 @@ async fn exchange(
     body: Bytes,
 ) -> Result<Exchange, ProxyError> {
     let head = req.head(endpoint.addr(), &ctx.request_id, body.len())?;
-    let app = &ctx.app;
-    let sent = app.client.send(endpoint.addr(), &head, body, || app.metrics.upstream_retry(leg)).await;
-    sent.map_err(|e| ProxyError::upstream(leg, e))
+    let (app, route) = (&ctx.app, &ctx.route);
+    route.retry_budget.sent();
+    let failure = match app.client.send(endpoint.addr(), &head, body.clone()).await {
+        Ok(exchange) => return Ok(exchange),
+        Err(failure) => failure,
+    };
+    if !failure.unstarted {
+        return Err(ProxyError::upstream(leg, failure.error));
+    }
+    if !route.retry_budget.try_retry(Instant::now()) {
+        route.metrics.retry_refused();
+        tracing::info!(request_id = %ctx.request_id, route = %route.name, error = %failure.error, "retry budget exhausted");
+        return Err(ProxyError::upstream(leg, failure.error));
+    }
+    app.metrics.upstream_retry(leg);
+    tracing::debug!(request_id = %ctx.request_id, error = %failure.error, "leg re-sent: the engine never got it");
+    app.client.resend(endpoint.addr(), &head, body).await.map_err(|f| ProxyError::upstream(leg, f.error))
 }
 
 /// [`exchange`] within `first_byte_timeout`, racing the client going away.

@@ -11,7 +11,7 @@ use pingora::proxy::Session;
 use super::error::ProxyError;
 use super::Ctx;
 use crate::metrics::{Leg, Outcome, Stage};
-use crate::openai::response::{rewrite_cached_tokens, SseRewriter};
+use crate::openai::response::{rewrite_cached_tokens, StreamFraming};
 use crate::upstream::client::DROPPED_RESPONSE_HEADERS;
 use crate::upstream::Exchange;
 
@@ -151,7 +151,8 @@ async fn relay_stream(
         return Err(ProxyError::ClientGone);
     }
     ctx.streaming = true;
-    let mut rewriter = cached_tokens.map(|n| SseRewriter::new(move |data: &str| rewrite_cached_tokens(data, n)));
+    // Always framed, so a break never leaves half an event before the error event.
+    let mut framing = StreamFraming::new(cached_tokens);
     loop {
         let chunk = tokio::select! {
             chunk = exchange.session.read_response_body() => chunk,
@@ -160,32 +161,22 @@ async fn relay_stream(
         };
         match chunk {
             Ok(Some(chunk)) => {
-                let out = match rewriter.as_mut() {
-                    Some(rw) => Bytes::from(rw.feed(&chunk)),
-                    None => chunk,
-                };
-                if !out.is_empty() && session.write_response_body(Some(out), false).await.is_err() {
+                let out = framing.feed(&chunk);
+                if !out.is_empty() && session.write_response_body(Some(Bytes::from(out)), false).await.is_err() {
                     return Err(ProxyError::ClientGone);
                 }
             }
             Ok(None) => {
-                let tail = rewriter.take().map(|rw| Bytes::from(rw.finish())).unwrap_or_default();
-                let ended = session.write_response_body(Some(tail), true).await.is_ok();
+                let ended = session.write_response_body(Some(Bytes::from(framing.end())), true).await.is_ok();
                 ctx.outcome = Some(if ended { Outcome::Success } else { Outcome::ClientClosed });
                 ctx.app.client.release(exchange).await;
                 observe_decode_total(ctx);
                 return Ok(());
             }
             Err(e) => {
-                let addr = exchange.peer.to_string();
-                let mut tail = rewriter.take().map(|rw| rw.finish()).unwrap_or_default();
-                if !tail.is_empty() && !tail.ends_with(b"\n\n") {
-                    tail.extend_from_slice(b"\n\n");
-                }
-                if !tail.is_empty() {
-                    let _ = session.write_response_body(Some(Bytes::from(tail)), false).await;
-                }
-                let source = crate::upstream::UpstreamError::io(&addr, &e);
+                let dropped = framing.broken();
+                tracing::debug!(request_id = %ctx.request_id, dropped, "unfinished event of a broken stream dropped");
+                let source = crate::upstream::UpstreamError::io(&exchange.peer.to_string(), &e);
                 return Err(ProxyError::StreamBroken { leg, source });
             }
         }

@@ -1,12 +1,14 @@
 //! The HTTP/1.1 client for the legs tokenonce sends itself (prefill, decode, health), on
 //! pingora's pooled connector: connect timeouts, idle pooling under vLLM's 5 s keep-alive,
-//! and one retry when a reused pooled connection turns out to be stale.
+//! and, for a failed send, whether the engine provably never got the request (the
+//! executor decides whether to re-send; only the idempotent `get` retries here).
 
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
 use pingora::connectors::http::Connector;
+use pingora::connectors::TransportConnector;
 use pingora::http::RequestHeader;
 use pingora::protocols::http::client::HttpSession;
 use pingora::upstreams::peer::HttpPeer;
@@ -98,6 +100,16 @@ pub const CREDENTIAL_HEADERS: &[&str] = &["authorization", "proxy-authorization"
 pub const DROPPED_RESPONSE_HEADERS: &[&str] =
     &["connection", "keep-alive", "transfer-encoding", "content-length", "trailer", "upgrade"];
 
+/// A send that failed, and whether the engine provably never got the request (so sending
+/// it again cannot run it twice); see `UpstreamClient::attempt` for what proves it.
+#[derive(Debug, Clone)]
+pub struct SendFailure {
+    /// What went wrong.
+    pub error: UpstreamError,
+    /// True when the request provably did not reach the engine whole.
+    pub unstarted: bool,
+}
+
 /// An exchange that has its response header; the body is still to be read.
 pub struct Exchange {
     /// The session, positioned after the response header.
@@ -121,6 +133,8 @@ impl Exchange {
 /// The shared client.
 pub struct UpstreamClient {
     connector: Connector,
+    /// Dials without looking in the pool (a re-send must not meet another stale connection).
+    fresh: TransportConnector,
     connect_timeout: Duration,
     idle_timeout: Duration,
 }
@@ -128,7 +142,7 @@ pub struct UpstreamClient {
 impl UpstreamClient {
     /// A client with its own connection pool.
     pub fn new(connect_timeout: Duration, idle_timeout: Duration) -> Self {
-        Self { connector: Connector::new(None), connect_timeout, idle_timeout }
+        Self { connector: Connector::new(None), fresh: TransportConnector::new(None), connect_timeout, idle_timeout }
     }
 
     /// A peer for `addr` with tokenonce's connection options.
@@ -182,47 +196,80 @@ impl UpstreamClient {
         Ok(head)
     }
 
+    /// One attempt: connect (or take a pooled connection), write the request, read the
+    /// response head.
+    ///
+    /// What a failure proves, with pingora's `HttpSession`, about whether the engine got it:
+    /// - connecting failed: nothing was sent. Unstarted.
+    /// - writing the head, the body, or the final flush failed: some bytes of the request
+    ///   never left this process; the request is framed by `Content-Length`, so the engine
+    ///   never had it whole and cannot have acted on it. Unstarted. On a reused connection
+    ///   this is the keep-alive race: the engine closed the idle connection (not reading our
+    ///   request) and our write met its reset. (A close that arrived before we took the
+    ///   connection is caught by pingora's pool check, which then dials a fresh one.)
+    /// - the request was fully written and reading the response head failed (EOF, reset,
+    ///   timeout), even with no response byte: the engine may have read it and started (it
+    ///   can crash or close mid-work), and a decode is not idempotent. Not unstarted, however
+    ///   likely a stale connection looks; pingora's `RetryType::ReusedOnly` guesses here, we
+    ///   do not.
     async fn attempt(
         &self,
         peer: &HttpPeer,
         head: &RequestHeader,
         body: &Bytes,
-    ) -> Result<(HttpSession, bool), (UpstreamError, bool)> {
+        fresh: bool,
+    ) -> Result<HttpSession, SendFailure> {
         let addr = peer.to_string();
-        let (mut session, reused) =
-            self.connector.get_http_session(peer).await.map_err(|e| (UpstreamError::connect(&addr, &e), false))?;
-        let io = |e: pingora::BError| (UpstreamError::io(&addr, &e), reused);
-        session.write_request_header(Box::new(head.clone())).await.map_err(io)?;
-        if !body.is_empty() {
-            session.write_request_body(body.clone(), true).await.map_err(io)?;
-        }
-        session.finish_request_body().await.map_err(io)?;
-        session.read_response_header().await.map_err(io)?;
-        Ok((session, reused))
+        let connected = if fresh {
+            let stream = self.fresh.new_stream(peer).await;
+            stream
+                .map(|s| HttpSession::H1(pingora::protocols::http::v1::client::HttpSession::new_with_options(s, peer)))
+        } else {
+            self.connector.get_http_session(peer).await.map(|(session, _reused)| session)
+        };
+        let mut session =
+            connected.map_err(|e| SendFailure { error: UpstreamError::connect(&addr, &e), unstarted: true })?;
+        let written = async {
+            session.write_request_header(Box::new(head.clone())).await?;
+            if !body.is_empty() {
+                session.write_request_body(body.clone(), true).await?;
+            }
+            session.finish_request_body().await
+        };
+        written.await.map_err(|e| SendFailure { error: UpstreamError::io(&addr, &e), unstarted: true })?;
+        session
+            .read_response_header()
+            .await
+            .map_err(|e| SendFailure { error: UpstreamError::io(&addr, &e), unstarted: false })?;
+        Ok(session)
     }
 
-    /// Sends `head` + `body` to `addr` and reads the response header. A failure on a reused
-    /// pooled connection is retried once on another connection (`on_retry` is told).
+    /// Sends `head` + `body` to `addr` once and reads the response header.
     ///
     /// # Errors
-    /// [`UpstreamError`] when connecting or exchanging fails.
-    pub async fn send(
+    /// [`SendFailure`]: the error, and whether the engine provably never got the request.
+    pub async fn send(&self, addr: &str, head: &RequestHeader, body: Bytes) -> Result<Exchange, SendFailure> {
+        self.send_via(addr, head, body, false).await
+    }
+
+    /// [`Self::send`] on a newly dialled connection (never a pooled one), for a re-send.
+    ///
+    /// # Errors
+    /// As [`Self::send`].
+    pub async fn resend(&self, addr: &str, head: &RequestHeader, body: Bytes) -> Result<Exchange, SendFailure> {
+        self.send_via(addr, head, body, true).await
+    }
+
+    async fn send_via(
         &self,
         addr: &str,
         head: &RequestHeader,
         body: Bytes,
-        on_retry: impl FnOnce(),
-    ) -> Result<Exchange, UpstreamError> {
-        let peer = self.peer(addr).await?;
-        match self.attempt(&peer, head, &body).await {
-            Ok((session, _)) => Ok(Exchange { session, peer }),
-            Err((_, true)) => {
-                on_retry();
-                let (session, _) = self.attempt(&peer, head, &body).await.map_err(|(e, _)| e)?;
-                Ok(Exchange { session, peer })
-            }
-            Err((e, false)) => Err(e),
-        }
+        fresh: bool,
+    ) -> Result<Exchange, SendFailure> {
+        let peer = self.peer(addr).await.map_err(|error| SendFailure { error, unstarted: true })?;
+        let session = self.attempt(&peer, head, &body, fresh).await?;
+        Ok(Exchange { session, peer })
     }
 
     /// Reads the rest of the body (at most `limit` bytes) and returns the connection to the pool.
@@ -261,7 +308,13 @@ impl UpstreamClient {
     pub async fn get(&self, addr: &str, path: &str, timeout: Duration) -> Result<(u16, Bytes), UpstreamError> {
         let work = async {
             let head = Self::request_head("GET", path, addr, &HeaderMap::new(), &[], "tokenonce-health", 0)?;
-            let exchange = self.send(addr, &head, Bytes::new(), || {}).await?;
+            // A GET is idempotent: one more try on any failure (a stale pooled connection
+            // must not mark an endpoint unhealthy).
+            let exchange = match self.send(addr, &head, Bytes::new()).await {
+                Ok(exchange) => exchange,
+                Err(SendFailure { error: error @ UpstreamError::Connect { .. }, .. }) => return Err(error),
+                Err(_) => self.resend(addr, &head, Bytes::new()).await.map_err(|f| f.error)?,
+            };
             let status = exchange.status();
             let body = self.read_to_end(exchange, 1 << 20).await?;
             Ok((status, body))

@@ -1,5 +1,7 @@
 //! Background poller: every interval, each endpoint's `GET /health` (for `/readyz` and
-//! endpoint choice) and, until known, its `GET /version` (for the token-reuse gate).
+//! endpoint choice) and its `GET /version` (for the token-reuse gate): until known, again
+//! whenever the endpoint turns healthy after being unhealthy (a restart may bring another
+//! vLLM), and on a slow timer.
 
 use std::time::Duration;
 
@@ -13,6 +15,9 @@ use crate::config::Version;
 
 /// Deadline of one health or version probe.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// A known version is asked again this often, for an engine replaced between two polls.
+pub const VERSION_REFRESH: Duration = Duration::from_secs(300);
 
 /// Asks `GET /version` and records it on the endpoint.
 /// A failed `/version` is not asked again on the request path for this long.
@@ -61,17 +66,36 @@ impl HealthPoller {
         let app = self.app.load_full();
         for pool in &app.pools {
             for endpoint in &pool.endpoints {
-                let healthy = matches!(app.client.get(&endpoint.addr, "/health", PROBE_TIMEOUT).await, Ok((200, _)));
-                endpoint.set_healthy(healthy);
-                app.metrics.upstream_health(&pool.name, &endpoint.addr, healthy);
-                if healthy && pool.pinned_version().is_none() && endpoint.version().is_none() {
-                    learn_version(&app.client, endpoint).await;
-                }
+                poll_endpoint(&app, pool, endpoint).await;
             }
         }
         let ready = app.decode_pools().iter().all(|p| p.any_healthy());
         app.metrics.ready.set(i64::from(ready));
         (self.on_tick)(&app);
+    }
+}
+
+/// One endpoint's `/health`, then `/version` when it is due: the version is forgotten when
+/// the endpoint turns unhealthy, and asked at once (any pause after a failed ask ended) when
+/// it turns healthy, so a restarted engine gets its own gate within one interval.
+async fn poll_endpoint(app: &crate::App, pool: &super::Pool, endpoint: &Endpoint) {
+    let healthy = matches!(app.client.get(&endpoint.addr, "/health", PROBE_TIMEOUT).await, Ok((200, _)));
+    let was_healthy = endpoint.set_healthy(healthy);
+    app.metrics.upstream_health(&pool.name, &endpoint.addr, healthy);
+    if pool.pinned_version().is_some() {
+        return;
+    }
+    if !healthy {
+        if was_healthy {
+            endpoint.forget_version();
+        }
+        return;
+    }
+    if !was_healthy {
+        endpoint.end_version_pause();
+    }
+    if !was_healthy || endpoint.version().is_none() || endpoint.version_older_than(VERSION_REFRESH) {
+        learn_version(&app.client, endpoint).await;
     }
 }
 

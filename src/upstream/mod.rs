@@ -1,9 +1,12 @@
 //! Upstream engines: pools and endpoint choice (`pool`), the HTTP client for the legs
-//! tokenonce sends itself (`client`), and the background health and version poller (`health`).
+//! tokenonce sends itself (`client`), the background health and version poller (`health`),
+//! and the per-route retry budget (`budget`).
 
+pub mod budget;
 pub mod client;
 pub mod health;
 pub mod pool;
 
-pub use client::{Exchange, UpstreamClient, UpstreamError};
+pub use budget::RetryBudget;
+pub use client::{Exchange, SendFailure, UpstreamClient, UpstreamError};
 pub use pool::{Endpoint, Picked, Pool};

@@ -14,6 +14,8 @@ pub struct Endpoint {
     inflight: AtomicUsize,
     healthy: AtomicBool,
     version: RwLock<Option<Version>>,
+    /// When the version was learned (it is asked again after a while).
+    version_learned_at: RwLock<Option<std::time::Instant>>,
     /// When `/version` was last asked and gave nothing usable (retried after a pause).
     version_failed_at: RwLock<Option<std::time::Instant>>,
 }
@@ -26,6 +28,7 @@ impl Endpoint {
             inflight: AtomicUsize::new(0),
             healthy: AtomicBool::new(false),
             version: RwLock::new(None),
+            version_learned_at: RwLock::new(None),
             version_failed_at: RwLock::new(None),
         }
     }
@@ -40,9 +43,9 @@ impl Endpoint {
         self.healthy.load(Ordering::Relaxed)
     }
 
-    /// Records a health poll result.
-    pub fn set_healthy(&self, healthy: bool) {
-        self.healthy.store(healthy, Ordering::Relaxed);
+    /// Records a health poll result; returns the previous one.
+    pub fn set_healthy(&self, healthy: bool) -> bool {
+        self.healthy.swap(healthy, Ordering::Relaxed)
     }
 
     /// The vLLM version learned from `GET /version`.
@@ -66,6 +69,31 @@ impl Endpoint {
     pub fn set_version(&self, version: Version) {
         if let Ok(mut v) = self.version.write() {
             *v = Some(version);
+        }
+        if let Ok(mut t) = self.version_learned_at.write() {
+            *t = Some(std::time::Instant::now());
+        }
+    }
+
+    /// True when the version was learned over `age` ago (or never).
+    pub fn version_older_than(&self, age: std::time::Duration) -> bool {
+        self.version_learned_at.read().ok().and_then(|t| *t).is_none_or(|t| t.elapsed() >= age)
+    }
+
+    /// Forgets the version: the engine went away and may come back as another vLLM.
+    pub fn forget_version(&self) {
+        if let Ok(mut v) = self.version.write() {
+            *v = None;
+        }
+        if let Ok(mut t) = self.version_learned_at.write() {
+            *t = None;
+        }
+    }
+
+    /// Ends the pause after a failed `/version` (the engine answers `/health` again).
+    pub fn end_version_pause(&self) {
+        if let Ok(mut t) = self.version_failed_at.write() {
+            *t = None;
         }
     }
 }
@@ -187,6 +215,21 @@ mod tests {
         }
         drop(first);
         assert_eq!(p.endpoints.iter().map(|e| e.inflight()).sum::<usize>(), 0);
+    }
+
+    #[test]
+    fn a_version_ages_and_is_forgotten() {
+        let e = Endpoint::new("127.0.0.1:9000");
+        assert!(e.version_older_than(std::time::Duration::from_secs(3600)), "never learned");
+        e.set_version(Version::parse("0.32.0").unwrap());
+        assert!(!e.version_older_than(std::time::Duration::from_secs(3600)));
+        assert!(e.version_older_than(std::time::Duration::ZERO));
+        e.version_failed();
+        assert!(!e.may_ask_version(std::time::Duration::from_secs(3600)));
+        e.end_version_pause();
+        assert!(e.may_ask_version(std::time::Duration::from_secs(3600)));
+        e.forget_version();
+        assert_eq!(e.version(), None);
     }
 
     #[test]

@@ -48,6 +48,8 @@ pub struct FakeConfig {
     pub break_stream_after: Option<usize>,
     /// What `GET /health` answers.
     pub healthy: bool,
+    /// Send only the first N bytes of an SSE stream, then break it (reset).
+    pub cut_stream_at_byte: Option<usize>,
 }
 
 impl Default for FakeConfig {
@@ -67,6 +69,7 @@ impl Default for FakeConfig {
             fail_with: None,
             break_stream_after: None,
             healthy: true,
+            cut_stream_at_byte: None,
         }
     }
 }
@@ -326,7 +329,8 @@ async fn handle(
         }
         Ok(Reply::Sse(events)) => {
             let chunk_delay = config.chunk_delay;
-            let break_after = config.break_stream_after;
+            // A cut stream is one piece of its first N bytes, then the break.
+            let break_after = config.cut_stream_at_byte.map_or(config.break_stream_after, |_| Some(1));
             let stream = async_stream(events, chunk_delay, break_after, guard);
             respond(200, "text/event-stream; charset=utf-8", Body::from_stream(stream))
         }
@@ -348,6 +352,8 @@ fn async_stream(
             }
         };
         if break_after == Some(i) {
+            // An engine dies after what it wrote went out: give hyper time to flush it.
+            tokio::time::sleep(Duration::from_millis(20)).await;
             return Some((Err(std::io::Error::other("injected stream break")), (it, guard)));
         }
         if !chunk_delay.is_zero() && i > 0 {
@@ -522,6 +528,11 @@ fn completion(config: &FakeConfig, headers: &HeaderMap, raw: &[u8], chat: bool) 
         let bytes = joined.into_bytes();
         events = bytes.chunks(n.max(1)).map(|c| String::from_utf8_lossy(c).into_owned()).collect();
         // from_utf8_lossy on cuts inside multi-byte chars would corrupt; the fake only emits ASCII.
+    }
+    if let Some(cut) = config.cut_stream_at_byte {
+        let joined = events.concat().into_bytes();
+        // The second piece is never sent: the break comes in its place.
+        events = vec![String::from_utf8_lossy(&joined[..cut.min(joined.len())]).into_owned(), String::new()];
     }
     Ok(Reply::Sse(events))
 }

@@ -206,12 +206,22 @@ impl Checker<'_> {
     }
 
     fn positive(&mut self, field: &Option<Field<i64>>, key: &str, default: u64, max: u64) -> u64 {
+        self.bounded(field, key, default, 1..=max)
+    }
+
+    fn bounded(
+        &mut self,
+        field: &Option<Field<i64>>,
+        key: &str,
+        default: u64,
+        range: std::ops::RangeInclusive<u64>,
+    ) -> u64 {
         match self.get(field, key) {
             None => default,
-            Some((v, span)) => match u64::try_from(*v).ok().filter(|v| (1..=max).contains(v)) {
+            Some((v, span)) => match u64::try_from(*v).ok().filter(|v| range.contains(v)) {
                 Some(v) => v,
                 None => {
-                    self.at(Some(span), key, format!("must be between 1 and {max}"));
+                    self.at(Some(span), key, format!("must be between {} and {}", range.start(), range.end()));
                     default
                 }
             },
@@ -448,7 +458,7 @@ fn check_route(
     let file::Route {
         name, matcher, mode, prefill, decode_pool, unknown,
         relay_handoff: _, token_reuse: _, prefill_timeout_ms: _, decode_first_byte_timeout_ms: _,
-        max_body_bytes: _, client_kv_transfer_params: _,
+        max_body_bytes: _, client_kv_transfer_params: _, retry_budget_percent: _, retry_budget_min_per_second: _,
     } = route;
     ck.unknown(&unknown, &path);
     let name = check_route_name(ck, &name, &span, &key, seen_names);
@@ -507,7 +517,7 @@ fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> 
     #[rustfmt::skip]
     let file::Route {
         token_reuse, prefill_timeout_ms, decode_first_byte_timeout_ms, max_body_bytes, relay_handoff,
-        client_kv_transfer_params,
+        client_kv_transfer_params, retry_budget_percent, retry_budget_min_per_second,
         name: _, matcher: _, mode: _, prefill: _, decode_pool: _, unknown: _,
     } = route;
     RouteOptions {
@@ -536,6 +546,18 @@ fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> 
             &format!("{key}.client_kv_transfer_params"),
             defaults::CLIENT_KV_TRANSFER_PARAMS,
         ),
+        retry_budget_percent: ck.bounded(
+            retry_budget_percent,
+            &format!("{key}.retry_budget_percent"),
+            defaults::RETRY_BUDGET_PERCENT,
+            0..=100,
+        ) as u32,
+        retry_budget_min_per_second: ck.bounded(
+            retry_budget_min_per_second,
+            &format!("{key}.retry_budget_min_per_second"),
+            defaults::RETRY_BUDGET_MIN_PER_SECOND,
+            0..=1000,
+        ) as u32,
     }
 }
 

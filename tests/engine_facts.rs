@@ -1,0 +1,91 @@
+//! Engine facts stay fresh: a decode's vLLM version is re-learned when the endpoint turns
+//! healthy after being unhealthy (a restart may bring another vLLM), and the pause after a
+//! failed `/version` ends when `/health` answers again.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use support::*;
+
+const APPLIED: &str = r#"tokenonce_token_reuse_total{reason="none",result="applied",route="pd"}"#;
+
+/// Waits (bounded: 5 s, polling) until the proxy reports the decode endpoint `healthy`.
+async fn wait_health(proxy: &TokenOnce, decode: &FakeVllm, healthy: bool) {
+    let series = format!(r#"tokenonce_upstream_healthy{{endpoint="{}",pool="decode"}}"#, decode.host_port());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while proxy.metric(&series).await != f64::from(u8::from(healthy)) {
+        assert!(Instant::now() < deadline, "decode never reported healthy = {healthy}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Sends chat requests until one reuses the prefill's ids; bounded (3 s, which is less than
+/// the 30 s pause after a failed `/version`, and 15 health intervals). Returns how long it took.
+async fn until_reuse_applied(proxy: &TokenOnce) -> Duration {
+    let started = Instant::now();
+    let before = proxy.metric(APPLIED).await;
+    for i in 0..150 {
+        let url = format!("{}/v1/chat/completions", proxy.url);
+        let (status, _, text) = post_json(&url, &chat_body(&format!("again {i}"), json!({})), &[]).await;
+        assert_eq!(status, 200, "{text}");
+        if proxy.metric(APPLIED).await > before {
+            return started.elapsed();
+        }
+        assert!(started.elapsed() < Duration::from_secs(3), "reuse not applied again after {i} requests");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("reuse not applied again");
+}
+
+/// A decode on vLLM 0.26 (chat reuse falls back, `decode_version_old`) is restarted on the
+/// same address as 0.32 (unhealthy, then healthy): reuse is applied again within a bounded
+/// time, because the version is re-learned when the endpoint turns healthy.
+#[tokio::test(flavor = "multi_thread")]
+async fn restarted_decode_with_a_new_version_gets_the_new_gate() {
+    let old = FakeConfig { version: "0.26.0".into(), ..FakeConfig::default() };
+    let (_p, d, proxy) = pd_setup(FakeConfig::default(), old, "").await;
+    wait_health(&proxy, &d, true).await;
+    let url = format!("{}/v1/chat/completions", proxy.url);
+    let (status, _, _) = post_json(&url, &chat_body("old", json!({})), &[]).await;
+    assert_eq!(status, 200);
+    let old_series = r#"tokenonce_token_reuse_total{reason="decode_version_old",result="fallback",route="pd"}"#;
+    assert_eq!(proxy.metric(old_series).await, 1.0);
+
+    d.configure(|c| c.healthy = false);
+    wait_health(&proxy, &d, false).await;
+    d.configure(|c| {
+        c.version = "0.32.0".into();
+        c.healthy = true;
+    });
+    wait_health(&proxy, &d, true).await;
+    until_reuse_applied(&proxy).await;
+    assert_eq!(proxy.metric(old_series).await, 1.0, "no more old-version fallbacks");
+}
+
+/// A decode whose `/version` fails at first (chat falls back, `decode_version_unknown`, and
+/// `/version` is paused for 30 s) answers it once it is healthy again: the pause ends with
+/// the recovery, and reuse is applied within a bounded time, well before 30 s.
+#[tokio::test(flavor = "multi_thread")]
+async fn version_pause_ends_when_health_recovers() {
+    let broken = FakeConfig { version: String::new(), ..FakeConfig::default() };
+    let (_p, d, proxy) = pd_setup(FakeConfig::default(), broken, "").await;
+    wait_health(&proxy, &d, true).await;
+    let url = format!("{}/v1/chat/completions", proxy.url);
+    let (status, _, _) = post_json(&url, &chat_body("unknown", json!({})), &[]).await;
+    assert_eq!(status, 200);
+    let unknown = r#"tokenonce_token_reuse_total{reason="decode_version_unknown",result="fallback",route="pd"}"#;
+    assert_eq!(proxy.metric(unknown).await, 1.0);
+
+    d.configure(|c| c.healthy = false);
+    wait_health(&proxy, &d, false).await;
+    d.configure(|c| {
+        c.version = "0.32.0".into();
+        c.healthy = true;
+    });
+    wait_health(&proxy, &d, true).await;
+    until_reuse_applied(&proxy).await;
+}
