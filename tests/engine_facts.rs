@@ -41,19 +41,17 @@ async fn until_reuse_applied(proxy: &TokenOnce) -> Duration {
     panic!("reuse not applied again");
 }
 
-/// A decode on vLLM 0.26 (chat reuse falls back, `decode_version_old`) is restarted on the
-/// same address as 0.32 (unhealthy, then healthy): reuse is applied again within a bounded
-/// time, because the version is re-learned when the endpoint turns healthy.
-#[tokio::test(flavor = "multi_thread")]
-async fn restarted_decode_with_a_new_version_gets_the_new_gate() {
-    let old = FakeConfig { version: "0.26.0".into(), ..FakeConfig::default() };
-    let (_p, d, proxy) = pd_setup(FakeConfig::default(), old, "").await;
+/// A decode that first makes chat fall back for `reason` is restarted on the same address
+/// (unhealthy, then healthy as 0.32 with a working `/version`): reuse is applied again within
+/// a bounded time, and no more of those fallbacks are counted.
+async fn reuse_recovers_after_a_restart(first: FakeConfig, reason: &str) {
+    let (_p, d, proxy) = pd_setup(FakeConfig::default(), first, "").await;
     wait_health(&proxy, &d, true).await;
     let url = format!("{}/v1/chat/completions", proxy.url);
-    let (status, _, _) = post_json(&url, &chat_body("old", json!({})), &[]).await;
+    let (status, _, _) = post_json(&url, &chat_body("before", json!({})), &[]).await;
     assert_eq!(status, 200);
-    let old_series = r#"tokenonce_token_reuse_total{reason="decode_version_old",result="fallback",route="pd"}"#;
-    assert_eq!(proxy.metric(old_series).await, 1.0);
+    let series = format!(r#"tokenonce_token_reuse_total{{reason="{reason}",result="fallback",route="pd"}}"#);
+    assert_eq!(proxy.metric(&series).await, 1.0);
 
     d.configure(|c| c.healthy = false);
     wait_health(&proxy, &d, false).await;
@@ -63,29 +61,27 @@ async fn restarted_decode_with_a_new_version_gets_the_new_gate() {
     });
     wait_health(&proxy, &d, true).await;
     until_reuse_applied(&proxy).await;
-    assert_eq!(proxy.metric(old_series).await, 1.0, "no more old-version fallbacks");
+    assert_eq!(proxy.metric(&series).await, 1.0, "no more {reason} fallbacks");
 }
 
-/// A decode whose `/version` fails at first (chat falls back, `decode_version_unknown`, and
-/// `/version` is paused for 30 s) answers it once it is healthy again: the pause ends with
-/// the recovery, and reuse is applied within a bounded time, well before 30 s.
+/// A decode on vLLM 0.26 (chat reuse falls back, `decode_version_old`) restarted as 0.32 gets
+/// the new gate: the version is re-learned when the endpoint turns healthy.
+#[tokio::test(flavor = "multi_thread")]
+async fn restarted_decode_with_a_new_version_gets_the_new_gate() {
+    reuse_recovers_after_a_restart(
+        FakeConfig { version: "0.26.0".into(), ..FakeConfig::default() },
+        "decode_version_old",
+    )
+    .await;
+}
+
+/// A decode whose `/version` fails at first (`decode_version_unknown`, and `/version` paused
+/// for 30 s) answers it once healthy again: the pause ends with the recovery, well before 30 s.
 #[tokio::test(flavor = "multi_thread")]
 async fn version_pause_ends_when_health_recovers() {
-    let broken = FakeConfig { version: String::new(), ..FakeConfig::default() };
-    let (_p, d, proxy) = pd_setup(FakeConfig::default(), broken, "").await;
-    wait_health(&proxy, &d, true).await;
-    let url = format!("{}/v1/chat/completions", proxy.url);
-    let (status, _, _) = post_json(&url, &chat_body("unknown", json!({})), &[]).await;
-    assert_eq!(status, 200);
-    let unknown = r#"tokenonce_token_reuse_total{reason="decode_version_unknown",result="fallback",route="pd"}"#;
-    assert_eq!(proxy.metric(unknown).await, 1.0);
-
-    d.configure(|c| c.healthy = false);
-    wait_health(&proxy, &d, false).await;
-    d.configure(|c| {
-        c.version = "0.32.0".into();
-        c.healthy = true;
-    });
-    wait_health(&proxy, &d, true).await;
-    until_reuse_applied(&proxy).await;
+    reuse_recovers_after_a_restart(
+        FakeConfig { version: String::new(), ..FakeConfig::default() },
+        "decode_version_unknown",
+    )
+    .await;
 }
