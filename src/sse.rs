@@ -115,6 +115,12 @@ impl SseDecoder {
     pub fn pending(&self) -> usize {
         self.buf.len()
     }
+
+    /// Ends the stream and hands back every byte held back, blank lines included, so a
+    /// relay can forward the stream byte for byte.
+    pub fn into_pending(self) -> Vec<u8> {
+        self.buf
+    }
 }
 
 #[cfg(test)]
@@ -171,5 +177,13 @@ mod tests {
         assert!(dec.feed(b"data: {\"a\"").is_empty());
         assert_eq!(dec.pending(), 10);
         assert_eq!(dec.finish(), Err(Unterminated(b"data: {\"a\"".to_vec())));
+    }
+
+    #[test]
+    fn trailing_blank_lines_stay_pending_and_are_handed_back() {
+        let mut dec = SseDecoder::new();
+        assert_eq!(dec.feed(b"data: a\n\n\r\n").len(), 1);
+        assert_eq!(dec.pending(), 2);
+        assert_eq!(dec.into_pending(), b"\r\n");
     }
 }

@@ -36,7 +36,10 @@ impl PromptIds {
     /// # Errors
     /// [`IdsError`] naming the first rule broken.
     pub fn parse(raw: &str, expected: Option<u64>) -> Result<Self, IdsError> {
-        let count = count_ids(raw.trim().as_bytes())?;
+        // JSON's four whitespace bytes only: `str::trim` would also take e.g. U+00A0, which
+        // no JSON parser (the decode engine's included) accepts.
+        let raw = raw.trim_matches([' ', '\t', '\n', '\r']);
+        let count = count_ids(raw.as_bytes())?;
         if count == 0 {
             return Err(IdsError::Empty);
         }
@@ -45,7 +48,7 @@ impl PromptIds {
                 return Err(IdsError::CountMismatch { count, expected });
             }
         }
-        Ok(Self { raw: raw.trim().into(), count })
+        Ok(Self { raw: raw.into(), count })
     }
 
     /// Builds from ids already held as integers (used by the relay cache and tests).
@@ -177,6 +180,15 @@ mod tests {
             assert!(matches!(PromptIds::parse(bad, None), Err(IdsError::Malformed(_))), "{bad}");
         }
         assert_eq!(PromptIds::parse("[]", None), Err(IdsError::Empty));
+    }
+
+    #[test]
+    fn only_json_whitespace_is_trimmed() {
+        assert_eq!(PromptIds::parse("\r\n\t [7] \n", None).unwrap().as_json(), "[7]");
+        for bad in ["\u{a0}[1]", "[1]\u{c}", "\u{feff}[1]", "\u{2028}[1]", "[1]\u{3000}"] {
+            assert!(matches!(PromptIds::parse(bad, None), Err(IdsError::Malformed(_))), "{bad:?}");
+            assert!(serde_json::from_str::<Vec<u32>>(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -93,8 +93,9 @@ fn field<'a, T: Deserialize<'a>>(obj: &'a RawObject<'a>, key: &'static str) -> R
 
 fn messages_have_media(raw: &str) -> Result<bool, ApiError> {
     // Every content part has a "type" key; text inside strings has its quotes escaped, so a
-    // body without the bare token `"type"` has no parts and needs no second parse.
-    if !raw.contains("\"type\"") {
+    // body without the bare token `"type"` has no parts and needs no second parse, unless a
+    // key is spelled with `\u` escapes (`"typ\u0065"` is `"type"` too).
+    if !raw.contains("\"type\"") && !raw.contains("\\u") {
         return Ok(false);
     }
     let messages: Vec<Message<'_>> = serde_json::from_str(raw)
@@ -270,6 +271,18 @@ mod tests {
         );
         assert_eq!(view(Api::Completions, r#"{"prompt":[1,2]}"#).reuse_blocker(), Some(FallbackReason::PromptIsTokens));
         assert_eq!(view(Api::Completions, r#"{"prompt":"hi"}"#).reuse_blocker(), None);
+    }
+
+    #[test]
+    fn media_is_seen_whatever_the_key_spelling() {
+        for key in ["typ\\u0065", "\\u0074ype", "t\\u0079pe"] {
+            let body = format!(
+                r#"{{"messages":[{{"role":"user","content":[{{"{key}":"image_url","image_url":{{"url":"x"}}}}]}}]}}"#
+            );
+            assert_eq!(view(Api::Chat, &body).reuse_blocker(), Some(FallbackReason::Media), "{body}");
+        }
+        let text = r#"{"messages":[{"role":"user","content":"caf\u00e9"}]}"#;
+        assert_eq!(view(Api::Chat, text).reuse_blocker(), None);
     }
 
     #[test]

@@ -147,8 +147,13 @@ pub fn hide_token_ids(api: Api, text: &str) -> Option<Vec<u8>> {
     changed.then(|| top.to_bytes())
 }
 
+fn is_json_ws(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+}
+
 /// Rewrites a response stream event by event: each SSE event whose data is a JSON object
-/// is passed through `rewrite`; events it leaves alone keep their exact bytes.
+/// is passed through `rewrite` (which returns JSON text, or `None` to leave the event
+/// alone); events it leaves alone keep their exact bytes.
 pub struct SseRewriter<F> {
     decoder: SseDecoder,
     rewrite: F,
@@ -170,12 +175,10 @@ impl<F: FnMut(&str) -> Option<Vec<u8>>> SseRewriter<F> {
         out
     }
 
-    /// Ends the stream; returns any unterminated tail unchanged so nothing is dropped.
+    /// Ends the stream; returns whatever followed the last event (an unterminated tail or
+    /// trailing blank lines) unchanged, so nothing is dropped.
     pub fn finish(self) -> Vec<u8> {
-        match self.decoder.finish() {
-            Ok(()) => Vec::new(),
-            Err(tail) => tail.0,
-        }
+        self.decoder.into_pending()
     }
 }
 
@@ -183,13 +186,15 @@ impl<F: FnMut(&str) -> Option<Vec<u8>>> SseRewriter<F> {
 fn emit(event: &Event, rewrite: &mut impl FnMut(&str) -> Option<Vec<u8>>, out: &mut Vec<u8>) {
     let rewritten = event
         .data()
-        .filter(|d| d.first() == Some(&b'{'))
+        .filter(|d| d.iter().find(|b| !is_json_ws(**b)) == Some(&b'{'))
         .and_then(|d| String::from_utf8(d).ok())
         .and_then(|d| rewrite(&d));
     match rewritten {
         Some(data) => {
+            // One `data:` line: in JSON text a CR or LF can only be whitespace between
+            // tokens (strings escape them), and either would end the SSE line early.
             out.extend_from_slice(b"data: ");
-            out.extend_from_slice(&data);
+            out.extend(data.iter().map(|&b| if b == b'\n' || b == b'\r' { b' ' } else { b }));
             out.extend_from_slice(b"\n\n");
         }
         None => out.extend_from_slice(event.raw()),
@@ -225,12 +230,10 @@ impl StreamFraming {
         out
     }
 
-    /// The stream ended cleanly: a last event without its blank line is passed as it came.
+    /// The stream ended cleanly: whatever followed the last event (a last event without its
+    /// blank line, trailing blank lines) is passed as it came.
     pub fn end(self) -> Vec<u8> {
-        match self.decoder.finish() {
-            Ok(()) => Vec::new(),
-            Err(tail) => tail.0,
-        }
+        self.decoder.into_pending()
     }
 
     /// The stream broke: the unfinished event is dropped; returns how many bytes that was.
@@ -312,6 +315,32 @@ mod tests {
                 String::from_utf8(out).unwrap(),
                 "data: {\"choices\":[{\"delta\":{}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"prompt_tokens_details\":{\"cached_tokens\":2}}}\n\ndata: [DONE]\n\n"
             );
+        }
+    }
+
+    #[test]
+    fn sse_rewriter_keeps_multi_line_data_one_event() {
+        let stream =
+            b"data: {\"usage\":{\"prompt_tokens\":1},\ndata: \"x\":[1,\r\ndata: 2]}\n\ndata:   {\"usage\":{}}\n\n";
+        let mut rw = SseRewriter::new(|d: &str| rewrite_cached_tokens(d, 2));
+        let mut out = rw.feed(stream);
+        out.extend(rw.finish());
+        let events = SseDecoder::new().feed(&out);
+        assert_eq!(events.len(), 2, "{}", String::from_utf8_lossy(&out));
+        let first: serde_json::Value = serde_json::from_slice(&events[0].data().unwrap()).unwrap();
+        assert_eq!(first["x"], serde_json::json!([1, 2]));
+        assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
+        let second: serde_json::Value = serde_json::from_slice(&events[1].data().unwrap()).unwrap();
+        assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
+    }
+
+    #[test]
+    fn sse_rewriter_hands_back_trailing_blank_lines() {
+        for stream in [&b"data: [DONE]\n\n\n"[..], b"\r\n", b"data: {\"a\":1}\n\n\r\n\r"] {
+            let mut rw = SseRewriter::new(|_: &str| None);
+            let mut out = rw.feed(stream);
+            out.extend(rw.finish());
+            assert_eq!(out, stream);
         }
     }
 }

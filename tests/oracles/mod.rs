@@ -1,0 +1,920 @@
+//! The oracles behind the fuzz targets (`fuzz/fuzz_targets/*.rs`) and the property tests
+//! (`tests/properties.rs`): one implementation, two drivers. Each `check_*` panics when its
+//! property fails; each `fuzz_*` maps raw fuzzer bytes onto a `check_*` call. References are
+//! built from `serde_json` (the ground truth for "what is JSON") or written out plainly.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing, dead_code)]
+
+use std::collections::HashSet;
+use std::fmt;
+
+use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde_json::value::RawValue;
+use serde_json::Value;
+use tokenonce::config::{Config, Mode, PrefillSource};
+use tokenonce::openai::ids::IdsError;
+use tokenonce::openai::request::{
+    decode_body, kv_params_with_ids, prefill_body, PromptShape, PREFILL_KV_TRANSFER_PARAMS,
+};
+use tokenonce::openai::response::{extract_handoff, hide_token_ids, rewrite_cached_tokens, IdsFault, SseRewriter};
+use tokenonce::openai::{Api, FallbackReason, PromptIds, RawObject, RequestView};
+use tokenonce::sse::{Event, SseDecoder, Unterminated};
+
+// === input plumbing ===
+
+/// Splits fuzzer bytes at NUL (never valid inside JSON or TOML text) into at most `n` parts.
+pub fn parts(data: &[u8], n: usize) -> Vec<&[u8]> {
+    data.splitn(n, |&b| b == 0).collect()
+}
+
+fn api_of(flags: u8) -> Api {
+    if flags & 1 == 0 {
+        Api::Chat
+    } else {
+        Api::Completions
+    }
+}
+
+/// Cut points derived from a seed: a small xorshift walk over `0..=len`.
+pub fn cuts_from_seed(seed: u8, len: usize) -> Vec<usize> {
+    let mut x = u64::from(seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let max_step = usize::from(seed % 37) + 1;
+    let mut cuts = Vec::new();
+    let mut at = 0usize;
+    while at < len && cuts.len() < 4096 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        at += (x % max_step as u64) as usize + 1;
+        cuts.push(at.min(len));
+    }
+    cuts
+}
+
+const JSON_WS: [char; 4] = [' ', '\t', '\n', '\r'];
+
+/// True when `text` is exactly one JSON value (syntax only, as `serde_json` checks it).
+pub fn is_json(text: &str) -> bool {
+    serde_json::from_str::<IgnoredAny>(text).is_ok()
+}
+
+// === reference member lists ===
+
+/// An object's members as `serde_json` reads them: decoded keys, exact raw values, in order,
+/// duplicates kept.
+pub type Members = Vec<(String, String)>;
+
+struct MembersRef(Members);
+
+impl<'de> Deserialize<'de> for MembersRef {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Members;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<M: MapAccess<'de>>(self, mut map: M) -> Result<Members, M::Error> {
+                let mut out = Vec::new();
+                while let Some((k, v)) = map.next_entry::<String, Box<RawValue>>()? {
+                    out.push((k, v.get().to_owned()));
+                }
+                Ok(out)
+            }
+        }
+        d.deserialize_map(V).map(MembersRef)
+    }
+}
+
+/// The members of `text` when it is one JSON object whose keys are valid strings.
+pub fn members(text: &str) -> Option<Members> {
+    serde_json::from_str::<MembersRef>(text).ok().map(|m| m.0)
+}
+
+fn last<'m>(m: &'m Members, key: &str) -> Option<&'m str> {
+    m.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
+}
+
+fn without(m: &Members, keys: &[&str]) -> Members {
+    m.iter().filter(|(k, _)| !keys.contains(&k.as_str())).cloned().collect()
+}
+
+fn count(m: &Members, key: &str) -> usize {
+    m.iter().filter(|(k, _)| k == key).count()
+}
+
+/// The documented `set_raw`: first occurrence replaced, later ones dropped, else appended.
+pub fn ref_set(m: &Members, key: &str, value: &str) -> Members {
+    let mut out = Vec::with_capacity(m.len() + 1);
+    let mut done = false;
+    for (k, v) in m {
+        if k == key {
+            if !done {
+                out.push((k.clone(), value.to_owned()));
+                done = true;
+            }
+        } else {
+            out.push((k.clone(), v.clone()));
+        }
+    }
+    if !done {
+        out.push((key.to_owned(), value.to_owned()));
+    }
+    out
+}
+
+fn is_null_raw(raw: Option<&str>) -> bool {
+    raw.is_none_or(|r| r == "null")
+}
+
+/// True when some object anywhere in `text` repeats a key (serde's derived structs reject
+/// those, `Value` keeps the last), or when `text` is not JSON `serde_json` can nest.
+fn has_duplicate_keys(text: &str) -> bool {
+    struct Dup;
+    impl<'de> Deserialize<'de> for Dup {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = Dup;
+                fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                    f.write_str("JSON")
+                }
+                fn visit_map<M: MapAccess<'de>>(self, mut map: M) -> Result<Dup, M::Error> {
+                    let mut seen = HashSet::new();
+                    while let Some(k) = map.next_key::<String>()? {
+                        if !seen.insert(k) {
+                            return Err(de::Error::custom("duplicate"));
+                        }
+                        map.next_value::<Dup>()?;
+                    }
+                    Ok(Dup)
+                }
+                fn visit_seq<S: SeqAccess<'de>>(self, mut seq: S) -> Result<Dup, S::Error> {
+                    while seq.next_element::<Dup>()?.is_some() {}
+                    Ok(Dup)
+                }
+                fn visit_bool<E>(self, _: bool) -> Result<Dup, E> {
+                    Ok(Dup)
+                }
+                fn visit_i64<E>(self, _: i64) -> Result<Dup, E> {
+                    Ok(Dup)
+                }
+                fn visit_u64<E>(self, _: u64) -> Result<Dup, E> {
+                    Ok(Dup)
+                }
+                fn visit_f64<E>(self, _: f64) -> Result<Dup, E> {
+                    Ok(Dup)
+                }
+                fn visit_str<E>(self, _: &str) -> Result<Dup, E> {
+                    Ok(Dup)
+                }
+                fn visit_unit<E>(self) -> Result<Dup, E> {
+                    Ok(Dup)
+                }
+            }
+            d.deserialize_any(V)
+        }
+    }
+    serde_json::from_str::<Dup>(text).is_err()
+}
+
+/// Asserts `out` is one JSON object and returns its members.
+fn object_out(out: &[u8], what: &str) -> Members {
+    let text = std::str::from_utf8(out).unwrap_or_else(|e| panic!("{what}: output is not UTF-8: {e}"));
+    assert!(is_json(text), "{what}: output is not JSON: {text}");
+    members(text).unwrap_or_else(|| panic!("{what}: output is not an object: {text}"))
+}
+
+// === SSE decoder ===
+
+/// Decodes `stream` fed in the pieces between `cuts`; the events, what is still pending, and
+/// the finish result.
+fn sse_decode(stream: &[u8], cuts: &[usize]) -> (Vec<Event>, usize, Result<(), Unterminated>) {
+    let mut dec = SseDecoder::new();
+    let mut events = Vec::new();
+    let mut last = 0;
+    for &cut in cuts.iter().chain(std::iter::once(&stream.len())) {
+        let cut = cut.clamp(last, stream.len());
+        events.extend(dec.feed(&stream[last..cut]));
+        last = cut;
+    }
+    let pending = dec.pending();
+    (events, pending, dec.finish())
+}
+
+/// The decoder's framing, written as one pass over a whole stream: lines end at LF (a CR
+/// before it is dropped); a blank line ends the event if a line came before it since the
+/// last event ended. A lone CR ends no line (vLLM and uvicorn send LF; documented deviation
+/// from the SSE spec, which also splits at a lone CR).
+fn sse_reference(stream: &[u8]) -> (Vec<Vec<u8>>, usize) {
+    let mut events = Vec::new();
+    let (mut start, mut line_start) = (0, 0);
+    for (i, &b) in stream.iter().enumerate() {
+        if b == b'\n' {
+            let line = &stream[line_start..i];
+            let blank = line.is_empty() || line == b"\r";
+            if blank && line_start > start {
+                events.push(stream[start..=i].to_vec());
+                start = i + 1;
+            }
+            line_start = i + 1;
+        }
+    }
+    (events, start)
+}
+
+/// The SSE `data` field of one event per the spec's field rule: `name[:[ ]value]`.
+fn sse_data_reference(raw: &[u8]) -> Option<Vec<u8>> {
+    let mut data: Option<Vec<u8>> = None;
+    for line in raw.split(|&b| b == b'\n') {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let (name, value) = match line.iter().position(|&b| b == b':') {
+            Some(colon) => {
+                let v = &line[colon + 1..];
+                (&line[..colon], v.strip_prefix(b" ").unwrap_or(v))
+            }
+            None => (line, &[][..]),
+        };
+        if name == b"data" {
+            match data.as_mut() {
+                Some(d) => {
+                    d.push(b'\n');
+                    d.extend_from_slice(value);
+                }
+                None => data = Some(value.to_vec()),
+            }
+        }
+    }
+    data
+}
+
+fn rewrite_output(stream: &[u8], cuts: &[usize], cached: Option<u64>) -> Vec<u8> {
+    let mut rw = SseRewriter::new(move |d: &str| cached.and_then(|n| rewrite_cached_tokens(d, n)));
+    let mut out = Vec::new();
+    let mut last = 0;
+    for &cut in cuts.iter().chain(std::iter::once(&stream.len())) {
+        let cut = cut.clamp(last, stream.len());
+        out.extend(rw.feed(&stream[last..cut]));
+        last = cut;
+    }
+    out.extend(rw.finish());
+    out
+}
+
+/// The SSE decoder yields the same events whatever the cut points (whole, byte by byte,
+/// `cuts`), equal to the one-pass reference; events and the pending tail add up to the input;
+/// `data()` follows the spec's field rule. The rewriter with a no-op rewrite gives the input
+/// back byte for byte; with the cached-tokens rewrite its output is cut-independent, frames
+/// the same events, and each event's data is the original or its rewrite.
+pub fn check_sse(stream: &[u8], cuts: &[usize]) {
+    let whole = sse_decode(stream, &[]);
+    let bytewise: Vec<usize> = (0..stream.len()).collect();
+    let mut cuts = cuts.to_vec();
+    cuts.sort_unstable();
+    for other in [sse_decode(stream, &bytewise), sse_decode(stream, &cuts)] {
+        assert_eq!(other.0, whole.0, "events depend on the cut points");
+        assert_eq!(other.1, whole.1, "pending bytes depend on the cut points");
+        assert_eq!(other.2, whole.2, "finish depends on the cut points");
+    }
+    let (events, pending, finish) = whole;
+    let (ref_events, ref_tail) = sse_reference(stream);
+    let raws: Vec<Vec<u8>> = events.iter().map(|e| e.raw().to_vec()).collect();
+    assert_eq!(raws, ref_events, "events differ from the reference framing");
+    assert_eq!(stream.len() - pending, ref_tail, "pending tail differs from the reference");
+    let tail = &stream[ref_tail..];
+    match finish {
+        Ok(()) => assert!(tail.iter().all(|b| matches!(b, b'\r' | b'\n')), "finish Ok with data left"),
+        Err(Unterminated(t)) => {
+            assert_eq!(t, tail, "unterminated tail is not the leftover bytes");
+            assert!(!t.iter().all(|b| matches!(b, b'\r' | b'\n')), "finish Err on blank lines only");
+        }
+    }
+    for e in &events {
+        assert_eq!(e.data(), sse_data_reference(e.raw()), "data() of {:?}", String::from_utf8_lossy(e.raw()));
+    }
+
+    // No-op rewrite: byte-identical pass-through at any cut. (The rewriter frames with the
+    // decoder, whose cut-independence was checked byte by byte above; the fuzz targets' speed
+    // comes from not repeating that here.)
+    for c in [&[][..], &cuts[..]] {
+        assert_eq!(rewrite_output(stream, c, None), stream, "a rewriter that changes nothing changed bytes");
+    }
+    // Cached-tokens rewrite: cut-independent, same events, data = original or its rewrite.
+    let out = rewrite_output(stream, &[], Some(7));
+    assert_eq!(rewrite_output(stream, &cuts, Some(7)), out, "rewritten stream depends on the cut points");
+    let (out_events, out_pending, _) = sse_decode(&out, &[]);
+    assert_eq!(out_events.len(), events.len(), "rewriting changed the number of events");
+    assert_eq!(&out[out.len() - out_pending..], tail, "rewriting changed the tail");
+    for (before, after) in events.iter().zip(&out_events) {
+        let rewritten = before
+            .data()
+            .filter(|d| d.iter().find(|b| !b" \t\r\n".contains(b)) == Some(&b'{'))
+            .and_then(|d| String::from_utf8(d).ok())
+            .and_then(|d| rewrite_cached_tokens(&d, 7));
+        match rewritten {
+            None => assert_eq!(after.raw(), before.raw(), "an event the rewrite left alone changed"),
+            Some(expected) => {
+                let got = after.data().expect("a rewritten event has data");
+                let got = String::from_utf8(got).expect("rewritten data is UTF-8");
+                let want = String::from_utf8(expected).unwrap();
+                let flat: String = want.chars().map(|c| if c == '\n' || c == '\r' { ' ' } else { c }).collect();
+                assert_eq!(got, flat, "rewritten event does not carry the rewrite's JSON");
+                assert!(is_json(&got), "rewritten event data is not JSON: {got}");
+            }
+        }
+    }
+}
+
+/// Fuzz input: byte 0 seeds the cut points, the rest is the stream.
+pub fn fuzz_sse(data: &[u8]) {
+    let Some((&seed, stream)) = data.split_first() else {
+        return;
+    };
+    check_sse(stream, &cuts_from_seed(seed, stream.len()));
+}
+
+// === raw-object JSON splicer ===
+
+/// `RawObject::parse` accepts exactly the JSON objects `serde_json` reads (keys decoded,
+/// values the exact source bytes, order and duplicates kept); `to_bytes` is JSON with the
+/// same members and the same `Value`; `set_raw` and `remove` touch only their key, every
+/// other member byte-identical and in order.
+pub fn check_raw_object(text: &str, key: &str, value: &str) {
+    let reference = members(text);
+    let parsed = RawObject::parse(text);
+    assert_eq!(parsed.is_ok(), reference.is_some(), "parse disagrees with serde_json on {text:?}");
+    assert_eq!(RawObject::parse_bytes(text.as_bytes()).is_ok(), parsed.is_ok(), "parse_bytes != parse");
+    let (Ok(obj), Some(m)) = (parsed, reference) else {
+        return;
+    };
+    assert!(is_json(text) && text.trim_start_matches(JSON_WS).starts_with('{'));
+    let keys: Vec<&str> = obj.keys().collect();
+    let ref_keys: Vec<&str> = m.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(keys, ref_keys, "keys differ");
+    for (k, _) in &m {
+        assert_eq!(obj.get(k), last(&m, k), "get({k:?}) is not the last duplicate");
+        assert_eq!(obj.has_non_null(k), !is_null_raw(last(&m, k)));
+    }
+    let out = obj.to_bytes();
+    assert_eq!(object_out(&out, "to_bytes"), m, "to_bytes changed a member");
+    if let Ok(v) = serde_json::from_str::<Value>(text) {
+        assert_eq!(serde_json::from_slice::<Value>(&out).unwrap(), v, "to_bytes changed the value");
+    }
+
+    let value = value.trim_matches(JSON_WS);
+    if is_json(value) {
+        let mut set = obj.clone();
+        set.set_raw(key, value.to_owned());
+        assert_eq!(set.get(key), Some(value));
+        assert_eq!(object_out(&set.to_bytes(), "set_raw"), ref_set(&m, key, value), "set_raw({key:?})");
+    }
+    let mut removed = obj.clone();
+    assert_eq!(removed.remove(key), count(&m, key) > 0);
+    assert_eq!(removed.get(key), None);
+    assert_eq!(object_out(&removed.to_bytes(), "remove"), without(&m, &[key]), "remove({key:?})");
+}
+
+/// Fuzz input: `text NUL key NUL value`.
+pub fn fuzz_raw_object(data: &[u8]) {
+    let p = parts(data, 3);
+    let Ok(text) = std::str::from_utf8(p[0]) else {
+        assert!(RawObject::parse_bytes(p[0]).is_err(), "parse_bytes took non-UTF-8");
+        return;
+    };
+    let key = p.get(1).and_then(|b| std::str::from_utf8(b).ok()).unwrap_or("k");
+    let value = p.get(2).and_then(|b| std::str::from_utf8(b).ok()).unwrap_or("1");
+    check_raw_object(text, key, value);
+}
+
+// === prompt-id validator ===
+
+/// `PromptIds::parse` agrees with `serde_json::from_str::<Vec<u32>>`: the same texts are
+/// integer arrays (so `-0`, `1.0`, `1e3`, leading zeros, values past u32::MAX, strings,
+/// nesting and non-JSON whitespace are refused by both), with the same values; the empty array
+/// is the one deliberate difference (`Empty`, since a prompt has at least one token).
+pub fn check_prompt_ids(text: &str) {
+    let ours = PromptIds::parse(text, None);
+    let theirs = serde_json::from_str::<Vec<u32>>(text);
+    match (&ours, &theirs) {
+        (Ok(ids), Ok(v)) => {
+            assert_eq!(&ids.to_vec(), v, "values differ for {text:?}");
+            assert_eq!(ids.len(), v.len());
+            assert!(!ids.is_empty());
+            assert_eq!(ids.as_json(), text.trim_matches(JSON_WS), "as_json is not the text");
+            assert_eq!(serde_json::from_str::<Vec<u32>>(ids.as_json()).unwrap(), *v);
+            assert!(PromptIds::parse(text, Some(v.len() as u64)).is_ok());
+            assert_eq!(
+                PromptIds::parse(text, Some(v.len() as u64 + 1)),
+                Err(IdsError::CountMismatch { count: v.len(), expected: v.len() as u64 + 1 })
+            );
+            let again = PromptIds::from_ids(v);
+            assert_eq!(serde_json::from_str::<Vec<u32>>(again.as_json()).unwrap(), *v);
+            assert_eq!(PromptIds::parse(again.as_json(), None).as_ref(), Ok(&again));
+        }
+        (Err(IdsError::Empty), Ok(v)) => assert!(v.is_empty(), "Empty for a non-empty array {text:?}"),
+        (Err(IdsError::Malformed(_)), Err(_)) => {}
+        _ => panic!("validator {ours:?} vs serde_json {theirs:?} on {text:?}"),
+    }
+}
+
+/// Fuzz input: the text.
+pub fn fuzz_prompt_ids(data: &[u8]) {
+    if let Ok(text) = std::str::from_utf8(data) {
+        check_prompt_ids(text);
+    }
+}
+
+// === request view ===
+
+/// What the reference expects of the media scan.
+#[derive(Debug, PartialEq)]
+enum Media {
+    Yes,
+    No,
+    /// A part with a non-string `type`: the view must refuse the request.
+    Invalid,
+    /// A shape the view reads leniently (a message or part that is not an object, a non-array
+    /// `messages`): either answer is accepted.
+    Any,
+}
+
+fn media_reference(messages: &Value) -> Media {
+    // The view reads every message first, then each message's parts, stopping at the first
+    // message with a non-text part.
+    let Some(list) = messages.as_array() else {
+        return Media::Any;
+    };
+    if list.iter().any(|m| !m.is_object()) {
+        return Media::Any;
+    }
+    for message in list {
+        let Some(parts) = message.get("content").and_then(Value::as_array) else {
+            continue;
+        };
+        if parts.iter().any(|p| !p.is_object()) {
+            return Media::Any;
+        }
+        let mut media = false;
+        for part in parts {
+            match part.get("type") {
+                None | Some(Value::Null) => {}
+                Some(Value::String(t)) => media |= t != "text",
+                Some(_) => return Media::Invalid,
+            }
+        }
+        if media {
+            return Media::Yes;
+        }
+    }
+    Media::No
+}
+
+fn scalar<T>(v: &Value, key: &str, get: impl Fn(&Value) -> Option<T>) -> Result<Option<T>, ()> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => get(x).map(Some).ok_or(()),
+    }
+}
+
+/// `RequestView::parse` reads what `serde_json::Value` sees: `model`, `stream`, `n`, `echo`,
+/// `return_token_ids` with their defaults, refusing wrong types; chat without `messages` is
+/// refused; a content part with a non-text `type` is media (however the key is spelled); the
+/// completions prompt shape follows the first element of a list; `reuse_blocker` follows the
+/// documented precedence.
+pub fn check_request_view(api: Api, body: &str) {
+    let Ok(obj) = RawObject::parse(body) else {
+        return;
+    };
+    let view = RequestView::parse(api, &obj);
+    let Ok(v) = serde_json::from_str::<Value>(body) else {
+        return; // nesting past serde_json's limit, a float out of range, a lone surrogate
+    };
+    let scalars = (|| {
+        Ok::<_, ()>((
+            scalar(&v, "model", |x| x.as_str().map(str::to_owned))?,
+            scalar(&v, "stream", Value::as_bool)?.unwrap_or(false),
+            scalar(&v, "n", Value::as_u64)?.unwrap_or(1),
+            scalar(&v, "echo", Value::as_bool)?.unwrap_or(false),
+            scalar(&v, "return_token_ids", Value::as_bool)?.unwrap_or(false),
+        ))
+    })();
+    let Ok((model, stream, n, echo, return_token_ids)) = scalars else {
+        assert!(view.is_err(), "a mistyped field was accepted: {body}");
+        return;
+    };
+    let media = match api {
+        Api::Chat => match v.get("messages") {
+            None => {
+                assert!(view.is_err(), "chat without messages was accepted");
+                return;
+            }
+            Some(_) if has_duplicate_keys(body) => Media::Any,
+            Some(m) => media_reference(m),
+        },
+        Api::Completions => Media::No,
+    };
+    let view = match (media, view) {
+        (Media::Invalid, view) => {
+            assert!(view.is_err(), "a non-string part type was accepted: {body}");
+            return;
+        }
+        (Media::Any, Err(_)) => return,
+        (_, Err(e)) => panic!("refused {body}: {e:?}"),
+        (Media::Yes, Ok(view)) => {
+            assert!(view.has_media, "media missed in {body}");
+            view
+        }
+        (Media::No, Ok(view)) => {
+            assert!(!view.has_media, "media seen in {body}");
+            view
+        }
+        (Media::Any, Ok(view)) => view,
+    };
+    assert_eq!(view.api, api);
+    assert_eq!(view.model, model);
+    assert_eq!((view.stream, view.n, view.echo, view.return_token_ids), (stream, n, echo, return_token_ids));
+    let shape = match (api, v.get("prompt")) {
+        (Api::Completions, Some(Value::Array(items))) => match items.first() {
+            Some(Value::String(_) | Value::Array(_)) => PromptShape::Batch,
+            _ => PromptShape::Tokens,
+        },
+        _ => PromptShape::Text,
+    };
+    assert_eq!(view.prompt, shape, "prompt shape of {body}");
+    let blocker = if view.has_media {
+        Some(FallbackReason::Media)
+    } else if echo {
+        Some(FallbackReason::Echo)
+    } else if n > 1 {
+        Some(FallbackReason::NGreaterThanOne)
+    } else if shape == PromptShape::Batch {
+        Some(FallbackReason::BatchPrompt)
+    } else if shape == PromptShape::Tokens {
+        Some(FallbackReason::PromptIsTokens)
+    } else {
+        None
+    };
+    assert_eq!(view.reuse_blocker(), blocker);
+}
+
+/// Fuzz input: byte 0 bit 0 picks the API (0 chat, 1 completions); the rest is the body.
+pub fn fuzz_request_view(data: &[u8]) {
+    let Some((&flags, body)) = data.split_first() else {
+        return;
+    };
+    if let Ok(body) = std::str::from_utf8(body) {
+        check_request_view(api_of(flags), body);
+    }
+}
+
+// === the two rewrites ===
+
+/// The prefill and decode rewrites are JSON objects in which only the documented keys change
+/// (to the documented values); every other member keeps its bytes, order and duplicates.
+/// `kv_params_with_ids` keeps every member of an object `kv_transfer_params` and sets
+/// `prompt_token_ids` to the ids' exact text (a non-object is replaced by a fresh object).
+pub fn check_rewrites(api: Api, body: &str, kv: Option<&str>, ids: Option<&PromptIds>, want_ids: bool) {
+    let Ok(obj) = RawObject::parse(body) else {
+        return;
+    };
+    let m = members(body).expect("RawObject parsed what serde_json did not");
+    let kv = kv.map(|k| k.trim_matches(JSON_WS)).filter(|k| is_json(k));
+
+    // Prefill leg.
+    let out = object_out(&prefill_body(&obj, want_ids), "prefill_body");
+    let mut touched =
+        vec!["max_tokens", "max_completion_tokens", "min_tokens", "min_completion_tokens", "stream", "stream_options"];
+    touched.push("kv_transfer_params");
+    if want_ids {
+        touched.push("return_token_ids");
+    }
+    assert_eq!(without(&out, &touched), without(&m, &touched), "prefill_body changed an untouched member");
+    let single = |m: &Members, key: &str| -> Option<String> {
+        assert!(count(m, key) <= 1, "{key} left duplicated");
+        last(m, key).map(str::to_owned)
+    };
+    assert_eq!(single(&out, "max_tokens").as_deref(), Some("1"));
+    let mct = count(&m, "max_completion_tokens") > 0;
+    assert_eq!(single(&out, "max_completion_tokens").as_deref(), mct.then_some("1"));
+    for gone in ["min_tokens", "min_completion_tokens", "stream_options"] {
+        assert_eq!(count(&out, gone), 0, "{gone} kept");
+    }
+    assert_eq!(single(&out, "stream").as_deref(), Some("false"));
+    assert_eq!(single(&out, "kv_transfer_params").as_deref(), Some(PREFILL_KV_TRANSFER_PARAMS));
+    if want_ids {
+        assert_eq!(single(&out, "return_token_ids").as_deref(), Some("true"));
+    }
+
+    // kv_transfer_params with the ids.
+    if let Some(ids) = ids {
+        let merged = kv_params_with_ids(kv, ids);
+        let got = object_out(merged.as_bytes(), "kv_params_with_ids");
+        let base = kv.filter(|k| *k != "null").and_then(members).unwrap_or_default();
+        assert_eq!(got, ref_set(&base, "prompt_token_ids", ids.as_json()), "kv_params_with_ids");
+    }
+
+    // Decode leg.
+    let out = object_out(&decode_body(&obj, api, kv, ids), "decode_body");
+    let kv_given = kv.filter(|k| *k != "null");
+    let mut touched: Vec<&str> = Vec::new();
+    match (api, ids) {
+        (Api::Chat, Some(ids)) => {
+            touched.push("kv_transfer_params");
+            assert_eq!(single(&out, "kv_transfer_params"), Some(kv_params_with_ids(kv_given, ids)));
+        }
+        (Api::Completions, Some(ids)) => {
+            touched.push("prompt");
+            assert_eq!(single(&out, "prompt").as_deref(), Some(ids.as_json()));
+        }
+        (_, None) => {}
+    }
+    if let (Some(k), false) = (kv_given, api == Api::Chat && ids.is_some()) {
+        touched.push("kv_transfer_params");
+        assert_eq!(single(&out, "kv_transfer_params").as_deref(), Some(k));
+    }
+    assert_eq!(without(&out, &touched), without(&m, &touched), "decode_body changed an untouched member");
+}
+
+/// Fuzz input: byte 0 bit 0 API, bit 1 `want_ids`, bit 2 "no kv"; then `body NUL kv NUL ids`
+/// (ids that fail validation mean "no ids").
+pub fn fuzz_rewrites(data: &[u8]) {
+    let Some((&flags, rest)) = data.split_first() else {
+        return;
+    };
+    let p = parts(rest, 3);
+    let Ok(body) = std::str::from_utf8(p[0]) else {
+        return;
+    };
+    let kv = p.get(1).and_then(|b| std::str::from_utf8(b).ok()).filter(|_| flags & 4 == 0);
+    let ids = p.get(2).and_then(|b| std::str::from_utf8(b).ok()).and_then(|t| PromptIds::parse(t, None).ok());
+    check_rewrites(api_of(flags), body, kv, ids.as_ref(), flags & 2 != 0);
+}
+
+// === prefill-answer handoff extraction and the response rewrites ===
+
+fn obj_or_absent(v: Option<&Value>) -> Result<Option<&serde_json::Map<String, Value>>, ()> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Object(o)) => Ok(Some(o)),
+        Some(_) => Err(()),
+    }
+}
+
+fn u64_or_absent(v: Option<&Value>) -> Result<Option<u64>, ()> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => x.as_u64().map(Some).ok_or(()),
+    }
+}
+
+/// What `extract_handoff` must return for `v`: `Err(())` for a mistyped field, `Ok(None)`
+/// for a shape serde reads leniently (an array standing for a struct), else the fields.
+#[allow(clippy::type_complexity)]
+fn handoff_reference(
+    api: Api,
+    v: &Value,
+) -> Result<Option<(Option<&Value>, Option<u64>, Option<u64>, Option<&Value>)>, ()> {
+    if v.is_array() {
+        return Ok(None);
+    }
+    let top = v.as_object().ok_or(())?;
+    let lenient = |x: Option<&Value>| matches!(x, Some(Value::Array(_)));
+    if lenient(top.get("usage")) {
+        return Ok(None);
+    }
+    let usage = obj_or_absent(top.get("usage"))?;
+    let prompt_tokens = u64_or_absent(usage.and_then(|u| u.get("prompt_tokens")))?;
+    let details_v = usage.and_then(|u| u.get("prompt_tokens_details"));
+    if lenient(details_v) {
+        return Ok(None);
+    }
+    let details = obj_or_absent(details_v)?;
+    let cached = u64_or_absent(details.and_then(|d| d.get("cached_tokens")))?;
+    let choices = match top.get("choices") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(c)) => Some(c),
+        Some(_) => return Err(()),
+    };
+    let mut first_ids = None;
+    for (i, c) in choices.into_iter().flatten().enumerate() {
+        match c {
+            Value::Object(o) => {
+                if i == 0 {
+                    first_ids = o.get("prompt_token_ids");
+                }
+            }
+            Value::Array(_) => return Ok(None),
+            _ => return Err(()),
+        }
+    }
+    let raw_ids = match api {
+        Api::Chat => top.get("prompt_token_ids"),
+        Api::Completions => first_ids,
+    }
+    .filter(|x| !x.is_null());
+    let kv = top.get("kv_transfer_params").filter(|x| !x.is_null());
+    Ok(Some((raw_ids, prompt_tokens, cached, kv)))
+}
+
+/// `extract_handoff` reads what `serde_json::Value` sees (ids where the API puts them, checked
+/// like the id validator against `usage.prompt_tokens`; `kv_transfer_params` raw; cached
+/// tokens) and refuses mistyped fields. `rewrite_cached_tokens` changes only
+/// `usage.prompt_tokens_details.cached_tokens`, every other member byte-identical.
+/// `hide_token_ids` nulls exactly the echoed ids and nothing else.
+pub fn check_handoff(api: Api, body: &[u8], cached: u64) {
+    let got = extract_handoff(api, body);
+    let Ok(text) = std::str::from_utf8(body) else {
+        return; // serde_json skips unknown fields without checking their UTF-8: no oracle
+    };
+    if let Ok(v) = serde_json::from_str::<Value>(text) {
+        if !has_duplicate_keys(text) {
+            match (handoff_reference(api, &v), &got) {
+                (Err(()), Ok(h)) => panic!("mistyped prefill answer accepted: {h:?} from {text}"),
+                (Ok(Some(_)), Err(e)) => panic!("prefill answer refused: {e} in {text}"),
+                (Ok(Some((raw_ids, prompt_tokens, cached_tokens, kv))), Ok(h)) => {
+                    assert_eq!(h.cached_tokens, cached_tokens);
+                    let kv_got = h.kv_transfer_params.as_deref().map(|k| serde_json::from_str::<Value>(k).unwrap());
+                    assert_eq!(kv_got.as_ref(), kv);
+                    match (raw_ids, prompt_tokens, &h.ids) {
+                        (None, _, Err(IdsFault::Missing)) => {}
+                        (Some(_), None, Err(IdsFault::Invalid(IdsError::Malformed(_)))) => {}
+                        (Some(ids), Some(n), got_ids) => {
+                            let want = serde_json::from_value::<Vec<u32>>(ids.clone())
+                                .ok()
+                                .filter(|v| !v.is_empty() && v.len() as u64 == n);
+                            match (want, got_ids) {
+                                (Some(w), Ok(g)) => assert_eq!(g.to_vec(), w),
+                                (None, Err(IdsFault::Invalid(_))) => {}
+                                (w, g) => panic!("ids: want {w:?}, got {g:?} in {text}"),
+                            }
+                        }
+                        (r, n, g) => panic!("ids: raw {r:?}, prompt_tokens {n:?}, got {g:?}"),
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    if let Ok(h) = &got {
+        if let Ok(ids) = &h.ids {
+            check_prompt_ids(ids.as_json());
+        }
+    }
+    check_cached_tokens(text, cached);
+    check_hide_ids(api, text);
+}
+
+fn check_cached_tokens(text: &str, cached: u64) {
+    let got = rewrite_cached_tokens(text, cached);
+    let expected = (|| {
+        let top = members(text)?;
+        let usage_raw = last(&top, "usage").filter(|u| *u != "null")?;
+        let usage = members(usage_raw)?;
+        let details = match last(&usage, "prompt_tokens_details").filter(|d| *d != "null") {
+            Some(d) => ref_set(&members(d)?, "cached_tokens", &cached.to_string()),
+            None => vec![("cached_tokens".to_owned(), cached.to_string())],
+        };
+        Some((top, usage, details))
+    })();
+    match (expected, got) {
+        (None, None) => {}
+        (None, Some(out)) => panic!("rewrote {text} into {}", String::from_utf8_lossy(&out)),
+        (Some(_), None) => panic!("did not rewrite {text}"),
+        (Some((top, usage, details)), Some(out)) => {
+            let out_top = object_out(&out, "rewrite_cached_tokens");
+            assert_eq!(without(&out_top, &["usage"]), without(&top, &["usage"]), "a top-level member changed");
+            assert_eq!(count(&out_top, "usage"), 1);
+            let out_usage = members(last(&out_top, "usage").unwrap()).unwrap();
+            let field = "prompt_tokens_details";
+            assert_eq!(without(&out_usage, &[field]), without(&usage, &[field]), "a usage member changed");
+            assert_eq!(count(&out_usage, field), 1);
+            assert_eq!(members(last(&out_usage, field).unwrap()).unwrap(), details, "details");
+            if let Ok(mut v) = serde_json::from_str::<Value>(text) {
+                v["usage"]["prompt_tokens_details"]["cached_tokens"] = Value::from(cached);
+                assert_eq!(serde_json::from_slice::<Value>(&out).unwrap(), v);
+            }
+        }
+    }
+}
+
+fn check_hide_ids(api: Api, text: &str) {
+    let got = hide_token_ids(api, text);
+    let Some(top) = members(text) else {
+        assert!(got.is_none(), "hid ids in a non-object");
+        return;
+    };
+    let Ok(v) = serde_json::from_str::<Value>(text) else {
+        return;
+    };
+    let mut want = v.clone();
+    if api == Api::Chat && !want["prompt_token_ids"].is_null() {
+        want["prompt_token_ids"] = Value::Null;
+    }
+    let mut readable = true;
+    match want.get_mut("choices") {
+        None => {}
+        Some(Value::Array(choices)) => {
+            for c in choices {
+                match c.as_object_mut() {
+                    Some(c) => {
+                        for key in ["prompt_token_ids", "token_ids"] {
+                            if c.get(key).is_some_and(|x| !x.is_null()) {
+                                c.insert(key.to_owned(), Value::Null);
+                            }
+                        }
+                    }
+                    None => readable = false,
+                }
+            }
+        }
+        Some(_) => readable = false,
+    }
+    match got {
+        None => assert!(!readable || want == v, "ids left visible in {text}"),
+        Some(out) => {
+            assert_ne!(want, v, "reported a change where there was none");
+            let out_top = object_out(&out, "hide_token_ids");
+            let touched: &[&str] = if api == Api::Chat { &["prompt_token_ids", "choices"] } else { &["choices"] };
+            assert_eq!(without(&out_top, touched), without(&top, touched), "hide_token_ids changed another member");
+            assert_eq!(serde_json::from_slice::<Value>(&out).unwrap(), want, "hide_token_ids of {text}");
+        }
+    }
+}
+
+/// Fuzz input: byte 0 bit 0 API, bits 1.. the cached-token count; the rest is the body.
+pub fn fuzz_handoff(data: &[u8]) {
+    let Some((&flags, body)) = data.split_first() else {
+        return;
+    };
+    check_handoff(api_of(flags), body, u64::from(flags >> 1));
+}
+
+// === config parser ===
+
+/// `Config::from_toml` never panics and is deterministic; an error lists at least one
+/// problem, each placed inside the text (line:column 1-based, column at most one past the
+/// line's end, or 0:0 for problems with no place), in file order (unplaced last); an Ok config keeps the
+/// model's invariants (pool indices resolve, timeouts positive, endpoints host:port, unique
+/// route names, orchestrate routes have a prefill, passthrough routes none).
+pub fn check_config(text: &str) {
+    let first = Config::from_toml(text, "fuzz.toml");
+    let second = Config::from_toml(text, "fuzz.toml");
+    assert_eq!(format!("{first:?}"), format!("{second:?}"), "validation is not deterministic");
+    match first {
+        Err(e) => {
+            assert_eq!(e.source_name, "fuzz.toml");
+            assert!(!e.problems.is_empty(), "an error without problems");
+            let lines: Vec<&str> = text.split('\n').collect();
+            for p in &e.problems {
+                let _ = p.to_string();
+                if (p.line, p.column) == (0, 0) {
+                    continue;
+                }
+                assert!(p.line >= 1 && p.line <= lines.len(), "{p} outside the text's {} lines", lines.len());
+                assert!(p.column >= 1 && p.column <= lines[p.line - 1].len() + 1, "{p} outside its line");
+            }
+            let placed: Vec<(usize, usize)> = e.problems.iter().map(|p| (p.line, p.column)).collect();
+            let mut sorted = placed.clone();
+            // File order; problems with no place (0:0) last.
+            sorted.sort_unstable_by_key(|&(line, column)| (line == 0, line, column));
+            assert_eq!(placed, sorted, "problems not in file order");
+        }
+        Ok(c) => {
+            let n = c.pools().len();
+            assert!(n > 0);
+            assert!(c.passthrough_pool() < n);
+            let server = c.server();
+            assert!(server.listen().parse::<std::net::SocketAddr>().is_ok());
+            assert!(server.admin_listen().parse::<std::net::SocketAddr>().is_ok());
+            assert!(server.threads() >= 1 && c.cache().capacity_bytes() >= 1 && !c.cache().ttl().is_zero());
+            for p in c.pools() {
+                assert!(!p.endpoints().is_empty());
+                assert!(p.endpoints().iter().all(|e| tokenonce::config::model::is_host_port(e)), "{:?}", p.endpoints());
+            }
+            let mut names = HashSet::new();
+            for r in c.routes() {
+                assert!(names.insert(r.name().to_owned()), "duplicate route name {}", r.name());
+                assert!(!r.name().is_empty());
+                assert!(r.decode_pool() < n);
+                let o = r.options();
+                assert!(!o.prefill_timeout().is_zero() && !o.decode_first_byte_timeout().is_zero());
+                assert!(o.max_body_bytes() >= 1);
+                match (&r.mode(), r.prefill()) {
+                    (Mode::Orchestrate, None) => panic!("orchestrate route {} without prefill", r.name()),
+                    (Mode::Passthrough, Some(_)) => panic!("passthrough route {} with prefill", r.name()),
+                    (_, Some(PrefillSource::Pool(i))) => assert!(*i < n),
+                    (_, Some(PrefillSource::Header { allow, .. })) => assert!(!allow.is_empty()),
+                    _ => {}
+                }
+                assert!(r.matcher().paths().iter().all(|p| p.starts_with('/')));
+            }
+        }
+    }
+}
+
+/// Fuzz input: the TOML text.
+pub fn fuzz_config(data: &[u8]) {
+    if let Ok(text) = std::str::from_utf8(data) {
+        check_config(text);
+    }
+}
