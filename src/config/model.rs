@@ -295,6 +295,7 @@ pub struct RouteOptions {
     client_handoff: ClientHandoff,
     retry_budget_percent: u32,
     retry_budget_min_per_second: u32,
+    prefill_attempts: usize,
 }
 
 impl RouteOptions {
@@ -336,6 +337,11 @@ impl RouteOptions {
     /// Retries allowed per second whatever the traffic.
     pub fn retry_budget_min_per_second(&self) -> u32 {
         self.retry_budget_min_per_second
+    }
+
+    /// Pool prefill: endpoints tried (1–16; at most the pool's size at run time).
+    pub fn prefill_attempts(&self) -> usize {
+        self.prefill_attempts
     }
 }
 
@@ -518,6 +524,7 @@ pub struct UpstreamSettings {
     connect_timeout: Duration,
     idle_timeout: Duration,
     health_interval: Duration,
+    eject_after_failures: u32,
 }
 
 impl UpstreamSettings {
@@ -534,6 +541,11 @@ impl UpstreamSettings {
     /// Health poll period (positive).
     pub fn health_interval(&self) -> Duration {
         self.health_interval
+    }
+
+    /// Consecutive request failures that eject an endpoint (0: never).
+    pub fn eject_after_failures(&self) -> u32 {
+        self.eject_after_failures
     }
 }
 

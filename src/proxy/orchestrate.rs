@@ -90,13 +90,19 @@ async fn prefill(
     prefiller: &Prefiller,
     body: Bytes,
 ) -> Result<(ResponseHeader, Bytes), ProxyError> {
+    let route = Arc::clone(&ctx.route);
     if !prefiller.named {
-        return exec::prefill(session, ctx, req, &prefiller.endpoint, body).await;
+        let pool = match &route.prefill {
+            Some(PrefillTarget::Pool(pool)) => Some(pool.as_ref()),
+            _ => None,
+        };
+        return exec::prefill(session, ctx, req, &prefiller.endpoint, pool, body).await;
     }
     let forward = matches!(&ctx.route.prefill, Some(PrefillTarget::Header(rule)) if rule.forward_credentials);
     let req = exec::Incoming { drop_credentials: !forward, ..*req };
-    let (head, answer) =
-        exec::prefill(session, ctx, &req, &prefiller.endpoint, body).await.map_err(ProxyError::uniform_connect)?;
+    let (head, answer) = exec::prefill(session, ctx, &req, &prefiller.endpoint, None, body)
+        .await
+        .map_err(ProxyError::uniform_connect)?;
     if !head.status.is_success() && answer.len() > NAMED_PREFILLER_ERROR_LIMIT {
         return Err(HandoffError(format!("error answer over {NAMED_PREFILLER_ERROR_LIMIT} bytes")).into());
     }
