@@ -144,6 +144,8 @@ label_enum! {
         IdsMalformed => "ids_malformed",
         /// Relay mode: no cached ids for this decode.
         CacheMiss => "cache_miss",
+        /// The prefill leg failed and the route sends the decode alone.
+        PrefillFailed => "prefill_failed",
     }
 }
 

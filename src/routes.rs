@@ -58,6 +58,8 @@ pub struct Route {
     pub retry_budget: RetryBudget,
     /// Pool prefill: endpoints tried (at least 1; at most the pool's size at run time).
     pub prefill_attempts: usize,
+    /// Orchestrate: what a failed prefill leg leads to.
+    pub on_prefill_failure: crate::config::OnPrefillFailure,
     /// This route's series.
     pub metrics: RouteMetrics,
 }
@@ -138,6 +140,7 @@ impl RouteTable {
                     std::time::Instant::now(),
                 ),
                 prefill_attempts: o.prefill_attempts(),
+                on_prefill_failure: o.on_prefill_failure(),
                 metrics: metrics.route(spec.name(), spec.mode()),
             }));
         }
@@ -159,6 +162,7 @@ impl RouteTable {
                 std::time::Instant::now(),
             ),
             prefill_attempts: 1,
+            on_prefill_failure: crate::config::OnPrefillFailure::Error,
             metrics: metrics.default_route(DEFAULT_ROUTE),
         });
         Ok(Self { routes, default })

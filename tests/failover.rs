@@ -1,6 +1,7 @@
 //! Surviving a bad engine: a pool prefill that fails before any answer or answers 5xx moves
 //! to another endpoint of its pool (bounded), a 4xx does not, and an endpoint failing
-//! requests in a row is ejected from the pool's choice, then readmitted once it recovers.
+//! requests in a row is ejected from the pool's choice, then readmitted once it recovers;
+//! with `on_prefill_failure = "decode_alone"` a failed prefill leaves the decode to run alone.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -175,4 +176,55 @@ async fn consecutive_failures_eject_an_endpoint_until_it_recovers() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(proxy.metric(EJECTIONS).await, 1.0);
+}
+
+const PREFILL_FAILED: &str = r#"tokenonce_token_reuse_total{reason="prefill_failed",result="fallback",route="pd"}"#;
+
+/// `on_prefill_failure = "decode_alone"`: a prefill answering 503 (and, in a second engine
+/// setup, one refusing connections) leads to the decode running the client's request
+/// itself: the client's body, no kv params; counted as a `prefill_failed` fallback.
+#[tokio::test(flavor = "multi_thread")]
+async fn decode_alone_serves_a_request_whose_prefill_failed() {
+    let (p, d, proxy) = pd_setup(failing(503), FakeConfig::default(), "on_prefill_failure = \"decode_alone\"\n").await;
+    let body = chat_body("Hello there!", json!({}));
+    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(p.posts().len(), 1);
+    let decode = d.posts()[0].json();
+    assert!(decode.get("kv_transfer_params").is_none(), "{decode}");
+    assert_eq!(decode, body, "the client's body as sent");
+    assert_eq!(proxy.metric(PREFILL_FAILED).await, 1.0);
+    assert_eq!(proxy.metric(r#"tokenonce_upstream_errors_total{kind="status_5xx",stage="prefill"}"#).await, 1.0);
+
+    let refused = RefusedAddr::new();
+    let d2 = FakeVllm::start(FakeConfig::default()).await;
+    let config = pd_config(&d2, &d2, "on_prefill_failure = \"decode_alone\"\n").replacen(
+        &d2.host_port(),
+        &refused.addr.to_string(),
+        1,
+    );
+    let proxy = TokenOnce::start(&config).await;
+    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(d2.posts().len(), 1);
+    assert_eq!(proxy.metric(PREFILL_FAILED).await, 1.0);
+}
+
+/// A prefill 4xx is the client's even with `decode_alone`: returned as is, no decode.
+#[tokio::test(flavor = "multi_thread")]
+async fn decode_alone_never_follows_a_prefill_4xx() {
+    let (p, d, proxy) = pd_setup(failing(400), FakeConfig::default(), "on_prefill_failure = \"decode_alone\"\n").await;
+    let (status, text) = chat(&proxy).await;
+    assert_eq!((status, text.as_str()), (400, "{\"error\":\"engine\"}"));
+    assert_eq!((p.posts().len(), d.posts().len()), (1, 0));
+    assert_eq!(proxy.metric(PREFILL_FAILED).await, 0.0);
+}
+
+/// The default (`error`): a prefill 503 goes back to the client, the decode is never sent.
+#[tokio::test(flavor = "multi_thread")]
+async fn by_default_a_failed_prefill_is_answered() {
+    let (_p, d, proxy) = pd_setup(failing(503), FakeConfig::default(), "").await;
+    assert_eq!(chat(&proxy).await.0, 503);
+    assert_eq!(d.posts().len(), 0);
+    assert_eq!(proxy.metric(PREFILL_FAILED).await, 0.0);
 }

@@ -198,6 +198,9 @@ pub struct Route {
     /// Pool prefill: endpoints tried when one fails before answering or with a server error, at most
     /// the pool's size ([`PREFILL_ATTEMPTS`](super::defaults::PREFILL_ATTEMPTS)).
     pub prefill_attempts: Option<Field<i64>>,
+    /// Orchestrate: a failed prefill leg, `error` or `decode_alone`
+    /// ([`ON_PREFILL_FAILURE`](super::defaults::ON_PREFILL_FAILURE)).
+    pub on_prefill_failure: Option<Field<String>>,
     /// Orchestrate: a client's own `kv_transfer_params`, `strip` or `reject`
     /// ([`CLIENT_KV_TRANSFER_PARAMS`](super::defaults::CLIENT_KV_TRANSFER_PARAMS)).
     pub client_kv_transfer_params: Option<Field<String>>,

@@ -8,8 +8,8 @@ pub mod model;
 
 pub use model::{
     AdminToken, AllowEntry, AllowTarget, Balance, CacheSettings, ClientHandoff, Config, ConfigError, LogFormat, Mode,
-    PoolSpec, PrefillSource, Problem, RelayHandoff, RouteMatch, RouteOptions, RouteSpec, ServerSettings,
-    UpstreamSettings, Version,
+    OnPrefillFailure, PoolSpec, PrefillSource, Problem, RelayHandoff, RouteMatch, RouteOptions, RouteSpec,
+    ServerSettings, UpstreamSettings, Version,
 };
 
 /// The embedded default configuration text.
@@ -243,7 +243,7 @@ pathz = ["/x"]
         let route = keys!("routes.", Route {
             name, matcher as "match", mode, relay_handoff, prefill, decode_pool, token_reuse, prefill_timeout_ms,
             decode_first_byte_timeout_ms, max_body_bytes, client_kv_transfer_params, retry_budget_percent,
-            retry_budget_min_per_second, prefill_attempts,
+            retry_budget_min_per_second, prefill_attempts, on_prefill_failure,
         });
         // `routes.match` is a table; README lists its keys instead.
         all.extend(route.into_iter().filter(|k| k != "routes.match"));
@@ -324,6 +324,7 @@ pathz = ["/x"]
             ("routes.retry_budget_percent", defaults::RETRY_BUDGET_PERCENT.to_string()),
             ("routes.retry_budget_min_per_second", defaults::RETRY_BUDGET_MIN_PER_SECOND.to_string()),
             ("routes.prefill_attempts", defaults::PREFILL_ATTEMPTS.to_string()),
+            ("routes.on_prefill_failure", code(defaults::ON_PREFILL_FAILURE.name())),
             ("cache.capacity_bytes", defaults::CACHE_CAPACITY_BYTES.to_string()),
             ("cache.ttl_ms", defaults::CACHE_TTL_MS.to_string()),
         ];

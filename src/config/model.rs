@@ -194,6 +194,25 @@ impl Choice for ClientHandoff {
     }
 }
 
+/// What an orchestrate route does when its prefill leg fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnPrefillFailure {
+    /// Answer the prefill's error.
+    Error,
+    /// Send the client's request to the decode alone (text path, no KV handoff).
+    DecodeAlone,
+}
+
+impl Choice for OnPrefillFailure {
+    const ALL: &'static [Self] = &[Self::Error, Self::DecodeAlone];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Error => "error",
+            Self::DecodeAlone => "decode_alone",
+        }
+    }
+}
+
 /// How log lines are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogFormat {
@@ -296,6 +315,7 @@ pub struct RouteOptions {
     retry_budget_percent: u32,
     retry_budget_min_per_second: u32,
     prefill_attempts: usize,
+    on_prefill_failure: OnPrefillFailure,
 }
 
 impl RouteOptions {
@@ -342,6 +362,11 @@ impl RouteOptions {
     /// Pool prefill: endpoints tried (1–16; at most the pool's size at run time).
     pub fn prefill_attempts(&self) -> usize {
         self.prefill_attempts
+    }
+
+    /// Orchestrate: what a failed prefill leg leads to.
+    pub fn on_prefill_failure(&self) -> OnPrefillFailure {
+        self.on_prefill_failure
     }
 }
 

@@ -16,10 +16,11 @@ use pingora::proxy::Session;
 use super::error::ProxyError;
 use super::respond::{client_gone, ms_since, relay};
 use super::Ctx;
+use crate::config::OnPrefillFailure;
 use crate::metrics::{ErrorKind, Leg, Stage};
 use crate::openai::response::HandoffError;
 use crate::openai::IdsError;
-use crate::plan::{DecodeStep, DecodeVersion, Reuse};
+use crate::plan::{DecodeStep, DecodeVersion, Orchestration, Reuse};
 use crate::routes::Route;
 use crate::upstream::client::CREDENTIAL_HEADERS;
 use crate::upstream::health::learn_version;
@@ -260,6 +261,55 @@ async fn prefill_once(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, body: By
     }
     let body = ctx.app.client.read_to_end(exchange, PREFILL_RESPONSE_LIMIT).await;
     PrefillTry::Answered(body.map(|b| (head, b)).map_err(|e| ProxyError::upstream(Leg::Prefill, e)))
+}
+
+/// What an orchestrated request does after its prefill leg.
+pub enum Prefilled {
+    /// Send this decode.
+    Step(DecodeStep),
+    /// Answer the prefill's own non-2xx answer unchanged.
+    EngineAnswer(ResponseHeader, Bytes),
+}
+
+/// The decode step from the prefill's result, under the route's `on_prefill_failure`: a
+/// failed prefill (unreachable, a 5xx, timed out, or a 2xx that is not a completion; never
+/// a 4xx, which is the client's) is the client's error with `error`, and the decode alone
+/// with `decode_alone` (the failure still counted in `upstream_errors_total`).
+///
+/// # Errors
+/// The prefill's failure, when it is answered.
+pub fn after_prefill(
+    ctx: &Ctx,
+    plan: &Orchestration<'_, '_>,
+    prefilled: Result<(ResponseHeader, Bytes), ProxyError>,
+) -> Result<Prefilled, ProxyError> {
+    let result = prefilled.and_then(|(head, answer)| match head.status.is_success() {
+        true => plan.after_prefill(&answer).map(Prefilled::Step).map_err(ProxyError::from),
+        false => Ok(Prefilled::EngineAnswer(head, answer)),
+    });
+    let failed = match &result {
+        Ok(Prefilled::EngineAnswer(head, _)) => head.status.as_u16() >= 500,
+        Ok(Prefilled::Step(_)) => false,
+        Err(e) => matches!(
+            e,
+            ProxyError::Upstream { leg: Leg::Prefill, .. }
+                | ProxyError::Timeout { leg: Leg::Prefill, .. }
+                | ProxyError::PrefillBadResponse(_)
+        ),
+    };
+    if !failed || ctx.route.on_prefill_failure != OnPrefillFailure::DecodeAlone {
+        return result;
+    }
+    let error = match &result {
+        Ok(Prefilled::EngineAnswer(head, _)) => format!("answered {}", head.status.as_u16()),
+        Ok(Prefilled::Step(_)) => String::new(),
+        Err(e) => e.to_string(),
+    };
+    if let Some((leg, kind)) = result.as_ref().err().and_then(ProxyError::counted_as) {
+        ctx.app.metrics.upstream_error(leg, kind);
+    }
+    tracing::info!(request_id = %ctx.request_id, route = %ctx.route.name, error = %error, "prefill failed: the decode runs alone");
+    Ok(Prefilled::Step(plan.decode_alone()))
 }
 
 /// Sends the planned decode leg (response head within the route's first-byte timeout) and

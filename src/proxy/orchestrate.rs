@@ -42,15 +42,15 @@ pub async fn run(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> 
     };
     let plan = plan::orchestrate(plan::Request { obj, view: &req.view }, &route.policy, version);
 
-    let (head, answer) = prefill(session, ctx, &req.incoming, &prefiller, plan.prefill_body.clone()).await?;
+    let prefilled = prefill(session, ctx, &req.incoming, &prefiller, plan.prefill_body.clone()).await;
     drop(prefiller);
-    if !head.status.is_success() {
-        // The prefill's own error (e.g. vLLM's 400 for a too-long prompt) goes back unchanged.
-        return write_engine_answer(session, ctx, &head, answer).await;
-    }
 
     let handoff_started = Instant::now();
-    let step = plan.after_prefill(&answer)?;
+    let step = match exec::after_prefill(ctx, &plan, prefilled)? {
+        exec::Prefilled::Step(step) => step,
+        // The prefill's own error (e.g. vLLM's 400 for a too-long prompt) goes back unchanged.
+        exec::Prefilled::EngineAnswer(head, answer) => return write_engine_answer(session, ctx, &head, answer).await,
+    };
     exec::record_reuse(ctx, step.reuse, step.refused.as_ref());
     route.metrics.stage(Stage::Handoff, handoff_started.elapsed());
 

@@ -466,7 +466,7 @@ fn check_route(
         name, matcher, mode, prefill, decode_pool, unknown,
         relay_handoff: _, token_reuse: _, prefill_timeout_ms: _, decode_first_byte_timeout_ms: _,
         max_body_bytes: _, client_kv_transfer_params: _, retry_budget_percent: _, retry_budget_min_per_second: _,
-        prefill_attempts: _,
+        prefill_attempts: _, on_prefill_failure: _,
     } = route;
     ck.unknown(&unknown, &path);
     let name = check_route_name(ck, &name, &span, &key, seen_names);
@@ -526,7 +526,7 @@ fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> 
     let file::Route {
         token_reuse, prefill_timeout_ms, decode_first_byte_timeout_ms, max_body_bytes, relay_handoff,
         client_kv_transfer_params, retry_budget_percent, retry_budget_min_per_second, prefill_attempts,
-        name: _, matcher: _, mode: _, prefill: _, decode_pool: _, unknown: _,
+        on_prefill_failure, name: _, matcher: _, mode: _, prefill: _, decode_pool: _, unknown: _,
     } = route;
     RouteOptions {
         token_reuse: ck.get(token_reuse, &format!("{key}.token_reuse")).map_or(defaults::TOKEN_REUSE, |(v, _)| *v),
@@ -572,6 +572,11 @@ fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> 
             defaults::PREFILL_ATTEMPTS,
             1..=16,
         ) as usize,
+        on_prefill_failure: ck.optional_choice(
+            on_prefill_failure,
+            &format!("{key}.on_prefill_failure"),
+            defaults::ON_PREFILL_FAILURE,
+        ),
     }
 }
 
