@@ -81,7 +81,9 @@ impl App {
     pub fn new(config: Config) -> Result<Self, AppError> {
         let registry = Registry::new();
         let metrics = Metrics::register(&registry)?;
-        let pools: Vec<Arc<Pool>> = config.pools().iter().map(|spec| Arc::new(Pool::new(spec))).collect();
+        let eject_after = config.upstream().eject_after_failures();
+        let pools: Vec<Arc<Pool>> = config.pools().iter().map(|spec| Arc::new(Pool::new(spec, eject_after))).collect();
+        pools.iter().for_each(|p| metrics.pool(&p.name));
         let routes = RouteTable::new(&config, &pools, &metrics)?;
         let client =
             Arc::new(UpstreamClient::new(config.upstream().connect_timeout(), config.upstream().idle_timeout()));
@@ -96,6 +98,7 @@ impl App {
     /// # Errors
     /// [`AppError::Routes`] if a route names a missing pool (validation prevents it).
     pub fn reload(&self, config: Config) -> Result<Self, AppError> {
+        let eject_after = config.upstream().eject_after_failures();
         let pools: Vec<Arc<Pool>> = config
             .pools()
             .iter()
@@ -110,9 +113,11 @@ impl App {
                             && old.vllm_version() == spec.vllm_version()
                     })
                     .and_then(|i| self.pools.get(i).cloned())
-                    .unwrap_or_else(|| Arc::new(Pool::new(spec)))
+                    .filter(|p| p.eject_after() == eject_after)
+                    .unwrap_or_else(|| Arc::new(Pool::new(spec, eject_after)))
             })
             .collect();
+        pools.iter().for_each(|p| self.metrics.pool(&p.name));
         let routes = RouteTable::new(&config, &pools, &self.metrics)?;
         let edge = proxy::edge::EdgeLimits::of(&config);
         Ok(Self {

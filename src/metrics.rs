@@ -144,6 +144,8 @@ label_enum! {
         IdsMalformed => "ids_malformed",
         /// Relay mode: no cached ids for this decode.
         CacheMiss => "cache_miss",
+        /// The prefill leg failed and the route sends the decode alone.
+        PrefillFailed => "prefill_failed",
     }
 }
 
@@ -220,6 +222,9 @@ pub struct Metrics {
     upstream_errors: IntCounterVec,
     upstream_retries: IntCounterVec,
     retry_budget_exhausted: IntCounterVec,
+    prefill_failovers: IntCounterVec,
+    upstream_ejections: IntCounterVec,
+    upstream_ejected: IntGaugeVec,
     /// Requests being served now.
     pub inflight: IntGauge,
     upstream_healthy: IntGaugeVec,
@@ -328,6 +333,24 @@ impl Metrics {
                 "Legs that could safely have been re-sent but the route's retry budget refused.",
                 &["route"],
             )?,
+            prefill_failovers: counter(
+                registry,
+                "tokenonce_prefill_failovers_total",
+                "Pool prefills moved to another endpoint after failing before any answer or answering 5xx.",
+                &["route"],
+            )?,
+            upstream_ejections: counter(
+                registry,
+                "tokenonce_upstream_ejections_total",
+                "Endpoints ejected from their pool's choice after consecutive request failures.",
+                &["pool"],
+            )?,
+            upstream_ejected: gauge_vec(
+                registry,
+                "tokenonce_upstream_ejected",
+                "Endpoints of the pool ejected now (updated on ejection and every health interval).",
+                &["pool"],
+            )?,
             inflight: gauge(registry, "tokenonce_inflight_requests", "Client requests being served now.")?,
             upstream_healthy: gauge_vec(
                 registry,
@@ -420,7 +443,25 @@ impl Metrics {
             },
             relayed_id_bytes: self.relayed_id_bytes.clone(),
             retry_refused: self.retry_budget_exhausted.with_label_values(&[route]),
+            prefill_failovers: self.prefill_failovers.with_label_values(&[route]),
         }
+    }
+
+    /// Creates a pool's series (zeros instead of gaps).
+    pub fn pool(&self, pool: &str) {
+        self.upstream_ejections.with_label_values(&[pool]);
+        self.upstream_ejected.with_label_values(&[pool]);
+    }
+
+    /// Counts one endpoint of `pool` ejected.
+    pub fn upstream_ejection(&self, pool: &str) {
+        self.upstream_ejections.with_label_values(&[pool]).inc();
+        self.upstream_ejected.with_label_values(&[pool]).inc();
+    }
+
+    /// Sets how many endpoints of `pool` are ejected now.
+    pub fn upstream_ejected(&self, pool: &str, ejected: usize) {
+        self.upstream_ejected.with_label_values(&[pool]).set(i64::try_from(ejected).unwrap_or(i64::MAX));
     }
 
     /// Counts one upstream failure.
@@ -486,6 +527,7 @@ pub struct RouteMetrics {
     reused_prompt_tokens: IntCounter,
     relayed_id_bytes: IntCounter,
     retry_refused: IntCounter,
+    prefill_failovers: IntCounter,
 }
 
 impl RouteMetrics {
@@ -520,6 +562,11 @@ impl RouteMetrics {
     /// Counts a retry the budget refused.
     pub fn retry_refused(&self) {
         self.retry_refused.inc();
+    }
+
+    /// Counts a pool prefill moved to another endpoint.
+    pub fn prefill_failover(&self) {
+        self.prefill_failovers.inc();
     }
 
     /// Counts a decode that fell back to text.
@@ -582,6 +629,7 @@ mod tests {
         let m = Metrics::register(&registry).unwrap();
         m.route("r", Mode::Relay);
         m.upstream_health("decode", "127.0.0.1:1", true);
+        m.pool("decode");
         let text = String::from_utf8(Metrics::render(&registry)).unwrap();
         for name in [
             "tokenonce_requests_total",
@@ -602,6 +650,9 @@ mod tests {
             "tokenonce_build_info",
             "tokenonce_ready",
             "tokenonce_upstream_healthy",
+            "tokenonce_prefill_failovers_total",
+            "tokenonce_upstream_ejections_total",
+            "tokenonce_upstream_ejected",
         ] {
             assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing");
         }

@@ -56,6 +56,10 @@ pub struct Route {
     pub max_body_bytes: usize,
     /// Caps the legs re-sent after an unstarted failure.
     pub retry_budget: RetryBudget,
+    /// Pool prefill: endpoints tried (at least 1; at most the pool's size at run time).
+    pub prefill_attempts: usize,
+    /// Orchestrate: what a failed prefill leg leads to.
+    pub on_prefill_failure: crate::config::OnPrefillFailure,
     /// This route's series.
     pub metrics: RouteMetrics,
 }
@@ -135,6 +139,8 @@ impl RouteTable {
                     o.retry_budget_min_per_second(),
                     std::time::Instant::now(),
                 ),
+                prefill_attempts: o.prefill_attempts(),
+                on_prefill_failure: o.on_prefill_failure(),
                 metrics: metrics.route(spec.name(), spec.mode()),
             }));
         }
@@ -155,6 +161,8 @@ impl RouteTable {
                 crate::config::defaults::RETRY_BUDGET_MIN_PER_SECOND as u32,
                 std::time::Instant::now(),
             ),
+            prefill_attempts: 1,
+            on_prefill_failure: crate::config::OnPrefillFailure::Error,
             metrics: metrics.default_route(DEFAULT_ROUTE),
         });
         Ok(Self { routes, default })
@@ -225,7 +233,7 @@ decode_pool = "decode"
 
     fn table() -> RouteTable {
         let config = Config::from_toml(CONF, "t").unwrap();
-        let pools: Vec<Arc<Pool>> = config.pools().iter().map(|p| Arc::new(Pool::new(p))).collect();
+        let pools: Vec<Arc<Pool>> = config.pools().iter().map(|p| Arc::new(Pool::new(p, 3))).collect();
         RouteTable::new(&config, &pools, &Metrics::register(&prometheus::Registry::new()).unwrap()).unwrap()
     }
 

@@ -2,7 +2,7 @@
 //! validator applies these, `file.rs` links here instead of restating numbers, and a test
 //! checks README's configuration table against them.
 
-use super::model::{Balance, ClientHandoff, LogFormat, RelayHandoff};
+use super::model::{Balance, ClientHandoff, LogFormat, OnPrefillFailure, RelayHandoff};
 
 /// Client listener: all interfaces, on vLLM's own default port, so clients need no change.
 pub const LISTEN: &str = "0.0.0.0:8000";
@@ -41,6 +41,16 @@ pub const DECODE_FIRST_BYTE_TIMEOUT_MS: u64 = 60_000;
 pub const RETRY_BUDGET_PERCENT: u64 = 20;
 /// Retries a route may make per second whatever its traffic, so a quiet route can retry.
 pub const RETRY_BUDGET_MIN_PER_SECOND: u64 = 3;
+/// Endpoints a pool prefill may try (a failure before any answer, or a 5xx, moves to
+/// another endpoint of the pool): one failover rides out one bad engine without doubling
+/// the load of a pool that is failing as a whole.
+pub const PREFILL_ATTEMPTS: u64 = 2;
+/// Consecutive request failures that eject an endpoint from its pool's choice: one or two
+/// are the keep-alive race or a single bad request, three in a row is the engine.
+pub const EJECT_AFTER_FAILURES: u64 = 3;
+/// A failed prefill leg: its error goes to the client (a decode alone would run the whole
+/// prompt on the decode engine, which a route must opt into).
+pub const ON_PREFILL_FAILURE: OnPrefillFailure = OnPrefillFailure::Error;
 /// Request body limit, bytes (32 MiB): a 128k-token chat is a few MB of JSON.
 pub const MAX_BODY_BYTES: u64 = 32 * 1024 * 1024;
 /// Relay id cache bound, bytes (256 MiB): ~64M ids at 4 bytes each.

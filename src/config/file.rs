@@ -129,6 +129,9 @@ pub struct Upstream {
     /// How often each endpoint's `/health` is polled, ms
     /// ([`HEALTH_INTERVAL_MS`](super::defaults::HEALTH_INTERVAL_MS)).
     pub health_interval_ms: Option<Field<i64>>,
+    /// Consecutive request failures (no answer, or a server error) that eject an endpoint for a
+    /// growing backoff; zero: never ([`EJECT_AFTER_FAILURES`](super::defaults::EJECT_AFTER_FAILURES)).
+    pub eject_after_failures: Option<Field<i64>>,
     /// Unknown keys.
     #[serde(flatten)]
     pub unknown: Unknown,
@@ -192,6 +195,12 @@ pub struct Route {
     /// Retries allowed per second whatever the traffic
     /// ([`RETRY_BUDGET_MIN_PER_SECOND`](super::defaults::RETRY_BUDGET_MIN_PER_SECOND)).
     pub retry_budget_min_per_second: Option<Field<i64>>,
+    /// Pool prefill: endpoints tried when one fails before answering or with a server error, at most
+    /// the pool's size ([`PREFILL_ATTEMPTS`](super::defaults::PREFILL_ATTEMPTS)).
+    pub prefill_attempts: Option<Field<i64>>,
+    /// Orchestrate: a failed prefill leg, `error` or `decode_alone`
+    /// ([`ON_PREFILL_FAILURE`](super::defaults::ON_PREFILL_FAILURE)).
+    pub on_prefill_failure: Option<Field<String>>,
     /// Orchestrate: a client's own `kv_transfer_params`, `strip` or `reject`
     /// ([`CLIENT_KV_TRANSFER_PARAMS`](super::defaults::CLIENT_KV_TRANSFER_PARAMS)).
     pub client_kv_transfer_params: Option<Field<String>>,

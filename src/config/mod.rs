@@ -8,8 +8,8 @@ pub mod model;
 
 pub use model::{
     AdminToken, AllowEntry, AllowTarget, Balance, CacheSettings, ClientHandoff, Config, ConfigError, LogFormat, Mode,
-    PoolSpec, PrefillSource, Problem, RelayHandoff, RouteMatch, RouteOptions, RouteSpec, ServerSettings,
-    UpstreamSettings, Version,
+    OnPrefillFailure, PoolSpec, PrefillSource, Problem, RelayHandoff, RouteMatch, RouteOptions, RouteSpec,
+    ServerSettings, UpstreamSettings, Version,
 };
 
 /// The embedded default configuration text.
@@ -234,13 +234,16 @@ pathz = ["/x"]
                 body_read_timeout_ms,
             }
         ));
-        all.extend(keys!("upstream.", Upstream { connect_timeout_ms, idle_timeout_ms, health_interval_ms }));
+        all.extend(keys!(
+            "upstream.",
+            Upstream { connect_timeout_ms, idle_timeout_ms, health_interval_ms, eject_after_failures }
+        ));
         all.extend(keys!("pools.NAME.", Pool { endpoints, balance, vllm_version }));
         all.extend(keys!("defaults.", Defaults { passthrough_pool }));
         let route = keys!("routes.", Route {
             name, matcher as "match", mode, relay_handoff, prefill, decode_pool, token_reuse, prefill_timeout_ms,
             decode_first_byte_timeout_ms, max_body_bytes, client_kv_transfer_params, retry_budget_percent,
-            retry_budget_min_per_second,
+            retry_budget_min_per_second, prefill_attempts, on_prefill_failure,
         });
         // `routes.match` is a table; README lists its keys instead.
         all.extend(route.into_iter().filter(|k| k != "routes.match"));
@@ -309,6 +312,7 @@ pathz = ["/x"]
             ("upstream.connect_timeout_ms", defaults::CONNECT_TIMEOUT_MS.to_string()),
             ("upstream.idle_timeout_ms", defaults::IDLE_TIMEOUT_MS.to_string()),
             ("upstream.health_interval_ms", defaults::HEALTH_INTERVAL_MS.to_string()),
+            ("upstream.eject_after_failures", defaults::EJECT_AFTER_FAILURES.to_string()),
             ("pools.NAME.balance", code(defaults::BALANCE.name())),
             ("defaults.passthrough_pool", code(defaults::PASSTHROUGH_POOL)),
             ("routes.relay_handoff", code(defaults::RELAY_HANDOFF.name())),
@@ -319,6 +323,8 @@ pathz = ["/x"]
             ("routes.client_kv_transfer_params", code(defaults::CLIENT_KV_TRANSFER_PARAMS.name())),
             ("routes.retry_budget_percent", defaults::RETRY_BUDGET_PERCENT.to_string()),
             ("routes.retry_budget_min_per_second", defaults::RETRY_BUDGET_MIN_PER_SECOND.to_string()),
+            ("routes.prefill_attempts", defaults::PREFILL_ATTEMPTS.to_string()),
+            ("routes.on_prefill_failure", code(defaults::ON_PREFILL_FAILURE.name())),
             ("cache.capacity_bytes", defaults::CACHE_CAPACITY_BYTES.to_string()),
             ("cache.ttl_ms", defaults::CACHE_TTL_MS.to_string()),
         ];

@@ -194,6 +194,25 @@ impl Choice for ClientHandoff {
     }
 }
 
+/// What an orchestrate route does when its prefill leg fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnPrefillFailure {
+    /// Answer the prefill's error.
+    Error,
+    /// Send the client's request to the decode alone (text path, no KV handoff).
+    DecodeAlone,
+}
+
+impl Choice for OnPrefillFailure {
+    const ALL: &'static [Self] = &[Self::Error, Self::DecodeAlone];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Error => "error",
+            Self::DecodeAlone => "decode_alone",
+        }
+    }
+}
+
 /// How log lines are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogFormat {
@@ -295,6 +314,8 @@ pub struct RouteOptions {
     client_handoff: ClientHandoff,
     retry_budget_percent: u32,
     retry_budget_min_per_second: u32,
+    prefill_attempts: usize,
+    on_prefill_failure: OnPrefillFailure,
 }
 
 impl RouteOptions {
@@ -336,6 +357,16 @@ impl RouteOptions {
     /// Retries allowed per second whatever the traffic.
     pub fn retry_budget_min_per_second(&self) -> u32 {
         self.retry_budget_min_per_second
+    }
+
+    /// Pool prefill: endpoints tried (1–16; at most the pool's size at run time).
+    pub fn prefill_attempts(&self) -> usize {
+        self.prefill_attempts
+    }
+
+    /// Orchestrate: what a failed prefill leg leads to.
+    pub fn on_prefill_failure(&self) -> OnPrefillFailure {
+        self.on_prefill_failure
     }
 }
 
@@ -518,6 +549,7 @@ pub struct UpstreamSettings {
     connect_timeout: Duration,
     idle_timeout: Duration,
     health_interval: Duration,
+    eject_after_failures: u32,
 }
 
 impl UpstreamSettings {
@@ -534,6 +566,11 @@ impl UpstreamSettings {
     /// Health poll period (positive).
     pub fn health_interval(&self) -> Duration {
         self.health_interval
+    }
+
+    /// Consecutive request failures that eject an endpoint (0: never).
+    pub fn eject_after_failures(&self) -> u32 {
+        self.eject_after_failures
     }
 }
 

@@ -211,6 +211,18 @@ pub fn orchestrate<'r, 'a>(
 }
 
 impl Orchestration<'_, '_> {
+    /// The decode leg alone, after a failed prefill (`on_prefill_failure = "decode_alone"`):
+    /// the client's body (its own handoff fields already removed), the text path, no KV
+    /// handoff, counted as a `prefill_failed` fallback.
+    pub fn decode_alone(&self) -> DecodeStep {
+        DecodeStep {
+            body: Bytes::from(self.request.obj.to_bytes()),
+            reuse: Reuse::Fallback(FallbackReason::PrefillFailed),
+            cached_tokens: None,
+            refused: None,
+        }
+    }
+
     /// The decode leg, given the prefill's 2xx answer: its `kv_transfer_params`, its ids when
     /// the gate allowed reuse and they validate, else the text decode with the reason.
     ///

@@ -164,6 +164,20 @@ fn a_prefill_answer_that_is_not_a_completion_is_an_error() {
     assert!(plan.after_prefill(b"<html>busy</html>").is_err());
 }
 
+/// After a failed prefill, the decode alone gets the client's body byte for byte (no kv
+/// params, no ids), for either API and whatever the gate said, counted as `prefill_failed`.
+#[test]
+fn decode_alone_sends_the_client_body_as_is() {
+    for (api, body, policy) in [(Api::Chat, CHAT, ON), (Api::Chat, CHAT, OFF), (Api::Completions, CMPL, ON)] {
+        let (obj, view) = parsed(api, body);
+        let plan = orchestrate(Request { obj: &obj, view: &view }, &policy, V32);
+        let step = plan.decode_alone();
+        assert_eq!(&step.body[..], body.as_bytes(), "{body}");
+        assert_eq!(step.reuse, Reuse::Fallback(FallbackReason::PrefillFailed));
+        assert_eq!((step.cached_tokens, step.refused.is_none()), (None, true));
+    }
+}
+
 /// Relay: a request is a prefill when its kv params say `do_remote_decode`.
 #[test]
 fn relay_prefill_asks_for_ids_only_when_they_can_be_used() {

@@ -1,5 +1,5 @@
 //! The executor: runs the legs a plan decided. Sends a leg (the one place that calls the
-//! upstream client, so retry and failover policies go here), waits within the leg's
+//! upstream client, so retry, failover and ejection policies go here), waits within the leg's
 //! deadline while watching the client, reads the prefill's answer, relays the decode's, and
 //! records the stage timings and the reuse outcome. Every failure is returned as a
 //! [`ProxyError`] for the one error exit.
@@ -16,10 +16,11 @@ use pingora::proxy::Session;
 use super::error::ProxyError;
 use super::respond::{client_gone, ms_since, relay};
 use super::Ctx;
+use crate::config::OnPrefillFailure;
 use crate::metrics::{ErrorKind, Leg, Stage};
 use crate::openai::response::HandoffError;
 use crate::openai::IdsError;
-use crate::plan::{DecodeStep, DecodeVersion, Reuse};
+use crate::plan::{DecodeStep, DecodeVersion, Orchestration, Reuse};
 use crate::routes::Route;
 use crate::upstream::client::CREDENTIAL_HEADERS;
 use crate::upstream::health::learn_version;
@@ -93,7 +94,34 @@ async fn within<F: Future>(limit: Option<Duration>, work: F) -> Result<F::Output
 /// the engine provably never got it (connect failed, or the request could not be written
 /// whole; see `UpstreamClient::attempt`) and the route's retry budget has a retry. A failure
 /// after the request was written is never re-sent: a decode must not run twice.
+///
+/// The outcome feeds the endpoint's passive ejection: no answer or a 5xx head is a failure,
+/// any other head a success (a timeout drops this future and counts as neither).
 async fn exchange(
+    ctx: &Ctx,
+    req: &Incoming<'_>,
+    leg: Leg,
+    endpoint: &Picked,
+    body: Bytes,
+) -> Result<Exchange, ProxyError> {
+    let result = exchange_once(ctx, req, leg, endpoint, body).await;
+    let failed = match &result {
+        Ok(exchange) => exchange.session.response_header().is_none_or(|h| h.status.as_u16() >= 500),
+        Err(e) => matches!(e, ProxyError::Upstream { .. }),
+    };
+    if !failed {
+        endpoint.endpoint().request_succeeded();
+    } else if let Some(pool) = endpoint.pool() {
+        if endpoint.endpoint().request_failed(Instant::now(), pool.eject_after) {
+            ctx.app.metrics.upstream_ejection(&pool.name);
+            tracing::warn!(pool = %pool.name, endpoint = %endpoint.addr(), "endpoint ejected after consecutive failures");
+        }
+    }
+    result
+}
+
+/// [`exchange`] without the ejection bookkeeping.
+async fn exchange_once(
     ctx: &Ctx,
     req: &Incoming<'_>,
     leg: Leg,
@@ -138,8 +166,9 @@ async fn send(
     }
 }
 
-/// The prefill leg, whole: sends `body` and reads the answer within the route's prefill
-/// timeout. A 5xx answer is counted but returned (the caller passes it to the client).
+/// The prefill leg, whole: sends `body` to `first` (then, failing over, to other endpoints
+/// of `pool`) and reads the answer, all within the route's prefill timeout. A 5xx answer is
+/// counted but returned (the caller passes it to the client).
 ///
 /// # Errors
 /// [`ProxyError`] on timeout, engine failure, or the client leaving.
@@ -147,34 +176,140 @@ pub async fn prefill(
     session: &mut Session,
     ctx: &mut Ctx,
     req: &Incoming<'_>,
-    endpoint: &Picked,
+    first: &Picked,
+    pool: Option<&Pool>,
     body: Bytes,
 ) -> Result<(ResponseHeader, Bytes), ProxyError> {
     let route = Arc::clone(&ctx.route);
     let started = Instant::now();
-    let answer = async {
-        let exchange = exchange(ctx, req, Leg::Prefill, endpoint, body).await?;
-        let head = exchange.session.response_header().cloned();
-        let body = ctx.app.client.read_to_end(exchange, PREFILL_RESPONSE_LIMIT).await;
-        Ok::<_, ProxyError>((head, body.map_err(|e| ProxyError::upstream(Leg::Prefill, e))?))
-    };
     let answer = tokio::select! {
-        r = within(Some(route.prefill_timeout), answer) => r,
+        r = within(Some(route.prefill_timeout), prefill_attempts(ctx, req, first, pool, body)) => r,
         _ = client_gone(session) => return Err(ProxyError::ClientGone),
     };
     ctx.prefill_ms = Some(ms_since(started));
     route.metrics.stage(Stage::Prefill, started.elapsed());
     match answer {
         Err(after) => Err(ProxyError::Timeout { leg: Leg::Prefill, after }),
-        Ok(Err(e)) => Err(e),
-        Ok(Ok((None, _))) => Err(HandoffError("no response header".into()).into()),
-        Ok(Ok((Some(head), body))) => {
-            if head.status.as_u16() >= 500 {
-                ctx.app.metrics.upstream_error(Leg::Prefill, ErrorKind::Status5xx);
-            }
-            Ok((head, body))
+        Ok(PrefillTry::NoAnswer(e) | PrefillTry::Answered(Err(e))) => Err(e),
+        Ok(PrefillTry::Answered(Ok((None, _)))) => Err(HandoffError("no response header".into()).into()),
+        Ok(PrefillTry::Answered(Ok((Some(head), body)))) => Ok((head, body)),
+    }
+}
+
+/// One prefill attempt's result.
+enum PrefillTry {
+    /// The engine gave no answer head (connect failed, reset, closed): another may.
+    NoAnswer(ProxyError),
+    /// It answered: the head (if any) and the whole body, or a failure reading it.
+    Answered(Result<(Option<ResponseHeader>, Bytes), ProxyError>),
+}
+
+impl PrefillTry {
+    /// True when another endpoint should be tried: no answer from the engine, or a 5xx.
+    /// A 4xx is the client's and goes back as is; a failure after the head is not retried.
+    fn fails_over(&self) -> bool {
+        match self {
+            Self::NoAnswer(e) => matches!(e, ProxyError::Upstream { .. }),
+            Self::Answered(Ok((Some(head), _))) => head.status.as_u16() >= 500,
+            Self::Answered(_) => false,
         }
     }
+}
+
+/// Failover policy: the prefill goes to `first`; while an attempt [fails
+/// over](PrefillTry::fails_over) and the route's `prefill_attempts` (at most the pool's size)
+/// allow, it goes to another endpoint of `pool` (a header-named prefiller has none), not
+/// one tried already. Each failover is counted; the last attempt's result is returned.
+async fn prefill_attempts(
+    ctx: &Ctx,
+    req: &Incoming<'_>,
+    first: &Picked,
+    pool: Option<&Pool>,
+    body: Bytes,
+) -> PrefillTry {
+    let attempts = pool.map_or(1, |p| ctx.route.prefill_attempts.min(p.endpoints.len()));
+    let mut tried = vec![first.addr().to_owned()];
+    let mut result = prefill_once(ctx, req, first, body.clone()).await;
+    for _ in 1..attempts {
+        if !result.fails_over() {
+            break;
+        }
+        let tried_now: Vec<&str> = tried.iter().map(String::as_str).collect();
+        let next = pool.and_then(|p| p.pick_at(Instant::now(), &tried_now)).filter(|n| !tried_now.contains(&n.addr()));
+        let Some(next) = next else { break };
+        if let PrefillTry::NoAnswer(e) = &result {
+            let kind = e.counted_as().map(|(_, kind)| kind);
+            kind.into_iter().for_each(|kind| ctx.app.metrics.upstream_error(Leg::Prefill, kind));
+        }
+        ctx.route.metrics.prefill_failover();
+        tracing::info!(request_id = %ctx.request_id, route = %ctx.route.name, "prefill failed over to another endpoint");
+        tried.push(next.addr().to_owned());
+        result = prefill_once(ctx, req, &next, body.clone()).await;
+    }
+    result
+}
+
+/// One prefill attempt on `endpoint`: send, then read the whole answer. A 5xx is counted here.
+async fn prefill_once(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, body: Bytes) -> PrefillTry {
+    let exchange = match exchange(ctx, req, Leg::Prefill, endpoint, body).await {
+        Ok(exchange) => exchange,
+        Err(e) => return PrefillTry::NoAnswer(e),
+    };
+    let head = exchange.session.response_header().cloned();
+    if head.as_ref().is_some_and(|h| h.status.as_u16() >= 500) {
+        ctx.app.metrics.upstream_error(Leg::Prefill, ErrorKind::Status5xx);
+    }
+    let body = ctx.app.client.read_to_end(exchange, PREFILL_RESPONSE_LIMIT).await;
+    PrefillTry::Answered(body.map(|b| (head, b)).map_err(|e| ProxyError::upstream(Leg::Prefill, e)))
+}
+
+/// What an orchestrated request does after its prefill leg.
+pub enum Prefilled {
+    /// Send this decode.
+    Step(DecodeStep),
+    /// Answer the prefill's own non-2xx answer unchanged.
+    EngineAnswer(ResponseHeader, Bytes),
+}
+
+/// The decode step from the prefill's result, under the route's `on_prefill_failure`: a
+/// failed prefill (unreachable, a 5xx, timed out, or a 2xx that is not a completion; never
+/// a 4xx, which is the client's) is the client's error with `error`, and the decode alone
+/// with `decode_alone` (the failure still counted in `upstream_errors_total`).
+///
+/// # Errors
+/// The prefill's failure, when it is answered.
+pub fn after_prefill(
+    ctx: &Ctx,
+    plan: &Orchestration<'_, '_>,
+    prefilled: Result<(ResponseHeader, Bytes), ProxyError>,
+) -> Result<Prefilled, ProxyError> {
+    let result = prefilled.and_then(|(head, answer)| match head.status.is_success() {
+        true => plan.after_prefill(&answer).map(Prefilled::Step).map_err(ProxyError::from),
+        false => Ok(Prefilled::EngineAnswer(head, answer)),
+    });
+    let failed = match &result {
+        Ok(Prefilled::EngineAnswer(head, _)) => head.status.as_u16() >= 500,
+        Ok(Prefilled::Step(_)) => false,
+        Err(e) => matches!(
+            e,
+            ProxyError::Upstream { leg: Leg::Prefill, .. }
+                | ProxyError::Timeout { leg: Leg::Prefill, .. }
+                | ProxyError::PrefillBadResponse(_)
+        ),
+    };
+    if !failed || ctx.route.on_prefill_failure != OnPrefillFailure::DecodeAlone {
+        return result;
+    }
+    let error = match &result {
+        Ok(Prefilled::EngineAnswer(head, _)) => format!("answered {}", head.status.as_u16()),
+        Ok(Prefilled::Step(_)) => String::new(),
+        Err(e) => e.to_string(),
+    };
+    if let Some((leg, kind)) = result.as_ref().err().and_then(ProxyError::counted_as) {
+        ctx.app.metrics.upstream_error(leg, kind);
+    }
+    tracing::info!(request_id = %ctx.request_id, route = %ctx.route.name, error = %error, "prefill failed: the decode runs alone");
+    Ok(Prefilled::Step(plan.decode_alone()))
 }
 
 /// Sends the planned decode leg (response head within the route's first-byte timeout) and

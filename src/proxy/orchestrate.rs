@@ -42,15 +42,15 @@ pub async fn run(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> 
     };
     let plan = plan::orchestrate(plan::Request { obj, view: &req.view }, &route.policy, version);
 
-    let (head, answer) = prefill(session, ctx, &req.incoming, &prefiller, plan.prefill_body.clone()).await?;
+    let prefilled = prefill(session, ctx, &req.incoming, &prefiller, plan.prefill_body.clone()).await;
     drop(prefiller);
-    if !head.status.is_success() {
-        // The prefill's own error (e.g. vLLM's 400 for a too-long prompt) goes back unchanged.
-        return write_engine_answer(session, ctx, &head, answer).await;
-    }
 
     let handoff_started = Instant::now();
-    let step = plan.after_prefill(&answer)?;
+    let step = match exec::after_prefill(ctx, &plan, prefilled)? {
+        exec::Prefilled::Step(step) => step,
+        // The prefill's own error (e.g. vLLM's 400 for a too-long prompt) goes back unchanged.
+        exec::Prefilled::EngineAnswer(head, answer) => return write_engine_answer(session, ctx, &head, answer).await,
+    };
     exec::record_reuse(ctx, step.reuse, step.refused.as_ref());
     route.metrics.stage(Stage::Handoff, handoff_started.elapsed());
 
@@ -90,13 +90,19 @@ async fn prefill(
     prefiller: &Prefiller,
     body: Bytes,
 ) -> Result<(ResponseHeader, Bytes), ProxyError> {
+    let route = Arc::clone(&ctx.route);
     if !prefiller.named {
-        return exec::prefill(session, ctx, req, &prefiller.endpoint, body).await;
+        let pool = match &route.prefill {
+            Some(PrefillTarget::Pool(pool)) => Some(pool.as_ref()),
+            _ => None,
+        };
+        return exec::prefill(session, ctx, req, &prefiller.endpoint, pool, body).await;
     }
     let forward = matches!(&ctx.route.prefill, Some(PrefillTarget::Header(rule)) if rule.forward_credentials);
     let req = exec::Incoming { drop_credentials: !forward, ..*req };
-    let (head, answer) =
-        exec::prefill(session, ctx, &req, &prefiller.endpoint, body).await.map_err(ProxyError::uniform_connect)?;
+    let (head, answer) = exec::prefill(session, ctx, &req, &prefiller.endpoint, None, body)
+        .await
+        .map_err(ProxyError::uniform_connect)?;
     if !head.status.is_success() && answer.len() > NAMED_PREFILLER_ERROR_LIMIT {
         return Err(HandoffError(format!("error answer over {NAMED_PREFILLER_ERROR_LIMIT} bytes")).into());
     }

@@ -49,7 +49,7 @@ async fn prefill(
     let Some(body) = plan.body() else {
         return exec::forward(session, ctx, &req.incoming, Leg::Prefill, endpoint, req.incoming.body.clone()).await;
     };
-    let (head, answer) = exec::prefill(session, ctx, &req.incoming, &endpoint, body).await?;
+    let (head, answer) = exec::prefill(session, ctx, &req.incoming, &endpoint, Some(pool), body).await?;
     drop(endpoint);
     if !head.status.is_success() {
         return write_engine_answer(session, ctx, &head, answer).await;

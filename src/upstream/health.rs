@@ -68,6 +68,7 @@ impl HealthPoller {
             for endpoint in &pool.endpoints {
                 poll_endpoint(&app, pool, endpoint).await;
             }
+            app.metrics.upstream_ejected(&pool.name, pool.ejected(std::time::Instant::now()));
         }
         let ready = app.decode_pools().iter().all(|p| p.any_healthy());
         app.metrics.ready.set(i64::from(ready));

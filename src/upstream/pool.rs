@@ -1,8 +1,10 @@
 //! Static pools of engine endpoints with round-robin or least-in-flight choice, per-endpoint
-//! health and vLLM version, and an in-flight guard that counts a request until dropped.
+//! health and vLLM version, passive ejection after consecutive failures, and an in-flight
+//! guard that counts a request until dropped.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
 
 use crate::config::{Balance, PoolSpec, Version};
 
@@ -18,6 +20,31 @@ pub struct Endpoint {
     version_learned_at: RwLock<Option<std::time::Instant>>,
     /// When `/version` was last asked and gave nothing usable (retried after a pause).
     version_failed_at: RwLock<Option<std::time::Instant>>,
+    /// Passive outlier detection: consecutive failures and the ejection they caused.
+    outlier: RwLock<Outlier>,
+}
+
+/// First ejection's length; it doubles with each ejection in a row.
+pub const EJECT_BASE: Duration = Duration::from_secs(5);
+/// Longest ejection: an engine back after a long outage is tried again within this.
+pub const EJECT_MAX: Duration = Duration::from_secs(120);
+
+/// Consecutive request failures of one endpoint and its ejection, if any.
+#[derive(Debug, Default, Clone, Copy)]
+struct Outlier {
+    /// Failures since the last success.
+    failures: u32,
+    /// Ejections since the last success (the backoff's exponent).
+    ejections: u32,
+    /// Skipped by `pick` until then.
+    until: Option<Instant>,
+}
+
+/// Length of the `n`th ejection in a row (`n` from 1): [`EJECT_BASE`] doubling, capped at
+/// [`EJECT_MAX`].
+fn backoff(n: u32) -> Duration {
+    let factor = 1u32.checked_shl(n.saturating_sub(1)).unwrap_or(u32::MAX);
+    EJECT_BASE.checked_mul(factor).map_or(EJECT_MAX, |d| d.min(EJECT_MAX))
 }
 
 impl Endpoint {
@@ -30,7 +57,36 @@ impl Endpoint {
             version: RwLock::new(None),
             version_learned_at: RwLock::new(None),
             version_failed_at: RwLock::new(None),
+            outlier: RwLock::new(Outlier::default()),
         }
+    }
+
+    /// True while an ejection is running at `now`.
+    pub fn is_ejected(&self, now: Instant) -> bool {
+        self.outlier.read().ok().and_then(|o| o.until).is_some_and(|until| now < until)
+    }
+
+    /// Records a request the endpoint served (an answer below 500): ends any ejection streak.
+    pub fn request_succeeded(&self) {
+        if let Ok(mut o) = self.outlier.write() {
+            *o = Outlier::default();
+        }
+    }
+
+    /// Records a request the endpoint failed (no answer, or a 5xx) at `now`. At `eject_after`
+    /// consecutive failures (0: never) the endpoint is ejected, and again on every failure
+    /// after that ejection ended, each time for twice as long (up to [`EJECT_MAX`]). Returns
+    /// true when this failure ejected it.
+    pub fn request_failed(&self, now: Instant, eject_after: u32) -> bool {
+        let Ok(mut o) = self.outlier.write() else { return false };
+        o.failures = o.failures.saturating_add(1);
+        let running = o.until.is_some_and(|until| now < until);
+        if eject_after == 0 || o.failures < eject_after || running {
+            return false;
+        }
+        o.ejections = o.ejections.saturating_add(1);
+        o.until = now.checked_add(backoff(o.ejections));
+        true
     }
 
     /// Requests in flight to it.
@@ -102,13 +158,29 @@ impl Endpoint {
 #[derive(Debug)]
 pub struct Picked {
     endpoint: Arc<Endpoint>,
+    /// The pool it came from (`None`: a one-off endpoint, never ejected).
+    pool: Option<Arc<PoolName>>,
+}
+
+/// What a picked endpoint knows of its pool: its name (the metrics label) and the ejection rule.
+#[derive(Debug)]
+pub struct PoolName {
+    /// Name from config.
+    pub name: String,
+    /// Consecutive failures that eject an endpoint (0: never).
+    pub eject_after: u32,
 }
 
 impl Picked {
     /// Marks `endpoint` in flight.
     pub fn new(endpoint: Arc<Endpoint>) -> Self {
         endpoint.inflight.fetch_add(1, Ordering::Relaxed);
-        Self { endpoint }
+        Self { endpoint, pool: None }
+    }
+
+    /// The pool it was picked from, if any.
+    pub fn pool(&self) -> Option<&PoolName> {
+        self.pool.as_deref()
     }
 
     /// The endpoint.
@@ -138,18 +210,31 @@ pub struct Pool {
     balance: Balance,
     pinned_version: Option<Version>,
     next: AtomicUsize,
+    /// Name and ejection rule, shared with every [`Picked`] of this pool.
+    id: Arc<PoolName>,
 }
 
 impl Pool {
-    /// A pool from its spec.
-    pub fn new(spec: &PoolSpec) -> Self {
+    /// A pool from its spec; `eject_after` consecutive failures eject an endpoint (0: never).
+    pub fn new(spec: &PoolSpec, eject_after: u32) -> Self {
         Self {
             name: spec.name().to_owned(),
             endpoints: spec.endpoints().iter().map(|a| Arc::new(Endpoint::new(a.clone()))).collect(),
             balance: spec.balance(),
             pinned_version: spec.vllm_version(),
             next: AtomicUsize::new(0),
+            id: Arc::new(PoolName { name: spec.name().to_owned(), eject_after }),
         }
+    }
+
+    /// Consecutive failures that eject an endpoint (0: never).
+    pub fn eject_after(&self) -> u32 {
+        self.id.eject_after
+    }
+
+    /// Endpoints ejected at `now`.
+    pub fn ejected(&self, now: Instant) -> usize {
+        self.endpoints.iter().filter(|e| e.is_ejected(now)).count()
     }
 
     /// The version pinned in config, if any.
@@ -162,11 +247,18 @@ impl Pool {
         self.endpoints.iter().any(|e| e.is_healthy())
     }
 
-    /// Chooses an endpoint: healthy ones first (all when none is), then by the policy.
+    /// Chooses an endpoint now: see [`Pool::pick_at`].
     pub fn pick(&self) -> Option<Picked> {
-        let healthy: Vec<&Arc<Endpoint>> = self.endpoints.iter().filter(|e| e.is_healthy()).collect();
-        let candidates: Vec<&Arc<Endpoint>> =
-            if healthy.is_empty() { self.endpoints.iter().collect() } else { healthy };
+        self.pick_at(Instant::now(), &[])
+    }
+
+    /// Chooses an endpoint at `now`, not one of `tried` unless every endpoint was: endpoints
+    /// not ejected first (all when every one is), among them healthy ones first (all when
+    /// none is), then by the policy.
+    pub fn pick_at(&self, now: Instant, tried: &[&str]) -> Option<Picked> {
+        let untried = prefer(self.endpoints.iter().collect(), &|e| !tried.contains(&e.addr.as_str()));
+        let live = prefer(untried, &|e| !e.is_ejected(now));
+        let candidates = prefer(live, &|e| e.is_healthy());
         if candidates.is_empty() {
             return None;
         }
@@ -179,7 +271,19 @@ impl Pool {
                 (0..n).filter_map(|i| candidates.get((turn + i) % n).copied()).min_by_key(|e| e.inflight())
             }
         }?;
-        Some(Picked::new(Arc::clone(chosen)))
+        let mut picked = Picked::new(Arc::clone(chosen));
+        picked.pool = Some(Arc::clone(&self.id));
+        Some(picked)
+    }
+}
+
+/// The endpoints of `all` that `keep` accepts, or all of them when it accepts none.
+fn prefer<'a>(all: Vec<&'a Arc<Endpoint>>, keep: &dyn Fn(&Endpoint) -> bool) -> Vec<&'a Arc<Endpoint>> {
+    let kept: Vec<&Arc<Endpoint>> = all.iter().copied().filter(|e| keep(e)).collect();
+    if kept.is_empty() {
+        all
+    } else {
+        kept
     }
 }
 
@@ -194,7 +298,7 @@ mod tests {
             "[pools.p]\nendpoints = [{}]\nbalance = \"{balance}\"\n[defaults]\npassthrough_pool = \"p\"\n",
             endpoints.join(", ")
         );
-        Pool::new(&crate::config::Config::from_toml(&text, "t").unwrap().pools()[0])
+        Pool::new(&crate::config::Config::from_toml(&text, "t").unwrap().pools()[0], 3)
     }
 
     #[test]
@@ -240,5 +344,64 @@ mod tests {
             assert_eq!(p.pick().unwrap().addr(), "127.0.0.1:9002");
         }
         assert!(p.any_healthy());
+    }
+
+    #[test]
+    fn ejection_backoff_doubles_up_to_the_cap() {
+        assert_eq!(backoff(1), EJECT_BASE);
+        assert_eq!(backoff(2), EJECT_BASE * 2);
+        assert_eq!(backoff(4), EJECT_BASE * 8);
+        assert_eq!(backoff(6), EJECT_MAX);
+        assert_eq!(backoff(u32::MAX), EJECT_MAX);
+    }
+
+    #[test]
+    fn consecutive_failures_eject_and_a_success_resets() {
+        let e = Endpoint::new("127.0.0.1:9000");
+        let t0 = Instant::now();
+        assert!(!e.request_failed(t0, 3));
+        assert!(!e.request_failed(t0, 3));
+        assert!(e.request_failed(t0, 3), "third failure in a row ejects");
+        assert!(e.is_ejected(t0 + EJECT_BASE - Duration::from_millis(1)));
+        assert!(!e.request_failed(t0 + Duration::from_secs(1), 3), "no second ejection while one runs");
+        let t1 = t0 + EJECT_BASE;
+        assert!(!e.is_ejected(t1), "readmitted when the backoff ends");
+        assert!(e.request_failed(t1, 3), "still failing: ejected again at once");
+        assert!(e.is_ejected(t1 + EJECT_BASE * 2 - Duration::from_millis(1)), "for twice as long");
+        assert!(!e.is_ejected(t1 + EJECT_BASE * 2));
+        e.request_succeeded();
+        let t2 = t1 + EJECT_BASE * 2;
+        assert!(!e.request_failed(t2, 3) && !e.request_failed(t2, 3), "a success starts over");
+        assert!(e.request_failed(t2, 3));
+        assert!(!e.is_ejected(t2 + EJECT_BASE), "and the backoff too");
+    }
+
+    #[test]
+    fn zero_never_ejects() {
+        let e = Endpoint::new("127.0.0.1:9000");
+        let t0 = Instant::now();
+        assert!((0..100).all(|_| !e.request_failed(t0, 0)));
+        assert!(!e.is_ejected(t0));
+    }
+
+    #[test]
+    fn pick_skips_ejected_and_tried_endpoints_while_others_exist() {
+        let p = pool(Balance::RoundRobin, 3);
+        let now = Instant::now();
+        for _ in 0..3 {
+            p.endpoints[0].request_failed(now, 3);
+        }
+        assert_eq!(p.ejected(now), 1);
+        for _ in 0..6 {
+            assert_ne!(p.pick_at(now, &[]).unwrap().addr(), "127.0.0.1:9000");
+            assert_eq!(p.pick_at(now, &["127.0.0.1:9001"]).unwrap().addr(), "127.0.0.1:9002");
+        }
+        // Every other endpoint tried: an ejected one beats none.
+        assert_eq!(p.pick_at(now, &["127.0.0.1:9001", "127.0.0.1:9002"]).unwrap().addr(), "127.0.0.1:9000");
+        // A healthy /health does not readmit early: ejection is about requests.
+        p.endpoints[0].set_healthy(true);
+        assert_ne!(p.pick_at(now, &[]).unwrap().addr(), "127.0.0.1:9000");
+        assert_eq!(p.pick_at(now + EJECT_BASE, &[]).unwrap().addr(), "127.0.0.1:9000", "the only healthy one");
+        assert_eq!(p.pick().unwrap().pool().unwrap().name, "p");
     }
 }

@@ -367,7 +367,8 @@ fn read_token(path: &str) -> Result<AdminToken, String> {
 }
 
 fn check_upstream(ck: &mut Checker<'_>, upstream: file::Upstream) -> UpstreamSettings {
-    let file::Upstream { connect_timeout_ms, idle_timeout_ms, health_interval_ms, unknown } = upstream;
+    let file::Upstream { connect_timeout_ms, idle_timeout_ms, health_interval_ms, eject_after_failures, unknown } =
+        upstream;
     ck.unknown(&unknown, &[Seg::Key("upstream")]);
     UpstreamSettings {
         connect_timeout: ck.millis(
@@ -383,6 +384,12 @@ fn check_upstream(ck: &mut Checker<'_>, upstream: file::Upstream) -> UpstreamSet
             defaults::HEALTH_INTERVAL_MS,
             MAX_CONNECT_MS,
         ),
+        eject_after_failures: ck.bounded(
+            &eject_after_failures,
+            "upstream.eject_after_failures",
+            defaults::EJECT_AFTER_FAILURES,
+            0..=1000,
+        ) as u32,
     }
 }
 
@@ -459,6 +466,7 @@ fn check_route(
         name, matcher, mode, prefill, decode_pool, unknown,
         relay_handoff: _, token_reuse: _, prefill_timeout_ms: _, decode_first_byte_timeout_ms: _,
         max_body_bytes: _, client_kv_transfer_params: _, retry_budget_percent: _, retry_budget_min_per_second: _,
+        prefill_attempts: _, on_prefill_failure: _,
     } = route;
     ck.unknown(&unknown, &path);
     let name = check_route_name(ck, &name, &span, &key, seen_names);
@@ -517,8 +525,8 @@ fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> 
     #[rustfmt::skip]
     let file::Route {
         token_reuse, prefill_timeout_ms, decode_first_byte_timeout_ms, max_body_bytes, relay_handoff,
-        client_kv_transfer_params, retry_budget_percent, retry_budget_min_per_second,
-        name: _, matcher: _, mode: _, prefill: _, decode_pool: _, unknown: _,
+        client_kv_transfer_params, retry_budget_percent, retry_budget_min_per_second, prefill_attempts,
+        on_prefill_failure, name: _, matcher: _, mode: _, prefill: _, decode_pool: _, unknown: _,
     } = route;
     RouteOptions {
         token_reuse: ck.get(token_reuse, &format!("{key}.token_reuse")).map_or(defaults::TOKEN_REUSE, |(v, _)| *v),
@@ -558,6 +566,17 @@ fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> 
             defaults::RETRY_BUDGET_MIN_PER_SECOND,
             0..=1000,
         ) as u32,
+        prefill_attempts: ck.bounded(
+            prefill_attempts,
+            &format!("{key}.prefill_attempts"),
+            defaults::PREFILL_ATTEMPTS,
+            1..=16,
+        ) as usize,
+        on_prefill_failure: ck.optional_choice(
+            on_prefill_failure,
+            &format!("{key}.on_prefill_failure"),
+            defaults::ON_PREFILL_FAILURE,
+        ),
     }
 }
 

@@ -1,0 +1,230 @@
+//! Surviving a bad engine: a pool prefill that fails before any answer or answers 5xx moves
+//! to another endpoint of its pool (bounded), a 4xx does not, and an endpoint failing
+//! requests in a row is ejected from the pool's choice, then readmitted once it recovers;
+//! with `on_prefill_failure = "decode_alone"` a failed prefill leaves the decode to run alone.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use support::*;
+
+/// Two prefill fakes in one round-robin pool, one decode fake, route `pd`.
+fn two_prefill_config(a: &FakeVllm, b: &FakeVllm, d: &FakeVllm, route_extra: &str) -> String {
+    format!(
+        "[pools.prefill]\nendpoints = [\"{}\", \"{}\"]\n\n[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n{route_extra}\n[routes.match]\npaths = [\"/v1/chat/completions\"]\n",
+        a.host_port(),
+        b.host_port(),
+        d.host_port()
+    )
+}
+
+fn failing(status: u16) -> FakeConfig {
+    FakeConfig { fail_with: Some((status, "{\"error\":\"engine\"}".into())), ..FakeConfig::default() }
+}
+
+async fn chat(proxy: &TokenOnce) -> (u16, String) {
+    let body = chat_body("Hello there!", json!({}));
+    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+    (status, text)
+}
+
+/// Waits (at most 5 s) until every one of `engines` passed a health poll of pool `prefill`.
+async fn wait_healthy(proxy: &TokenOnce, engines: &[&FakeVllm]) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    for e in engines {
+        let series = format!(r#"tokenonce_upstream_healthy{{endpoint="{}",pool="prefill"}}"#, e.host_port());
+        while proxy.metric(&series).await != 1.0 {
+            assert!(Instant::now() < deadline, "{series} never 1");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+const FAILOVERS: &str = r#"tokenonce_prefill_failovers_total{route="pd"}"#;
+const EJECTIONS: &str = r#"tokenonce_upstream_ejections_total{pool="prefill"}"#;
+
+/// One prefill engine answers 503 to everything: every request still succeeds, each one
+/// that met the bad engine first failed over to the good one, and the decode ran once each.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_5xx_prefill_fails_over_to_another_endpoint() {
+    let (a, b, d) = (
+        FakeVllm::start(failing(503)).await,
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+    );
+    let proxy = TokenOnce::start(&two_prefill_config(&a, &b, &d, "")).await;
+    wait_healthy(&proxy, &[&a, &b]).await;
+    for _ in 0..4 {
+        let (status, text) = chat(&proxy).await;
+        assert_eq!(status, 200, "{text}");
+    }
+    assert_eq!(b.posts().len(), 4);
+    assert_eq!(d.posts().len(), 4);
+    assert!(!a.posts().is_empty(), "round robin sends some requests to the bad engine first");
+    assert_eq!(proxy.metric(FAILOVERS).await, a.posts().len() as f64);
+    assert_eq!(
+        proxy.metric(r#"tokenonce_upstream_errors_total{kind="status_5xx",stage="prefill"}"#).await,
+        a.posts().len() as f64
+    );
+}
+
+/// A refused connection is a failure before any answer: it fails over too. (The good engine
+/// fails `/health`, so neither is preferred and round robin does send to the refused one.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_prefill_fails_over() {
+    let refused = RefusedAddr::new();
+    let unhealthy = FakeConfig { healthy: false, ..FakeConfig::default() };
+    let (b, d) = (FakeVllm::start(unhealthy).await, FakeVllm::start(FakeConfig::default()).await);
+    let config = format!(
+        "[pools.prefill]\nendpoints = [\"{}\", \"{}\"]\n\n[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n[routes.match]\npaths = [\"/v1/chat/completions\"]\n",
+        refused.addr,
+        b.host_port(),
+        d.host_port()
+    );
+    let proxy = TokenOnce::start(&config).await;
+    for _ in 0..2 {
+        let (status, text) = chat(&proxy).await;
+        assert_eq!(status, 200, "{text}");
+    }
+    assert_eq!(b.posts().len(), 2);
+    assert!(proxy.metric(FAILOVERS).await >= 1.0);
+}
+
+/// A prefill 4xx is the client's: returned as is, never sent to another endpoint.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_4xx_prefill_is_not_failed_over() {
+    let (a, b, d) = (
+        FakeVllm::start(failing(400)).await,
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+    );
+    let proxy = TokenOnce::start(&two_prefill_config(&a, &b, &d, "")).await;
+    wait_healthy(&proxy, &[&a, &b]).await;
+    let mut statuses = vec![chat(&proxy).await.0, chat(&proxy).await.0];
+    statuses.sort_unstable();
+    assert_eq!(statuses, [200, 400]);
+    assert_eq!((a.posts().len(), b.posts().len(), d.posts().len()), (1, 1, 1));
+    assert_eq!(proxy.metric(FAILOVERS).await, 0.0);
+}
+
+/// Both engines fail: attempts are bounded (`prefill_attempts = 2`: each request tries each
+/// engine once) and the client gets the last 5xx unchanged; the decode is never sent.
+#[tokio::test(flavor = "multi_thread")]
+async fn failover_is_bounded_and_returns_the_last_answer() {
+    let (a, b, d) = (
+        FakeVllm::start(failing(503)).await,
+        FakeVllm::start(failing(500)).await,
+        FakeVllm::start(FakeConfig::default()).await,
+    );
+    let settings = Settings { upstream_extra: "eject_after_failures = 0\n".into(), ..Settings::default() };
+    let proxy = TokenOnce::start_with(&two_prefill_config(&a, &b, &d, "prefill_attempts = 2\n"), &settings).await;
+    for _ in 0..3 {
+        let (status, _) = chat(&proxy).await;
+        assert!(status == 500 || status == 503, "{status}");
+    }
+    assert_eq!(a.posts().len() + b.posts().len(), 6);
+    assert_eq!(d.posts().len(), 0);
+    assert_eq!(proxy.metric(FAILOVERS).await, 3.0);
+    assert_eq!(proxy.metric(EJECTIONS).await, 0.0, "0 never ejects");
+}
+
+/// An engine failing two requests in a row (`eject_after_failures = 2`) is ejected: no
+/// request reaches it while the other serves, though its `/health` stays 200. When it
+/// recovers it is tried again once the 5 s backoff ended, succeeds, and the gauge falls.
+#[tokio::test(flavor = "multi_thread")]
+async fn consecutive_failures_eject_an_endpoint_until_it_recovers() {
+    let (a, b, d) = (
+        FakeVllm::start(failing(503)).await,
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+    );
+    let settings = Settings { upstream_extra: "eject_after_failures = 2\n".into(), ..Settings::default() };
+    let proxy = TokenOnce::start_with(&two_prefill_config(&a, &b, &d, ""), &settings).await;
+    wait_healthy(&proxy, &[&a, &b]).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while proxy.metric(EJECTIONS).await < 1.0 {
+        assert!(Instant::now() < deadline, "never ejected");
+        assert_eq!(chat(&proxy).await.0, 200);
+    }
+    let seen = a.posts().len();
+    assert_eq!(seen, 2);
+    assert_eq!(proxy.metric(r#"tokenonce_upstream_ejected{pool="prefill"}"#).await, 1.0);
+    for _ in 0..6 {
+        assert_eq!(chat(&proxy).await.0, 200);
+    }
+    assert_eq!(a.posts().len(), seen, "an ejected endpoint gets no request");
+
+    a.configure(|c| c.fail_with = None);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while a.posts().len() == seen {
+        assert!(Instant::now() < deadline, "never readmitted");
+        assert_eq!(chat(&proxy).await.0, 200);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let failovers = proxy.metric(FAILOVERS).await;
+    for _ in 0..4 {
+        assert_eq!(chat(&proxy).await.0, 200);
+    }
+    assert_eq!(proxy.metric(FAILOVERS).await, failovers, "readmitted and serving: no more failovers");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while proxy.metric(r#"tokenonce_upstream_ejected{pool="prefill"}"#).await != 0.0 {
+        assert!(Instant::now() < deadline, "gauge stuck");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(proxy.metric(EJECTIONS).await, 1.0);
+}
+
+const PREFILL_FAILED: &str = r#"tokenonce_token_reuse_total{reason="prefill_failed",result="fallback",route="pd"}"#;
+
+/// `on_prefill_failure = "decode_alone"`: a prefill answering 503 (and, in a second engine
+/// setup, one refusing connections) leads to the decode running the client's request
+/// itself: the client's body, no kv params; counted as a `prefill_failed` fallback.
+#[tokio::test(flavor = "multi_thread")]
+async fn decode_alone_serves_a_request_whose_prefill_failed() {
+    let (p, d, proxy) = pd_setup(failing(503), FakeConfig::default(), "on_prefill_failure = \"decode_alone\"\n").await;
+    let body = chat_body("Hello there!", json!({}));
+    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(p.posts().len(), 1);
+    let decode = d.posts()[0].json();
+    assert!(decode.get("kv_transfer_params").is_none(), "{decode}");
+    assert_eq!(decode, body, "the client's body as sent");
+    assert_eq!(proxy.metric(PREFILL_FAILED).await, 1.0);
+    assert_eq!(proxy.metric(r#"tokenonce_upstream_errors_total{kind="status_5xx",stage="prefill"}"#).await, 1.0);
+
+    let refused = RefusedAddr::new();
+    let d2 = FakeVllm::start(FakeConfig::default()).await;
+    let config = pd_config(&d2, &d2, "on_prefill_failure = \"decode_alone\"\n").replacen(
+        &d2.host_port(),
+        &refused.addr.to_string(),
+        1,
+    );
+    let proxy = TokenOnce::start(&config).await;
+    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(d2.posts().len(), 1);
+    assert_eq!(proxy.metric(PREFILL_FAILED).await, 1.0);
+}
+
+/// A prefill 4xx is the client's even with `decode_alone`: returned as is, no decode.
+#[tokio::test(flavor = "multi_thread")]
+async fn decode_alone_never_follows_a_prefill_4xx() {
+    let (p, d, proxy) = pd_setup(failing(400), FakeConfig::default(), "on_prefill_failure = \"decode_alone\"\n").await;
+    let (status, text) = chat(&proxy).await;
+    assert_eq!((status, text.as_str()), (400, "{\"error\":\"engine\"}"));
+    assert_eq!((p.posts().len(), d.posts().len()), (1, 0));
+    assert_eq!(proxy.metric(PREFILL_FAILED).await, 0.0);
+}
+
+/// The default (`error`): a prefill 503 goes back to the client, the decode is never sent.
+#[tokio::test(flavor = "multi_thread")]
+async fn by_default_a_failed_prefill_is_answered() {
+    let (_p, d, proxy) = pd_setup(failing(503), FakeConfig::default(), "").await;
+    assert_eq!(chat(&proxy).await.0, 503);
+    assert_eq!(d.posts().len(), 0);
+    assert_eq!(proxy.metric(PREFILL_FAILED).await, 0.0);
+}
