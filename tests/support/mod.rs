@@ -223,6 +223,20 @@ impl TokenOnce {
             .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
             .map_or(0.0, |v| v.trim().parse().unwrap())
     }
+
+    /// Waits until `series` reads `value` (bounded: 5 s) and returns what it read last.
+    /// For series counted in pingora's `logging` phase, which runs after the client already
+    /// has the whole answer.
+    pub async fn metric_reaches(&self, series: &str, value: f64) -> f64 {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let got = self.metric(series).await;
+            if got == value || Instant::now() >= deadline {
+                return got;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }
 
 impl Drop for TokenOnce {
