@@ -171,19 +171,15 @@ pub const MAX_DEPTH: usize = 128;
 /// True when `bytes` (JSON text) nests arrays and objects deeper than `limit`. One pass,
 /// tracking strings so brackets inside them do not count.
 pub fn nests_deeper_than(bytes: &[u8], limit: usize) -> bool {
-    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
-    for &b in bytes {
-        if in_string {
-            match (escaped, b) {
-                (true, _) => escaped = false,
-                (false, b'\\') => escaped = true,
-                (false, b'"') => in_string = false,
-                _ => {}
-            }
-            continue;
-        }
+    let mut depth = 0usize;
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
         match b {
-            b'"' => in_string = true,
+            // Skip a string's contents (most of a chat body) a machine word at a time.
+            b'"' => match string_end(bytes, i + 1) {
+                Some(end) => i = end,
+                None => return false,
+            },
             b'[' | b'{' => {
                 depth += 1;
                 if depth > limit {
@@ -193,8 +189,20 @@ pub fn nests_deeper_than(bytes: &[u8], limit: usize) -> bool {
             b']' | b'}' => depth = depth.saturating_sub(1),
             _ => {}
         }
+        i += 1;
     }
     false
+}
+
+/// Index of the `"` that closes the string whose contents start at `from`.
+fn string_end(bytes: &[u8], mut from: usize) -> Option<usize> {
+    loop {
+        let at = from + memchr::memchr2(b'"', b'\\', bytes.get(from..)?)?;
+        if bytes.get(at) == Some(&b'"') {
+            return Some(at);
+        }
+        from = at + 2; // an escape: skip the backslash and the byte it escapes
+    }
 }
 
 /// True when the raw JSON value is `null` (or absent).
@@ -249,10 +257,52 @@ mod tests {
         assert!(!nests_deeper_than(br#"{"a":[[1]]}"#, 3));
         assert!(nests_deeper_than(br#"{"a":[[[1]]]}"#, 3));
         assert!(!nests_deeper_than(br#"{"a":"[[[[[[{{{{\"[[[["}"#, 1), "inside strings, escapes too");
+        assert!(!nests_deeper_than(br#"{"a":"\\","b":"[["}"#, 1), "an escaped backslash ends no string early");
+        assert!(nests_deeper_than(br#"{"a":"\\",[["#, 2), "brackets after an escaped backslash count");
+        assert!(!nests_deeper_than(br#"{"a":"unterminated [[[["#, 1));
         let deep = format!("{{\"m\":{}1{}}}", "[".repeat(200), "]".repeat(200));
         assert!(RawObject::parse_bytes(deep.as_bytes()).is_err());
         let ok = format!("{{\"m\":{}1{}}}", "[".repeat(100), "]".repeat(100));
         assert!(RawObject::parse_bytes(ok.as_bytes()).is_ok());
+    }
+
+    /// The byte-at-a-time scan the string skipping replaced: the reference.
+    fn reference_depth(bytes: &[u8], limit: usize) -> bool {
+        let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+        for &b in bytes {
+            if in_string {
+                match (escaped, b) {
+                    (true, _) => escaped = false,
+                    (false, b'\\') => escaped = true,
+                    (false, b'"') => in_string = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match b {
+                b'"' => in_string = true,
+                b'[' | b'{' => {
+                    depth += 1;
+                    if depth > limit {
+                        return true;
+                    }
+                }
+                b']' | b'}' => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+        }
+        false
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2048))]
+        #[test]
+        fn depth_scan_agrees_with_the_byte_loop(
+            text in proptest::collection::vec(proptest::sample::select(b"[]{}\"\\ax,:".to_vec()), 0..64),
+            limit in 0usize..6,
+        ) {
+            proptest::prop_assert_eq!(nests_deeper_than(&text, limit), reference_depth(&text, limit));
+        }
     }
 
     #[test]
