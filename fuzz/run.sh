@@ -67,14 +67,17 @@ for t in $TARGETS; do
   fi
   rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -n 1)
   crashes=$(( after - before ))
-  if [ "$rc" -ne 0 ] && [ "$crashes" -eq 0 ]; then crashes=1; fi
+  # A signal from outside ends libFuzzer with "run interrupted": a failed run, not a crash.
+  if [ "$rc" -ne 0 ] && [ "$crashes" -eq 0 ]; then
+    if grep -q "run interrupted" "$log"; then crashes=interrupted; else crashes=1; fi
+  fi
   corpus=$(find "work/$t" -type f | wc -l)
   report+=("$(printf '%-13s %12s %9s %8s %7s' "$t" "${execs:-?}" "${rate:-?}" "$corpus" "$crashes")")
-  if [ "$crashes" -eq 0 ]; then
+  if [ "$crashes" = 0 ]; then
     passed=$(( passed + 1 ))
   else
     failed=$(( failed + 1 ))
-    echo "[fuzz] $t CRASHED (exit $rc); log: fuzz/$log" >&2
+    echo "[fuzz] $t FAILED ($crashes, exit $rc); log: fuzz/$log" >&2
     grep -E -A8 "panicked at|ERROR: libFuzzer|SUMMARY" "$log" | head -n 30 >&2 || true
     echo "[fuzz] reproduce: (cd fuzz && $BIN/$t artifacts/$t/<crash-file>)" >&2
   fi
