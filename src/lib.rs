@@ -14,6 +14,7 @@
 //! - `metrics`: every exported metric and its label enums.
 //! - `reload`: SIGHUP config reload.
 //! - `server`: wiring config into a pingora server.
+//! - `tls`: certificates from files, the TLS listener's certificate, pools' upstream TLS.
 
 pub mod config;
 pub mod handoff;
@@ -25,6 +26,7 @@ pub mod reload;
 pub mod routes;
 pub mod server;
 pub mod sse;
+pub mod tls;
 pub mod upstream;
 
 use std::sync::Arc;
@@ -111,6 +113,7 @@ impl App {
                             && old.endpoints() == spec.endpoints()
                             && old.balance() == spec.balance()
                             && old.vllm_version() == spec.vllm_version()
+                            && old.tls() == spec.tls()
                     })
                     .and_then(|i| self.pools.get(i).cloned())
                     .filter(|p| p.eject_after() == eject_after)

@@ -83,7 +83,9 @@ fn main() -> ExitCode {
     };
     init_logging(&config);
     tracing::info!(listen = %config.server().listen(), admin = %config.server().admin_listen(), routes = config.routes().len(), "tokenonce starting");
+    let tls_listen = config.server().tls().map(|t| t.listen().to_owned());
     let started = Listeners::bind(config.server().listen(), config.server().admin_listen())
+        .and_then(|listeners| listeners.with_tls(tls_listen.as_deref()))
         .and_then(|listeners| server::start(config, cli.config.clone(), listeners, Signals::Process));
     let running = match started {
         Ok(running) => running,

@@ -78,6 +78,8 @@ label_enum! {
     ErrorKind {
         /// Could not connect.
         Connect => "connect",
+        /// The TLS handshake failed (certificate not trusted, or ours refused).
+        Tls => "tls",
         /// The connection failed while sending or reading.
         Io => "io",
         /// No answer within the leg's deadline.

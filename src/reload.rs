@@ -58,11 +58,13 @@ impl Reloader {
     }
 }
 
-/// Listeners, threads and cache bounds are fixed at start; say so when a reload changes them.
+/// Listeners, threads and cache bounds are fixed at start (the TLS listener's certificate is
+/// not: it is read again); say so when a reload changes them.
 fn warn_fixed_settings(old: &Config, new: &Config) {
     if old.server().listen() != new.server().listen()
         || old.server().admin_listen() != new.server().admin_listen()
         || old.server().threads() != new.server().threads()
+        || old.server().tls().map(|t| t.listen()) != new.server().tls().map(|t| t.listen())
     {
         tracing::warn!("listeners and threads change only on restart; the new values are ignored until then");
     }

@@ -1,5 +1,5 @@
-//! Runs tokenonce: wires a validated config into a pingora server (the client listener, the
-//! admin listener, the health poller, the SIGHUP reloader, shutdown timings from the config)
+//! Runs tokenonce: wires a validated config into a pingora server (the client listener and
+//! its TLS twin, the admin listener, the health poller, the SIGHUP reloader, shutdown timings from the config)
 //! on sockets the caller has already bound, and hands back a [`Running`] handle.
 //!
 //! The binary binds the configured addresses; tests and benches bind `127.0.0.1:0` and read
@@ -16,6 +16,7 @@ use async_trait::async_trait;
 use tokio::sync::watch;
 
 use pingora::apps::ServerApp;
+use pingora::listeners::tls::TlsSettings;
 use pingora::proxy::http_proxy_service_with_name;
 use pingora::server::configuration::ServerConf;
 use pingora::server::{
@@ -29,6 +30,7 @@ use pingora::services::Service;
 use crate::config::Config;
 use crate::proxy::{Admin, Proxy};
 use crate::reload::Reloader;
+use crate::tls::ListenerCert;
 use crate::upstream::health::HealthPoller;
 use crate::{App, SharedApp};
 
@@ -62,13 +64,15 @@ pub enum StartError {
 #[error("the server thread panicked")]
 pub struct Panicked;
 
-/// The two listening sockets tokenonce serves on, bound by the caller.
+/// The listening sockets tokenonce serves on, bound by the caller.
 #[derive(Debug)]
 pub struct Listeners {
     /// Client (OpenAI API) traffic.
     pub client: TcpListener,
     /// `/metrics`, `/healthz`, `/readyz`, `/drain`.
     pub admin: TcpListener,
+    /// Client traffic over TLS (`[server.tls]`), served beside the plain listener.
+    pub tls: Option<TcpListener>,
 }
 
 impl Listeners {
@@ -79,7 +83,20 @@ impl Listeners {
     pub fn bind(client: &str, admin: &str) -> Result<Self, StartError> {
         let bind =
             |addr: &str| TcpListener::bind(addr).map_err(|source| StartError::Bind { addr: addr.to_owned(), source });
-        Ok(Self { client: bind(client)?, admin: bind(admin)? })
+        Ok(Self { client: bind(client)?, admin: bind(admin)?, tls: None })
+    }
+
+    /// Also binds the TLS listener at `addr`, when there is one.
+    ///
+    /// # Errors
+    /// [`StartError::Bind`] naming the address that failed.
+    pub fn with_tls(mut self, addr: Option<&str>) -> Result<Self, StartError> {
+        if let Some(addr) = addr {
+            let socket =
+                TcpListener::bind(addr).map_err(|source| StartError::Bind { addr: addr.to_owned(), source })?;
+            self.tls = Some(socket);
+        }
+        Ok(self)
     }
 }
 
@@ -108,6 +125,7 @@ pub enum Stop {
 pub struct Running {
     client_addr: SocketAddr,
     admin_addr: SocketAddr,
+    tls_addr: Option<SocketAddr>,
     stop: watch::Sender<Option<Stop>>,
     reloader: Reloader,
     thread: Option<JoinHandle<()>>,
@@ -122,6 +140,11 @@ impl Running {
     /// Where the admin listener accepts.
     pub fn admin_addr(&self) -> SocketAddr {
         self.admin_addr
+    }
+
+    /// Where the TLS client listener accepts, if there is one.
+    pub fn tls_addr(&self) -> Option<SocketAddr> {
+        self.tls_addr
     }
 
     /// Reads the config file again and applies it, exactly as SIGHUP does; returns whether it
@@ -179,7 +202,8 @@ pub fn start(
 ) -> Result<Running, StartError> {
     let client_addr = listeners.client.local_addr().map_err(StartError::Socket)?;
     let admin_addr = listeners.admin.local_addr().map_err(StartError::Socket)?;
-    for socket in [&listeners.client, &listeners.admin] {
+    let tls_addr = listeners.tls.as_ref().map(TcpListener::local_addr).transpose().map_err(StartError::Socket)?;
+    for socket in [Some(&listeners.client), Some(&listeners.admin), listeners.tls.as_ref()].into_iter().flatten() {
         // pingora's accept loop runs on tokio, which needs non-blocking sockets.
         socket.set_nonblocking(true).map_err(StartError::Socket)?;
     }
@@ -200,7 +224,13 @@ pub fn start(
     let mut admin =
         http_proxy_service_with_name(&server.configuration, Admin { app: Arc::clone(&app) }, "tokenonce-admin");
     admin.threads = Some(1);
-    server.add_service(PreBound::new(proxy, listeners.client, client_addr));
+    let mut client = PreBound::new(proxy, listeners.client, client_addr);
+    if let (Some(socket), Some(addr)) = (listeners.tls, tls_addr) {
+        let callbacks = Box::new(ListenerCert { app: Arc::clone(&app) });
+        let settings = TlsSettings::with_callbacks(callbacks).map_err(|e| StartError::Conf(e.to_string()))?;
+        client.add_tls(socket, addr, settings);
+    }
+    server.add_service(client);
     server.add_service(PreBound::new(admin, listeners.admin, admin_addr));
     let poller = HealthPoller { app: Arc::clone(&app), interval, on_tick: Box::new(App::sweep_cache) };
     server.add_service(background_service("health", poller));
@@ -214,8 +244,9 @@ pub fn start(
         .name("tokenonce-server".into())
         .spawn(move || server.run(RunArgs { shutdown_signal: Box::new(watch) }))
         .map_err(StartError::Thread)?;
-    tracing::info!(listen = %client_addr, admin = %admin_addr, "tokenonce listening");
-    Ok(Running { client_addr, admin_addr, stop, reloader: Reloader { path, app }, thread: Some(thread) })
+    let tls = tls_addr.map_or_else(String::new, |a| a.to_string());
+    tracing::info!(listen = %client_addr, admin = %admin_addr, tls = %tls, "tokenonce listening");
+    Ok(Running { client_addr, admin_addr, tls_addr, stop, reloader: Reloader { path, app }, thread: Some(thread) })
 }
 
 /// Tells pingora's main loop to shut down: on a [`Running::stop`] request (or when the
@@ -260,16 +291,23 @@ impl ShutdownSignalWatch for StopWatch {
 /// pingora's `--upgrade`) and simply shuts down gracefully.
 struct PreBound<A> {
     service: Listening<A>,
-    addr: String,
-    /// Kept (and closed on drop) until the service starts and pingora takes it over.
-    socket: Option<TcpListener>,
+    /// Each socket under its address; kept (and closed on drop) until the service starts and
+    /// pingora takes them over.
+    sockets: Vec<(String, TcpListener)>,
 }
 
 impl<A> PreBound<A> {
     fn new(mut service: Listening<A>, socket: TcpListener, addr: SocketAddr) -> Self {
         let addr = addr.to_string();
         service.add_tcp(&addr);
-        Self { service, addr, socket: Some(socket) }
+        Self { service, sockets: vec![(addr, socket)] }
+    }
+
+    /// One more endpoint of the same service, speaking TLS.
+    fn add_tls(&mut self, socket: TcpListener, addr: SocketAddr, settings: TlsSettings) {
+        let addr = addr.to_string();
+        self.service.add_tls_with_settings(&addr, None, settings);
+        self.sockets.push((addr, socket));
     }
 }
 
@@ -282,9 +320,9 @@ impl<A: ServerApp + Send + Sync + 'static> Service for PreBound<A> {
         listeners_per_fd: usize,
     ) {
         let table: ListenFds = Arc::new(Fds::new().into());
-        if let Some(socket) = self.socket.take() {
+        for (addr, socket) in self.sockets.drain(..) {
             // Ownership of the descriptor passes to pingora, which closes it when the service stops.
-            table.lock().add(self.addr.clone(), socket.into_raw_fd());
+            table.lock().add(addr, socket.into_raw_fd());
         }
         Service::start_service(&mut self.service, Some(table), shutdown, listeners_per_fd).await;
     }

@@ -69,3 +69,6 @@ pub const MAX_HEADER_COUNT: u64 = 100;
 pub const MAX_HEADER_BYTES: u64 = 64 * 1024;
 /// Whole request body, ms: a slow or stalled client (slowloris) is cut after a minute.
 pub const BODY_READ_TIMEOUT_MS: u64 = 60_000;
+/// Upstream TLS checks the engine's certificate: a pool that crosses pods must not accept
+/// whoever answers on the address.
+pub const UPSTREAM_TLS_VERIFY: bool = true;

@@ -113,6 +113,22 @@ pub struct Server {
     /// Deadline for a whole request body, ms
     /// ([`BODY_READ_TIMEOUT_MS`](super::defaults::BODY_READ_TIMEOUT_MS)).
     pub body_read_timeout_ms: Option<Field<i64>>,
+    /// A second client listener that speaks TLS (none: plain HTTP only).
+    pub tls: Option<Spanned<ServerTls>>,
+    /// Unknown keys.
+    #[serde(flatten)]
+    pub unknown: Unknown,
+}
+
+/// `[server.tls]`: the TLS client listener; its certificate is read again on SIGHUP.
+#[derive(Debug, Deserialize, Default)]
+pub struct ServerTls {
+    /// `ip:port` it listens on (required).
+    pub listen: Option<Field<String>>,
+    /// PEM certificate chain, leaf first (required).
+    pub cert_file: Option<Field<String>>,
+    /// PEM private key of the leaf certificate (required).
+    pub key_file: Option<Field<String>>,
     /// Unknown keys.
     #[serde(flatten)]
     pub unknown: Unknown,
@@ -146,6 +162,26 @@ pub struct Pool {
     pub balance: Option<Field<String>>,
     /// Pin the engines' vLLM version instead of asking `GET /version`.
     pub vllm_version: Option<Field<String>>,
+    /// TLS to the pool's engines (none: plain HTTP).
+    pub tls: Option<Spanned<PoolTls>>,
+    /// Unknown keys.
+    #[serde(flatten)]
+    pub unknown: Unknown,
+}
+
+/// `[pools.NAME.tls]`: how the pool's legs (and passthrough, and health polls) speak TLS.
+#[derive(Debug, Deserialize, Default)]
+pub struct PoolTls {
+    /// PEM bundle of the CAs trusted for the engines' certificates (none: the system's).
+    pub ca_file: Option<Field<String>>,
+    /// Name sent as SNI and checked against the certificate (none: each endpoint's host).
+    pub server_name: Option<Field<String>>,
+    /// PEM client certificate chain, for engines that require mTLS (with `key_file`).
+    pub cert_file: Option<Field<String>>,
+    /// PEM private key of `cert_file`.
+    pub key_file: Option<Field<String>>,
+    /// Check the engine's certificate chain and name ([`UPSTREAM_TLS_VERIFY`](super::defaults::UPSTREAM_TLS_VERIFY)).
+    pub verify: Option<Field<bool>>,
     /// Unknown keys.
     #[serde(flatten)]
     pub unknown: Unknown,

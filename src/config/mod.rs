@@ -9,7 +9,7 @@ pub mod model;
 pub use model::{
     AdminToken, AllowEntry, AllowTarget, Balance, CacheSettings, ClientHandoff, Config, ConfigError, LogFormat, Mode,
     OnPrefillFailure, PoolSpec, PrefillSource, Problem, RelayHandoff, RouteMatch, RouteOptions, RouteSpec,
-    ServerSettings, UpstreamSettings, Version,
+    ServerSettings, ServerTls, UpstreamSettings, Version,
 };
 
 /// The embedded default configuration text.
@@ -232,13 +232,19 @@ pathz = ["/x"]
                 max_header_count,
                 max_header_bytes,
                 body_read_timeout_ms,
+                tls,
             }
         ));
+        // `server.tls` and `pools.NAME.tls` are tables; README lists their keys instead.
+        all.retain(|k| k != "server.tls");
+        all.extend(keys!("server.tls.", ServerTls { listen, cert_file, key_file }));
         all.extend(keys!(
             "upstream.",
             Upstream { connect_timeout_ms, idle_timeout_ms, health_interval_ms, eject_after_failures }
         ));
-        all.extend(keys!("pools.NAME.", Pool { endpoints, balance, vllm_version }));
+        all.extend(keys!("pools.NAME.", Pool { endpoints, balance, vllm_version, tls }));
+        all.retain(|k| k != "pools.NAME.tls");
+        all.extend(keys!("pools.NAME.tls.", PoolTls { ca_file, server_name, cert_file, key_file, verify }));
         all.extend(keys!("defaults.", Defaults { passthrough_pool }));
         let route = keys!("routes.", Route {
             name, matcher as "match", mode, relay_handoff, prefill, decode_pool, token_reuse, prefill_timeout_ms,
@@ -314,6 +320,7 @@ pathz = ["/x"]
             ("upstream.health_interval_ms", defaults::HEALTH_INTERVAL_MS.to_string()),
             ("upstream.eject_after_failures", defaults::EJECT_AFTER_FAILURES.to_string()),
             ("pools.NAME.balance", code(defaults::BALANCE.name())),
+            ("pools.NAME.tls.verify", defaults::UPSTREAM_TLS_VERIFY.to_string()),
             ("defaults.passthrough_pool", code(defaults::PASSTHROUGH_POOL)),
             ("routes.relay_handoff", code(defaults::RELAY_HANDOFF.name())),
             ("routes.token_reuse", defaults::TOKEN_REUSE.to_string()),

@@ -12,6 +12,8 @@ use std::time::Duration;
 use globset::GlobMatcher;
 use ipnet::IpNet;
 
+use crate::tls::{Identity, UpstreamTls};
+
 /// One thing wrong with a config file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
@@ -102,6 +104,7 @@ pub struct PoolSpec {
     endpoints: Vec<String>,
     balance: Balance,
     vllm_version: Option<Version>,
+    tls: Option<UpstreamTls>,
 }
 
 impl PoolSpec {
@@ -123,6 +126,11 @@ impl PoolSpec {
     /// Pinned vLLM version, if any.
     pub fn vllm_version(&self) -> Option<Version> {
         self.vllm_version
+    }
+
+    /// TLS to its engines (`None`: plain HTTP).
+    pub fn tls(&self) -> Option<&UpstreamTls> {
+        self.tls.as_ref()
     }
 }
 
@@ -461,6 +469,26 @@ pub struct ServerSettings {
     max_header_count: usize,
     max_header_bytes: usize,
     body_read_timeout: Duration,
+    tls: Option<ServerTls>,
+}
+
+/// The TLS client listener.
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    listen: String,
+    identity: Identity,
+}
+
+impl ServerTls {
+    /// Its address (`ip:port`, not one of the plain listeners').
+    pub fn listen(&self) -> &str {
+        &self.listen
+    }
+
+    /// Its certificate chain and key, as read when the config was loaded.
+    pub fn identity(&self) -> &Identity {
+        &self.identity
+    }
 }
 
 /// The secret state-changing admin requests must carry; never printed.
@@ -540,6 +568,11 @@ impl ServerSettings {
     /// Log format.
     pub fn log_format(&self) -> LogFormat {
         self.log_format
+    }
+
+    /// The TLS client listener, if configured.
+    pub fn tls(&self) -> Option<&ServerTls> {
+        self.tls.as_ref()
     }
 }
 

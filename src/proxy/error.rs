@@ -193,6 +193,19 @@ mod tests {
             ),
             (ProxyError::NoEndpoint(Leg::Prefill), 502, "prefill_unavailable", None),
             (
+                ProxyError::upstream(
+                    Leg::Decode,
+                    UpstreamError::Tls {
+                        addr: "10.1.2.3:8100".into(),
+                        cause: "engine certificate not trusted",
+                        detail: "certificate verify failed context: 10.1.2.3:8100".into(),
+                    },
+                ),
+                502,
+                "decode_unavailable",
+                Some((Leg::Decode, ErrorKind::Tls)),
+            ),
+            (
                 ProxyError::StreamBroken { leg: Leg::Decode, source: io },
                 502,
                 "decode_stream_failed",

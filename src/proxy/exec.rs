@@ -131,11 +131,12 @@ async fn exchange_once(
     let head = req.head(endpoint.addr(), &ctx.request_id, body.len())?;
     let (app, route) = (&ctx.app, &ctx.route);
     route.retry_budget.sent();
-    let failure = match app.client.send(endpoint.addr(), &head, body.clone()).await {
+    let failure = match app.client.send(endpoint.endpoint().target(), &head, body.clone()).await {
         Ok(exchange) => return Ok(exchange),
         Err(failure) => failure,
     };
-    if !failure.unstarted {
+    // A refused certificate is refused again: never worth a retry.
+    if !failure.unstarted || failure.error.kind() == ErrorKind::Tls {
         return Err(ProxyError::upstream(leg, failure.error));
     }
     if !route.retry_budget.try_retry(Instant::now()) {
@@ -145,7 +146,7 @@ async fn exchange_once(
     }
     app.metrics.upstream_retry(leg);
     tracing::debug!(request_id = %ctx.request_id, error = %failure.error, "leg re-sent: the engine never got it");
-    app.client.resend(endpoint.addr(), &head, body).await.map_err(|f| ProxyError::upstream(leg, f.error))
+    app.client.resend(endpoint.endpoint().target(), &head, body).await.map_err(|f| ProxyError::upstream(leg, f.error))
 }
 
 /// [`exchange`] within `first_byte_timeout`, racing the client going away.

@@ -183,7 +183,7 @@ impl ProxyHttp for Proxy {
         let peer = ctx
             .app
             .client
-            .peer(picked.addr())
+            .peer(picked.endpoint().target())
             .await
             .map_err(|e| Error::explain(ErrorType::ConnectError, e.to_string()))?;
         ctx.pass_endpoint = Some(picked);
@@ -208,7 +208,11 @@ impl ProxyHttp for Proxy {
             ErrorType::ConnectTimedout
             | ErrorType::ConnectRefused
             | ErrorType::ConnectError
-            | ErrorType::ConnectNoRoute => ProxyError::upstream(Leg::Passthrough, UpstreamError::connect(&addr, e)),
+            | ErrorType::ConnectNoRoute
+            | ErrorType::TLSHandshakeFailure
+            | ErrorType::TLSHandshakeTimedout
+            | ErrorType::InvalidCert
+            | ErrorType::HandshakeError => ProxyError::upstream(Leg::Passthrough, UpstreamError::connect(&addr, e)),
             _ if matches!(e.esource(), ErrorSource::Upstream) => {
                 ProxyError::upstream(Leg::Passthrough, UpstreamError::io(&addr, e))
             }

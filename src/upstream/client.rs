@@ -14,6 +14,23 @@ use pingora::protocols::http::client::HttpSession;
 use pingora::upstreams::peer::HttpPeer;
 
 use crate::metrics::ErrorKind;
+use crate::tls::UpstreamTls;
+
+/// Where a leg goes: `host:port`, and its pool's TLS (`None`: plain HTTP).
+#[derive(Debug, Clone, Copy)]
+pub struct Target<'a> {
+    /// `host:port`.
+    pub addr: &'a str,
+    /// The pool's TLS settings.
+    pub tls: Option<&'a UpstreamTls>,
+}
+
+impl<'a> Target<'a> {
+    /// A plain-HTTP target.
+    pub fn plain(addr: &'a str) -> Self {
+        Self { addr, tls: None }
+    }
+}
 
 /// Why an upstream exchange failed. `Display` names the address and pingora's detail (for
 /// the log); [`UpstreamError::cause`] is the short, address-free text a client may see.
@@ -25,6 +42,10 @@ pub enum UpstreamError {
     /// The connection failed while sending or reading.
     #[error("{addr}: {detail}")]
     Io { addr: String, cause: &'static str, detail: String },
+    /// The TLS handshake failed: the engine's certificate was not trusted (wrong CA, wrong
+    /// name, expired), or the engine refused ours (mTLS).
+    #[error("TLS with {addr} failed: {detail}")]
+    Tls { addr: String, cause: &'static str, detail: String },
     /// The response body exceeded the allowed size.
     #[error("{addr}: response body over {limit} bytes")]
     TooLarge { addr: String, limit: usize },
@@ -35,6 +56,7 @@ impl UpstreamError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             Self::Connect { .. } => ErrorKind::Connect,
+            Self::Tls { .. } => ErrorKind::Tls,
             Self::Io { .. } => ErrorKind::Io,
             Self::TooLarge { .. } => ErrorKind::TooLarge,
         }
@@ -43,14 +65,19 @@ impl UpstreamError {
     /// What went wrong in a few words, without address or error chain (`connection refused`).
     pub fn cause(&self) -> &'static str {
         match self {
-            Self::Connect { cause, .. } | Self::Io { cause, .. } => cause,
+            Self::Connect { cause, .. } | Self::Io { cause, .. } | Self::Tls { cause, .. } => cause,
             Self::TooLarge { .. } => "answer too large",
         }
     }
 
-    /// A connect failure to `addr`.
+    /// A connect failure to `addr` (a TLS one when the handshake failed).
     pub fn connect(addr: &str, e: &pingora::Error) -> Self {
-        Self::Connect { addr: addr.to_owned(), cause: cause_of(e), detail: e.to_string() }
+        let (addr, cause, detail) = (addr.to_owned(), cause_of(e), e.to_string());
+        if is_tls(e) {
+            Self::Tls { addr, cause, detail }
+        } else {
+            Self::Connect { addr, cause, detail }
+        }
     }
 
     /// A send or read failure with `addr`.
@@ -59,10 +86,22 @@ impl UpstreamError {
     }
 }
 
+/// True for a failed TLS handshake (either side refused, or it timed out).
+pub fn is_tls(e: &pingora::Error) -> bool {
+    use pingora::ErrorType as T;
+    matches!(
+        e.etype(),
+        T::TLSHandshakeFailure | T::TLSHandshakeTimedout | T::InvalidCert | T::HandshakeError | T::TLSWantX509Lookup
+    )
+}
+
 /// The client-safe words for a pingora error type.
 fn cause_of(e: &pingora::Error) -> &'static str {
     use pingora::ErrorType as T;
     match e.etype() {
+        T::InvalidCert => "engine certificate not trusted",
+        T::TLSHandshakeTimedout => "TLS handshake timed out",
+        T::TLSHandshakeFailure | T::HandshakeError | T::TLSWantX509Lookup => "TLS handshake failed",
         T::ConnectTimedout => "connect timed out",
         T::ConnectRefused => "connection refused",
         T::ConnectNoRoute => "no route to host",
@@ -145,8 +184,9 @@ impl UpstreamClient {
         Self { connector: Connector::new(None), fresh: TransportConnector::new(None), connect_timeout, idle_timeout }
     }
 
-    /// A peer for `addr` with tokenonce's connection options.
-    pub async fn peer(&self, addr: &str) -> Result<HttpPeer, UpstreamError> {
+    /// A peer for `target` with tokenonce's connection options and the pool's TLS.
+    pub async fn peer(&self, target: Target<'_>) -> Result<HttpPeer, UpstreamError> {
+        let addr = target.addr;
         let resolved = tokio::net::lookup_host(addr)
             .await
             .map_err(|e| UpstreamError::Connect {
@@ -163,6 +203,9 @@ impl UpstreamClient {
         let mut peer = HttpPeer::new(resolved, false, String::new());
         peer.options.connection_timeout = Some(self.connect_timeout);
         peer.options.idle_timeout = Some(self.idle_timeout);
+        if let Some(tls) = target.tls {
+            tls.apply(&mut peer, addr);
+        }
         Ok(peer)
     }
 
@@ -248,26 +291,26 @@ impl UpstreamClient {
     ///
     /// # Errors
     /// [`SendFailure`]: the error, and whether the engine provably never got the request.
-    pub async fn send(&self, addr: &str, head: &RequestHeader, body: Bytes) -> Result<Exchange, SendFailure> {
-        self.send_via(addr, head, body, false).await
+    pub async fn send(&self, to: Target<'_>, head: &RequestHeader, body: Bytes) -> Result<Exchange, SendFailure> {
+        self.send_via(to, head, body, false).await
     }
 
     /// [`Self::send`] on a newly dialled connection (never a pooled one), for a re-send.
     ///
     /// # Errors
     /// As [`Self::send`].
-    pub async fn resend(&self, addr: &str, head: &RequestHeader, body: Bytes) -> Result<Exchange, SendFailure> {
-        self.send_via(addr, head, body, true).await
+    pub async fn resend(&self, to: Target<'_>, head: &RequestHeader, body: Bytes) -> Result<Exchange, SendFailure> {
+        self.send_via(to, head, body, true).await
     }
 
     async fn send_via(
         &self,
-        addr: &str,
+        to: Target<'_>,
         head: &RequestHeader,
         body: Bytes,
         fresh: bool,
     ) -> Result<Exchange, SendFailure> {
-        let peer = self.peer(addr).await.map_err(|error| SendFailure { error, unstarted: true })?;
+        let peer = self.peer(to).await.map_err(|error| SendFailure { error, unstarted: true })?;
         let session = self.attempt(&peer, head, &body, fresh).await?;
         Ok(Exchange { session, peer })
     }
@@ -305,15 +348,18 @@ impl UpstreamClient {
     ///
     /// # Errors
     /// [`UpstreamError`] on failure or when `timeout` passes.
-    pub async fn get(&self, addr: &str, path: &str, timeout: Duration) -> Result<(u16, Bytes), UpstreamError> {
+    pub async fn get(&self, to: Target<'_>, path: &str, timeout: Duration) -> Result<(u16, Bytes), UpstreamError> {
+        let addr = to.addr;
         let work = async {
             let head = Self::request_head("GET", path, addr, &HeaderMap::new(), &[], "tokenonce-health", 0)?;
             // A GET is idempotent: one more try on any failure (a stale pooled connection
             // must not mark an endpoint unhealthy).
-            let exchange = match self.send(addr, &head, Bytes::new()).await {
+            let exchange = match self.send(to, &head, Bytes::new()).await {
                 Ok(exchange) => exchange,
-                Err(SendFailure { error: error @ UpstreamError::Connect { .. }, .. }) => return Err(error),
-                Err(_) => self.resend(addr, &head, Bytes::new()).await.map_err(|f| f.error)?,
+                Err(SendFailure {
+                    error: error @ (UpstreamError::Connect { .. } | UpstreamError::Tls { .. }), ..
+                }) => return Err(error),
+                Err(_) => self.resend(to, &head, Bytes::new()).await.map_err(|f| f.error)?,
             };
             let status = exchange.status();
             let body = self.read_to_end(exchange, 1 << 20).await?;

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 
-use super::client::UpstreamClient;
+use super::client::{Target, UpstreamClient};
 use super::pool::Endpoint;
 use crate::config::Version;
 
@@ -29,7 +29,7 @@ pub async fn learn_version(client: &UpstreamClient, endpoint: &Endpoint) -> Opti
     if !endpoint.may_ask_version(VERSION_RETRY_PAUSE) {
         return None;
     }
-    let version = ask_version(client, &endpoint.addr).await;
+    let version = ask_version(client, endpoint.target()).await;
     match version {
         Some(v) => endpoint.set_version(v),
         None => endpoint.version_failed(),
@@ -37,12 +37,12 @@ pub async fn learn_version(client: &UpstreamClient, endpoint: &Endpoint) -> Opti
     version
 }
 
-async fn ask_version(client: &UpstreamClient, addr: &str) -> Option<Version> {
+async fn ask_version(client: &UpstreamClient, to: Target<'_>) -> Option<Version> {
     #[derive(serde::Deserialize)]
     struct VersionBody {
         version: String,
     }
-    let (status, body) = client.get(addr, "/version", PROBE_TIMEOUT).await.ok()?;
+    let (status, body) = client.get(to, "/version", PROBE_TIMEOUT).await.ok()?;
     if status != 200 {
         return None;
     }
@@ -80,7 +80,7 @@ impl HealthPoller {
 /// the endpoint turns unhealthy, and asked at once (any pause after a failed ask ended) when
 /// it turns healthy, so a restarted engine gets its own gate within one interval.
 async fn poll_endpoint(app: &crate::App, pool: &super::Pool, endpoint: &Endpoint) {
-    let healthy = matches!(app.client.get(&endpoint.addr, "/health", PROBE_TIMEOUT).await, Ok((200, _)));
+    let healthy = matches!(app.client.get(endpoint.target(), "/health", PROBE_TIMEOUT).await, Ok((200, _)));
     let was_healthy = endpoint.set_healthy(healthy);
     app.metrics.upstream_health(&pool.name, &endpoint.addr, healthy);
     if pool.pinned_version().is_some() {

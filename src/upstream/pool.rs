@@ -13,6 +13,8 @@ use crate::config::{Balance, PoolSpec, Version};
 pub struct Endpoint {
     /// `host:port`.
     pub addr: String,
+    /// Its pool's TLS (`None`: plain HTTP).
+    pub tls: Option<crate::tls::UpstreamTls>,
     inflight: AtomicUsize,
     healthy: AtomicBool,
     version: RwLock<Option<Version>>,
@@ -52,6 +54,7 @@ impl Endpoint {
     pub fn new(addr: impl Into<String>) -> Self {
         Self {
             addr: addr.into(),
+            tls: None,
             inflight: AtomicUsize::new(0),
             healthy: AtomicBool::new(false),
             version: RwLock::new(None),
@@ -59,6 +62,16 @@ impl Endpoint {
             version_failed_at: RwLock::new(None),
             outlier: RwLock::new(Outlier::default()),
         }
+    }
+
+    /// A new endpoint reached with `tls`.
+    pub fn with_tls(addr: impl Into<String>, tls: Option<crate::tls::UpstreamTls>) -> Self {
+        Self { tls, ..Self::new(addr) }
+    }
+
+    /// Where its legs go.
+    pub fn target(&self) -> crate::upstream::client::Target<'_> {
+        crate::upstream::client::Target { addr: &self.addr, tls: self.tls.as_ref() }
     }
 
     /// True while an ejection is running at `now`.
@@ -219,7 +232,11 @@ impl Pool {
     pub fn new(spec: &PoolSpec, eject_after: u32) -> Self {
         Self {
             name: spec.name().to_owned(),
-            endpoints: spec.endpoints().iter().map(|a| Arc::new(Endpoint::new(a.clone()))).collect(),
+            endpoints: spec
+                .endpoints()
+                .iter()
+                .map(|a| Arc::new(Endpoint::with_tls(a.clone(), spec.tls().cloned())))
+                .collect(),
             balance: spec.balance(),
             pinned_version: spec.vllm_version(),
             next: AtomicUsize::new(0),

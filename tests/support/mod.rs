@@ -5,6 +5,7 @@
 #![allow(dead_code, unused_imports, clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 pub mod fake_vllm;
+pub mod tls;
 pub mod toy_proxy;
 
 use std::io::{BufRead, BufReader, Write};
@@ -46,6 +47,8 @@ pub struct TokenOnce {
     pub url: String,
     /// Admin base URL.
     pub admin: String,
+    /// The TLS listener's address (in-process instances with `[server.tls]`).
+    pub tls_addr: Option<SocketAddr>,
     config_path: PathBuf,
     server_section: String,
     _dir: tempfile::TempDir,
@@ -73,12 +76,15 @@ impl TokenOnce {
             let problems: Vec<String> = e.problems.iter().map(ToString::to_string).collect();
             panic!("bad test config {}:\n{}", e.source_name, problems.join("\n"))
         });
+        let tls_listen = loaded.server().tls().map(|t| t.listen().to_owned());
         let running = Listeners::bind(loaded.server().listen(), loaded.server().admin_listen())
+            .and_then(|listeners| listeners.with_tls(tls_listen.as_deref()))
             .and_then(|listeners| server::start(loaded, Some(config_path.clone()), listeners, Signals::HandleOnly))
             .unwrap_or_else(|e| panic!("tokenonce did not start: {e}"));
         let me = Self {
             url: format!("http://{}", running.client_addr()),
             admin: format!("http://{}", running.admin_addr()),
+            tls_addr: running.tls_addr(),
             run: Run::InProcess(running),
             config_path,
             server_section,
@@ -123,6 +129,7 @@ impl TokenOnce {
             run: Run::Child { child, log },
             url: format!("http://{client}"),
             admin: format!("http://{admin}"),
+            tls_addr: None,
             config_path,
             server_section,
             _dir: dir,

@@ -16,10 +16,11 @@ use tracing_subscriber::filter::LevelFilter;
 
 use super::{
     is_host_port, parse_allow, AdminToken, CacheSettings, Choice, Config, Mode, PoolSpec, PrefillSource, Problem,
-    RouteMatch, RouteOptions, RouteSpec, ServerSettings, UpstreamSettings, Version,
+    RouteMatch, RouteOptions, RouteSpec, ServerSettings, ServerTls, UpstreamSettings, Version,
 };
 use crate::config::defaults;
 use crate::config::file::{self, Field, Unknown};
+use crate::tls::{self, Identity, UpstreamTls};
 
 // Upper bounds: a value past these is a typo, not a setting.
 const MAX_SECONDS: u64 = 3600;
@@ -300,9 +301,13 @@ fn check_server(ck: &mut Checker<'_>, server: file::Server) -> ServerSettings {
         max_header_count,
         max_header_bytes,
         body_read_timeout_ms,
+        tls,
         unknown,
     } = server;
     ck.unknown(&unknown, &[Seg::Key("server")]);
+    let listen = ck.addr(&listen, "server.listen", defaults::LISTEN);
+    let admin_listen = ck.addr(&admin_listen, "server.admin_listen", defaults::ADMIN_LISTEN);
+    let tls = tls.map(|t| check_server_tls(ck, t, [&listen, &admin_listen]));
     let admin_token = ck.get(&admin_token_file, "server.admin_token_file").and_then(|(path, span)| {
         read_token(path).map_err(|why| ck.at(Some(span), "server.admin_token_file", why)).ok()
     });
@@ -316,8 +321,9 @@ fn check_server(ck: &mut Checker<'_>, server: file::Server) -> ServerSettings {
         }
     };
     ServerSettings {
-        listen: ck.addr(&listen, "server.listen", defaults::LISTEN),
-        admin_listen: ck.addr(&admin_listen, "server.admin_listen", defaults::ADMIN_LISTEN),
+        listen,
+        admin_listen,
+        tls: tls.flatten(),
         threads: ck.positive(&threads, "server.threads", defaults::THREADS, MAX_THREADS) as usize,
         grace_period_seconds: ck.positive(
             &grace_period_seconds,
@@ -353,6 +359,91 @@ fn check_server(ck: &mut Checker<'_>, server: file::Server) -> ServerSettings {
             MAX_LEG_MS,
         ),
     }
+}
+
+/// `[server.tls]`: its own address (not a plain listener's) and a certificate and key that
+/// load and belong together.
+fn check_server_tls(ck: &mut Checker<'_>, tls: Spanned<file::ServerTls>, plain: [&String; 2]) -> Option<ServerTls> {
+    let span = tls.span();
+    let file::ServerTls { listen, cert_file, key_file, unknown } = tls.into_inner();
+    ck.unknown(&unknown, &[Seg::Key("server"), Seg::Key("tls")]);
+    let listen_key = "server.tls.listen";
+    let listen = match ck.required(&listen, &span, listen_key) {
+        None => None,
+        Some((text, at)) => {
+            if text.parse::<SocketAddr>().is_err() {
+                ck.at(Some(at), listen_key, format!("`{text}` is not an ip:port address"));
+            } else if plain.contains(&text) && !text.ends_with(":0") {
+                ck.at(Some(at), listen_key, "must differ from `server.listen` and `server.admin_listen`");
+            }
+            Some(text.clone())
+        }
+    };
+    let cert = ck.required(&cert_file, &span, "server.tls.cert_file");
+    let key = ck.required(&key_file, &span, "server.tls.key_file");
+    let identity = identity(ck, cert, key, "server.tls.cert_file")?;
+    Some(ServerTls { listen: listen?, identity })
+}
+
+/// A certificate and key loaded from their files; a problem (at the certificate) when they
+/// cannot be read, do not parse, or do not belong together.
+fn identity(
+    ck: &mut Checker<'_>,
+    cert: Option<(&String, Range<usize>)>,
+    key: Option<(&String, Range<usize>)>,
+    cert_key: &str,
+) -> Option<Identity> {
+    let ((cert, span), (key, _)) = (cert?, key?);
+    Identity::load(cert, key).map_err(|why| ck.at(Some(span), cert_key, why)).ok()
+}
+
+/// `[pools.NAME.tls]`: files that load, a client certificate with its key, and a name to
+/// check when verification is on and an endpoint is an IP (OpenSSL checks DNS names).
+fn check_pool_tls(
+    ck: &mut Checker<'_>,
+    tls: &Spanned<file::PoolTls>,
+    pool: &str,
+    endpoints: &[String],
+) -> Option<UpstreamTls> {
+    let span = tls.span();
+    let file::PoolTls { ca_file, server_name, cert_file, key_file, verify, unknown } = tls.get_ref();
+    let path = [Seg::Key("pools"), Seg::Key(pool), Seg::Key("tls")];
+    let key = &key_path(&path, None);
+    ck.unknown(unknown, &path);
+    let ca_key = format!("{key}.ca_file");
+    let ca = match ck.get(ca_file, &ca_key) {
+        None => Ok(None),
+        Some((path, at)) => tls::load_ca(path).map(Some).map_err(|why| ck.at(Some(at), &ca_key, why)),
+    };
+    let name_key = format!("{key}.server_name");
+    let server_name = ck.get(server_name, &name_key).map(|(name, at)| {
+        let ok = !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || ".-_*".contains(c));
+        if !ok {
+            ck.at(Some(at), &name_key, format!("`{name}` is not a DNS name"));
+        }
+        name.clone()
+    });
+    let verify = ck.get(verify, &format!("{key}.verify")).map_or(defaults::UPSTREAM_TLS_VERIFY, |(v, _)| *v);
+    let (cert_key, key_key) = (format!("{key}.cert_file"), format!("{key}.key_file"));
+    let cert = ck.get(cert_file, &cert_key);
+    let client_key = ck.get(key_file, &key_key);
+    let client = match (&cert, &client_key) {
+        (None, None) => Ok(None),
+        (Some(_), Some(_)) => identity(ck, cert, client_key, &cert_key).map(Some).ok_or(()),
+        _ => {
+            ck.at(Some(span.clone()), &cert_key, "`cert_file` and `key_file` go together (mTLS client certificate)");
+            Err(())
+        }
+    };
+    if verify && server_name.is_none() {
+        if let Some(ip) = endpoints.iter().find(|e| tls::host_of(e).parse::<IpAddr>().is_ok()) {
+            let why = format!(
+                "endpoint `{ip}` is an IP address: set `server_name` to the DNS name in the engines' certificate"
+            );
+            ck.at(Some(span), &name_key, why);
+        }
+    }
+    Some(UpstreamTls::new(ca.ok()?, server_name, client.ok()?, verify))
 }
 
 /// The admin token from its file: the file's text without surrounding white space, at least
@@ -412,7 +503,7 @@ fn check_pools(ck: &mut Checker<'_>, pools: &BTreeMap<String, Spanned<file::Pool
     for (name, pool) in pools {
         let path = [Seg::Key("pools"), Seg::Key(name)];
         let key = key_path(&path, None);
-        let file::Pool { endpoints, balance, vllm_version, unknown } = pool.get_ref();
+        let file::Pool { endpoints, balance, vllm_version, tls, unknown } = pool.get_ref();
         ck.unknown(unknown, &path);
         let endpoints_key = format!("{key}.endpoints");
         let endpoints = match endpoints {
@@ -444,7 +535,8 @@ fn check_pools(ck: &mut Checker<'_>, pools: &BTreeMap<String, Spanned<file::Pool
             }
             parsed
         });
-        specs.push(PoolSpec { name: name.clone(), endpoints, balance, vllm_version });
+        let tls = tls.as_ref().and_then(|t| check_pool_tls(ck, t, name, &endpoints));
+        specs.push(PoolSpec { name: name.clone(), endpoints, balance, vllm_version, tls });
     }
     specs
 }

@@ -1,0 +1,267 @@
+//! TLS on every hop, with certificates the tests make (rcgen): the client TLS listener beside
+//! the plain one (and its certificate swapped by a reload), pools whose engines speak TLS (a
+//! good chain, a wrong CA, a wrong name, mTLS with and without the client certificate) on
+//! orchestrated legs and passthrough, and `tokenonce check` on the new keys.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+mod support;
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use serde_json::{json, Value};
+use support::tls::{Issued, Pki, TlsFront};
+use support::*;
+
+/// `[server.tls]` lines serving `id`.
+fn server_tls(id: &Issued) -> String {
+    format!(
+        "\n[server.tls]\nlisten = \"127.0.0.1:0\"\ncert_file = \"{}\"\nkey_file = \"{}\"\n",
+        id.cert.display(),
+        id.key.display()
+    )
+}
+
+/// A client that trusts only `ca` and finds `name` at `addr`.
+fn https_client(ca: &Path, name: &str, addr: SocketAddr) -> reqwest::Client {
+    let pem = std::fs::read(ca).unwrap();
+    reqwest::Client::builder()
+        .tls_certs_only([reqwest::Certificate::from_pem(&pem).unwrap()])
+        .resolve(name, addr)
+        .tls_info(true)
+        .build()
+        .unwrap()
+}
+
+/// The DER of the first certificate in a PEM file.
+fn der_of(pem_file: &Path) -> Vec<u8> {
+    let pem = std::fs::read(pem_file).unwrap();
+    pingora::tls::x509::X509::from_pem(&pem).unwrap().to_der().unwrap()
+}
+
+/// The client TLS listener serves the API (orchestrated) beside the plain listener, which
+/// keeps working; a client that does not trust the CA is refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn tls_listener_serves_beside_the_plain_one() {
+    let pki = Pki::new("edge");
+    let id = pki.issue("tokenonce", &["tokenonce.test"]);
+    let p = FakeVllm::start(FakeConfig::default()).await;
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let proxy = TokenOnce::start(&format!("{}{}", pd_config(&p, &d, ""), server_tls(&id))).await;
+    let tls_addr = proxy.tls_addr.expect("a TLS listener");
+    let https = https_client(&pki.ca_file(), "tokenonce.test", tls_addr);
+    let url = format!("https://tokenonce.test:{}/v1/chat/completions", tls_addr.port());
+    let resp = https.post(&url).json(&chat_body("over tls", json!({}))).send().await.unwrap();
+    let peer = resp.extensions().get::<reqwest::tls::TlsInfo>().and_then(|i| i.peer_certificate().map(<[u8]>::to_vec));
+    assert_eq!(resp.status(), 200);
+    let body: Value = resp.json().await.unwrap();
+    assert!(body["choices"][0]["message"]["content"].is_string(), "{body}");
+    assert_eq!(peer, Some(der_of(&id.cert)), "the configured certificate is served");
+    assert_eq!(d.posts().len(), 1);
+    assert!(d.posts()[0].json()["kv_transfer_params"]["prompt_token_ids"].is_array(), "reuse as over plain HTTP");
+
+    let (status, _, _) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("plain", json!({})), &[]).await;
+    assert_eq!(status, 200, "the plain listener still serves");
+    let passthrough = https.get(format!("https://tokenonce.test:{}/v1/models", tls_addr.port())).send().await.unwrap();
+    assert_eq!(passthrough.status(), 200, "passthrough over the TLS listener");
+
+    let stranger = https_client(&Pki::new("other").ca_file(), "tokenonce.test", tls_addr);
+    let refused = stranger.post(&url).json(&chat_body("x", json!({}))).send().await;
+    assert!(refused.is_err_and(|e| e.is_connect()), "a client that does not trust the CA never gets an answer");
+}
+
+/// A reload (SIGHUP's code path) reads the certificate files again: new handshakes get the
+/// new certificate; a reload whose key does not fit keeps the old one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_swaps_the_listener_certificate() {
+    let pki = Pki::new("edge");
+    let first = pki.issue("tokenonce", &["tokenonce.test"]);
+    let p = FakeVllm::start(FakeConfig::default()).await;
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let config = format!("{}{}", pd_config(&p, &d, ""), server_tls(&first));
+    let proxy = TokenOnce::start(&config).await;
+    let addr = proxy.tls_addr.unwrap();
+    let served = || async {
+        // A new client each time: a pooled connection would keep the old handshake.
+        let client = https_client(&pki.ca_file(), "tokenonce.test", addr);
+        let resp = client.get(format!("https://tokenonce.test:{}/v1/models", addr.port())).send().await.unwrap();
+        assert_eq!(resp.status(), 200);
+        resp.extensions().get::<reqwest::tls::TlsInfo>().unwrap().peer_certificate().unwrap().to_vec()
+    };
+    let before = served().await;
+    assert_eq!(before, der_of(&first.cert));
+
+    let second = pki.issue("renewed", &["tokenonce.test"]);
+    std::fs::copy(&second.cert, &first.cert).unwrap();
+    std::fs::copy(&second.key, &first.key).unwrap();
+    proxy.reconfigure(&config);
+    assert_eq!(proxy.metric("tokenonce_config_reloads_total{result=\"success\"}").await, 1.0);
+    let after = served().await;
+    assert_eq!(after, der_of(&second.cert), "the renewed certificate is served after the reload");
+    assert_ne!(after, before);
+
+    // A key that does not belong to the certificate: rejected, the running one stays.
+    let third = pki.issue("third", &["tokenonce.test"]);
+    std::fs::copy(&third.cert, &first.cert).unwrap();
+    proxy.reconfigure(&config);
+    assert_eq!(proxy.metric("tokenonce_config_reloads_total{result=\"failure\"}").await, 1.0);
+    assert_eq!(served().await, der_of(&second.cert));
+}
+
+/// Prefill and decode engines behind TLS fronts; `pool_tls` is the `[pools.X.tls]` body
+/// (the same for both pools). Returns the fakes, the fronts and tokenonce.
+async fn tls_pools(
+    pki: &Pki,
+    client_ca: Option<&Path>,
+    pool_tls: &str,
+) -> (FakeVllm, FakeVllm, TlsFront, TlsFront, TokenOnce) {
+    let id = pki.issue("engine", &["engine.test"]);
+    let p = FakeVllm::start(FakeConfig::default()).await;
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let pf = TlsFront::start(p.addr, &id, client_ca).await;
+    let df = TlsFront::start(d.addr, &id, client_ca).await;
+    let config = format!(
+        "[pools.prefill]\nendpoints = [\"{}\"]\n[pools.prefill.tls]\n{pool_tls}\n\n[pools.decode]\nendpoints = [\"{}\"]\n[pools.decode.tls]\n{pool_tls}\n\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n[routes.match]\npaths = [\"/v1/chat/completions\", \"/v1/completions\"]\n",
+        pf.addr, df.addr
+    );
+    let proxy = TokenOnce::start(&config).await;
+    (p, d, pf, df, proxy)
+}
+
+fn ca_line(ca: &Path, name: &str) -> String {
+    format!("ca_file = \"{}\"\nserver_name = \"{name}\"\n", ca.display())
+}
+
+/// A good chain: both legs, passthrough and the health polls go over TLS; reuse works.
+#[tokio::test(flavor = "multi_thread")]
+async fn pools_over_tls_with_a_good_chain() {
+    let pki = Pki::new("cluster");
+    let (p, d, pf, df, proxy) = tls_pools(&pki, None, &ca_line(&pki.ca_file(), "engine.test")).await;
+    proxy.wait_ready(200).await;
+    let (status, _, text) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("tls legs", json!({})), &[]).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(p.posts().len(), 1);
+    assert!(d.posts()[0].json()["kv_transfer_params"]["prompt_token_ids"].is_array());
+    let series = r#"tokenonce_token_reuse_total{reason="none",result="applied",route="pd"}"#;
+    assert_eq!(proxy.metric_reaches(series, 1.0).await, 1.0);
+    let models = reqwest::get(format!("{}/v1/models", proxy.url)).await.unwrap();
+    assert_eq!(models.status(), 200, "passthrough over TLS");
+    assert!(pf.accepted() >= 1 && df.accepted() >= 1, "both engines were reached over TLS");
+    assert_eq!(pf.refused() + df.refused(), 0);
+}
+
+/// The typed 502 of a refused engine certificate: OpenAI-shaped, the stage and the cause,
+/// no address; counted as `kind="tls"`, never re-sent.
+async fn assert_tls_refused(proxy: &TokenOnce, front: &TlsFront, cause: &str) {
+    let (status, _, text) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("x", json!({})), &[]).await;
+    assert_eq!(status, 502, "{text}");
+    let body: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(body["error"]["code"], "prefill_unavailable", "{text}");
+    assert_eq!(body["error"]["type"], "upstream_error", "{text}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains(cause), "{message}");
+    assert!(!text.contains("127.0.0.1") && !text.contains(&front.addr.port().to_string()), "{text}");
+    let series = r#"tokenonce_upstream_errors_total{kind="tls",stage="prefill"}"#;
+    assert!(proxy.metric(series).await >= 1.0);
+    assert_eq!(proxy.metric(r#"tokenonce_upstream_retries_total{stage="prefill"}"#).await, 0.0);
+    let (status, _, text) = post_raw(&format!("{}/v1/models", proxy.url), "", &[]).await;
+    assert_eq!(status, 502, "passthrough: {text}");
+    assert!(text.contains("decode_unavailable") && !text.contains("127.0.0.1"), "{text}");
+}
+
+/// An engine certificate from another CA is not trusted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_wrong_ca_is_a_typed_502() {
+    let pki = Pki::new("cluster");
+    let other = Pki::new("other");
+    let (p, _d, pf, _df, proxy) = tls_pools(&pki, None, &ca_line(&other.ca_file(), "engine.test")).await;
+    assert_tls_refused(&proxy, &pf, "engine certificate not trusted").await;
+    assert!(p.posts().is_empty(), "nothing reached the engine");
+    proxy.wait_ready(503).await;
+}
+
+/// A certificate for another name is not trusted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_wrong_name_is_a_typed_502() {
+    let pki = Pki::new("cluster");
+    let (p, _d, pf, _df, proxy) = tls_pools(&pki, None, &ca_line(&pki.ca_file(), "not-the-engine.test")).await;
+    assert_tls_refused(&proxy, &pf, "engine certificate not trusted").await;
+    assert!(p.posts().is_empty());
+}
+
+/// Engines that require a client certificate: served with `cert_file`/`key_file`, refused
+/// (502, the handshake counted as refused at the engine) without.
+#[tokio::test(flavor = "multi_thread")]
+async fn mtls_needs_the_client_certificate() {
+    let pki = Pki::new("cluster");
+    let client = pki.issue("tokenonce-client", &["tokenonce.client"]);
+    let with_cert = format!(
+        "{}cert_file = \"{}\"\nkey_file = \"{}\"\n",
+        ca_line(&pki.ca_file(), "engine.test"),
+        client.cert.display(),
+        client.key.display()
+    );
+    let (_p, d, pf, _df, proxy) = tls_pools(&pki, Some(&pki.ca_file()), &with_cert).await;
+    proxy.wait_ready(200).await;
+    let (status, _, text) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("mtls", json!({})), &[]).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(d.posts().len(), 1);
+    assert_eq!(pf.refused(), 0);
+    drop(proxy);
+
+    let (p, _d, pf, _df, proxy) = tls_pools(&pki, Some(&pki.ca_file()), &ca_line(&pki.ca_file(), "engine.test")).await;
+    let (status, _, text) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("x", json!({})), &[]).await;
+    assert_eq!(status, 502, "{text}");
+    let body: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(body["error"]["code"], "prefill_unavailable", "{text}");
+    assert!(!text.contains("127.0.0.1"), "{text}");
+    assert!(pf.refused() >= 1, "the engine refused the handshake without a client certificate");
+    assert!(p.posts().is_empty());
+}
+
+/// `tokenonce check` reports every bad TLS key with its place.
+#[test]
+fn check_reports_bad_tls_keys() {
+    let pki = Pki::new("cluster");
+    let id = pki.issue("engine", &["engine.test"]);
+    let other = pki.issue("other", &["other.test"]);
+    let text = format!(
+        r#"
+[server.tls]
+listen = "127.0.0.1:8443"
+cert_file = "{cert}"
+key_file = "{other_key}"
+
+[pools.decode]
+endpoints = ["127.0.0.1:8200"]
+[pools.decode.tls]
+ca_file = "/nonexistent/ca.pem"
+
+[pools.prefill]
+endpoints = ["prefill.test:8100"]
+[pools.prefill.tls]
+cert_file = "{cert}"
+"#,
+        cert = id.cert.display(),
+        other_key = other.key.display()
+    );
+    let err = tokenonce::config::Config::from_toml(&text, "t.toml").unwrap_err();
+    let got: Vec<(String, String)> = err.problems.iter().map(|p| (p.key.clone(), p.message.clone())).collect();
+    let has = |key: &str, words: &str| got.iter().any(|(k, m)| k == key && m.contains(words));
+    assert!(has("server.tls.cert_file", "does not belong"), "{got:#?}");
+    assert!(has("pools.decode.tls.ca_file", "cannot read `/nonexistent/ca.pem`"), "{got:#?}");
+    assert!(has("pools.prefill.tls.cert_file", "go together"), "{got:#?}");
+    assert!(has("pools.decode.tls.server_name", "IP address"), "{got:#?}");
+    assert!(err.problems.iter().all(|p| p.line > 0), "each at its place: {got:#?}");
+
+    let missing = "[server.tls]\nlisten = \"127.0.0.1:8443\"\n[pools.decode]\nendpoints = [\"e:1\"]\n";
+    let err = tokenonce::config::Config::from_toml(missing, "t.toml").unwrap_err();
+    let keys: Vec<&str> = err.problems.iter().map(|p| p.key.as_str()).collect();
+    assert_eq!(keys, ["server.tls.cert_file", "server.tls.key_file"], "{:?}", err.problems);
+}
