@@ -14,6 +14,7 @@
 //! - `metrics`: every exported metric and its label enums.
 //! - `reload`: SIGHUP config reload.
 //! - `server`: wiring config into a pingora server.
+//! - `telemetry`: logging and OpenTelemetry spans of each request and its legs.
 //! - `tls`: certificates from files, the TLS listener's certificate, pools' upstream TLS.
 
 pub mod config;
@@ -26,6 +27,7 @@ pub mod reload;
 pub mod routes;
 pub mod server;
 pub mod sse;
+pub mod telemetry;
 pub mod tls;
 pub mod upstream;
 

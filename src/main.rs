@@ -1,12 +1,12 @@
-//! The `tokenonce` binary: parse the CLI, load and validate the config, set up logging, bind
-//! the configured addresses, hand over to the server until a signal stops it.
+//! The `tokenonce` binary: parse the CLI, load and validate the config, set up logging (and
+//! trace export), bind the configured addresses, hand over to the server until a signal stops it.
 //! `tokenonce check FILE` only validates.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use tokenonce::config::{self, Config, ConfigError, LogFormat};
+use tokenonce::config::{self, ConfigError};
 use tokenonce::server::{self, Listeners, Signals};
 
 #[derive(Parser)]
@@ -34,18 +34,6 @@ fn report(err: &ConfigError) {
     eprintln!("{}: {} problem(s)", err.source_name, err.problems.len());
     for p in &err.problems {
         eprintln!("{}:{p}", err.source_name);
-    }
-}
-
-fn init_logging(config: &Config) {
-    let filter = std::env::var("TOKENONCE_LOG").unwrap_or_else(|_| config.server().log_level().to_owned());
-    let filter = tracing_subscriber::EnvFilter::try_new(&filter)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(config::defaults::LOG_LEVEL));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    if config.server().log_format() == LogFormat::Json {
-        builder.json().init();
-    } else {
-        builder.init();
     }
 }
 
@@ -81,7 +69,13 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    init_logging(&config);
+    let telemetry = match tokenonce::telemetry::init(&config) {
+        Ok(telemetry) => telemetry,
+        Err(e) => {
+            eprintln!("tokenonce: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     tracing::info!(listen = %config.server().listen(), admin = %config.server().admin_listen(), routes = config.routes().len(), "tokenonce starting");
     let tls_listen = config.server().tls().map(|t| t.listen().to_owned());
     let started = Listeners::bind(config.server().listen(), config.server().admin_listen())
@@ -94,7 +88,10 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match running.wait() {
+    let waited = running.wait();
+    // Spans still buffered are sent before the process ends.
+    telemetry.into_iter().for_each(tokenonce::telemetry::Telemetry::shutdown);
+    match waited {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tokenonce: {e}");

@@ -71,6 +71,9 @@ fn warn_fixed_settings(old: &Config, new: &Config) {
     if old.cache().capacity_bytes() != new.cache().capacity_bytes() || old.cache().ttl() != new.cache().ttl() {
         tracing::warn!("cache bounds change only on restart");
     }
+    if old.tracing() != new.tracing() {
+        tracing::warn!("[tracing] changes only on restart");
+    }
 }
 
 #[async_trait]

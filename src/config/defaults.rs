@@ -2,7 +2,7 @@
 //! validator applies these, `file.rs` links here instead of restating numbers, and a test
 //! checks README's configuration table against them.
 
-use super::model::{Balance, ClientHandoff, LogFormat, OnPrefillFailure, RelayHandoff};
+use super::model::{Balance, ClientHandoff, LogFormat, OnPrefillFailure, OtlpProtocol, RelayHandoff};
 
 /// Client listener: all interfaces, on vLLM's own default port, so clients need no change.
 pub const LISTEN: &str = "0.0.0.0:8000";
@@ -72,3 +72,10 @@ pub const BODY_READ_TIMEOUT_MS: u64 = 60_000;
 /// Upstream TLS checks the engine's certificate: a pool that crosses pods must not accept
 /// whoever answers on the address.
 pub const UPSTREAM_TLS_VERIFY: bool = true;
+/// OTLP transport: HTTP with protobuf, the OpenTelemetry SDKs' default, which every collector takes.
+pub const TRACING_PROTOCOL: OtlpProtocol = OtlpProtocol::Http;
+/// Share of traces started here that are sampled: all; a sidecar sees its pod's traffic only,
+/// and a client's `traceparent` still decides for its own traces.
+pub const TRACING_SAMPLING_RATIO: f64 = 1.0;
+/// `service.name` of tokenonce's spans.
+pub const TRACING_SERVICE_NAME: &str = "tokenonce";

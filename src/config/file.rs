@@ -67,7 +67,26 @@ pub struct File {
     /// The relay-mode id cache.
     #[serde(default)]
     pub cache: Cache,
+    /// OpenTelemetry trace export (none: off).
+    pub tracing: Option<Spanned<Tracing>>,
     /// Unknown top-level keys.
+    #[serde(flatten)]
+    pub unknown: Unknown,
+}
+
+/// `[tracing]`: spans of each request and its legs, exported over OTLP.
+#[derive(Debug, Deserialize, Default)]
+pub struct Tracing {
+    /// Collector URL (required): its OTLP/HTTP traces path for `http`, its address for `grpc`.
+    pub endpoint: Option<Field<String>>,
+    /// OTLP transport, `http` (protobuf) or `grpc` ([`TRACING_PROTOCOL`](super::defaults::TRACING_PROTOCOL)).
+    pub protocol: Option<Field<String>>,
+    /// Share of new traces sampled, from none to all; a client's `traceparent` decides for its own
+    /// ([`TRACING_SAMPLING_RATIO`](super::defaults::TRACING_SAMPLING_RATIO)).
+    pub sampling_ratio: Option<Field<f64>>,
+    /// `service.name` of the spans ([`TRACING_SERVICE_NAME`](super::defaults::TRACING_SERVICE_NAME)).
+    pub service_name: Option<Field<String>>,
+    /// Unknown keys.
     #[serde(flatten)]
     pub unknown: Unknown,
 }

@@ -8,8 +8,8 @@ pub mod model;
 
 pub use model::{
     AdminToken, AllowEntry, AllowTarget, Balance, CacheSettings, ClientHandoff, Config, ConfigError, LogFormat, Mode,
-    OnPrefillFailure, PoolSpec, PrefillSource, Problem, RelayHandoff, RouteMatch, RouteOptions, RouteSpec,
-    ServerSettings, ServerTls, UpstreamSettings, Version,
+    OnPrefillFailure, OtlpProtocol, PoolSpec, PrefillSource, Problem, RelayHandoff, RouteMatch, RouteOptions,
+    RouteSpec, ServerSettings, ServerTls, TracingSettings, UpstreamSettings, Version,
 };
 
 /// The embedded default configuration text.
@@ -215,7 +215,7 @@ pathz = ["/x"]
             (@name $field:ident) => { stringify!($field) };
             (@name $field:ident $name:literal) => { $name };
         }
-        let file::File { server: _, upstream: _, pools: _, defaults: _, routes: _, cache: _, unknown: _ } =
+        let file::File { server: _, upstream: _, pools: _, defaults: _, routes: _, cache: _, tracing: _, unknown: _ } =
             file::File::default();
         let mut all = vec![String::from("[[routes]]")];
         all.extend(keys!(
@@ -255,6 +255,7 @@ pathz = ["/x"]
         all.extend(route.into_iter().filter(|k| k != "routes.match"));
         all.extend(keys!("routes.match.", Match { paths, model, headers }));
         all.extend(keys!("cache.", Cache { capacity_bytes, ttl_ms }));
+        all.extend(keys!("tracing.", Tracing { endpoint, protocol, sampling_ratio, service_name }));
         all
     }
 
@@ -334,6 +335,9 @@ pathz = ["/x"]
             ("routes.on_prefill_failure", code(defaults::ON_PREFILL_FAILURE.name())),
             ("cache.capacity_bytes", defaults::CACHE_CAPACITY_BYTES.to_string()),
             ("cache.ttl_ms", defaults::CACHE_TTL_MS.to_string()),
+            ("tracing.protocol", code(defaults::TRACING_PROTOCOL.name())),
+            ("tracing.sampling_ratio", format!("{:.1}", defaults::TRACING_SAMPLING_RATIO)),
+            ("tracing.service_name", code(defaults::TRACING_SERVICE_NAME)),
         ];
         for (key, shown, _) in &rows {
             match expected.iter().find(|(k, _)| k == key) {

@@ -221,6 +221,56 @@ impl Choice for OnPrefillFailure {
     }
 }
 
+/// The OTLP transport of the trace exporter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OtlpProtocol {
+    /// OTLP/HTTP with protobuf bodies (`POST .../v1/traces`).
+    Http,
+    /// OTLP/gRPC.
+    Grpc,
+}
+
+impl Choice for OtlpProtocol {
+    const ALL: &'static [Self] = &[Self::Http, Self::Grpc];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Http => "http",
+            Self::Grpc => "grpc",
+        }
+    }
+}
+
+/// Where and how spans are exported (`[tracing]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TracingSettings {
+    endpoint: String,
+    protocol: OtlpProtocol,
+    sampling_ratio: f64,
+    service_name: String,
+}
+
+impl TracingSettings {
+    /// Collector URL (`http://...`).
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// OTLP transport.
+    pub fn protocol(&self) -> OtlpProtocol {
+        self.protocol
+    }
+
+    /// Share of new traces sampled (0.0–1.0).
+    pub fn sampling_ratio(&self) -> f64 {
+        self.sampling_ratio
+    }
+
+    /// `service.name`.
+    pub fn service_name(&self) -> &str {
+        &self.service_name
+    }
+}
+
 /// How log lines are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogFormat {
@@ -616,6 +666,7 @@ pub struct Config {
     routes: Vec<RouteSpec>,
     passthrough_pool: usize,
     cache: CacheSettings,
+    tracing: Option<TracingSettings>,
 }
 
 impl Config {
@@ -655,6 +706,11 @@ impl Config {
     /// Relay cache bounds.
     pub fn cache(&self) -> &CacheSettings {
         &self.cache
+    }
+
+    /// Trace export (`None`: off).
+    pub fn tracing(&self) -> Option<&TracingSettings> {
+        self.tracing.as_ref()
     }
 }
 

@@ -119,6 +119,7 @@ pub async fn fail(session: &mut Session, ctx: &mut Ctx, err: ProxyError) {
         ctx.app.metrics.upstream_error(leg, kind);
     }
     let api = err.api_error();
+    ctx.trace.error(api.code());
     if ctx.streaming {
         tracing::warn!(request_id = %ctx.request_id, code = api.code(), error = %err, "decode stream broke");
         let _ = session.write_response_body(Some(Bytes::from(api.sse_event())), true).await;

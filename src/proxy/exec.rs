@@ -128,7 +128,10 @@ async fn exchange_once(
     endpoint: &Picked,
     body: Bytes,
 ) -> Result<Exchange, ProxyError> {
-    let head = req.head(endpoint.addr(), &ctx.request_id, body.len())?;
+    let mut head = req.head(endpoint.addr(), &ctx.request_id, body.len())?;
+    for (name, value) in ctx.trace.headers_for(leg) {
+        head.insert_header(name, value).map_err(|e| ProxyError::Internal(format!("trace header: {e}")))?;
+    }
     let (app, route) = (&ctx.app, &ctx.route);
     route.retry_budget.sent();
     let failure = match app.client.send(endpoint.endpoint().target(), &head, body.clone()).await {
@@ -183,10 +186,12 @@ pub async fn prefill(
 ) -> Result<(ResponseHeader, Bytes), ProxyError> {
     let route = Arc::clone(&ctx.route);
     let started = Instant::now();
+    ctx.trace.leg_started(Leg::Prefill);
     let answer = tokio::select! {
         r = within(Some(route.prefill_timeout), prefill_attempts(ctx, req, first, pool, body)) => r,
         _ = client_gone(session) => return Err(ProxyError::ClientGone),
     };
+    ctx.trace.leg_done(Leg::Prefill);
     ctx.prefill_ms = Some(ms_since(started));
     route.metrics.stage(Stage::Prefill, started.elapsed());
     match answer {
@@ -329,10 +334,14 @@ pub async fn decode(
     let started = Instant::now();
     ctx.decode_sent_at = Some(started);
     let timeout = Some(route.decode_first_byte_timeout);
+    ctx.trace.leg_started(Leg::Decode);
     let exchange = send(session, ctx, req, Leg::Decode, endpoint, step.body, timeout).await?;
+    ctx.trace.first_byte();
     ctx.decode_first_byte_ms = Some(ms_since(started));
     route.metrics.stage(Stage::DecodeFirstByte, started.elapsed());
-    relay(session, ctx, exchange, step.cached_tokens, Leg::Decode).await
+    let relayed = relay(session, ctx, exchange, step.cached_tokens, Leg::Decode).await;
+    ctx.trace.leg_done(Leg::Decode);
+    relayed
 }
 
 /// Sends `body` to `endpoint` on `leg` and relays the answer unchanged (passthrough with a
@@ -349,8 +358,12 @@ pub async fn forward(
     body: Bytes,
 ) -> Result<(), ProxyError> {
     ctx.decode_sent_at = Some(Instant::now());
+    ctx.trace.leg_started(leg);
     let exchange = send(session, ctx, req, leg, &endpoint, body, None).await?;
-    relay(session, ctx, exchange, None, leg).await
+    ctx.trace.first_byte();
+    let relayed = relay(session, ctx, exchange, None, leg).await;
+    ctx.trace.leg_done(leg);
+    relayed
 }
 
 /// Counts how the decode was sent and notes it for the access log.
@@ -359,8 +372,15 @@ pub fn record_reuse(ctx: &mut Ctx, reuse: Reuse, refused: Option<&IdsError>) {
         tracing::info!(request_id = %ctx.request_id, error = %e, "prompt ids refused");
     }
     match reuse {
-        Reuse::Applied { tokens, id_bytes } => ctx.route.metrics.reuse_applied(tokens, id_bytes),
+        Reuse::Applied { tokens, id_bytes } => {
+            ctx.route.metrics.reuse_applied(tokens, id_bytes);
+            ctx.trace.attribute("tokenonce.reuse.result", "applied");
+            ctx.trace.attribute("tokenonce.reuse.reason", "none");
+            ctx.trace.attribute("tokenonce.reused_prompt_tokens", i64::try_from(tokens).unwrap_or(i64::MAX));
+        }
         Reuse::Fallback(reason) => {
+            ctx.trace.attribute("tokenonce.reuse.result", "fallback");
+            ctx.trace.attribute("tokenonce.reuse.reason", reason.as_str());
             ctx.route.metrics.reuse_fallback(reason);
             tracing::info!(request_id = %ctx.request_id, route = %ctx.route.name, reason = %reason, "token reuse fallback");
         }

@@ -71,6 +71,8 @@ pub struct Ctx {
     pub prefill_ms: Option<f64>,
     /// Decode time to response header, for the access log.
     pub decode_first_byte_ms: Option<f64>,
+    /// OpenTelemetry spans of this request (empty when tracing is off).
+    pub trace: crate::telemetry::RequestTrace,
 }
 
 impl Ctx {
@@ -127,6 +129,7 @@ impl ProxyHttp for Proxy {
             counted: false,
             prefill_ms: None,
             decode_first_byte_ms: None,
+            trace: crate::telemetry::RequestTrace::default(),
         }
     }
 
@@ -138,6 +141,7 @@ impl ProxyHttp for Proxy {
         ctx.client_ip = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
         app.metrics.inflight.inc();
         let header = session.req_header();
+        ctx.trace = crate::telemetry::RequestTrace::start(header.method.as_str(), header.uri.path(), &header.headers);
         if let Err(e) = edge::check_head(&header.headers, &app.edge) {
             session.set_keepalive(None);
             error::fail(session, ctx, e.into()).await;
@@ -190,6 +194,19 @@ impl ProxyHttp for Proxy {
         Ok(Box::new(peer))
     }
 
+    /// Passthrough: the request's own `traceparent` goes to the engine (when tracing is on).
+    async fn upstream_request_filter(
+        &self,
+        _session: &mut Session,
+        upstream: &mut RequestHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        for (name, value) in ctx.trace.headers_for(Leg::Passthrough) {
+            upstream.insert_header(name, value)?;
+        }
+        Ok(())
+    }
+
     async fn response_filter(
         &self,
         _session: &mut Session,
@@ -239,11 +256,17 @@ impl ProxyHttp for Proxy {
         let elapsed = ctx.started.elapsed();
         let route = &ctx.route;
         route.metrics.finished(ctx.api, outcome, elapsed, ctx.first_byte);
+        let mode = crate::metrics::served_as(ctx.api, route.mode).as_str();
+        ctx.trace.attribute("tokenonce.route", route.name.clone());
+        ctx.trace.attribute("tokenonce.api", ctx.api.map_or("other", Api::as_str));
+        ctx.trace.attribute("tokenonce.mode", mode);
+        ctx.trace.attribute("tokenonce.outcome", outcome.as_str());
+        ctx.trace.finish(status);
         tracing::info!(
             request_id = %ctx.request_id,
             route = %route.name,
             api = ctx.api.map_or("other", Api::as_str),
-            mode = crate::metrics::served_as(ctx.api, route.mode).as_str(),
+            mode,
             status,
             outcome = outcome.as_str(),
             reuse = ctx.reuse.unwrap_or("-"),

@@ -46,6 +46,7 @@ pub async fn run(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> 
     drop(prefiller);
 
     let handoff_started = Instant::now();
+    let handoff = ctx.trace.handoff();
     let step = match exec::after_prefill(ctx, &plan, prefilled)? {
         exec::Prefilled::Step(step) => step,
         // The prefill's own error (e.g. vLLM's 400 for a too-long prompt) goes back unchanged.
@@ -53,6 +54,7 @@ pub async fn run(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> 
     };
     exec::record_reuse(ctx, step.reuse, step.refused.as_ref());
     route.metrics.stage(Stage::Handoff, handoff_started.elapsed());
+    drop(handoff);
 
     exec::decode(session, ctx, &req.incoming, &decode, step).await
 }

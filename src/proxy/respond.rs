@@ -129,6 +129,7 @@ async fn relay_buffered(
         Some(n) => std::str::from_utf8(&body).ok().and_then(|t| rewrite_cached_tokens(t, n)).map_or(body, Bytes::from),
         None => body,
     };
+    ctx.trace.usage(&body);
     write_buffered(session, ctx, head, body).await;
     observe_decode_total(ctx);
     Ok(())
@@ -162,12 +163,15 @@ async fn relay_stream(
         match chunk {
             Ok(Some(chunk)) => {
                 let out = framing.feed(&chunk);
+                ctx.trace.usage(&out);
                 if !out.is_empty() && session.write_response_body(Some(Bytes::from(out)), false).await.is_err() {
                     return Err(ProxyError::ClientGone);
                 }
             }
             Ok(None) => {
-                let ended = session.write_response_body(Some(Bytes::from(framing.end())), true).await.is_ok();
+                let rest = framing.end();
+                ctx.trace.usage(&rest);
+                let ended = session.write_response_body(Some(Bytes::from(rest)), true).await.is_ok();
                 ctx.outcome = Some(if ended { Outcome::Success } else { Outcome::ClientClosed });
                 ctx.app.client.release(exchange).await;
                 observe_decode_total(ctx);

@@ -16,7 +16,7 @@ use tracing_subscriber::filter::LevelFilter;
 
 use super::{
     is_host_port, parse_allow, AdminToken, CacheSettings, Choice, Config, Mode, PoolSpec, PrefillSource, Problem,
-    RouteMatch, RouteOptions, RouteSpec, ServerSettings, ServerTls, UpstreamSettings, Version,
+    RouteMatch, RouteOptions, RouteSpec, ServerSettings, ServerTls, TracingSettings, UpstreamSettings, Version,
 };
 use crate::config::defaults;
 use crate::config::file::{self, Field, Unknown};
@@ -258,8 +258,9 @@ impl Checker<'_> {
 }
 
 fn check(f: file::File, ck: &mut Checker<'_>) -> Config {
-    let file::File { server, upstream, pools, defaults: defaults_table, routes, cache, unknown } = f;
+    let file::File { server, upstream, pools, defaults: defaults_table, routes, cache, tracing, unknown } = f;
     ck.unknown(&unknown, &[]);
+    let tracing = tracing.and_then(|t| check_tracing(ck, t));
     let server = check_server(ck, server);
     let upstream = check_upstream(ck, upstream);
     let cache = check_cache(ck, cache);
@@ -285,7 +286,44 @@ fn check(f: file::File, ck: &mut Checker<'_>) -> Config {
     if pools.is_empty() {
         ck.at(None, "pools", "at least one pool is needed");
     }
-    Config { server, upstream, pools, routes, passthrough_pool: passthrough_pool.unwrap_or(0), cache }
+    Config { server, upstream, pools, routes, passthrough_pool: passthrough_pool.unwrap_or(0), cache, tracing }
+}
+
+/// `[tracing]`: an `http://` collector URL, a known protocol, a ratio in 0–1, a service name.
+fn check_tracing(ck: &mut Checker<'_>, tracing: Spanned<file::Tracing>) -> Option<TracingSettings> {
+    let span = tracing.span();
+    let file::Tracing { endpoint, protocol, sampling_ratio, service_name, unknown } = tracing.into_inner();
+    ck.unknown(&unknown, &[Seg::Key("tracing")]);
+    let endpoint = ck.required(&endpoint, &span, "tracing.endpoint").and_then(|(url, at)| {
+        let rest = url.strip_prefix("http://").filter(|r| !r.is_empty() && !r.starts_with('/'));
+        if rest.is_none() {
+            ck.at(
+                Some(at),
+                "tracing.endpoint",
+                format!("`{url}` is not an http:// URL (run a collector beside tokenonce for TLS)"),
+            );
+        }
+        rest.map(|_| url.clone())
+    });
+    let protocol = ck.optional_choice(&protocol, "tracing.protocol", defaults::TRACING_PROTOCOL);
+    let sampling_ratio = match ck.get(&sampling_ratio, "tracing.sampling_ratio") {
+        None => defaults::TRACING_SAMPLING_RATIO,
+        Some((ratio, _)) if (0.0..=1.0).contains(ratio) => *ratio,
+        Some((ratio, at)) => {
+            ck.at(Some(at), "tracing.sampling_ratio", format!("{ratio} is not between 0.0 and 1.0"));
+            defaults::TRACING_SAMPLING_RATIO
+        }
+    };
+    let service_name = match ck.get(&service_name, "tracing.service_name") {
+        None => defaults::TRACING_SERVICE_NAME.to_owned(),
+        Some((name, at)) => {
+            if name.trim().is_empty() {
+                ck.at(Some(at), "tracing.service_name", "must not be empty");
+            }
+            name.clone()
+        }
+    };
+    Some(TracingSettings { endpoint: endpoint?, protocol, sampling_ratio, service_name })
 }
 
 fn check_server(ck: &mut Checker<'_>, server: file::Server) -> ServerSettings {
