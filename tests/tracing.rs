@@ -232,3 +232,19 @@ fn check_reports_bad_tracing_keys() {
     let tracing = config.tracing().unwrap();
     assert_eq!((tracing.sampling_ratio(), tracing.service_name()), (0.0, "tokenonce"));
 }
+
+/// A collector that is down costs the spans, never a request.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_collector_that_is_down_fails_no_request() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let p = FakeVllm::start(FakeConfig::default()).await;
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let config = format!("{}\n[tracing]\nendpoint = \"http://{closed}/v1/traces\"\n", pd_config(&p, &d, ""));
+    let proxy = TokenOnce::start_binary(&config).await;
+    for i in 0..3 {
+        let body = chat_body(&format!("no collector {i}"), json!({}));
+        let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+        assert_eq!(status, 200, "{text}");
+    }
+    assert!(d.posts().iter().all(|r| r.header("traceparent").is_some()), "legs still carry their context");
+}
