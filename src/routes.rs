@@ -151,7 +151,10 @@ impl RouteTable {
             matcher: None,
             decode_pool: pool(config.passthrough_pool(), DEFAULT_ROUTE)?,
             prefill: None,
-            policy: ReusePolicy { token_reuse: false, relay_handoff: crate::config::RelayHandoff::Cache },
+            policy: ReusePolicy {
+                token_reuse: crate::config::ReuseShare::OFF,
+                relay_handoff: crate::config::RelayHandoff::Cache,
+            },
             client_handoff: ClientHandoff::Strip,
             prefill_timeout: Duration::ZERO,
             decode_first_byte_timeout: Duration::ZERO,

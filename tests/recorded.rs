@@ -48,11 +48,12 @@ fn prefill_rewrite_matches_the_recorded_prefill_request() {
     for (plain, prefill, api) in [
         ("chat_plain", "chat_prefill", Api::Chat),
         ("completions_plain_stream", "completions_prefill", Api::Completions),
+        ("responses_plain", "responses_prefill", Api::Responses),
     ] {
         let plain = fixture(plain);
         let obj = RawObject::parse(&plain.request).unwrap();
         assert!(RequestView::parse(api, &obj).unwrap().reuse_blocker().is_none());
-        let ours = json(std::str::from_utf8(&prefill_body(&obj, true)).unwrap());
+        let ours = json(std::str::from_utf8(&prefill_body(&obj, api, true)).unwrap());
         let recorded = json(&fixture(prefill).request);
         assert_eq!(ours, recorded, "{api:?}");
     }

@@ -11,7 +11,8 @@ use pingora::proxy::Session;
 use super::error::ProxyError;
 use super::Ctx;
 use crate::metrics::{Leg, Outcome, Stage};
-use crate::openai::response::{rewrite_cached_tokens, StreamFraming};
+use crate::openai::response::{rewrite_usage_cached, StreamFraming};
+use crate::openai::Api;
 use crate::upstream::client::DROPPED_RESPONSE_HEADERS;
 use crate::upstream::Exchange;
 
@@ -126,7 +127,10 @@ async fn relay_buffered(
         _ = client_gone(session) => return Err(ProxyError::ClientGone),
     };
     let body = match cached_tokens {
-        Some(n) => std::str::from_utf8(&body).ok().and_then(|t| rewrite_cached_tokens(t, n)).map_or(body, Bytes::from),
+        Some(n) => std::str::from_utf8(&body)
+            .ok()
+            .and_then(|t| rewrite_usage_cached(ctx.api.unwrap_or(Api::Chat), t, n))
+            .map_or(body, Bytes::from),
         None => body,
     };
     write_buffered(session, ctx, head, body).await;
@@ -152,7 +156,7 @@ async fn relay_stream(
     }
     ctx.streaming = true;
     // Always framed, so a break never leaves half an event before the error event.
-    let mut framing = StreamFraming::new(cached_tokens);
+    let mut framing = StreamFraming::for_api(ctx.api.unwrap_or(Api::Chat), cached_tokens);
     loop {
         let chunk = tokio::select! {
             chunk = exchange.session.read_response_body() => chunk,
