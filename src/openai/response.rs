@@ -282,6 +282,11 @@ fn emit(event: &Event, rewrite: &mut impl FnMut(&str) -> Option<Vec<u8>>, out: &
         .and_then(|d| rewrite(&d));
     match rewritten {
         Some(data) => {
+            // The event's other fields first (`event: response.completed` names the event).
+            for line in event.other_lines() {
+                out.extend_from_slice(line);
+                out.push(b'\n');
+            }
             // One `data:` line: in JSON text a CR or LF can only be whitespace between
             // tokens (strings escape them), and either would end the SSE line early.
             out.extend_from_slice(b"data: ");
