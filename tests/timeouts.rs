@@ -416,3 +416,48 @@ async fn release_that_hangs_is_bounded() {
     assert_eq!(proxy.metric(r#"tokenonce_timeouts_total{route="pd",stage="release"}"#).await, 1.0);
     assert_eq!(posts_reach(&d, 2).await.len(), 2);
 }
+
+/// Point 7: a passthrough route honours `max_body_bytes` on pingora's pipeline: a declared
+/// `Content-Length` over it is refused before any engine is asked, a chunked body that grows
+/// past it is cut off; both 413 `body_too_large`, OpenAI-shaped.
+#[tokio::test(flavor = "multi_thread")]
+async fn passthrough_route_honours_max_body_bytes() {
+    let engine = FakeVllm::start(FakeConfig::default()).await;
+    let proxy = TokenOnce::start(&passthrough(&engine.host_port(), "\"/tokenize\"", "max_body_bytes = 1000\n")).await;
+    let url = format!("{}/tokenize", proxy.url);
+    let (status, _, text) = post_raw(&url, "{\"prompt\":\"small\"}", &[]).await;
+    assert_eq!(status, 200, "{text}");
+    let (status, _, text) = post_raw(&url, "x".repeat(5000), &[]).await;
+    assert_eq!(status, 413, "{text}");
+    let error: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error["error"]["code"], "body_too_large");
+    assert_eq!(engine.posts().len(), 1, "a declared length over the limit never reaches the engine");
+
+    // Chunked: no length up front; 10 pieces of 400 bytes pass the limit at the third.
+    let pieces: Vec<Result<Vec<u8>, std::io::Error>> = (0..10).map(|_| Ok(vec![b'y'; 400])).collect();
+    let body = reqwest::Body::wrap_stream(futures_util::stream::iter(pieces));
+    let resp = reqwest::Client::new().post(&url).body(body).send().await.unwrap();
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap_or_default();
+    assert_eq!(status, 413, "{text}");
+    assert!(text.contains("\"code\":\"body_too_large\""), "{text}");
+}
+
+/// Point 7: the SSE decoder's buffer is capped: an event longer than `max_sse_event_bytes`
+/// (here the first chat event, which echoes ~100 KB of prompt ids) is never sent; the stream
+/// ends with the error event `stream_event_too_large` and `[DONE]`, counted as `too_large`.
+#[tokio::test(flavor = "multi_thread")]
+async fn over_long_sse_event_ends_the_stream_with_an_error_event() {
+    let (_p, _d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "max_sse_event_bytes = 65536\n").await;
+    let words: Vec<String> = (0..15_000).map(|i| format!("w{i}")).collect();
+    let body = chat_body(&words.join(" "), json!({"stream": true, "return_token_ids": true}));
+    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+    assert_eq!(status, 200);
+    let data = sse_data(&text);
+    assert_eq!(data.len(), 2, "only the error event and [DONE]: {}", &text[..text.len().min(300)]);
+    let error: serde_json::Value = serde_json::from_str(&data[0]).unwrap();
+    assert_eq!(error["error"]["code"], "stream_event_too_large", "{text}");
+    assert_eq!(data[1], "[DONE]");
+    let series = r#"tokenonce_upstream_errors_total{kind="too_large",stage="decode"}"#;
+    assert_eq!(proxy.metric_reaches(series, 1.0).await, 1.0);
+}

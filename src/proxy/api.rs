@@ -28,7 +28,9 @@ async fn read_body_unbounded(session: &mut Session, limit: usize) -> Result<Byte
     if declared.is_some_and(|len: usize| len > limit) {
         return Err(ApiError::BodyTooLarge { limit });
     }
-    let mut body = BytesMut::new();
+    // Sized from the declared length, so a body read whole holds its length once (growing
+    // by doubling would leave up to twice the limit allocated).
+    let mut body = BytesMut::with_capacity(declared.unwrap_or(0));
     loop {
         match session.read_request_body().await {
             Ok(Some(chunk)) if body.len() + chunk.len() > limit => return Err(ApiError::BodyTooLarge { limit }),
