@@ -262,6 +262,18 @@ mod tests {
                 Some((Leg::Decode, ErrorKind::StreamBroken)),
             ),
             (ProxyError::Internal("pingora said 10.1.2.3:8100".into()), 500, "internal_error", None),
+            (
+                ProxyError::StreamIdle { leg: Leg::Passthrough, after: Duration::from_millis(300) },
+                504,
+                "stream_idle_timeout",
+                Some((Leg::Passthrough, ErrorKind::Timeout)),
+            ),
+            (
+                ProxyError::EventTooLarge { leg: Leg::Decode, limit: 65536 },
+                502,
+                "stream_event_too_large",
+                Some((Leg::Decode, ErrorKind::TooLarge)),
+            ),
         ];
         for (err, status, code, counted) in table {
             let api = err.api_error();
@@ -270,6 +282,24 @@ mod tests {
             let body = String::from_utf8(api.body()).unwrap();
             assert!(addr_free(&body), "{err}: {body}");
         }
+        let stages = [
+            (ProxyError::Timeout { leg: Leg::Prefill, after: Duration::ZERO }, Some(TimeoutStage::Prefill)),
+            (ProxyError::Timeout { leg: Leg::Passthrough, after: Duration::ZERO }, Some(TimeoutStage::FirstByte)),
+            (ProxyError::StreamIdle { leg: Leg::Decode, after: Duration::ZERO }, Some(TimeoutStage::StreamIdle)),
+            (ProxyError::ClientStalled { after: Duration::ZERO }, Some(TimeoutStage::ClientWrite)),
+            (ProxyError::upstream(Leg::Decode, refused()), None),
+            (
+                ProxyError::upstream(
+                    Leg::Decode,
+                    UpstreamError::Connect { addr: "a".into(), cause: "connect timed out", detail: "x".into() },
+                ),
+                Some(TimeoutStage::Connect),
+            ),
+        ];
+        for (err, stage) in stages {
+            assert_eq!(err.timeout_stage(), stage, "{err}");
+        }
+        assert_eq!(ProxyError::ClientStalled { after: Duration::ZERO }.counted_as(), None, "not the engine's fault");
         let body = String::from_utf8(ProxyError::upstream(Leg::Prefill, refused()).api_error().body()).unwrap();
         assert!(body.contains("prefill engine unavailable: connection refused"), "{body}");
         assert!(

@@ -15,8 +15,8 @@ use toml::Spanned;
 use tracing_subscriber::filter::LevelFilter;
 
 use super::{
-    is_host_port, parse_allow, AdminToken, CacheSettings, Choice, Config, Mode, PoolSpec, PrefillSource, Problem,
-    RouteMatch, RouteOptions, RouteSpec, ServerSettings, UpstreamSettings, Version,
+    is_host_port, parse_allow, AdminToken, CacheSettings, Choice, Config, Mode, OnClientGone, PoolSpec, PrefillSource,
+    Problem, RouteMatch, RouteOptions, RouteSpec, ServerSettings, UpstreamSettings, Version,
 };
 use crate::config::defaults;
 use crate::config::file::{self, Field, Unknown};
@@ -529,9 +529,11 @@ fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> 
     let file::Route {
         token_reuse, prefill_timeout_ms, decode_first_byte_timeout_ms, max_body_bytes, relay_handoff,
         client_kv_transfer_params, retry_budget_percent, retry_budget_min_per_second, prefill_attempts,
-        on_prefill_failure, stream_idle_timeout_ms, client_write_timeout_ms, on_client_gone, release_timeout_ms,
-        max_sse_event_bytes, name: _, matcher: _, mode: _, prefill: _, decode_pool: _, unknown: _,
+        on_prefill_failure, stream_idle_timeout_ms: _, client_write_timeout_ms: _, on_client_gone: _,
+        release_timeout_ms: _, max_sse_event_bytes: _, name: _, matcher: _, mode: _, prefill: _, decode_pool: _,
+        unknown: _,
     } = route;
+    let waits = check_route_waits(ck, key, route);
     RouteOptions {
         token_reuse: ck.get(token_reuse, &format!("{key}.token_reuse")).map_or(defaults::TOKEN_REUSE, |(v, _)| *v),
         prefill_timeout: ck.millis(
@@ -581,6 +583,33 @@ fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> 
             &format!("{key}.on_prefill_failure"),
             defaults::ON_PREFILL_FAILURE,
         ),
+        stream_idle_timeout: waits.stream_idle_timeout,
+        client_write_timeout: waits.client_write_timeout,
+        on_client_gone: waits.on_client_gone,
+        release_timeout: waits.release_timeout,
+        max_sse_event_bytes: waits.max_sse_event_bytes,
+    }
+}
+
+/// A route's bounds on waits and on relayed events (part of its [`RouteOptions`]).
+struct RouteWaits {
+    stream_idle_timeout: Duration,
+    client_write_timeout: Duration,
+    on_client_gone: OnClientGone,
+    release_timeout: Duration,
+    max_sse_event_bytes: usize,
+}
+
+fn check_route_waits(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> RouteWaits {
+    let file::Route {
+        stream_idle_timeout_ms,
+        client_write_timeout_ms,
+        on_client_gone,
+        release_timeout_ms,
+        max_sse_event_bytes,
+        ..
+    } = route;
+    RouteWaits {
         stream_idle_timeout: ck.millis(
             stream_idle_timeout_ms,
             &format!("{key}.stream_idle_timeout_ms"),
