@@ -253,6 +253,19 @@ pub const PREFILL_KV_TRANSFER_PARAMS: &str = r#"{"do_remote_decode":true,"do_rem
 /// Other fields keep their bytes.
 pub fn prefill_body(client: &RawObject<'_>, api: Api, want_ids: bool) -> Vec<u8> {
     let mut obj = client.clone();
+    one_token(&mut obj, api);
+    if let Some(key) = api.echo_field().filter(|_| want_ids) {
+        obj.set_raw(key, "true");
+    }
+    obj.set_raw("kv_transfer_params", PREFILL_KV_TRANSFER_PARAMS);
+    obj.to_bytes()
+}
+
+/// One token, not streamed: the API's token limit (`max_completion_tokens` only when
+/// present: it wins over `max_tokens` in chat) to 1, `min_*` removed (vLLM refuses
+/// `min_tokens > max_tokens`), `stream: false`, `stream_options` removed (refused without
+/// `stream`); a Responses leg is not stored.
+fn one_token(obj: &mut RawObject<'_>, api: Api) {
     obj.set_raw(api.limit_field(), "1");
     if obj.get("max_completion_tokens").is_some() {
         obj.set_raw("max_completion_tokens", "1");
@@ -264,11 +277,20 @@ pub fn prefill_body(client: &RawObject<'_>, api: Api, want_ids: bool) -> Vec<u8>
     if api == Api::Responses {
         obj.set_raw("store", "false");
     }
-    if let Some(key) = api.echo_field().filter(|_| want_ids) {
-        obj.set_raw(key, "true");
+}
+
+/// The release leg, from a decode body of `api`: the same request (its
+/// `kv_transfer_params`, its prompt) for one token, not streamed, without echoed ids, so
+/// the decode engine pulls the prefill's KV blocks (which frees them) at the least cost;
+/// its answer is discarded. `None` when `decode` is not a JSON object.
+pub fn release_body(decode: &[u8], api: Api) -> Option<Vec<u8>> {
+    let mut obj = RawObject::parse_bytes(decode).ok()?;
+    one_token(&mut obj, api);
+    obj.remove("return_token_ids");
+    if let Some(key) = api.echo_field() {
+        obj.remove(key);
     }
-    obj.set_raw("kv_transfer_params", PREFILL_KV_TRANSFER_PARAMS);
-    obj.to_bytes()
+    Some(obj.to_bytes())
 }
 
 /// Merges `ids` into a `kv_transfer_params` object text (or a fresh object when absent/null).
@@ -384,6 +406,29 @@ mod tests {
         }
         assert_eq!(v["kv_transfer_params"]["do_remote_decode"], true);
         assert!(String::from_utf8(out).unwrap().contains(r#""temperature":0.70"#));
+    }
+
+    #[test]
+    fn release_body_is_the_decode_for_one_token_unstreamed() {
+        let decode = br#"{"messages":[],"max_tokens":50,"max_completion_tokens":60,"min_tokens":3,"stream":true,"stream_options":{"include_usage":true},"return_token_ids":true,"kv_transfer_params":{"remote_block_ids":[[1,2]],"remote_port":5600,"prompt_token_ids":[7,8]},"temperature":0.70}"#;
+        let out = release_body(decode, Api::Chat).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!((v["max_tokens"].clone(), v["max_completion_tokens"].clone()), (1.into(), 1.into()));
+        assert_eq!(v["stream"], false);
+        for gone in ["min_tokens", "stream_options", "return_token_ids"] {
+            assert!(v.get(gone).is_none(), "{gone}");
+        }
+        let text = String::from_utf8(out).unwrap();
+        assert!(
+            text.contains(
+                r#""kv_transfer_params":{"remote_block_ids":[[1,2]],"remote_port":5600,"prompt_token_ids":[7,8]}"#
+            ),
+            "the handoff is kept byte for byte: {text}"
+        );
+        assert!(text.contains(r#""temperature":0.70"#));
+        let plain = release_body(br#"{"prompt":[1,2],"max_tokens":9}"#, Api::Completions).unwrap();
+        assert!(serde_json::from_slice::<serde_json::Value>(&plain).unwrap().get("max_completion_tokens").is_none());
+        assert_eq!(release_body(b"[1]", Api::Chat), None);
     }
 
     #[test]

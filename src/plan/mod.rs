@@ -152,6 +152,21 @@ pub struct DecodeStep {
     pub cached_tokens: Option<u64>,
     /// Why the prefill's ids were refused, for the log.
     pub refused: Option<IdsError>,
+    /// The prefill answered `kv_transfer_params`: it holds the prompt's KV blocks until this
+    /// decode pulls them (or its KV lease ends).
+    pub holds_kv: bool,
+}
+
+impl DecodeStep {
+    /// The release leg for a client gone before this decode started answering: the same
+    /// decode for one token, not streamed, answer discarded, so the decode engine pulls the
+    /// prefill's KV blocks and the prefill frees them now. `None` when the prefill holds none.
+    pub fn release_body(&self, api: Api) -> Option<Bytes> {
+        if !self.holds_kv {
+            return None;
+        }
+        crate::openai::request::release_body(&self.body, api).map(Bytes::from)
+    }
 }
 
 /// Why this request may not reuse ids whatever the engines say. `canary_key` places the
@@ -230,6 +245,7 @@ impl Orchestration<'_, '_> {
             reuse: Reuse::Fallback(FallbackReason::Stateful),
             cached_tokens: None,
             refused: None,
+            holds_kv: false,
         })
     }
 
@@ -242,6 +258,7 @@ impl Orchestration<'_, '_> {
             reuse: Reuse::Fallback(FallbackReason::PrefillFailed),
             cached_tokens: None,
             refused: None,
+            holds_kv: false,
         }
     }
 
@@ -265,6 +282,7 @@ impl Orchestration<'_, '_> {
             reuse: Reuse::of(ids.as_ref(), fallback),
             cached_tokens: handoff.cached_tokens,
             refused,
+            holds_kv: handoff.kv_transfer_params.is_some(),
         })
     }
 }
