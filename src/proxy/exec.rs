@@ -72,9 +72,15 @@ pub fn named_endpoint(addr: String) -> Picked {
 }
 
 /// What is known of the decode engine's vLLM: the pool's pinned version, else the learned
-/// one, else asked now (a failed ask is remembered, so requests do not each ask).
+/// one, else asked now. Concurrent requests wait for one ask (a burst of first requests
+/// would otherwise each ask, and one slow answer would send its request down the text
+/// path while the others learned the version); a failed ask is remembered for a pause.
 pub async fn decode_version(app: &App, route: &Route, decode: &Endpoint) -> DecodeVersion {
-    match route.decode_pool.pinned_version().or_else(|| decode.version()) {
+    if let Some(v) = route.decode_pool.pinned_version().or_else(|| decode.version()) {
+        return DecodeVersion::Known(v);
+    }
+    let _one_ask = decode.version_ask.lock().await;
+    match decode.version() {
         Some(v) => DecodeVersion::Known(v),
         None => learn_version(&app.client, decode).await.map_or(DecodeVersion::Unknown, DecodeVersion::Known),
     }
