@@ -148,8 +148,9 @@ fn messages_have_media(raw: &str) -> Result<bool, ApiError> {
     Ok(false)
 }
 
-/// Responses `input` items: a content part other than `input_text`/`output_text` (or a
-/// chat-style `text`) is media (`input_image`, `input_file`, `input_audio`, ...).
+/// Responses `input` items: a content part other than text (`input_text`, `output_text`,
+/// `reasoning_text`, `summary_text`, `refusal`, a chat-style `text`) is media
+/// (`input_image`, `input_file`, `input_audio`, ...).
 fn responses_input_has_media(raw: &str) -> Result<bool, ApiError> {
     if !raw.contains("\"type\"") && !raw.contains("\\u") {
         return Ok(false);
@@ -161,7 +162,9 @@ fn responses_input_has_media(raw: &str) -> Result<bool, ApiError> {
         let Some(content) = item.content.filter(|c| c.get().trim_start().starts_with('[')) else { continue };
         let parts: Vec<Part<'_>> = serde_json::from_str(content.get())
             .map_err(|e| ApiError::invalid(format!("input content parts must be objects: {e}"), Some("input")))?;
-        let text = |k: &str| matches!(k, "input_text" | "output_text" | "text" | "refusal");
+        let text = |k: &str| {
+            matches!(k, "input_text" | "output_text" | "text" | "refusal" | "reasoning_text" | "summary_text")
+        };
         if parts.iter().any(|p| p.kind.as_deref().is_some_and(|k| !text(k))) {
             return Ok(true);
         }
@@ -381,6 +384,22 @@ mod tests {
         }
         let text = r#"{"messages":[{"role":"user","content":"caf\u00e9"}]}"#;
         assert_eq!(view(Api::Chat, text).reuse_blocker(), None);
+    }
+
+    #[test]
+    fn responses_media_and_state_are_read() {
+        let img = r#"{"input":[{"role":"user","content":[{"type":"input_text","text":"a"},{"type":"input_image","image_url":"x"}]}]}"#;
+        assert_eq!(view(Api::Responses, img).reuse_blocker(), Some(FallbackReason::Media));
+        let text = r#"{"input":[{"type":"reasoning","content":[{"type":"reasoning_text","text":"r"}]},{"role":"user","content":[{"type":"input_text","text":"a"}]}]}"#;
+        assert_eq!(view(Api::Responses, text).reuse_blocker(), None);
+        assert_eq!(view(Api::Responses, r#"{"input":"a type"}"#).reuse_blocker(), None);
+        assert!(view(Api::Responses, r#"{"input":"a","background":true}"#).stateful);
+        assert!(!view(Api::Responses, r#"{"input":"a","previous_response_id":null}"#).stateful);
+        let ids = view(Api::Responses, r#"{"input":"a","enable_response_messages":true,"return_token_ids":false}"#);
+        assert!(ids.return_token_ids, "the client's own echo request on Responses");
+        assert_eq!(view(Api::Messages, r#"{"messages":[]}"#).reuse_blocker(), Some(FallbackReason::IdsNotEchoed));
+        let err = RequestView::parse(Api::Responses, &RawObject::parse(r#"{"model":"m"}"#).unwrap()).unwrap_err();
+        assert_eq!(err.status(), 400);
     }
 
     #[test]

@@ -253,6 +253,26 @@ fn relay_prefill_asks_for_ids_only_when_they_can_be_used() {
     assert!(prefill(&streamed, Api::Chat, ON).is_none(), "a streamed prefill cannot be read for ids");
     let n2 = format!(r#"{{"prompt":"a","n":2,{kv}}}"#);
     assert!(prefill(&n2, Api::Completions, ON).is_none());
+    let resp = format!(r#"{{"input":"x",{kv}}}"#);
+    let body = prefill(&resp, Api::Responses, ON).unwrap();
+    assert_eq!(body["enable_response_messages"], true, "Responses echo their ids only this way");
+    assert!(body.get("return_token_ids").is_none());
+    let msg = format!(r#"{{"max_tokens":1,"messages":[],{kv}}}"#);
+    assert!(prefill(&msg, Api::Messages, ON).is_none(), "Messages cannot echo: forwarded unchanged");
+}
+
+/// A relayed Responses prefill: its `input_messages` ids are cached, and the raw messages
+/// the client did not ask for are nulled again.
+#[test]
+fn relay_responses_prefill_caches_and_hides_the_raw_messages() {
+    let body = r#"{"model":"m","input":"x","kv_transfer_params":{"do_remote_decode":true}}"#;
+    let answer = r#"{"id":"r","usage":{"input_tokens":2},"input_messages":[{"message":"p","tokens":[4,5],"type":"raw_message_tokens"}],"output_messages":[{"message":"o","tokens":[9],"type":"raw_message_tokens"}],"kv_transfer_params":null}"#;
+    let (obj, view) = parsed(Api::Responses, body);
+    let RelayPlan::Prefill(p) = relay_plan(Request { obj: &obj, view: &view }, &ON, Some("c"), "req") else { panic!() };
+    let kept = p.after_prefill(answer.as_bytes());
+    assert_eq!(kept.store.unwrap().ids, vec![4, 5]);
+    let out = json(&kept.body.unwrap());
+    assert!(out["input_messages"].is_null() && out["output_messages"].is_null(), "{out}");
 }
 
 #[test]
