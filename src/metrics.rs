@@ -179,6 +179,13 @@ label_enum! {
         CacheMiss => "cache_miss",
         /// The prefill leg failed and the route sends the decode alone.
         PrefillFailed => "prefill_failed",
+        /// The API has no way to echo prompt ids on vLLM (`/v1/messages`).
+        IdsNotEchoed => "ids_not_echoed",
+        /// A Responses request that needs the decode's response store
+        /// (`previous_response_id`, `conversation`, `background`): sent to the decode alone.
+        Stateful => "stateful",
+        /// A fractional `token_reuse` left this request out of the canary share.
+        Canary => "canary",
     }
 }
 
@@ -221,8 +228,9 @@ fn api_label(api: Option<Api>) -> &'static str {
     api.map_or("other", Api::as_str)
 }
 
-/// The three `api` label values, in the order [`RouteMetrics`] tables them.
-const API_LABELS: [Option<Api>; 3] = [Some(Api::Chat), Some(Api::Completions), None];
+/// The `api` label values, in the order [`RouteMetrics`] tables them.
+const API_LABELS: [Option<Api>; 5] =
+    [Some(Api::Chat), Some(Api::Completions), Some(Api::Responses), Some(Api::Messages), None];
 
 /// The `mode` label of a request: its route's mode for the OpenAI APIs; every other
 /// request is passed through whatever its route.
@@ -238,7 +246,9 @@ fn api_index(api: Option<Api>) -> usize {
     match api {
         Some(Api::Chat) => 0,
         Some(Api::Completions) => 1,
-        None => 2,
+        Some(Api::Responses) => 2,
+        Some(Api::Messages) => 3,
+        None => 4,
     }
 }
 
@@ -574,9 +584,9 @@ impl Metrics {
 #[derive(Clone)]
 pub struct RouteMetrics {
     /// `[api][outcome]`.
-    requests: [Vec<IntCounter>; 3],
-    request_duration: [Histogram; 3],
-    time_to_first_byte: [Histogram; 3],
+    requests: [Vec<IntCounter>; 5],
+    request_duration: [Histogram; 5],
+    time_to_first_byte: [Histogram; 5],
     /// By [`Stage`].
     stages: Vec<Histogram>,
     reuse_applied: IntCounter,
@@ -686,7 +696,7 @@ mod tests {
         let r = m.route("r", Mode::Orchestrate);
         let text = String::from_utf8(Metrics::render(&registry)).unwrap();
         let count = |prefix: &str| text.lines().filter(|l| l.starts_with(prefix)).count();
-        assert_eq!(count("tokenonce_requests_total{"), 3 * Outcome::ALL.len());
+        assert_eq!(count("tokenonce_requests_total{"), API_LABELS.len() * Outcome::ALL.len());
         assert_eq!(count("tokenonce_token_reuse_total{"), 1 + FallbackReason::ALL.len());
         assert_eq!(count("tokenonce_upstream_errors_total{"), Leg::ALL.len() * ErrorKind::ALL.len());
         assert_eq!(count("tokenonce_stage_duration_seconds_count{"), Stage::ALL.len());

@@ -166,7 +166,10 @@ impl RouteTable {
             matcher: None,
             decode_pool: pool(config.passthrough_pool(), DEFAULT_ROUTE)?,
             prefill: None,
-            policy: ReusePolicy { token_reuse: false, relay_handoff: crate::config::RelayHandoff::Cache },
+            policy: ReusePolicy {
+                token_reuse: crate::config::ReuseShare::OFF,
+                relay_handoff: crate::config::RelayHandoff::Cache,
+            },
             client_handoff: ClientHandoff::Strip,
             prefill_timeout: Duration::from_millis(defaults::PREFILL_TIMEOUT_MS),
             decode_first_byte_timeout: Duration::from_millis(defaults::DECODE_FIRST_BYTE_TIMEOUT_MS),

@@ -224,7 +224,9 @@ async fn concurrent_relays_never_cross_ids() {
         assert_eq!(j["kv_transfer_params"]["prompt_token_ids"], json!(fake_tokenize(&fake_render_chat(&j))));
     }
     assert_eq!(
-        proxy.metric(r#"tokenonce_token_reuse_total{reason="none",result="applied",route="relay"}"#).await,
+        proxy
+            .metric_reaches(r#"tokenonce_token_reuse_total{reason="none",result="applied",route="relay"}"#, 256.0)
+            .await,
         256.0
     );
 }

@@ -180,8 +180,9 @@ pub struct Route {
     pub prefill: Option<Spanned<Prefill>>,
     /// Pool of the decode leg and of passthrough (required).
     pub decode_pool: Option<Field<String>>,
-    /// Reuse the prefill's prompt ids on the decode ([`TOKEN_REUSE`](super::defaults::TOKEN_REUSE)).
-    pub token_reuse: Option<Field<bool>>,
+    /// Reuse the prefill's prompt ids on the decode: `true`, `false`, or the share of
+    /// requests (a fraction from zero to one) that reuse them, a canary ([`TOKEN_REUSE`](super::defaults::TOKEN_REUSE)).
+    pub token_reuse: Option<Field<TokenReuse>>,
     /// Whole prefill leg deadline, ms ([`PREFILL_TIMEOUT_MS`](super::defaults::PREFILL_TIMEOUT_MS)).
     pub prefill_timeout_ms: Option<Field<i64>>,
     /// Decode response-header deadline, ms
@@ -220,6 +221,42 @@ pub struct Route {
     /// Unknown keys.
     #[serde(flatten)]
     pub unknown: Unknown,
+}
+
+/// `token_reuse` as written: a switch, or a share of requests (range checked by the validator).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TokenReuse {
+    /// `true` / `false`.
+    Switch(bool),
+    /// A number, meant to be a fraction from zero to one (integers are numbers too).
+    Share(f64),
+}
+
+impl<'de> Deserialize<'de> for TokenReuse {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = TokenReuse;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a boolean or a fraction between 0.0 and 1.0")
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<TokenReuse, E> {
+                Ok(TokenReuse::Switch(v))
+            }
+            fn visit_f64<E>(self, v: f64) -> Result<TokenReuse, E> {
+                Ok(TokenReuse::Share(v))
+            }
+            #[expect(clippy::cast_precision_loss, reason = "range-checked by the validator; 0 and 1 are exact")]
+            fn visit_i64<E>(self, v: i64) -> Result<TokenReuse, E> {
+                Ok(TokenReuse::Share(v as f64))
+            }
+            #[expect(clippy::cast_precision_loss, reason = "range-checked by the validator; 0 and 1 are exact")]
+            fn visit_u64<E>(self, v: u64) -> Result<TokenReuse, E> {
+                Ok(TokenReuse::Share(v as f64))
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
 }
 
 /// `[routes.match]`

@@ -8,8 +8,8 @@ pub mod model;
 
 pub use model::{
     AdminToken, AllowEntry, AllowTarget, Balance, CacheSettings, ClientHandoff, Config, ConfigError, LogFormat, Mode,
-    OnClientGone, OnPrefillFailure, PoolSpec, PrefillSource, Problem, RelayHandoff, RouteMatch, RouteOptions,
-    RouteSpec, ServerSettings, UpstreamSettings, Version,
+    OnClientGone, OnPrefillFailure, PoolSpec, PrefillSource, Problem, RelayHandoff, ReuseShare, RouteMatch,
+    RouteOptions, RouteSpec, ServerSettings, UpstreamSettings, Version,
 };
 
 /// The embedded default configuration text.
@@ -198,7 +198,11 @@ pathz = ["/x"]
         assert_eq!(message("routes[0].mode"), "`sideways` is not one of: orchestrate, relay, passthrough");
         assert_eq!(message("pools.decode.balance"), "`random` is not one of: round_robin, least_in_flight");
         assert!(message("server.threads").contains("expected i64"), "{}", message("server.threads"));
-        assert!(message("routes[1].token_reuse").contains("expected a boolean"));
+        assert!(
+            message("routes[1].token_reuse").contains("expected a boolean or a fraction between 0.0 and 1.0"),
+            "{}",
+            message("routes[1].token_reuse")
+        );
         assert_eq!(message("routes[1].match.pathz"), "unknown key `pathz`");
     }
 

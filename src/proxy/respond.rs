@@ -12,7 +12,8 @@ use pingora::proxy::Session;
 use super::error::ProxyError;
 use super::Ctx;
 use crate::metrics::{Leg, Outcome, Stage, TimeoutStage};
-use crate::openai::response::{rewrite_cached_tokens, StreamFraming};
+use crate::openai::response::{rewrite_usage_cached, StreamFraming};
+use crate::openai::Api;
 use crate::upstream::client::DROPPED_RESPONSE_HEADERS;
 use crate::upstream::Exchange;
 
@@ -234,8 +235,11 @@ async fn relay_rewritten(
     }
     ctx.app.client.release(exchange).await;
     let body = body.freeze();
-    let body =
-        std::str::from_utf8(&body).ok().and_then(|t| rewrite_cached_tokens(t, cached_tokens)).map_or(body, Bytes::from);
+    let api = ctx.api.unwrap_or(Api::Chat);
+    let body = std::str::from_utf8(&body)
+        .ok()
+        .and_then(|t| rewrite_usage_cached(api, t, cached_tokens))
+        .map_or(body, Bytes::from);
     write_buffered(session, ctx, head, body).await;
     observe_decode_total(ctx);
     Ok(())
@@ -253,7 +257,7 @@ async fn relay_stream(
     ctx.streaming = true;
     // Always framed, so a break never leaves half an event before the error event.
     let limit = ctx.route.max_sse_event_bytes;
-    let mut framing = StreamFraming::new(cached_tokens).with_event_limit(limit);
+    let mut framing = StreamFraming::for_api(ctx.api.unwrap_or(Api::Chat), cached_tokens).with_event_limit(limit);
     loop {
         let chunk = match next_chunk(session, ctx, &mut exchange, leg).await {
             Ok(chunk) => chunk,

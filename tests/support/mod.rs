@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 use tokenonce::server::{self, Listeners, Running, Signals, Stop};
 use tokio::sync::oneshot;
 
-pub use fake_vllm::{fake_render_chat, fake_tokenize, FakeConfig, FakeVllm};
+pub use fake_vllm::{
+    fake_render_chat, fake_render_messages, fake_render_responses, fake_tokenize, FakeConfig, FakeVllm,
+};
 
 /// How the harness runs tokenonce, besides the test's own config.
 #[derive(Clone, Debug)]
@@ -345,7 +347,7 @@ impl RefusedAddr {
 /// A config with one prefill fake and one decode fake on route `pd`.
 pub fn pd_config(prefill: &FakeVllm, decode: &FakeVllm, route_extra: &str) -> String {
     format!(
-        "[pools.prefill]\nendpoints = [\"{}\"]\n\n[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n{route_extra}\n[routes.match]\npaths = [\"/v1/chat/completions\", \"/v1/completions\"]\n",
+        "[pools.prefill]\nendpoints = [\"{}\"]\n\n[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n{route_extra}\n[routes.match]\npaths = [\"/v1/chat/completions\", \"/v1/completions\", \"/v1/responses\", \"/v1/messages\"]\n",
         prefill.host_port(),
         decode.host_port()
     )

@@ -16,7 +16,7 @@ use tracing_subscriber::filter::LevelFilter;
 
 use super::{
     is_host_port, parse_allow, AdminToken, CacheSettings, Choice, Config, Mode, OnClientGone, PoolSpec, PrefillSource,
-    Problem, RouteMatch, RouteOptions, RouteSpec, ServerSettings, UpstreamSettings, Version,
+    Problem, ReuseShare, RouteMatch, RouteOptions, RouteSpec, ServerSettings, UpstreamSettings, Version,
 };
 use crate::config::defaults;
 use crate::config::file::{self, Field, Unknown};
@@ -523,6 +523,18 @@ fn check_route_name(
     name.clone()
 }
 
+/// `token_reuse`: a switch, or a fraction 0.0–1.0 (a canary share).
+fn check_token_reuse(ck: &mut Checker<'_>, field: &Option<Field<file::TokenReuse>>, key: &str) -> ReuseShare {
+    match ck.get(field, key) {
+        None => ReuseShare::from_switch(defaults::TOKEN_REUSE),
+        Some((file::TokenReuse::Switch(on), _)) => ReuseShare::from_switch(*on),
+        Some((file::TokenReuse::Share(f), span)) => ReuseShare::from_fraction(*f).unwrap_or_else(|| {
+            ck.at(Some(span), key, format!("a share must be between 0.0 and 1.0, not {f}"));
+            ReuseShare::from_switch(defaults::TOKEN_REUSE)
+        }),
+    }
+}
+
 /// A route's knobs, each with its default.
 fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> RouteOptions {
     #[rustfmt::skip]
@@ -535,7 +547,7 @@ fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> 
     } = route;
     let waits = check_route_waits(ck, key, route);
     RouteOptions {
-        token_reuse: ck.get(token_reuse, &format!("{key}.token_reuse")).map_or(defaults::TOKEN_REUSE, |(v, _)| *v),
+        token_reuse: check_token_reuse(ck, token_reuse, &format!("{key}.token_reuse")),
         prefill_timeout: ck.millis(
             prefill_timeout_ms,
             &format!("{key}.prefill_timeout_ms"),
