@@ -112,8 +112,8 @@ label_enum! {
 }
 
 label_enum! {
-    /// What became of a prefill's KV blocks when the client left before the decode was
-    /// sent (`kv_releases_total{result}`).
+    /// What became of a prefill's KV blocks when the client left before the decode answered
+    /// a body byte (`kv_releases_total{result}`).
     Release {
         /// The one-token decode was sent and answered 2xx: the decode pulled the blocks.
         Released => "released",
@@ -393,7 +393,7 @@ impl Metrics {
             kv_releases: counter(
                 registry,
                 "tokenonce_kv_releases_total",
-                "Clients gone after a prefill holding KV, before the decode was sent: what became of the blocks.",
+                "Clients gone after a prefill holding KV, before the decode answered a body byte: what became of the blocks.",
                 &["route", "result"],
             )?,
             upstream_ejections: counter(

@@ -218,7 +218,7 @@ impl Choice for OnPrefillFailure {
 }
 
 /// What an orchestrate route does when the client leaves after a prefill that holds KV
-/// blocks for the decode, before the decode leg was sent.
+/// blocks for the decode, before the decode answered a byte of its body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OnClientGone {
     /// Send the decode anyway with one token, not streamed, and discard its answer: the

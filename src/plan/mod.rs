@@ -155,17 +155,19 @@ pub struct DecodeStep {
     /// The prefill answered `kv_transfer_params`: it holds the prompt's KV blocks until this
     /// decode pulls them (or its KV lease ends).
     pub holds_kv: bool,
+    /// The request's API (the release leg's limit and echo fields).
+    pub api: Api,
 }
 
 impl DecodeStep {
     /// The release leg for a client gone before this decode started answering: the same
     /// decode for one token, not streamed, answer discarded, so the decode engine pulls the
     /// prefill's KV blocks and the prefill frees them now. `None` when the prefill holds none.
-    pub fn release_body(&self, api: Api) -> Option<Bytes> {
+    pub fn release_body(&self) -> Option<Bytes> {
         if !self.holds_kv {
             return None;
         }
-        crate::openai::request::release_body(&self.body, api).map(Bytes::from)
+        crate::openai::request::release_body(&self.body, self.api).map(Bytes::from)
     }
 }
 
@@ -246,6 +248,7 @@ impl Orchestration<'_, '_> {
             cached_tokens: None,
             refused: None,
             holds_kv: false,
+            api: self.request.view.api,
         })
     }
 
@@ -259,6 +262,7 @@ impl Orchestration<'_, '_> {
             cached_tokens: None,
             refused: None,
             holds_kv: false,
+            api: self.request.view.api,
         }
     }
 
@@ -283,6 +287,7 @@ impl Orchestration<'_, '_> {
             cached_tokens: handoff.cached_tokens,
             refused,
             holds_kv: handoff.kv_transfer_params.is_some(),
+            api,
         })
     }
 }

@@ -223,7 +223,7 @@ fn a_release_leg_exactly_when_the_prefill_holds_kv() {
         let plan = orchestrate(Request { obj: &obj, view: &view }, &ON, version, "req");
         let step = plan.after_prefill(answer.as_bytes()).unwrap();
         assert!(step.holds_kv);
-        let release = json(&step.release_body(Api::Chat).expect("a release leg"));
+        let release = json(&step.release_body().expect("a release leg"));
         assert_eq!((release["max_tokens"].clone(), release["stream"].clone()), (1.into(), false.into()));
         assert_eq!(release["kv_transfer_params"]["remote_port"], 5600);
         assert_eq!(release["kv_transfer_params"]["remote_engine_id"], "e");
@@ -231,8 +231,8 @@ fn a_release_leg_exactly_when_the_prefill_holds_kv() {
     let (obj, view) = parsed(Api::Completions, CMPL);
     let plan = orchestrate(Request { obj: &obj, view: &view }, &ON, V32, "req");
     let step = plan.after_prefill(CMPL_ANSWER.as_bytes()).unwrap();
-    assert!(!step.holds_kv && step.release_body(Api::Completions).is_none(), "kv_transfer_params null: nothing held");
-    assert!(plan.decode_alone().release_body(Api::Completions).is_none());
+    assert!(!step.holds_kv && step.release_body().is_none(), "kv_transfer_params null: nothing held");
+    assert!(plan.decode_alone().release_body().is_none());
 }
 
 /// Relay: a request is a prefill when its kv params say `do_remote_decode`.

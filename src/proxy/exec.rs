@@ -19,7 +19,7 @@ use super::Ctx;
 use crate::config::{OnClientGone, OnPrefillFailure};
 use crate::metrics::{ErrorKind, Leg, Release, Stage, TimeoutStage};
 use crate::openai::response::HandoffError;
-use crate::openai::{Api, IdsError};
+use crate::openai::IdsError;
 use crate::plan::{DecodeStep, DecodeVersion, Orchestration, Reuse};
 use crate::routes::Route;
 use crate::upstream::client::CREDENTIAL_HEADERS;
@@ -358,7 +358,7 @@ const RELEASE_ANSWER_LIMIT: usize = 1024 * 1024;
 /// discards the answer within `release_timeout_ms`, so the decode pulls the blocks and the
 /// prefill frees them now; `abandon` sends nothing. Counted in `kv_releases_total`.
 async fn release(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, step: &DecodeStep) {
-    let Some(body) = step.release_body(ctx.api.unwrap_or(Api::Chat)) else { return };
+    let Some(body) = step.release_body() else { return };
     let route = &ctx.route;
     if route.on_client_gone == OnClientGone::Abandon {
         route.metrics.kv_release(Release::Abandoned);
