@@ -463,16 +463,22 @@ fn ratio(a: f64, b: f64) -> String {
 struct Options {
     rounds: usize,
     quick: bool,
+    /// Only workloads whose label contains this (`--only "chat 37k"`); skips the rest of the run.
+    only: Option<String>,
+    /// Only these proxies (`--peers a,a0,c,d`).
+    peers: Option<String>,
 }
 
 fn options() -> Options {
-    let mut o = Options { rounds: 60, quick: false };
+    let mut o = Options { rounds: 60, quick: false, only: None, peers: None };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--bench" => {}
             "--rounds" => o.rounds = args.next().and_then(|v| v.parse::<usize>().ok()).expect("--rounds N").max(1),
             "--quick" => o.quick = true,
+            "--only" => o.only = args.next(),
+            "--peers" => o.peers = args.next(),
             other => eprintln!("peers: ignoring unknown argument {other:?}"),
         }
     }
@@ -540,6 +546,13 @@ async fn run(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVll
     for (peer, x) in &externals {
         targets.push(Target { peer: *peer, url: x.url.clone(), pid: x.child.id() });
     }
+    if let Some(list) = &opts.peers {
+        let wanted: Vec<&str> = list.split(',').collect();
+        targets.retain(|t| wanted.iter().any(|w| t.peer.name().starts_with(&format!("({w})"))));
+    }
+    for t in &targets {
+        eprintln!("peers: {} pid {}", t.peer.name(), t.pid);
+    }
     header(opts);
 
     // Latency and CPU per workload.
@@ -548,6 +561,9 @@ async fn run(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVll
         for chat in [true, false] {
             for stream in [false, true] {
                 let w = Workload { chat, stream, words: words_n };
+                if opts.only.as_ref().is_some_and(|o| !w.label().contains(o.as_str())) {
+                    continue;
+                }
                 let b = Bodies::new(w);
                 let rounds = if words_n > 10_000 { (opts.rounds / 4).max(5) } else { opts.rounds };
                 eprintln!("peers: {} ...", w.label());
@@ -564,6 +580,9 @@ async fn run(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVll
     print_latency(&rows);
     print_cpu(&rows);
     goals(&rows);
+    if opts.only.is_some() {
+        return;
+    }
 
     // Throughput at concurrency 64.
     let w = Workload { chat: true, stream: false, words: 1_000 };
