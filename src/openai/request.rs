@@ -321,7 +321,12 @@ pub fn decode_body(
     let kv = kv_transfer_params.filter(|raw| !is_null(Some(raw)));
     match (api, ids) {
         (Api::Chat | Api::Responses | Api::Messages, Some(ids)) => {
-            obj.set_raw("kv_transfer_params", kv_params_with_ids(kv, ids));
+            // Written straight into the body: the ids are copied once (kv_params_with_ids
+            // would copy them into a string, and the body would copy that).
+            let mut kv_obj = kv.and_then(|raw| RawObject::parse(raw).ok()).unwrap_or_default();
+            kv_obj.set_raw("prompt_token_ids", ids.as_json());
+            obj.set_raw("kv_transfer_params", "null");
+            return obj.to_bytes_nesting("kv_transfer_params", &kv_obj);
         }
         (Api::Completions, Some(ids)) => {
             obj.set_raw("prompt", ids.as_json());

@@ -216,6 +216,11 @@ impl FakeVllm {
         self.shared.requests.lock().unwrap().clone()
     }
 
+    /// Drops the requests recorded so far (long benches would otherwise keep every body).
+    pub fn forget(&self) {
+        self.shared.requests.lock().unwrap().clear();
+    }
+
     /// POST requests received so far.
     pub fn posts(&self) -> Vec<Recorded> {
         self.requests().into_iter().filter(|r| r.method == "POST").collect()

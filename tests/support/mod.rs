@@ -32,11 +32,19 @@ pub struct Settings {
     pub server_extra: String,
     /// More `[upstream]` lines (e.g. `eject_after_failures = 2`).
     pub upstream_extra: String,
+    /// `server.threads`.
+    pub threads: u32,
 }
 
 impl Default for Settings {
     fn default() -> Self {
-        Self { health_interval_ms: 200, log: "info".into(), server_extra: String::new(), upstream_extra: String::new() }
+        Self {
+            health_interval_ms: 200,
+            log: "info".into(),
+            server_extra: String::new(),
+            upstream_extra: String::new(),
+            threads: 2,
+        }
     }
 }
 
@@ -257,8 +265,8 @@ impl Drop for TokenOnce {
 /// The `[server]` and `[upstream]` sections the harness puts above a test's config.
 fn server_section(settings: &Settings) -> String {
     format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nthreads = 2\ngrace_period_seconds = 1\ngraceful_shutdown_timeout_seconds = 1\n{}\n[upstream]\nhealth_interval_ms = {}\n{}\n\n",
-        settings.server_extra, settings.health_interval_ms, settings.upstream_extra
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nthreads = {}\ngrace_period_seconds = 1\ngraceful_shutdown_timeout_seconds = 1\n{}\n[upstream]\nhealth_interval_ms = {}\n{}\n\n",
+        settings.threads, settings.server_extra, settings.health_interval_ms, settings.upstream_extra
     )
 }
 
