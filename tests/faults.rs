@@ -1,0 +1,594 @@
+//! The fault matrix (issue 8 point 9): tokenonce between fault-injecting engines
+//! (`tests/support/fault_engine.rs`, each a raw HTTP front on a fake vLLM) whose behaviour
+//! each case selects, over the prefill leg, the decode leg, the client and the config. Every
+//! case asserts what README's "Failure behaviour" table documents: the client's status and
+//! answer (error code), the metric deltas, what each engine read and which exchanges
+//! tokenonce closed, and a generous time bound. Table rows are [`Case`]s; scenarios that need
+//! several steps (reloads, restarts, failover, ejection) are functions below the table.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use support::fault_engine::{At, End, Fault, FaultEngine};
+use support::*;
+
+/// The request a case sends.
+#[derive(Clone, Copy, Debug)]
+enum Api {
+    Chat,
+    ChatStream,
+    Completions,
+    CompletionsStream,
+}
+
+impl Api {
+    fn path(self) -> &'static str {
+        match self {
+            Self::Chat | Self::ChatStream => "/v1/chat/completions",
+            Self::Completions | Self::CompletionsStream => "/v1/completions",
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Self::Chat | Self::ChatStream => "chat",
+            Self::Completions | Self::CompletionsStream => "completions",
+        }
+    }
+
+    fn body(self) -> Value {
+        let stream = matches!(self, Self::ChatStream | Self::CompletionsStream);
+        match self {
+            Self::Chat | Self::ChatStream => chat_body("what does the fault matrix check", json!({"stream": stream})),
+            Self::Completions | Self::CompletionsStream => json!({
+                "model": "tiny-qwen3", "prompt": "the fault matrix checks every failure", "max_tokens": 5, "stream": stream
+            }),
+        }
+    }
+}
+
+/// What the client does.
+#[derive(Clone, Copy, Debug)]
+enum Client {
+    /// Reads the whole answer.
+    Reads,
+    /// Gives up (closes the connection) after this many ms without the answer head.
+    LeavesAfterMs(u64),
+    /// Reads the head and the first body chunk of a stream, then closes the connection.
+    LeavesAfterFirstChunk,
+}
+
+/// What the client must get.
+#[derive(Clone, Copy, Debug)]
+enum Answer {
+    /// A completion: JSON with choices; streamed, events ending in `[DONE]` and no error.
+    Completion,
+    /// tokenonce's JSON error with this code.
+    Error(&'static str),
+    /// Exactly these bytes (an engine's answer relayed unchanged).
+    Exactly(&'static str),
+    /// A stream: whole events (each valid JSON), then an error event with this code, then `[DONE]`.
+    StreamThenError(&'static str),
+    /// Nothing: the client left.
+    Nothing,
+}
+
+/// A counter that must rise by one.
+#[derive(Clone, Copy, Debug)]
+enum Count {
+    /// `upstream_errors_total{stage, kind}`.
+    Err(&'static str, &'static str),
+    /// `requests_total{outcome}` of the case's API and route.
+    Outcome(&'static str),
+    /// `token_reuse_total{result="fallback", reason}`.
+    Fallback(&'static str),
+    /// `token_reuse_total{result="applied"}`.
+    Applied,
+    /// `upstream_retries_total{stage}`.
+    Retry(&'static str),
+}
+
+impl Count {
+    fn series(self, case: &Case) -> String {
+        let route = case.route_name();
+        match self {
+            Self::Err(stage, kind) => format!(r#"tokenonce_upstream_errors_total{{kind="{kind}",stage="{stage}"}}"#),
+            Self::Outcome(outcome) => format!(
+                r#"tokenonce_requests_total{{api="{}",mode="{}",outcome="{outcome}",route="{route}"}}"#,
+                case.api.label(),
+                case.mode.label()
+            ),
+            Self::Fallback(reason) => {
+                format!(r#"tokenonce_token_reuse_total{{reason="{reason}",result="fallback",route="{route}"}}"#)
+            }
+            Self::Applied => {
+                format!(r#"tokenonce_token_reuse_total{{reason="none",result="applied",route="{route}"}}"#)
+            }
+            Self::Retry(stage) => format!(r#"tokenonce_upstream_retries_total{{stage="{stage}"}}"#),
+        }
+    }
+}
+
+/// An engine of a case: up with a fault on every POST, or down (connects refused).
+#[derive(Clone, Copy, Debug)]
+enum Engine {
+    Up(Fault),
+    Down,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    Orchestrate,
+    Passthrough,
+}
+
+impl Mode {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Orchestrate => "orchestrate",
+            Self::Passthrough => "passthrough",
+        }
+    }
+}
+
+/// One row of the matrix.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    mode: Mode,
+    prefill: Engine,
+    decode: Engine,
+    /// Changes the fake behind the prefill engine.
+    prefill_fake: fn(&mut FakeConfig),
+    /// More keys of the route.
+    route: &'static str,
+    api: Api,
+    client: Client,
+    /// The status the client gets (0: none, it left).
+    status: u16,
+    answer: Answer,
+    /// Counters that rise by one each; `upstream_errors_total` as a whole rises by exactly
+    /// the `Err` entries.
+    counted: &'static [Count],
+    /// POSTs each engine read whole: (prefill, decode).
+    saw: (usize, usize),
+    /// Exchanges tokenonce closed while the engine held or relayed them: (prefill, decode).
+    closed: (usize, usize),
+    /// Whether the decode's body carried the prefill's ids (checked when it got one).
+    reused: Option<bool>,
+    /// The whole case, request to answer, within this.
+    within_ms: u64,
+}
+
+fn unchanged(_: &mut FakeConfig) {}
+
+/// The happy path: both engines pass, a chat request is answered with reuse applied.
+const OK: Case = Case {
+    mode: Mode::Orchestrate,
+    prefill: Engine::Up(Fault::Pass),
+    decode: Engine::Up(Fault::Pass),
+    prefill_fake: unchanged,
+    route: "",
+    api: Api::Chat,
+    client: Client::Reads,
+    status: 200,
+    answer: Answer::Completion,
+    counted: &[Count::Applied, Count::Outcome("success")],
+    saw: (1, 1),
+    closed: (0, 0),
+    reused: Some(true),
+    within_ms: 10_000,
+};
+
+/// An engine's error body, relayed unchanged.
+const ENGINE_503: &str =
+    "{\"error\":{\"message\":\"engine overloaded\",\"type\":\"ServiceUnavailable\",\"param\":null,\"code\":503}}";
+/// Bytes that are not HTTP.
+const GARBAGE: &[u8] = b"SSH-2.0-OpenSSH_9.6\r\n\x00\x01\x02 not http at all";
+/// Short deadlines, so timeouts are quick to meet.
+const SHORT_PREFILL: &str = "prefill_timeout_ms = 500\n";
+const SHORT_DECODE: &str = "decode_first_byte_timeout_ms = 500\n";
+const DECODE_ALONE: &str = "on_prefill_failure = \"decode_alone\"\n";
+
+impl Case {
+    fn route_name(&self) -> &'static str {
+        match self.mode {
+            Mode::Orchestrate => "pd",
+            Mode::Passthrough => "pt",
+        }
+    }
+
+    fn config(&self, prefill: &str, decode: &str) -> String {
+        let (mode, prefill_key) = match self.mode {
+            Mode::Orchestrate => ("orchestrate", "prefill = { pool = \"prefill\" }\n"),
+            Mode::Passthrough => ("passthrough", ""),
+        };
+        let model = match self.mode {
+            // A model match makes tokenonce read the body and send the leg itself.
+            Mode::Passthrough => "model = \"*\"\n",
+            Mode::Orchestrate => "",
+        };
+        format!(
+            "[pools.prefill]\nendpoints = [\"{prefill}\"]\n\n[pools.decode]\nendpoints = [\"{decode}\"]\n\n[[routes]]\nname = \"{}\"\nmode = \"{mode}\"\ndecode_pool = \"decode\"\n{prefill_key}{}\n[routes.match]\npaths = [\"/v1/chat/completions\", \"/v1/completions\"]\n{model}",
+            self.route_name(),
+            self.route
+        )
+    }
+}
+
+/// Starts a fault engine in front of `fake` as `engine` says.
+async fn engine(fake: &FakeVllm, engine: Engine) -> FaultEngine {
+    match engine {
+        Engine::Up(fault) => FaultEngine::with(fake, fault).await,
+        Engine::Down => {
+            let e = FaultEngine::start(fake).await;
+            e.stop().await;
+            e
+        }
+    }
+}
+
+/// Sends the case's request as its client behaves: status (0 when it left) and body.
+async fn send(url: &str, api: Api, client: Client) -> (u16, String) {
+    let body = api.body();
+    match client {
+        Client::Reads => {
+            let (status, _, text) = post_json(&format!("{url}{}", api.path()), &body, &[]).await;
+            (status, text)
+        }
+        Client::LeavesAfterMs(ms) => {
+            let http = reqwest::Client::builder().timeout(Duration::from_millis(ms)).build().unwrap();
+            let sent = http.post(format!("{url}{}", api.path())).json(&body).send().await;
+            assert!(sent.as_ref().is_err_and(reqwest::Error::is_timeout), "the client meant to give up: {sent:?}");
+            (0, String::new())
+        }
+        Client::LeavesAfterFirstChunk => {
+            let resp = reqwest::Client::new().post(format!("{url}{}", api.path())).json(&body).send().await.unwrap();
+            let status = resp.status().as_u16();
+            let mut stream = resp.bytes_stream();
+            let first = tokio::time::timeout(Duration::from_secs(10), futures_util::StreamExt::next(&mut stream))
+                .await
+                .expect("a first chunk within 10 s");
+            assert!(first.is_some_and(|c| c.is_ok()), "a first chunk");
+            (status, String::new())
+        }
+    }
+}
+
+/// Checks the client's answer.
+fn check_answer(answer: Answer, api: Api, text: &str) {
+    match answer {
+        Answer::Nothing => {}
+        Answer::Exactly(want) => assert_eq!(text, want),
+        Answer::Error(code) => {
+            let json: Value = serde_json::from_str(text).unwrap_or_else(|_| panic!("not JSON: {text}"));
+            assert_eq!(json["error"]["code"], code, "{text}");
+            assert!(json["error"]["message"].is_string() && json["error"]["type"].is_string(), "{text}");
+            assert!(!text.contains("127.0.0.1"), "an internal address in {text}");
+        }
+        Answer::Completion if matches!(api, Api::ChatStream | Api::CompletionsStream) => {
+            assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+            assert!(!text.contains("\"error\""), "{text}");
+            assert!(whole_events(text).len() >= 2, "{text}");
+        }
+        Answer::Completion => {
+            let json: Value = serde_json::from_str(text).unwrap_or_else(|_| panic!("not JSON: {text}"));
+            assert!(json["choices"].as_array().is_some_and(|c| !c.is_empty()), "{text}");
+        }
+        Answer::StreamThenError(code) => {
+            let events = whole_events(text);
+            assert!(text.ends_with("\n\ndata: [DONE]\n\n"), "{text}");
+            let (last, before) = events.split_last().unwrap();
+            assert_eq!(last["error"]["code"], code, "{text}");
+            assert!(!before.is_empty(), "events before the break: {text}");
+            assert!(before.iter().all(|e| e.get("error").is_none()), "{text}");
+        }
+    }
+}
+
+/// The JSON of every `data:` event but `[DONE]`; each must parse (no half event).
+fn whole_events(text: &str) -> Vec<Value> {
+    text.split("\n\n")
+        .filter(|e| !e.is_empty() && *e != "data: [DONE]")
+        .map(|e| {
+            let data = e.strip_prefix("data: ").unwrap_or_else(|| panic!("not an event: {e:?} in {text}"));
+            serde_json::from_str(data).unwrap_or_else(|_| panic!("half an event: {e:?} in {text}"))
+        })
+        .collect()
+}
+
+/// The sum of every `upstream_errors_total` sample.
+async fn upstream_errors(proxy: &TokenOnce) -> f64 {
+    let text = proxy.metrics().await;
+    text.lines()
+        .filter(|l| l.starts_with("tokenonce_upstream_errors_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Waits (bounded: 5 s) until `got()` equals `want`, then asserts it.
+async fn settles<T: PartialEq + std::fmt::Debug>(what: &str, want: T, got: impl Fn() -> T) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while got() != want && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(got(), want, "{what}");
+}
+
+/// Runs one row of the matrix.
+async fn run(case: Case) {
+    let mut prefill_config = FakeConfig::default();
+    (case.prefill_fake)(&mut prefill_config);
+    let (pf, df) = (FakeVllm::start(prefill_config).await, FakeVllm::start(FakeConfig::default()).await);
+    let (p, d) = (engine(&pf, case.prefill).await, engine(&df, case.decode).await);
+    let proxy = TokenOnce::start(&case.config(&p.host_port(), &d.host_port())).await;
+    let series: Vec<String> = case.counted.iter().map(|c| c.series(&case)).collect();
+    let mut before = Vec::new();
+    for s in &series {
+        before.push(proxy.metric(s).await);
+    }
+    let errors_before = upstream_errors(&proxy).await;
+
+    let started = Instant::now();
+    let (status, text) = send(&proxy.url, case.api, case.client).await;
+    let took = started.elapsed();
+    assert_eq!(status, case.status, "{text}");
+    check_answer(case.answer, case.api, &text);
+    assert!(took < Duration::from_millis(case.within_ms), "took {took:?}, bound {} ms", case.within_ms);
+
+    settles("POSTs the prefill engine read", case.saw.0, || p.posts().len()).await;
+    settles("POSTs the decode engine read", case.saw.1, || d.posts().len()).await;
+    settles("prefill exchanges tokenonce closed", case.closed.0, || p.ended(End::ClosedByPeer)).await;
+    settles("decode exchanges tokenonce closed", case.closed.1, || d.ended(End::ClosedByPeer)).await;
+    if let (Some(reused), Some(decode)) = (case.reused, d.posts().first()) {
+        let body = decode.json();
+        let carried = match case.api {
+            Api::Chat | Api::ChatStream => body["kv_transfer_params"]["prompt_token_ids"].is_array(),
+            Api::Completions | Api::CompletionsStream => body["prompt"].is_array(),
+        };
+        assert_eq!(carried, reused, "decode body: {body}");
+    }
+    for (i, s) in series.iter().enumerate() {
+        let want = before[i] + series.iter().filter(|o| *o == s).count() as f64;
+        assert_eq!(proxy.metric_reaches(s, want).await, want, "{s}");
+    }
+    let errors = case.counted.iter().filter(|c| matches!(c, Count::Err(..))).count() as f64;
+    assert_eq!(upstream_errors(&proxy).await - errors_before, errors, "upstream_errors_total overall");
+}
+
+/// One `#[tokio::test]` per row.
+macro_rules! matrix {
+    ($($(#[doc = $doc:literal])* $name:ident: $case:expr;)+) => {
+        $(
+            $(#[doc = $doc])*
+            #[tokio::test(flavor = "multi_thread")]
+            async fn $name() {
+                run($case).await;
+            }
+        )+
+    };
+}
+
+use Count::{Applied, Err as UpErr, Fallback, Outcome, Retry};
+
+matrix! {
+    // ---- baselines: the fault engines relay the fakes unchanged ----
+    /// Both engines healthy: chat answered with reuse.
+    baseline_chat: OK;
+    /// Both healthy, completions streamed: ids as the decode's prompt.
+    baseline_completions_stream: Case { api: Api::CompletionsStream, ..OK };
+
+    // ---- prefill ----
+    /// Prefill down: the connect is retried once (the engine never got it), then 502.
+    prefill_down: Case {
+        prefill: Engine::Down, status: 502, answer: Answer::Error("prefill_unavailable"),
+        counted: &[UpErr("prefill", "connect"), Retry("prefill"), Outcome("server_error")], saw: (0, 0), ..OK
+    };
+    /// Prefill accepts and never answers: 504 at `prefill_timeout_ms`, its connection closed.
+    prefill_hangs_before_headers: Case {
+        prefill: Engine::Up(Fault::HangBeforeHead), route: SHORT_PREFILL, status: 504,
+        answer: Answer::Error("prefill_timeout"), counted: &[UpErr("prefill", "timeout"), Outcome("server_error")],
+        saw: (1, 0), closed: (1, 0), within_ms: 5_000, ..OK
+    };
+    /// Prefill sends its head and part of the body, then nothing: the whole-leg deadline holds.
+    prefill_hangs_mid_body: Case {
+        prefill: Engine::Up(Fault::Stall(At::body(40))), route: SHORT_PREFILL, status: 504,
+        answer: Answer::Error("prefill_timeout"), counted: &[UpErr("prefill", "timeout"), Outcome("server_error")],
+        saw: (1, 0), closed: (1, 0), within_ms: 5_000, ..OK
+    };
+    /// Prefill answers 503 with a body: relayed unchanged, no decode.
+    prefill_5xx_with_body: Case {
+        prefill: Engine::Up(Fault::Status(503, ENGINE_503)), status: 503, answer: Answer::Exactly(ENGINE_503),
+        counted: &[UpErr("prefill", "status_5xx"), Outcome("server_error")], saw: (1, 0), ..OK
+    };
+    /// Prefill answers 500 with an empty body: relayed as is (empty), no decode.
+    prefill_5xx_without_body: Case {
+        prefill: Engine::Up(Fault::Status(500, "")), status: 500, answer: Answer::Exactly(""),
+        counted: &[UpErr("prefill", "status_5xx"), Outcome("server_error")], saw: (1, 0), ..OK
+    };
+    /// Prefill answers bytes that are not HTTP: 502, not re-sent (it read the request).
+    prefill_garbage: Case {
+        prefill: Engine::Up(Fault::Garbage(GARBAGE)), status: 502, answer: Answer::Error("prefill_unavailable"),
+        counted: &[UpErr("prefill", "io"), Outcome("server_error")], saw: (1, 0), ..OK
+    };
+    /// Prefill answers 200 with a body that is not JSON: 502 `prefill_bad_response`.
+    prefill_non_json_200: Case {
+        prefill: Engine::Up(Fault::Status(200, "<html>upstream says hi</html>")), status: 502,
+        answer: Answer::Error("prefill_bad_response"), counted: &[UpErr("prefill", "bad_response"), Outcome("server_error")],
+        saw: (1, 0), ..OK
+    };
+    /// Prefill closes mid-body: 502, the leg not re-sent.
+    prefill_cut_mid_body: Case {
+        prefill: Engine::Up(Fault::Cut(At::body(40))), status: 502, answer: Answer::Error("prefill_unavailable"),
+        counted: &[UpErr("prefill", "io"), Outcome("server_error")], saw: (1, 0), ..OK
+    };
+    /// Prefill reads the request and closes without a byte: 502, not re-sent (it may run it).
+    prefill_closes_after_reading: Case {
+        prefill: Engine::Up(Fault::CloseAfterRead), status: 502, answer: Answer::Error("prefill_unavailable"),
+        counted: &[UpErr("prefill", "io"), Outcome("server_error")], saw: (1, 0), ..OK
+    };
+    /// Prefill answers 400: the client's error, relayed, never failed over, no decode.
+    prefill_4xx: Case {
+        prefill: Engine::Up(Fault::Status(400, "{\"error\":\"bad\"}")), status: 400,
+        answer: Answer::Exactly("{\"error\":\"bad\"}"), counted: &[Outcome("client_error")], saw: (1, 0), ..OK
+    };
+    /// Prefill echoes no ids: text decode, `ids_missing`.
+    prefill_ids_missing: Case {
+        prefill_fake: |c| c.omit_prompt_ids = true, counted: &[Fallback("ids_missing"), Outcome("success")],
+        reused: Some(false), ..OK
+    };
+    /// Prefill echoes ids that are not integers: text decode, `ids_malformed`.
+    prefill_ids_malformed: Case {
+        prefill_fake: |c| c.corrupt_prompt_ids = Some("[1,2,\"three\",-4]".into()),
+        counted: &[Fallback("ids_malformed"), Outcome("success")], reused: Some(false), ..OK
+    };
+    /// Prefill echoes 2 M ids for a short prompt (count ≠ `usage.prompt_tokens`): refused
+    /// in bounded time, text decode, `ids_malformed`; the 2 M ids never reach the decode.
+    prefill_ids_2m_long: Case {
+        prefill_fake: |c| c.corrupt_prompt_ids = Some(format!("[{}]", vec!["151"; 2_000_000].join(","))),
+        counted: &[Fallback("ids_malformed"), Outcome("success")], reused: Some(false), within_ms: 20_000, ..OK
+    };
+    /// Completions, ids malformed: text decode (the client's prompt string).
+    prefill_ids_malformed_completions: Case {
+        api: Api::Completions, prefill_fake: |c| c.corrupt_prompt_ids = Some("[1.5]".into()),
+        counted: &[Fallback("ids_malformed"), Outcome("success")], reused: Some(false), ..OK
+    };
+    /// `decode_alone`: prefill down, the decode serves the client's request alone.
+    prefill_down_decode_alone: Case {
+        prefill: Engine::Down, route: DECODE_ALONE,
+        counted: &[UpErr("prefill", "connect"), Retry("prefill"), Fallback("prefill_failed"), Outcome("success")],
+        saw: (0, 1), reused: Some(false), ..OK
+    };
+    /// `decode_alone`: prefill hangs, at `prefill_timeout_ms` the decode serves alone.
+    prefill_hangs_decode_alone: Case {
+        prefill: Engine::Up(Fault::HangBeforeHead), route: "prefill_timeout_ms = 500\non_prefill_failure = \"decode_alone\"\n",
+        counted: &[UpErr("prefill", "timeout"), Fallback("prefill_failed"), Outcome("success")],
+        saw: (1, 1), closed: (1, 0), reused: Some(false), within_ms: 5_000, ..OK
+    };
+    /// `decode_alone`: prefill answers garbage, the decode serves alone (streamed).
+    prefill_garbage_decode_alone: Case {
+        prefill: Engine::Up(Fault::Garbage(GARBAGE)), route: DECODE_ALONE, api: Api::ChatStream,
+        counted: &[UpErr("prefill", "io"), Fallback("prefill_failed"), Outcome("success")],
+        saw: (1, 1), reused: Some(false), ..OK
+    };
+    /// `decode_alone` never follows a 4xx: the client's error stays the answer.
+    prefill_4xx_decode_alone: Case {
+        prefill: Engine::Up(Fault::Status(400, "{\"error\":\"bad\"}")), route: DECODE_ALONE, status: 400,
+        answer: Answer::Exactly("{\"error\":\"bad\"}"), counted: &[Outcome("client_error")], saw: (1, 0), ..OK
+    };
+
+    // ---- decode ----
+    /// Decode down: retried once (never got it), then 502 after a good prefill.
+    decode_down: Case {
+        decode: Engine::Down, status: 502, answer: Answer::Error("decode_unavailable"),
+        counted: &[UpErr("decode", "connect"), Retry("decode"), Outcome("server_error")], saw: (1, 0), ..OK
+    };
+    /// Decode never sends a head: 504 at `decode_first_byte_timeout_ms`, its connection closed.
+    decode_hangs_before_headers: Case {
+        decode: Engine::Up(Fault::HangBeforeHead), route: SHORT_DECODE, status: 504,
+        answer: Answer::Error("decode_timeout"), counted: &[UpErr("decode", "timeout"), Outcome("server_error")],
+        closed: (0, 1), within_ms: 5_000, ..OK
+    };
+    /// Streamed decode never sends a head: the same 504.
+    decode_stream_hangs_before_headers: Case {
+        decode: Engine::Up(Fault::HangBeforeHead), route: SHORT_DECODE, api: Api::ChatStream, status: 504,
+        answer: Answer::Error("decode_timeout"), counted: &[UpErr("decode", "timeout"), Outcome("server_error")],
+        closed: (0, 1), within_ms: 5_000, ..OK
+    };
+    /// Decode answers 503 with a body: the engine's answer relayed unchanged.
+    decode_5xx_with_body: Case {
+        decode: Engine::Up(Fault::Status(503, ENGINE_503)), status: 503, answer: Answer::Exactly(ENGINE_503),
+        counted: &[Applied, Outcome("server_error")], ..OK
+    };
+    /// Decode answers 502 with no body: relayed as is.
+    decode_5xx_without_body: Case {
+        decode: Engine::Up(Fault::Status(502, "")), status: 502, answer: Answer::Exactly(""),
+        counted: &[Applied, Outcome("server_error")], ..OK
+    };
+    /// Decode answers bytes that are not HTTP: 502, not re-sent.
+    decode_garbage: Case {
+        decode: Engine::Up(Fault::Garbage(GARBAGE)), status: 502, answer: Answer::Error("decode_unavailable"),
+        counted: &[UpErr("decode", "io"), Outcome("server_error")], ..OK
+    };
+    /// Decode answers 200 that is not JSON: the decode's answer is the client's, relayed as is.
+    decode_non_json_200: Case {
+        decode: Engine::Up(Fault::Status(200, "not json at all")), answer: Answer::Exactly("not json at all"),
+        counted: &[Applied, Outcome("success")], ..OK
+    };
+    /// Decode closes mid-body (not streamed, nothing sent to the client yet): 502.
+    decode_cut_mid_body: Case {
+        decode: Engine::Up(Fault::Cut(At::body(40))), status: 502, answer: Answer::Error("decode_unavailable"),
+        counted: &[UpErr("decode", "io"), Outcome("server_error")], ..OK
+    };
+    /// Decode reads the request and closes: 502, not re-sent (a decode must not run twice).
+    decode_closes_after_reading: Case {
+        decode: Engine::Up(Fault::CloseAfterRead), status: 502, answer: Answer::Error("decode_unavailable"),
+        counted: &[UpErr("decode", "io"), Outcome("server_error")], ..OK
+    };
+    /// Chat stream cut in the middle of its third event: the two whole events, the error
+    /// event, `[DONE]`.
+    decode_cut_mid_sse_event: Case {
+        decode: Engine::Up(Fault::Cut(At::event(3, 10))), api: Api::ChatStream,
+        answer: Answer::StreamThenError("decode_stream_failed"),
+        counted: &[Applied, UpErr("decode", "stream_broken"), Outcome("server_error")], ..OK
+    };
+    /// Completions stream cut in the middle of its second event.
+    decode_cut_mid_sse_event_completions: Case {
+        decode: Engine::Up(Fault::Cut(At::event(2, 25))), api: Api::CompletionsStream,
+        answer: Answer::StreamThenError("decode_stream_failed"),
+        counted: &[Applied, UpErr("decode", "stream_broken"), Outcome("server_error")], ..OK
+    };
+    /// Chat stream cut right after an event's blank line: no event lost, then the error.
+    decode_cut_between_sse_events: Case {
+        decode: Engine::Up(Fault::Cut(At::event(3, 0))), api: Api::ChatStream,
+        answer: Answer::StreamThenError("decode_stream_failed"),
+        counted: &[Applied, UpErr("decode", "stream_broken"), Outcome("server_error")], ..OK
+    };
+
+    // ---- client ----
+    /// The client leaves while the prefill runs: the prefill connection is closed, no decode.
+    client_gone_during_prefill: Case {
+        prefill: Engine::Up(Fault::HangBeforeHead), client: Client::LeavesAfterMs(300), status: 0,
+        answer: Answer::Nothing, counted: &[Outcome("client_closed")], saw: (1, 0), closed: (1, 0), reused: None,
+        within_ms: 5_000, ..OK
+    };
+    /// The client leaves after the handoff, while the decode has not answered: the decode
+    /// connection is closed (vLLM aborts it).
+    client_gone_during_handoff: Case {
+        decode: Engine::Up(Fault::HangBeforeHead), client: Client::LeavesAfterMs(300), status: 0,
+        answer: Answer::Nothing, counted: &[Applied, Outcome("client_closed")], closed: (0, 1), within_ms: 5_000, ..OK
+    };
+    /// The client leaves mid-stream (the decode stalled after two events): decode closed.
+    client_gone_during_stream: Case {
+        decode: Engine::Up(Fault::Stall(At::event(3, 0))), api: Api::ChatStream, client: Client::LeavesAfterFirstChunk,
+        answer: Answer::Nothing, counted: &[Applied, Outcome("client_closed")], closed: (0, 1), within_ms: 5_000, ..OK
+    };
+
+    // ---- passthrough routes ----
+    /// Passthrough engine down: retried once, then 502.
+    passthrough_down: Case {
+        mode: Mode::Passthrough, decode: Engine::Down, status: 502, answer: Answer::Error("decode_unavailable"),
+        counted: &[UpErr("passthrough", "connect"), Retry("passthrough"), Outcome("server_error")], saw: (0, 0),
+        reused: None, ..OK
+    };
+    /// Passthrough engine answers 503: relayed unchanged.
+    passthrough_5xx: Case {
+        mode: Mode::Passthrough, decode: Engine::Up(Fault::Status(503, ENGINE_503)), status: 503,
+        answer: Answer::Exactly(ENGINE_503), counted: &[Outcome("server_error")], saw: (0, 1), reused: None, ..OK
+    };
+    /// Passthrough engine answers garbage: 502.
+    passthrough_garbage: Case {
+        mode: Mode::Passthrough, decode: Engine::Up(Fault::Garbage(GARBAGE)), status: 502,
+        answer: Answer::Error("decode_unavailable"), counted: &[UpErr("passthrough", "io"), Outcome("server_error")],
+        saw: (0, 1), reused: None, ..OK
+    };
+    /// Passthrough stream cut mid-event: whole events, then the error event.
+    passthrough_cut_mid_sse_event: Case {
+        mode: Mode::Passthrough, decode: Engine::Up(Fault::Cut(At::event(3, 10))), api: Api::ChatStream,
+        answer: Answer::StreamThenError("decode_stream_failed"),
+        counted: &[UpErr("passthrough", "stream_broken"), Outcome("server_error")], saw: (0, 1), reused: None, ..OK
+    };
+}
