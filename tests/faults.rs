@@ -592,3 +592,251 @@ matrix! {
         counted: &[UpErr("passthrough", "stream_broken"), Outcome("server_error")], saw: (0, 1), reused: None, ..OK
     };
 }
+
+// ---- config and engine life: scenarios of several steps ----
+
+const APPLIED: &str = r#"tokenonce_token_reuse_total{reason="none",result="applied",route="pd"}"#;
+const RELOADED: &str = r#"tokenonce_config_reloads_total{result="success"}"#;
+
+/// A config for route `pd` over prefill endpoints `prefills` and decode endpoints `decodes`.
+fn pd(prefills: &[&FaultEngine], decodes: &[&FaultEngine], route_extra: &str) -> String {
+    let list = |e: &[&FaultEngine]| e.iter().map(|e| format!("\"{}\"", e.host_port())).collect::<Vec<_>>().join(", ");
+    format!(
+        "[pools.prefill]\nendpoints = [{}]\n\n[pools.decode]\nendpoints = [{}]\n\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n{route_extra}\n[routes.match]\npaths = [\"/v1/chat/completions\", \"/v1/completions\"]\n",
+        list(prefills),
+        list(decodes)
+    )
+}
+
+async fn chat(proxy: &TokenOnce, stream: bool) -> (u16, String) {
+    let body = chat_body("scenario", json!({"stream": stream}));
+    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+    (status, text)
+}
+
+/// A config reload while a stream is relayed: the stream finishes whole from the engine it
+/// started on (no error, every event), the next request goes where the new config says.
+async fn reload_mid_stream(binary: bool) {
+    let slow = FakeConfig { chunk_delay: Duration::from_millis(150), ..FakeConfig::default() };
+    let (pf, df1, df2) = (
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(slow).await,
+        FakeVllm::start(FakeConfig::default()).await,
+    );
+    let (p, d1, d2) = (FaultEngine::start(&pf).await, FaultEngine::start(&df1).await, FaultEngine::start(&df2).await);
+    let proxy = if binary {
+        TokenOnce::start_binary(&pd(&[&p], &[&d1], "")).await
+    } else {
+        TokenOnce::start(&pd(&[&p], &[&d1], "")).await
+    };
+    let started = Instant::now();
+    let body = chat_body("a long answer", json!({"stream": true, "max_tokens": 10}));
+    let resp =
+        reqwest::Client::new().post(format!("{}/v1/chat/completions", proxy.url)).json(&body).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    let mut text = String::new();
+    let first = futures_util::StreamExt::next(&mut stream).await.unwrap().unwrap();
+    text.push_str(&String::from_utf8_lossy(&first));
+
+    proxy.reconfigure(&pd(&[&p], &[&d2], "token_reuse = false\n"));
+    assert_eq!(proxy.metric_reaches(RELOADED, 1.0).await, 1.0, "{}", proxy.log_text());
+    let rest = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut rest = String::new();
+        while let Some(chunk) = futures_util::StreamExt::next(&mut stream).await {
+            rest.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+        }
+        rest
+    })
+    .await
+    .expect("the stream ends within 10 s");
+    text.push_str(&rest);
+    assert!(text.ends_with("data: [DONE]\n\n") && !text.contains("\"error\""), "{text}");
+    assert_eq!(whole_events(&text).len(), 11, "role delta and 10 tokens: {text}");
+    assert_eq!(d1.ended(End::Answered), 1, "the stream ran to its end on the old decode");
+
+    let (status, text) = chat(&proxy, false).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!((d1.posts().len(), d2.posts().len()), (1, 1), "new requests follow the new config");
+    assert!(d2.posts()[0].json().get("kv_transfer_params").is_none(), "and its token_reuse = false");
+    assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+/// `Running::reload` (what SIGHUP calls) in the middle of a stream.
+#[tokio::test(flavor = "multi_thread")]
+async fn reload_mid_stream_keeps_the_stream() {
+    reload_mid_stream(false).await;
+}
+
+/// SIGHUP to the tokenonce binary in the middle of a stream.
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_mid_stream_keeps_the_stream() {
+    reload_mid_stream(true).await;
+}
+
+/// Waits (bounded: 10 s) until the proxy reports `endpoint` of `pool` `healthy`.
+async fn wait_health(proxy: &TokenOnce, pool: &str, endpoint: &FaultEngine, healthy: bool) {
+    let series = format!(r#"tokenonce_upstream_healthy{{endpoint="{}",pool="{pool}"}}"#, endpoint.host_port());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while proxy.metric(&series).await != f64::from(u8::from(healthy)) {
+        assert!(Instant::now() < deadline, "{series} never {healthy}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The prefill engine dies (502 `prefill_unavailable`, counted) and comes back on the same
+/// address: reuse is applied again within a bounded time.
+#[tokio::test(flavor = "multi_thread")]
+async fn prefill_restart_recovers_reuse() {
+    let (pf, df) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
+    let (p, d) = (FaultEngine::start(&pf).await, FaultEngine::start(&df).await);
+    let proxy = TokenOnce::start(&pd(&[&p], &[&d], "")).await;
+    assert_eq!(chat(&proxy, false).await.0, 200);
+    assert_eq!(proxy.metric(APPLIED).await, 1.0);
+
+    p.stop().await;
+    let (status, text) = chat(&proxy, false).await;
+    assert_eq!(status, 502, "{text}");
+    check_answer(Answer::Error("prefill_unavailable"), Api::Chat, &text);
+    assert_eq!(proxy.metric(r#"tokenonce_upstream_errors_total{kind="connect",stage="prefill"}"#).await, 1.0);
+    wait_health(&proxy, "prefill", &p, false).await;
+
+    p.restart();
+    let started = Instant::now();
+    wait_health(&proxy, "prefill", &p, true).await;
+    let (status, text) = chat(&proxy, true).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(proxy.metric(APPLIED).await, 2.0, "reuse again after the restart");
+    assert!(started.elapsed() < Duration::from_secs(5), "recovered within {:?}", started.elapsed());
+    assert_eq!(d.posts().len(), 2, "the decode never got the failed request");
+}
+
+/// The decode engine dies (502 `decode_unavailable`) and comes back on the same address as
+/// another vLLM (0.26 → 0.32): the new version is learned and chat reuse, off before
+/// (`decode_version_old`), is applied within a bounded time.
+#[tokio::test(flavor = "multi_thread")]
+async fn decode_restart_as_a_new_version_recovers_reuse() {
+    let old = FakeConfig { version: "0.26.0".into(), ..FakeConfig::default() };
+    let (pf, df) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(old).await);
+    let (p, d) = (FaultEngine::start(&pf).await, FaultEngine::start(&df).await);
+    let proxy = TokenOnce::start(&pd(&[&p], &[&d], "")).await;
+    wait_health(&proxy, "decode", &d, true).await;
+    assert_eq!(chat(&proxy, false).await.0, 200);
+    let old_gate = r#"tokenonce_token_reuse_total{reason="decode_version_old",result="fallback",route="pd"}"#;
+    assert_eq!(proxy.metric(old_gate).await, 1.0);
+
+    d.stop().await;
+    let (status, text) = chat(&proxy, false).await;
+    assert_eq!(status, 502, "{text}");
+    check_answer(Answer::Error("decode_unavailable"), Api::Chat, &text);
+    wait_health(&proxy, "decode", &d, false).await;
+
+    df.configure(|c| c.version = "0.32.0".into());
+    d.restart();
+    let started = Instant::now();
+    wait_health(&proxy, "decode", &d, true).await;
+    let (status, text) = chat(&proxy, false).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(proxy.metric(APPLIED).await, 1.0, "the new gate");
+    // The failed request was planned (and counted) under the old gate too.
+    assert_eq!(proxy.metric(old_gate).await, 2.0);
+    assert!(started.elapsed() < Duration::from_secs(5), "recovered within {:?}", started.elapsed());
+}
+
+const FAILOVERS: &str = r#"tokenonce_prefill_failovers_total{route="pd"}"#;
+
+/// The first prefill endpoint fails with `fault` (its `/health` stays good): the request
+/// fails over to the second and succeeds; counted once; the decode ran once.
+async fn failover_to_the_second_prefill(fault: Fault) {
+    let (pf1, pf2, df) = (
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+    );
+    let (p1, p2, d) =
+        (FaultEngine::with(&pf1, fault).await, FaultEngine::start(&pf2).await, FaultEngine::start(&df).await);
+    let settings = Settings { upstream_extra: "eject_after_failures = 0\n".into(), ..Settings::default() };
+    let proxy = TokenOnce::start_with(&pd(&[&p1, &p2], &[&d], ""), &settings).await;
+    wait_health(&proxy, "prefill", &p1, true).await;
+    wait_health(&proxy, "prefill", &p2, true).await;
+    let started = Instant::now();
+    for _ in 0..3 {
+        let (status, text) = chat(&proxy, false).await;
+        assert_eq!(status, 200, "{text}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(p2.posts().len(), 3, "the second endpoint served every request");
+    assert!(!p1.posts().is_empty(), "round robin sends some to the failing one first");
+    assert_eq!(proxy.metric(FAILOVERS).await, p1.posts().len() as f64, "each of those failed over once");
+    assert_eq!(d.posts().len(), 3);
+    assert_eq!(proxy.metric(APPLIED).await, 3.0);
+}
+
+/// Failover on a 503 with a body.
+#[tokio::test(flavor = "multi_thread")]
+async fn failover_on_a_prefill_5xx() {
+    failover_to_the_second_prefill(Fault::Status(503, ENGINE_503)).await;
+}
+
+/// Failover on a prefill that read the request and closed (no answer).
+#[tokio::test(flavor = "multi_thread")]
+async fn failover_on_a_prefill_closing_without_an_answer() {
+    failover_to_the_second_prefill(Fault::CloseAfterRead).await;
+}
+
+/// Failover on a prefill answering non-HTTP bytes.
+#[tokio::test(flavor = "multi_thread")]
+async fn failover_on_a_prefill_answering_garbage() {
+    failover_to_the_second_prefill(Fault::Garbage(GARBAGE)).await;
+}
+
+/// A prefill endpoint failing requests in a row (`eject_after_failures = 2`) is ejected while
+/// its `/health` stays good: it gets no request while ejected; once it recovers it is
+/// readmitted after the 5 s backoff and serves again; ejections counted, gauge back to 0.
+#[tokio::test(flavor = "multi_thread")]
+async fn ejection_and_readmission() {
+    let (pf1, pf2, df) = (
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+    );
+    let bad = FaultEngine::with(&pf1, Fault::CloseAfterRead).await;
+    let (good, d) = (FaultEngine::start(&pf2).await, FaultEngine::start(&df).await);
+    let settings = Settings { upstream_extra: "eject_after_failures = 2\n".into(), ..Settings::default() };
+    let proxy = TokenOnce::start_with(&pd(&[&bad, &good], &[&d], ""), &settings).await;
+    wait_health(&proxy, "prefill", &bad, true).await;
+    wait_health(&proxy, "prefill", &good, true).await;
+    let ejections = r#"tokenonce_upstream_ejections_total{pool="prefill"}"#;
+    let ejected = r#"tokenonce_upstream_ejected{pool="prefill"}"#;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while proxy.metric(ejections).await < 1.0 {
+        assert!(Instant::now() < deadline, "never ejected");
+        assert_eq!(chat(&proxy, false).await.0, 200);
+    }
+    assert_eq!(bad.posts().len(), 2);
+    assert_eq!(proxy.metric(ejected).await, 1.0);
+    for _ in 0..6 {
+        assert_eq!(chat(&proxy, false).await.0, 200);
+    }
+    assert_eq!(bad.posts().len(), 2, "an ejected endpoint gets no request");
+
+    bad.set(Fault::Pass);
+    let recovered = Instant::now();
+    while bad.ended(End::Answered) == 0 {
+        assert!(recovered.elapsed() < Duration::from_secs(15), "never readmitted");
+        assert_eq!(chat(&proxy, false).await.0, 200);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(recovered.elapsed() >= Duration::from_secs(3), "not readmitted before its backoff");
+    let served = bad.posts().len();
+    for _ in 0..4 {
+        assert_eq!(chat(&proxy, false).await.0, 200);
+    }
+    assert!(bad.posts().len() >= served + 1, "readmitted: it serves its share again");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while proxy.metric(ejected).await != 0.0 {
+        assert!(Instant::now() < deadline, "gauge stuck");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(proxy.metric(ejections).await, 1.0);
+}
