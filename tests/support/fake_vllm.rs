@@ -50,6 +50,8 @@ pub struct FakeConfig {
     pub healthy: bool,
     /// Send only the first N bytes of an SSE stream, then break it (reset).
     pub cut_stream_at_byte: Option<usize>,
+    /// Keep every request for [`FakeVllm::requests`] (off for long load runs: bounded memory).
+    pub keep_requests: bool,
 }
 
 impl Default for FakeConfig {
@@ -70,6 +72,7 @@ impl Default for FakeConfig {
             break_stream_after: None,
             healthy: true,
             cut_stream_at_byte: None,
+            keep_requests: true,
         }
     }
 }
@@ -276,13 +279,15 @@ async fn handle(
     body: Bytes,
 ) -> Response {
     let path = uri.path_and_query().map_or(uri.path().to_owned(), |p| p.as_str().to_owned());
-    shared.requests.lock().unwrap().push(Recorded {
-        method: method.to_string(),
-        path: path.clone(),
-        headers: headers.clone(),
-        body: body.clone(),
-    });
     let config = shared.config.lock().unwrap().clone();
+    if config.keep_requests {
+        shared.requests.lock().unwrap().push(Recorded {
+            method: method.to_string(),
+            path,
+            headers: headers.clone(),
+            body: body.clone(),
+        });
+    }
     let mut guard = CancelGuard { shared: Arc::clone(&shared), done: false };
     if method == Method::GET {
         guard.done = true;
