@@ -120,16 +120,24 @@ enum Engine {
     Down,
 }
 
+/// The route a case runs on.
 #[derive(Clone, Copy, Debug)]
 enum Mode {
+    /// Orchestrate, prefill pool `prefill`.
     Orchestrate,
+    /// Orchestrate, the prefiller named per request in `x-prefiller-host-port`.
+    Header,
+    /// Relay, the request a prefill leg (`kv_transfer_params.do_remote_decode: true`).
+    RelayPrefill,
+    /// Passthrough (the body read, the leg sent by tokenonce).
     Passthrough,
 }
 
 impl Mode {
     fn label(self) -> &'static str {
         match self {
-            Self::Orchestrate => "orchestrate",
+            Self::Orchestrate | Self::Header => "orchestrate",
+            Self::RelayPrefill => "relay",
             Self::Passthrough => "passthrough",
         }
     }
@@ -196,7 +204,8 @@ const DECODE_ALONE: &str = "on_prefill_failure = \"decode_alone\"\n";
 impl Case {
     fn route_name(&self) -> &'static str {
         match self.mode {
-            Mode::Orchestrate => "pd",
+            Mode::Orchestrate | Mode::Header => "pd",
+            Mode::RelayPrefill => "relay",
             Mode::Passthrough => "pt",
         }
     }
@@ -204,12 +213,16 @@ impl Case {
     fn config(&self, prefill: &str, decode: &str) -> String {
         let (mode, prefill_key) = match self.mode {
             Mode::Orchestrate => ("orchestrate", "prefill = { pool = \"prefill\" }\n"),
+            Mode::Header => {
+                ("orchestrate", "prefill = { header = \"x-prefiller-host-port\", allow = [\"127.0.0.1\"] }\n")
+            }
+            Mode::RelayPrefill => ("relay", "prefill = { pool = \"prefill\" }\n"),
             Mode::Passthrough => ("passthrough", ""),
         };
         let model = match self.mode {
             // A model match makes tokenonce read the body and send the leg itself.
             Mode::Passthrough => "model = \"*\"\n",
-            Mode::Orchestrate => "",
+            Mode::Orchestrate | Mode::Header | Mode::RelayPrefill => "",
         };
         format!(
             "[pools.prefill]\nendpoints = [\"{prefill}\"]\n\n[pools.decode]\nendpoints = [\"{decode}\"]\n\n[[routes]]\nname = \"{}\"\nmode = \"{mode}\"\ndecode_pool = \"decode\"\n{prefill_key}{}\n[routes.match]\npaths = [\"/v1/chat/completions\", \"/v1/completions\"]\n{model}",
@@ -232,11 +245,16 @@ async fn engine(fake: &FakeVllm, engine: Engine) -> FaultEngine {
 }
 
 /// Sends the case's request as its client behaves: status (0 when it left) and body.
-async fn send(url: &str, api: Api, client: Client) -> (u16, String) {
-    let body = api.body();
+async fn send(url: &str, api: Api, mode: Mode, client: Client, headers: &[(&str, &str)]) -> (u16, String) {
+    let mut body = api.body();
+    if let Mode::RelayPrefill = mode {
+        // What an orchestrator sends as the prefill leg.
+        body["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false});
+        body["max_tokens"] = json!(1);
+    }
     match client {
         Client::Reads => {
-            let (status, _, text) = post_json(&format!("{url}{}", api.path()), &body, &[]).await;
+            let (status, _, text) = post_json(&format!("{url}{}", api.path()), &body, headers).await;
             (status, text)
         }
         Client::LeavesAfterMs(ms) => {
@@ -333,7 +351,12 @@ async fn run(case: Case) {
     let errors_before = upstream_errors(&proxy).await;
 
     let started = Instant::now();
-    let (status, text) = send(&proxy.url, case.api, case.client).await;
+    let prefiller = p.host_port();
+    let headers: &[(&str, &str)] = match case.mode {
+        Mode::Header => &[("x-prefiller-host-port", prefiller.as_str())],
+        Mode::Orchestrate | Mode::RelayPrefill | Mode::Passthrough => &[],
+    };
+    let (status, text) = send(&proxy.url, case.api, case.mode, case.client, headers).await;
     let took = started.elapsed();
     assert_eq!(status, case.status, "{text}");
     check_answer(case.answer, case.api, &text);
@@ -565,6 +588,55 @@ matrix! {
     client_gone_during_stream: Case {
         decode: Engine::Up(Fault::Stall(At::event(3, 0))), api: Api::ChatStream, client: Client::LeavesAfterFirstChunk,
         answer: Answer::Nothing, counted: &[Applied, Outcome("client_closed")], closed: (0, 1), within_ms: 5_000, ..OK
+    };
+
+    // ---- prefillers named by a request header ----
+    /// A header-named prefiller that is down: one attempt (no pool to fail over in), 502
+    /// reading `cannot connect` whatever the cause.
+    header_prefiller_down: Case {
+        mode: Mode::Header, prefill: Engine::Down, status: 502, answer: Answer::Error("prefill_unavailable"),
+        counted: &[UpErr("prefill", "connect"), Retry("prefill"), Outcome("server_error")], saw: (0, 0), ..OK
+    };
+    /// A header-named prefiller that hangs: bounded by the route's `prefill_timeout_ms`.
+    header_prefiller_hangs: Case {
+        mode: Mode::Header, prefill: Engine::Up(Fault::HangBeforeHead), route: SHORT_PREFILL, status: 504,
+        answer: Answer::Error("prefill_timeout"), counted: &[UpErr("prefill", "timeout"), Outcome("server_error")],
+        saw: (1, 0), closed: (1, 0), within_ms: 5_000, ..OK
+    };
+    /// A header-named prefiller answering garbage: 502.
+    header_prefiller_garbage: Case {
+        mode: Mode::Header, prefill: Engine::Up(Fault::Garbage(GARBAGE)), status: 502,
+        answer: Answer::Error("prefill_unavailable"), counted: &[UpErr("prefill", "io"), Outcome("server_error")],
+        saw: (1, 0), ..OK
+    };
+    /// A header-named prefiller answering 5xx: relayed unchanged, no decode.
+    header_prefiller_5xx: Case {
+        mode: Mode::Header, prefill: Engine::Up(Fault::Status(503, ENGINE_503)), status: 503,
+        answer: Answer::Exactly(ENGINE_503), counted: &[UpErr("prefill", "status_5xx"), Outcome("server_error")],
+        saw: (1, 0), ..OK
+    };
+
+    // ---- relay routes: the orchestrator's prefill leg ----
+    /// Relay prefill leg, both engines fine: the prefill's answer, the decode not involved.
+    relay_prefill_baseline: Case {
+        mode: Mode::RelayPrefill, counted: &[Outcome("success")], saw: (1, 0), reused: None, ..OK
+    };
+    /// Relay prefill engine down: re-sent once, then 502 to the orchestrator.
+    relay_prefill_down: Case {
+        mode: Mode::RelayPrefill, prefill: Engine::Down, status: 502, answer: Answer::Error("prefill_unavailable"),
+        counted: &[UpErr("prefill", "connect"), Retry("prefill"), Outcome("server_error")], saw: (0, 0), reused: None, ..OK
+    };
+    /// Relay prefill engine that hangs: 504 at the route's `prefill_timeout_ms`.
+    relay_prefill_hangs: Case {
+        mode: Mode::RelayPrefill, prefill: Engine::Up(Fault::HangBeforeHead), route: SHORT_PREFILL, status: 504,
+        answer: Answer::Error("prefill_timeout"), counted: &[UpErr("prefill", "timeout"), Outcome("server_error")],
+        saw: (1, 0), closed: (1, 0), reused: None, within_ms: 5_000, ..OK
+    };
+    /// Relay prefill engine answering garbage: 502.
+    relay_prefill_garbage: Case {
+        mode: Mode::RelayPrefill, prefill: Engine::Up(Fault::Garbage(GARBAGE)), status: 502,
+        answer: Answer::Error("prefill_unavailable"), counted: &[UpErr("prefill", "io"), Outcome("server_error")],
+        saw: (1, 0), reused: None, ..OK
     };
 
     // ---- passthrough routes ----
