@@ -94,6 +94,39 @@ label_enum! {
 }
 
 label_enum! {
+    /// Which bounded wait ran out (`timeouts_total{stage}`).
+    TimeoutStage {
+        /// TCP connect to an engine (`upstream.connect_timeout_ms`).
+        Connect => "connect",
+        /// The whole prefill leg (`prefill_timeout_ms`).
+        Prefill => "prefill",
+        /// An engine's response header (`decode_first_byte_timeout_ms`).
+        FirstByte => "first_byte",
+        /// Silence between body chunks of an answer being relayed (`stream_idle_timeout_ms`).
+        StreamIdle => "stream_idle",
+        /// A write to a client that does not read (`client_write_timeout_ms`).
+        ClientWrite => "client_write",
+        /// The release leg sent for a client gone after its prefill (`release_timeout_ms`).
+        Release => "release",
+    }
+}
+
+label_enum! {
+    /// What became of a prefill's KV blocks when the client left before the decode was
+    /// sent (`kv_releases_total{result}`).
+    Release {
+        /// The one-token decode was sent and answered 2xx: the decode pulled the blocks.
+        Released => "released",
+        /// It was sent and failed (no answer, or not 2xx).
+        Failed => "failed",
+        /// It was sent and did not finish within `release_timeout_ms`.
+        Timeout => "timeout",
+        /// The route has `on_client_gone = "abandon"`: nothing was sent.
+        Abandoned => "abandoned",
+    }
+}
+
+label_enum! {
     /// How a request ended (`requests_total{outcome}`).
     Outcome {
         /// 2xx fully relayed.
@@ -223,6 +256,8 @@ pub struct Metrics {
     upstream_retries: IntCounterVec,
     retry_budget_exhausted: IntCounterVec,
     prefill_failovers: IntCounterVec,
+    timeouts: IntCounterVec,
+    kv_releases: IntCounterVec,
     upstream_ejections: IntCounterVec,
     upstream_ejected: IntGaugeVec,
     /// Requests being served now.
@@ -339,6 +374,18 @@ impl Metrics {
                 "Pool prefills moved to another endpoint after failing before any answer or answering 5xx.",
                 &["route"],
             )?,
+            timeouts: counter(
+                registry,
+                "tokenonce_timeouts_total",
+                "Bounded waits that ran out, by route and stage (connect, prefill, first_byte, stream_idle, client_write, release).",
+                &["route", "stage"],
+            )?,
+            kv_releases: counter(
+                registry,
+                "tokenonce_kv_releases_total",
+                "Clients gone after a prefill holding KV, before the decode was sent: what became of the blocks.",
+                &["route", "result"],
+            )?,
             upstream_ejections: counter(
                 registry,
                 "tokenonce_upstream_ejections_total",
@@ -444,6 +491,17 @@ impl Metrics {
             relayed_id_bytes: self.relayed_id_bytes.clone(),
             retry_refused: self.retry_budget_exhausted.with_label_values(&[route]),
             prefill_failovers: self.prefill_failovers.with_label_values(&[route]),
+            timeouts: TimeoutStage::ALL.iter().map(|s| self.timeouts.with_label_values(&[route, s.as_str()])).collect(),
+            kv_releases: Release::ALL
+                .iter()
+                .map(|r| {
+                    if counts_reuse {
+                        self.kv_releases.with_label_values(&[route, r.as_str()])
+                    } else {
+                        reuse("", "")
+                    }
+                })
+                .collect(),
         }
     }
 
@@ -528,6 +586,10 @@ pub struct RouteMetrics {
     relayed_id_bytes: IntCounter,
     retry_refused: IntCounter,
     prefill_failovers: IntCounter,
+    /// By [`TimeoutStage`].
+    timeouts: Vec<IntCounter>,
+    /// By [`Release`].
+    kv_releases: Vec<IntCounter>,
 }
 
 impl RouteMetrics {
@@ -569,6 +631,20 @@ impl RouteMetrics {
         self.prefill_failovers.inc();
     }
 
+    /// Counts a bounded wait that ran out.
+    pub fn timeout(&self, stage: TimeoutStage) {
+        if let Some(c) = self.timeouts.get(stage as usize) {
+            c.inc();
+        }
+    }
+
+    /// Counts what became of a gone client's KV blocks.
+    pub fn kv_release(&self, result: Release) {
+        if let Some(c) = self.kv_releases.get(result as usize) {
+            c.inc();
+        }
+    }
+
     /// Counts a decode that fell back to text.
     pub fn reuse_fallback(&self, reason: FallbackReason) {
         if let Some(c) = self.reuse_fallback.get(reason as usize) {
@@ -592,6 +668,12 @@ mod tests {
         for (i, r) in FallbackReason::ALL.iter().enumerate() {
             assert_eq!(*r as usize, i);
         }
+        for (i, s) in TimeoutStage::ALL.iter().enumerate() {
+            assert_eq!(*s as usize, i);
+        }
+        for (i, r) in Release::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i);
+        }
         for (i, api) in API_LABELS.iter().enumerate() {
             assert_eq!(api_index(*api), i);
         }
@@ -608,6 +690,8 @@ mod tests {
         assert_eq!(count("tokenonce_token_reuse_total{"), 1 + FallbackReason::ALL.len());
         assert_eq!(count("tokenonce_upstream_errors_total{"), Leg::ALL.len() * ErrorKind::ALL.len());
         assert_eq!(count("tokenonce_stage_duration_seconds_count{"), Stage::ALL.len());
+        assert_eq!(count("tokenonce_timeouts_total{"), TimeoutStage::ALL.len());
+        assert_eq!(count("tokenonce_kv_releases_total{"), Release::ALL.len());
         r.finished(Some(Api::Completions), Outcome::ClientClosed, Duration::from_millis(5), None);
         r.reuse_fallback(FallbackReason::CacheMiss);
         r.reuse_applied(7, 20);
@@ -653,6 +737,8 @@ mod tests {
             "tokenonce_prefill_failovers_total",
             "tokenonce_upstream_ejections_total",
             "tokenonce_upstream_ejected",
+            "tokenonce_timeouts_total",
+            "tokenonce_kv_releases_total",
         ] {
             assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing");
         }

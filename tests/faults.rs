@@ -13,7 +13,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use support::fault_engine::{At, End, Fault, FaultEngine};
+use support::fault_engine::{At, End, Fault, FaultEngine, Seen};
 use support::*;
 
 /// The request a case sends.
@@ -60,6 +60,9 @@ enum Client {
     LeavesAfterMs(u64),
     /// Reads the head and the first body chunk of a stream, then closes the connection.
     LeavesAfterFirstChunk,
+    /// Sends the request on a small receive buffer, reads the head, then reads nothing (until
+    /// tokenonce cuts it: bounded, 15 s).
+    StopsReading,
 }
 
 /// What the client must get.
@@ -73,6 +76,8 @@ enum Answer {
     Exactly(&'static str),
     /// A stream: whole events (each valid JSON), then an error event with this code, then `[DONE]`.
     StreamThenError(&'static str),
+    /// The head went out, then the connection was cut without ending the body.
+    CutAfterHead,
     /// Nothing: the client left.
     Nothing,
 }
@@ -90,6 +95,10 @@ enum Count {
     Applied,
     /// `upstream_retries_total{stage}`.
     Retry(&'static str),
+    /// `timeouts_total{stage}` of the case's route.
+    Timeout(&'static str),
+    /// `kv_releases_total{result}` of the case's route.
+    Release(&'static str),
 }
 
 impl Count {
@@ -109,6 +118,8 @@ impl Count {
                 format!(r#"tokenonce_token_reuse_total{{reason="none",result="applied",route="{route}"}}"#)
             }
             Self::Retry(stage) => format!(r#"tokenonce_upstream_retries_total{{stage="{stage}"}}"#),
+            Self::Timeout(stage) => format!(r#"tokenonce_timeouts_total{{route="{route}",stage="{stage}"}}"#),
+            Self::Release(result) => format!(r#"tokenonce_kv_releases_total{{result="{result}",route="{route}"}}"#),
         }
     }
 }
@@ -117,6 +128,8 @@ impl Count {
 #[derive(Clone, Copy, Debug)]
 enum Engine {
     Up(Fault),
+    /// The first POST meets the first fault, every later one the second.
+    UpThen(Fault, Fault),
     Down,
 }
 
@@ -129,6 +142,8 @@ enum Mode {
     Header,
     /// Relay, the request a prefill leg (`kv_transfer_params.do_remote_decode: true`).
     RelayPrefill,
+    /// Relay, a request that is no prefill leg and carries no handoff: sent to the decode as is.
+    RelayDecode,
     /// Passthrough (the body read, the leg sent by tokenonce).
     Passthrough,
 }
@@ -137,7 +152,7 @@ impl Mode {
     fn label(self) -> &'static str {
         match self {
             Self::Orchestrate | Self::Header => "orchestrate",
-            Self::RelayPrefill => "relay",
+            Self::RelayPrefill | Self::RelayDecode => "relay",
             Self::Passthrough => "passthrough",
         }
     }
@@ -151,6 +166,10 @@ struct Case {
     decode: Engine,
     /// Changes the fake behind the prefill engine.
     prefill_fake: fn(&mut FakeConfig),
+    /// `max_tokens` of the request.
+    max_tokens: u64,
+    /// More checks of what the engines read: (prefill, decode).
+    engines_saw: fn(&[Seen], &[Seen]),
     /// More keys of the route.
     route: &'static str,
     api: Api,
@@ -179,6 +198,8 @@ const OK: Case = Case {
     prefill: Engine::Up(Fault::Pass),
     decode: Engine::Up(Fault::Pass),
     prefill_fake: unchanged,
+    max_tokens: 5,
+    engines_saw: |_, _| {},
     route: "",
     api: Api::Chat,
     client: Client::Reads,
@@ -200,12 +221,13 @@ const GARBAGE: &[u8] = b"SSH-2.0-OpenSSH_9.6\r\n\x00\x01\x02 not http at all";
 const SHORT_PREFILL: &str = "prefill_timeout_ms = 500\n";
 const SHORT_DECODE: &str = "decode_first_byte_timeout_ms = 500\n";
 const DECODE_ALONE: &str = "on_prefill_failure = \"decode_alone\"\n";
+const SHORT_IDLE: &str = "stream_idle_timeout_ms = 500\n";
 
 impl Case {
     fn route_name(&self) -> &'static str {
         match self.mode {
             Mode::Orchestrate | Mode::Header => "pd",
-            Mode::RelayPrefill => "relay",
+            Mode::RelayPrefill | Mode::RelayDecode => "relay",
             Mode::Passthrough => "pt",
         }
     }
@@ -216,13 +238,13 @@ impl Case {
             Mode::Header => {
                 ("orchestrate", "prefill = { header = \"x-prefiller-host-port\", allow = [\"127.0.0.1\"] }\n")
             }
-            Mode::RelayPrefill => ("relay", "prefill = { pool = \"prefill\" }\n"),
+            Mode::RelayPrefill | Mode::RelayDecode => ("relay", "prefill = { pool = \"prefill\" }\n"),
             Mode::Passthrough => ("passthrough", ""),
         };
         let model = match self.mode {
             // A model match makes tokenonce read the body and send the leg itself.
             Mode::Passthrough => "model = \"*\"\n",
-            Mode::Orchestrate | Mode::Header | Mode::RelayPrefill => "",
+            Mode::Orchestrate | Mode::Header | Mode::RelayPrefill | Mode::RelayDecode => "",
         };
         format!(
             "[pools.prefill]\nendpoints = [\"{prefill}\"]\n\n[pools.decode]\nendpoints = [\"{decode}\"]\n\n[[routes]]\nname = \"{}\"\nmode = \"{mode}\"\ndecode_pool = \"decode\"\n{prefill_key}{}\n[routes.match]\npaths = [\"/v1/chat/completions\", \"/v1/completions\"]\n{model}",
@@ -236,6 +258,11 @@ impl Case {
 async fn engine(fake: &FakeVllm, engine: Engine) -> FaultEngine {
     match engine {
         Engine::Up(fault) => FaultEngine::with(fake, fault).await,
+        Engine::UpThen(first, then) => {
+            let e = FaultEngine::with(fake, then).await;
+            e.then(first);
+            e
+        }
         Engine::Down => {
             let e = FaultEngine::start(fake).await;
             e.stop().await;
@@ -245,8 +272,10 @@ async fn engine(fake: &FakeVllm, engine: Engine) -> FaultEngine {
 }
 
 /// Sends the case's request as its client behaves: status (0 when it left) and body.
-async fn send(url: &str, api: Api, mode: Mode, client: Client, headers: &[(&str, &str)]) -> (u16, String) {
+async fn send(case: &Case, url: &str, headers: &[(&str, &str)], decode: &FaultEngine) -> (u16, Result<String, String>) {
+    let (api, mode, client) = (case.api, case.mode, case.client);
     let mut body = api.body();
+    body["max_tokens"] = json!(case.max_tokens);
     if let Mode::RelayPrefill = mode {
         // What an orchestrator sends as the prefill leg.
         body["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false});
@@ -254,14 +283,19 @@ async fn send(url: &str, api: Api, mode: Mode, client: Client, headers: &[(&str,
     }
     match client {
         Client::Reads => {
-            let (status, _, text) = post_json(&format!("{url}{}", api.path()), &body, headers).await;
-            (status, text)
+            let mut req = reqwest::Client::new().post(format!("{url}{}", api.path())).json(&body);
+            for (k, v) in headers {
+                req = req.header(*k, *v);
+            }
+            let resp = req.send().await.unwrap();
+            (resp.status().as_u16(), resp.text().await.map_err(|e| format!("{e:?}")))
         }
+        Client::StopsReading => stop_reading(url, api.path(), &body, decode).await,
         Client::LeavesAfterMs(ms) => {
             let http = reqwest::Client::builder().timeout(Duration::from_millis(ms)).build().unwrap();
             let sent = http.post(format!("{url}{}", api.path())).json(&body).send().await;
             assert!(sent.as_ref().is_err_and(reqwest::Error::is_timeout), "the client meant to give up: {sent:?}");
-            (0, String::new())
+            (0, Ok(String::new()))
         }
         Client::LeavesAfterFirstChunk => {
             let resp = reqwest::Client::new().post(format!("{url}{}", api.path())).json(&body).send().await.unwrap();
@@ -271,14 +305,57 @@ async fn send(url: &str, api: Api, mode: Mode, client: Client, headers: &[(&str,
                 .await
                 .expect("a first chunk within 10 s");
             assert!(first.is_some_and(|c| c.is_ok()), "a first chunk");
-            (status, String::new())
+            (status, Ok(String::new()))
         }
     }
 }
 
-/// Checks the client's answer.
-fn check_answer(answer: Answer, api: Api, text: &str) {
+/// [`Client::StopsReading`]: the status, and `Err` once tokenonce cut the connection (read
+/// on after the decode engine saw its connection closed).
+async fn stop_reading(url: &str, path: &str, body: &Value, decode: &FaultEngine) -> (u16, Result<String, String>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = serde_json::to_vec(body).unwrap();
+    let addr: std::net::SocketAddr = url.trim_start_matches("http://").parse().unwrap();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut client = socket.connect(addr).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    client.write_all(head.as_bytes()).await.unwrap();
+    client.write_all(&body).await.unwrap();
+    let mut first = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(15), client.read(&mut first)).await.unwrap().unwrap();
+    let status = std::str::from_utf8(&first[..n]).ok().and_then(|h| h.get(9..12)?.parse().ok()).unwrap_or(0);
+    // Read nothing until tokenonce closed the decode (bounded), then drain: a cut connection ends.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while decode.ended(End::ClosedByPeer) == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut sink = vec![0u8; 1 << 16];
+    let drained = tokio::time::timeout(Duration::from_secs(15), async {
+        loop {
+            match client.read(&mut sink).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    (status, if drained.is_ok() { Err("cut".into()) } else { Ok("still open".into()) })
+}
+
+/// Checks the client's answer: whole unless the case expects a cut.
+fn check_answer(answer: Answer, api: Api, got: &Result<String, String>) {
+    let text = match (answer, got) {
+        (Answer::CutAfterHead, Err(_)) => return,
+        (Answer::CutAfterHead, Ok(text)) => panic!("the body ended whole: {text}"),
+        (_, Err(e)) => panic!("the body did not end: {e}"),
+        (_, Ok(text)) => text.as_str(),
+    };
     match answer {
+        Answer::CutAfterHead => {}
         Answer::Nothing => {}
         Answer::Exactly(want) => assert_eq!(text, want),
         Answer::Error(code) => {
@@ -354,11 +431,11 @@ async fn run(case: Case) {
     let prefiller = p.host_port();
     let headers: &[(&str, &str)] = match case.mode {
         Mode::Header => &[("x-prefiller-host-port", prefiller.as_str())],
-        Mode::Orchestrate | Mode::RelayPrefill | Mode::Passthrough => &[],
+        Mode::Orchestrate | Mode::RelayPrefill | Mode::RelayDecode | Mode::Passthrough => &[],
     };
-    let (status, text) = send(&proxy.url, case.api, case.mode, case.client, headers).await;
+    let (status, text) = send(&case, &proxy.url, headers, &d).await;
     let took = started.elapsed();
-    assert_eq!(status, case.status, "{text}");
+    assert_eq!(status, case.status, "{text:?}");
     check_answer(case.answer, case.api, &text);
     assert!(took < Duration::from_millis(case.within_ms), "took {took:?}, bound {} ms", case.within_ms);
 
@@ -374,6 +451,7 @@ async fn run(case: Case) {
         };
         assert_eq!(carried, reused, "decode body: {body}");
     }
+    (case.engines_saw)(&p.posts(), &d.posts());
     for (i, s) in series.iter().enumerate() {
         let want = before[i] + series.iter().filter(|o| *o == s).count() as f64;
         assert_eq!(proxy.metric_reaches(s, want).await, want, "{s}");
@@ -395,7 +473,7 @@ macro_rules! matrix {
     };
 }
 
-use Count::{Applied, Err as UpErr, Fallback, Outcome, Retry};
+use Count::{Applied, Err as UpErr, Fallback, Outcome, Release, Retry, Timeout};
 
 matrix! {
     // ---- baselines: the fault engines relay the fakes unchanged ----
@@ -413,13 +491,15 @@ matrix! {
     /// Prefill accepts and never answers: 504 at `prefill_timeout_ms`, its connection closed.
     prefill_hangs_before_headers: Case {
         prefill: Engine::Up(Fault::HangBeforeHead), route: SHORT_PREFILL, status: 504,
-        answer: Answer::Error("prefill_timeout"), counted: &[UpErr("prefill", "timeout"), Outcome("server_error")],
+        answer: Answer::Error("prefill_timeout"),
+        counted: &[UpErr("prefill", "timeout"), Timeout("prefill"), Outcome("server_error")],
         saw: (1, 0), closed: (1, 0), within_ms: 5_000, ..OK
     };
     /// Prefill sends its head and part of the body, then nothing: the whole-leg deadline holds.
     prefill_hangs_mid_body: Case {
         prefill: Engine::Up(Fault::Stall(At::body(40))), route: SHORT_PREFILL, status: 504,
-        answer: Answer::Error("prefill_timeout"), counted: &[UpErr("prefill", "timeout"), Outcome("server_error")],
+        answer: Answer::Error("prefill_timeout"),
+        counted: &[UpErr("prefill", "timeout"), Timeout("prefill"), Outcome("server_error")],
         saw: (1, 0), closed: (1, 0), within_ms: 5_000, ..OK
     };
     /// Prefill answers 503 with a body: relayed unchanged, no decode.
@@ -512,13 +592,15 @@ matrix! {
     /// Decode never sends a head: 504 at `decode_first_byte_timeout_ms`, its connection closed.
     decode_hangs_before_headers: Case {
         decode: Engine::Up(Fault::HangBeforeHead), route: SHORT_DECODE, status: 504,
-        answer: Answer::Error("decode_timeout"), counted: &[UpErr("decode", "timeout"), Outcome("server_error")],
+        answer: Answer::Error("decode_timeout"),
+        counted: &[UpErr("decode", "timeout"), Timeout("first_byte"), Outcome("server_error")],
         closed: (0, 1), within_ms: 5_000, ..OK
     };
     /// Streamed decode never sends a head: the same 504.
     decode_stream_hangs_before_headers: Case {
         decode: Engine::Up(Fault::HangBeforeHead), route: SHORT_DECODE, api: Api::ChatStream, status: 504,
-        answer: Answer::Error("decode_timeout"), counted: &[UpErr("decode", "timeout"), Outcome("server_error")],
+        answer: Answer::Error("decode_timeout"),
+        counted: &[UpErr("decode", "timeout"), Timeout("first_byte"), Outcome("server_error")],
         closed: (0, 1), within_ms: 5_000, ..OK
     };
     /// Decode answers 503 with a body: the engine's answer relayed unchanged.
@@ -541,10 +623,46 @@ matrix! {
         decode: Engine::Up(Fault::Status(200, "not json at all")), answer: Answer::Exactly("not json at all"),
         counted: &[Applied, Outcome("success")], ..OK
     };
-    /// Decode closes mid-body (not streamed, nothing sent to the client yet): 502.
+    /// Decode closes mid-body (not streamed): the body needs no rewrite and streams through,
+    /// so the head went out; the client connection is cut without ending the body.
     decode_cut_mid_body: Case {
-        decode: Engine::Up(Fault::Cut(At::body(40))), status: 502, answer: Answer::Error("decode_unavailable"),
-        counted: &[UpErr("decode", "io"), Outcome("server_error")], ..OK
+        decode: Engine::Up(Fault::Cut(At::body(40))), answer: Answer::CutAfterHead,
+        counted: &[Applied, UpErr("decode", "stream_broken"), Outcome("server_error")], ..OK
+    };
+    /// The same cut of an answer buffered for the `cached_tokens` rewrite (nothing sent yet): 502.
+    decode_cut_mid_body_rewritten: Case {
+        prefill_fake: |c| c.cached_tokens = Some(3), decode: Engine::Up(Fault::Cut(At::body(40))), status: 502,
+        answer: Answer::Error("decode_unavailable"), counted: &[Applied, UpErr("decode", "io"), Outcome("server_error")],
+        ..OK
+    };
+    /// Decode sends its head and part of a JSON body, then nothing: at `stream_idle_timeout_ms`
+    /// the client connection is cut (the body never ends), the decode closed.
+    decode_hangs_mid_body: Case {
+        decode: Engine::Up(Fault::Stall(At::body(40))), route: SHORT_IDLE, answer: Answer::CutAfterHead,
+        counted: &[Applied, UpErr("decode", "timeout"), Timeout("stream_idle"), Outcome("server_error")],
+        closed: (0, 1), within_ms: 5_000, ..OK
+    };
+    /// The same hang of an answer buffered for the `cached_tokens` rewrite: 504 `stream_idle_timeout`.
+    decode_hangs_mid_body_rewritten: Case {
+        prefill_fake: |c| c.cached_tokens = Some(3), decode: Engine::Up(Fault::Stall(At::body(40))), route: SHORT_IDLE,
+        status: 504, answer: Answer::Error("stream_idle_timeout"),
+        counted: &[Applied, UpErr("decode", "timeout"), Timeout("stream_idle"), Outcome("server_error")],
+        closed: (0, 1), within_ms: 5_000, ..OK
+    };
+    /// Chat stream stalled after two events: at `stream_idle_timeout_ms` the events so far,
+    /// the error event `stream_idle_timeout`, `[DONE]`; the decode closed.
+    decode_stalls_mid_stream: Case {
+        decode: Engine::Up(Fault::Stall(At::event(3, 0))), route: SHORT_IDLE, api: Api::ChatStream,
+        answer: Answer::StreamThenError("stream_idle_timeout"),
+        counted: &[Applied, UpErr("decode", "timeout"), Timeout("stream_idle"), Outcome("server_error")],
+        closed: (0, 1), within_ms: 5_000, ..OK
+    };
+    /// Completions stream stalled in the middle of its second event: the half event is dropped.
+    decode_stalls_mid_stream_completions: Case {
+        decode: Engine::Up(Fault::Stall(At::event(2, 30))), route: SHORT_IDLE, api: Api::CompletionsStream,
+        answer: Answer::StreamThenError("stream_idle_timeout"),
+        counted: &[Applied, UpErr("decode", "timeout"), Timeout("stream_idle"), Outcome("server_error")],
+        closed: (0, 1), within_ms: 5_000, ..OK
     };
     /// Decode reads the request and closes: 502, not re-sent (a decode must not run twice).
     decode_closes_after_reading: Case {
@@ -571,6 +689,15 @@ matrix! {
         counted: &[Applied, UpErr("decode", "stream_broken"), Outcome("server_error")], ..OK
     };
 
+    // ---- relay routes: a request that is no leg, sent to the decode as is ----
+    /// Relay decode that never sends a head: 504 at the route's first-byte timeout.
+    relay_decode_hangs_before_headers: Case {
+        mode: Mode::RelayDecode, decode: Engine::Up(Fault::HangBeforeHead), route: SHORT_DECODE, status: 504,
+        answer: Answer::Error("decode_timeout"),
+        counted: &[UpErr("decode", "timeout"), Timeout("first_byte"), Outcome("server_error")],
+        saw: (0, 1), closed: (0, 1), reused: None, within_ms: 5_000, ..OK
+    };
+
     // ---- client ----
     /// The client leaves while the prefill runs: the prefill connection is closed, no decode.
     client_gone_during_prefill: Case {
@@ -583,6 +710,33 @@ matrix! {
     client_gone_during_handoff: Case {
         decode: Engine::Up(Fault::HangBeforeHead), client: Client::LeavesAfterMs(300), status: 0,
         answer: Answer::Nothing, counted: &[Applied, Outcome("client_closed")], closed: (0, 1), within_ms: 5_000, ..OK
+    };
+    /// The client leaves after a prefill that handed over KV (`kv_transfer_params`), the
+    /// decode not answered: the decode is closed, then sent again for one token, not streamed,
+    /// so it pulls the blocks and the prefill frees them (`on_client_gone = "release"`).
+    client_gone_during_handoff_releases_the_kv: Case {
+        prefill_fake: |c| c.connector = true, decode: Engine::UpThen(Fault::HangBeforeHead, Fault::Pass),
+        client: Client::LeavesAfterMs(300), status: 0, answer: Answer::Nothing,
+        counted: &[Applied, Release("released"), Outcome("client_closed")], saw: (1, 2), closed: (0, 1),
+        engines_saw: |_, d| {
+            let release = d[1].json();
+            assert_eq!((release["max_tokens"].as_u64(), release["stream"].as_bool()), (Some(1), Some(false)), "{release}");
+            assert_eq!(release["kv_transfer_params"], d[0].json()["kv_transfer_params"], "the same handoff");
+        },
+        within_ms: 5_000, ..OK
+    };
+    /// The same with `on_client_gone = "abandon"`: nothing more is sent.
+    client_gone_during_handoff_abandon: Case {
+        prefill_fake: |c| c.connector = true, decode: Engine::Up(Fault::HangBeforeHead),
+        route: "on_client_gone = \"abandon\"\n", client: Client::LeavesAfterMs(300), status: 0, answer: Answer::Nothing,
+        counted: &[Applied, Release("abandoned"), Outcome("client_closed")], closed: (0, 1), within_ms: 5_000, ..OK
+    };
+    /// A client that stops reading a long stream: once a write to it waits
+    /// `client_write_timeout_ms` its connection is cut and the decode closed.
+    client_stops_reading: Case {
+        api: Api::ChatStream, max_tokens: 200_000, client: Client::StopsReading,
+        route: "decode_first_byte_timeout_ms = 30000\nclient_write_timeout_ms = 300\n", answer: Answer::CutAfterHead,
+        counted: &[Applied, Timeout("client_write"), Outcome("client_closed")], closed: (0, 1), within_ms: 60_000, ..OK
     };
     /// The client leaves mid-stream (the decode stalled after two events): decode closed.
     client_gone_during_stream: Case {
@@ -600,7 +754,8 @@ matrix! {
     /// A header-named prefiller that hangs: bounded by the route's `prefill_timeout_ms`.
     header_prefiller_hangs: Case {
         mode: Mode::Header, prefill: Engine::Up(Fault::HangBeforeHead), route: SHORT_PREFILL, status: 504,
-        answer: Answer::Error("prefill_timeout"), counted: &[UpErr("prefill", "timeout"), Outcome("server_error")],
+        answer: Answer::Error("prefill_timeout"),
+        counted: &[UpErr("prefill", "timeout"), Timeout("prefill"), Outcome("server_error")],
         saw: (1, 0), closed: (1, 0), within_ms: 5_000, ..OK
     };
     /// A header-named prefiller answering garbage: 502.
@@ -629,7 +784,8 @@ matrix! {
     /// Relay prefill engine that hangs: 504 at the route's `prefill_timeout_ms`.
     relay_prefill_hangs: Case {
         mode: Mode::RelayPrefill, prefill: Engine::Up(Fault::HangBeforeHead), route: SHORT_PREFILL, status: 504,
-        answer: Answer::Error("prefill_timeout"), counted: &[UpErr("prefill", "timeout"), Outcome("server_error")],
+        answer: Answer::Error("prefill_timeout"),
+        counted: &[UpErr("prefill", "timeout"), Timeout("prefill"), Outcome("server_error")],
         saw: (1, 0), closed: (1, 0), reused: None, within_ms: 5_000, ..OK
     };
     /// Relay prefill engine answering garbage: 502.
@@ -640,6 +796,20 @@ matrix! {
     };
 
     // ---- passthrough routes ----
+    /// Passthrough engine that never sends a head: 504 at the first-byte timeout.
+    passthrough_hangs_before_headers: Case {
+        mode: Mode::Passthrough, decode: Engine::Up(Fault::HangBeforeHead), route: SHORT_DECODE, status: 504,
+        answer: Answer::Error("decode_timeout"),
+        counted: &[UpErr("passthrough", "timeout"), Timeout("first_byte"), Outcome("server_error")],
+        saw: (0, 1), closed: (0, 1), reused: None, within_ms: 5_000, ..OK
+    };
+    /// Passthrough stream stalled mid-event: the whole events, then `stream_idle_timeout`.
+    passthrough_stalls_mid_stream: Case {
+        mode: Mode::Passthrough, decode: Engine::Up(Fault::Stall(At::event(3, 10))), route: SHORT_IDLE,
+        api: Api::ChatStream, answer: Answer::StreamThenError("stream_idle_timeout"),
+        counted: &[UpErr("passthrough", "timeout"), Timeout("stream_idle"), Outcome("server_error")],
+        saw: (0, 1), closed: (0, 1), reused: None, within_ms: 5_000, ..OK
+    };
     /// Passthrough engine down: retried once, then 502.
     passthrough_down: Case {
         mode: Mode::Passthrough, decode: Engine::Down, status: 502, answer: Answer::Error("decode_unavailable"),
@@ -769,7 +939,7 @@ async fn prefill_restart_recovers_reuse() {
     p.stop().await;
     let (status, text) = chat(&proxy, false).await;
     assert_eq!(status, 502, "{text}");
-    check_answer(Answer::Error("prefill_unavailable"), Api::Chat, &text);
+    check_answer(Answer::Error("prefill_unavailable"), Api::Chat, &Ok(text));
     assert_eq!(proxy.metric(r#"tokenonce_upstream_errors_total{kind="connect",stage="prefill"}"#).await, 1.0);
     wait_health(&proxy, "prefill", &p, false).await;
 
@@ -800,7 +970,7 @@ async fn decode_restart_as_a_new_version_recovers_reuse() {
     d.stop().await;
     let (status, text) = chat(&proxy, false).await;
     assert_eq!(status, 502, "{text}");
-    check_answer(Answer::Error("decode_unavailable"), Api::Chat, &text);
+    check_answer(Answer::Error("decode_unavailable"), Api::Chat, &Ok(text));
     wait_health(&proxy, "decode", &d, false).await;
 
     df.configure(|c| c.version = "0.32.0".into());
@@ -911,4 +1081,47 @@ async fn ejection_and_readmission() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(proxy.metric(ejections).await, 1.0);
+}
+
+/// README's "Failure behaviour" tables and this matrix agree: every case a row names is a
+/// test of this crate's suites, and every case of this file (but the baselines) is named by a row.
+#[test]
+fn readme_failure_table_names_every_case() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let table = readme.split("### Failure behaviour").nth(1).unwrap().split("\n## ").next().unwrap();
+    let named: Vec<&str> = table
+        .lines()
+        .filter(|l| l.starts_with('|') && !l.starts_with("|---"))
+        .filter_map(|l| l.trim_end_matches('|').rsplit('|').next())
+        .flat_map(|cell| cell.split('`').skip(1).step_by(2))
+        .filter(|name| name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
+        .collect();
+    assert!(named.len() > 60, "the tables name the cases: {named:?}");
+    let mut tests = String::new();
+    for file in std::fs::read_dir(root.join("tests")).unwrap() {
+        let path = file.unwrap().path();
+        if path.extension().is_some_and(|e| e == "rs") {
+            tests.push_str(&std::fs::read_to_string(&path).unwrap());
+        }
+    }
+    for name in &named {
+        let defined = tests.contains(&format!("async fn {name}(")) || tests.contains(&format!("\n    {name}: "));
+        assert!(defined, "README names case {name}, which no test defines");
+    }
+    let own = std::fs::read_to_string(root.join("tests/faults.rs")).unwrap();
+    let ident = |n: &&str| n.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    let rows =
+        own.lines().filter_map(|l| l.strip_prefix("    ")?.split_once(": Case")).map(|(name, _)| name).filter(ident);
+    let scenarios = own.lines().filter_map(|l| l.strip_prefix("async fn ")?.split_once("()")).map(|(name, _)| name);
+    let tested: Vec<&str> = own
+        .lines()
+        .zip(own.lines().skip(1))
+        .filter(|(attr, _)| attr.starts_with("#[tokio::test"))
+        .filter_map(|(_, f)| f.strip_prefix("async fn ")?.split_once('(').map(|(n, _)| n))
+        .collect();
+    // Baselines are no fault: they show the engines pass the fakes' answers unchanged.
+    for name in rows.chain(scenarios.filter(|n| tested.contains(n))).filter(|n| !n.contains("baseline")) {
+        assert!(named.contains(&name), "case {name} has no row in README's failure tables");
+    }
 }

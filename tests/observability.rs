@@ -404,7 +404,23 @@ async fn dashboard_and_alert_metrics_exist_after_real_traffic() {
         ("api", &["chat", "completions", "other"]),
         ("mode", &["orchestrate", "relay", "passthrough"]),
         ("outcome", &["success", "client_error", "server_error", "client_closed"]),
-        ("stage", &["prefill", "handoff", "decode_first_byte", "decode_total", "decode", "passthrough"]),
+        (
+            "stage",
+            &[
+                "prefill",
+                "handoff",
+                "decode_first_byte",
+                "decode_total",
+                "decode",
+                "passthrough",
+                // timeouts_total
+                "connect",
+                "first_byte",
+                "stream_idle",
+                "client_write",
+                "release",
+            ],
+        ),
         ("pool", &["prefill", "decode"]),
     ];
     for s in &scrape.samples {

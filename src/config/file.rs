@@ -187,6 +187,19 @@ pub struct Route {
     /// Decode response-header deadline, ms
     /// ([`DECODE_FIRST_BYTE_TIMEOUT_MS`](super::defaults::DECODE_FIRST_BYTE_TIMEOUT_MS)).
     pub decode_first_byte_timeout_ms: Option<Field<i64>>,
+    /// Silence allowed between body chunks or SSE events of a relayed answer, ms
+    /// ([`STREAM_IDLE_TIMEOUT_MS`](super::defaults::STREAM_IDLE_TIMEOUT_MS)).
+    pub stream_idle_timeout_ms: Option<Field<i64>>,
+    /// How long one write to the client may wait for it to read, ms
+    /// ([`CLIENT_WRITE_TIMEOUT_MS`](super::defaults::CLIENT_WRITE_TIMEOUT_MS)).
+    pub client_write_timeout_ms: Option<Field<i64>>,
+    /// Orchestrate: a client gone after a prefill holding KV, `release` or `abandon`
+    /// ([`ON_CLIENT_GONE`](super::defaults::ON_CLIENT_GONE)).
+    pub on_client_gone: Option<Field<String>>,
+    /// Deadline of the release leg, ms ([`RELEASE_TIMEOUT_MS`](super::defaults::RELEASE_TIMEOUT_MS)).
+    pub release_timeout_ms: Option<Field<i64>>,
+    /// Longest SSE event relayed, bytes ([`MAX_SSE_EVENT_BYTES`](super::defaults::MAX_SSE_EVENT_BYTES)).
+    pub max_sse_event_bytes: Option<Field<i64>>,
     /// Largest accepted request body, bytes ([`MAX_BODY_BYTES`](super::defaults::MAX_BODY_BYTES)).
     pub max_body_bytes: Option<Field<i64>>,
     /// Retries of unstarted legs as a share of legs sent, percent

@@ -8,8 +8,8 @@ pub mod model;
 
 pub use model::{
     AdminToken, AllowEntry, AllowTarget, Balance, CacheSettings, ClientHandoff, Config, ConfigError, LogFormat, Mode,
-    OnPrefillFailure, PoolSpec, PrefillSource, Problem, RelayHandoff, RouteMatch, RouteOptions, RouteSpec,
-    ServerSettings, UpstreamSettings, Version,
+    OnClientGone, OnPrefillFailure, PoolSpec, PrefillSource, Problem, RelayHandoff, RouteMatch, RouteOptions,
+    RouteSpec, ServerSettings, UpstreamSettings, Version,
 };
 
 /// The embedded default configuration text.
@@ -243,7 +243,8 @@ pathz = ["/x"]
         let route = keys!("routes.", Route {
             name, matcher as "match", mode, relay_handoff, prefill, decode_pool, token_reuse, prefill_timeout_ms,
             decode_first_byte_timeout_ms, max_body_bytes, client_kv_transfer_params, retry_budget_percent,
-            retry_budget_min_per_second, prefill_attempts, on_prefill_failure,
+            retry_budget_min_per_second, prefill_attempts, on_prefill_failure, stream_idle_timeout_ms,
+            client_write_timeout_ms, on_client_gone, release_timeout_ms, max_sse_event_bytes,
         });
         // `routes.match` is a table; README lists its keys instead.
         all.extend(route.into_iter().filter(|k| k != "routes.match"));
@@ -325,6 +326,11 @@ pathz = ["/x"]
             ("routes.retry_budget_min_per_second", defaults::RETRY_BUDGET_MIN_PER_SECOND.to_string()),
             ("routes.prefill_attempts", defaults::PREFILL_ATTEMPTS.to_string()),
             ("routes.on_prefill_failure", code(defaults::ON_PREFILL_FAILURE.name())),
+            ("routes.stream_idle_timeout_ms", defaults::STREAM_IDLE_TIMEOUT_MS.to_string()),
+            ("routes.client_write_timeout_ms", defaults::CLIENT_WRITE_TIMEOUT_MS.to_string()),
+            ("routes.on_client_gone", code(defaults::ON_CLIENT_GONE.name())),
+            ("routes.release_timeout_ms", defaults::RELEASE_TIMEOUT_MS.to_string()),
+            ("routes.max_sse_event_bytes", defaults::MAX_SSE_EVENT_BYTES.to_string()),
             ("cache.capacity_bytes", defaults::CACHE_CAPACITY_BYTES.to_string()),
             ("cache.ttl_ms", defaults::CACHE_TTL_MS.to_string()),
         ];

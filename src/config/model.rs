@@ -213,6 +213,27 @@ impl Choice for OnPrefillFailure {
     }
 }
 
+/// What an orchestrate route does when the client leaves after a prefill that holds KV
+/// blocks for the decode, before the decode leg was sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnClientGone {
+    /// Send the decode anyway with one token, not streamed, and discard its answer: the
+    /// decode pulls the blocks and the prefill frees them.
+    Release,
+    /// Send nothing; the prefill keeps the blocks until its KV lease runs out.
+    Abandon,
+}
+
+impl Choice for OnClientGone {
+    const ALL: &'static [Self] = &[Self::Release, Self::Abandon];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Release => "release",
+            Self::Abandon => "abandon",
+        }
+    }
+}
+
 /// How log lines are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogFormat {
@@ -316,6 +337,11 @@ pub struct RouteOptions {
     retry_budget_min_per_second: u32,
     prefill_attempts: usize,
     on_prefill_failure: OnPrefillFailure,
+    stream_idle_timeout: Duration,
+    client_write_timeout: Duration,
+    on_client_gone: OnClientGone,
+    release_timeout: Duration,
+    max_sse_event_bytes: usize,
 }
 
 impl RouteOptions {
@@ -367,6 +393,31 @@ impl RouteOptions {
     /// Orchestrate: what a failed prefill leg leads to.
     pub fn on_prefill_failure(&self) -> OnPrefillFailure {
         self.on_prefill_failure
+    }
+
+    /// Silence allowed between body chunks of a relayed answer (positive).
+    pub fn stream_idle_timeout(&self) -> Duration {
+        self.stream_idle_timeout
+    }
+
+    /// How long one write to the client may wait (positive).
+    pub fn client_write_timeout(&self) -> Duration {
+        self.client_write_timeout
+    }
+
+    /// Orchestrate: a client gone after a prefill that holds KV.
+    pub fn on_client_gone(&self) -> OnClientGone {
+        self.on_client_gone
+    }
+
+    /// Deadline of the release leg (positive).
+    pub fn release_timeout(&self) -> Duration {
+        self.release_timeout
+    }
+
+    /// Longest SSE event relayed (positive).
+    pub fn max_sse_event_bytes(&self) -> usize {
+        self.max_sse_event_bytes
     }
 }
 

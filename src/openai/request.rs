@@ -181,6 +181,18 @@ pub const PREFILL_KV_TRANSFER_PARAMS: &str = r#"{"do_remote_decode":true,"do_rem
 /// `want_ids`, and the remote-decode `kv_transfer_params`. Other fields keep their bytes.
 pub fn prefill_body(client: &RawObject<'_>, want_ids: bool) -> Vec<u8> {
     let mut obj = client.clone();
+    one_token(&mut obj);
+    if want_ids {
+        obj.set_raw("return_token_ids", "true");
+    }
+    obj.set_raw("kv_transfer_params", PREFILL_KV_TRANSFER_PARAMS);
+    obj.to_bytes()
+}
+
+/// One token, not streamed: token limits (`max_completion_tokens` only when present: it
+/// wins over `max_tokens` in chat) to 1, `min_*` removed (vLLM refuses `min_tokens >
+/// max_tokens`), `stream: false`, `stream_options` removed (refused without `stream`).
+fn one_token(obj: &mut RawObject<'_>) {
     obj.set_raw("max_tokens", "1");
     if obj.get("max_completion_tokens").is_some() {
         obj.set_raw("max_completion_tokens", "1");
@@ -189,11 +201,17 @@ pub fn prefill_body(client: &RawObject<'_>, want_ids: bool) -> Vec<u8> {
     obj.remove("min_completion_tokens");
     obj.set_raw("stream", "false");
     obj.remove("stream_options");
-    if want_ids {
-        obj.set_raw("return_token_ids", "true");
-    }
-    obj.set_raw("kv_transfer_params", PREFILL_KV_TRANSFER_PARAMS);
-    obj.to_bytes()
+}
+
+/// The release leg, from a decode body: the same request (its `kv_transfer_params`, its
+/// prompt) for one token, not streamed, without echoed ids, so the decode engine pulls the
+/// prefill's KV blocks (which frees them) at the least cost; its answer is discarded.
+/// `None` when `decode` is not a JSON object.
+pub fn release_body(decode: &[u8]) -> Option<Vec<u8>> {
+    let mut obj = RawObject::parse_bytes(decode).ok()?;
+    one_token(&mut obj);
+    obj.remove("return_token_ids");
+    Some(obj.to_bytes())
 }
 
 /// Merges `ids` into a `kv_transfer_params` object text (or a fresh object when absent/null).
@@ -308,6 +326,29 @@ mod tests {
         }
         assert_eq!(v["kv_transfer_params"]["do_remote_decode"], true);
         assert!(String::from_utf8(out).unwrap().contains(r#""temperature":0.70"#));
+    }
+
+    #[test]
+    fn release_body_is_the_decode_for_one_token_unstreamed() {
+        let decode = br#"{"messages":[],"max_tokens":50,"max_completion_tokens":60,"min_tokens":3,"stream":true,"stream_options":{"include_usage":true},"return_token_ids":true,"kv_transfer_params":{"remote_block_ids":[[1,2]],"remote_port":5600,"prompt_token_ids":[7,8]},"temperature":0.70}"#;
+        let out = release_body(decode).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!((v["max_tokens"].clone(), v["max_completion_tokens"].clone()), (1.into(), 1.into()));
+        assert_eq!(v["stream"], false);
+        for gone in ["min_tokens", "stream_options", "return_token_ids"] {
+            assert!(v.get(gone).is_none(), "{gone}");
+        }
+        let text = String::from_utf8(out).unwrap();
+        assert!(
+            text.contains(
+                r#""kv_transfer_params":{"remote_block_ids":[[1,2]],"remote_port":5600,"prompt_token_ids":[7,8]}"#
+            ),
+            "the handoff is kept byte for byte: {text}"
+        );
+        assert!(text.contains(r#""temperature":0.70"#));
+        let plain = release_body(br#"{"prompt":[1,2],"max_tokens":9}"#).unwrap();
+        assert!(serde_json::from_slice::<serde_json::Value>(&plain).unwrap().get("max_completion_tokens").is_none());
+        assert_eq!(release_body(b"[1]"), None);
     }
 
     #[test]

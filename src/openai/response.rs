@@ -209,19 +209,39 @@ fn emit(event: &Event, rewrite: &mut impl FnMut(&str) -> Option<Vec<u8>>, out: &
 pub struct StreamFraming {
     decoder: SseDecoder,
     cached_tokens: Option<u64>,
+    max_event: usize,
+    /// A complete event over `max_event` was seen (and it and all after it dropped).
+    overlong: bool,
 }
 
 impl StreamFraming {
-    /// Framing for one stream; `cached_tokens` as the prefill reported it.
+    /// Framing for one stream; `cached_tokens` as the prefill reported it. No event limit.
     pub fn new(cached_tokens: Option<u64>) -> Self {
-        Self { decoder: SseDecoder::new(), cached_tokens }
+        Self { decoder: SseDecoder::new(), cached_tokens, max_event: usize::MAX, overlong: false }
     }
 
-    /// Feeds engine bytes; returns the complete events among them (possibly none).
+    /// The same framing, with [`Self::too_long`] true once an event (complete, or still
+    /// being received) is longer than `max_event` bytes; that event is never emitted, and
+    /// the relay then ends the stream. Memory stays bounded by `max_event` plus one read.
+    pub fn with_event_limit(self, max_event: usize) -> Self {
+        Self { max_event, ..self }
+    }
+
+    /// True when an event longer than the limit was seen or is being received.
+    pub fn too_long(&self) -> bool {
+        self.overlong || self.decoder.pending() > self.max_event
+    }
+
+    /// Feeds engine bytes; returns the complete events among them (possibly none), up to
+    /// the first one over the limit.
     pub fn feed(&mut self, chunk: &[u8]) -> Vec<u8> {
         let events = self.decoder.feed(chunk);
         let mut out = Vec::with_capacity(chunk.len());
         for event in &events {
+            if self.overlong || event.raw().len() > self.max_event {
+                self.overlong = true;
+                break;
+            }
             match self.cached_tokens {
                 Some(n) => emit(event, &mut |d: &str| rewrite_cached_tokens(d, n), &mut out),
                 None => out.extend_from_slice(event.raw()),
@@ -332,6 +352,22 @@ mod tests {
         assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
         let second: serde_json::Value = serde_json::from_slice(&events[1].data().unwrap()).unwrap();
         assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
+    }
+
+    #[test]
+    fn framing_flags_an_event_longer_than_its_limit() {
+        let mut f = StreamFraming::new(None).with_event_limit(16);
+        assert_eq!(f.feed(b"data: {\"a\":1}\n\ndata: {\"b\":"), b"data: {\"a\":1}\n\n");
+        assert!(!f.too_long(), "10 bytes pending");
+        assert!(f.feed(b"\"0123456789\"").is_empty());
+        assert!(f.too_long(), "22 bytes pending, limit 16");
+        let mut f = StreamFraming::new(None).with_event_limit(16);
+        assert_eq!(
+            f.feed(b"data: 1\n\ndata: {\"b\":\"0123456789\"}\n\ndata: 2\n\n"),
+            b"data: 1\n\n",
+            "stops at the long one"
+        );
+        assert!(f.too_long(), "a whole event over the limit counts too");
     }
 
     #[test]

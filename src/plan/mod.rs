@@ -152,6 +152,21 @@ pub struct DecodeStep {
     pub cached_tokens: Option<u64>,
     /// Why the prefill's ids were refused, for the log.
     pub refused: Option<IdsError>,
+    /// The prefill answered `kv_transfer_params`: it holds the prompt's KV blocks until this
+    /// decode pulls them (or its KV lease ends).
+    pub holds_kv: bool,
+}
+
+impl DecodeStep {
+    /// The release leg for a client gone before this decode started answering: the same
+    /// decode for one token, not streamed, answer discarded, so the decode engine pulls the
+    /// prefill's KV blocks and the prefill frees them now. `None` when the prefill holds none.
+    pub fn release_body(&self) -> Option<Bytes> {
+        if !self.holds_kv {
+            return None;
+        }
+        crate::openai::request::release_body(&self.body).map(Bytes::from)
+    }
 }
 
 /// Why this request may not reuse ids whatever the engines say.
@@ -220,6 +235,7 @@ impl Orchestration<'_, '_> {
             reuse: Reuse::Fallback(FallbackReason::PrefillFailed),
             cached_tokens: None,
             refused: None,
+            holds_kv: false,
         }
     }
 
@@ -243,6 +259,7 @@ impl Orchestration<'_, '_> {
             reuse: Reuse::of(ids.as_ref(), fallback),
             cached_tokens: handoff.cached_tokens,
             refused,
+            holds_kv: handoff.kv_transfer_params.is_some(),
         })
     }
 }

@@ -178,6 +178,29 @@ fn decode_alone_sends_the_client_body_as_is() {
     }
 }
 
+/// A client gone before the decode answered: a release leg exactly when the prefill holds
+/// KV blocks (it answered `kv_transfer_params`), whatever the reuse outcome; it is the
+/// decode with the prefill's params for one token, not streamed. Without kv params (no
+/// connector; a decode alone) nothing is released: the prefill holds nothing.
+#[test]
+fn a_release_leg_exactly_when_the_prefill_holds_kv() {
+    let (obj, view) = parsed(Api::Chat, CHAT);
+    for (version, answer) in [(V32, CHAT_ANSWER), (V26, CHAT_ANSWER)] {
+        let plan = orchestrate(Request { obj: &obj, view: &view }, &ON, version);
+        let step = plan.after_prefill(answer.as_bytes()).unwrap();
+        assert!(step.holds_kv);
+        let release = json(&step.release_body().expect("a release leg"));
+        assert_eq!((release["max_tokens"].clone(), release["stream"].clone()), (1.into(), false.into()));
+        assert_eq!(release["kv_transfer_params"]["remote_port"], 5600);
+        assert_eq!(release["kv_transfer_params"]["remote_engine_id"], "e");
+    }
+    let (obj, view) = parsed(Api::Completions, CMPL);
+    let plan = orchestrate(Request { obj: &obj, view: &view }, &ON, V32);
+    let step = plan.after_prefill(CMPL_ANSWER.as_bytes()).unwrap();
+    assert!(!step.holds_kv && step.release_body().is_none(), "kv_transfer_params null: nothing held");
+    assert!(plan.decode_alone().release_body().is_none());
+}
+
 /// Relay: a request is a prefill when its kv params say `do_remote_decode`.
 #[test]
 fn relay_prefill_asks_for_ids_only_when_they_can_be_used() {

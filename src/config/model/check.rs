@@ -29,6 +29,8 @@ const MAX_CONNECT_MS: u64 = 600_000;
 const MAX_IDLE_MS: u64 = 4999;
 const MAX_LEG_MS: u64 = 3_600_000;
 const MAX_BODY_BYTES: u64 = 1 << 30;
+/// An SSE event limit below this would cut ordinary token events (a few KB with logprobs).
+const MIN_SSE_EVENT_BYTES: u64 = 64 * 1024;
 const MAX_CACHE_BYTES: u64 = 1 << 40;
 /// pingora refuses more than 256 header fields and 1 MiB of head itself.
 const MAX_HEADER_COUNT: u64 = 256;
@@ -466,7 +468,8 @@ fn check_route(
         name, matcher, mode, prefill, decode_pool, unknown,
         relay_handoff: _, token_reuse: _, prefill_timeout_ms: _, decode_first_byte_timeout_ms: _,
         max_body_bytes: _, client_kv_transfer_params: _, retry_budget_percent: _, retry_budget_min_per_second: _,
-        prefill_attempts: _, on_prefill_failure: _,
+        prefill_attempts: _, on_prefill_failure: _, stream_idle_timeout_ms: _, client_write_timeout_ms: _,
+        on_client_gone: _, release_timeout_ms: _, max_sse_event_bytes: _,
     } = route;
     ck.unknown(&unknown, &path);
     let name = check_route_name(ck, &name, &span, &key, seen_names);
@@ -526,7 +529,8 @@ fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> 
     let file::Route {
         token_reuse, prefill_timeout_ms, decode_first_byte_timeout_ms, max_body_bytes, relay_handoff,
         client_kv_transfer_params, retry_budget_percent, retry_budget_min_per_second, prefill_attempts,
-        on_prefill_failure, name: _, matcher: _, mode: _, prefill: _, decode_pool: _, unknown: _,
+        on_prefill_failure, stream_idle_timeout_ms, client_write_timeout_ms, on_client_gone, release_timeout_ms,
+        max_sse_event_bytes, name: _, matcher: _, mode: _, prefill: _, decode_pool: _, unknown: _,
     } = route;
     RouteOptions {
         token_reuse: ck.get(token_reuse, &format!("{key}.token_reuse")).map_or(defaults::TOKEN_REUSE, |(v, _)| *v),
@@ -577,6 +581,31 @@ fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> 
             &format!("{key}.on_prefill_failure"),
             defaults::ON_PREFILL_FAILURE,
         ),
+        stream_idle_timeout: ck.millis(
+            stream_idle_timeout_ms,
+            &format!("{key}.stream_idle_timeout_ms"),
+            defaults::STREAM_IDLE_TIMEOUT_MS,
+            MAX_LEG_MS,
+        ),
+        client_write_timeout: ck.millis(
+            client_write_timeout_ms,
+            &format!("{key}.client_write_timeout_ms"),
+            defaults::CLIENT_WRITE_TIMEOUT_MS,
+            MAX_LEG_MS,
+        ),
+        on_client_gone: ck.optional_choice(on_client_gone, &format!("{key}.on_client_gone"), defaults::ON_CLIENT_GONE),
+        release_timeout: ck.millis(
+            release_timeout_ms,
+            &format!("{key}.release_timeout_ms"),
+            defaults::RELEASE_TIMEOUT_MS,
+            MAX_LEG_MS,
+        ),
+        max_sse_event_bytes: ck.bounded(
+            max_sse_event_bytes,
+            &format!("{key}.max_sse_event_bytes"),
+            defaults::MAX_SSE_EVENT_BYTES,
+            MIN_SSE_EVENT_BYTES..=MAX_BODY_BYTES,
+        ) as usize,
     }
 }
 
