@@ -55,6 +55,8 @@ pub struct FakeConfig {
     pub cut_stream_at_byte: Option<usize>,
     /// Responses ids this engine has stored (a `previous_response_id` not here is a 404).
     pub stored_responses: Vec<String>,
+    /// Keep every request for [`FakeVllm::requests`] (off for long load runs: bounded memory).
+    pub keep_requests: bool,
 }
 
 impl Default for FakeConfig {
@@ -76,6 +78,7 @@ impl Default for FakeConfig {
             healthy: true,
             cut_stream_at_byte: None,
             stored_responses: Vec::new(),
+            keep_requests: true,
         }
     }
 }
@@ -287,13 +290,15 @@ async fn handle(
     body: Bytes,
 ) -> Response {
     let path = uri.path_and_query().map_or(uri.path().to_owned(), |p| p.as_str().to_owned());
-    shared.requests.lock().unwrap().push(Recorded {
-        method: method.to_string(),
-        path: path.clone(),
-        headers: headers.clone(),
-        body: body.clone(),
-    });
     let config = shared.config.lock().unwrap().clone();
+    if config.keep_requests {
+        shared.requests.lock().unwrap().push(Recorded {
+            method: method.to_string(),
+            path,
+            headers: headers.clone(),
+            body: body.clone(),
+        });
+    }
     let mut guard = CancelGuard { shared: Arc::clone(&shared), done: false };
     if method == Method::GET {
         guard.done = true;

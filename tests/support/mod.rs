@@ -5,6 +5,7 @@
 #![allow(dead_code, unused_imports, clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 pub mod fake_vllm;
+pub mod fault_engine;
 pub mod toy_proxy;
 
 use std::io::{BufRead, BufReader, Write};
