@@ -285,7 +285,9 @@ fn emit(event: &Event, rewrite: &mut impl FnMut(&str) -> Option<Vec<u8>>, out: &
             // The event's other fields first (`event: response.completed` names the event).
             for line in event.other_lines() {
                 out.extend_from_slice(line);
-                out.push(b'\n');
+                // A line read as ending in CR came with CRLF after it: written back with a
+                // bare LF it would lose that CR and read as another field.
+                out.extend_from_slice(if line.ends_with(b"\r") { b"\r\n" } else { b"\n" });
             }
             // One `data:` line: in JSON text a CR or LF can only be whitespace between
             // tokens (strings escape them), and either would end the SSE line early.
@@ -520,6 +522,20 @@ mod tests {
             "stops at the long one"
         );
         assert!(f.too_long(), "a whole event over the limit counts too");
+    }
+
+    #[test]
+    fn a_rewritten_event_keeps_its_other_lines_as_they_read() {
+        // `data\r` (a field named "data\r", written `data\r\r\n`) must not come back as
+        // `data\r\n`, which reads as an empty data line.
+        let stream = b"data\r\r\nevent: e\ndata: {\"usage\":{\"prompt_tokens\":3}}\n\n";
+        let mut framing = StreamFraming::new(Some(7));
+        let out = framing.feed(stream);
+        let events = crate::sse::SseDecoder::new().feed(&out);
+        let before = crate::sse::SseDecoder::new().feed(stream);
+        let want = rewrite_cached_tokens(&String::from_utf8(before[0].data().unwrap()).unwrap(), 7).unwrap();
+        assert_eq!(events[0].data().unwrap(), want);
+        assert_eq!(events[0].other_lines().collect::<Vec<_>>(), before[0].other_lines().collect::<Vec<_>>());
     }
 
     #[test]
