@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde_json::{json, Value};
-use support::{pd_config, FakeConfig, FakeVllm, Settings, TokenOnce};
+use support::{pd_config, words, FakeConfig, FakeVllm, Settings, TokenOnce};
 
 const MAX_TOKENS: u64 = 16;
 const SIZES: [usize; 2] = [1_000, 37_000];
@@ -88,24 +88,6 @@ impl Workload {
             "/v1/completions"
         }
     }
-}
-
-/// `n` deterministic lowercase words of 3–7 letters.
-fn words(n: usize, seed: u64) -> String {
-    let mut state = seed | 1;
-    let mut text = String::with_capacity(n * 7);
-    for i in 0..n {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        if i > 0 {
-            text.push(' ');
-        }
-        for k in 0..3 + (state % 5) as usize {
-            text.push(char::from(b'a' + ((state >> (8 + 5 * k)) % 26) as u8));
-        }
-    }
-    text
 }
 
 /// A workload's client body and the floor's prefill body.

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde_json::json;
-use support::{pd_config, FakeConfig, FakeVllm, Settings, TokenOnce};
+use support::{pd_config, words, FakeConfig, FakeVllm, Settings, TokenOnce};
 
 /// Prompt sizes in tokens (words) and how many of every eight requests use each.
 const SIZES: [(usize, u32); 4] = [(1_000, 4), (4_000, 2), (12_000, 1), (37_000, 1)];
@@ -83,24 +83,6 @@ fn tokenonce_binary() -> PathBuf {
 fn rss_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status.lines().find_map(|l| l.strip_prefix("VmRSS:")?.trim().trim_end_matches("kB").trim().parse().ok())
-}
-
-/// `n` deterministic lowercase words of 3–7 letters.
-fn words(n: usize, seed: u64) -> String {
-    let mut state = seed | 1;
-    let mut text = String::with_capacity(n * 7);
-    for i in 0..n {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        if i > 0 {
-            text.push(' ');
-        }
-        for k in 0..3 + (state % 5) as usize {
-            text.push(char::from(b'a' + ((state >> (8 + 5 * k)) % 26) as u8));
-        }
-    }
-    text
 }
 
 /// One kind of request, its body serialized once.

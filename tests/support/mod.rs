@@ -410,3 +410,22 @@ pub async fn post_json(
 ) -> (u16, reqwest::header::HeaderMap, String) {
     post_raw(url, serde_json::to_vec(body).unwrap(), headers).await
 }
+
+/// `n` deterministic lowercase words of 3–7 letters (about 6 bytes each with the space), for
+/// prompts of a chosen size.
+pub fn words(n: usize, seed: u64) -> String {
+    let mut state = seed | 1;
+    let mut text = String::with_capacity(n * 7);
+    for i in 0..n {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        if i > 0 {
+            text.push(' ');
+        }
+        for k in 0..3 + (state % 5) as usize {
+            text.push(char::from(b'a' + ((state >> (8 + 5 * k)) % 26) as u8));
+        }
+    }
+    text
+}
