@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use http::HeaderMap;
 
-use crate::config::{Config, Mode, PrefillSource, RouteMatch};
+use crate::config::{defaults, Config, Mode, PrefillSource, RouteMatch};
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::plan::{ClientHandoff, HeaderRule, ReusePolicy};
 use crate::upstream::{Pool, RetryBudget};
@@ -60,6 +60,16 @@ pub struct Route {
     pub prefill_attempts: usize,
     /// Orchestrate: what a failed prefill leg leads to.
     pub on_prefill_failure: crate::config::OnPrefillFailure,
+    /// Silence allowed between body chunks of a relayed answer.
+    pub stream_idle_timeout: Duration,
+    /// How long one write to the client may wait.
+    pub client_write_timeout: Duration,
+    /// Orchestrate: a client gone after a prefill holding KV.
+    pub on_client_gone: crate::config::OnClientGone,
+    /// Deadline of the release leg.
+    pub release_timeout: Duration,
+    /// Longest SSE event relayed.
+    pub max_sse_event_bytes: usize,
     /// This route's series.
     pub metrics: RouteMetrics,
 }
@@ -141,6 +151,11 @@ impl RouteTable {
                 ),
                 prefill_attempts: o.prefill_attempts(),
                 on_prefill_failure: o.on_prefill_failure(),
+                stream_idle_timeout: o.stream_idle_timeout(),
+                client_write_timeout: o.client_write_timeout(),
+                on_client_gone: o.on_client_gone(),
+                release_timeout: o.release_timeout(),
+                max_sse_event_bytes: o.max_sse_event_bytes(),
                 metrics: metrics.route(spec.name(), spec.mode()),
             }));
         }
@@ -151,18 +166,26 @@ impl RouteTable {
             matcher: None,
             decode_pool: pool(config.passthrough_pool(), DEFAULT_ROUTE)?,
             prefill: None,
-            policy: ReusePolicy { token_reuse: false, relay_handoff: crate::config::RelayHandoff::Cache },
+            policy: ReusePolicy {
+                token_reuse: crate::config::ReuseShare::OFF,
+                relay_handoff: crate::config::RelayHandoff::Cache,
+            },
             client_handoff: ClientHandoff::Strip,
-            prefill_timeout: Duration::ZERO,
-            decode_first_byte_timeout: Duration::ZERO,
+            prefill_timeout: Duration::from_millis(defaults::PREFILL_TIMEOUT_MS),
+            decode_first_byte_timeout: Duration::from_millis(defaults::DECODE_FIRST_BYTE_TIMEOUT_MS),
             max_body_bytes: largest_body,
             retry_budget: RetryBudget::new(
-                crate::config::defaults::RETRY_BUDGET_PERCENT as u32,
-                crate::config::defaults::RETRY_BUDGET_MIN_PER_SECOND as u32,
+                defaults::RETRY_BUDGET_PERCENT as u32,
+                defaults::RETRY_BUDGET_MIN_PER_SECOND as u32,
                 std::time::Instant::now(),
             ),
             prefill_attempts: 1,
             on_prefill_failure: crate::config::OnPrefillFailure::Error,
+            stream_idle_timeout: Duration::from_millis(defaults::STREAM_IDLE_TIMEOUT_MS),
+            client_write_timeout: Duration::from_millis(defaults::CLIENT_WRITE_TIMEOUT_MS),
+            on_client_gone: defaults::ON_CLIENT_GONE,
+            release_timeout: Duration::from_millis(defaults::RELEASE_TIMEOUT_MS),
+            max_sse_event_bytes: defaults::MAX_SSE_EVENT_BYTES as usize,
             metrics: metrics.default_route(DEFAULT_ROUTE),
         });
         Ok(Self { routes, default })

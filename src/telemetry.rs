@@ -166,6 +166,11 @@ impl RequestTrace {
         Self { request, ..Self::default() }
     }
 
+    /// Whether this request is traced (tracing on).
+    pub fn is_on(&self) -> bool {
+        !self.request.is_none()
+    }
+
     /// Sets an attribute of the request span.
     pub fn attribute(&self, key: &'static str, value: impl Into<opentelemetry::Value>) {
         if !self.request.is_none() {
@@ -214,6 +219,15 @@ impl RequestTrace {
             return Span::none();
         }
         tracing::info_span!(target: TARGET, parent: &self.request, "handoff")
+    }
+
+    /// The span of a KV release (the one-token decode sent after the client left); it ends
+    /// when dropped.
+    pub fn release(&self) -> Span {
+        if self.request.is_none() {
+            return Span::none();
+        }
+        tracing::info_span!(target: TARGET, parent: &self.request, "kv release", otel.kind = "client")
     }
 
     /// The `traceparent` (and `tracestate`) a leg sends: its own span's context, or the

@@ -191,6 +191,9 @@ async fn a_request_without_context_starts_a_trace() {
     assert_eq!(hex(&named(&spans, "decode").span_id), parent);
     assert!(spans.iter().all(|(service, _)| service == "tokenonce"), "the default service name");
     assert_eq!(attr(&request.attributes, "tokenonce.api").as_deref(), Some("completions"));
+    // A non-streamed answer relayed through still gives its token counts.
+    assert_eq!(attr(&request.attributes, "gen_ai.usage.output_tokens").as_deref(), Some("3"), "max_tokens");
+    assert!(attr(&request.attributes, "gen_ai.usage.input_tokens").is_some());
 }
 
 /// Tracing off (no `[tracing]`): tokenonce makes no span and a client's trace context reaches

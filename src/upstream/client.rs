@@ -70,6 +70,11 @@ impl UpstreamError {
         }
     }
 
+    /// True for a connect that ran out of `upstream.connect_timeout_ms`.
+    pub fn timed_out_connecting(&self) -> bool {
+        matches!(self, Self::Connect { cause: "connect timed out", .. })
+    }
+
     /// A connect failure to `addr` (a TLS one when the handshake failed).
     pub fn connect(addr: &str, e: &pingora::Error) -> Self {
         let (addr, cause, detail) = (addr.to_owned(), cause_of(e), e.to_string());

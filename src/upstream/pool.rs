@@ -22,6 +22,8 @@ pub struct Endpoint {
     version_learned_at: RwLock<Option<std::time::Instant>>,
     /// When `/version` was last asked and gave nothing usable (retried after a pause).
     version_failed_at: RwLock<Option<std::time::Instant>>,
+    /// Held while a request asks `/version`, so a burst of first requests asks once.
+    pub version_ask: tokio::sync::Mutex<()>,
     /// Passive outlier detection: consecutive failures and the ejection they caused.
     outlier: RwLock<Outlier>,
 }
@@ -60,6 +62,7 @@ impl Endpoint {
             version: RwLock::new(None),
             version_learned_at: RwLock::new(None),
             version_failed_at: RwLock::new(None),
+            version_ask: tokio::sync::Mutex::new(()),
             outlier: RwLock::new(Outlier::default()),
         }
     }
