@@ -3,13 +3,16 @@
 //! first rule whose path, model glob and headers all match wins, else the `default` route
 //! (passthrough to `defaults.passthrough_pool`). `select` is a pure function of the request.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::HeaderMap;
 
+use crate::config::RouteSpec;
 use crate::config::{Config, Mode, PrefillSource, RouteMatch};
 use crate::metrics::{Metrics, RouteMetrics};
+use crate::parity::RouteParity;
 use crate::plan::{ClientHandoff, HeaderRule, ReusePolicy};
 use crate::upstream::{Pool, RetryBudget};
 
@@ -62,9 +65,28 @@ pub struct Route {
     pub on_prefill_failure: crate::config::OnPrefillFailure,
     /// This route's series.
     pub metrics: RouteMetrics,
+    /// The parity watch's state, when the route's pools have a tokenizer.
+    pub parity: Option<Arc<RouteParity>>,
+    /// Set by the health poller: the prefill and decode pools report different models.
+    models_differ: AtomicBool,
 }
 
 impl Route {
+    /// The reuse policy for a request now: the config's knobs plus the route's current state
+    /// (parity watch holding reuse off, pools serving different models).
+    pub fn policy_now(&self) -> ReusePolicy {
+        ReusePolicy {
+            hold_ids: self.parity.as_ref().is_some_and(|p| p.reuse_off()),
+            models_differ: self.models_differ.load(Ordering::Relaxed),
+            ..self.policy
+        }
+    }
+
+    /// Records whether the route's pools serve different models; true when it changed.
+    pub fn set_models_differ(&self, differ: bool) -> bool {
+        self.models_differ.swap(differ, Ordering::Relaxed) != differ
+    }
+
     /// The header naming the prefiller, which is never forwarded to an engine.
     pub fn prefiller_header(&self) -> Option<&str> {
         match &self.prefill {
@@ -123,13 +145,18 @@ impl RouteTable {
                 None => None,
             };
             let o = &spec.options();
+            let tokenizer = route_tokenizer(config, spec);
             routes.push(Arc::new(Route {
                 name: spec.name().to_owned(),
                 mode: spec.mode(),
                 matcher: Some(spec.matcher().clone()),
                 decode_pool: pool(spec.decode_pool(), spec.name())?,
                 prefill,
-                policy: ReusePolicy { token_reuse: o.token_reuse(), relay_handoff: o.relay_handoff() },
+                policy: ReusePolicy::new(
+                    o.token_reuse(),
+                    o.relay_handoff(),
+                    tokenizer.as_ref().map(|t| t.vocab_bound()),
+                ),
                 client_handoff: o.client_handoff(),
                 prefill_timeout: o.prefill_timeout(),
                 decode_first_byte_timeout: o.decode_first_byte_timeout(),
@@ -142,7 +169,25 @@ impl RouteTable {
                 prefill_attempts: o.prefill_attempts(),
                 on_prefill_failure: o.on_prefill_failure(),
                 metrics: metrics.route(spec.name(), spec.mode()),
+                parity: tokenizer.map(|t| {
+                    Arc::new(RouteParity::new(
+                        spec.name(),
+                        t,
+                        o.parity_sample(),
+                        o.on_parity_mismatch(),
+                        o.parity_cooldown(),
+                        metrics.parity(spec.name()),
+                    ))
+                }),
+                models_differ: AtomicBool::new(false),
             }));
+            if spec.prefill_pool().is_some() {
+                metrics.models_differ(spec.name(), false);
+            }
+            if spec.mode() != Mode::Passthrough {
+                // Zeros instead of gaps, also on routes without a tokenizer.
+                metrics.parity(spec.name());
+            }
         }
         let largest_body = routes.iter().map(|r| r.max_body_bytes).max().unwrap_or(DEFAULT_ROUTE_BODY_LIMIT);
         let default = Arc::new(Route {
@@ -151,7 +196,7 @@ impl RouteTable {
             matcher: None,
             decode_pool: pool(config.passthrough_pool(), DEFAULT_ROUTE)?,
             prefill: None,
-            policy: ReusePolicy { token_reuse: false, relay_handoff: crate::config::RelayHandoff::Cache },
+            policy: ReusePolicy::new(false, crate::config::RelayHandoff::Cache, None),
             client_handoff: ClientHandoff::Strip,
             prefill_timeout: Duration::ZERO,
             decode_first_byte_timeout: Duration::ZERO,
@@ -164,6 +209,8 @@ impl RouteTable {
             prefill_attempts: 1,
             on_prefill_failure: crate::config::OnPrefillFailure::Error,
             metrics: metrics.default_route(DEFAULT_ROUTE),
+            parity: None,
+            models_differ: AtomicBool::new(false),
         });
         Ok(Self { routes, default })
     }
@@ -193,6 +240,13 @@ impl RouteTable {
     pub fn max_body_bytes(&self) -> usize {
         self.default.max_body_bytes
     }
+}
+
+/// A route's tokenizer: its decode pool's (the engine that reads the ids), else its prefill
+/// pool's.
+fn route_tokenizer(config: &Config, spec: &RouteSpec) -> Option<Arc<crate::parity::Tokenizer>> {
+    let of = |i: usize| config.pools().get(i).and_then(|p| p.tokenizer().cloned());
+    of(spec.decode_pool()).or_else(|| spec.prefill_pool().and_then(of))
 }
 
 /// The metric label of unmatched requests.

@@ -2,7 +2,7 @@
 //! validator applies these, `file.rs` links here instead of restating numbers, and a test
 //! checks README's configuration table against them.
 
-use super::model::{Balance, ClientHandoff, LogFormat, OnPrefillFailure, RelayHandoff};
+use super::model::{Balance, ClientHandoff, LogFormat, OnPrefillFailure, ParityPolicy, RelayHandoff};
 
 /// Client listener: all interfaces, on vLLM's own default port, so clients need no change.
 pub const LISTEN: &str = "0.0.0.0:8000";
@@ -69,3 +69,12 @@ pub const MAX_HEADER_COUNT: u64 = 100;
 pub const MAX_HEADER_BYTES: u64 = 64 * 1024;
 /// Whole request body, ms: a slow or stalled client (slowloris) is cut after a minute.
 pub const BODY_READ_TIMEOUT_MS: u64 = 60_000;
+/// Share of reused requests the parity watch checks: 1 % keeps its cost (a few ms of one
+/// worker per sample at 37k tokens) far below the proxy's, and still catches a bad rollout
+/// within a few hundred requests.
+pub const PARITY_SAMPLE: f64 = 0.01;
+/// A parity mismatch alerts (counted, logged); turning reuse off is a route's choice.
+pub const ON_PARITY_MISMATCH: ParityPolicy = ParityPolicy::Alert;
+/// Reuse stays off at least this long after a mismatch under `disable_reuse`, ms: a rollout
+/// or a bad engine is not fixed in less.
+pub const PARITY_COOLDOWN_MS: u64 = 60_000;

@@ -8,8 +8,8 @@ pub mod model;
 
 pub use model::{
     AdminToken, AllowEntry, AllowTarget, Balance, CacheSettings, ClientHandoff, Config, ConfigError, LogFormat, Mode,
-    OnPrefillFailure, PoolSpec, PrefillSource, Problem, RelayHandoff, RouteMatch, RouteOptions, RouteSpec,
-    ServerSettings, UpstreamSettings, Version,
+    OnPrefillFailure, ParityPolicy, PoolSpec, PrefillSource, Problem, RelayHandoff, RouteMatch, RouteOptions,
+    RouteSpec, ServerSettings, UpstreamSettings, Version,
 };
 
 /// The embedded default configuration text.
@@ -238,12 +238,13 @@ pathz = ["/x"]
             "upstream.",
             Upstream { connect_timeout_ms, idle_timeout_ms, health_interval_ms, eject_after_failures }
         ));
-        all.extend(keys!("pools.NAME.", Pool { endpoints, balance, vllm_version }));
+        all.extend(keys!("pools.NAME.", Pool { endpoints, balance, vllm_version, tokenizer }));
         all.extend(keys!("defaults.", Defaults { passthrough_pool }));
         let route = keys!("routes.", Route {
             name, matcher as "match", mode, relay_handoff, prefill, decode_pool, token_reuse, prefill_timeout_ms,
             decode_first_byte_timeout_ms, max_body_bytes, client_kv_transfer_params, retry_budget_percent,
-            retry_budget_min_per_second, prefill_attempts, on_prefill_failure,
+            retry_budget_min_per_second, prefill_attempts, on_prefill_failure, parity_sample, on_parity_mismatch,
+            parity_cooldown_ms,
         });
         // `routes.match` is a table; README lists its keys instead.
         all.extend(route.into_iter().filter(|k| k != "routes.match"));
@@ -325,6 +326,9 @@ pathz = ["/x"]
             ("routes.retry_budget_min_per_second", defaults::RETRY_BUDGET_MIN_PER_SECOND.to_string()),
             ("routes.prefill_attempts", defaults::PREFILL_ATTEMPTS.to_string()),
             ("routes.on_prefill_failure", code(defaults::ON_PREFILL_FAILURE.name())),
+            ("routes.parity_sample", defaults::PARITY_SAMPLE.to_string()),
+            ("routes.on_parity_mismatch", code(defaults::ON_PARITY_MISMATCH.name())),
+            ("routes.parity_cooldown_ms", defaults::PARITY_COOLDOWN_MS.to_string()),
             ("cache.capacity_bytes", defaults::CACHE_CAPACITY_BYTES.to_string()),
             ("cache.ttl_ms", defaults::CACHE_TTL_MS.to_string()),
         ];

@@ -102,6 +102,7 @@ pub struct PoolSpec {
     endpoints: Vec<String>,
     balance: Balance,
     vllm_version: Option<Version>,
+    tokenizer: Option<std::sync::Arc<crate::parity::Tokenizer>>,
 }
 
 impl PoolSpec {
@@ -123,6 +124,11 @@ impl PoolSpec {
     /// Pinned vLLM version, if any.
     pub fn vllm_version(&self) -> Option<Version> {
         self.vllm_version
+    }
+
+    /// The engines' tokenizer, loaded when the config was, if configured.
+    pub fn tokenizer(&self) -> Option<&std::sync::Arc<crate::parity::Tokenizer>> {
+        self.tokenizer.as_ref()
     }
 }
 
@@ -209,6 +215,25 @@ impl Choice for OnPrefillFailure {
         match self {
             Self::Error => "error",
             Self::DecodeAlone => "decode_alone",
+        }
+    }
+}
+
+/// What a route does when the parity watch finds ids that do not carry their request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParityPolicy {
+    /// Count and log it (the alert rule fires on the counter).
+    Alert,
+    /// Also send the route's decodes as text for a cool-down, until samples match again.
+    DisableReuse,
+}
+
+impl Choice for ParityPolicy {
+    const ALL: &'static [Self] = &[Self::Alert, Self::DisableReuse];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Alert => "alert",
+            Self::DisableReuse => "disable_reuse",
         }
     }
 }
@@ -316,6 +341,9 @@ pub struct RouteOptions {
     retry_budget_min_per_second: u32,
     prefill_attempts: usize,
     on_prefill_failure: OnPrefillFailure,
+    parity_sample: f64,
+    on_parity_mismatch: ParityPolicy,
+    parity_cooldown: Duration,
 }
 
 impl RouteOptions {
@@ -367,6 +395,21 @@ impl RouteOptions {
     /// Orchestrate: what a failed prefill leg leads to.
     pub fn on_prefill_failure(&self) -> OnPrefillFailure {
         self.on_prefill_failure
+    }
+
+    /// Share of reused requests the parity watch checks (0–1).
+    pub fn parity_sample(&self) -> f64 {
+        self.parity_sample
+    }
+
+    /// What a parity mismatch does.
+    pub fn on_parity_mismatch(&self) -> ParityPolicy {
+        self.on_parity_mismatch
+    }
+
+    /// Least time `disable_reuse` keeps reuse off (positive).
+    pub fn parity_cooldown(&self) -> Duration {
+        self.parity_cooldown
     }
 }
 

@@ -15,6 +15,9 @@ pub enum IdsError {
     /// The array length disagrees with `usage.prompt_tokens`.
     #[error("prompt ids count {count} != usage.prompt_tokens {expected}")]
     CountMismatch { count: usize, expected: u64 },
+    /// An id is at or above the vocabulary size of the route's tokenizer.
+    #[error("prompt id {id} is outside the tokenizer's vocabulary of {bound}")]
+    OutOfVocab { id: u64, bound: u32 },
 }
 
 /// A JSON array of token ids that passed validation; holds its raw text and count.
@@ -36,10 +39,18 @@ impl PromptIds {
     /// # Errors
     /// [`IdsError`] naming the first rule broken.
     pub fn parse(raw: &str, expected: Option<u64>) -> Result<Self, IdsError> {
+        Self::parse_within(raw, expected, None)
+    }
+
+    /// [`PromptIds::parse`], and every id below `vocab` (one compare per id, in the same pass).
+    ///
+    /// # Errors
+    /// [`IdsError`] naming the first rule broken.
+    pub fn parse_within(raw: &str, expected: Option<u64>, vocab: Option<u32>) -> Result<Self, IdsError> {
         // JSON's four whitespace bytes only: `str::trim` would also take e.g. U+00A0, which
         // no JSON parser (the decode engine's included) accepts.
         let raw = raw.trim_matches([' ', '\t', '\n', '\r']);
-        let count = count_ids(raw.as_bytes())?;
+        let count = count_ids(raw.as_bytes(), vocab)?;
         if count == 0 {
             return Err(IdsError::Empty);
         }
@@ -96,8 +107,10 @@ impl PromptIds {
     }
 }
 
-/// Counts the elements of a JSON array of integers in `0..=u32::MAX`, rejecting anything else.
-fn count_ids(bytes: &[u8]) -> Result<usize, IdsError> {
+/// Counts the elements of a JSON array of integers in `0..=u32::MAX` (below `vocab` when
+/// given), rejecting anything else.
+fn count_ids(bytes: &[u8], vocab: Option<u32>) -> Result<usize, IdsError> {
+    let limit = vocab.map_or(u64::MAX, u64::from);
     let mut it = bytes.iter().copied().peekable();
     if it.next() != Some(b'[') {
         return Err(IdsError::Malformed("not an array"));
@@ -142,6 +155,9 @@ fn count_ids(bytes: &[u8]) -> Result<usize, IdsError> {
                 Some(b'[') => "nested array",
                 _ => "not an integer",
             }));
+        }
+        if value >= limit {
+            return Err(IdsError::OutOfVocab { id: value, bound: vocab.unwrap_or(u32::MAX) });
         }
         count += 1;
         skip_ws(&mut it);
@@ -194,6 +210,22 @@ mod tests {
     #[test]
     fn count_must_match_usage() {
         assert_eq!(PromptIds::parse("[1,2,3]", Some(4)), Err(IdsError::CountMismatch { count: 3, expected: 4 }));
+    }
+
+    #[test]
+    fn ids_at_or_past_the_vocabulary_are_refused() {
+        assert_eq!(PromptIds::parse_within("[0,4,1]", Some(3), Some(5)).unwrap().len(), 3);
+        assert_eq!(
+            PromptIds::parse_within("[0, 5,1]", Some(3), Some(5)),
+            Err(IdsError::OutOfVocab { id: 5, bound: 5 })
+        );
+        assert_eq!(
+            PromptIds::parse_within("[151669]", None, Some(151669)),
+            Err(IdsError::OutOfVocab { id: 151669, bound: 151669 })
+        );
+        assert!(PromptIds::parse_within("[4294967295]", None, None).is_ok());
+        // Shape errors still come first where they occur.
+        assert!(matches!(PromptIds::parse_within("[1,-9]", None, Some(5)), Err(IdsError::Malformed(_))));
     }
 
     #[test]

@@ -5,8 +5,8 @@ use super::*;
 use crate::config::RelayHandoff;
 use crate::handoff::CacheKey;
 
-const ON: ReusePolicy = ReusePolicy { token_reuse: true, relay_handoff: RelayHandoff::Cache };
-const OFF: ReusePolicy = ReusePolicy { token_reuse: false, relay_handoff: RelayHandoff::Cache };
+const ON: ReusePolicy = ReusePolicy::new(true, RelayHandoff::Cache, None);
+const OFF: ReusePolicy = ReusePolicy::new(false, RelayHandoff::Cache, None);
 const V32: DecodeVersion = DecodeVersion::Known(Version(0, 32, 0));
 const V26: DecodeVersion = DecodeVersion::Known(Version(0, 26, 1));
 

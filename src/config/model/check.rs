@@ -412,7 +412,7 @@ fn check_pools(ck: &mut Checker<'_>, pools: &BTreeMap<String, Spanned<file::Pool
     for (name, pool) in pools {
         let path = [Seg::Key("pools"), Seg::Key(name)];
         let key = key_path(&path, None);
-        let file::Pool { endpoints, balance, vllm_version, unknown } = pool.get_ref();
+        let file::Pool { endpoints, balance, vllm_version, tokenizer, unknown } = pool.get_ref();
         ck.unknown(unknown, &path);
         let endpoints_key = format!("{key}.endpoints");
         let endpoints = match endpoints {
@@ -444,7 +444,14 @@ fn check_pools(ck: &mut Checker<'_>, pools: &BTreeMap<String, Spanned<file::Pool
             }
             parsed
         });
-        specs.push(PoolSpec { name: name.clone(), endpoints, balance, vllm_version });
+        let tokenizer_key = format!("{key}.tokenizer");
+        let tokenizer = ck.get(tokenizer, &tokenizer_key).and_then(|(path, span)| {
+            crate::parity::Tokenizer::load(std::path::Path::new(path))
+                .map(std::sync::Arc::new)
+                .map_err(|why| ck.at(Some(span), &tokenizer_key, why))
+                .ok()
+        });
+        specs.push(PoolSpec { name: name.clone(), endpoints, balance, vllm_version, tokenizer });
     }
     specs
 }
@@ -466,7 +473,7 @@ fn check_route(
         name, matcher, mode, prefill, decode_pool, unknown,
         relay_handoff: _, token_reuse: _, prefill_timeout_ms: _, decode_first_byte_timeout_ms: _,
         max_body_bytes: _, client_kv_transfer_params: _, retry_budget_percent: _, retry_budget_min_per_second: _,
-        prefill_attempts: _, on_prefill_failure: _,
+        prefill_attempts: _, on_prefill_failure: _, parity_sample: _, on_parity_mismatch: _, parity_cooldown_ms: _,
     } = route;
     ck.unknown(&unknown, &path);
     let name = check_route_name(ck, &name, &span, &key, seen_names);
@@ -526,7 +533,8 @@ fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> 
     let file::Route {
         token_reuse, prefill_timeout_ms, decode_first_byte_timeout_ms, max_body_bytes, relay_handoff,
         client_kv_transfer_params, retry_budget_percent, retry_budget_min_per_second, prefill_attempts,
-        on_prefill_failure, name: _, matcher: _, mode: _, prefill: _, decode_pool: _, unknown: _,
+        on_prefill_failure, parity_sample, on_parity_mismatch, parity_cooldown_ms,
+        name: _, matcher: _, mode: _, prefill: _, decode_pool: _, unknown: _,
     } = route;
     RouteOptions {
         token_reuse: ck.get(token_reuse, &format!("{key}.token_reuse")).map_or(defaults::TOKEN_REUSE, |(v, _)| *v),
@@ -577,6 +585,30 @@ fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> 
             &format!("{key}.on_prefill_failure"),
             defaults::ON_PREFILL_FAILURE,
         ),
+        parity_sample: check_share(ck, parity_sample, &format!("{key}.parity_sample")),
+        on_parity_mismatch: ck.optional_choice(
+            on_parity_mismatch,
+            &format!("{key}.on_parity_mismatch"),
+            defaults::ON_PARITY_MISMATCH,
+        ),
+        parity_cooldown: ck.millis(
+            parity_cooldown_ms,
+            &format!("{key}.parity_cooldown_ms"),
+            defaults::PARITY_COOLDOWN_MS,
+            MAX_LEG_MS,
+        ),
+    }
+}
+
+/// A share between 0 and 1 (the parity sample), else the default with a problem.
+fn check_share(ck: &mut Checker<'_>, field: &Option<Field<f64>>, key: &str) -> f64 {
+    match ck.get(field, key) {
+        None => defaults::PARITY_SAMPLE,
+        Some((v, _)) if (0.0..=1.0).contains(v) => *v,
+        Some((_, span)) => {
+            ck.at(Some(span), key, "must be between 0 and 1");
+            defaults::PARITY_SAMPLE
+        }
     }
 }
 
