@@ -187,6 +187,19 @@ pathz = ["/x"]
     }
 
     #[test]
+    fn a_tokenizer_that_does_not_load_and_a_share_past_one_are_problems_at_their_keys() {
+        let text = "[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\ntokenizer = \"/no/such/tokenizer.json\"\n\n[[routes]]\nname = \"r\"\nmode = \"passthrough\"\ndecode_pool = \"decode\"\nparity_sample = 1.5\non_parity_mismatch = \"panic\"\n";
+        let err = Config::from_toml(text, "t").unwrap_err();
+        let got: Vec<(&str, usize)> = err.problems.iter().map(|p| (p.key.as_str(), p.line)).collect();
+        assert_eq!(
+            got,
+            [("pools.decode.tokenizer", 3), ("routes[0].parity_sample", 9), ("routes[0].on_parity_mismatch", 10)]
+        );
+        assert!(err.problems[0].message.contains("cannot load tokenizer"), "{:?}", err.problems);
+        assert_eq!(err.problems[2].message, "`panic` is not one of: alert, disable_reuse");
+    }
+
+    #[test]
     fn a_table_or_array_of_the_wrong_type_is_one_problem_at_its_key() {
         let err = Config::from_toml("[pools.decode]\nendpoints = \"127.0.0.1:1\"\n", "t").unwrap_err();
         assert_eq!(err.problems.len(), 1);

@@ -142,17 +142,17 @@ async fn poll_endpoint(app: &crate::App, pool: &super::Pool, endpoint: &Endpoint
         }
         return;
     }
+    if pool.pinned_version().is_none() {
+        if !was_healthy {
+            endpoint.end_version_pause();
+        }
+        if !was_healthy || endpoint.version().is_none() || endpoint.version_older_than(VERSION_REFRESH) {
+            learn_version(&app.client, endpoint).await;
+        }
+    }
+    // After the version, which the reuse gate of every chat request waits on.
     if !was_healthy || !endpoint.model_asked() {
         endpoint.set_model(ask_model(&app.client, &endpoint.addr).await);
-    }
-    if pool.pinned_version().is_some() {
-        return;
-    }
-    if !was_healthy {
-        endpoint.end_version_pause();
-    }
-    if !was_healthy || endpoint.version().is_none() || endpoint.version_older_than(VERSION_REFRESH) {
-        learn_version(&app.client, endpoint).await;
     }
 }
 
