@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
-use support::{pd_config, FakeConfig, FakeVllm, Settings, TokenOnce};
+use support::{pd_config, words, FakeConfig, FakeVllm, Settings, TokenOnce};
 
 /// User-message sizes in words (the fake tokenizer: one token per whitespace-separated word).
 const PROMPT_WORDS: [usize; 2] = [1_000, 37_000];
@@ -135,24 +135,6 @@ fn proc_memory_kib(pid: u32) -> (Option<u64>, Option<u64>) {
 
 fn mib(kib: Option<u64>) -> String {
     kib.map_or("?".into(), |k| format!("{:.1} MiB", k as f64 / 1024.0))
-}
-
-/// `n` deterministic lowercase words of 3–7 letters (about 6 bytes each with the space).
-fn words(n: usize, seed: u64) -> String {
-    let mut state = seed | 1;
-    let mut text = String::with_capacity(n * 7);
-    for i in 0..n {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        if i > 0 {
-            text.push(' ');
-        }
-        for k in 0..3 + (state % 5) as usize {
-            text.push(char::from(b'a' + ((state >> (8 + 5 * k)) % 26) as u8));
-        }
-    }
-    text
 }
 
 /// The request bodies of one prompt size, serialized once.

@@ -49,6 +49,12 @@ fn init_logging(config: &Config) {
     }
 }
 
+/// mimalloc: glibc's malloc serves the ~0.2–0.5 MB bodies of a long prompt from fresh mmaps,
+/// so each such request paid page faults and zeroing for its buffers (~15 % of the CPU of a
+/// 37k-token request in a profile); mimalloc keeps and reuses those pages.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {

@@ -94,6 +94,39 @@ label_enum! {
 }
 
 label_enum! {
+    /// Which bounded wait ran out (`timeouts_total{stage}`).
+    TimeoutStage {
+        /// TCP connect to an engine (`upstream.connect_timeout_ms`).
+        Connect => "connect",
+        /// The whole prefill leg (`prefill_timeout_ms`).
+        Prefill => "prefill",
+        /// An engine's response header (`decode_first_byte_timeout_ms`).
+        FirstByte => "first_byte",
+        /// Silence between body chunks of an answer being relayed (`stream_idle_timeout_ms`).
+        StreamIdle => "stream_idle",
+        /// A write to a client that does not read (`client_write_timeout_ms`).
+        ClientWrite => "client_write",
+        /// The release leg sent for a client gone after its prefill (`release_timeout_ms`).
+        Release => "release",
+    }
+}
+
+label_enum! {
+    /// What became of a prefill's KV blocks when the client left before the decode answered
+    /// a body byte (`kv_releases_total{result}`).
+    Release {
+        /// The one-token decode was sent and answered 2xx: the decode pulled the blocks.
+        Released => "released",
+        /// It was sent and failed (no answer, or not 2xx).
+        Failed => "failed",
+        /// It was sent and did not finish within `release_timeout_ms`.
+        Timeout => "timeout",
+        /// The route has `on_client_gone = "abandon"`: nothing was sent.
+        Abandoned => "abandoned",
+    }
+}
+
+label_enum! {
     /// How a request ended (`requests_total{outcome}`).
     Outcome {
         /// 2xx fully relayed.
@@ -146,6 +179,13 @@ label_enum! {
         CacheMiss => "cache_miss",
         /// The prefill leg failed and the route sends the decode alone.
         PrefillFailed => "prefill_failed",
+        /// The API has no way to echo prompt ids on vLLM (`/v1/messages`).
+        IdsNotEchoed => "ids_not_echoed",
+        /// A Responses request that needs the decode's response store
+        /// (`previous_response_id`, `conversation`, `background`): sent to the decode alone.
+        Stateful => "stateful",
+        /// A fractional `token_reuse` left this request out of the canary share.
+        Canary => "canary",
         /// An id is at or above the vocabulary size of the route's tokenizer.
         IdsOutOfVocab => "ids_out_of_vocab",
         /// The parity watch found ids that do not carry their request (`disable_reuse`).
@@ -208,8 +248,9 @@ fn api_label(api: Option<Api>) -> &'static str {
     api.map_or("other", Api::as_str)
 }
 
-/// The three `api` label values, in the order [`RouteMetrics`] tables them.
-const API_LABELS: [Option<Api>; 3] = [Some(Api::Chat), Some(Api::Completions), None];
+/// The `api` label values, in the order [`RouteMetrics`] tables them.
+const API_LABELS: [Option<Api>; 5] =
+    [Some(Api::Chat), Some(Api::Completions), Some(Api::Responses), Some(Api::Messages), None];
 
 /// The `mode` label of a request: its route's mode for the OpenAI APIs; every other
 /// request is passed through whatever its route.
@@ -225,7 +266,9 @@ fn api_index(api: Option<Api>) -> usize {
     match api {
         Some(Api::Chat) => 0,
         Some(Api::Completions) => 1,
-        None => 2,
+        Some(Api::Responses) => 2,
+        Some(Api::Messages) => 3,
+        None => 4,
     }
 }
 
@@ -243,6 +286,8 @@ pub struct Metrics {
     upstream_retries: IntCounterVec,
     retry_budget_exhausted: IntCounterVec,
     prefill_failovers: IntCounterVec,
+    timeouts: IntCounterVec,
+    kv_releases: IntCounterVec,
     upstream_ejections: IntCounterVec,
     upstream_ejected: IntGaugeVec,
     /// Requests being served now.
@@ -362,6 +407,18 @@ impl Metrics {
                 "tokenonce_prefill_failovers_total",
                 "Pool prefills moved to another endpoint after failing before any answer or answering 5xx.",
                 &["route"],
+            )?,
+            timeouts: counter(
+                registry,
+                "tokenonce_timeouts_total",
+                "Bounded waits that ran out, by route and stage (connect, prefill, first_byte, stream_idle, client_write, release).",
+                &["route", "stage"],
+            )?,
+            kv_releases: counter(
+                registry,
+                "tokenonce_kv_releases_total",
+                "Clients gone after a prefill holding KV, before the decode answered a body byte: what became of the blocks.",
+                &["route", "result"],
             )?,
             upstream_ejections: counter(
                 registry,
@@ -492,6 +549,17 @@ impl Metrics {
             relayed_id_bytes: self.relayed_id_bytes.clone(),
             retry_refused: self.retry_budget_exhausted.with_label_values(&[route]),
             prefill_failovers: self.prefill_failovers.with_label_values(&[route]),
+            timeouts: TimeoutStage::ALL.iter().map(|s| self.timeouts.with_label_values(&[route, s.as_str()])).collect(),
+            kv_releases: Release::ALL
+                .iter()
+                .map(|r| {
+                    if counts_reuse {
+                        self.kv_releases.with_label_values(&[route, r.as_str()])
+                    } else {
+                        reuse("", "")
+                    }
+                })
+                .collect(),
         }
     }
 
@@ -610,9 +678,9 @@ impl ParityMetrics {
 #[derive(Clone)]
 pub struct RouteMetrics {
     /// `[api][outcome]`.
-    requests: [Vec<IntCounter>; 3],
-    request_duration: [Histogram; 3],
-    time_to_first_byte: [Histogram; 3],
+    requests: [Vec<IntCounter>; 5],
+    request_duration: [Histogram; 5],
+    time_to_first_byte: [Histogram; 5],
     /// By [`Stage`].
     stages: Vec<Histogram>,
     reuse_applied: IntCounter,
@@ -622,6 +690,10 @@ pub struct RouteMetrics {
     relayed_id_bytes: IntCounter,
     retry_refused: IntCounter,
     prefill_failovers: IntCounter,
+    /// By [`TimeoutStage`].
+    timeouts: Vec<IntCounter>,
+    /// By [`Release`].
+    kv_releases: Vec<IntCounter>,
 }
 
 impl RouteMetrics {
@@ -663,6 +735,20 @@ impl RouteMetrics {
         self.prefill_failovers.inc();
     }
 
+    /// Counts a bounded wait that ran out.
+    pub fn timeout(&self, stage: TimeoutStage) {
+        if let Some(c) = self.timeouts.get(stage as usize) {
+            c.inc();
+        }
+    }
+
+    /// Counts what became of a gone client's KV blocks.
+    pub fn kv_release(&self, result: Release) {
+        if let Some(c) = self.kv_releases.get(result as usize) {
+            c.inc();
+        }
+    }
+
     /// Counts a decode that fell back to text.
     pub fn reuse_fallback(&self, reason: FallbackReason) {
         if let Some(c) = self.reuse_fallback.get(reason as usize) {
@@ -689,6 +775,12 @@ mod tests {
         for (i, r) in ParityResult::ALL.iter().enumerate() {
             assert_eq!(*r as usize, i);
         }
+        for (i, s) in TimeoutStage::ALL.iter().enumerate() {
+            assert_eq!(*s as usize, i);
+        }
+        for (i, r) in Release::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i);
+        }
         for (i, api) in API_LABELS.iter().enumerate() {
             assert_eq!(api_index(*api), i);
         }
@@ -701,10 +793,12 @@ mod tests {
         let r = m.route("r", Mode::Orchestrate);
         let text = String::from_utf8(Metrics::render(&registry)).unwrap();
         let count = |prefix: &str| text.lines().filter(|l| l.starts_with(prefix)).count();
-        assert_eq!(count("tokenonce_requests_total{"), 3 * Outcome::ALL.len());
+        assert_eq!(count("tokenonce_requests_total{"), API_LABELS.len() * Outcome::ALL.len());
         assert_eq!(count("tokenonce_token_reuse_total{"), 1 + FallbackReason::ALL.len());
         assert_eq!(count("tokenonce_upstream_errors_total{"), Leg::ALL.len() * ErrorKind::ALL.len());
         assert_eq!(count("tokenonce_stage_duration_seconds_count{"), Stage::ALL.len());
+        assert_eq!(count("tokenonce_timeouts_total{"), TimeoutStage::ALL.len());
+        assert_eq!(count("tokenonce_kv_releases_total{"), Release::ALL.len());
         r.finished(Some(Api::Completions), Outcome::ClientClosed, Duration::from_millis(5), None);
         r.reuse_fallback(FallbackReason::CacheMiss);
         r.reuse_applied(7, 20);
@@ -756,6 +850,8 @@ mod tests {
             "tokenonce_parity_reuse_disabled_total",
             "tokenonce_parity_reuse_off",
             "tokenonce_pool_models_differ",
+            "tokenonce_timeouts_total",
+            "tokenonce_kv_releases_total",
         ] {
             assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing");
         }

@@ -9,8 +9,7 @@ use std::time::Duration;
 
 use http::HeaderMap;
 
-use crate::config::RouteSpec;
-use crate::config::{Config, Mode, PrefillSource, RouteMatch};
+use crate::config::{defaults, Config, Mode, PrefillSource, RouteMatch, RouteSpec};
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::parity::RouteParity;
 use crate::plan::{ClientHandoff, HeaderRule, ReusePolicy};
@@ -63,6 +62,16 @@ pub struct Route {
     pub prefill_attempts: usize,
     /// Orchestrate: what a failed prefill leg leads to.
     pub on_prefill_failure: crate::config::OnPrefillFailure,
+    /// Silence allowed between body chunks of a relayed answer.
+    pub stream_idle_timeout: Duration,
+    /// How long one write to the client may wait.
+    pub client_write_timeout: Duration,
+    /// Orchestrate: a client gone after a prefill holding KV.
+    pub on_client_gone: crate::config::OnClientGone,
+    /// Deadline of the release leg.
+    pub release_timeout: Duration,
+    /// Longest SSE event relayed.
+    pub max_sse_event_bytes: usize,
     /// This route's series.
     pub metrics: RouteMetrics,
     /// The parity watch's state, when the route's pools have a tokenizer.
@@ -168,26 +177,15 @@ impl RouteTable {
                 ),
                 prefill_attempts: o.prefill_attempts(),
                 on_prefill_failure: o.on_prefill_failure(),
+                stream_idle_timeout: o.stream_idle_timeout(),
+                client_write_timeout: o.client_write_timeout(),
+                on_client_gone: o.on_client_gone(),
+                release_timeout: o.release_timeout(),
+                max_sse_event_bytes: o.max_sse_event_bytes(),
                 metrics: metrics.route(spec.name(), spec.mode()),
-                parity: tokenizer.map(|t| {
-                    Arc::new(RouteParity::new(
-                        spec.name(),
-                        t,
-                        o.parity_sample(),
-                        o.on_parity_mismatch(),
-                        o.parity_cooldown(),
-                        metrics.parity(spec.name()),
-                    ))
-                }),
+                parity: route_parity(spec, tokenizer, metrics),
                 models_differ: AtomicBool::new(false),
             }));
-            if spec.prefill_pool().is_some() {
-                metrics.models_differ(spec.name(), false);
-            }
-            if spec.mode() != Mode::Passthrough {
-                // Zeros instead of gaps, also on routes without a tokenizer.
-                metrics.parity(spec.name());
-            }
         }
         let largest_body = routes.iter().map(|r| r.max_body_bytes).max().unwrap_or(DEFAULT_ROUTE_BODY_LIMIT);
         let default = Arc::new(Route {
@@ -196,18 +194,23 @@ impl RouteTable {
             matcher: None,
             decode_pool: pool(config.passthrough_pool(), DEFAULT_ROUTE)?,
             prefill: None,
-            policy: ReusePolicy::new(false, crate::config::RelayHandoff::Cache, None),
+            policy: ReusePolicy::new(crate::config::ReuseShare::OFF, crate::config::RelayHandoff::Cache, None),
             client_handoff: ClientHandoff::Strip,
-            prefill_timeout: Duration::ZERO,
-            decode_first_byte_timeout: Duration::ZERO,
+            prefill_timeout: Duration::from_millis(defaults::PREFILL_TIMEOUT_MS),
+            decode_first_byte_timeout: Duration::from_millis(defaults::DECODE_FIRST_BYTE_TIMEOUT_MS),
             max_body_bytes: largest_body,
             retry_budget: RetryBudget::new(
-                crate::config::defaults::RETRY_BUDGET_PERCENT as u32,
-                crate::config::defaults::RETRY_BUDGET_MIN_PER_SECOND as u32,
+                defaults::RETRY_BUDGET_PERCENT as u32,
+                defaults::RETRY_BUDGET_MIN_PER_SECOND as u32,
                 std::time::Instant::now(),
             ),
             prefill_attempts: 1,
             on_prefill_failure: crate::config::OnPrefillFailure::Error,
+            stream_idle_timeout: Duration::from_millis(defaults::STREAM_IDLE_TIMEOUT_MS),
+            client_write_timeout: Duration::from_millis(defaults::CLIENT_WRITE_TIMEOUT_MS),
+            on_client_gone: defaults::ON_CLIENT_GONE,
+            release_timeout: Duration::from_millis(defaults::RELEASE_TIMEOUT_MS),
+            max_sse_event_bytes: defaults::MAX_SSE_EVENT_BYTES as usize,
             metrics: metrics.default_route(DEFAULT_ROUTE),
             parity: None,
             models_differ: AtomicBool::new(false),
@@ -247,6 +250,32 @@ impl RouteTable {
 fn route_tokenizer(config: &Config, spec: &RouteSpec) -> Option<Arc<crate::parity::Tokenizer>> {
     let of = |i: usize| config.pools().get(i).and_then(|p| p.tokenizer().cloned());
     of(spec.decode_pool()).or_else(|| spec.prefill_pool().and_then(of))
+}
+
+/// A route's parity watch state (with a tokenizer), and its parity and model-identity series
+/// created (zeros instead of gaps, also on routes without a tokenizer).
+fn route_parity(
+    spec: &RouteSpec,
+    tokenizer: Option<Arc<crate::parity::Tokenizer>>,
+    metrics: &Metrics,
+) -> Option<Arc<RouteParity>> {
+    if spec.prefill_pool().is_some() {
+        metrics.models_differ(spec.name(), false);
+    }
+    if spec.mode() != Mode::Passthrough {
+        metrics.parity(spec.name());
+    }
+    let o = spec.options();
+    tokenizer.map(|t| {
+        Arc::new(RouteParity::new(
+            spec.name(),
+            t,
+            o.parity_sample(),
+            o.on_parity_mismatch(),
+            o.parity_cooldown(),
+            metrics.parity(spec.name()),
+        ))
+    })
 }
 
 /// The metric label of unmatched requests.

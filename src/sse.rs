@@ -41,6 +41,20 @@ impl Event {
     }
 }
 
+impl Event {
+    /// The event's lines other than `data` (`event:`, `id:`, `retry:`, comments), in order,
+    /// without their line ends: what a rewrite of the data must keep (Responses streams name
+    /// every event, `event: response.completed`).
+    pub fn other_lines(&self) -> impl Iterator<Item = &[u8]> {
+        // A line of nothing but CRs carries no field, and written back with a LF it would
+        // read as the blank line that ends the event.
+        lines(&self.raw).filter(|line| {
+            line.iter().any(|&b| b != b'\r')
+                && line.strip_prefix(b"data").is_none_or(|rest| rest.first().is_some_and(|&b| b != b':'))
+        })
+    }
+}
+
 fn lines(raw: &[u8]) -> impl Iterator<Item = &[u8]> {
     raw.split(|&b| b == b'\n').map(|l| l.strip_suffix(b"\r").unwrap_or(l)).filter(|l| !l.is_empty())
 }
@@ -126,6 +140,14 @@ impl SseDecoder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn other_lines_are_every_field_but_data() {
+        let mut d = SseDecoder::new();
+        let events = d.feed(b"event: response.completed\r\ndata: {}\nid: 7\n\r\r\n: note\ndatabase: x\n\n");
+        let other: Vec<&[u8]> = events[0].other_lines().collect();
+        assert_eq!(other, [&b"event: response.completed"[..], b"id: 7", b": note", b"database: x"]);
+    }
 
     const STREAM: &[u8] = b"data: {\"a\":1}\n\n: keep-alive\n\ndata: {\"b\":\n data: 2}\r\n\r\ndata: [DONE]\n\n";
 

@@ -85,3 +85,26 @@ async fn version_pause_ends_when_health_recovers() {
     )
     .await;
 }
+
+/// A burst of concurrent first requests, with no version learned yet (the decode fails
+/// `/health`, so the poller does not ask), asks the decode's `/version` once, not once per
+/// request, and every request gets the gate that one answer gives.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_burst_of_first_requests_asks_version_once() {
+    let decode = FakeConfig { healthy: false, ..FakeConfig::default() };
+    let (_p, d, proxy) = pd_setup(FakeConfig::default(), decode, "").await;
+    let url = format!("{}/v1/chat/completions", proxy.url);
+    let tasks: Vec<_> = (0..64)
+        .map(|i| {
+            let url = url.clone();
+            tokio::spawn(async move { post_json(&url, &chat_body(&format!("burst {i}"), json!({})), &[]).await })
+        })
+        .collect();
+    for task in tasks {
+        let (status, _, text) = tokio::time::timeout(Duration::from_secs(30), task).await.unwrap().unwrap();
+        assert_eq!(status, 200, "{text}");
+    }
+    assert_eq!(proxy.metric_reaches(APPLIED, 64.0).await, 64.0);
+    let asks = d.requests().iter().filter(|r| r.path == "/version").count();
+    assert_eq!(asks, 1, "the burst asked /version {asks} times");
+}

@@ -401,10 +401,26 @@ async fn dashboard_and_alert_metrics_exist_after_real_traffic() {
     // Bounded labels: route names from config, fixed enums; no client path or model string.
     let fixed: &[(&str, &[&str])] = &[
         ("route", &["pd", "default"]),
-        ("api", &["chat", "completions", "other"]),
+        ("api", &["chat", "completions", "responses", "messages", "other"]),
         ("mode", &["orchestrate", "relay", "passthrough"]),
         ("outcome", &["success", "client_error", "server_error", "client_closed"]),
-        ("stage", &["prefill", "handoff", "decode_first_byte", "decode_total", "decode", "passthrough"]),
+        (
+            "stage",
+            &[
+                "prefill",
+                "handoff",
+                "decode_first_byte",
+                "decode_total",
+                "decode",
+                "passthrough",
+                // timeouts_total
+                "connect",
+                "first_byte",
+                "stream_idle",
+                "client_write",
+                "release",
+            ],
+        ),
         ("pool", &["prefill", "decode"]),
     ];
     for s in &scrape.samples {

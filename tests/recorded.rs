@@ -48,11 +48,12 @@ fn prefill_rewrite_matches_the_recorded_prefill_request() {
     for (plain, prefill, api) in [
         ("chat_plain", "chat_prefill", Api::Chat),
         ("completions_plain_stream", "completions_prefill", Api::Completions),
+        ("responses_plain", "responses_prefill", Api::Responses),
     ] {
         let plain = fixture(plain);
         let obj = RawObject::parse(&plain.request).unwrap();
         assert!(RequestView::parse(api, &obj).unwrap().reuse_blocker().is_none());
-        let ours = json(std::str::from_utf8(&prefill_body(&obj, true)).unwrap());
+        let ours = json(std::str::from_utf8(&prefill_body(&obj, api, true)).unwrap());
         let recorded = json(&fixture(prefill).request);
         assert_eq!(ours, recorded, "{api:?}");
     }
@@ -314,4 +315,50 @@ fn real_nixl_kv_params_are_spliced_verbatim() {
     let expected = format!("\"kv_transfer_params\":{},\"prompt_token_ids\":{IDS}}}", kv.trim_end_matches('}'));
     assert!(text.contains(&expected), "{text}");
     assert!(text.contains("\"remote_port\":5600,\"tp_size\":1"), "integers stay integers");
+}
+
+/// vLLM 0.32's Responses prefill (`enable_response_messages`) hands over the 20 ids it
+/// rendered, the same ids the chat prefill of the same conversation echoes; `return_token_ids`
+/// alone gives none; the Messages prefill gives none.
+#[test]
+fn recorded_responses_and_messages_prefills() {
+    let h = extract_handoff(Api::Responses, fixture("responses_prefill").response.as_bytes()).unwrap();
+    let chat = extract_handoff(Api::Chat, fixture("chat_prefill").response.as_bytes()).unwrap();
+    assert_eq!(h.ids.unwrap().to_vec(), chat.ids.unwrap().to_vec());
+    assert_eq!(h.cached_tokens, Some(0));
+    let h = extract_handoff(Api::Responses, fixture("responses_prefill_return_token_ids").response.as_bytes()).unwrap();
+    assert!(h.ids.is_err());
+    let h = extract_handoff(Api::Messages, fixture("messages_prefill").response.as_bytes()).unwrap();
+    assert!(h.ids.is_err());
+    // The decode tokenonce builds from the recorded plain request is the recorded decode.
+    let plain = fixture("responses_plain");
+    let ids = extract_handoff(Api::Responses, fixture("responses_prefill").response.as_bytes()).unwrap().ids.unwrap();
+    let obj = RawObject::parse(&plain.request).unwrap();
+    let ours = json(std::str::from_utf8(&decode_body(&obj, Api::Responses, None, Some(&ids))).unwrap());
+    assert_eq!(ours, json(&fixture("responses_decode_ids").request));
+}
+
+/// The recorded Responses stream through the relay framing with a cached count: only
+/// `response.completed` changes (its `event:` line kept, the count set inside `response`),
+/// every other event keeps its bytes.
+#[test]
+fn recorded_responses_stream_keeps_event_names_through_the_usage_rewrite() {
+    let raw = fixture("responses_decode_ids_stream").response.into_bytes();
+    let mut framing = StreamFraming::for_api(Api::Responses, Some(4));
+    let mut out = framing.feed(&raw);
+    out.extend(framing.end());
+    let before = SseDecoder::new().feed(&raw);
+    let after = SseDecoder::new().feed(&out);
+    assert_eq!(before.len(), after.len());
+    for (b, a) in before.iter().zip(&after) {
+        let data: Value = serde_json::from_slice(&b.data().unwrap()).unwrap();
+        if data["type"] == "response.completed" {
+            assert!(a.raw().starts_with(b"event: response.completed\ndata: "));
+            let got: Value = serde_json::from_slice(&a.data().unwrap()).unwrap();
+            assert_eq!(got["response"]["usage"]["input_tokens_details"]["cached_tokens"], 4);
+            assert_eq!(got["response"]["usage"]["input_tokens"], data["response"]["usage"]["input_tokens"]);
+        } else {
+            assert_eq!(a.raw(), b.raw());
+        }
+    }
 }

@@ -131,12 +131,13 @@ async fn keep_alive_race_is_retried_once() {
     let engine = RawEngine::start(Second::ResetUnread).await;
     let proxy = TokenOnce::start_with(&config(&engine.addr, ""), &quiet()).await;
     let url = format!("{}/v1/chat/completions", proxy.url);
-    let (status, _, text) = post_json(&url, &chat_body("small", json!({})), &[("x-request-id", "first")]).await;
-    assert_eq!((status, text.as_str()), (200, "{\"ok\":true}"));
     // 20 MB: more than a loopback connection holds in flight when the peer reads nothing (our
     // send buffer, at most net.ipv4.tcp_wmem's 4 MB, plus its untuned receive buffer), so the
-    // reset always meets a write.
+    // reset always meets a write. Built first: on a loaded machine building it took longer
+    // than the pool's 4 s idle limit, and the pooled connection was gone before it was sent.
     let big = chat_body(&"x".repeat(20 << 20), json!({}));
+    let (status, _, text) = post_json(&url, &chat_body("small", json!({})), &[("x-request-id", "first")]).await;
+    assert_eq!((status, text.as_str()), (200, "{\"ok\":true}"));
     let (status, _, text) = post_json(&url, &big, &[("x-request-id", "big")]).await;
     assert_eq!(status, 200, "{text}");
     assert_eq!(text, "{\"ok\":true}");

@@ -2,7 +2,7 @@
 //! validator applies these, `file.rs` links here instead of restating numbers, and a test
 //! checks README's configuration table against them.
 
-use super::model::{Balance, ClientHandoff, LogFormat, OnPrefillFailure, ParityPolicy, RelayHandoff};
+use super::model::{Balance, ClientHandoff, LogFormat, OnClientGone, OnPrefillFailure, ParityPolicy, RelayHandoff};
 
 /// Client listener: all interfaces, on vLLM's own default port, so clients need no change.
 pub const LISTEN: &str = "0.0.0.0:8000";
@@ -36,6 +36,23 @@ pub const TOKEN_REUSE: bool = true;
 pub const PREFILL_TIMEOUT_MS: u64 = 30_000;
 /// Decode response header, ms: a queued decode may wait behind long prefills.
 pub const DECODE_FIRST_BYTE_TIMEOUT_MS: u64 = 60_000;
+/// Silence allowed between two body chunks (SSE events) of an engine answer being relayed,
+/// ms: vLLM streams a token every few tens of ms and a preempted or recomputing decode resumes
+/// within seconds; a minute of nothing is a stuck engine.
+pub const STREAM_IDLE_TIMEOUT_MS: u64 = 60_000;
+/// How long one write to the client may wait for it to take bytes, ms: a client that has not
+/// read for 30 s while every socket buffer is full has stalled, and its decode is freed.
+pub const CLIENT_WRITE_TIMEOUT_MS: u64 = 30_000;
+/// A client gone after a prefill that holds KV blocks: the decode is still sent (one token,
+/// discarded) so the decode pulls the blocks and the prefill frees them now, not when its
+/// lease runs out (vLLM #50425: stranded blocks exhaust KV under load).
+pub const ON_CLIENT_GONE: OnClientGone = OnClientGone::Release;
+/// The whole release leg, ms: past vLLM's 30 s KV lease the prefill has freed the blocks anyway.
+pub const RELEASE_TIMEOUT_MS: u64 = 30_000;
+/// Longest SSE event relayed, bytes (16 MiB): a token event with 20 top logprobs is a few KB,
+/// but a first event echoing the prompt ids (`return_token_ids`) or carrying prompt logprobs
+/// grows with the prompt: ~7 bytes per id, so 16 MiB holds the echo of a 2M-token prompt.
+pub const MAX_SSE_EVENT_BYTES: u64 = 16 * 1024 * 1024;
 /// Retries as a share of a route's legs, percent: a failing engine sees at most 1.2× the
 /// load, while the rare keep-alive race is still retried.
 pub const RETRY_BUDGET_PERCENT: u64 = 20;

@@ -183,13 +183,27 @@ pub struct Route {
     pub prefill: Option<Spanned<Prefill>>,
     /// Pool of the decode leg and of passthrough (required).
     pub decode_pool: Option<Field<String>>,
-    /// Reuse the prefill's prompt ids on the decode ([`TOKEN_REUSE`](super::defaults::TOKEN_REUSE)).
-    pub token_reuse: Option<Field<bool>>,
+    /// Reuse the prefill's prompt ids on the decode: `true`, `false`, or the share of
+    /// requests (a fraction from zero to one) that reuse them, a canary ([`TOKEN_REUSE`](super::defaults::TOKEN_REUSE)).
+    pub token_reuse: Option<Field<TokenReuse>>,
     /// Whole prefill leg deadline, ms ([`PREFILL_TIMEOUT_MS`](super::defaults::PREFILL_TIMEOUT_MS)).
     pub prefill_timeout_ms: Option<Field<i64>>,
     /// Decode response-header deadline, ms
     /// ([`DECODE_FIRST_BYTE_TIMEOUT_MS`](super::defaults::DECODE_FIRST_BYTE_TIMEOUT_MS)).
     pub decode_first_byte_timeout_ms: Option<Field<i64>>,
+    /// Silence allowed between body chunks or SSE events of a relayed answer, ms
+    /// ([`STREAM_IDLE_TIMEOUT_MS`](super::defaults::STREAM_IDLE_TIMEOUT_MS)).
+    pub stream_idle_timeout_ms: Option<Field<i64>>,
+    /// How long one write to the client may wait for it to read, ms
+    /// ([`CLIENT_WRITE_TIMEOUT_MS`](super::defaults::CLIENT_WRITE_TIMEOUT_MS)).
+    pub client_write_timeout_ms: Option<Field<i64>>,
+    /// Orchestrate: a client gone after a prefill holding KV, `release` or `abandon`
+    /// ([`ON_CLIENT_GONE`](super::defaults::ON_CLIENT_GONE)).
+    pub on_client_gone: Option<Field<String>>,
+    /// Deadline of the release leg, ms ([`RELEASE_TIMEOUT_MS`](super::defaults::RELEASE_TIMEOUT_MS)).
+    pub release_timeout_ms: Option<Field<i64>>,
+    /// Longest SSE event relayed, bytes ([`MAX_SSE_EVENT_BYTES`](super::defaults::MAX_SSE_EVENT_BYTES)).
+    pub max_sse_event_bytes: Option<Field<i64>>,
     /// Largest accepted request body, bytes ([`MAX_BODY_BYTES`](super::defaults::MAX_BODY_BYTES)).
     pub max_body_bytes: Option<Field<i64>>,
     /// Retries of unstarted legs as a share of legs sent, percent
@@ -219,6 +233,42 @@ pub struct Route {
     /// Unknown keys.
     #[serde(flatten)]
     pub unknown: Unknown,
+}
+
+/// `token_reuse` as written: a switch, or a share of requests (range checked by the validator).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum TokenReuse {
+    /// `true` / `false`.
+    Switch(bool),
+    /// A number, meant to be a fraction from zero to one (integers are numbers too).
+    Share(f64),
+}
+
+impl<'de> Deserialize<'de> for TokenReuse {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = TokenReuse;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a boolean or a fraction between 0.0 and 1.0")
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<TokenReuse, E> {
+                Ok(TokenReuse::Switch(v))
+            }
+            fn visit_f64<E>(self, v: f64) -> Result<TokenReuse, E> {
+                Ok(TokenReuse::Share(v))
+            }
+            #[expect(clippy::cast_precision_loss, reason = "range-checked by the validator; 0 and 1 are exact")]
+            fn visit_i64<E>(self, v: i64) -> Result<TokenReuse, E> {
+                Ok(TokenReuse::Share(v as f64))
+            }
+            #[expect(clippy::cast_precision_loss, reason = "range-checked by the validator; 0 and 1 are exact")]
+            fn visit_u64<E>(self, v: u64) -> Result<TokenReuse, E> {
+                Ok(TokenReuse::Share(v as f64))
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
 }
 
 /// `[routes.match]`

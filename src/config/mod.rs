@@ -8,8 +8,8 @@ pub mod model;
 
 pub use model::{
     AdminToken, AllowEntry, AllowTarget, Balance, CacheSettings, ClientHandoff, Config, ConfigError, LogFormat, Mode,
-    OnPrefillFailure, ParityPolicy, PoolSpec, PrefillSource, Problem, RelayHandoff, RouteMatch, RouteOptions,
-    RouteSpec, ServerSettings, UpstreamSettings, Version,
+    OnClientGone, OnPrefillFailure, ParityPolicy, PoolSpec, PrefillSource, Problem, RelayHandoff, ReuseShare,
+    RouteMatch, RouteOptions, RouteSpec, ServerSettings, UpstreamSettings, Version,
 };
 
 /// The embedded default configuration text.
@@ -41,6 +41,7 @@ pub fn load(path: &std::path::Path) -> Result<Config, ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn embedded_default_is_valid_and_as_documented() {
@@ -100,6 +101,38 @@ prefill_timeout_ms = 0
         );
         assert_eq!((err.problems[0].line, err.problems[0].column), (3, 10));
         assert_eq!(err.problems[1].line, 6);
+    }
+
+    /// The bounds on waits and relayed events: positive timeouts, an SSE limit no smaller
+    /// than ordinary token events, a known client-gone policy; valid values are kept.
+    #[test]
+    fn stream_bounds_and_client_gone_policy_are_validated() {
+        let route = "[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n[[routes]]\nname = \"r\"\nmode = \"passthrough\"\ndecode_pool = \"decode\"\n";
+        let bad = format!("{route}stream_idle_timeout_ms = 0\nclient_write_timeout_ms = -1\non_client_gone = \"keep\"\nrelease_timeout_ms = 0\nmax_sse_event_bytes = 1024\n");
+        let err = Config::from_toml(&bad, "t.toml").unwrap_err();
+        let keys: Vec<&str> = err.problems.iter().map(|p| p.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            [
+                "routes[0].stream_idle_timeout_ms",
+                "routes[0].client_write_timeout_ms",
+                "routes[0].on_client_gone",
+                "routes[0].release_timeout_ms",
+                "routes[0].max_sse_event_bytes"
+            ],
+            "{:#?}",
+            err.problems
+        );
+        assert!(err.problems[2].message.contains("release, abandon"), "{:?}", err.problems[2]);
+        let good = format!("{route}stream_idle_timeout_ms = 5\nclient_write_timeout_ms = 6\non_client_gone = \"abandon\"\nrelease_timeout_ms = 7\nmax_sse_event_bytes = 65536\n");
+        let config = Config::from_toml(&good, "t.toml").unwrap();
+        let o = config.routes()[0].options();
+        assert_eq!(
+            (o.stream_idle_timeout(), o.client_write_timeout()),
+            (Duration::from_millis(5), Duration::from_millis(6))
+        );
+        assert_eq!((o.on_client_gone(), o.release_timeout()), (OnClientGone::Abandon, Duration::from_millis(7)));
+        assert_eq!(o.max_sse_event_bytes(), 65536);
     }
 
     #[test]
@@ -165,7 +198,11 @@ pathz = ["/x"]
         assert_eq!(message("routes[0].mode"), "`sideways` is not one of: orchestrate, relay, passthrough");
         assert_eq!(message("pools.decode.balance"), "`random` is not one of: round_robin, least_in_flight");
         assert!(message("server.threads").contains("expected i64"), "{}", message("server.threads"));
-        assert!(message("routes[1].token_reuse").contains("expected a boolean"));
+        assert!(
+            message("routes[1].token_reuse").contains("expected a boolean or a fraction between 0.0 and 1.0"),
+            "{}",
+            message("routes[1].token_reuse")
+        );
         assert_eq!(message("routes[1].match.pathz"), "unknown key `pathz`");
     }
 
@@ -256,8 +293,9 @@ pathz = ["/x"]
         let route = keys!("routes.", Route {
             name, matcher as "match", mode, relay_handoff, prefill, decode_pool, token_reuse, prefill_timeout_ms,
             decode_first_byte_timeout_ms, max_body_bytes, client_kv_transfer_params, retry_budget_percent,
-            retry_budget_min_per_second, prefill_attempts, on_prefill_failure, parity_sample, on_parity_mismatch,
-            parity_cooldown_ms,
+            retry_budget_min_per_second, prefill_attempts, on_prefill_failure, stream_idle_timeout_ms,
+            client_write_timeout_ms, on_client_gone, release_timeout_ms, max_sse_event_bytes, parity_sample,
+            on_parity_mismatch, parity_cooldown_ms,
         });
         // `routes.match` is a table; README lists its keys instead.
         all.extend(route.into_iter().filter(|k| k != "routes.match"));
@@ -339,6 +377,11 @@ pathz = ["/x"]
             ("routes.retry_budget_min_per_second", defaults::RETRY_BUDGET_MIN_PER_SECOND.to_string()),
             ("routes.prefill_attempts", defaults::PREFILL_ATTEMPTS.to_string()),
             ("routes.on_prefill_failure", code(defaults::ON_PREFILL_FAILURE.name())),
+            ("routes.stream_idle_timeout_ms", defaults::STREAM_IDLE_TIMEOUT_MS.to_string()),
+            ("routes.client_write_timeout_ms", defaults::CLIENT_WRITE_TIMEOUT_MS.to_string()),
+            ("routes.on_client_gone", code(defaults::ON_CLIENT_GONE.name())),
+            ("routes.release_timeout_ms", defaults::RELEASE_TIMEOUT_MS.to_string()),
+            ("routes.max_sse_event_bytes", defaults::MAX_SSE_EVENT_BYTES.to_string()),
             ("routes.parity_sample", defaults::PARITY_SAMPLE.to_string()),
             ("routes.on_parity_mismatch", code(defaults::ON_PARITY_MISMATCH.name())),
             ("routes.parity_cooldown_ms", defaults::PARITY_COOLDOWN_MS.to_string()),

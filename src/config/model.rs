@@ -76,6 +76,10 @@ impl Version {
     /// The first vLLM that reads `kv_transfer_params.prompt_token_ids` on chat.
     pub const CHAT_TOKEN_REUSE: Self = Self(0, 27, 0);
 
+    /// The vLLM on which `/v1/responses` was verified to read the same ids (0.32.0, the e2e
+    /// tier's; its media and echo guards are 0.32's too): older decodes get the text decode.
+    pub const RESPONSES_TOKEN_REUSE: Self = Self(0, 32, 0);
+
     /// Parses `0.32.0`, `0.32.0rc1.dev3+g...`, `v0.27`.
     pub fn parse(text: &str) -> Option<Self> {
         let mut nums = text.trim().trim_start_matches('v').split('.').map(|part| {
@@ -238,6 +242,27 @@ impl Choice for ParityPolicy {
     }
 }
 
+/// What an orchestrate route does when the client leaves after a prefill that holds KV
+/// blocks for the decode, before the decode answered a byte of its body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnClientGone {
+    /// Send the decode anyway with one token, not streamed, and discard its answer: the
+    /// decode pulls the blocks and the prefill frees them.
+    Release,
+    /// Send nothing; the prefill keeps the blocks until its KV lease runs out.
+    Abandon,
+}
+
+impl Choice for OnClientGone {
+    const ALL: &'static [Self] = &[Self::Release, Self::Abandon];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Release => "release",
+            Self::Abandon => "abandon",
+        }
+    }
+}
+
 /// How log lines are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogFormat {
@@ -328,10 +353,75 @@ pub enum PrefillSource {
     },
 }
 
+/// `token_reuse`, validated: the share of requests whose decode reuses the prefill's ids,
+/// in parts per million (0: off, 1,000,000: on). Which requests are in is decided by a
+/// fixed-key hash of the request id ([`ReuseShare::admits`]): the same id always gets the
+/// same answer (so a retried or logged request can be explained), and raising the share
+/// only adds requests, never swaps them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReuseShare {
+    ppm: u32,
+}
+
+impl ReuseShare {
+    /// Parts per million of "all".
+    const WHOLE: u32 = 1_000_000;
+    /// Reuse for every request.
+    pub const ON: Self = Self { ppm: Self::WHOLE };
+    /// Reuse for none (`token_reuse = false`).
+    pub const OFF: Self = Self { ppm: 0 };
+
+    /// A share from a fraction 0.0–1.0, rounded to a millionth; `None` outside the range
+    /// (or NaN).
+    pub fn from_fraction(f: f64) -> Option<Self> {
+        if !(0.0..=1.0).contains(&f) {
+            return None;
+        }
+        #[expect(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "0 <= f*1e6 <= 1e6")]
+        let ppm = (f * f64::from(Self::WHOLE)).round() as u32;
+        Some(Self { ppm })
+    }
+
+    /// `true` → all, `false` → none.
+    pub fn from_switch(on: bool) -> Self {
+        if on {
+            Self::ON
+        } else {
+            Self::OFF
+        }
+    }
+
+    /// No request reuses ids.
+    pub fn is_off(self) -> bool {
+        self.ppm == 0
+    }
+
+    /// The share as a fraction (for the startup log and the canary metric).
+    pub fn fraction(self) -> f64 {
+        f64::from(self.ppm) / f64::from(Self::WHOLE)
+    }
+
+    /// Whether the request with id `key` is inside the share: its bucket, a SipHash (fixed
+    /// keys: stable across processes and restarts) of the id modulo a million, is below the
+    /// share. Every request is in at 1.0 and none at 0.0.
+    pub fn admits(self, key: &str) -> bool {
+        use std::hash::{Hash, Hasher};
+        if self.ppm >= Self::WHOLE {
+            return true;
+        }
+        #[allow(deprecated)]
+        let mut h = std::hash::SipHasher::new();
+        key.hash(&mut h);
+        // u64 % 1e6 < 1e6 fits u32; the modulo bias is below 1e-13.
+        let bucket = u32::try_from(h.finish() % u64::from(Self::WHOLE)).unwrap_or(0);
+        bucket < self.ppm
+    }
+}
+
 /// Per-route knobs.
 #[derive(Debug, Clone)]
 pub struct RouteOptions {
-    token_reuse: bool,
+    token_reuse: ReuseShare,
     prefill_timeout: Duration,
     decode_first_byte_timeout: Duration,
     max_body_bytes: usize,
@@ -341,14 +431,19 @@ pub struct RouteOptions {
     retry_budget_min_per_second: u32,
     prefill_attempts: usize,
     on_prefill_failure: OnPrefillFailure,
+    stream_idle_timeout: Duration,
+    client_write_timeout: Duration,
+    on_client_gone: OnClientGone,
+    release_timeout: Duration,
+    max_sse_event_bytes: usize,
     parity_sample: f64,
     on_parity_mismatch: ParityPolicy,
     parity_cooldown: Duration,
 }
 
 impl RouteOptions {
-    /// Reuse prefill ids on the decode.
-    pub fn token_reuse(&self) -> bool {
+    /// The share of requests that reuse prefill ids on the decode.
+    pub fn token_reuse(&self) -> ReuseShare {
         self.token_reuse
     }
 
@@ -395,6 +490,31 @@ impl RouteOptions {
     /// Orchestrate: what a failed prefill leg leads to.
     pub fn on_prefill_failure(&self) -> OnPrefillFailure {
         self.on_prefill_failure
+    }
+
+    /// Silence allowed between body chunks of a relayed answer (positive).
+    pub fn stream_idle_timeout(&self) -> Duration {
+        self.stream_idle_timeout
+    }
+
+    /// How long one write to the client may wait (positive).
+    pub fn client_write_timeout(&self) -> Duration {
+        self.client_write_timeout
+    }
+
+    /// Orchestrate: a client gone after a prefill that holds KV.
+    pub fn on_client_gone(&self) -> OnClientGone {
+        self.on_client_gone
+    }
+
+    /// Deadline of the release leg (positive).
+    pub fn release_timeout(&self) -> Duration {
+        self.release_timeout
+    }
+
+    /// Longest SSE event relayed (positive).
+    pub fn max_sse_event_bytes(&self) -> usize {
+        self.max_sse_event_bytes
     }
 
     /// Share of reused requests the parity watch checks (0–1).

@@ -40,6 +40,17 @@ pub const PROMPT_FIELDS: &[&str] = &[
     "media_io_kwargs",
     "cache_salt",
     "suffix",
+    // Responses: the prompt is `instructions` + `input` (+ the stored turns it names),
+    // `reasoning` can switch thinking on in the template, `truncation` can cut it.
+    "input",
+    "instructions",
+    "previous_response_id",
+    "conversation",
+    "reasoning",
+    "truncation",
+    // Messages: the system prompt is a top-level field, `thinking` steers the template.
+    "system",
+    "thinking",
 ];
 
 fn hash_canonical(value: &Value, h: &mut impl Hasher) {
@@ -90,6 +101,20 @@ mod tests {
 
     fn fp(text: &str) -> u64 {
         prompt_fingerprint(&RawObject::parse(text).unwrap())
+    }
+
+    #[test]
+    fn responses_and_messages_prompts_differ_by_their_own_fields() {
+        assert_ne!(fp(r#"{"model":"m","input":"a"}"#), fp(r#"{"model":"m","input":"b"}"#));
+        assert_ne!(fp(r#"{"model":"m","input":"a","instructions":"x"}"#), fp(r#"{"model":"m","input":"a"}"#));
+        assert_ne!(
+            fp(r#"{"model":"m","messages":[],"system":"x"}"#),
+            fp(r#"{"model":"m","messages":[],"system":"y"}"#)
+        );
+        assert_eq!(
+            fp(r#"{"model":"m","input":"a","max_output_tokens":1,"store":false}"#),
+            fp(r#"{"model":"m","input":"a","max_output_tokens":9}"#)
+        );
     }
 
     #[test]

@@ -43,6 +43,12 @@ pub enum ApiError {
     /// The decode engine sent no response header within the first-byte timeout.
     #[error("decode timed out after {0} ms before its first byte")]
     DecodeTimeout(u64),
+    /// An engine sent nothing for longer than the route's stream idle timeout.
+    #[error("engine answer stalled: nothing for {0} ms")]
+    StreamIdleTimeout(u64),
+    /// An engine's SSE event was longer than the route's `max_sse_event_bytes`.
+    #[error("engine stream event over {0} bytes")]
+    StreamEventTooLarge(usize),
     /// The decode stream broke after the response had started.
     #[error("decode engine stream failed: {0}")]
     DecodeStreamFailed(String),
@@ -77,8 +83,9 @@ impl ApiError {
             Self::PrefillUnavailable(_)
             | Self::PrefillBadResponse(_)
             | Self::DecodeUnavailable(_)
-            | Self::DecodeStreamFailed(_) => 502,
-            Self::PrefillTimeout(_) | Self::DecodeTimeout(_) => 504,
+            | Self::DecodeStreamFailed(_)
+            | Self::StreamEventTooLarge(_) => 502,
+            Self::PrefillTimeout(_) | Self::DecodeTimeout(_) | Self::StreamIdleTimeout(_) => 504,
             Self::Internal(_) => 500,
         }
     }
@@ -99,6 +106,8 @@ impl ApiError {
             Self::DecodeUnavailable(_) => "decode_unavailable",
             Self::DecodeTimeout(_) => "decode_timeout",
             Self::DecodeStreamFailed(_) => "decode_stream_failed",
+            Self::StreamIdleTimeout(_) => "stream_idle_timeout",
+            Self::StreamEventTooLarge(_) => "stream_event_too_large",
             Self::Internal(_) => "internal_error",
         }
     }
@@ -151,7 +160,9 @@ mod tests {
 
     #[test]
     fn code_and_status_table() {
-        let table: [(ApiError, u16, &str); 14] = [
+        let table: [(ApiError, u16, &str); 16] = [
+            (ApiError::StreamIdleTimeout(5), 504, "stream_idle_timeout"),
+            (ApiError::StreamEventTooLarge(5), 502, "stream_event_too_large"),
             (ApiError::UntrustedPrefillerHeader, 403, "prefiller_header_untrusted"),
             (ApiError::invalid("x", None), 400, "invalid_request"),
             (ApiError::BodyTooLarge { limit: 1 }, 413, "body_too_large"),

@@ -50,7 +50,12 @@ impl PromptIds {
         // JSON's four whitespace bytes only: `str::trim` would also take e.g. U+00A0, which
         // no JSON parser (the decode engine's included) accepts.
         let raw = raw.trim_matches([' ', '\t', '\n', '\r']);
-        let count = count_ids(raw.as_bytes(), vocab)?;
+        // Compact arrays (what vLLM sends) in one branch-light pass; anything else, and every
+        // refusal with its reason, through the full scanner.
+        let count = match count_compact(raw.as_bytes(), vocab) {
+            Some(n) => n,
+            None => count_ids(raw.as_bytes(), vocab)?,
+        };
         if count == 0 {
             return Err(IdsError::Empty);
         }
@@ -105,6 +110,37 @@ impl PromptIds {
         }
         out
     }
+}
+
+/// The element count of a compact array `[d,d,...]` (no whitespace) whose elements are all
+/// integers without leading zeros and under 10 digits (so within `u32`), each below `vocab` when
+/// given; `None` for anything else (including valid arrays with whitespace or 10-digit ids, and
+/// an id past the vocabulary), which `count_ids` decides and names.
+/// Two cheap passes: a byte-class fold the compiler vectorizes, then the element bounds from
+/// memchr's comma search (a per-byte state machine ran at ~2.5 ns/byte, the largest single
+/// cost of a 37k-token handoff in a profile).
+pub(crate) fn count_compact(bytes: &[u8], vocab: Option<u32>) -> Option<usize> {
+    let inner = bytes.strip_prefix(b"[")?.strip_suffix(b"]")?;
+    // No early exit, so this stays branch-free per byte.
+    let stray = inner.iter().fold(false, |bad, &b| bad | ((b.wrapping_sub(b'0') >= 10) & (b != b',')));
+    if stray {
+        return None;
+    }
+    // Every element: 1..=9 digits, no leading zero.
+    let element_ok = |e: &[u8]| matches!(e.len(), 1..=9) && (e.len() == 1 || e.first() != Some(&b'0'));
+    // The vocabulary gate: the element's value (at most 9 digits, so no overflow), one compare.
+    let in_vocab = |e: &[u8]| vocab.is_none_or(|v| e.iter().fold(0u32, |n, &d| n * 10 + u32::from(d - b'0')) < v);
+    let mut count = 0usize;
+    let mut start = 0usize;
+    for comma in memchr::memchr_iter(b',', inner).chain(std::iter::once(inner.len())) {
+        let element = inner.get(start..comma)?;
+        if !element_ok(element) || !in_vocab(element) {
+            return None;
+        }
+        count += 1;
+        start = comma + 1;
+    }
+    Some(count)
 }
 
 /// Counts the elements of a JSON array of integers in `0..=u32::MAX` (below `vocab` when
@@ -208,6 +244,47 @@ mod tests {
     }
 
     #[test]
+    fn compact_fast_path_agrees_with_the_full_scanner() {
+        for raw in [
+            "[1]",
+            "[0]",
+            "[0,1]",
+            "[10,0,7]",
+            "[123456789]",
+            "[1234567890]",
+            "[4294967295]",
+            "[4294967296]",
+            "[01]",
+            "[00]",
+            "[1,01]",
+            "[1,]",
+            "[,1]",
+            "[]",
+            "[1,,2]",
+            "[1 ,2]",
+            "[-1]",
+            "[1.5]",
+            "[1e3]",
+            "[[1]]",
+            "[\"1\"]",
+            "1",
+            "[1",
+            "1]",
+            "[a]",
+        ] {
+            let fast = count_compact(raw.as_bytes(), None);
+            let full = count_ids(raw.as_bytes(), None).ok();
+            if let Some(n) = fast {
+                assert_eq!(Some(n), full, "{raw}");
+            }
+        }
+        // What vLLM sends is decided by the fast path itself.
+        for raw in ["[1]", "[0,1]", "[10,0,7]", "[123456789,5]"] {
+            assert_eq!(count_compact(raw.as_bytes(), None), count_ids(raw.as_bytes(), None).ok(), "{raw}");
+        }
+    }
+
+    #[test]
     fn count_must_match_usage() {
         assert_eq!(PromptIds::parse("[1,2,3]", Some(4)), Err(IdsError::CountMismatch { count: 3, expected: 4 }));
     }
@@ -224,6 +301,12 @@ mod tests {
             Err(IdsError::OutOfVocab { id: 151669, bound: 151669 })
         );
         assert!(PromptIds::parse_within("[4294967295]", None, None).is_ok());
+        // The compact fast path gates too: it leaves an id past the vocabulary to the full
+        // scanner, which names it.
+        assert_eq!(count_compact(b"[0,4,1]", Some(5)), Some(3));
+        assert_eq!(count_compact(b"[0,5,1]", Some(5)), None);
+        assert_eq!(count_compact(b"[123456789]", Some(123456789)), None);
+        assert_eq!(PromptIds::parse_within("[0,1,5]", Some(3), Some(5)), Err(IdsError::OutOfVocab { id: 5, bound: 5 }));
         // Shape errors still come first where they occur.
         assert!(matches!(PromptIds::parse_within("[1,-9]", None, Some(5)), Err(IdsError::Malformed(_))));
     }

@@ -137,6 +137,20 @@ impl<'a> RawObject<'a> {
 
     /// Appends the compact object to `out`.
     pub fn write_to(&self, out: &mut Vec<u8>) {
+        self.write_nesting(out, None);
+    }
+
+    /// [`Self::to_bytes`] with the value of member `key` (which must be set; its own value is
+    /// ignored) written from `nested`: one allocation and one copy of each value, where
+    /// serializing `nested` into a string first would copy its (possibly large) values twice.
+    pub fn to_bytes_nesting(&self, key: &str, nested: &RawObject<'_>) -> Vec<u8> {
+        let size = |o: &RawObject<'_>| -> usize { o.members.iter().map(|(k, v)| k.len() + v.len() + 4).sum() };
+        let mut out = Vec::with_capacity(size(self) + size(nested) + 4);
+        self.write_nesting(&mut out, Some((key, nested)));
+        out
+    }
+
+    fn write_nesting(&self, out: &mut Vec<u8>, nested: Option<(&str, &RawObject<'_>)>) {
         out.push(b'{');
         for (i, (k, v)) in self.members.iter().enumerate() {
             if i > 0 {
@@ -144,7 +158,10 @@ impl<'a> RawObject<'a> {
             }
             write_json_string(out, k);
             out.push(b':');
-            out.extend_from_slice(v.as_bytes());
+            match nested {
+                Some((key, inner)) if key == k => inner.write_nesting(out, None),
+                _ => out.extend_from_slice(v.as_bytes()),
+            }
         }
         out.push(b'}');
     }

@@ -16,6 +16,10 @@ pub enum Api {
     Chat,
     /// `POST /v1/completions`
     Completions,
+    /// `POST /v1/responses` (OpenAI Responses API)
+    Responses,
+    /// `POST /v1/messages` (Anthropic Messages API, as vLLM serves it)
+    Messages,
 }
 
 impl Api {
@@ -24,6 +28,8 @@ impl Api {
         match path.trim_end_matches('/') {
             "/v1/chat/completions" => Some(Self::Chat),
             "/v1/completions" => Some(Self::Completions),
+            "/v1/responses" => Some(Self::Responses),
+            "/v1/messages" => Some(Self::Messages),
             _ => None,
         }
     }
@@ -33,6 +39,28 @@ impl Api {
         match self {
             Self::Chat => "chat",
             Self::Completions => "completions",
+            Self::Responses => "responses",
+            Self::Messages => "messages",
+        }
+    }
+
+    /// The body field holding the token limit that the prefill leg sets to 1.
+    fn limit_field(self) -> &'static str {
+        match self {
+            Self::Responses => "max_output_tokens",
+            Self::Chat | Self::Completions | Self::Messages => "max_tokens",
+        }
+    }
+
+    /// The body field that makes vLLM 0.32 echo the prompt ids on this API, if any:
+    /// `return_token_ids` (chat, completions), `enable_response_messages` (Responses: the
+    /// ids come back in `input_messages[0].tokens`; `return_token_ids` is ignored there).
+    /// `/v1/messages` echoes none.
+    pub fn echo_field(self) -> Option<&'static str> {
+        match self {
+            Self::Chat | Self::Completions => Some("return_token_ids"),
+            Self::Responses => Some("enable_response_messages"),
+            Self::Messages => None,
         }
     }
 }
@@ -65,8 +93,12 @@ pub struct RequestView {
     pub has_media: bool,
     /// The completions prompt shape (chat: always `Text`).
     pub prompt: PromptShape,
-    /// The client's own `return_token_ids: true`.
+    /// The client's own echo request: `return_token_ids: true` (Responses:
+    /// `enable_response_messages: true`).
     pub return_token_ids: bool,
+    /// Responses: the request needs server-side state the prefill engine does not have
+    /// (`previous_response_id`, `conversation`, `background: true`).
+    pub stateful: bool,
 }
 
 #[derive(Deserialize)]
@@ -116,6 +148,30 @@ fn messages_have_media(raw: &str) -> Result<bool, ApiError> {
     Ok(false)
 }
 
+/// Responses `input` items: a content part other than text (`input_text`, `output_text`,
+/// `reasoning_text`, `summary_text`, `refusal`, a chat-style `text`) is media
+/// (`input_image`, `input_file`, `input_audio`, ...).
+fn responses_input_has_media(raw: &str) -> Result<bool, ApiError> {
+    if !raw.contains("\"type\"") && !raw.contains("\\u") {
+        return Ok(false);
+    }
+    let items: Vec<Message<'_>> = serde_json::from_str(raw).map_err(|e| {
+        ApiError::invalid(format!("`input` must be a string or an array of objects: {e}"), Some("input"))
+    })?;
+    for item in items {
+        let Some(content) = item.content.filter(|c| c.get().trim_start().starts_with('[')) else { continue };
+        let parts: Vec<Part<'_>> = serde_json::from_str(content.get())
+            .map_err(|e| ApiError::invalid(format!("input content parts must be objects: {e}"), Some("input")))?;
+        let text = |k: &str| {
+            matches!(k, "input_text" | "output_text" | "text" | "refusal" | "reasoning_text" | "summary_text")
+        };
+        if parts.iter().any(|p| p.kind.as_deref().is_some_and(|k| !text(k))) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 fn prompt_shape(raw: Option<&str>) -> PromptShape {
     let Some(raw) = raw.map(str::trim) else {
         return PromptShape::Text;
@@ -144,21 +200,36 @@ impl RequestView {
         let stream = field::<bool>(obj, "stream")?.unwrap_or(false);
         let n = field::<u64>(obj, "n")?.unwrap_or(1);
         let echo = field::<bool>(obj, "echo")?.unwrap_or(false);
-        let return_token_ids = field::<bool>(obj, "return_token_ids")?.unwrap_or(false);
+        let return_token_ids = match api.echo_field() {
+            Some(key) => field::<bool>(obj, key)?.unwrap_or(false),
+            None => false,
+        };
         let (has_media, prompt) = match api {
-            Api::Chat => {
+            Api::Chat | Api::Messages => {
                 let messages =
                     obj.get("messages").ok_or_else(|| ApiError::invalid("`messages` is required", Some("messages")))?;
                 (messages_have_media(messages)?, PromptShape::Text)
             }
+            Api::Responses => {
+                let input = obj.get("input").ok_or_else(|| ApiError::invalid("`input` is required", Some("input")))?;
+                // A string input is text; a list holds items whose content parts are typed.
+                let listed = input.trim_start().starts_with('[');
+                (listed && responses_input_has_media(input)?, PromptShape::Text)
+            }
             Api::Completions => (false, prompt_shape(obj.get("prompt"))),
         };
-        Ok(Self { api, model, stream, n, echo, has_media, prompt, return_token_ids })
+        let stateful = api == Api::Responses
+            && (obj.has_non_null("previous_response_id")
+                || obj.has_non_null("conversation")
+                || field::<bool>(obj, "background")?.unwrap_or(false));
+        Ok(Self { api, model, stream, n, echo, has_media, prompt, return_token_ids, stateful })
     }
 
     /// Why this request must not reuse prefill ids, if it must not.
     pub fn reuse_blocker(&self) -> Option<FallbackReason> {
-        if self.has_media {
+        if self.api.echo_field().is_none() {
+            Some(FallbackReason::IdsNotEchoed)
+        } else if self.has_media {
             Some(FallbackReason::Media)
         } else if self.echo {
             Some(FallbackReason::Echo)
@@ -177,11 +248,28 @@ impl RequestView {
 /// The `kv_transfer_params` every prefill leg carries (vLLM's toy proxy, NIXL pull).
 pub const PREFILL_KV_TRANSFER_PARAMS: &str = r#"{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}"#;
 
-/// The prefill leg: token limits to 1, `min_*` removed, not streamed, ids echoed when
-/// `want_ids`, and the remote-decode `kv_transfer_params`. Other fields keep their bytes.
-pub fn prefill_body(client: &RawObject<'_>, want_ids: bool) -> Vec<u8> {
+/// The prefill leg: token limits to 1 (Responses: `max_output_tokens`), `min_*` removed, not
+/// streamed, ids echoed when `want_ids` (the API's [`Api::echo_field`]), and the
+/// remote-decode `kv_transfer_params`. Responses prefills are also `store: false`: the
+/// 1-token answer must not land in the prefill engine's response store (unbounded, and
+/// never read: later turns go to the decode, which stores the real answer).
+/// Other fields keep their bytes.
+pub fn prefill_body(client: &RawObject<'_>, api: Api, want_ids: bool) -> Vec<u8> {
     let mut obj = client.clone();
-    obj.set_raw("max_tokens", "1");
+    one_token(&mut obj, api);
+    if let Some(key) = api.echo_field().filter(|_| want_ids) {
+        obj.set_raw(key, "true");
+    }
+    obj.set_raw("kv_transfer_params", PREFILL_KV_TRANSFER_PARAMS);
+    obj.to_bytes()
+}
+
+/// One token, not streamed: the API's token limit (`max_completion_tokens` only when
+/// present: it wins over `max_tokens` in chat) to 1, `min_*` removed (vLLM refuses
+/// `min_tokens > max_tokens`), `stream: false`, `stream_options` removed (refused without
+/// `stream`); a Responses leg is not stored.
+fn one_token(obj: &mut RawObject<'_>, api: Api) {
+    obj.set_raw(api.limit_field(), "1");
     if obj.get("max_completion_tokens").is_some() {
         obj.set_raw("max_completion_tokens", "1");
     }
@@ -189,11 +277,23 @@ pub fn prefill_body(client: &RawObject<'_>, want_ids: bool) -> Vec<u8> {
     obj.remove("min_completion_tokens");
     obj.set_raw("stream", "false");
     obj.remove("stream_options");
-    if want_ids {
-        obj.set_raw("return_token_ids", "true");
+    if api == Api::Responses {
+        obj.set_raw("store", "false");
     }
-    obj.set_raw("kv_transfer_params", PREFILL_KV_TRANSFER_PARAMS);
-    obj.to_bytes()
+}
+
+/// The release leg, from a decode body of `api`: the same request (its
+/// `kv_transfer_params`, its prompt) for one token, not streamed, without echoed ids, so
+/// the decode engine pulls the prefill's KV blocks (which frees them) at the least cost;
+/// its answer is discarded. `None` when `decode` is not a JSON object.
+pub fn release_body(decode: &[u8], api: Api) -> Option<Vec<u8>> {
+    let mut obj = RawObject::parse_bytes(decode).ok()?;
+    one_token(&mut obj, api);
+    obj.remove("return_token_ids");
+    if let Some(key) = api.echo_field() {
+        obj.remove(key);
+    }
+    Some(obj.to_bytes())
 }
 
 /// Merges `ids` into a `kv_transfer_params` object text (or a fresh object when absent/null).
@@ -208,7 +308,8 @@ pub fn kv_params_with_ids(kv_transfer_params: Option<&str>, ids: &PromptIds) -> 
 }
 
 /// The decode leg: the client's body with the prefill's `kv_transfer_params` and, when
-/// `ids` is given, the token-in form (chat: `kv_transfer_params.prompt_token_ids`;
+/// `ids` is given, the token-in form (chat, Responses, Messages:
+/// `kv_transfer_params.prompt_token_ids`, which vLLM 0.32 reads on all three;
 /// completions: `prompt = ids`). The client's limits, `stream*` and `return_token_ids` stay.
 pub fn decode_body(
     client: &RawObject<'_>,
@@ -219,8 +320,13 @@ pub fn decode_body(
     let mut obj = client.clone();
     let kv = kv_transfer_params.filter(|raw| !is_null(Some(raw)));
     match (api, ids) {
-        (Api::Chat, Some(ids)) => {
-            obj.set_raw("kv_transfer_params", kv_params_with_ids(kv, ids));
+        (Api::Chat | Api::Responses | Api::Messages, Some(ids)) => {
+            // Written straight into the body: the ids are copied once (kv_params_with_ids
+            // would copy them into a string, and the body would copy that).
+            let mut kv_obj = kv.and_then(|raw| RawObject::parse(raw).ok()).unwrap_or_default();
+            kv_obj.set_raw("prompt_token_ids", ids.as_json());
+            obj.set_raw("kv_transfer_params", "null");
+            return obj.to_bytes_nesting("kv_transfer_params", &kv_obj);
         }
         (Api::Completions, Some(ids)) => {
             obj.set_raw("prompt", ids.as_json());
@@ -286,6 +392,22 @@ mod tests {
     }
 
     #[test]
+    fn responses_media_and_state_are_read() {
+        let img = r#"{"input":[{"role":"user","content":[{"type":"input_text","text":"a"},{"type":"input_image","image_url":"x"}]}]}"#;
+        assert_eq!(view(Api::Responses, img).reuse_blocker(), Some(FallbackReason::Media));
+        let text = r#"{"input":[{"type":"reasoning","content":[{"type":"reasoning_text","text":"r"}]},{"role":"user","content":[{"type":"input_text","text":"a"}]}]}"#;
+        assert_eq!(view(Api::Responses, text).reuse_blocker(), None);
+        assert_eq!(view(Api::Responses, r#"{"input":"a type"}"#).reuse_blocker(), None);
+        assert!(view(Api::Responses, r#"{"input":"a","background":true}"#).stateful);
+        assert!(!view(Api::Responses, r#"{"input":"a","previous_response_id":null}"#).stateful);
+        let ids = view(Api::Responses, r#"{"input":"a","enable_response_messages":true,"return_token_ids":false}"#);
+        assert!(ids.return_token_ids, "the client's own echo request on Responses");
+        assert_eq!(view(Api::Messages, r#"{"messages":[]}"#).reuse_blocker(), Some(FallbackReason::IdsNotEchoed));
+        let err = RequestView::parse(Api::Responses, &RawObject::parse(r#"{"model":"m"}"#).unwrap()).unwrap_err();
+        assert_eq!(err.status(), 400);
+    }
+
+    #[test]
     fn wrong_types_are_invalid_requests() {
         let obj = RawObject::parse(r#"{"messages":[],"stream":"yes"}"#).unwrap();
         let err = RequestView::parse(Api::Chat, &obj).unwrap_err();
@@ -297,7 +419,7 @@ mod tests {
     #[test]
     fn prefill_rewrite_sets_limits_and_kv_params() {
         let body = r#"{"model":"m","messages":[],"max_tokens":50,"max_completion_tokens":60,"min_tokens":3,"min_completion_tokens":2,"stream":true,"stream_options":{"include_usage":true},"temperature":0.70}"#;
-        let out = prefill_body(&RawObject::parse(body).unwrap(), true);
+        let out = prefill_body(&RawObject::parse(body).unwrap(), Api::Chat, true);
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(v["max_tokens"], 1);
         assert_eq!(v["max_completion_tokens"], 1);
@@ -311,8 +433,31 @@ mod tests {
     }
 
     #[test]
+    fn release_body_is_the_decode_for_one_token_unstreamed() {
+        let decode = br#"{"messages":[],"max_tokens":50,"max_completion_tokens":60,"min_tokens":3,"stream":true,"stream_options":{"include_usage":true},"return_token_ids":true,"kv_transfer_params":{"remote_block_ids":[[1,2]],"remote_port":5600,"prompt_token_ids":[7,8]},"temperature":0.70}"#;
+        let out = release_body(decode, Api::Chat).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!((v["max_tokens"].clone(), v["max_completion_tokens"].clone()), (1.into(), 1.into()));
+        assert_eq!(v["stream"], false);
+        for gone in ["min_tokens", "stream_options", "return_token_ids"] {
+            assert!(v.get(gone).is_none(), "{gone}");
+        }
+        let text = String::from_utf8(out).unwrap();
+        assert!(
+            text.contains(
+                r#""kv_transfer_params":{"remote_block_ids":[[1,2]],"remote_port":5600,"prompt_token_ids":[7,8]}"#
+            ),
+            "the handoff is kept byte for byte: {text}"
+        );
+        assert!(text.contains(r#""temperature":0.70"#));
+        let plain = release_body(br#"{"prompt":[1,2],"max_tokens":9}"#, Api::Completions).unwrap();
+        assert!(serde_json::from_slice::<serde_json::Value>(&plain).unwrap().get("max_completion_tokens").is_none());
+        assert_eq!(release_body(b"[1]", Api::Chat), None);
+    }
+
+    #[test]
     fn prefill_rewrite_without_reuse_leaves_return_token_ids_alone() {
-        let out = prefill_body(&RawObject::parse(r#"{"messages":[]}"#).unwrap(), false);
+        let out = prefill_body(&RawObject::parse(r#"{"messages":[]}"#).unwrap(), Api::Chat, false);
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
         assert!(v.get("return_token_ids").is_none());
         assert!(v.get("max_completion_tokens").is_none());

@@ -37,10 +37,20 @@ struct PrefillResponse<'a> {
     prompt_token_ids: Option<&'a RawValue>,
     #[serde(borrow, default)]
     kv_transfer_params: Option<&'a RawValue>,
-    #[serde(default)]
-    usage: Option<Usage>,
+    /// Parsed per API: chat/completions and Responses/Messages name their counts apart.
+    #[serde(borrow, default)]
+    usage: Option<&'a RawValue>,
     #[serde(borrow, default)]
     choices: Option<Vec<PrefillChoice<'a>>>,
+    /// Responses with `enable_response_messages`: `[{"message","tokens","type"}]`.
+    #[serde(borrow, default)]
+    input_messages: Option<Vec<RawMessageTokens<'a>>>,
+}
+
+#[derive(Deserialize)]
+struct RawMessageTokens<'a> {
+    #[serde(borrow, default)]
+    tokens: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -49,12 +59,38 @@ struct PrefillChoice<'a> {
     prompt_token_ids: Option<&'a RawValue>,
 }
 
+/// Chat/completions usage.
 #[derive(Deserialize)]
 struct Usage {
     #[serde(default)]
     prompt_tokens: Option<u64>,
     #[serde(default)]
     prompt_tokens_details: Option<Details>,
+}
+
+/// Responses/Messages usage.
+#[derive(Deserialize)]
+struct InputUsage {
+    #[serde(default)]
+    input_tokens: Option<u64>,
+    #[serde(default)]
+    input_tokens_details: Option<Details>,
+}
+
+/// The prompt token count and its details, from `usage` as `api` shapes it.
+fn usage_counts(api: Api, usage: Option<&RawValue>) -> Result<(Option<u64>, Option<Details>), HandoffError> {
+    let Some(raw) = usage.map(RawValue::get).filter(|raw| !is_null(Some(raw))) else { return Ok((None, None)) };
+    let err = |e: serde_json::Error| HandoffError(e.to_string());
+    Ok(match api {
+        Api::Chat | Api::Completions => {
+            let u: Usage = serde_json::from_str(raw).map_err(err)?;
+            (u.prompt_tokens, u.prompt_tokens_details)
+        }
+        Api::Responses | Api::Messages => {
+            let u: InputUsage = serde_json::from_str(raw).map_err(err)?;
+            (u.input_tokens, u.input_tokens_details)
+        }
+    })
 }
 
 #[derive(Deserialize)]
@@ -86,19 +122,26 @@ pub fn extract_handoff_within(api: Api, body: &[u8], vocab: Option<u32>) -> Resu
     let raw_ids = match api {
         Api::Chat => resp.prompt_token_ids,
         Api::Completions => resp.choices.as_ref().and_then(|c| c.first()).and_then(|c| c.prompt_token_ids),
+        // One prompt, one raw message (vLLM's SimpleContext); more would be a multi-turn
+        // tool loop, whose first entry is not the whole prompt.
+        Api::Responses => match resp.input_messages.as_deref() {
+            Some([only]) => only.tokens,
+            _ => None,
+        },
+        Api::Messages => None,
     }
     .filter(|raw| raw.get() != "null");
-    let expected = resp.usage.as_ref().and_then(|u| u.prompt_tokens);
+    let (expected, details) = usage_counts(api, resp.usage)?;
     let ids = match raw_ids {
         None => Err(IdsFault::Missing),
         Some(raw) => match expected {
-            None => Err(IdsFault::Invalid(IdsError::Malformed("usage.prompt_tokens missing"))),
+            None => Err(IdsFault::Invalid(IdsError::Malformed("usage's prompt token count missing"))),
             Some(n) => PromptIds::parse_within(raw.get(), Some(n), vocab).map_err(IdsFault::Invalid),
         },
     };
     let kv_transfer_params =
         resp.kv_transfer_params.map(RawValue::get).filter(|raw| !is_null(Some(raw))).map(str::to_owned);
-    let cached_tokens = resp.usage.and_then(|u| u.prompt_tokens_details).and_then(|d| d.cached_tokens);
+    let cached_tokens = details.and_then(|d| d.cached_tokens);
     Ok(Handoff { kv_transfer_params, ids, cached_tokens, prompt_tokens: expected })
 }
 
@@ -122,6 +165,44 @@ pub fn rewrite_cached_tokens(text: &str, cached: u64) -> Option<Vec<u8>> {
     Some(top.to_bytes())
 }
 
+/// Sets the prefill's cached-token count in a response object or stream event of `api`:
+/// chat/completions `usage.prompt_tokens_details.cached_tokens`; Responses
+/// `usage.input_tokens_details.cached_tokens`, at the top (a JSON answer) or inside
+/// `response` (the `response.completed` event; earlier events have `usage: null`).
+/// `/v1/messages` reports no cached count on vLLM: nothing to set. `None`: unchanged.
+pub fn rewrite_usage_cached(api: Api, text: &str, cached: u64) -> Option<Vec<u8>> {
+    match api {
+        Api::Chat | Api::Completions => rewrite_cached_tokens(text, cached),
+        Api::Messages => None,
+        Api::Responses => {
+            let mut top = RawObject::parse(text).ok()?;
+            if top.has_non_null("usage") {
+                return set_usage_detail(&mut top, "input_tokens_details", cached).map(|()| top.to_bytes());
+            }
+            let mut response = RawObject::parse(top.get("response").filter(|r| !is_null(Some(r)))?).ok()?;
+            set_usage_detail(&mut response, "input_tokens_details", cached)?;
+            top.set_raw("response", String::from_utf8(response.to_bytes()).ok()?);
+            Some(top.to_bytes())
+        }
+    }
+}
+
+/// Sets `usage.<details>.cached_tokens` in `obj`; `None` when it has no non-null `usage`.
+fn set_usage_detail(obj: &mut RawObject<'_>, details_key: &str, cached: u64) -> Option<()> {
+    let mut usage = RawObject::parse(obj.get("usage").filter(|u| !is_null(Some(u)))?).ok()?;
+    let details = match usage.get(details_key).filter(|d| !is_null(Some(d))) {
+        Some(raw) => {
+            let mut d = RawObject::parse(raw).ok()?;
+            d.set_raw("cached_tokens", cached.to_string());
+            d.to_bytes()
+        }
+        None => format!("{{\"cached_tokens\":{cached}}}").into_bytes(),
+    };
+    usage.set_raw(details_key, String::from_utf8(details).ok()?);
+    obj.set_raw("usage", String::from_utf8(usage.to_bytes()).ok()?);
+    Some(())
+}
+
 /// Returns a response object with the echoed token ids set back to `null`, as vLLM answers
 /// when `return_token_ids` was not asked for: chat `prompt_token_ids` (top level) and
 /// `choices[].token_ids`; completions `choices[].prompt_token_ids` and `choices[].token_ids`.
@@ -129,6 +210,16 @@ pub fn rewrite_cached_tokens(text: &str, cached: u64) -> Option<Vec<u8>> {
 pub fn hide_token_ids(api: Api, text: &str) -> Option<Vec<u8>> {
     let mut top = RawObject::parse(text).ok()?;
     let mut changed = false;
+    if api == Api::Responses {
+        // Responses echo through `enable_response_messages`: both raw message lists.
+        for key in ["input_messages", "output_messages"] {
+            if top.has_non_null(key) {
+                top.set_raw(key, "null");
+                changed = true;
+            }
+        }
+        return changed.then(|| top.to_bytes());
+    }
     if api == Api::Chat && top.has_non_null("prompt_token_ids") {
         top.set_raw("prompt_token_ids", "null");
         changed = true;
@@ -202,6 +293,13 @@ fn emit(event: &Event, rewrite: &mut impl FnMut(&str) -> Option<Vec<u8>>, out: &
         .and_then(|d| rewrite(&d));
     match rewritten {
         Some(data) => {
+            // The event's other fields first (`event: response.completed` names the event).
+            for line in event.other_lines() {
+                out.extend_from_slice(line);
+                // A line read as ending in CR came with CRLF after it: written back with a
+                // bare LF it would lose that CR and read as another field.
+                out.extend_from_slice(if line.ends_with(b"\r") { b"\r\n" } else { b"\n" });
+            }
             // One `data:` line: in JSON text a CR or LF can only be whitespace between
             // tokens (strings escape them), and either would end the SSE line early.
             out.extend_from_slice(b"data: ");
@@ -220,21 +318,48 @@ fn emit(event: &Event, rewrite: &mut impl FnMut(&str) -> Option<Vec<u8>>, out: &
 pub struct StreamFraming {
     decoder: SseDecoder,
     cached_tokens: Option<u64>,
+    api: Api,
+    max_event: usize,
+    /// A complete event over `max_event` was seen (and it and all after it dropped).
+    overlong: bool,
 }
 
 impl StreamFraming {
-    /// Framing for one stream; `cached_tokens` as the prefill reported it.
+    /// Framing for one chat or completions stream; `cached_tokens` as the prefill reported
+    /// it. No event limit.
     pub fn new(cached_tokens: Option<u64>) -> Self {
-        Self { decoder: SseDecoder::new(), cached_tokens }
+        Self::for_api(Api::Chat, cached_tokens)
     }
 
-    /// Feeds engine bytes; returns the complete events among them (possibly none).
+    /// Framing for one stream of `api` (whose usage shape the rewrite follows).
+    pub fn for_api(api: Api, cached_tokens: Option<u64>) -> Self {
+        Self { decoder: SseDecoder::new(), cached_tokens, api, max_event: usize::MAX, overlong: false }
+    }
+
+    /// The same framing, with [`Self::too_long`] true once an event (complete, or still
+    /// being received) is longer than `max_event` bytes; that event is never emitted, and
+    /// the relay then ends the stream. Memory stays bounded by `max_event` plus one read.
+    pub fn with_event_limit(self, max_event: usize) -> Self {
+        Self { max_event, ..self }
+    }
+
+    /// True when an event longer than the limit was seen or is being received.
+    pub fn too_long(&self) -> bool {
+        self.overlong || self.decoder.pending() > self.max_event
+    }
+
+    /// Feeds engine bytes; returns the complete events among them (possibly none), up to
+    /// the first one over the limit.
     pub fn feed(&mut self, chunk: &[u8]) -> Vec<u8> {
         let events = self.decoder.feed(chunk);
         let mut out = Vec::with_capacity(chunk.len());
         for event in &events {
+            if self.overlong || event.raw().len() > self.max_event {
+                self.overlong = true;
+                break;
+            }
             match self.cached_tokens {
-                Some(n) => emit(event, &mut |d: &str| rewrite_cached_tokens(d, n), &mut out),
+                Some(n) => emit(event, &mut |d: &str| rewrite_usage_cached(self.api, d, n), &mut out),
                 None => out.extend_from_slice(event.raw()),
             }
         }
@@ -300,6 +425,55 @@ mod tests {
     }
 
     #[test]
+    fn responses_handoff_reads_input_messages_tokens() {
+        let body = br#"{"usage":{"input_tokens":3,"input_tokens_details":{"cached_tokens":1}},"input_messages":[{"message":"x","tokens":[5,6,7],"type":"raw_message_tokens"}],"kv_transfer_params":{"a":1}}"#;
+        let h = extract_handoff(Api::Responses, body).unwrap();
+        assert_eq!(h.ids.unwrap().as_json(), "[5,6,7]");
+        assert_eq!((h.cached_tokens, h.kv_transfer_params.as_deref()), (Some(1), Some(r#"{"a":1}"#)));
+        let none = extract_handoff(Api::Responses, br#"{"usage":{"input_tokens":3},"input_messages":null}"#).unwrap();
+        assert_eq!(none.ids.unwrap_err(), IdsFault::Missing);
+        let two = br#"{"usage":{"input_tokens":1},"input_messages":[{"tokens":[1]},{"tokens":[2]}]}"#;
+        assert_eq!(extract_handoff(Api::Responses, two).unwrap().ids.unwrap_err(), IdsFault::Missing);
+        let short = br#"{"usage":{"input_tokens":4},"input_messages":[{"tokens":[1,2]}]}"#;
+        assert!(matches!(extract_handoff(Api::Responses, short).unwrap().ids, Err(IdsFault::Invalid(_))));
+    }
+
+    #[test]
+    fn messages_handoff_has_no_ids() {
+        let h = extract_handoff(Api::Messages, br#"{"prompt_token_ids":[1],"usage":{"input_tokens":1}}"#).unwrap();
+        assert_eq!(h.ids.unwrap_err(), IdsFault::Missing);
+    }
+
+    #[test]
+    fn responses_usage_rewrite_sets_input_tokens_details() {
+        let json = r#"{"usage":{"input_tokens":5,"input_tokens_details":{"cached_tokens":0,"cache_write_tokens":0}}}"#;
+        assert_eq!(
+            rewrite_usage_cached(Api::Responses, json, 4).unwrap(),
+            br#"{"usage":{"input_tokens":5,"input_tokens_details":{"cached_tokens":4,"cache_write_tokens":0}}}"#
+        );
+        let completed =
+            r#"{"response":{"id":"r","usage":{"input_tokens":5}},"sequence_number":9,"type":"response.completed"}"#;
+        assert_eq!(
+            rewrite_usage_cached(Api::Responses, completed, 2).unwrap(),
+            br#"{"response":{"id":"r","usage":{"input_tokens":5,"input_tokens_details":{"cached_tokens":2}}},"sequence_number":9,"type":"response.completed"}"#
+        );
+        let created = r#"{"response":{"id":"r","usage":null},"type":"response.created"}"#;
+        assert_eq!(rewrite_usage_cached(Api::Responses, created, 2), None);
+        assert_eq!(rewrite_usage_cached(Api::Responses, r#"{"delta":"x"}"#, 2), None);
+        assert_eq!(rewrite_usage_cached(Api::Messages, r#"{"usage":{"input_tokens":5}}"#, 2), None);
+    }
+
+    #[test]
+    fn hide_token_ids_nulls_responses_raw_messages() {
+        let body = r#"{"output":[],"input_messages":[{"tokens":[1]}],"output_messages":[{"tokens":[2]}]}"#;
+        assert_eq!(
+            hide_token_ids(Api::Responses, body).unwrap(),
+            br#"{"output":[],"input_messages":null,"output_messages":null}"#
+        );
+        assert_eq!(hide_token_ids(Api::Responses, r#"{"input_messages":null}"#), None);
+    }
+
+    #[test]
     fn hide_token_ids_nulls_echoes() {
         let chat = r#"{"choices":[{"index":0,"token_ids":[5]}],"prompt_token_ids":[1,2]}"#;
         assert_eq!(
@@ -343,6 +517,36 @@ mod tests {
         assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
         let second: serde_json::Value = serde_json::from_slice(&events[1].data().unwrap()).unwrap();
         assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
+    }
+
+    #[test]
+    fn framing_flags_an_event_longer_than_its_limit() {
+        let mut f = StreamFraming::new(None).with_event_limit(16);
+        assert_eq!(f.feed(b"data: {\"a\":1}\n\ndata: {\"b\":"), b"data: {\"a\":1}\n\n");
+        assert!(!f.too_long(), "10 bytes pending");
+        assert!(f.feed(b"\"0123456789\"").is_empty());
+        assert!(f.too_long(), "22 bytes pending, limit 16");
+        let mut f = StreamFraming::new(None).with_event_limit(16);
+        assert_eq!(
+            f.feed(b"data: 1\n\ndata: {\"b\":\"0123456789\"}\n\ndata: 2\n\n"),
+            b"data: 1\n\n",
+            "stops at the long one"
+        );
+        assert!(f.too_long(), "a whole event over the limit counts too");
+    }
+
+    #[test]
+    fn a_rewritten_event_keeps_its_other_lines_as_they_read() {
+        // `data\r` (a field named "data\r", written `data\r\r\n`) must not come back as
+        // `data\r\n`, which reads as an empty data line.
+        let stream = b"data\r\r\nevent: e\ndata: {\"usage\":{\"prompt_tokens\":3}}\n\n";
+        let mut framing = StreamFraming::new(Some(7));
+        let out = framing.feed(stream);
+        let events = crate::sse::SseDecoder::new().feed(&out);
+        let before = crate::sse::SseDecoder::new().feed(stream);
+        let want = rewrite_cached_tokens(&String::from_utf8(before[0].data().unwrap()).unwrap(), 7).unwrap();
+        assert_eq!(events[0].data().unwrap(), want);
+        assert_eq!(events[0].other_lines().collect::<Vec<_>>(), before[0].other_lines().collect::<Vec<_>>());
     }
 
     #[test]

@@ -17,7 +17,7 @@ use bytes::Bytes;
 pub use prefiller::{prefiller_from_header, HeaderRule};
 
 pub use crate::config::ClientHandoff;
-use crate::config::{RelayHandoff, Version};
+use crate::config::{RelayHandoff, ReuseShare, Version};
 use crate::openai::request::{decode_body, prefill_body};
 use crate::openai::response::{extract_handoff_within, HandoffError, IdsFault};
 use crate::openai::{Api, ApiError, FallbackReason, IdsError, PromptIds, RawObject, RequestView};
@@ -26,8 +26,8 @@ use crate::openai::{Api, ApiError, FallbackReason, IdsError, PromptIds, RawObjec
 /// that the request path copies in per request (`hold_ids`, `models_differ`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReusePolicy {
-    /// Reuse the prefill's prompt ids on the decode.
-    pub token_reuse: bool,
+    /// Reuse the prefill's prompt ids on the decode: on, off, or for a share of requests.
+    pub token_reuse: ReuseShare,
     /// Relay mode: where the ids wait between the legs.
     pub relay_handoff: RelayHandoff,
     /// Ids must be below this (the route's tokenizer's vocabulary, added tokens included).
@@ -40,7 +40,7 @@ pub struct ReusePolicy {
 
 impl ReusePolicy {
     /// A route's config knobs; the runtime flags off.
-    pub const fn new(token_reuse: bool, relay_handoff: RelayHandoff, vocab: Option<u32>) -> Self {
+    pub const fn new(token_reuse: ReuseShare, relay_handoff: RelayHandoff, vocab: Option<u32>) -> Self {
         Self { token_reuse, relay_handoff, vocab, hold_ids: false, models_differ: false }
     }
 }
@@ -170,39 +170,65 @@ pub struct DecodeStep {
     pub ids: Option<PromptIds>,
     /// The prefill's `usage.prompt_tokens`.
     pub prompt_tokens: Option<u64>,
+    /// The prefill answered `kv_transfer_params`: it holds the prompt's KV blocks until this
+    /// decode pulls them (or its KV lease ends).
+    pub holds_kv: bool,
+    /// The request's API (the release leg's limit and echo fields).
+    pub api: Api,
 }
 
-/// Why this request may not reuse ids whatever the engines say.
-fn request_gate(view: &RequestView, policy: &ReusePolicy) -> Option<FallbackReason> {
-    if !policy.token_reuse {
+impl DecodeStep {
+    /// The release leg for a client gone before this decode started answering: the same
+    /// decode for one token, not streamed, answer discarded, so the decode engine pulls the
+    /// prefill's KV blocks and the prefill frees them now. `None` when the prefill holds none.
+    pub fn release_body(&self) -> Option<Bytes> {
+        if !self.holds_kv {
+            return None;
+        }
+        crate::openai::request::release_body(&self.body, self.api).map(Bytes::from)
+    }
+}
+
+/// Why this request may not reuse ids whatever the engines say. `canary_key` places the
+/// request in or out of a fractional `token_reuse` share ([`ReuseShare::admits`]).
+fn request_gate(view: &RequestView, policy: &ReusePolicy, canary_key: &str) -> Option<FallbackReason> {
+    if policy.token_reuse.is_off() {
         return Some(FallbackReason::Disabled);
     }
-    view.reuse_blocker().or(policy.models_differ.then_some(FallbackReason::ModelMismatch))
+    view.reuse_blocker()
+        .or(policy.models_differ.then_some(FallbackReason::ModelMismatch))
+        .or_else(|| (!policy.token_reuse.admits(canary_key)).then_some(FallbackReason::Canary))
 }
 
-/// The chat gate on the decode's version: chat ids in `kv_transfer_params` need vLLM 0.27.
-fn version_gate(version: DecodeVersion) -> Option<FallbackReason> {
+/// The gate on the decode's version: chat ids in `kv_transfer_params` need vLLM 0.27,
+/// Responses ids 0.32 ([`Version::RESPONSES_TOKEN_REUSE`]).
+fn version_gate(api: Api, version: DecodeVersion) -> Option<FallbackReason> {
+    let first = if api == Api::Responses { Version::RESPONSES_TOKEN_REUSE } else { Version::CHAT_TOKEN_REUSE };
     match version {
-        DecodeVersion::Known(v) if v >= Version::CHAT_TOKEN_REUSE => None,
+        DecodeVersion::Known(v) if v >= first => None,
         DecodeVersion::Known(_) => Some(FallbackReason::DecodeVersionOld),
         // NotAsked here means the caller skipped a check the plan needed: be safe.
         DecodeVersion::Unknown | DecodeVersion::NotAsked => Some(FallbackReason::DecodeVersionUnknown),
     }
 }
 
-/// True when an orchestrated request's gate depends on the decode's version (chat, with
-/// nothing else already blocking reuse): only then is it worth asking `GET /version`.
-pub fn needs_decode_version(view: &RequestView, policy: &ReusePolicy) -> bool {
-    view.api == Api::Chat && request_gate(view, policy).is_none()
+/// True when an orchestrated request's gate depends on the decode's version (chat or
+/// Responses, with nothing else already blocking reuse): only then is it worth asking
+/// `GET /version`.
+pub fn needs_decode_version(view: &RequestView, policy: &ReusePolicy, canary_key: &str) -> bool {
+    view.api != Api::Completions && !view.stateful && request_gate(view, policy, canary_key).is_none()
 }
 
 /// The reuse gate of an orchestrated request. Completions go token-in on every vLLM version
-/// (`prompt: [ids]`); chat needs a decode of 0.27 or later.
-pub fn gate(view: &RequestView, policy: &ReusePolicy, decode: DecodeVersion) -> Gate {
-    let blocker = match request_gate(view, policy) {
+/// (`prompt: [ids]`); chat needs a decode of 0.27 or later, Responses 0.32.
+pub fn gate(view: &RequestView, policy: &ReusePolicy, decode: DecodeVersion, canary_key: &str) -> Gate {
+    if view.stateful {
+        return Gate::Fallback(FallbackReason::Stateful);
+    }
+    let blocker = match request_gate(view, policy, canary_key) {
         Some(reason) => Some(reason),
         None if view.api == Api::Completions => None,
-        None => version_gate(decode),
+        None => version_gate(view.api, decode),
     };
     blocker.map_or(Gate::Reuse, Gate::Fallback)
 }
@@ -217,18 +243,38 @@ pub struct Orchestration<'r, 'a> {
     pub prefill_body: Bytes,
 }
 
-/// Plans an orchestrated request (prefill, then decode).
+/// Plans an orchestrated request (prefill, then decode). `canary_key` is the request's id
+/// (a fractional `token_reuse` admits by its hash).
 pub fn orchestrate<'r, 'a>(
     request: Request<'r, 'a>,
     policy: &ReusePolicy,
     decode: DecodeVersion,
+    canary_key: &str,
 ) -> Orchestration<'r, 'a> {
-    let gate = gate(request.view, policy, decode);
-    let prefill_body = Bytes::from(prefill_body(request.obj, gate == Gate::Reuse));
+    let gate = gate(request.view, policy, decode, canary_key);
+    let api = request.view.api;
+    let prefill_body = Bytes::from(prefill_body(request.obj, api, gate == Gate::Reuse));
     Orchestration { request, policy: *policy, gate, prefill_body }
 }
 
 impl Orchestration<'_, '_> {
+    /// The decode leg alone, decided before any prefill: a Responses request that needs the
+    /// decode's response store (`previous_response_id`, `conversation`, `background`). The
+    /// prefill engine does not hold the earlier answers (its legs are `store: false`, and a
+    /// stored id lives on the engine that decoded it), so a prefill leg would fail with 404.
+    pub fn decode_only(&self) -> Option<DecodeStep> {
+        (self.gate == Gate::Fallback(FallbackReason::Stateful)).then(|| DecodeStep {
+            body: Bytes::from(self.request.obj.to_bytes()),
+            reuse: Reuse::Fallback(FallbackReason::Stateful),
+            cached_tokens: None,
+            refused: None,
+            ids: None,
+            prompt_tokens: None,
+            holds_kv: false,
+            api: self.request.view.api,
+        })
+    }
+
     /// The decode leg alone, after a failed prefill (`on_prefill_failure = "decode_alone"`):
     /// the client's body (its own handoff fields already removed), the text path, no KV
     /// handoff, counted as a `prefill_failed` fallback.
@@ -240,6 +286,8 @@ impl Orchestration<'_, '_> {
             refused: None,
             ids: None,
             prompt_tokens: None,
+            holds_kv: false,
+            api: self.request.view.api,
         }
     }
 
@@ -270,6 +318,8 @@ impl Orchestration<'_, '_> {
             refused,
             ids,
             prompt_tokens: handoff.prompt_tokens,
+            holds_kv: handoff.kv_transfer_params.is_some(),
+            api,
         })
     }
 }

@@ -57,6 +57,9 @@ struct Relayed<'r, 'a> {
     request: Request<'r, 'a>,
     policy: ReusePolicy,
     request_id: Option<&'r str>,
+    /// The id a fractional `token_reuse` admits by: the client's `X-Request-Id` (the same on
+    /// both legs, so both are decided alike), else tokenonce's own id for this request.
+    canary_key: &'r str,
     facts: KvFacts,
 }
 
@@ -69,8 +72,13 @@ pub enum RelayPlan<'r, 'a> {
 }
 
 /// Plans one request of a relay route; `request_id` is the client's own `X-Request-Id`.
-pub fn plan<'r, 'a>(request: Request<'r, 'a>, policy: &ReusePolicy, request_id: Option<&'r str>) -> RelayPlan<'r, 'a> {
-    let relayed = Relayed { request, policy: *policy, request_id, facts: kv_facts(request.obj) };
+pub fn plan<'r, 'a>(
+    request: Request<'r, 'a>,
+    policy: &ReusePolicy,
+    request_id: Option<&'r str>,
+    canary_key: &'r str,
+) -> RelayPlan<'r, 'a> {
+    let relayed = Relayed { request, policy: *policy, request_id, canary_key, facts: kv_facts(request.obj) };
     if relayed.facts.is_prefill {
         RelayPlan::Prefill(RelayPrefill(relayed))
     } else {
@@ -108,13 +116,14 @@ impl RelayPrefill<'_, '_> {
     /// then forwarded unchanged).
     pub fn body(&self) -> Option<Bytes> {
         let view = self.0.request.view;
-        let eligible = request_gate(view, &self.0.policy).is_none() && !view.stream;
+        let eligible = request_gate(view, &self.0.policy, self.0.canary_key).is_none() && !view.stream;
         if !eligible {
             return None;
         }
+        let echo = view.api.echo_field()?;
         let mut body = self.0.request.obj.clone();
         if !view.return_token_ids {
-            body.set_raw("return_token_ids", "true");
+            body.set_raw(echo, "true");
         }
         Some(Bytes::from(body.to_bytes()))
     }
@@ -198,16 +207,17 @@ impl RelayDecode<'_, '_> {
     /// True when the decode's version decides this request: chat, not otherwise blocked,
     /// and some ids could apply (inline, a handoff-looking request, or a non-empty cache).
     pub fn needs_decode_version(&self, cache_is_empty: bool) -> bool {
-        self.0.request.view.api == Api::Chat
-            && request_gate(self.0.request.view, &self.0.policy).is_none()
+        self.0.request.view.api != Api::Completions
+            && request_gate(self.0.request.view, &self.0.policy, self.0.canary_key).is_none()
             && (self.0.facts.looks_like_decode || self.0.facts.ids_raw.is_some() || !cache_is_empty)
     }
 
     /// Where the ids are: inline (validated here), in the cache, or nowhere (blocked).
     pub fn search(&self, decode: DecodeVersion) -> Search {
-        let blocked = request_gate(self.0.request.view, &self.0.policy).or_else(|| match decode {
+        let view = self.0.request.view;
+        let blocked = request_gate(view, &self.0.policy, self.0.canary_key).or_else(|| match decode {
             DecodeVersion::NotAsked => None,
-            known => version_gate(known),
+            known => version_gate(view.api, known),
         });
         if let Some(reason) = blocked {
             return Search::Done(Found::Blocked(reason));
@@ -252,7 +262,7 @@ impl RelayDecode<'_, '_> {
         let api = self.0.request.view.api;
         let kv = self.0.request.obj.get("kv_transfer_params").filter(|raw| !is_null(Some(raw)));
         // Chat ids replace the inline ones in place; otherwise inline ids are dropped.
-        let strip = self.0.facts.ids_raw.is_some() && !(ids.is_some() && api == Api::Chat);
+        let strip = self.0.facts.ids_raw.is_some() && !(ids.is_some() && api != Api::Completions);
         let kv = match kv {
             Some(raw) if strip => Some(without_ids(raw).unwrap_or_else(|| raw.to_owned())),
             kv => kv.map(str::to_owned),

@@ -28,7 +28,9 @@ async fn read_body_unbounded(session: &mut Session, limit: usize) -> Result<Byte
     if declared.is_some_and(|len: usize| len > limit) {
         return Err(ApiError::BodyTooLarge { limit });
     }
-    let mut body = BytesMut::new();
+    // Sized from the declared length, so a body read whole holds its length once (growing
+    // by doubling would leave up to twice the limit allocated).
+    let mut body = BytesMut::with_capacity(declared.unwrap_or(0));
     loop {
         match session.read_request_body().await {
             Ok(Some(chunk)) if body.len() + chunk.len() > limit => return Err(ApiError::BodyTooLarge { limit }),
@@ -64,6 +66,10 @@ pub async fn handle(session: &mut Session, ctx: &mut Ctx, api: Api) -> Result<()
     let model = view.as_ref().and_then(|v| v.as_ref().ok()).and_then(|v| v.model.as_deref());
     ctx.route = Arc::clone(app.routes.select(&RequestFacts { path: &path, model, headers: &headers }));
     let route = Arc::clone(&ctx.route);
+    session.as_downstream_mut().set_write_timeout(Some(route.client_write_timeout));
+    if body.len() > route.max_body_bytes {
+        return Err(ApiError::BodyTooLarge { limit: route.max_body_bytes }.into());
+    }
     let incoming = Incoming {
         path_and_query: &path_and_query,
         headers: &headers,
@@ -76,9 +82,6 @@ pub async fn handle(session: &mut Session, ctx: &mut Ctx, api: Api) -> Result<()
         // The body was read to choose the route: forward it unchanged ourselves.
         let endpoint = exec::pick(&route.decode_pool, Leg::Passthrough)?;
         return exec::forward(session, ctx, &incoming, Leg::Passthrough, endpoint, body.clone()).await;
-    }
-    if body.len() > route.max_body_bytes {
-        return Err(ApiError::BodyTooLarge { limit: route.max_body_bytes }.into());
     }
     let obj = parsed.map_err(|e| ApiError::invalid(format!("body is not a JSON object: {e}"), None))?;
     let view = view.ok_or_else(|| ApiError::invalid("body is not a JSON object", None))??;

@@ -10,7 +10,7 @@ use pingora::proxy::Session;
 
 use super::respond::write_full;
 use super::Ctx;
-use crate::metrics::{ErrorKind, Leg, Outcome};
+use crate::metrics::{ErrorKind, Leg, Outcome, TimeoutStage};
 use crate::openai::response::HandoffError;
 use crate::openai::ApiError;
 use crate::upstream::UpstreamError;
@@ -50,6 +50,29 @@ pub enum ProxyError {
         leg: Leg,
         /// The failure.
         source: UpstreamError,
+    },
+    /// A relayed answer went silent for longer than the route's stream idle timeout.
+    #[error("{leg} answer: nothing for {} ms", after.as_millis())]
+    StreamIdle {
+        /// Which leg.
+        leg: Leg,
+        /// The idle limit that passed.
+        after: Duration,
+    },
+    /// A relayed SSE event was longer than the route allows.
+    #[error("{leg} stream: an event over {limit} bytes")]
+    EventTooLarge {
+        /// Which leg.
+        leg: Leg,
+        /// The route's `max_sse_event_bytes`.
+        limit: usize,
+    },
+    /// The client did not take a write within the route's client write timeout; nothing
+    /// more is sent (it would not be read) and its connection is cut.
+    #[error("client stopped reading: a write waited {} ms", after.as_millis())]
+    ClientStalled {
+        /// The write timeout that passed.
+        after: Duration,
     },
     /// The client went away; nothing is answered.
     #[error("client closed the connection")]
@@ -91,7 +114,11 @@ impl ProxyError {
             Self::PrefillBadResponse(_) => ApiError::PrefillBadResponse("not a completion response".into()),
             Self::NoEndpoint(leg) => unavailable(*leg, "no endpoint in its pool"),
             Self::StreamBroken { source, .. } => ApiError::DecodeStreamFailed(source.cause().to_owned()),
-            Self::ClientGone | Self::Internal(_) => ApiError::Internal("tokenonce failed to serve the request".into()),
+            Self::StreamIdle { after, .. } => ApiError::StreamIdleTimeout(ms(after)),
+            Self::EventTooLarge { limit, .. } => ApiError::StreamEventTooLarge(*limit),
+            Self::ClientGone | Self::ClientStalled { .. } | Self::Internal(_) => {
+                ApiError::Internal("tokenonce failed to serve the request".into())
+            }
         }
     }
 
@@ -102,21 +129,54 @@ impl ProxyError {
             Self::Timeout { leg, .. } => Some((*leg, ErrorKind::Timeout)),
             Self::PrefillBadResponse(_) => Some((Leg::Prefill, ErrorKind::BadResponse)),
             Self::StreamBroken { leg, .. } => Some((*leg, ErrorKind::StreamBroken)),
-            Self::Request(_) | Self::NoEndpoint(_) | Self::ClientGone | Self::Internal(_) => None,
+            Self::StreamIdle { leg, .. } => Some((*leg, ErrorKind::Timeout)),
+            Self::EventTooLarge { leg, .. } => Some((*leg, ErrorKind::TooLarge)),
+            Self::Request(_)
+            | Self::NoEndpoint(_)
+            | Self::ClientGone
+            | Self::ClientStalled { .. }
+            | Self::Internal(_) => None,
         }
+    }
+
+    /// The `timeouts_total{stage}` series this error counts in, if it is a wait that ran out.
+    pub fn timeout_stage(&self) -> Option<TimeoutStage> {
+        match self {
+            Self::Timeout { leg: Leg::Prefill, .. } => Some(TimeoutStage::Prefill),
+            Self::Timeout { .. } => Some(TimeoutStage::FirstByte),
+            Self::StreamIdle { .. } => Some(TimeoutStage::StreamIdle),
+            Self::ClientStalled { .. } => Some(TimeoutStage::ClientWrite),
+            Self::Upstream { source, .. } if source.timed_out_connecting() => Some(TimeoutStage::Connect),
+            _ => None,
+        }
+    }
+}
+
+/// Counts `err` in `upstream_errors_total` and `timeouts_total` (each where it belongs).
+pub fn count(ctx: &Ctx, err: &ProxyError) {
+    if let Some((leg, kind)) = err.counted_as() {
+        ctx.app.metrics.upstream_error(leg, kind);
+    }
+    if let Some(stage) = err.timeout_stage() {
+        ctx.route.metrics.timeout(stage);
     }
 }
 
 /// Ends a request that failed: counts it, logs the full detail, and answers the client
 /// (a JSON error before the response began; an SSE error event and `[DONE]` after the head
-/// of a stream went out; nothing when the client is gone).
+/// of a stream went out; nothing when the client is gone; a cut connection when a non-SSE
+/// body was under way or the client stopped reading, see [`Ctx::cut`]).
 pub async fn fail(session: &mut Session, ctx: &mut Ctx, err: ProxyError) {
     if let ProxyError::ClientGone = err {
         ctx.outcome = Some(Outcome::ClientClosed);
         return;
     }
-    if let Some((leg, kind)) = err.counted_as() {
-        ctx.app.metrics.upstream_error(leg, kind);
+    count(ctx, &err);
+    if let ProxyError::ClientStalled { .. } = err {
+        tracing::info!(request_id = %ctx.request_id, error = %err, "client connection cut");
+        ctx.outcome = Some(Outcome::ClientClosed);
+        ctx.cut = true;
+        return;
     }
     let api = err.api_error();
     if ctx.streaming {
@@ -127,8 +187,11 @@ pub async fn fail(session: &mut Session, ctx: &mut Ctx, err: ProxyError) {
     }
     tracing::info!(request_id = %ctx.request_id, code = api.code(), error = %err, "request failed");
     if session.response_written().is_some() {
-        // A buffered answer was already on its way; nothing more can be said.
+        // A non-SSE answer was already on its way: nothing more can be said, and ending
+        // its body would pass the cut answer off as whole, so the connection is cut.
+        tracing::warn!(request_id = %ctx.request_id, code = api.code(), "answer cut mid-body");
         ctx.outcome = Some(Outcome::ServerError);
+        ctx.cut = true;
         return;
     }
     write_full(session, ctx, api.status(), Some("application/json"), Bytes::from(api.body())).await;
@@ -199,6 +262,18 @@ mod tests {
                 Some((Leg::Decode, ErrorKind::StreamBroken)),
             ),
             (ProxyError::Internal("pingora said 10.1.2.3:8100".into()), 500, "internal_error", None),
+            (
+                ProxyError::StreamIdle { leg: Leg::Passthrough, after: Duration::from_millis(300) },
+                504,
+                "stream_idle_timeout",
+                Some((Leg::Passthrough, ErrorKind::Timeout)),
+            ),
+            (
+                ProxyError::EventTooLarge { leg: Leg::Decode, limit: 65536 },
+                502,
+                "stream_event_too_large",
+                Some((Leg::Decode, ErrorKind::TooLarge)),
+            ),
         ];
         for (err, status, code, counted) in table {
             let api = err.api_error();
@@ -207,6 +282,24 @@ mod tests {
             let body = String::from_utf8(api.body()).unwrap();
             assert!(addr_free(&body), "{err}: {body}");
         }
+        let stages = [
+            (ProxyError::Timeout { leg: Leg::Prefill, after: Duration::ZERO }, Some(TimeoutStage::Prefill)),
+            (ProxyError::Timeout { leg: Leg::Passthrough, after: Duration::ZERO }, Some(TimeoutStage::FirstByte)),
+            (ProxyError::StreamIdle { leg: Leg::Decode, after: Duration::ZERO }, Some(TimeoutStage::StreamIdle)),
+            (ProxyError::ClientStalled { after: Duration::ZERO }, Some(TimeoutStage::ClientWrite)),
+            (ProxyError::upstream(Leg::Decode, refused()), None),
+            (
+                ProxyError::upstream(
+                    Leg::Decode,
+                    UpstreamError::Connect { addr: "a".into(), cause: "connect timed out", detail: "x".into() },
+                ),
+                Some(TimeoutStage::Connect),
+            ),
+        ];
+        for (err, stage) in stages {
+            assert_eq!(err.timeout_stage(), stage, "{err}");
+        }
+        assert_eq!(ProxyError::ClientStalled { after: Duration::ZERO }.counted_as(), None, "not the engine's fault");
         let body = String::from_utf8(ProxyError::upstream(Leg::Prefill, refused()).api_error().body()).unwrap();
         assert!(body.contains("prefill engine unavailable: connection refused"), "{body}");
         assert!(

@@ -16,8 +16,8 @@ use pingora::proxy::Session;
 use super::error::ProxyError;
 use super::respond::{client_gone, ms_since, relay};
 use super::Ctx;
-use crate::config::OnPrefillFailure;
-use crate::metrics::{ErrorKind, Leg, Stage};
+use crate::config::{OnClientGone, OnPrefillFailure};
+use crate::metrics::{ErrorKind, Leg, Release, Stage, TimeoutStage};
 use crate::openai::response::HandoffError;
 use crate::openai::{IdsError, PromptIds};
 use crate::plan::{DecodeStep, DecodeVersion, Orchestration, Reuse};
@@ -72,9 +72,15 @@ pub fn named_endpoint(addr: String) -> Picked {
 }
 
 /// What is known of the decode engine's vLLM: the pool's pinned version, else the learned
-/// one, else asked now (a failed ask is remembered, so requests do not each ask).
+/// one, else asked now. Concurrent requests wait for one ask (a burst of first requests
+/// would otherwise each ask, and one slow answer would send its request down the text
+/// path while the others learned the version); a failed ask is remembered for a pause.
 pub async fn decode_version(app: &App, route: &Route, decode: &Endpoint) -> DecodeVersion {
-    match route.decode_pool.pinned_version().or_else(|| decode.version()) {
+    if let Some(v) = route.decode_pool.pinned_version().or_else(|| decode.version()) {
+        return DecodeVersion::Known(v);
+    }
+    let _one_ask = decode.version_ask.lock().await;
+    match decode.version() {
         Some(v) => DecodeVersion::Known(v),
         None => learn_version(&app.client, decode).await.map_or(DecodeVersion::Unknown, DecodeVersion::Known),
     }
@@ -238,8 +244,7 @@ async fn prefill_attempts(
         let next = pool.and_then(|p| p.pick_at(Instant::now(), &tried_now)).filter(|n| !tried_now.contains(&n.addr()));
         let Some(next) = next else { break };
         if let PrefillTry::NoAnswer(e) = &result {
-            let kind = e.counted_as().map(|(_, kind)| kind);
-            kind.into_iter().for_each(|kind| ctx.app.metrics.upstream_error(Leg::Prefill, kind));
+            super::error::count(ctx, e);
         }
         ctx.route.metrics.prefill_failover();
         tracing::info!(request_id = %ctx.request_id, route = %ctx.route.name, "prefill failed over to another endpoint");
@@ -305,8 +310,8 @@ pub fn after_prefill(
         Ok(Prefilled::Step(_)) => String::new(),
         Err(e) => e.to_string(),
     };
-    if let Some((leg, kind)) = result.as_ref().err().and_then(ProxyError::counted_as) {
-        ctx.app.metrics.upstream_error(leg, kind);
+    if let Err(e) = &result {
+        super::error::count(ctx, e);
     }
     tracing::info!(request_id = %ctx.request_id, route = %ctx.route.name, error = %error, "prefill failed: the decode runs alone");
     Ok(Prefilled::Step(plan.decode_alone()))
@@ -328,14 +333,64 @@ pub async fn decode(
     let started = Instant::now();
     ctx.decode_sent_at = Some(started);
     let timeout = Some(route.decode_first_byte_timeout);
-    let exchange = send(session, ctx, req, Leg::Decode, endpoint, step.body, timeout).await?;
-    ctx.decode_first_byte_ms = Some(ms_since(started));
-    route.metrics.stage(Stage::DecodeFirstByte, started.elapsed());
-    relay(session, ctx, exchange, step.cached_tokens, Leg::Decode).await
+    let result = match send(session, ctx, req, Leg::Decode, endpoint, step.body.clone(), timeout).await {
+        Ok(exchange) => {
+            ctx.decode_first_byte_ms = Some(ms_since(started));
+            route.metrics.stage(Stage::DecodeFirstByte, started.elapsed());
+            relay(session, ctx, exchange, step.cached_tokens, Leg::Decode).await
+        }
+        Err(e) => Err(e),
+    };
+    // Gone before the decode answered a byte: it may not have pulled the prefill's KV blocks.
+    if matches!(result, Err(ProxyError::ClientGone)) && !ctx.answer_started {
+        release(ctx, req, endpoint, &step).await;
+    }
+    result
+}
+
+/// Largest answer read (and discarded) from a release leg.
+const RELEASE_ANSWER_LIMIT: usize = 1024 * 1024;
+
+/// The client left after a prefill that may hold KV blocks for this decode, before the decode
+/// answered a byte of its body (once it streams, it has pulled them). Under the route's
+/// `on_client_gone`: `release` sends the decode again for one token, not streamed (the first
+/// was closed with the client, and vLLM may have aborted it before pulling), reads and
+/// discards the answer within `release_timeout_ms`, so the decode pulls the blocks and the
+/// prefill frees them now; `abandon` sends nothing. Counted in `kv_releases_total`.
+async fn release(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, step: &DecodeStep) {
+    let Some(body) = step.release_body() else { return };
+    let route = &ctx.route;
+    if route.on_client_gone == OnClientGone::Abandon {
+        route.metrics.kv_release(Release::Abandoned);
+        tracing::info!(request_id = %ctx.request_id, route = %route.name, "client gone after the prefill: KV blocks left to their lease");
+        return;
+    }
+    let work = async {
+        let exchange = exchange(ctx, req, Leg::Decode, endpoint, body).await?;
+        let ok = (200..300).contains(&exchange.status());
+        ctx.app
+            .client
+            .read_to_end(exchange, RELEASE_ANSWER_LIMIT)
+            .await
+            .map_err(|e| ProxyError::upstream(Leg::Decode, e))?;
+        Ok::<bool, ProxyError>(ok)
+    };
+    let (result, error) = match tokio::time::timeout(route.release_timeout, work).await {
+        Ok(Ok(true)) => (Release::Released, String::new()),
+        Ok(Ok(false)) => (Release::Failed, "answered a non-2xx status".to_owned()),
+        Ok(Err(e)) => (Release::Failed, e.to_string()),
+        Err(_) => {
+            route.metrics.timeout(TimeoutStage::Release);
+            (Release::Timeout, format!("no answer within {} ms", route.release_timeout.as_millis()))
+        }
+    };
+    route.metrics.kv_release(result);
+    tracing::info!(request_id = %ctx.request_id, route = %route.name, result = result.as_str(), error = %error, "client gone after the prefill: one-token decode sent to release its KV blocks");
 }
 
 /// Sends `body` to `endpoint` on `leg` and relays the answer unchanged (passthrough with a
-/// read body, decode-only, relay legs).
+/// read body, decode-only, relay legs). The response head is awaited within the route's
+/// first-byte timeout (a relay prefill forwarded as is: its prefill timeout).
 ///
 /// # Errors
 /// [`ProxyError`] when the engine fails or the client leaves.
@@ -348,7 +403,12 @@ pub async fn forward(
     body: Bytes,
 ) -> Result<(), ProxyError> {
     ctx.decode_sent_at = Some(Instant::now());
-    let exchange = send(session, ctx, req, leg, &endpoint, body, None).await?;
+    // A relayed prefill answers as a whole; anything else is bounded to its response head.
+    let first_byte = match leg {
+        Leg::Prefill => ctx.route.prefill_timeout,
+        Leg::Decode | Leg::Passthrough => ctx.route.decode_first_byte_timeout,
+    };
+    let exchange = send(session, ctx, req, leg, &endpoint, body, Some(first_byte)).await?;
     relay(session, ctx, exchange, None, leg).await
 }
 

@@ -16,6 +16,7 @@ pub mod edge;
 pub mod error;
 pub mod exec;
 pub mod orchestrate;
+mod passthrough;
 pub mod relay;
 pub mod respond;
 
@@ -67,10 +68,19 @@ pub struct Ctx {
     pub pass_endpoint: Option<Picked>,
     /// Whether `inflight_requests` was raised for this request.
     pub counted: bool,
+    /// A body byte of the engine's answer reached tokenonce (a decode that streams has pulled
+    /// the prefill's KV blocks).
+    pub answer_started: bool,
+    /// Passthrough: request body bytes streamed to the engine so far.
+    pub body_bytes: usize,
     /// Prefill leg duration, for the access log.
     pub prefill_ms: Option<f64>,
     /// Decode time to response header, for the access log.
     pub decode_first_byte_ms: Option<f64>,
+    /// The client connection must be closed without ending the response (a non-SSE body
+    /// cut mid-way, or a client that stopped reading): `request_filter` then returns an
+    /// error, so pingora drops the connection instead of finishing the body.
+    pub cut: bool,
 }
 
 impl Ctx {
@@ -125,8 +135,11 @@ impl ProxyHttp for Proxy {
             reuse: None,
             pass_endpoint: None,
             counted: false,
+            body_bytes: 0,
+            answer_started: false,
             prefill_ms: None,
             decode_first_byte_ms: None,
+            cut: false,
         }
     }
 
@@ -137,6 +150,7 @@ impl ProxyHttp for Proxy {
         ctx.counted = true;
         ctx.client_ip = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
         app.metrics.inflight.inc();
+        session.as_downstream_mut().set_write_timeout(Some(ctx.route.client_write_timeout));
         let header = session.req_header();
         if let Err(e) = edge::check_head(&header.headers, &app.edge) {
             session.set_keepalive(None);
@@ -162,15 +176,37 @@ impl ProxyHttp for Proxy {
                 if let Err(e) = api::handle(session, ctx, api).await {
                     error::fail(session, ctx, e).await;
                 }
+                if ctx.cut {
+                    // An error here makes pingora drop the connection without ending the body.
+                    return Err(Error::explain(ErrorType::WriteError, "response cut"));
+                }
                 Ok(true)
             }
             (_, known) => {
                 if let Some(route) = known {
                     ctx.route = Arc::clone(route);
                 }
-                Ok(false)
+                session.as_downstream_mut().set_write_timeout(Some(ctx.route.client_write_timeout));
+                passthrough::check_declared_length(session, ctx).await
             }
         }
+    }
+
+    /// Passthrough only: counts the streamed request body against the route's
+    /// `max_body_bytes` (a chunked body has no declared length to check up front).
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<bytes::Bytes>,
+        _end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        passthrough::count_body(ctx, body.as_ref().map_or(0, bytes::Bytes::len))
+    }
+
+    /// A cut response was logged by the error exit already.
+    fn suppress_error_log(&self, _session: &Session, ctx: &Ctx, _error: &Error) -> bool {
+        ctx.cut
     }
 
     /// Passthrough only: an endpoint of the route's pool.
@@ -187,7 +223,7 @@ impl ProxyHttp for Proxy {
             .await
             .map_err(|e| Error::explain(ErrorType::ConnectError, e.to_string()))?;
         ctx.pass_endpoint = Some(picked);
-        Ok(Box::new(peer))
+        Ok(Box::new(passthrough::bounded_peer(peer, &ctx.route)))
     }
 
     async fn response_filter(
@@ -203,20 +239,27 @@ impl ProxyHttp for Proxy {
 
     /// Passthrough failures go through the one error exit (OpenAI-shaped, redacted).
     async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
+        if ctx.cut {
+            // `request_filter` cut an API response; the error exit already ran.
+            return FailToProxy { error_code: 0, can_reuse_downstream: false };
+        }
         let addr = ctx.pass_endpoint.as_ref().map_or_else(String::new, |p| p.addr().to_owned());
-        let err = match e.etype() {
-            ErrorType::ConnectTimedout
-            | ErrorType::ConnectRefused
-            | ErrorType::ConnectError
-            | ErrorType::ConnectNoRoute => ProxyError::upstream(Leg::Passthrough, UpstreamError::connect(&addr, e)),
-            _ if matches!(e.esource(), ErrorSource::Upstream) => {
-                ProxyError::upstream(Leg::Passthrough, UpstreamError::io(&addr, e))
-            }
-            _ if matches!(e.esource(), ErrorSource::Downstream) => ProxyError::ClientGone,
-            _ => ProxyError::Internal(e.to_string()),
+        let err = match passthrough::classify(session, e, ctx) {
+            Some(err) => err,
+            None => match e.etype() {
+                ErrorType::ConnectTimedout
+                | ErrorType::ConnectRefused
+                | ErrorType::ConnectError
+                | ErrorType::ConnectNoRoute => ProxyError::upstream(Leg::Passthrough, UpstreamError::connect(&addr, e)),
+                _ if matches!(e.esource(), ErrorSource::Upstream) => {
+                    ProxyError::upstream(Leg::Passthrough, UpstreamError::io(&addr, e))
+                }
+                _ if matches!(e.esource(), ErrorSource::Downstream) => ProxyError::ClientGone,
+                _ => ProxyError::Internal(e.to_string()),
+            },
         };
         let code = match err {
-            ProxyError::ClientGone => 0,
+            ProxyError::ClientGone | ProxyError::ClientStalled { .. } => 0,
             ref err => err.api_error().status(),
         };
         error::fail(session, ctx, err).await;

@@ -36,12 +36,16 @@ pub async fn run(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> 
         return exec::forward(session, ctx, &req.incoming, Leg::Decode, decode, body).await;
     };
     let policy = route.policy_now();
-    let version = if plan::needs_decode_version(&req.view, &policy) {
+    let version = if plan::needs_decode_version(&req.view, &policy, &ctx.request_id) {
         exec::decode_version(&app, &route, decode.endpoint()).await
     } else {
         DecodeVersion::NotAsked
     };
-    let plan = plan::orchestrate(plan::Request { obj, view: &req.view }, &policy, version);
+    let plan = plan::orchestrate(plan::Request { obj, view: &req.view }, &policy, version, &ctx.request_id);
+    if let Some(step) = plan.decode_only() {
+        exec::record_reuse(ctx, step.reuse, None);
+        return exec::decode(session, ctx, &req.incoming, &decode, step).await;
+    }
 
     let prefilled = prefill(session, ctx, &req.incoming, &prefiller, plan.prefill_body.clone()).await;
     drop(prefiller);

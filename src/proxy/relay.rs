@@ -28,7 +28,8 @@ pub async fn handle(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) 
     let route = Arc::clone(&ctx.route);
     // Only an `X-Request-Id` the orchestrator sent correlates the legs (ours is random).
     let client_id = req.incoming.headers.contains_key("x-request-id").then(|| ctx.request_id.clone());
-    match crate::plan::relay::plan(req.plan_input(), &route.policy_now(), client_id.as_deref()) {
+    let canary_key = ctx.request_id.clone();
+    match crate::plan::relay::plan(req.plan_input(), &route.policy_now(), client_id.as_deref(), &canary_key) {
         RelayPlan::Prefill(plan) => prefill(session, ctx, req, &plan).await,
         RelayPlan::Decode(plan) => decode(session, ctx, req, &plan).await,
     }

@@ -1,5 +1,6 @@
 //! Writing to the client: complete bodies (tokenonce's own and an engine's buffered answer),
-//! and relaying a decode's answer (JSON buffered and rewritten, SSE streamed event by event).
+//! and relaying an engine's answer (streamed through; SSE framed event by event; JSON
+//! buffered only when its `cached_tokens` is rewritten), every read and write bounded.
 //! Failures are returned to the caller; `error::fail` is what answers them.
 
 use std::time::Instant;
@@ -10,13 +11,11 @@ use pingora::proxy::Session;
 
 use super::error::ProxyError;
 use super::Ctx;
-use crate::metrics::{Leg, Outcome, Stage};
-use crate::openai::response::{rewrite_cached_tokens, StreamFraming};
+use crate::metrics::{Leg, Outcome, Stage, TimeoutStage};
+use crate::openai::response::{rewrite_usage_cached, StreamFraming};
+use crate::openai::Api;
 use crate::upstream::client::DROPPED_RESPONSE_HEADERS;
 use crate::upstream::Exchange;
-
-/// Largest non-streamed engine response tokenonce buffers (a long answer with logprobs).
-pub const RESPONSE_LIMIT: usize = 256 * 1024 * 1024;
 
 /// Waits until the client has gone (FIN or reset while we have nothing to read).
 pub async fn client_gone(session: &mut Session) {
@@ -62,10 +61,25 @@ pub async fn write_buffered(session: &mut Session, ctx: &mut Ctx, mut head: Resp
         return;
     }
     ctx.mark_first_byte();
-    let written = session.write_response_header(Box::new(head), false).await.is_ok()
-        && session.write_response_body(Some(body), true).await.is_ok();
     ctx.status = status;
-    ctx.outcome.get_or_insert(if written { Outcome::from_status(status) } else { Outcome::ClientClosed });
+    let written = match session.write_response_header(Box::new(head), false).await {
+        Ok(()) => session.write_response_body(Some(body), true).await,
+        Err(e) => Err(e),
+    };
+    match written {
+        Ok(()) => {
+            ctx.outcome.get_or_insert(Outcome::from_status(status));
+        }
+        Err(e) => {
+            if e.etype() == &pingora::ErrorType::WriteTimedout {
+                // The client stopped reading: cut it (finishing the body would wait again).
+                ctx.route.metrics.timeout(TimeoutStage::ClientWrite);
+                tracing::info!(request_id = %ctx.request_id, "client stopped reading: connection cut");
+                ctx.cut = true;
+            }
+            ctx.outcome.get_or_insert(Outcome::ClientClosed);
+        }
+    }
 }
 
 /// Writes an engine's buffered answer as it came (status, end-to-end headers, `body`).
@@ -84,13 +98,16 @@ pub async fn write_engine_answer(
     Ok(())
 }
 
-/// Relays an engine's answer on `leg` to the client: status and end-to-end headers as sent, a
-/// JSON body buffered (its `cached_tokens` set when given), an SSE body streamed event by
-/// event. A client that leaves closes the engine connection.
+/// Relays an engine's answer on `leg` to the client: status and end-to-end headers as sent;
+/// an SSE body streamed event by event; any other body streamed through as it comes, unless
+/// its `cached_tokens` must be set (a 2xx JSON answer after a prefill that reported them),
+/// which is buffered up to [`REWRITE_LIMIT`]. Every read waits at most the route's stream
+/// idle timeout, every write the client write timeout. A client that leaves closes the
+/// engine connection.
 ///
 /// # Errors
 /// [`ProxyError`] when the engine fails (before the head: a JSON error follows; mid-stream:
-/// an SSE error event) or the client is gone.
+/// an SSE error event, or a cut connection for other bodies) or the client is gone.
 pub async fn relay(
     session: &mut Session,
     ctx: &mut Ctx,
@@ -98,37 +115,130 @@ pub async fn relay(
     cached_tokens: Option<u64>,
     leg: Leg,
 ) -> Result<(), ProxyError> {
-    let status = exchange.status();
+    let ok = (200..300).contains(&exchange.status());
     let is_sse = exchange.header("content-type").is_some_and(|ct| ct.starts_with("text/event-stream"));
     let head = exchange
         .session
         .response_header()
         .and_then(|h| client_head(h, &ctx.request_id))
         .ok_or_else(|| ProxyError::Internal("engine response head cannot be copied".into()))?;
-    if is_sse && (200..300).contains(&status) {
-        relay_stream(session, ctx, exchange, head, cached_tokens, leg).await
-    } else {
-        relay_buffered(session, ctx, exchange, head, cached_tokens.filter(|_| (200..300).contains(&status)), leg).await
+    match (is_sse && ok, cached_tokens.filter(|_| ok)) {
+        (true, _) => relay_stream(session, ctx, exchange, head, cached_tokens, leg).await,
+        (false, Some(cached)) => relay_rewritten(session, ctx, exchange, head, cached, leg).await,
+        (false, None) => relay_through(session, ctx, exchange, head, Bytes::new(), leg).await,
     }
 }
 
-async fn relay_buffered(
+/// Largest non-streamed answer buffered to set its `cached_tokens` (a long answer with top
+/// logprobs is ~2 KB per token: 16 MiB holds 8k of them). A larger one streams through with
+/// the engine's own count.
+pub const REWRITE_LIMIT: usize = 16 * 1024 * 1024;
+
+/// The next body chunk of `exchange` (`None`: the body ended), waiting at most the route's
+/// stream idle timeout while watching the client.
+async fn next_chunk(
     session: &mut Session,
     ctx: &mut Ctx,
-    exchange: Exchange,
-    head: ResponseHeader,
-    cached_tokens: Option<u64>,
+    exchange: &mut Exchange,
     leg: Leg,
-) -> Result<(), ProxyError> {
-    let client = std::sync::Arc::clone(&ctx.app.client);
-    let body = tokio::select! {
-        r = client.read_to_end(exchange, RESPONSE_LIMIT) => r.map_err(|e| ProxyError::upstream(leg, e))?,
+) -> Result<Option<Bytes>, ProxyError> {
+    let idle = ctx.route.stream_idle_timeout;
+    let read = tokio::select! {
+        r = tokio::time::timeout(idle, exchange.session.read_response_body()) => r,
+        // Dropping `exchange` closes the engine connection; vLLM aborts the request.
         _ = client_gone(session) => return Err(ProxyError::ClientGone),
     };
-    let body = match cached_tokens {
-        Some(n) => std::str::from_utf8(&body).ok().and_then(|t| rewrite_cached_tokens(t, n)).map_or(body, Bytes::from),
-        None => body,
-    };
+    match read {
+        Err(_) => Err(ProxyError::StreamIdle { leg, after: idle }),
+        Ok(Ok(chunk)) => {
+            ctx.answer_started |= chunk.as_ref().is_some_and(|c| !c.is_empty());
+            Ok(chunk)
+        }
+        Ok(Err(e)) => {
+            let source = crate::upstream::UpstreamError::io(&exchange.peer.to_string(), &e);
+            Err(ProxyError::StreamBroken { leg, source })
+        }
+    }
+}
+
+/// Writes `body` to the client within the route's client write timeout (set on the
+/// session); a write that ran out is a stalled client, any other failure a gone one.
+async fn write_body(session: &mut Session, ctx: &Ctx, body: Bytes, end: bool) -> Result<(), ProxyError> {
+    session.write_response_body(Some(body), end).await.map_err(|e| match e.etype() {
+        pingora::ErrorType::WriteTimedout => ProxyError::ClientStalled { after: ctx.route.client_write_timeout },
+        _ => ProxyError::ClientGone,
+    })
+}
+
+/// Writes `head` (chunked: the client connection stays reusable, and a cut shows as one)
+/// and records it as the client's first byte.
+async fn write_head(session: &mut Session, ctx: &mut Ctx, mut head: ResponseHeader) -> Result<(), ProxyError> {
+    let _ = head.insert_header("transfer-encoding", "chunked");
+    ctx.mark_first_byte();
+    ctx.status = head.status.as_u16();
+    session.write_response_header(Box::new(head), false).await.map_err(|_| ProxyError::ClientGone)
+}
+
+/// A body that needs no rewrite: `prefix` (already read), then every chunk as it comes.
+/// Nothing is held beyond one read.
+async fn relay_through(
+    session: &mut Session,
+    ctx: &mut Ctx,
+    mut exchange: Exchange,
+    head: ResponseHeader,
+    prefix: Bytes,
+    leg: Leg,
+) -> Result<(), ProxyError> {
+    write_head(session, ctx, head).await?;
+    if !prefix.is_empty() {
+        write_body(session, ctx, prefix, false).await?;
+    }
+    while let Some(chunk) = next_chunk(session, ctx, &mut exchange, leg).await? {
+        write_body(session, ctx, chunk, false).await?;
+    }
+    // Pooled before the client sees the end, so its next request can reuse the connection.
+    ctx.app.client.release(exchange).await;
+    write_body(session, ctx, Bytes::new(), true).await?;
+    let status = ctx.status;
+    ctx.outcome.get_or_insert(Outcome::from_status(status));
+    observe_decode_total(ctx);
+    Ok(())
+}
+
+/// A 2xx JSON answer whose `cached_tokens` is set to the prefill's: buffered (every read
+/// within the idle timeout), rewritten, written with its length. Past [`REWRITE_LIMIT`] it
+/// streams through unchanged instead.
+async fn relay_rewritten(
+    session: &mut Session,
+    ctx: &mut Ctx,
+    mut exchange: Exchange,
+    head: ResponseHeader,
+    cached_tokens: u64,
+    leg: Leg,
+) -> Result<(), ProxyError> {
+    let mut body = bytes::BytesMut::new();
+    loop {
+        // Nothing went to the client yet: a broken body is the engine being unavailable.
+        let chunk = next_chunk(session, ctx, &mut exchange, leg).await.map_err(|e| match e {
+            ProxyError::StreamBroken { leg, source } => ProxyError::upstream(leg, source),
+            other => other,
+        })?;
+        match chunk {
+            Some(chunk) if body.len() + chunk.len() > REWRITE_LIMIT => {
+                tracing::info!(request_id = %ctx.request_id, limit = REWRITE_LIMIT, "answer too large to rewrite: relayed as is");
+                body.extend_from_slice(&chunk);
+                return relay_through(session, ctx, exchange, head, body.freeze(), leg).await;
+            }
+            Some(chunk) => body.extend_from_slice(&chunk),
+            None => break,
+        }
+    }
+    ctx.app.client.release(exchange).await;
+    let body = body.freeze();
+    let body = std::str::from_utf8(&body)
+        .ok()
+        .and_then(|t| rewrite_usage_cached(ctx.api.unwrap_or(Api::Chat), t, cached_tokens))
+        .map_or(body, Bytes::from);
     write_buffered(session, ctx, head, body).await;
     observe_decode_total(ctx);
     Ok(())
@@ -138,47 +248,37 @@ async fn relay_stream(
     session: &mut Session,
     ctx: &mut Ctx,
     mut exchange: Exchange,
-    mut head: ResponseHeader,
+    head: ResponseHeader,
     cached_tokens: Option<u64>,
     leg: Leg,
 ) -> Result<(), ProxyError> {
-    // Chunked, so the client connection stays reusable (a hand-written response without a
-    // length would be close-delimited).
-    let _ = head.insert_header("transfer-encoding", "chunked");
-    ctx.mark_first_byte();
-    ctx.status = head.status.as_u16();
-    if session.write_response_header(Box::new(head), false).await.is_err() {
-        return Err(ProxyError::ClientGone);
-    }
+    write_head(session, ctx, head).await?;
     ctx.streaming = true;
     // Always framed, so a break never leaves half an event before the error event.
-    let mut framing = StreamFraming::new(cached_tokens);
+    let limit = ctx.route.max_sse_event_bytes;
+    let mut framing = StreamFraming::for_api(ctx.api.unwrap_or(Api::Chat), cached_tokens).with_event_limit(limit);
     loop {
-        let chunk = tokio::select! {
-            chunk = exchange.session.read_response_body() => chunk,
-            // Dropping `exchange` closes the engine connection; vLLM aborts the request.
-            _ = client_gone(session) => return Err(ProxyError::ClientGone),
-        };
-        match chunk {
-            Ok(Some(chunk)) => {
-                let out = framing.feed(&chunk);
-                if !out.is_empty() && session.write_response_body(Some(Bytes::from(out)), false).await.is_err() {
-                    return Err(ProxyError::ClientGone);
-                }
-            }
-            Ok(None) => {
-                let ended = session.write_response_body(Some(Bytes::from(framing.end())), true).await.is_ok();
-                ctx.outcome = Some(if ended { Outcome::Success } else { Outcome::ClientClosed });
-                ctx.app.client.release(exchange).await;
-                observe_decode_total(ctx);
-                return Ok(());
-            }
+        let chunk = match next_chunk(session, ctx, &mut exchange, leg).await {
+            Ok(chunk) => chunk,
             Err(e) => {
                 let dropped = framing.broken();
                 tracing::debug!(request_id = %ctx.request_id, dropped, "unfinished event of a broken stream dropped");
-                let source = crate::upstream::UpstreamError::io(&exchange.peer.to_string(), &e);
-                return Err(ProxyError::StreamBroken { leg, source });
+                return Err(e);
             }
+        };
+        let Some(chunk) = chunk else {
+            ctx.app.client.release(exchange).await;
+            write_body(session, ctx, Bytes::from(framing.end()), true).await?;
+            ctx.outcome = Some(Outcome::Success);
+            observe_decode_total(ctx);
+            return Ok(());
+        };
+        let out = framing.feed(&chunk);
+        if !out.is_empty() {
+            write_body(session, ctx, Bytes::from(out), false).await?;
+        }
+        if framing.too_long() {
+            return Err(ProxyError::EventTooLarge { leg, limit });
         }
     }
 }

@@ -48,6 +48,11 @@ impl UpstreamError {
         }
     }
 
+    /// True for a connect that ran out of `upstream.connect_timeout_ms`.
+    pub fn timed_out_connecting(&self) -> bool {
+        matches!(self, Self::Connect { cause: "connect timed out", .. })
+    }
+
     /// A connect failure to `addr`.
     pub fn connect(addr: &str, e: &pingora::Error) -> Self {
         Self::Connect { addr: addr.to_owned(), cause: cause_of(e), detail: e.to_string() }

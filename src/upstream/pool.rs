@@ -20,6 +20,8 @@ pub struct Endpoint {
     version_learned_at: RwLock<Option<std::time::Instant>>,
     /// When `/version` was last asked and gave nothing usable (retried after a pause).
     version_failed_at: RwLock<Option<std::time::Instant>>,
+    /// Held while a request asks `/version`, so a burst of first requests asks once.
+    pub version_ask: tokio::sync::Mutex<()>,
     /// Passive outlier detection: consecutive failures and the ejection they caused.
     outlier: RwLock<Outlier>,
     /// What `GET /v1/models` said: `None` not asked yet, `Some(None)` asked without a usable
@@ -72,6 +74,7 @@ impl Endpoint {
             version: RwLock::new(None),
             version_learned_at: RwLock::new(None),
             version_failed_at: RwLock::new(None),
+            version_ask: tokio::sync::Mutex::new(()),
             outlier: RwLock::new(Outlier::default()),
             model: RwLock::new(None),
         }

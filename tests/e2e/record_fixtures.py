@@ -13,6 +13,7 @@ SSE streams byte for byte). Python 3 standard library only.
 
 Usage:
     python3 tests/e2e/record_fixtures.py --port 8311 --out tests/fixtures/vllm [--port2 8312]
+        [--only apis]   (only the /v1/responses and /v1/messages group, names responses_*, messages_*)
 
 With --port2, every decode leg (the names containing "decode") is sent to the second
 server, as a P/D sidecar would; everything else goes to --port. Prints one line per
@@ -117,6 +118,81 @@ def decode_chat(ids, **fields):
                 kv_transfer_params={"prompt_token_ids": ids})
 
 
+def responses(**fields):
+    """A Responses API request with the chat fixtures' conversation as `input`."""
+    return {"model": MODEL, "input": MESSAGES, **fields}
+
+
+def responses_prefill(body):
+    """The Responses prefill leg as tokenonce sends it: `enable_response_messages` is what
+    makes vLLM 0.32 echo the prompt ids (`input_messages[0].tokens`); `return_token_ids` is
+    ignored on this path; `store: false` keeps the 1-token answer out of the prefill's store."""
+    return {**body, "max_output_tokens": 1, "temperature": 0, "stream": False, "store": False,
+            "enable_response_messages": True, "kv_transfer_params": dict(PREFILL_KV)}
+
+
+def messages(**fields):
+    """An Anthropic Messages API request (system prompt as a top-level field)."""
+    return {"model": MODEL, "system": MESSAGES[0]["content"], "messages": MESSAGES[1:], **fields}
+
+
+def record_apis(r):
+    """/v1/responses and /v1/messages: prefill legs, token-in decodes, plain references."""
+    D = 2
+    RESP, MSG = "/v1/responses", "/v1/messages"
+    r.record("responses_prefill", RESP, responses_prefill(responses()))
+    ids = r.json_body("responses_prefill")["input_messages"][0]["tokens"]
+    r.record("responses_prefill_return_token_ids", RESP,
+             {**responses(), "max_output_tokens": 1, "temperature": 0, "stream": False, "store": False,
+              "return_token_ids": True, "kv_transfer_params": dict(PREFILL_KV)})
+    r.record("responses_plain", RESP, responses(max_output_tokens=5, temperature=0))
+    r.record("responses_plain_stream", RESP, responses(max_output_tokens=5, temperature=0, stream=True))
+    r.record("responses_decode_ids", RESP,
+             responses(max_output_tokens=5, temperature=0, kv_transfer_params={"prompt_token_ids": ids}), which=D)
+    r.record("responses_decode_ids_stream", RESP,
+             responses(max_output_tokens=5, temperature=0, stream=True,
+                       kv_transfer_params={"prompt_token_ids": ids}), which=D)
+    r.record("responses_decode_short_ids", RESP,
+             responses(max_output_tokens=5, temperature=0, kv_transfer_params={"prompt_token_ids": ids[:10]}),
+             which=D)
+    r.record("messages_prefill", MSG,
+             {**messages(), "max_tokens": 1, "temperature": 0, "stream": False, "return_token_ids": True,
+              "kv_transfer_params": dict(PREFILL_KV)})
+    r.record("messages_plain", MSG, messages(max_tokens=5, temperature=0))
+    r.record("messages_plain_stream", MSG, messages(max_tokens=5, temperature=0, stream=True))
+    r.record("messages_decode_ids", MSG,
+             messages(max_tokens=5, temperature=0, kv_transfer_params={"prompt_token_ids": ids}), which=D)
+    r.record("messages_decode_short_ids", MSG,
+             messages(max_tokens=5, temperature=0, kv_transfer_params={"prompt_token_ids": ids[:10]}), which=D)
+    return ids
+
+
+def check_apis(r, ids, check):
+    pre = r.json_body("responses_prefill")
+    check("responses_prefill echoes input_messages[0].tokens, as many as usage.input_tokens",
+          len(ids) == pre["usage"]["input_tokens"] and len(ids) > 0, f"{len(ids)} ids")
+    rti = r.json_body("responses_prefill_return_token_ids")
+    check("responses: return_token_ids alone echoes no ids", rti.get("input_messages") is None
+          and "prompt_token_ids" not in rti)
+    plain, dec = r.json_body("responses_plain"), r.json_body("responses_decode_ids")
+    check("responses_decode_ids output == responses_plain output",
+          json.dumps([o.get("content") for o in dec["output"]]) == json.dumps([o.get("content") for o in plain["output"]])
+          and dec["usage"]["input_tokens"] == plain["usage"]["input_tokens"])
+    check("responses_decode_short_ids usage.input_tokens follows the ids (10)",
+          r.json_body("responses_decode_short_ids")["usage"]["input_tokens"] == 10)
+    last = sse_events(r.results["responses_decode_ids_stream"]["response_body"])[-1]
+    check("responses_decode_ids_stream ends with response.completed carrying usage",
+          last.get("type") == "response.completed" and last["response"]["usage"]["input_tokens"] == len(ids))
+    mp = r.json_body("messages_prefill")
+    check("messages_prefill echoes no prompt ids", "prompt_token_ids" not in mp, json.dumps(mp)[:200])
+    mplain, mdec = r.json_body("messages_plain"), r.json_body("messages_decode_ids")
+    check("messages_decode_ids text == messages_plain text (signature aside)",
+          [b.get("thinking", b.get("text")) for b in mdec["content"]]
+          == [b.get("thinking", b.get("text")) for b in mplain["content"]] and mdec["usage"] == mplain["usage"])
+    check("messages_decode_short_ids usage.input_tokens follows the ids (10)",
+          r.json_body("messages_decode_short_ids")["usage"]["input_tokens"] == 10)
+
+
 class Recorder:
     def __init__(self, port, port2, out):
         self.ports = {1: port, 2: port2 or port}
@@ -209,9 +285,20 @@ def main():
     ap.add_argument("--port", type=int, required=True, help="vLLM server on 127.0.0.1 (prefill and plain requests)")
     ap.add_argument("--port2", type=int, help="optional second server on 127.0.0.1 for the decode legs")
     ap.add_argument("--out", required=True, help="output folder, e.g. tests/fixtures/vllm")
+    ap.add_argument("--only", choices=["apis"], help="record only the /v1/responses and /v1/messages group")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     r = Recorder(args.port, args.port2, args.out)
+    failures = []
+
+    def check(label, ok, detail=""):
+        print(f"CHECK {'ok  ' if ok else 'FAIL'} {label}{(': ' + detail) if detail else ''}")
+        if not ok:
+            failures.append(label)
+
+    check_apis(r, record_apis(r), check)
+    if args.only == "apis":
+        sys.exit(1 if failures else 0)
     D = 2  # decode legs go to port2 when given
     CHAT, COMPL = "/v1/chat/completions", "/v1/completions"
 
@@ -265,13 +352,6 @@ def main():
     r.record("get_health", "/health", None, method="GET")
 
     # ---- consistency checks
-    failures = []
-
-    def check(label, ok, detail=""):
-        print(f"CHECK {'ok  ' if ok else 'FAIL'} {label}{(': ' + detail) if detail else ''}")
-        if not ok:
-            failures.append(label)
-
     plain = r.json_body("chat_plain")
     dec = r.json_body("chat_decode_ids")
     plain_text = plain["choices"][0]["message"]["content"]

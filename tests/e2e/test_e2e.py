@@ -321,6 +321,12 @@ def shorten_prompt_ids(raw):
     """A completion body with only the first TRUNCATE_TO echoed prompt ids and usage to match;
     None when it echoes no ids (nothing to cut)."""
     body = json.loads(raw)
+    # Responses (enable_response_messages) echo them in input_messages[0].tokens
+    raw_messages = body.get("input_messages")
+    if isinstance(raw_messages, list) and raw_messages and isinstance(raw_messages[0].get("tokens"), list):
+        raw_messages[0]["tokens"] = raw_messages[0]["tokens"][:TRUNCATE_TO]
+        body["usage"]["input_tokens"] = len(raw_messages[0]["tokens"])
+        return json.dumps(body).encode()
     # chat echoes the ids at the top level, completions in choices[0]
     holders = [h for h in [body, *body.get("choices", [])] if isinstance(h.get("prompt_token_ids"), list)]
     if not holders:
@@ -495,3 +501,126 @@ def test_vllm_error_reaches_client_unchanged(case, stream):
     errors = (metric(after, "tokenonce_requests_total", route=route, outcome="client_error")
               - metric(before, "tokenonce_requests_total", route=route, outcome="client_error"))
     assert errors == 1, f"requests_total{{outcome=client_error}} moved by {errors}"
+
+
+# ----------------------------------------------------------------------------- Responses, Messages
+# /v1/responses reuses the prefill's ids (asked with enable_response_messages); /v1/messages
+# cannot (vLLM echoes none) and falls back as ids_not_echoed. Output compared with ids,
+# timestamps and thinking signatures (random per call) left out.
+
+RESPONSES_CASES = {
+    "conversation": {"input": [SYSTEM, {"role": "user", "content": "Hello there! How are you today?"}]},
+    "instructions": {"instructions": "You are terse.", "input": "Name three colours."},
+    "thinking_off": {"input": [{"role": "user", "content": "What is 2+2?"}],
+                     "chat_template_kwargs": {"enable_thinking": False}},
+}
+
+
+def post_api(port, path, body, route=None, stream=False):
+    headers = {"content-type": "application/json"}
+    if route is not None and route != "on":
+        headers[ROUTE_HEADER] = route
+    r = httpx.post(f"http://{HOST}:{port}{path}", content=json.dumps(body), headers=headers, timeout=TIMEOUT_S)
+    assert r.status_code == 200, f"{path} via :{port} route {route}: {r.status_code} {r.text[:300]}"
+    if not stream:
+        return r.json(), None
+    events = [json.loads(line[len("data: "):]) for line in r.text.split("\n") if line.startswith("data: ")]
+    names = [line[len("event: "):] for line in r.text.split("\n") if line.startswith("event: ")]
+    assert len(names) == len(events), "every Responses/Messages event keeps its event: line"
+    assert [e["type"] for e in events] == names, "event: names match the data types"
+    return events, names
+
+
+def responses_view(resp):
+    """What must be equal: output item kinds and texts, status, token counts."""
+    items = []
+    for item in resp["output"]:
+        parts = item.get("content") or []
+        items.append((item["type"], [p.get("text") for p in parts], item.get("status")))
+    u = resp["usage"]
+    return items, resp["status"], resp.get("incomplete_details"), u["input_tokens"], u["output_tokens"]
+
+
+def responses_result(port, case, stream, route=None):
+    body = {"model": MODEL, "max_output_tokens": MAX_TOKENS, "temperature": 0, **RESPONSES_CASES[case]}
+    if not stream:
+        resp, _ = post_api(port, "/v1/responses", body, route)
+        return responses_view(resp)
+    events, names = post_api(port, "/v1/responses", {**body, "stream": True}, route, stream=True)
+    assert names[0] == "response.created" and names[-1] == "response.completed", names
+    deltas = "".join(e.get("delta", "") for e in events if e["type"].endswith(".delta"))
+    return responses_view(events[-1]["response"]), deltas, names
+
+
+def api_deltas(before, after, route, reason):
+    name = ROUTE_NAMES[route]
+    d = lambda n, **l: metric(after, n, route=name, **l) - metric(before, n, route=name, **l)  # noqa: E731
+    return (d("tokenonce_token_reuse_total", result="applied"),
+            d("tokenonce_token_reuse_total", result="fallback", reason=reason),
+            d("tokenonce_reused_prompt_tokens_total"))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+@pytest.mark.parametrize("case", list(RESPONSES_CASES))
+def test_responses_identical_on_off_direct(case, stream):
+    direct = responses_result(DECODE_PORT, case, stream)
+    got = {}
+    for route in ("off", "on", "truncate"):
+        before = scrape()
+        got[route] = responses_result(TOKENONCE_PORT, case, stream, route)
+        got[route + "_deltas"] = api_deltas(before, scrape(), route, "disabled")
+    view = (lambda r: r[0]) if stream else (lambda r: r)
+    input_tokens = view(direct)[3]
+    assert input_tokens > TRUNCATE_TO and view(direct)[4] == MAX_TOKENS, direct
+    assert got["off"] == direct, "reuse off differs from the direct decode"
+    assert got["on"] == direct, "reuse on differs from the direct decode"
+    assert got["off_deltas"] == (0, 1, 0), got["off_deltas"]
+    assert got["on_deltas"] == (1, 0, input_tokens), got["on_deltas"]
+    # the decode followed the (truncated) ids the prefill echoed, not the input
+    assert view(got["truncate"])[3] == TRUNCATE_TO, got["truncate"]
+    assert got["truncate_deltas"] == (1, 0, TRUNCATE_TO), got["truncate_deltas"]
+
+
+def messages_view(resp, events=None):
+    if events is None:
+        blocks = [(b["type"], b.get("text", b.get("thinking"))) for b in resp["content"]]
+        return blocks, resp["stop_reason"], resp["usage"]
+    text = "".join(e["delta"].get("text", e["delta"].get("thinking", "")) for e in events
+                   if e["type"] == "content_block_delta" and "signature" not in e["delta"])
+    last = [e for e in events if e["type"] == "message_delta"][-1]
+    return text, last["delta"]["stop_reason"], last["usage"], [e["type"] for e in events if e["type"] != "content_block_delta"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+def test_messages_identical_through_tokenonce(stream):
+    body = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "system": "You are terse.",
+            "messages": [{"role": "user", "content": "Hello there! How are you today?"}], "stream": stream}
+
+    def call(port, route=None):
+        out, _ = post_api(port, "/v1/messages", body, route, stream=stream)
+        return messages_view(None, out) if stream else messages_view(out)
+
+    direct = call(DECODE_PORT)
+    before = scrape()
+    on = call(TOKENONCE_PORT, "on")
+    deltas = api_deltas(before, scrape(), "on", "ids_not_echoed")
+    assert on == direct
+    assert deltas == (0, 1, 0), f"messages: (applied, ids_not_echoed, reused) moved by {deltas}"
+
+
+def test_responses_with_previous_response_id_go_to_the_decode_alone():
+    """The prefill never stores (its legs are store: false), so a follow-up naming an earlier
+    answer goes to the decode alone. This stack's vLLM stores nothing either (it would need
+    VLLM_ENABLE_RESPONSES_API_STORE=1), so the decode answers 404 too: tokenonce's answer must
+    be the decode's own, byte for byte, with no prefill leg sent."""
+    follow = {"model": MODEL, "max_output_tokens": MAX_TOKENS, "temperature": 0, "input": "And then?",
+              "previous_response_id": "resp_0123456789abcdef"}
+    before = scrape()
+    via = post_raw(TOKENONCE_PORT, "/v1/responses", follow)
+    after = scrape()
+    direct = post_raw(DECODE_PORT, "/v1/responses", follow)
+    assert (via.status_code, via.content) == (direct.status_code, direct.content)
+    assert api_deltas(before, after, "on", "stateful") == (0, 1, 0)
+    name = ROUTE_NAMES["on"]
+    prefills = lambda snap: metric(snap, "tokenonce_stage_duration_seconds_count", route=name, stage="prefill")  # noqa: E731
+    assert prefills(after) == prefills(before), "a stateful Responses request sent a prefill leg"

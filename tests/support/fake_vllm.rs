@@ -17,6 +17,9 @@ use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::Response;
 use serde_json::Value;
 
+mod apis;
+pub use apis::{fake_render_messages, fake_render_responses};
+
 /// How the fake behaves; change it while running with [`FakeVllm::configure`].
 #[derive(Clone, Debug)]
 pub struct FakeConfig {
@@ -52,6 +55,10 @@ pub struct FakeConfig {
     pub healthy: bool,
     /// Send only the first N bytes of an SSE stream, then break it (reset).
     pub cut_stream_at_byte: Option<usize>,
+    /// Responses ids this engine has stored (a `previous_response_id` not here is a 404).
+    pub stored_responses: Vec<String>,
+    /// Keep every request for [`FakeVllm::requests`] (off for long load runs: bounded memory).
+    pub keep_requests: bool,
 }
 
 impl Default for FakeConfig {
@@ -73,6 +80,8 @@ impl Default for FakeConfig {
             break_stream_after: None,
             healthy: true,
             cut_stream_at_byte: None,
+            stored_responses: Vec::new(),
+            keep_requests: true,
         }
     }
 }
@@ -213,6 +222,11 @@ impl FakeVllm {
         self.shared.requests.lock().unwrap().clone()
     }
 
+    /// Drops the requests recorded so far (long benches would otherwise keep every body).
+    pub fn forget(&self) {
+        self.shared.requests.lock().unwrap().clear();
+    }
+
     /// POST requests received so far.
     pub fn posts(&self) -> Vec<Recorded> {
         self.requests().into_iter().filter(|r| r.method == "POST").collect()
@@ -279,13 +293,15 @@ async fn handle(
     body: Bytes,
 ) -> Response {
     let path = uri.path_and_query().map_or(uri.path().to_owned(), |p| p.as_str().to_owned());
-    shared.requests.lock().unwrap().push(Recorded {
-        method: method.to_string(),
-        path: path.clone(),
-        headers: headers.clone(),
-        body: body.clone(),
-    });
     let config = shared.config.lock().unwrap().clone();
+    if config.keep_requests {
+        shared.requests.lock().unwrap().push(Recorded {
+            method: method.to_string(),
+            path,
+            headers: headers.clone(),
+            body: body.clone(),
+        });
+    }
     let mut guard = CancelGuard { shared: Arc::clone(&shared), done: false };
     if method == Method::GET {
         guard.done = true;
@@ -316,6 +332,11 @@ async fn handle(
     let result = match uri.path() {
         "/v1/chat/completions" => completion(&config, &headers, &body, true),
         "/v1/completions" => completion(&config, &headers, &body, false),
+        "/v1/responses" | "/v1/messages" => match serde_json::from_slice::<Value>(&body) {
+            Err(_) => Err(error_body(400, "Bad Request", "JSON decode error", Some("body"))),
+            Ok(v) if uri.path() == "/v1/responses" => apis::responses(&config, &headers, &v),
+            Ok(v) => apis::messages(&config, &headers, &v),
+        },
         "/tokenize" => Ok(Reply::Json(format!(
             "{{\"count\":3,\"max_model_len\":49152,\"tokens\":[9707,1052,0],\"token_strs\":null,\"echo\":{}}}",
             String::from_utf8_lossy(&body)

@@ -5,6 +5,7 @@
 #![allow(dead_code, unused_imports, clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 pub mod fake_vllm;
+pub mod fault_engine;
 pub mod toy_proxy;
 
 use std::io::{BufRead, BufReader, Write};
@@ -16,7 +17,9 @@ use std::time::{Duration, Instant};
 use tokenonce::server::{self, Listeners, Running, Signals, Stop};
 use tokio::sync::oneshot;
 
-pub use fake_vllm::{fake_render_chat, fake_tokenize, FakeConfig, FakeVllm};
+pub use fake_vllm::{
+    fake_render_chat, fake_render_messages, fake_render_responses, fake_tokenize, FakeConfig, FakeVllm,
+};
 
 /// How the harness runs tokenonce, besides the test's own config.
 #[derive(Clone, Debug)]
@@ -30,11 +33,19 @@ pub struct Settings {
     pub server_extra: String,
     /// More `[upstream]` lines (e.g. `eject_after_failures = 2`).
     pub upstream_extra: String,
+    /// `server.threads`.
+    pub threads: u32,
 }
 
 impl Default for Settings {
     fn default() -> Self {
-        Self { health_interval_ms: 200, log: "info".into(), server_extra: String::new(), upstream_extra: String::new() }
+        Self {
+            health_interval_ms: 200,
+            log: "info".into(),
+            server_extra: String::new(),
+            upstream_extra: String::new(),
+            threads: 2,
+        }
     }
 }
 
@@ -255,8 +266,8 @@ impl Drop for TokenOnce {
 /// The `[server]` and `[upstream]` sections the harness puts above a test's config.
 fn server_section(settings: &Settings) -> String {
     format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nthreads = 2\ngrace_period_seconds = 1\ngraceful_shutdown_timeout_seconds = 1\n{}\n[upstream]\nhealth_interval_ms = {}\n{}\n\n",
-        settings.server_extra, settings.health_interval_ms, settings.upstream_extra
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nthreads = {}\ngrace_period_seconds = 1\ngraceful_shutdown_timeout_seconds = 1\n{}\n[upstream]\nhealth_interval_ms = {}\n{}\n\n",
+        settings.threads, settings.server_extra, settings.health_interval_ms, settings.upstream_extra
     )
 }
 
@@ -345,7 +356,7 @@ impl RefusedAddr {
 /// A config with one prefill fake and one decode fake on route `pd`.
 pub fn pd_config(prefill: &FakeVllm, decode: &FakeVllm, route_extra: &str) -> String {
     format!(
-        "[pools.prefill]\nendpoints = [\"{}\"]\n\n[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n{route_extra}\n[routes.match]\npaths = [\"/v1/chat/completions\", \"/v1/completions\"]\n",
+        "[pools.prefill]\nendpoints = [\"{}\"]\n\n[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n{route_extra}\n[routes.match]\npaths = [\"/v1/chat/completions\", \"/v1/completions\", \"/v1/responses\", \"/v1/messages\"]\n",
         prefill.host_port(),
         decode.host_port()
     )
@@ -398,4 +409,23 @@ pub async fn post_json(
     headers: &[(&str, &str)],
 ) -> (u16, reqwest::header::HeaderMap, String) {
     post_raw(url, serde_json::to_vec(body).unwrap(), headers).await
+}
+
+/// `n` deterministic lowercase words of 3–7 letters (about 6 bytes each with the space), for
+/// prompts of a chosen size.
+pub fn words(n: usize, seed: u64) -> String {
+    let mut state = seed | 1;
+    let mut text = String::with_capacity(n * 7);
+    for i in 0..n {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        if i > 0 {
+            text.push(' ');
+        }
+        for k in 0..3 + (state % 5) as usize {
+            text.push(char::from(b'a' + ((state >> (8 + 5 * k)) % 26) as u8));
+        }
+    }
+    text
 }

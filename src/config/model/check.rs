@@ -15,8 +15,8 @@ use toml::Spanned;
 use tracing_subscriber::filter::LevelFilter;
 
 use super::{
-    is_host_port, parse_allow, AdminToken, CacheSettings, Choice, Config, Mode, PoolSpec, PrefillSource, Problem,
-    RouteMatch, RouteOptions, RouteSpec, ServerSettings, UpstreamSettings, Version,
+    is_host_port, parse_allow, AdminToken, CacheSettings, Choice, Config, Mode, OnClientGone, PoolSpec, PrefillSource,
+    Problem, ReuseShare, RouteMatch, RouteOptions, RouteSpec, ServerSettings, UpstreamSettings, Version,
 };
 use crate::config::defaults;
 use crate::config::file::{self, Field, Unknown};
@@ -29,6 +29,8 @@ const MAX_CONNECT_MS: u64 = 600_000;
 const MAX_IDLE_MS: u64 = 4999;
 const MAX_LEG_MS: u64 = 3_600_000;
 const MAX_BODY_BYTES: u64 = 1 << 30;
+/// An SSE event limit below this would cut ordinary token events (a few KB with logprobs).
+const MIN_SSE_EVENT_BYTES: u64 = 64 * 1024;
 const MAX_CACHE_BYTES: u64 = 1 << 40;
 /// pingora refuses more than 256 header fields and 1 MiB of head itself.
 const MAX_HEADER_COUNT: u64 = 256;
@@ -473,7 +475,9 @@ fn check_route(
         name, matcher, mode, prefill, decode_pool, unknown,
         relay_handoff: _, token_reuse: _, prefill_timeout_ms: _, decode_first_byte_timeout_ms: _,
         max_body_bytes: _, client_kv_transfer_params: _, retry_budget_percent: _, retry_budget_min_per_second: _,
-        prefill_attempts: _, on_prefill_failure: _, parity_sample: _, on_parity_mismatch: _, parity_cooldown_ms: _,
+        prefill_attempts: _, on_prefill_failure: _, stream_idle_timeout_ms: _, client_write_timeout_ms: _,
+        on_client_gone: _, release_timeout_ms: _, max_sse_event_bytes: _, parity_sample: _, on_parity_mismatch: _,
+        parity_cooldown_ms: _,
     } = route;
     ck.unknown(&unknown, &path);
     let name = check_route_name(ck, &name, &span, &key, seen_names);
@@ -527,17 +531,31 @@ fn check_route_name(
     name.clone()
 }
 
+/// `token_reuse`: a switch, or a fraction 0.0–1.0 (a canary share).
+fn check_token_reuse(ck: &mut Checker<'_>, field: &Option<Field<file::TokenReuse>>, key: &str) -> ReuseShare {
+    match ck.get(field, key) {
+        None => ReuseShare::from_switch(defaults::TOKEN_REUSE),
+        Some((file::TokenReuse::Switch(on), _)) => ReuseShare::from_switch(*on),
+        Some((file::TokenReuse::Share(f), span)) => ReuseShare::from_fraction(*f).unwrap_or_else(|| {
+            ck.at(Some(span), key, format!("a share must be between 0.0 and 1.0, not {f}"));
+            ReuseShare::from_switch(defaults::TOKEN_REUSE)
+        }),
+    }
+}
+
 /// A route's knobs, each with its default.
 fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> RouteOptions {
     #[rustfmt::skip]
     let file::Route {
         token_reuse, prefill_timeout_ms, decode_first_byte_timeout_ms, max_body_bytes, relay_handoff,
         client_kv_transfer_params, retry_budget_percent, retry_budget_min_per_second, prefill_attempts,
-        on_prefill_failure, parity_sample, on_parity_mismatch, parity_cooldown_ms,
-        name: _, matcher: _, mode: _, prefill: _, decode_pool: _, unknown: _,
+        on_prefill_failure, parity_sample, on_parity_mismatch, parity_cooldown_ms, stream_idle_timeout_ms: _,
+        client_write_timeout_ms: _, on_client_gone: _, release_timeout_ms: _, max_sse_event_bytes: _, name: _,
+        matcher: _, mode: _, prefill: _, decode_pool: _, unknown: _,
     } = route;
+    let waits = check_route_waits(ck, key, route);
     RouteOptions {
-        token_reuse: ck.get(token_reuse, &format!("{key}.token_reuse")).map_or(defaults::TOKEN_REUSE, |(v, _)| *v),
+        token_reuse: check_token_reuse(ck, token_reuse, &format!("{key}.token_reuse")),
         prefill_timeout: ck.millis(
             prefill_timeout_ms,
             &format!("{key}.prefill_timeout_ms"),
@@ -585,6 +603,11 @@ fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> 
             &format!("{key}.on_prefill_failure"),
             defaults::ON_PREFILL_FAILURE,
         ),
+        stream_idle_timeout: waits.stream_idle_timeout,
+        client_write_timeout: waits.client_write_timeout,
+        on_client_gone: waits.on_client_gone,
+        release_timeout: waits.release_timeout,
+        max_sse_event_bytes: waits.max_sse_event_bytes,
         parity_sample: check_share(ck, parity_sample, &format!("{key}.parity_sample")),
         on_parity_mismatch: ck.optional_choice(
             on_parity_mismatch,
@@ -609,6 +632,53 @@ fn check_share(ck: &mut Checker<'_>, field: &Option<Field<f64>>, key: &str) -> f
             ck.at(Some(span), key, "must be between 0 and 1");
             defaults::PARITY_SAMPLE
         }
+    }
+}
+
+/// A route's bounds on waits and on relayed events (part of its [`RouteOptions`]).
+struct RouteWaits {
+    stream_idle_timeout: Duration,
+    client_write_timeout: Duration,
+    on_client_gone: OnClientGone,
+    release_timeout: Duration,
+    max_sse_event_bytes: usize,
+}
+
+fn check_route_waits(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> RouteWaits {
+    let file::Route {
+        stream_idle_timeout_ms,
+        client_write_timeout_ms,
+        on_client_gone,
+        release_timeout_ms,
+        max_sse_event_bytes,
+        ..
+    } = route;
+    RouteWaits {
+        stream_idle_timeout: ck.millis(
+            stream_idle_timeout_ms,
+            &format!("{key}.stream_idle_timeout_ms"),
+            defaults::STREAM_IDLE_TIMEOUT_MS,
+            MAX_LEG_MS,
+        ),
+        client_write_timeout: ck.millis(
+            client_write_timeout_ms,
+            &format!("{key}.client_write_timeout_ms"),
+            defaults::CLIENT_WRITE_TIMEOUT_MS,
+            MAX_LEG_MS,
+        ),
+        on_client_gone: ck.optional_choice(on_client_gone, &format!("{key}.on_client_gone"), defaults::ON_CLIENT_GONE),
+        release_timeout: ck.millis(
+            release_timeout_ms,
+            &format!("{key}.release_timeout_ms"),
+            defaults::RELEASE_TIMEOUT_MS,
+            MAX_LEG_MS,
+        ),
+        max_sse_event_bytes: ck.bounded(
+            max_sse_event_bytes,
+            &format!("{key}.max_sse_event_bytes"),
+            defaults::MAX_SSE_EVENT_BYTES,
+            MIN_SSE_EVENT_BYTES..=MAX_BODY_BYTES,
+        ) as usize,
     }
 }
 

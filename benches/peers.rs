@@ -1,0 +1,765 @@
+//! Side-by-side bench: tokenonce next to its peers on the same fake engines and requests.
+//!
+//! Run: `bash benches/peers.sh` once (installs the peers outside the repo), then
+//! `cargo bench --bench peers` (options after `--`: `--rounds N` sequential requests per
+//! workload and proxy, default 60, a quarter of it at 37k; `--quick` a short smoke run).
+//!
+//! Proxies, all between the same two in-process fake vLLM engines (`tests/support/fake_vllm.rs`):
+//! - (b) floor: the client sends the prefill, then the decode with the echoed ids itself (the
+//!   bench's own handoff work between the legs is excluded from its time);
+//! - (a) tokenonce (orchestrate, token reuse on), and (a0) the same with reuse off;
+//! - (c) vLLM's `toy_proxy_server.py` (Python, FastAPI + httpx, no reuse);
+//! - (d) vLLM Router (PyPI `vllm-router`, Rust, `--vllm-pd-disaggregation`, no reuse).
+//!
+//! The peers are found in `TOKENONCE_PEERS` (default `~/.cache/tokenonce-peers`: `venv/` and
+//! `toy_proxy_server.py`, what `benches/peers.sh` installs); a missing one is skipped loudly,
+//! its columns printed as "absent".
+//!
+//! Per workload (chat and completions, streamed and not, ~1k and ~37k tokens) each proxy gets
+//! `rounds` sequential requests, each paired with a floor request right before it (so machine
+//! noise hits both alike): latency added = proxy − floor quantiles (client wall clock to the
+//! last byte); proxy CPU per request = on-CPU time of all the proxy process's threads
+//! (`/proc/PID/task/*/schedstat`, ns) over its requests ÷ their count. Then throughput at
+//! concurrency 64 (1k chat, not streamed), the req/s curve of tokenonce at 1 and 2 worker
+//! threads (its knee: the lowest concurrency reaching 90 % of the peak), and tokenonce's RSS
+//! with 256 concurrent 37k-token requests in flight. Everything is on 127.0.0.1; every loop is
+//! bounded in count and time.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use serde_json::{json, Value};
+use support::{pd_config, words, FakeConfig, FakeVllm, Settings, TokenOnce};
+
+const MAX_TOKENS: u64 = 16;
+const SIZES: [usize; 2] = [1_000, 37_000];
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Peer {
+    Floor,
+    Tokenonce,
+    NoReuse,
+    Toy,
+    Router,
+}
+
+const PEERS: [Peer; 5] = [Peer::Floor, Peer::Tokenonce, Peer::NoReuse, Peer::Toy, Peer::Router];
+
+impl Peer {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Floor => "(b) floor",
+            Self::Tokenonce => "(a) tokenonce",
+            Self::NoReuse => "(a0) tokenonce reuse off",
+            Self::Toy => "(c) toy proxy",
+            Self::Router => "(d) vllm-router",
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Workload {
+    chat: bool,
+    stream: bool,
+    words: usize,
+}
+
+impl Workload {
+    fn label(self) -> String {
+        format!(
+            "{} {}k {}",
+            if self.chat { "chat" } else { "completions" },
+            self.words / 1000,
+            if self.stream { "stream" } else { "non-stream" }
+        )
+    }
+    fn path(self) -> &'static str {
+        if self.chat {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        }
+    }
+}
+
+/// A workload's client body and the floor's prefill body.
+struct Bodies {
+    client: Bytes,
+    prefill: Bytes,
+    client_json: Value,
+}
+
+impl Bodies {
+    fn new(w: Workload) -> Self {
+        let text = words(w.words, 0x9E37_79B9_7F4A_7C15 ^ w.words as u64);
+        let mut client = if w.chat {
+            json!({"model": "tiny-qwen3", "messages": [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": text}], "max_tokens": MAX_TOKENS, "temperature": 0})
+        } else {
+            json!({"model": "tiny-qwen3", "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0})
+        };
+        if w.stream {
+            client["stream"] = json!(true);
+        }
+        let mut prefill = client.clone();
+        prefill["max_tokens"] = json!(1);
+        prefill["stream"] = json!(false);
+        prefill["return_token_ids"] = json!(true);
+        prefill["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false,
+            "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null});
+        Self {
+            client: Bytes::from(serde_json::to_vec(&client).unwrap()),
+            prefill: Bytes::from(serde_json::to_vec(&prefill).unwrap()),
+            client_json: client,
+        }
+    }
+
+    /// The floor's decode body: the client's body with the prefill's kv params and its ids in
+    /// token-in form (chat: `kv_transfer_params.prompt_token_ids`; completions: `prompt`).
+    fn decode(&self, chat: bool, prefill_answer: &[u8]) -> Bytes {
+        let answer: Value = serde_json::from_slice(prefill_answer).unwrap();
+        let mut body = self.client_json.clone();
+        let mut kv = answer["kv_transfer_params"].clone();
+        if chat {
+            kv["prompt_token_ids"] = answer["prompt_token_ids"].clone();
+        } else {
+            body["prompt"] = answer["choices"][0]["prompt_token_ids"].clone();
+        }
+        body["kv_transfer_params"] = kv;
+        Bytes::from(serde_json::to_vec(&body).unwrap())
+    }
+}
+
+/// On-CPU ns of every live thread of `pid`.
+fn cpu_ns(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
+    tasks
+        .filter_map(Result::ok)
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()))
+        .sum()
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:").and_then(|r| r.trim().trim_end_matches("kB").trim().parse().ok()))
+        .unwrap_or(0)
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A peer run as a child process (killed on drop, by its own handle).
+struct External {
+    child: Child,
+    url: String,
+}
+
+impl Drop for External {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn peers_dir() -> PathBuf {
+    std::env::var_os("TOKENONCE_PEERS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/tokenonce-peers"))
+}
+
+/// Starts `peer` (toy or router) between the fakes, or says why it cannot.
+fn spawn_external(peer: Peer, prefill: &FakeVllm, decode: &FakeVllm) -> Result<External, String> {
+    let dir = peers_dir();
+    let python = dir.join("venv/bin/python");
+    let port = free_port();
+    let mut command = match peer {
+        Peer::Toy => {
+            let script = dir.join("toy_proxy_server.py");
+            if !script.exists() || !python.exists() {
+                return Err(format!("{} or {} missing", script.display(), python.display()));
+            }
+            let mut c = Command::new(&python);
+            c.arg(script).args(["--host", "127.0.0.1", "--port", &port.to_string()]);
+            c.args(["--prefiller-host", "127.0.0.1", "--prefiller-port", &prefill.addr.port().to_string()]);
+            c.args(["--decoder-host", "127.0.0.1", "--decoder-port", &decode.addr.port().to_string()]);
+            c
+        }
+        Peer::Router => {
+            let router = dir.join("venv/bin/vllm-router");
+            if !router.exists() {
+                return Err(format!("{} missing", router.display()));
+            }
+            let mut c = Command::new(router);
+            c.args(["--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", &port.to_string()]);
+            c.args(["--prefill", &format!("http://{}", prefill.host_port())]);
+            c.args(["--decode", &format!("http://{}", decode.host_port())]);
+            c.args(["--log-level", "warning", "--prometheus-host", "127.0.0.1"]);
+            c.args(["--prometheus-port", &free_port().to_string()]);
+            c
+        }
+        _ => unreachable!(),
+    };
+    let log = std::env::temp_dir().join(format!("tokenonce-peers-{peer:?}-{port}.log"));
+    let file = std::fs::File::create(&log).map_err(|e| e.to_string())?;
+    let child = command
+        .stdin(Stdio::null())
+        .stdout(file.try_clone().unwrap())
+        .stderr(file)
+        .spawn()
+        .map_err(|e| format!("cannot start: {e}"))?;
+    eprintln!("peers: {} pid {} (log {})", peer.name(), child.id(), log.display());
+    Ok(External { child, url: format!("http://127.0.0.1:{port}") })
+}
+
+struct Bench {
+    client: reqwest::Client,
+    prefill: String,
+    decode: String,
+}
+
+/// One timed exchange: ms to the last byte, and the body.
+async fn post(client: &reqwest::Client, url: &str, body: Bytes) -> Result<(f64, Bytes), String> {
+    let started = Instant::now();
+    let resp = client
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .map_err(|e| format!("POST {url}: {e}"))?;
+    let status = resp.status();
+    let bytes = resp.bytes().await.map_err(|e| format!("POST {url}: body: {e}"))?;
+    let ms = started.elapsed().as_secs_f64() * 1e3;
+    if !status.is_success() {
+        return Err(format!("POST {url}: {status}: {}", String::from_utf8_lossy(&bytes[..bytes.len().min(300)])));
+    }
+    Ok((ms, bytes))
+}
+
+impl Bench {
+    /// The floor: prefill, then decode, timed without the client's handoff work between.
+    async fn floor(&self, w: Workload, b: &Bodies) -> Result<(f64, Bytes), String> {
+        let (p_ms, answer) = post(&self.client, &format!("{}{}", self.prefill, w.path()), b.prefill.clone()).await?;
+        let decode = b.decode(w.chat, &answer);
+        let (d_ms, body) = post(&self.client, &format!("{}{}", self.decode, w.path()), decode).await?;
+        Ok((p_ms + d_ms, body))
+    }
+
+    async fn via(&self, base: &str, w: Workload, b: &Bodies) -> Result<(f64, Bytes), String> {
+        post(&self.client, &format!("{base}{}", w.path()), b.client.clone()).await
+    }
+}
+
+/// A proxy under test: base URL and process id.
+struct Target {
+    peer: Peer,
+    url: String,
+    pid: u32,
+}
+
+/// Results of one (workload, proxy).
+#[derive(Clone, Default)]
+struct Cell {
+    /// Proxy − floor, ms: p50, p99 of each side's samples.
+    added: [f64; 2],
+    /// Median of paired differences, ms.
+    paired: f64,
+    floor_p50: f64,
+    cpu_us: f64,
+    error: Option<String>,
+}
+
+fn quantile(v: &[f64], q: f64) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    if s.is_empty() {
+        return f64::NAN;
+    }
+    s[((q * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1]
+}
+
+fn well_formed(w: Workload, body: &[u8]) -> bool {
+    if w.stream {
+        body.ends_with(b"data: [DONE]\n\n")
+    } else {
+        serde_json::from_slice::<Value>(body).is_ok_and(|v| v["usage"]["completion_tokens"] == MAX_TOKENS)
+    }
+}
+
+async fn measure(bench: &Bench, t: &Target, w: Workload, b: &Bodies, rounds: usize) -> Cell {
+    let budget = Duration::from_secs(60);
+    for _ in 0..3 {
+        match bench.via(&t.url, w, b).await {
+            Ok((_, body)) if well_formed(w, &body) => {}
+            Ok((_, body)) => {
+                return Cell {
+                    error: Some(format!("malformed answer: {}", String::from_utf8_lossy(&body[..body.len().min(200)]))),
+                    ..Cell::default()
+                }
+            }
+            Err(e) => return Cell { error: Some(e), ..Cell::default() },
+        }
+    }
+    let (mut floor, mut proxy, mut cpu) = (Vec::new(), Vec::new(), 0u64);
+    let started = Instant::now();
+    for _ in 0..rounds {
+        if started.elapsed() > budget {
+            break;
+        }
+        let f = bench.floor(w, b).await;
+        let before = cpu_ns(t.pid);
+        let p = bench.via(&t.url, w, b).await;
+        cpu += cpu_ns(t.pid).saturating_sub(before);
+        match (f, p) {
+            (Ok((fm, _)), Ok((pm, _))) => {
+                floor.push(fm);
+                proxy.push(pm);
+            }
+            (Err(e), _) | (_, Err(e)) => return Cell { error: Some(e), ..Cell::default() },
+        }
+    }
+    let n = proxy.len();
+    let diffs: Vec<f64> = proxy.iter().zip(&floor).map(|(p, f)| p - f).collect();
+    Cell {
+        added: [quantile(&proxy, 0.5) - quantile(&floor, 0.5), quantile(&proxy, 0.99) - quantile(&floor, 0.99)],
+        paired: quantile(&diffs, 0.5),
+        floor_p50: quantile(&floor, 0.5),
+        cpu_us: cpu as f64 / 1e3 / n.max(1) as f64,
+        error: None,
+    }
+}
+
+/// `total` requests at `concurrency` through `url` (or the floor when `None`): req/s and
+/// the proxy's CPU µs per request.
+async fn throughput(
+    bench: &Bench,
+    target: Option<&Target>,
+    w: Workload,
+    b: &Bodies,
+    concurrency: usize,
+    total: usize,
+) -> (f64, f64) {
+    // Warm-up: one request per connection, so opening connections is not measured.
+    futures_util::future::join_all((0..concurrency).map(|_| async {
+        let _ = match target {
+            Some(t) => bench.via(&t.url, w, b).await,
+            None => bench.floor(w, b).await,
+        };
+    }))
+    .await;
+    let before = target.map_or(0, |t| cpu_ns(t.pid));
+    let started = Instant::now();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let deadline = started + Duration::from_secs(30);
+    let worker = || async {
+        let mut done = 0usize;
+        while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < total && Instant::now() < deadline {
+            let r = match target {
+                Some(t) => bench.via(&t.url, w, b).await,
+                None => bench.floor(w, b).await,
+            };
+            if r.is_ok() {
+                done += 1;
+            }
+        }
+        done
+    };
+    let done: usize = futures_util::future::join_all((0..concurrency).map(|_| worker())).await.into_iter().sum();
+    let secs = started.elapsed().as_secs_f64();
+    let cpu = target.map_or(0, |t| cpu_ns(t.pid).saturating_sub(before));
+    (done as f64 / secs, cpu as f64 / 1e3 / done.max(1) as f64)
+}
+
+fn tokenonce_binary() -> PathBuf {
+    std::env::var_os("TOKENONCE_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tokenonce")), PathBuf::from)
+}
+
+async fn spawn_tokenonce(prefill: &FakeVllm, decode: &FakeVllm, reuse: bool, threads: u32) -> TokenOnce {
+    let settings = Settings { health_interval_ms: 1000, log: "warn".into(), threads, ..Settings::default() };
+    let config = pd_config(prefill, decode, &format!("token_reuse = {reuse}"));
+    let proxy = TokenOnce::spawn(&tokenonce_binary(), &config, &settings).await;
+    proxy.wait_ready(200).await;
+    proxy
+}
+
+/// Waits (bounded: 30 s) until `url` answers a small chat request with 200.
+async fn wait_answering(client: &reqwest::Client, url: &str) -> Result<(), String> {
+    let body = Bytes::from(
+        serde_json::to_vec(
+            &json!({"model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+        )
+        .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut last = String::new();
+    while Instant::now() < deadline {
+        match post(client, &format!("{url}/v1/chat/completions"), body.clone()).await {
+            Ok(_) => return Ok(()),
+            Err(e) => last = e,
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Err(format!("not answering within 30 s: {last}"))
+}
+
+fn fmt(v: f64) -> String {
+    if v.is_nan() {
+        "–".into()
+    } else if v.abs() >= 100.0 {
+        format!("{v:.0}")
+    } else if v.abs() >= 10.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+fn signed(v: f64) -> String {
+    if v >= 0.0 {
+        format!("+{}", fmt(v))
+    } else {
+        fmt(v)
+    }
+}
+
+fn ratio(a: f64, b: f64) -> String {
+    if a.is_nan() || b.is_nan() || b == 0.0 {
+        "–".into()
+    } else {
+        format!("{:.2}×", a / b)
+    }
+}
+
+struct Options {
+    rounds: usize,
+    quick: bool,
+    /// Only workloads whose label contains this (`--only "chat 37k"`); skips the rest of the run.
+    only: Option<String>,
+    /// Only these proxies (`--peers a,a0,c,d`).
+    peers: Option<String>,
+}
+
+fn options() -> Options {
+    let mut o = Options { rounds: 60, quick: false, only: None, peers: None };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--bench" => {}
+            "--rounds" => o.rounds = args.next().and_then(|v| v.parse::<usize>().ok()).expect("--rounds N").max(1),
+            "--quick" => o.quick = true,
+            "--only" => o.only = args.next(),
+            "--peers" => o.peers = args.next(),
+            other => eprintln!("peers: ignoring unknown argument {other:?}"),
+        }
+    }
+    if o.quick {
+        o.rounds = o.rounds.min(10);
+    }
+    o
+}
+
+fn main() {
+    let opts = options();
+    let run_started = Instant::now();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let fake_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("fake-vllm")
+        .enable_all()
+        .build()
+        .unwrap();
+    let engine = FakeConfig { connector: true, ..FakeConfig::default() };
+    let prefill = fake_rt.block_on(FakeVllm::start(engine.clone()));
+    let decode = fake_rt.block_on(FakeVllm::start(engine));
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .http1_only()
+        .tcp_nodelay(true)
+        .pool_max_idle_per_host(128)
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let bench = Bench {
+        client: client.clone(),
+        prefill: format!("http://{}", prefill.host_port()),
+        decode: format!("http://{}", decode.host_port()),
+    };
+    rt.block_on(run(&opts, &bench, &prefill, &decode));
+    println!("\nBench run time: {:.0} s (excluding the build).", run_started.elapsed().as_secs_f64());
+    drop(fake_rt);
+}
+
+async fn run(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVllm) {
+    let tok = spawn_tokenonce(prefill, decode, true, 2).await;
+    let no_reuse = spawn_tokenonce(prefill, decode, false, 2).await;
+    let mut externals = Vec::new();
+    let mut absent = Vec::new();
+    for peer in [Peer::Toy, Peer::Router] {
+        match spawn_external(peer, prefill, decode) {
+            Ok(x) => match wait_answering(&bench.client, &x.url).await {
+                Ok(()) => externals.push((peer, x)),
+                Err(e) => absent.push((peer, e)),
+            },
+            Err(e) => absent.push((peer, e)),
+        }
+    }
+    for (peer, why) in &absent {
+        println!(
+            "**SKIPPED: {}** ({why}). Install the peers with `bash benches/peers.sh` (or point TOKENONCE_PEERS at them).\n",
+            peer.name()
+        );
+    }
+    let mut targets = vec![
+        Target { peer: Peer::Tokenonce, url: tok.url.clone(), pid: tok.pid().unwrap() },
+        Target { peer: Peer::NoReuse, url: no_reuse.url.clone(), pid: no_reuse.pid().unwrap() },
+    ];
+    for (peer, x) in &externals {
+        targets.push(Target { peer: *peer, url: x.url.clone(), pid: x.child.id() });
+    }
+    if let Some(list) = &opts.peers {
+        let wanted: Vec<&str> = list.split(',').collect();
+        targets.retain(|t| wanted.iter().any(|w| t.peer.name().starts_with(&format!("({w})"))));
+    }
+    for t in &targets {
+        eprintln!("peers: {} pid {}", t.peer.name(), t.pid);
+    }
+    header(opts);
+
+    // Latency and CPU per workload.
+    let mut rows: Vec<(Workload, Vec<(Peer, Cell)>)> = Vec::new();
+    for &words_n in &SIZES {
+        for chat in [true, false] {
+            for stream in [false, true] {
+                let w = Workload { chat, stream, words: words_n };
+                if opts.only.as_ref().is_some_and(|o| !w.label().contains(o.as_str())) {
+                    continue;
+                }
+                let b = Bodies::new(w);
+                let rounds = if words_n > 10_000 { (opts.rounds / 4).max(5) } else { opts.rounds };
+                eprintln!("peers: {} ...", w.label());
+                let mut cells = Vec::new();
+                for t in &targets {
+                    cells.push((t.peer, measure(bench, t, w, &b, rounds).await));
+                    prefill.forget();
+                    decode.forget();
+                }
+                rows.push((w, cells));
+            }
+        }
+    }
+    print_latency(&rows);
+    print_cpu(&rows);
+    goals(&rows);
+    if opts.only.is_some() {
+        return;
+    }
+
+    // Throughput at concurrency 64.
+    let w = Workload { chat: true, stream: false, words: 1_000 };
+    let b = Bodies::new(w);
+    let total = if opts.quick { 128 } else { 640 };
+    println!("\n### Throughput at concurrency 64 ({}, {total} requests)\n", w.label());
+    println!("| proxy | req/s | ÷ floor | proxy CPU µs/req under load |\n|---|---:|---:|---:|");
+    let (floor_rps, _) = throughput(bench, None, w, &b, 64, total).await;
+    println!("| {} | {} | 1.00× | – |", Peer::Floor.name(), fmt(floor_rps));
+    for t in &targets {
+        let (rps, cpu) = throughput(bench, Some(t), w, &b, 64, total).await;
+        println!("| {} | {} | {} | {} |", t.peer.name(), fmt(rps), ratio(rps, floor_rps), fmt(cpu));
+        prefill.forget();
+        decode.forget();
+    }
+    for peer in PEERS.iter().filter(|p| absent.iter().any(|(a, _)| a == *p)) {
+        println!("| {} | absent | | |", peer.name());
+    }
+    drop(no_reuse);
+    drop(externals);
+
+    knee(opts, bench, prefill, decode, &b, w).await;
+    drop(tok);
+    rss_256(opts, bench, prefill, decode).await;
+}
+
+fn header(opts: &Options) {
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .arg("-C")
+            .arg(env!("CARGO_MANIFEST_DIR"))
+            .args(args)
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+            .unwrap_or_default()
+    };
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("model name").map(|m| m.trim_start_matches([' ', '\t', ':']).to_owned()))
+        .unwrap_or_default();
+    println!("# tokenonce side by side with its peers\n");
+    println!("- command: `cargo bench --bench peers{}`", if opts.quick { " -- --quick" } else { "" });
+    println!("- commit {}; tokenonce binary {}", git(&["rev-parse", "--short", "HEAD"]), tokenonce_binary().display());
+    println!(
+        "- {} CPUs ({cpu}); tokenonce threads = 2, log warn; fakes on one 1-worker runtime and the client on one thread, in the bench process",
+        std::thread::available_parallelism().map_or(0, std::num::NonZero::get)
+    );
+    println!(
+        "- {} sequential requests per proxy and workload at 1k ({} at 37k), each after a floor request; max_tokens {MAX_TOKENS}\n",
+        opts.rounds,
+        (opts.rounds / 4).max(5)
+    );
+}
+
+fn cell(cells: &[(Peer, Cell)], peer: Peer) -> Option<&Cell> {
+    cells.iter().find(|(p, c)| *p == peer && c.error.is_none()).map(|(_, c)| c)
+}
+
+fn print_latency(rows: &[(Workload, Vec<(Peer, Cell)>)]) {
+    println!("### Latency added over the floor (ms, client wall clock to the last byte: p50 / p99; paired median)\n");
+    println!("| workload | floor p50 | (a) tokenonce | (a0) reuse off | (c) toy | (d) router |\n|---|---:|---:|---:|---:|---:|");
+    for (w, cells) in rows {
+        let floor = cells.iter().find_map(|(_, c)| c.error.is_none().then_some(c.floor_p50)).unwrap_or(f64::NAN);
+        let mut line = format!("| {} | {} |", w.label(), fmt(floor));
+        for peer in [Peer::Tokenonce, Peer::NoReuse, Peer::Toy, Peer::Router] {
+            line.push_str(&match cells.iter().find(|(p, _)| *p == peer) {
+                None => " absent |".into(),
+                Some((_, c)) if c.error.is_some() => format!(" FAILED: {} |", c.error.as_deref().unwrap_or("")),
+                Some((_, c)) => format!(" {} / {} ({}) |", signed(c.added[0]), signed(c.added[1]), signed(c.paired)),
+            });
+        }
+        println!("{line}");
+    }
+}
+
+fn print_cpu(rows: &[(Workload, Vec<(Peer, Cell)>)]) {
+    println!("\n### Proxy CPU per request (µs, all threads of the proxy process)\n");
+    println!(
+        "| workload | (a) tokenonce | (a0) reuse off | (c) toy | (d) router | (a) ÷ (a0) | (a) ÷ (d) | (a) ÷ (c) |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for (w, cells) in rows {
+        let v = |p| cell(cells, p).map_or(f64::NAN, |c| c.cpu_us);
+        let (a, a0, c, d) = (v(Peer::Tokenonce), v(Peer::NoReuse), v(Peer::Toy), v(Peer::Router));
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            w.label(),
+            fmt(a),
+            fmt(a0),
+            fmt(c),
+            fmt(d),
+            ratio(a, a0),
+            ratio(a, d),
+            ratio(a, c)
+        );
+    }
+}
+
+/// The issue's goals, checked against this run.
+fn goals(rows: &[(Workload, Vec<(Peer, Cell)>)]) {
+    println!("\n### Goals (issue 12), this run\n");
+    let get = |chat: bool, stream: bool, words: usize, peer: Peer| {
+        rows.iter()
+            .find(|(w, _)| w.chat == chat && w.stream == stream && w.words == words)
+            .and_then(|(_, cells)| cell(cells, peer).cloned())
+    };
+    let check = |what: String, value: Option<f64>, limit: f64| match value {
+        Some(v) if !v.is_nan() => {
+            println!("- {} {what}: {} (goal ≤ {})", if v <= limit { "MET" } else { "NOT MET" }, fmt(v), fmt(limit))
+        }
+        _ => println!("- UNKNOWN {what}: not measured"),
+    };
+    for stream in [false, true] {
+        let s = if stream { "streamed" } else { "non-streamed" };
+        let a = get(true, stream, 37_000, Peer::Tokenonce);
+        let a0 = get(true, stream, 37_000, Peer::NoReuse);
+        let d = get(true, stream, 37_000, Peer::Router);
+        check(format!("37k chat {s}: CPU reuse on ÷ off"), a.as_ref().zip(a0).map(|(a, o)| a.cpu_us / o.cpu_us), 1.5);
+        check(format!("37k chat {s}: added p50 ms"), a.as_ref().map(|a| a.added[0]), 0.5);
+        check(format!("37k chat {s}: added p99 ms"), a.as_ref().map(|a| a.added[1]), 2.0);
+        check(format!("37k chat {s}: CPU ÷ router"), a.as_ref().zip(d).map(|(a, d)| a.cpu_us / d.cpu_us), 0.5);
+        let a = get(true, stream, 1_000, Peer::Tokenonce);
+        check(format!("1k chat {s}: CPU µs"), a.as_ref().map(|a| a.cpu_us), if stream { 150.0 } else { 100.0 });
+        let d = get(true, stream, 1_000, Peer::Router);
+        let c = get(true, stream, 1_000, Peer::Toy);
+        check(format!("1k chat {s}: CPU ÷ router"), a.as_ref().zip(d).map(|(a, d)| a.cpu_us / d.cpu_us), 0.25);
+        check(format!("1k chat {s}: CPU ÷ toy"), a.as_ref().zip(c).map(|(a, c)| a.cpu_us / c.cpu_us), 0.1);
+    }
+}
+
+/// tokenonce's req/s against concurrency at 1 and 2 worker threads; the knee.
+async fn knee(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVllm, b: &Bodies, w: Workload) {
+    println!("\n### tokenonce req/s by concurrency ({}; knee = lowest concurrency at ≥ 90 % of the peak)\n", w.label());
+    let levels = [1usize, 2, 4, 8, 16, 32, 64];
+    println!(
+        "| server.threads | {} | peak | knee |\n|---|{}---:|---:|",
+        levels.map(|c| format!("c={c}")).join(" | "),
+        "---:|".repeat(levels.len())
+    );
+    for threads in [1u32, 2] {
+        let proxy = spawn_tokenonce(prefill, decode, true, threads).await;
+        let t = Target { peer: Peer::Tokenonce, url: proxy.url.clone(), pid: proxy.pid().unwrap() };
+        let mut rps = Vec::new();
+        for &c in &levels {
+            let total = if opts.quick { 32.max(c * 2) } else { 200.max(c * 4) };
+            rps.push(throughput(bench, Some(&t), w, b, c, total).await.0);
+            prefill.forget();
+            decode.forget();
+        }
+        let peak = rps.iter().copied().fold(0.0, f64::max);
+        let knee = levels.iter().zip(&rps).find(|(_, &r)| r >= 0.9 * peak).map_or(0, |(c, _)| *c);
+        println!(
+            "| {threads} | {} | {} | c={knee} |",
+            rps.iter().map(|r| fmt(*r)).collect::<Vec<_>>().join(" | "),
+            fmt(peak)
+        );
+    }
+}
+
+/// tokenonce's RSS with 256 concurrent 37k-token chat requests held in flight at the decode.
+async fn rss_256(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVllm) {
+    let n = if opts.quick { 32 } else { 256 };
+    let proxy = spawn_tokenonce(prefill, decode, true, 2).await;
+    let pid = proxy.pid().unwrap();
+    let w = Workload { chat: true, stream: false, words: 37_000 };
+    let b = Bodies::new(w);
+    let _ = bench.via(&proxy.url, w, &b).await;
+    let idle = rss_kib(pid);
+    decode.configure(|c| c.delay = Duration::from_secs(3));
+    let started = Instant::now();
+    let peak = std::sync::atomic::AtomicU64::new(idle);
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    let sampler = async {
+        while done.load(std::sync::atomic::Ordering::Relaxed) < n && started.elapsed() < Duration::from_secs(60) {
+            peak.fetch_max(rss_kib(pid), std::sync::atomic::Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let requests = futures_util::future::join_all((0..n).map(|_| async {
+        let ok = bench.via(&proxy.url, w, &b).await.is_ok();
+        done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        ok
+    }));
+    let (oks, ()) = tokio::join!(requests, sampler);
+    decode.configure(|c| c.delay = Duration::ZERO);
+    prefill.forget();
+    decode.forget();
+    let ok = oks.iter().filter(|o| **o).count();
+    println!(
+        "\n### Memory\n\n- tokenonce RSS with {n} concurrent 37k-token chat requests held 3 s at the decode: peak {:.1} MiB \
+         (idle after one request {:.1} MiB; {ok}/{n} answered 200; {:.1} s)",
+        peak.into_inner() as f64 / 1024.0,
+        idle as f64 / 1024.0,
+        started.elapsed().as_secs_f64()
+    );
+}

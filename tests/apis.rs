@@ -1,0 +1,240 @@
+//! `/v1/responses` and `/v1/messages` under P/D against fake engines that behave like the
+//! vLLM 0.32 recordings, and the fractional `token_reuse` canary.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+mod support;
+
+use serde_json::{json, Value};
+use support::*;
+
+fn responses_body(extra: Value) -> Value {
+    let mut body = json!({
+        "model": "tiny-qwen3",
+        "input": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there!"}],
+        "max_output_tokens": 5,
+        "temperature": 0
+    });
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    body
+}
+
+fn messages_body(extra: Value) -> Value {
+    let mut body = json!({
+        "model": "tiny-qwen3",
+        "system": "You are terse.",
+        "messages": [{"role": "user", "content": "Hello there!"}],
+        "max_tokens": 5,
+        "temperature": 0
+    });
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    body
+}
+
+/// Responses, JSON: the prefill leg is `max_output_tokens` 1, `store: false`, not streamed,
+/// asked for its ids with `enable_response_messages`; the decode gets them in
+/// `kv_transfer_params.prompt_token_ids` plus the prefill's kv params, and the client gets
+/// the decode's answer (no raw messages it did not ask for) with the prefill's cached count.
+#[tokio::test(flavor = "multi_thread")]
+async fn responses_reuse_the_prefill_ids() {
+    let prefill = FakeConfig { connector: true, cached_tokens: Some(3), ..FakeConfig::default() };
+    let (p, d, proxy) = pd_setup(prefill, FakeConfig::default(), "").await;
+    let body = responses_body(json!({}));
+    let (status, _, text) = post_json(&format!("{}/v1/responses", proxy.url), &body, &[("x-request-id", "r1")]).await;
+    assert_eq!(status, 200, "{text}");
+
+    let pj = p.posts()[0].json();
+    assert_eq!(
+        (pj["max_output_tokens"].clone(), pj["stream"].clone(), pj["store"].clone()),
+        (json!(1), json!(false), json!(false))
+    );
+    assert_eq!(pj["enable_response_messages"], true);
+    assert!(pj.get("return_token_ids").is_none());
+    assert_eq!(pj["kv_transfer_params"]["do_remote_decode"], true);
+
+    let dj = d.posts()[0].json();
+    let ids = fake_tokenize(&fake_render_responses(&body));
+    assert_eq!(dj["kv_transfer_params"]["prompt_token_ids"], json!(ids));
+    assert_eq!(dj["kv_transfer_params"]["remote_engine_id"], "fake-engine");
+    assert_eq!(dj["max_output_tokens"], 5);
+    assert!(dj.get("enable_response_messages").is_none() && dj.get("store").is_none());
+
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["usage"]["input_tokens"], ids.len());
+    assert_eq!(v["usage"]["input_tokens_details"]["cached_tokens"], 3);
+    assert!(v["input_messages"].is_null());
+    // The same answer as the plain request straight to the decode, but for the cached count.
+    let (_, _, direct) =
+        post_json(&format!("http://{}/v1/responses", d.host_port()), &body, &[("x-request-id", "r1")]).await;
+    let mut direct: Value = serde_json::from_str(&direct).unwrap();
+    direct["usage"]["input_tokens_details"]["cached_tokens"] = json!(3);
+    assert_eq!(v, direct);
+    assert_eq!(
+        proxy.metric_reaches(r#"tokenonce_token_reuse_total{reason="none",result="applied",route="pd"}"#, 1.0).await,
+        1.0
+    );
+    assert_eq!(proxy.metric(r#"tokenonce_reused_prompt_tokens_total{route="pd"}"#).await, ids.len() as f64);
+    assert_eq!(
+        proxy
+            .metric_reaches(
+                r#"tokenonce_requests_total{api="responses",mode="orchestrate",outcome="success",route="pd"}"#,
+                1.0
+            )
+            .await,
+        1.0
+    );
+}
+
+/// Responses, streamed and cut every 11 bytes: the typed events arrive as the decode sent
+/// them, only `response.completed`'s usage gets the prefill's cached count.
+#[tokio::test(flavor = "multi_thread")]
+async fn responses_stream_is_relayed_with_the_cached_count_in_completed() {
+    let prefill = FakeConfig { cached_tokens: Some(2), ..FakeConfig::default() };
+    let decode = FakeConfig { split_every: Some(11), ..FakeConfig::default() };
+    let (_p, d, proxy) = pd_setup(prefill, decode, "").await;
+    let body = responses_body(json!({"stream": true}));
+    let (status, headers, text) =
+        post_json(&format!("{}/v1/responses", proxy.url), &body, &[("x-request-id", "s1")]).await;
+    assert_eq!(status, 200, "{text}");
+    assert!(headers.get("content-type").unwrap().to_str().unwrap().starts_with("text/event-stream"));
+    let (_, _, direct) =
+        post_json(&format!("http://{}/v1/responses", d.host_port()), &body, &[("x-request-id", "s1")]).await;
+    let ours: Vec<&str> = text.split("\n\n").collect();
+    let theirs: Vec<&str> = direct.split("\n\n").collect();
+    assert_eq!(ours.len(), theirs.len());
+    for (a, b) in ours.iter().zip(&theirs) {
+        if b.starts_with("event: response.completed") {
+            assert!(a.starts_with("event: response.completed\ndata: "), "{a}");
+            let data: Value = serde_json::from_str(a.split_once("data: ").unwrap().1).unwrap();
+            assert_eq!(data["response"]["usage"]["input_tokens_details"]["cached_tokens"], 2);
+        } else {
+            assert_eq!(a, b, "events other than response.completed keep their bytes");
+        }
+    }
+    assert!(d.posts()[0].json()["kv_transfer_params"]["prompt_token_ids"].is_array());
+}
+
+/// A Responses request that names an earlier answer goes to the decode alone: the prefill
+/// engine never stored it (it would answer 404); counted as `stateful`.
+#[tokio::test(flavor = "multi_thread")]
+async fn stateful_responses_skip_the_prefill() {
+    let decode = FakeConfig { stored_responses: vec!["resp_1".into()], ..FakeConfig::default() };
+    let (p, d, proxy) = pd_setup(FakeConfig::default(), decode, "").await;
+    let body = responses_body(json!({"previous_response_id": "resp_1"}));
+    let (status, _, text) = post_json(&format!("{}/v1/responses", proxy.url), &body, &[]).await;
+    assert_eq!(status, 200, "{text}");
+    assert!(p.posts().is_empty(), "no prefill leg");
+    assert_eq!(d.posts()[0].json(), body);
+    assert_eq!(
+        proxy
+            .metric_reaches(r#"tokenonce_token_reuse_total{reason="stateful",result="fallback",route="pd"}"#, 1.0)
+            .await,
+        1.0
+    );
+    // What a prefill leg would have met: the prefill engine does not know the id.
+    let (status, _, _) = post_json(&format!("http://{}/v1/responses", p.host_port()), &body, &[]).await;
+    assert_eq!(status, 404);
+}
+
+/// A Responses prefill that echoes ids of the wrong count: the text decode, `ids_malformed`.
+#[tokio::test(flavor = "multi_thread")]
+async fn responses_with_bad_echoed_ids_fall_back() {
+    let prefill = FakeConfig { corrupt_prompt_ids: Some("[1,2]".into()), ..FakeConfig::default() };
+    let (_p, d, proxy) = pd_setup(prefill, FakeConfig::default(), "").await;
+    let (status, _, text) = post_json(&format!("{}/v1/responses", proxy.url), &responses_body(json!({})), &[]).await;
+    assert_eq!(status, 200, "{text}");
+    assert!(d.posts()[0].json()["kv_transfer_params"].get("prompt_token_ids").is_none());
+    assert_eq!(
+        proxy
+            .metric_reaches(r#"tokenonce_token_reuse_total{reason="ids_malformed",result="fallback",route="pd"}"#, 1.0)
+            .await,
+        1.0
+    );
+}
+
+/// Messages: both legs run (prefill `max_tokens` 1 with the KV handoff), nothing asked of the
+/// prefill it cannot give, the decode renders the messages itself: `ids_not_echoed`. The
+/// stream is relayed byte for byte.
+#[tokio::test(flavor = "multi_thread")]
+async fn messages_run_both_legs_without_ids() {
+    let prefill = FakeConfig { connector: true, ..FakeConfig::default() };
+    let (p, d, proxy) = pd_setup(prefill, FakeConfig::default(), "").await;
+    for stream in [false, true] {
+        let body = messages_body(json!({"stream": stream}));
+        let (status, _, text) =
+            post_json(&format!("{}/v1/messages", proxy.url), &body, &[("x-request-id", "m1")]).await;
+        assert_eq!(status, 200, "{text}");
+        let (_, _, direct) =
+            post_json(&format!("http://{}/v1/messages", d.host_port()), &body, &[("x-request-id", "m1")]).await;
+        assert_eq!(text, direct);
+    }
+    let pj = p.posts()[0].json();
+    assert_eq!((pj["max_tokens"].clone(), pj["stream"].clone()), (json!(1), json!(false)));
+    assert!(pj.get("return_token_ids").is_none() && pj.get("enable_response_messages").is_none());
+    let dj = d.posts()[0].json();
+    assert_eq!(dj["kv_transfer_params"]["remote_engine_id"], "fake-engine");
+    assert!(dj["kv_transfer_params"].get("prompt_token_ids").is_none());
+    assert_eq!(dj["max_tokens"], 5);
+    assert_eq!(
+        proxy
+            .metric_reaches(r#"tokenonce_token_reuse_total{reason="ids_not_echoed",result="fallback",route="pd"}"#, 2.0)
+            .await,
+        2.0
+    );
+}
+
+/// `token_reuse = 0.5`: request ids inside the share reuse, the others take the text decode
+/// counted as `canary`; which is which follows the request id (the same id twice, the same
+/// answer), so applied + canary add up to the requests sent and match the plan's own hash.
+#[tokio::test(flavor = "multi_thread")]
+async fn canary_share_is_visible_in_the_reuse_metrics() {
+    let (_p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "token_reuse = 0.5").await;
+    let share = tokenonce::config::ReuseShare::from_fraction(0.5).unwrap();
+    let ids: Vec<String> = (0..40).map(|i| format!("canary-{i}")).collect();
+    let url = format!("{}/v1/chat/completions", proxy.url);
+    for id in ids.iter().chain(ids.iter().take(5)) {
+        let (status, _, text) = post_json(&url, &chat_body("hi there", json!({})), &[("x-request-id", id)]).await;
+        assert_eq!(status, 200, "{text}");
+    }
+    let admitted: Vec<bool> = ids.iter().chain(ids.iter().take(5)).map(|id| share.admits(id)).collect();
+    let inside = admitted.iter().filter(|a| **a).count() as f64;
+    assert!(inside > 0.0 && inside < 45.0, "a 0.5 share of 40 ids admits some and not all");
+    for (post, want) in d.posts().iter().zip(&admitted) {
+        let reused = post.json()["kv_transfer_params"].get("prompt_token_ids").is_some();
+        assert_eq!(reused, *want, "{}", post.header("x-request-id").unwrap());
+    }
+    assert_eq!(
+        proxy.metric_reaches(r#"tokenonce_token_reuse_total{reason="none",result="applied",route="pd"}"#, inside).await,
+        inside
+    );
+    assert_eq!(
+        proxy
+            .metric_reaches(
+                r#"tokenonce_token_reuse_total{reason="canary",result="fallback",route="pd"}"#,
+                45.0 - inside
+            )
+            .await,
+        45.0 - inside
+    );
+}
+
+/// `tokenonce check` refuses a share outside 0.0–1.0 and names the key.
+#[test]
+fn check_refuses_a_share_out_of_range() {
+    for (value, ok) in
+        [("1.5", false), ("-0.1", false), ("2", false), ("0.25", true), ("0", true), ("1", true), ("false", true)]
+    {
+        let text = format!(
+            "[pools.prefill]\nendpoints = [\"127.0.0.1:1\"]\n[pools.decode]\nendpoints = [\"127.0.0.1:2\"]\n[[routes]]\nname = \"r\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\ntoken_reuse = {value}\n"
+        );
+        match tokenonce::config::Config::from_toml(&text, "t.toml") {
+            Ok(_) => assert!(ok, "{value} accepted"),
+            Err(e) => {
+                assert!(!ok, "{value} refused: {e:?}");
+                let p = e.problems.iter().find(|p| p.key == "routes[0].token_reuse").unwrap();
+                assert!(p.message.contains("between 0.0 and 1.0"), "{}", p.message);
+                assert_eq!(p.line, 10);
+            }
+        }
+    }
+}

@@ -1,0 +1,1127 @@
+//! The fault matrix (issue 8 point 9): tokenonce between fault-injecting engines
+//! (`tests/support/fault_engine.rs`, each a raw HTTP front on a fake vLLM) whose behaviour
+//! each case selects, over the prefill leg, the decode leg, the client and the config. Every
+//! case asserts what README's "Failure behaviour" table documents: the client's status and
+//! answer (error code), the metric deltas, what each engine read and which exchanges
+//! tokenonce closed, and a generous time bound. Table rows are [`Case`]s; scenarios that need
+//! several steps (reloads, restarts, failover, ejection) are functions below the table.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use support::fault_engine::{At, End, Fault, FaultEngine, Seen};
+use support::*;
+
+/// The request a case sends.
+#[derive(Clone, Copy, Debug)]
+enum Api {
+    Chat,
+    ChatStream,
+    Completions,
+    CompletionsStream,
+}
+
+impl Api {
+    fn path(self) -> &'static str {
+        match self {
+            Self::Chat | Self::ChatStream => "/v1/chat/completions",
+            Self::Completions | Self::CompletionsStream => "/v1/completions",
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Self::Chat | Self::ChatStream => "chat",
+            Self::Completions | Self::CompletionsStream => "completions",
+        }
+    }
+
+    fn body(self) -> Value {
+        let stream = matches!(self, Self::ChatStream | Self::CompletionsStream);
+        match self {
+            Self::Chat | Self::ChatStream => chat_body("what does the fault matrix check", json!({"stream": stream})),
+            Self::Completions | Self::CompletionsStream => json!({
+                "model": "tiny-qwen3", "prompt": "the fault matrix checks every failure", "max_tokens": 5, "stream": stream
+            }),
+        }
+    }
+}
+
+/// What the client does.
+#[derive(Clone, Copy, Debug)]
+enum Client {
+    /// Reads the whole answer.
+    Reads,
+    /// Gives up (closes the connection) after this many ms without the answer head.
+    LeavesAfterMs(u64),
+    /// Reads the head and the first body chunk of a stream, then closes the connection.
+    LeavesAfterFirstChunk,
+    /// Sends the request on a small receive buffer, reads the head, then reads nothing (until
+    /// tokenonce cuts it: bounded, 15 s).
+    StopsReading,
+}
+
+/// What the client must get.
+#[derive(Clone, Copy, Debug)]
+enum Answer {
+    /// A completion: JSON with choices; streamed, events ending in `[DONE]` and no error.
+    Completion,
+    /// tokenonce's JSON error with this code.
+    Error(&'static str),
+    /// Exactly these bytes (an engine's answer relayed unchanged).
+    Exactly(&'static str),
+    /// A stream: whole events (each valid JSON), then an error event with this code, then `[DONE]`.
+    StreamThenError(&'static str),
+    /// The head went out, then the connection was cut without ending the body.
+    CutAfterHead,
+    /// Nothing: the client left.
+    Nothing,
+}
+
+/// A counter that must rise by one.
+#[derive(Clone, Copy, Debug)]
+enum Count {
+    /// `upstream_errors_total{stage, kind}`.
+    Err(&'static str, &'static str),
+    /// `requests_total{outcome}` of the case's API and route.
+    Outcome(&'static str),
+    /// `token_reuse_total{result="fallback", reason}`.
+    Fallback(&'static str),
+    /// `token_reuse_total{result="applied"}`.
+    Applied,
+    /// `upstream_retries_total{stage}`.
+    Retry(&'static str),
+    /// `timeouts_total{stage}` of the case's route.
+    Timeout(&'static str),
+    /// `kv_releases_total{result}` of the case's route.
+    Release(&'static str),
+}
+
+impl Count {
+    fn series(self, case: &Case) -> String {
+        let route = case.route_name();
+        match self {
+            Self::Err(stage, kind) => format!(r#"tokenonce_upstream_errors_total{{kind="{kind}",stage="{stage}"}}"#),
+            Self::Outcome(outcome) => format!(
+                r#"tokenonce_requests_total{{api="{}",mode="{}",outcome="{outcome}",route="{route}"}}"#,
+                case.api.label(),
+                case.mode.label()
+            ),
+            Self::Fallback(reason) => {
+                format!(r#"tokenonce_token_reuse_total{{reason="{reason}",result="fallback",route="{route}"}}"#)
+            }
+            Self::Applied => {
+                format!(r#"tokenonce_token_reuse_total{{reason="none",result="applied",route="{route}"}}"#)
+            }
+            Self::Retry(stage) => format!(r#"tokenonce_upstream_retries_total{{stage="{stage}"}}"#),
+            Self::Timeout(stage) => format!(r#"tokenonce_timeouts_total{{route="{route}",stage="{stage}"}}"#),
+            Self::Release(result) => format!(r#"tokenonce_kv_releases_total{{result="{result}",route="{route}"}}"#),
+        }
+    }
+}
+
+/// An engine of a case: up with a fault on every POST, or down (connects refused).
+#[derive(Clone, Copy, Debug)]
+enum Engine {
+    Up(Fault),
+    /// The first POST meets the first fault, every later one the second.
+    UpThen(Fault, Fault),
+    Down,
+}
+
+/// The route a case runs on.
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    /// Orchestrate, prefill pool `prefill`.
+    Orchestrate,
+    /// Orchestrate, the prefiller named per request in `x-prefiller-host-port`.
+    Header,
+    /// Relay, the request a prefill leg (`kv_transfer_params.do_remote_decode: true`).
+    RelayPrefill,
+    /// Relay, a request that is no prefill leg and carries no handoff: sent to the decode as is.
+    RelayDecode,
+    /// Passthrough (the body read, the leg sent by tokenonce).
+    Passthrough,
+}
+
+impl Mode {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Orchestrate | Self::Header => "orchestrate",
+            Self::RelayPrefill | Self::RelayDecode => "relay",
+            Self::Passthrough => "passthrough",
+        }
+    }
+}
+
+/// One row of the matrix.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    mode: Mode,
+    prefill: Engine,
+    decode: Engine,
+    /// Changes the fake behind the prefill engine.
+    prefill_fake: fn(&mut FakeConfig),
+    /// `max_tokens` of the request.
+    max_tokens: u64,
+    /// More checks of what the engines read: (prefill, decode).
+    engines_saw: fn(&[Seen], &[Seen]),
+    /// More keys of the route.
+    route: &'static str,
+    api: Api,
+    client: Client,
+    /// The status the client gets (0: none, it left).
+    status: u16,
+    answer: Answer,
+    /// Counters that rise by one each; `upstream_errors_total` as a whole rises by exactly
+    /// the `Err` entries.
+    counted: &'static [Count],
+    /// POSTs each engine read whole: (prefill, decode).
+    saw: (usize, usize),
+    /// Exchanges tokenonce closed while the engine held or relayed them: (prefill, decode).
+    closed: (usize, usize),
+    /// Whether the decode's body carried the prefill's ids (checked when it got one).
+    reused: Option<bool>,
+    /// The whole case, request to answer, within this.
+    within_ms: u64,
+}
+
+fn unchanged(_: &mut FakeConfig) {}
+
+/// The happy path: both engines pass, a chat request is answered with reuse applied.
+const OK: Case = Case {
+    mode: Mode::Orchestrate,
+    prefill: Engine::Up(Fault::Pass),
+    decode: Engine::Up(Fault::Pass),
+    prefill_fake: unchanged,
+    max_tokens: 5,
+    engines_saw: |_, _| {},
+    route: "",
+    api: Api::Chat,
+    client: Client::Reads,
+    status: 200,
+    answer: Answer::Completion,
+    counted: &[Count::Applied, Count::Outcome("success")],
+    saw: (1, 1),
+    closed: (0, 0),
+    reused: Some(true),
+    within_ms: 10_000,
+};
+
+/// An engine's error body, relayed unchanged.
+const ENGINE_503: &str =
+    "{\"error\":{\"message\":\"engine overloaded\",\"type\":\"ServiceUnavailable\",\"param\":null,\"code\":503}}";
+/// Bytes that are not HTTP.
+const GARBAGE: &[u8] = b"SSH-2.0-OpenSSH_9.6\r\n\x00\x01\x02 not http at all";
+/// Short deadlines, so timeouts are quick to meet.
+const SHORT_PREFILL: &str = "prefill_timeout_ms = 500\n";
+const SHORT_DECODE: &str = "decode_first_byte_timeout_ms = 500\n";
+const DECODE_ALONE: &str = "on_prefill_failure = \"decode_alone\"\n";
+const SHORT_IDLE: &str = "stream_idle_timeout_ms = 500\n";
+
+impl Case {
+    fn route_name(&self) -> &'static str {
+        match self.mode {
+            Mode::Orchestrate | Mode::Header => "pd",
+            Mode::RelayPrefill | Mode::RelayDecode => "relay",
+            Mode::Passthrough => "pt",
+        }
+    }
+
+    fn config(&self, prefill: &str, decode: &str) -> String {
+        let (mode, prefill_key) = match self.mode {
+            Mode::Orchestrate => ("orchestrate", "prefill = { pool = \"prefill\" }\n"),
+            Mode::Header => {
+                ("orchestrate", "prefill = { header = \"x-prefiller-host-port\", allow = [\"127.0.0.1\"] }\n")
+            }
+            Mode::RelayPrefill | Mode::RelayDecode => ("relay", "prefill = { pool = \"prefill\" }\n"),
+            Mode::Passthrough => ("passthrough", ""),
+        };
+        let model = match self.mode {
+            // A model match makes tokenonce read the body and send the leg itself.
+            Mode::Passthrough => "model = \"*\"\n",
+            Mode::Orchestrate | Mode::Header | Mode::RelayPrefill | Mode::RelayDecode => "",
+        };
+        format!(
+            "[pools.prefill]\nendpoints = [\"{prefill}\"]\n\n[pools.decode]\nendpoints = [\"{decode}\"]\n\n[[routes]]\nname = \"{}\"\nmode = \"{mode}\"\ndecode_pool = \"decode\"\n{prefill_key}{}\n[routes.match]\npaths = [\"/v1/chat/completions\", \"/v1/completions\"]\n{model}",
+            self.route_name(),
+            self.route
+        )
+    }
+}
+
+/// Starts a fault engine in front of `fake` as `engine` says.
+async fn engine(fake: &FakeVllm, engine: Engine) -> FaultEngine {
+    match engine {
+        Engine::Up(fault) => FaultEngine::with(fake, fault).await,
+        Engine::UpThen(first, then) => {
+            let e = FaultEngine::with(fake, then).await;
+            e.then(first);
+            e
+        }
+        Engine::Down => {
+            let e = FaultEngine::start(fake).await;
+            e.stop().await;
+            e
+        }
+    }
+}
+
+/// Sends the case's request as its client behaves: status (0 when it left) and body.
+async fn send(case: &Case, url: &str, headers: &[(&str, &str)], decode: &FaultEngine) -> (u16, Result<String, String>) {
+    let (api, mode, client) = (case.api, case.mode, case.client);
+    let mut body = api.body();
+    body["max_tokens"] = json!(case.max_tokens);
+    if let Mode::RelayPrefill = mode {
+        // What an orchestrator sends as the prefill leg.
+        body["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false});
+        body["max_tokens"] = json!(1);
+    }
+    match client {
+        Client::Reads => {
+            let mut req = reqwest::Client::new().post(format!("{url}{}", api.path())).json(&body);
+            for (k, v) in headers {
+                req = req.header(*k, *v);
+            }
+            let resp = req.send().await.unwrap();
+            (resp.status().as_u16(), resp.text().await.map_err(|e| format!("{e:?}")))
+        }
+        Client::StopsReading => stop_reading(url, api.path(), &body, decode).await,
+        Client::LeavesAfterMs(ms) => {
+            let http = reqwest::Client::builder().timeout(Duration::from_millis(ms)).build().unwrap();
+            let sent = http.post(format!("{url}{}", api.path())).json(&body).send().await;
+            assert!(sent.as_ref().is_err_and(reqwest::Error::is_timeout), "the client meant to give up: {sent:?}");
+            (0, Ok(String::new()))
+        }
+        Client::LeavesAfterFirstChunk => {
+            let resp = reqwest::Client::new().post(format!("{url}{}", api.path())).json(&body).send().await.unwrap();
+            let status = resp.status().as_u16();
+            let mut stream = resp.bytes_stream();
+            let first = tokio::time::timeout(Duration::from_secs(10), futures_util::StreamExt::next(&mut stream))
+                .await
+                .expect("a first chunk within 10 s");
+            assert!(first.is_some_and(|c| c.is_ok()), "a first chunk");
+            (status, Ok(String::new()))
+        }
+    }
+}
+
+/// [`Client::StopsReading`]: the status, and `Err` once tokenonce cut the connection (read
+/// on after the decode engine saw its connection closed).
+async fn stop_reading(url: &str, path: &str, body: &Value, decode: &FaultEngine) -> (u16, Result<String, String>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = serde_json::to_vec(body).unwrap();
+    let addr: std::net::SocketAddr = url.trim_start_matches("http://").parse().unwrap();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut client = socket.connect(addr).await.unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    client.write_all(head.as_bytes()).await.unwrap();
+    client.write_all(&body).await.unwrap();
+    let mut first = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(15), client.read(&mut first)).await.unwrap().unwrap();
+    let status = std::str::from_utf8(&first[..n]).ok().and_then(|h| h.get(9..12)?.parse().ok()).unwrap_or(0);
+    // Read nothing until tokenonce closed the decode (bounded), then drain: a cut connection ends.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while decode.ended(End::ClosedByPeer) == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut sink = vec![0u8; 1 << 16];
+    let drained = tokio::time::timeout(Duration::from_secs(15), async {
+        loop {
+            match client.read(&mut sink).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    (status, if drained.is_ok() { Err("cut".into()) } else { Ok("still open".into()) })
+}
+
+/// Checks the client's answer: whole unless the case expects a cut.
+fn check_answer(answer: Answer, api: Api, got: &Result<String, String>) {
+    let text = match (answer, got) {
+        (Answer::CutAfterHead, Err(_)) => return,
+        (Answer::CutAfterHead, Ok(text)) => panic!("the body ended whole: {text}"),
+        (_, Err(e)) => panic!("the body did not end: {e}"),
+        (_, Ok(text)) => text.as_str(),
+    };
+    match answer {
+        Answer::CutAfterHead => {}
+        Answer::Nothing => {}
+        Answer::Exactly(want) => assert_eq!(text, want),
+        Answer::Error(code) => {
+            let json: Value = serde_json::from_str(text).unwrap_or_else(|_| panic!("not JSON: {text}"));
+            assert_eq!(json["error"]["code"], code, "{text}");
+            assert!(json["error"]["message"].is_string() && json["error"]["type"].is_string(), "{text}");
+            assert!(!text.contains("127.0.0.1"), "an internal address in {text}");
+        }
+        Answer::Completion if matches!(api, Api::ChatStream | Api::CompletionsStream) => {
+            assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+            assert!(!text.contains("\"error\""), "{text}");
+            assert!(whole_events(text).len() >= 2, "{text}");
+        }
+        Answer::Completion => {
+            let json: Value = serde_json::from_str(text).unwrap_or_else(|_| panic!("not JSON: {text}"));
+            assert!(json["choices"].as_array().is_some_and(|c| !c.is_empty()), "{text}");
+        }
+        Answer::StreamThenError(code) => {
+            let events = whole_events(text);
+            assert!(text.ends_with("\n\ndata: [DONE]\n\n"), "{text}");
+            let (last, before) = events.split_last().unwrap();
+            assert_eq!(last["error"]["code"], code, "{text}");
+            assert!(!before.is_empty(), "events before the break: {text}");
+            assert!(before.iter().all(|e| e.get("error").is_none()), "{text}");
+        }
+    }
+}
+
+/// The JSON of every `data:` event but `[DONE]`; each must parse (no half event).
+fn whole_events(text: &str) -> Vec<Value> {
+    text.split("\n\n")
+        .filter(|e| !e.is_empty() && *e != "data: [DONE]")
+        .map(|e| {
+            let data = e.strip_prefix("data: ").unwrap_or_else(|| panic!("not an event: {e:?} in {text}"));
+            serde_json::from_str(data).unwrap_or_else(|_| panic!("half an event: {e:?} in {text}"))
+        })
+        .collect()
+}
+
+/// The sum of every `upstream_errors_total` sample.
+async fn upstream_errors(proxy: &TokenOnce) -> f64 {
+    let text = proxy.metrics().await;
+    text.lines()
+        .filter(|l| l.starts_with("tokenonce_upstream_errors_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Waits (bounded: 5 s) until `got()` equals `want`, then asserts it.
+async fn settles<T: PartialEq + std::fmt::Debug>(what: &str, want: T, got: impl Fn() -> T) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while got() != want && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(got(), want, "{what}");
+}
+
+/// Runs one row of the matrix.
+async fn run(case: Case) {
+    let mut prefill_config = FakeConfig::default();
+    (case.prefill_fake)(&mut prefill_config);
+    let (pf, df) = (FakeVllm::start(prefill_config).await, FakeVllm::start(FakeConfig::default()).await);
+    let (p, d) = (engine(&pf, case.prefill).await, engine(&df, case.decode).await);
+    let proxy = TokenOnce::start(&case.config(&p.host_port(), &d.host_port())).await;
+    let series: Vec<String> = case.counted.iter().map(|c| c.series(&case)).collect();
+    let mut before = Vec::new();
+    for s in &series {
+        before.push(proxy.metric(s).await);
+    }
+    let errors_before = upstream_errors(&proxy).await;
+
+    let started = Instant::now();
+    let prefiller = p.host_port();
+    let headers: &[(&str, &str)] = match case.mode {
+        Mode::Header => &[("x-prefiller-host-port", prefiller.as_str())],
+        Mode::Orchestrate | Mode::RelayPrefill | Mode::RelayDecode | Mode::Passthrough => &[],
+    };
+    let (status, text) = send(&case, &proxy.url, headers, &d).await;
+    let took = started.elapsed();
+    assert_eq!(status, case.status, "{text:?}");
+    check_answer(case.answer, case.api, &text);
+    assert!(took < Duration::from_millis(case.within_ms), "took {took:?}, bound {} ms", case.within_ms);
+
+    settles("POSTs the prefill engine read", case.saw.0, || p.posts().len()).await;
+    settles("POSTs the decode engine read", case.saw.1, || d.posts().len()).await;
+    settles("prefill exchanges tokenonce closed", case.closed.0, || p.ended(End::ClosedByPeer)).await;
+    settles("decode exchanges tokenonce closed", case.closed.1, || d.ended(End::ClosedByPeer)).await;
+    if let (Some(reused), Some(decode)) = (case.reused, d.posts().first()) {
+        let body = decode.json();
+        let carried = match case.api {
+            Api::Chat | Api::ChatStream => body["kv_transfer_params"]["prompt_token_ids"].is_array(),
+            Api::Completions | Api::CompletionsStream => body["prompt"].is_array(),
+        };
+        assert_eq!(carried, reused, "decode body: {body}");
+    }
+    (case.engines_saw)(&p.posts(), &d.posts());
+    for (i, s) in series.iter().enumerate() {
+        let want = before[i] + series.iter().filter(|o| *o == s).count() as f64;
+        assert_eq!(proxy.metric_reaches(s, want).await, want, "{s}");
+    }
+    let errors = case.counted.iter().filter(|c| matches!(c, Count::Err(..))).count() as f64;
+    assert_eq!(upstream_errors(&proxy).await - errors_before, errors, "upstream_errors_total overall");
+}
+
+/// One `#[tokio::test]` per row.
+macro_rules! matrix {
+    ($($(#[doc = $doc:literal])* $name:ident: $case:expr;)+) => {
+        $(
+            $(#[doc = $doc])*
+            #[tokio::test(flavor = "multi_thread")]
+            async fn $name() {
+                run($case).await;
+            }
+        )+
+    };
+}
+
+use Count::{Applied, Err as UpErr, Fallback, Outcome, Release, Retry, Timeout};
+
+matrix! {
+    // ---- baselines: the fault engines relay the fakes unchanged ----
+    /// Both engines healthy: chat answered with reuse.
+    baseline_chat: OK;
+    /// Both healthy, completions streamed: ids as the decode's prompt.
+    baseline_completions_stream: Case { api: Api::CompletionsStream, ..OK };
+
+    // ---- prefill ----
+    /// Prefill down: the connect is retried once (the engine never got it), then 502.
+    prefill_down: Case {
+        prefill: Engine::Down, status: 502, answer: Answer::Error("prefill_unavailable"),
+        counted: &[UpErr("prefill", "connect"), Retry("prefill"), Outcome("server_error")], saw: (0, 0), ..OK
+    };
+    /// Prefill accepts and never answers: 504 at `prefill_timeout_ms`, its connection closed.
+    prefill_hangs_before_headers: Case {
+        prefill: Engine::Up(Fault::HangBeforeHead), route: SHORT_PREFILL, status: 504,
+        answer: Answer::Error("prefill_timeout"),
+        counted: &[UpErr("prefill", "timeout"), Timeout("prefill"), Outcome("server_error")],
+        saw: (1, 0), closed: (1, 0), within_ms: 5_000, ..OK
+    };
+    /// Prefill sends its head and part of the body, then nothing: the whole-leg deadline holds.
+    prefill_hangs_mid_body: Case {
+        prefill: Engine::Up(Fault::Stall(At::body(40))), route: SHORT_PREFILL, status: 504,
+        answer: Answer::Error("prefill_timeout"),
+        counted: &[UpErr("prefill", "timeout"), Timeout("prefill"), Outcome("server_error")],
+        saw: (1, 0), closed: (1, 0), within_ms: 5_000, ..OK
+    };
+    /// Prefill answers 503 with a body: relayed unchanged, no decode.
+    prefill_5xx_with_body: Case {
+        prefill: Engine::Up(Fault::Status(503, ENGINE_503)), status: 503, answer: Answer::Exactly(ENGINE_503),
+        counted: &[UpErr("prefill", "status_5xx"), Outcome("server_error")], saw: (1, 0), ..OK
+    };
+    /// Prefill answers 500 with an empty body: relayed as is (empty), no decode.
+    prefill_5xx_without_body: Case {
+        prefill: Engine::Up(Fault::Status(500, "")), status: 500, answer: Answer::Exactly(""),
+        counted: &[UpErr("prefill", "status_5xx"), Outcome("server_error")], saw: (1, 0), ..OK
+    };
+    /// Prefill answers bytes that are not HTTP: 502, not re-sent (it read the request).
+    prefill_garbage: Case {
+        prefill: Engine::Up(Fault::Garbage(GARBAGE)), status: 502, answer: Answer::Error("prefill_unavailable"),
+        counted: &[UpErr("prefill", "io"), Outcome("server_error")], saw: (1, 0), ..OK
+    };
+    /// Prefill answers 200 with a body that is not JSON: 502 `prefill_bad_response`.
+    prefill_non_json_200: Case {
+        prefill: Engine::Up(Fault::Status(200, "<html>upstream says hi</html>")), status: 502,
+        answer: Answer::Error("prefill_bad_response"), counted: &[UpErr("prefill", "bad_response"), Outcome("server_error")],
+        saw: (1, 0), ..OK
+    };
+    /// Prefill closes mid-body: 502, the leg not re-sent.
+    prefill_cut_mid_body: Case {
+        prefill: Engine::Up(Fault::Cut(At::body(40))), status: 502, answer: Answer::Error("prefill_unavailable"),
+        counted: &[UpErr("prefill", "io"), Outcome("server_error")], saw: (1, 0), ..OK
+    };
+    /// Prefill reads the request and closes without a byte: 502, not re-sent (it may run it).
+    prefill_closes_after_reading: Case {
+        prefill: Engine::Up(Fault::CloseAfterRead), status: 502, answer: Answer::Error("prefill_unavailable"),
+        counted: &[UpErr("prefill", "io"), Outcome("server_error")], saw: (1, 0), ..OK
+    };
+    /// Prefill answers 400: the client's error, relayed, never failed over, no decode.
+    prefill_4xx: Case {
+        prefill: Engine::Up(Fault::Status(400, "{\"error\":\"bad\"}")), status: 400,
+        answer: Answer::Exactly("{\"error\":\"bad\"}"), counted: &[Outcome("client_error")], saw: (1, 0), ..OK
+    };
+    /// Prefill echoes no ids: text decode, `ids_missing`.
+    prefill_ids_missing: Case {
+        prefill_fake: |c| c.omit_prompt_ids = true, counted: &[Fallback("ids_missing"), Outcome("success")],
+        reused: Some(false), ..OK
+    };
+    /// Prefill echoes ids that are not integers: text decode, `ids_malformed`.
+    prefill_ids_malformed: Case {
+        prefill_fake: |c| c.corrupt_prompt_ids = Some("[1,2,\"three\",-4]".into()),
+        counted: &[Fallback("ids_malformed"), Outcome("success")], reused: Some(false), ..OK
+    };
+    /// Prefill echoes 2 M ids for a short prompt (count ≠ `usage.prompt_tokens`): refused
+    /// in bounded time, text decode, `ids_malformed`; the 2 M ids never reach the decode.
+    prefill_ids_2m_long: Case {
+        prefill_fake: |c| c.corrupt_prompt_ids = Some(format!("[{}]", vec!["151"; 2_000_000].join(","))),
+        counted: &[Fallback("ids_malformed"), Outcome("success")], reused: Some(false), within_ms: 20_000, ..OK
+    };
+    /// Completions, ids malformed: text decode (the client's prompt string).
+    prefill_ids_malformed_completions: Case {
+        api: Api::Completions, prefill_fake: |c| c.corrupt_prompt_ids = Some("[1.5]".into()),
+        counted: &[Fallback("ids_malformed"), Outcome("success")], reused: Some(false), ..OK
+    };
+    /// `decode_alone`: prefill down, the decode serves the client's request alone.
+    prefill_down_decode_alone: Case {
+        prefill: Engine::Down, route: DECODE_ALONE,
+        counted: &[UpErr("prefill", "connect"), Retry("prefill"), Fallback("prefill_failed"), Outcome("success")],
+        saw: (0, 1), reused: Some(false), ..OK
+    };
+    /// `decode_alone`: prefill hangs, at `prefill_timeout_ms` the decode serves alone.
+    prefill_hangs_decode_alone: Case {
+        prefill: Engine::Up(Fault::HangBeforeHead), route: "prefill_timeout_ms = 500\non_prefill_failure = \"decode_alone\"\n",
+        counted: &[UpErr("prefill", "timeout"), Fallback("prefill_failed"), Outcome("success")],
+        saw: (1, 1), closed: (1, 0), reused: Some(false), within_ms: 5_000, ..OK
+    };
+    /// `decode_alone`: prefill answers garbage, the decode serves alone (streamed).
+    prefill_garbage_decode_alone: Case {
+        prefill: Engine::Up(Fault::Garbage(GARBAGE)), route: DECODE_ALONE, api: Api::ChatStream,
+        counted: &[UpErr("prefill", "io"), Fallback("prefill_failed"), Outcome("success")],
+        saw: (1, 1), reused: Some(false), ..OK
+    };
+    /// `decode_alone` never follows a 4xx: the client's error stays the answer.
+    prefill_4xx_decode_alone: Case {
+        prefill: Engine::Up(Fault::Status(400, "{\"error\":\"bad\"}")), route: DECODE_ALONE, status: 400,
+        answer: Answer::Exactly("{\"error\":\"bad\"}"), counted: &[Outcome("client_error")], saw: (1, 0), ..OK
+    };
+
+    // ---- decode ----
+    /// Decode down: retried once (never got it), then 502 after a good prefill.
+    decode_down: Case {
+        decode: Engine::Down, status: 502, answer: Answer::Error("decode_unavailable"),
+        counted: &[UpErr("decode", "connect"), Retry("decode"), Outcome("server_error")], saw: (1, 0), ..OK
+    };
+    /// Decode never sends a head: 504 at `decode_first_byte_timeout_ms`, its connection closed.
+    decode_hangs_before_headers: Case {
+        decode: Engine::Up(Fault::HangBeforeHead), route: SHORT_DECODE, status: 504,
+        answer: Answer::Error("decode_timeout"),
+        counted: &[UpErr("decode", "timeout"), Timeout("first_byte"), Outcome("server_error")],
+        closed: (0, 1), within_ms: 5_000, ..OK
+    };
+    /// Streamed decode never sends a head: the same 504.
+    decode_stream_hangs_before_headers: Case {
+        decode: Engine::Up(Fault::HangBeforeHead), route: SHORT_DECODE, api: Api::ChatStream, status: 504,
+        answer: Answer::Error("decode_timeout"),
+        counted: &[UpErr("decode", "timeout"), Timeout("first_byte"), Outcome("server_error")],
+        closed: (0, 1), within_ms: 5_000, ..OK
+    };
+    /// Decode answers 503 with a body: the engine's answer relayed unchanged.
+    decode_5xx_with_body: Case {
+        decode: Engine::Up(Fault::Status(503, ENGINE_503)), status: 503, answer: Answer::Exactly(ENGINE_503),
+        counted: &[Applied, Outcome("server_error")], ..OK
+    };
+    /// Decode answers 502 with no body: relayed as is.
+    decode_5xx_without_body: Case {
+        decode: Engine::Up(Fault::Status(502, "")), status: 502, answer: Answer::Exactly(""),
+        counted: &[Applied, Outcome("server_error")], ..OK
+    };
+    /// Decode answers bytes that are not HTTP: 502, not re-sent.
+    decode_garbage: Case {
+        decode: Engine::Up(Fault::Garbage(GARBAGE)), status: 502, answer: Answer::Error("decode_unavailable"),
+        counted: &[UpErr("decode", "io"), Outcome("server_error")], ..OK
+    };
+    /// Decode answers 200 that is not JSON: the decode's answer is the client's, relayed as is.
+    decode_non_json_200: Case {
+        decode: Engine::Up(Fault::Status(200, "not json at all")), answer: Answer::Exactly("not json at all"),
+        counted: &[Applied, Outcome("success")], ..OK
+    };
+    /// Decode closes mid-body (not streamed): the body needs no rewrite and streams through,
+    /// so the head went out; the client connection is cut without ending the body.
+    decode_cut_mid_body: Case {
+        decode: Engine::Up(Fault::Cut(At::body(40))), answer: Answer::CutAfterHead,
+        counted: &[Applied, UpErr("decode", "stream_broken"), Outcome("server_error")], ..OK
+    };
+    /// The same cut of an answer buffered for the `cached_tokens` rewrite (nothing sent yet): 502.
+    decode_cut_mid_body_rewritten: Case {
+        prefill_fake: |c| c.cached_tokens = Some(3), decode: Engine::Up(Fault::Cut(At::body(40))), status: 502,
+        answer: Answer::Error("decode_unavailable"), counted: &[Applied, UpErr("decode", "io"), Outcome("server_error")],
+        ..OK
+    };
+    /// Decode sends its head and part of a JSON body, then nothing: at `stream_idle_timeout_ms`
+    /// the client connection is cut (the body never ends), the decode closed.
+    decode_hangs_mid_body: Case {
+        decode: Engine::Up(Fault::Stall(At::body(40))), route: SHORT_IDLE, answer: Answer::CutAfterHead,
+        counted: &[Applied, UpErr("decode", "timeout"), Timeout("stream_idle"), Outcome("server_error")],
+        closed: (0, 1), within_ms: 5_000, ..OK
+    };
+    /// The same hang of an answer buffered for the `cached_tokens` rewrite: 504 `stream_idle_timeout`.
+    decode_hangs_mid_body_rewritten: Case {
+        prefill_fake: |c| c.cached_tokens = Some(3), decode: Engine::Up(Fault::Stall(At::body(40))), route: SHORT_IDLE,
+        status: 504, answer: Answer::Error("stream_idle_timeout"),
+        counted: &[Applied, UpErr("decode", "timeout"), Timeout("stream_idle"), Outcome("server_error")],
+        closed: (0, 1), within_ms: 5_000, ..OK
+    };
+    /// Chat stream stalled after two events: at `stream_idle_timeout_ms` the events so far,
+    /// the error event `stream_idle_timeout`, `[DONE]`; the decode closed.
+    decode_stalls_mid_stream: Case {
+        decode: Engine::Up(Fault::Stall(At::event(3, 0))), route: SHORT_IDLE, api: Api::ChatStream,
+        answer: Answer::StreamThenError("stream_idle_timeout"),
+        counted: &[Applied, UpErr("decode", "timeout"), Timeout("stream_idle"), Outcome("server_error")],
+        closed: (0, 1), within_ms: 5_000, ..OK
+    };
+    /// Completions stream stalled in the middle of its second event: the half event is dropped.
+    decode_stalls_mid_stream_completions: Case {
+        decode: Engine::Up(Fault::Stall(At::event(2, 30))), route: SHORT_IDLE, api: Api::CompletionsStream,
+        answer: Answer::StreamThenError("stream_idle_timeout"),
+        counted: &[Applied, UpErr("decode", "timeout"), Timeout("stream_idle"), Outcome("server_error")],
+        closed: (0, 1), within_ms: 5_000, ..OK
+    };
+    /// Decode reads the request and closes: 502, not re-sent (a decode must not run twice).
+    decode_closes_after_reading: Case {
+        decode: Engine::Up(Fault::CloseAfterRead), status: 502, answer: Answer::Error("decode_unavailable"),
+        counted: &[UpErr("decode", "io"), Outcome("server_error")], ..OK
+    };
+    /// Chat stream cut in the middle of its third event: the two whole events, the error
+    /// event, `[DONE]`.
+    decode_cut_mid_sse_event: Case {
+        decode: Engine::Up(Fault::Cut(At::event(3, 10))), api: Api::ChatStream,
+        answer: Answer::StreamThenError("decode_stream_failed"),
+        counted: &[Applied, UpErr("decode", "stream_broken"), Outcome("server_error")], ..OK
+    };
+    /// Completions stream cut in the middle of its second event.
+    decode_cut_mid_sse_event_completions: Case {
+        decode: Engine::Up(Fault::Cut(At::event(2, 25))), api: Api::CompletionsStream,
+        answer: Answer::StreamThenError("decode_stream_failed"),
+        counted: &[Applied, UpErr("decode", "stream_broken"), Outcome("server_error")], ..OK
+    };
+    /// Chat stream cut right after an event's blank line: no event lost, then the error.
+    decode_cut_between_sse_events: Case {
+        decode: Engine::Up(Fault::Cut(At::event(3, 0))), api: Api::ChatStream,
+        answer: Answer::StreamThenError("decode_stream_failed"),
+        counted: &[Applied, UpErr("decode", "stream_broken"), Outcome("server_error")], ..OK
+    };
+
+    // ---- relay routes: a request that is no leg, sent to the decode as is ----
+    /// Relay decode that never sends a head: 504 at the route's first-byte timeout.
+    relay_decode_hangs_before_headers: Case {
+        mode: Mode::RelayDecode, decode: Engine::Up(Fault::HangBeforeHead), route: SHORT_DECODE, status: 504,
+        answer: Answer::Error("decode_timeout"),
+        counted: &[UpErr("decode", "timeout"), Timeout("first_byte"), Outcome("server_error")],
+        saw: (0, 1), closed: (0, 1), reused: None, within_ms: 5_000, ..OK
+    };
+
+    // ---- client ----
+    /// The client leaves while the prefill runs: the prefill connection is closed, no decode.
+    client_gone_during_prefill: Case {
+        prefill: Engine::Up(Fault::HangBeforeHead), client: Client::LeavesAfterMs(300), status: 0,
+        answer: Answer::Nothing, counted: &[Outcome("client_closed")], saw: (1, 0), closed: (1, 0), reused: None,
+        within_ms: 5_000, ..OK
+    };
+    /// The client leaves after the handoff, while the decode has not answered: the decode
+    /// connection is closed (vLLM aborts it).
+    client_gone_during_handoff: Case {
+        decode: Engine::Up(Fault::HangBeforeHead), client: Client::LeavesAfterMs(300), status: 0,
+        answer: Answer::Nothing, counted: &[Applied, Outcome("client_closed")], closed: (0, 1), within_ms: 5_000, ..OK
+    };
+    /// The client leaves after a prefill that handed over KV (`kv_transfer_params`), the
+    /// decode not answered: the decode is closed, then sent again for one token, not streamed,
+    /// so it pulls the blocks and the prefill frees them (`on_client_gone = "release"`).
+    client_gone_during_handoff_releases_the_kv: Case {
+        prefill_fake: |c| c.connector = true, decode: Engine::UpThen(Fault::HangBeforeHead, Fault::Pass),
+        client: Client::LeavesAfterMs(300), status: 0, answer: Answer::Nothing,
+        counted: &[Applied, Release("released"), Outcome("client_closed")], saw: (1, 2), closed: (0, 1),
+        engines_saw: |_, d| {
+            let release = d[1].json();
+            assert_eq!((release["max_tokens"].as_u64(), release["stream"].as_bool()), (Some(1), Some(false)), "{release}");
+            assert_eq!(release["kv_transfer_params"], d[0].json()["kv_transfer_params"], "the same handoff");
+        },
+        within_ms: 5_000, ..OK
+    };
+    /// The same with `on_client_gone = "abandon"`: nothing more is sent.
+    client_gone_during_handoff_abandon: Case {
+        prefill_fake: |c| c.connector = true, decode: Engine::Up(Fault::HangBeforeHead),
+        route: "on_client_gone = \"abandon\"\n", client: Client::LeavesAfterMs(300), status: 0, answer: Answer::Nothing,
+        counted: &[Applied, Release("abandoned"), Outcome("client_closed")], closed: (0, 1), within_ms: 5_000, ..OK
+    };
+    /// A client that stops reading a long stream: once a write to it waits
+    /// `client_write_timeout_ms` its connection is cut and the decode closed.
+    client_stops_reading: Case {
+        api: Api::ChatStream, max_tokens: 200_000, client: Client::StopsReading,
+        route: "decode_first_byte_timeout_ms = 30000\nclient_write_timeout_ms = 300\n", answer: Answer::CutAfterHead,
+        counted: &[Applied, Timeout("client_write"), Outcome("client_closed")], closed: (0, 1), within_ms: 60_000, ..OK
+    };
+    /// The client leaves mid-stream (the decode stalled after two events): decode closed.
+    client_gone_during_stream: Case {
+        decode: Engine::Up(Fault::Stall(At::event(3, 0))), api: Api::ChatStream, client: Client::LeavesAfterFirstChunk,
+        answer: Answer::Nothing, counted: &[Applied, Outcome("client_closed")], closed: (0, 1), within_ms: 5_000, ..OK
+    };
+
+    // ---- prefillers named by a request header ----
+    /// A header-named prefiller that is down: one attempt (no pool to fail over in), 502
+    /// reading `cannot connect` whatever the cause.
+    header_prefiller_down: Case {
+        mode: Mode::Header, prefill: Engine::Down, status: 502, answer: Answer::Error("prefill_unavailable"),
+        counted: &[UpErr("prefill", "connect"), Retry("prefill"), Outcome("server_error")], saw: (0, 0), ..OK
+    };
+    /// A header-named prefiller that hangs: bounded by the route's `prefill_timeout_ms`.
+    header_prefiller_hangs: Case {
+        mode: Mode::Header, prefill: Engine::Up(Fault::HangBeforeHead), route: SHORT_PREFILL, status: 504,
+        answer: Answer::Error("prefill_timeout"),
+        counted: &[UpErr("prefill", "timeout"), Timeout("prefill"), Outcome("server_error")],
+        saw: (1, 0), closed: (1, 0), within_ms: 5_000, ..OK
+    };
+    /// A header-named prefiller answering garbage: 502.
+    header_prefiller_garbage: Case {
+        mode: Mode::Header, prefill: Engine::Up(Fault::Garbage(GARBAGE)), status: 502,
+        answer: Answer::Error("prefill_unavailable"), counted: &[UpErr("prefill", "io"), Outcome("server_error")],
+        saw: (1, 0), ..OK
+    };
+    /// A header-named prefiller answering 5xx: relayed unchanged, no decode.
+    header_prefiller_5xx: Case {
+        mode: Mode::Header, prefill: Engine::Up(Fault::Status(503, ENGINE_503)), status: 503,
+        answer: Answer::Exactly(ENGINE_503), counted: &[UpErr("prefill", "status_5xx"), Outcome("server_error")],
+        saw: (1, 0), ..OK
+    };
+
+    // ---- relay routes: the orchestrator's prefill leg ----
+    /// Relay prefill leg, both engines fine: the prefill's answer, the decode not involved.
+    relay_prefill_baseline: Case {
+        mode: Mode::RelayPrefill, counted: &[Outcome("success")], saw: (1, 0), reused: None, ..OK
+    };
+    /// Relay prefill engine down: re-sent once, then 502 to the orchestrator.
+    relay_prefill_down: Case {
+        mode: Mode::RelayPrefill, prefill: Engine::Down, status: 502, answer: Answer::Error("prefill_unavailable"),
+        counted: &[UpErr("prefill", "connect"), Retry("prefill"), Outcome("server_error")], saw: (0, 0), reused: None, ..OK
+    };
+    /// Relay prefill engine that hangs: 504 at the route's `prefill_timeout_ms`.
+    relay_prefill_hangs: Case {
+        mode: Mode::RelayPrefill, prefill: Engine::Up(Fault::HangBeforeHead), route: SHORT_PREFILL, status: 504,
+        answer: Answer::Error("prefill_timeout"),
+        counted: &[UpErr("prefill", "timeout"), Timeout("prefill"), Outcome("server_error")],
+        saw: (1, 0), closed: (1, 0), reused: None, within_ms: 5_000, ..OK
+    };
+    /// Relay prefill engine answering garbage: 502.
+    relay_prefill_garbage: Case {
+        mode: Mode::RelayPrefill, prefill: Engine::Up(Fault::Garbage(GARBAGE)), status: 502,
+        answer: Answer::Error("prefill_unavailable"), counted: &[UpErr("prefill", "io"), Outcome("server_error")],
+        saw: (1, 0), reused: None, ..OK
+    };
+
+    // ---- passthrough routes ----
+    /// Passthrough engine that never sends a head: 504 at the first-byte timeout.
+    passthrough_hangs_before_headers: Case {
+        mode: Mode::Passthrough, decode: Engine::Up(Fault::HangBeforeHead), route: SHORT_DECODE, status: 504,
+        answer: Answer::Error("decode_timeout"),
+        counted: &[UpErr("passthrough", "timeout"), Timeout("first_byte"), Outcome("server_error")],
+        saw: (0, 1), closed: (0, 1), reused: None, within_ms: 5_000, ..OK
+    };
+    /// Passthrough stream stalled mid-event: the whole events, then `stream_idle_timeout`.
+    passthrough_stalls_mid_stream: Case {
+        mode: Mode::Passthrough, decode: Engine::Up(Fault::Stall(At::event(3, 10))), route: SHORT_IDLE,
+        api: Api::ChatStream, answer: Answer::StreamThenError("stream_idle_timeout"),
+        counted: &[UpErr("passthrough", "timeout"), Timeout("stream_idle"), Outcome("server_error")],
+        saw: (0, 1), closed: (0, 1), reused: None, within_ms: 5_000, ..OK
+    };
+    /// Passthrough engine down: retried once, then 502.
+    passthrough_down: Case {
+        mode: Mode::Passthrough, decode: Engine::Down, status: 502, answer: Answer::Error("decode_unavailable"),
+        counted: &[UpErr("passthrough", "connect"), Retry("passthrough"), Outcome("server_error")], saw: (0, 0),
+        reused: None, ..OK
+    };
+    /// Passthrough engine answers 503: relayed unchanged.
+    passthrough_5xx: Case {
+        mode: Mode::Passthrough, decode: Engine::Up(Fault::Status(503, ENGINE_503)), status: 503,
+        answer: Answer::Exactly(ENGINE_503), counted: &[Outcome("server_error")], saw: (0, 1), reused: None, ..OK
+    };
+    /// Passthrough engine answers garbage: 502.
+    passthrough_garbage: Case {
+        mode: Mode::Passthrough, decode: Engine::Up(Fault::Garbage(GARBAGE)), status: 502,
+        answer: Answer::Error("decode_unavailable"), counted: &[UpErr("passthrough", "io"), Outcome("server_error")],
+        saw: (0, 1), reused: None, ..OK
+    };
+    /// Passthrough stream cut mid-event: whole events, then the error event.
+    passthrough_cut_mid_sse_event: Case {
+        mode: Mode::Passthrough, decode: Engine::Up(Fault::Cut(At::event(3, 10))), api: Api::ChatStream,
+        answer: Answer::StreamThenError("decode_stream_failed"),
+        counted: &[UpErr("passthrough", "stream_broken"), Outcome("server_error")], saw: (0, 1), reused: None, ..OK
+    };
+}
+
+// ---- config and engine life: scenarios of several steps ----
+
+const APPLIED: &str = r#"tokenonce_token_reuse_total{reason="none",result="applied",route="pd"}"#;
+const RELOADED: &str = r#"tokenonce_config_reloads_total{result="success"}"#;
+
+/// A config for route `pd` over prefill endpoints `prefills` and decode endpoints `decodes`.
+fn pd(prefills: &[&FaultEngine], decodes: &[&FaultEngine], route_extra: &str) -> String {
+    let list = |e: &[&FaultEngine]| e.iter().map(|e| format!("\"{}\"", e.host_port())).collect::<Vec<_>>().join(", ");
+    format!(
+        "[pools.prefill]\nendpoints = [{}]\n\n[pools.decode]\nendpoints = [{}]\n\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n{route_extra}\n[routes.match]\npaths = [\"/v1/chat/completions\", \"/v1/completions\"]\n",
+        list(prefills),
+        list(decodes)
+    )
+}
+
+async fn chat(proxy: &TokenOnce, stream: bool) -> (u16, String) {
+    let body = chat_body("scenario", json!({"stream": stream}));
+    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+    (status, text)
+}
+
+/// A config reload while a stream is relayed: the stream finishes whole from the engine it
+/// started on (no error, every event), the next request goes where the new config says.
+async fn reload_mid_stream(binary: bool) {
+    let slow = FakeConfig { chunk_delay: Duration::from_millis(150), ..FakeConfig::default() };
+    let (pf, df1, df2) = (
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(slow).await,
+        FakeVllm::start(FakeConfig::default()).await,
+    );
+    let (p, d1, d2) = (FaultEngine::start(&pf).await, FaultEngine::start(&df1).await, FaultEngine::start(&df2).await);
+    let proxy = if binary {
+        TokenOnce::start_binary(&pd(&[&p], &[&d1], "")).await
+    } else {
+        TokenOnce::start(&pd(&[&p], &[&d1], "")).await
+    };
+    let started = Instant::now();
+    let body = chat_body("a long answer", json!({"stream": true, "max_tokens": 10}));
+    let resp =
+        reqwest::Client::new().post(format!("{}/v1/chat/completions", proxy.url)).json(&body).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    let mut text = String::new();
+    let first = futures_util::StreamExt::next(&mut stream).await.unwrap().unwrap();
+    text.push_str(&String::from_utf8_lossy(&first));
+
+    proxy.reconfigure(&pd(&[&p], &[&d2], "token_reuse = false\n"));
+    assert_eq!(proxy.metric_reaches(RELOADED, 1.0).await, 1.0, "{}", proxy.log_text());
+    let rest = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut rest = String::new();
+        while let Some(chunk) = futures_util::StreamExt::next(&mut stream).await {
+            rest.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+        }
+        rest
+    })
+    .await
+    .expect("the stream ends within 10 s");
+    text.push_str(&rest);
+    assert!(text.ends_with("data: [DONE]\n\n") && !text.contains("\"error\""), "{text}");
+    assert_eq!(whole_events(&text).len(), 11, "role delta and 10 tokens: {text}");
+    assert_eq!(d1.ended(End::Answered), 1, "the stream ran to its end on the old decode");
+
+    let (status, text) = chat(&proxy, false).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!((d1.posts().len(), d2.posts().len()), (1, 1), "new requests follow the new config");
+    assert!(d2.posts()[0].json().get("kv_transfer_params").is_none(), "and its token_reuse = false");
+    assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+/// `Running::reload` (what SIGHUP calls) in the middle of a stream.
+#[tokio::test(flavor = "multi_thread")]
+async fn reload_mid_stream_keeps_the_stream() {
+    reload_mid_stream(false).await;
+}
+
+/// SIGHUP to the tokenonce binary in the middle of a stream.
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_mid_stream_keeps_the_stream() {
+    reload_mid_stream(true).await;
+}
+
+/// Waits (bounded: 10 s) until the proxy reports `endpoint` of `pool` `healthy`.
+async fn wait_health(proxy: &TokenOnce, pool: &str, endpoint: &FaultEngine, healthy: bool) {
+    let series = format!(r#"tokenonce_upstream_healthy{{endpoint="{}",pool="{pool}"}}"#, endpoint.host_port());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while proxy.metric(&series).await != f64::from(u8::from(healthy)) {
+        assert!(Instant::now() < deadline, "{series} never {healthy}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The prefill engine dies (502 `prefill_unavailable`, counted) and comes back on the same
+/// address: reuse is applied again within a bounded time.
+#[tokio::test(flavor = "multi_thread")]
+async fn prefill_restart_recovers_reuse() {
+    let (pf, df) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
+    let (p, d) = (FaultEngine::start(&pf).await, FaultEngine::start(&df).await);
+    let proxy = TokenOnce::start(&pd(&[&p], &[&d], "")).await;
+    assert_eq!(chat(&proxy, false).await.0, 200);
+    assert_eq!(proxy.metric(APPLIED).await, 1.0);
+
+    p.stop().await;
+    let (status, text) = chat(&proxy, false).await;
+    assert_eq!(status, 502, "{text}");
+    check_answer(Answer::Error("prefill_unavailable"), Api::Chat, &Ok(text));
+    assert_eq!(proxy.metric(r#"tokenonce_upstream_errors_total{kind="connect",stage="prefill"}"#).await, 1.0);
+    wait_health(&proxy, "prefill", &p, false).await;
+
+    p.restart();
+    let started = Instant::now();
+    wait_health(&proxy, "prefill", &p, true).await;
+    let (status, text) = chat(&proxy, true).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(proxy.metric(APPLIED).await, 2.0, "reuse again after the restart");
+    assert!(started.elapsed() < Duration::from_secs(5), "recovered within {:?}", started.elapsed());
+    assert_eq!(d.posts().len(), 2, "the decode never got the failed request");
+}
+
+/// The decode engine dies (502 `decode_unavailable`) and comes back on the same address as
+/// another vLLM (0.26 → 0.32): the new version is learned and chat reuse, off before
+/// (`decode_version_old`), is applied within a bounded time.
+#[tokio::test(flavor = "multi_thread")]
+async fn decode_restart_as_a_new_version_recovers_reuse() {
+    let old = FakeConfig { version: "0.26.0".into(), ..FakeConfig::default() };
+    let (pf, df) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(old).await);
+    let (p, d) = (FaultEngine::start(&pf).await, FaultEngine::start(&df).await);
+    let proxy = TokenOnce::start(&pd(&[&p], &[&d], "")).await;
+    wait_health(&proxy, "decode", &d, true).await;
+    assert_eq!(chat(&proxy, false).await.0, 200);
+    let old_gate = r#"tokenonce_token_reuse_total{reason="decode_version_old",result="fallback",route="pd"}"#;
+    assert_eq!(proxy.metric(old_gate).await, 1.0);
+
+    d.stop().await;
+    let (status, text) = chat(&proxy, false).await;
+    assert_eq!(status, 502, "{text}");
+    check_answer(Answer::Error("decode_unavailable"), Api::Chat, &Ok(text));
+    wait_health(&proxy, "decode", &d, false).await;
+
+    df.configure(|c| c.version = "0.32.0".into());
+    d.restart();
+    let started = Instant::now();
+    wait_health(&proxy, "decode", &d, true).await;
+    let (status, text) = chat(&proxy, false).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(proxy.metric(APPLIED).await, 1.0, "the new gate");
+    // The failed request was planned (and counted) under the old gate too.
+    assert_eq!(proxy.metric(old_gate).await, 2.0);
+    assert!(started.elapsed() < Duration::from_secs(5), "recovered within {:?}", started.elapsed());
+}
+
+const FAILOVERS: &str = r#"tokenonce_prefill_failovers_total{route="pd"}"#;
+
+/// The first prefill endpoint fails with `fault` (its `/health` stays good): the request
+/// fails over to the second and succeeds; counted once; the decode ran once.
+async fn failover_to_the_second_prefill(fault: Fault) {
+    let (pf1, pf2, df) = (
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+    );
+    let (p1, p2, d) =
+        (FaultEngine::with(&pf1, fault).await, FaultEngine::start(&pf2).await, FaultEngine::start(&df).await);
+    let settings = Settings { upstream_extra: "eject_after_failures = 0\n".into(), ..Settings::default() };
+    let proxy = TokenOnce::start_with(&pd(&[&p1, &p2], &[&d], ""), &settings).await;
+    wait_health(&proxy, "prefill", &p1, true).await;
+    wait_health(&proxy, "prefill", &p2, true).await;
+    let started = Instant::now();
+    for _ in 0..3 {
+        let (status, text) = chat(&proxy, false).await;
+        assert_eq!(status, 200, "{text}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(p2.posts().len(), 3, "the second endpoint served every request");
+    assert!(!p1.posts().is_empty(), "round robin sends some to the failing one first");
+    assert_eq!(proxy.metric(FAILOVERS).await, p1.posts().len() as f64, "each of those failed over once");
+    assert_eq!(d.posts().len(), 3);
+    assert_eq!(proxy.metric(APPLIED).await, 3.0);
+}
+
+/// Failover on a 503 with a body.
+#[tokio::test(flavor = "multi_thread")]
+async fn failover_on_a_prefill_5xx() {
+    failover_to_the_second_prefill(Fault::Status(503, ENGINE_503)).await;
+}
+
+/// Failover on a prefill that read the request and closed (no answer).
+#[tokio::test(flavor = "multi_thread")]
+async fn failover_on_a_prefill_closing_without_an_answer() {
+    failover_to_the_second_prefill(Fault::CloseAfterRead).await;
+}
+
+/// Failover on a prefill answering non-HTTP bytes.
+#[tokio::test(flavor = "multi_thread")]
+async fn failover_on_a_prefill_answering_garbage() {
+    failover_to_the_second_prefill(Fault::Garbage(GARBAGE)).await;
+}
+
+/// A prefill endpoint failing requests in a row (`eject_after_failures = 2`) is ejected while
+/// its `/health` stays good: it gets no request while ejected; once it recovers it is
+/// readmitted after the 5 s backoff and serves again; ejections counted, gauge back to 0.
+#[tokio::test(flavor = "multi_thread")]
+async fn ejection_and_readmission() {
+    let (pf1, pf2, df) = (
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+    );
+    let bad = FaultEngine::with(&pf1, Fault::CloseAfterRead).await;
+    let (good, d) = (FaultEngine::start(&pf2).await, FaultEngine::start(&df).await);
+    let settings = Settings { upstream_extra: "eject_after_failures = 2\n".into(), ..Settings::default() };
+    let proxy = TokenOnce::start_with(&pd(&[&bad, &good], &[&d], ""), &settings).await;
+    wait_health(&proxy, "prefill", &bad, true).await;
+    wait_health(&proxy, "prefill", &good, true).await;
+    let ejections = r#"tokenonce_upstream_ejections_total{pool="prefill"}"#;
+    let ejected = r#"tokenonce_upstream_ejected{pool="prefill"}"#;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while proxy.metric(ejections).await < 1.0 {
+        assert!(Instant::now() < deadline, "never ejected");
+        assert_eq!(chat(&proxy, false).await.0, 200);
+    }
+    assert_eq!(bad.posts().len(), 2);
+    assert_eq!(proxy.metric(ejected).await, 1.0);
+    for _ in 0..6 {
+        assert_eq!(chat(&proxy, false).await.0, 200);
+    }
+    assert_eq!(bad.posts().len(), 2, "an ejected endpoint gets no request");
+
+    bad.set(Fault::Pass);
+    let recovered = Instant::now();
+    while bad.ended(End::Answered) == 0 {
+        assert!(recovered.elapsed() < Duration::from_secs(15), "never readmitted");
+        assert_eq!(chat(&proxy, false).await.0, 200);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(recovered.elapsed() >= Duration::from_secs(3), "not readmitted before its backoff");
+    let served = bad.posts().len();
+    for _ in 0..4 {
+        assert_eq!(chat(&proxy, false).await.0, 200);
+    }
+    assert!(bad.posts().len() > served, "readmitted: it serves its share again");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while proxy.metric(ejected).await != 0.0 {
+        assert!(Instant::now() < deadline, "gauge stuck");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(proxy.metric(ejections).await, 1.0);
+}
+
+/// README's "Failure behaviour" tables and this matrix agree: every case a row names is a
+/// test of this crate's suites, and every case of this file (but the baselines) is named by a row.
+#[test]
+fn readme_failure_table_names_every_case() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let table = readme.split("### Failure behaviour").nth(1).unwrap().split("\n## ").next().unwrap();
+    let named: Vec<&str> = table
+        .lines()
+        .filter(|l| l.starts_with('|') && !l.starts_with("|---"))
+        .filter_map(|l| l.trim_end_matches('|').rsplit('|').next())
+        .flat_map(|cell| cell.split('`').skip(1).step_by(2))
+        .filter(|name| name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
+        .collect();
+    assert!(named.len() > 60, "the tables name the cases: {named:?}");
+    let mut tests = String::new();
+    for file in std::fs::read_dir(root.join("tests")).unwrap() {
+        let path = file.unwrap().path();
+        if path.extension().is_some_and(|e| e == "rs") {
+            tests.push_str(&std::fs::read_to_string(&path).unwrap());
+        }
+    }
+    for name in &named {
+        let defined = tests.contains(&format!("async fn {name}(")) || tests.contains(&format!("\n    {name}: "));
+        assert!(defined, "README names case {name}, which no test defines");
+    }
+    let own = std::fs::read_to_string(root.join("tests/faults.rs")).unwrap();
+    let ident = |n: &&str| n.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    let rows =
+        own.lines().filter_map(|l| l.strip_prefix("    ")?.split_once(": Case")).map(|(name, _)| name).filter(ident);
+    let scenarios = own.lines().filter_map(|l| l.strip_prefix("async fn ")?.split_once("()")).map(|(name, _)| name);
+    let tested: Vec<&str> = own
+        .lines()
+        .zip(own.lines().skip(1))
+        .filter(|(attr, _)| attr.starts_with("#[tokio::test"))
+        .filter_map(|(_, f)| f.strip_prefix("async fn ")?.split_once('(').map(|(n, _)| n))
+        .collect();
+    // Baselines are no fault: they show the engines pass the fakes' answers unchanged.
+    for name in rows.chain(scenarios.filter(|n| tested.contains(n))).filter(|n| !n.contains("baseline")) {
+        assert!(named.contains(&name), "case {name} has no row in README's failure tables");
+    }
+}

@@ -1,0 +1,463 @@
+//! Every wait is bounded (issue 8 point 1) and memory too (point 7): engines that stall
+//! before their head, mid-body and mid-stream, a client that stops reading, passthrough
+//! body limits and over-long SSE events. Each test asserts what the client sees, what is
+//! counted, and a generous time bound.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use support::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// A raw HTTP/1.1 engine on loopback: answers `GET`s (health, version) at once and every
+/// `POST` with `answer` (a head and maybe part of a body), then holds the connection open
+/// without a byte more for 20 s: a hung engine. Counts the POSTs it read.
+struct StallingEngine {
+    addr: String,
+    posts: Arc<AtomicUsize>,
+}
+
+impl StallingEngine {
+    async fn start(answer: &'static str) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let posts = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::clone(&posts);
+        tokio::spawn(async move {
+            for _ in 0..200 {
+                let Ok((sock, _)) = listener.accept().await else { return };
+                tokio::spawn(serve(sock, answer, Arc::clone(&seen)));
+            }
+        });
+        Self { addr, posts }
+    }
+
+    fn posts(&self) -> usize {
+        self.posts.load(Ordering::SeqCst)
+    }
+}
+
+async fn serve(mut sock: TcpStream, answer: &'static str, posts: Arc<AtomicUsize>) {
+    let Some(method) = read_request(&mut sock).await else { return };
+    if method != "post" {
+        let body = "{\"version\":\"0.32.0\"}";
+        let head = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        );
+        let _ = sock.write_all(format!("{head}{body}").as_bytes()).await;
+        return;
+    }
+    posts.fetch_add(1, Ordering::SeqCst);
+    let _ = sock.write_all(answer.as_bytes()).await;
+    tokio::time::sleep(Duration::from_secs(20)).await;
+}
+
+/// Reads one request whole (head and `content-length` body, within 10 s); its method.
+async fn read_request(sock: &mut TcpStream) -> Option<String> {
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 1 << 16];
+    let work = async {
+        loop {
+            let n = sock.read(&mut buf).await.ok().filter(|&n| n > 0)?;
+            got.extend_from_slice(&buf[..n]);
+            let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") else { continue };
+            let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().parse().unwrap()))
+                .unwrap_or(0);
+            if got.len() >= end + 4 + len {
+                return Some(head.split(' ').next().unwrap_or_default().to_owned());
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), work).await.ok().flatten()
+}
+
+/// A 200 JSON head promising 100 bytes, then 7 of them.
+const JSON_HEAD_THEN_STALL: &str =
+    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"id\":";
+
+/// An orchestrate route `pd` over `prefill` and `decode` (`host:port`) with `extra` keys.
+fn pd(prefill: &str, decode: &str, extra: &str) -> String {
+    format!(
+        "[pools.prefill]\nendpoints = [\"{prefill}\"]\n\n[pools.decode]\nendpoints = [\"{decode}\"]\n\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n{extra}\n[routes.match]\npaths = [\"/v1/chat/completions\", \"/v1/completions\"]\n"
+    )
+}
+
+/// A passthrough route `pt` for `paths` to `addr`, and the unmatched default to it too.
+fn passthrough(addr: &str, paths: &str, extra: &str) -> String {
+    format!(
+        "[pools.decode]\nendpoints = [\"{addr}\"]\n\n[[routes]]\nname = \"pt\"\nmode = \"passthrough\"\ndecode_pool = \"decode\"\n{extra}\n[routes.match]\npaths = [{paths}]\n"
+    )
+}
+
+const FAST: &str = "stream_idle_timeout_ms = 300\ndecode_first_byte_timeout_ms = 300\nclient_write_timeout_ms = 300\n";
+
+/// `data:` payloads of an SSE body.
+fn sse_data(text: &str) -> Vec<String> {
+    text.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).map(str::to_owned).collect()
+}
+
+/// A decode stream that stalls after its first events ends, within the idle timeout, with
+/// the events sent so far, then the error event `stream_idle_timeout` and `[DONE]`; counted
+/// as a decode timeout at stage `stream_idle`.
+#[tokio::test(flavor = "multi_thread")]
+async fn stalled_decode_stream_ends_with_an_idle_error_event() {
+    let decode = FakeConfig { chunk_delay: Duration::from_secs(10), ..FakeConfig::default() };
+    let (_p, _d, proxy) = pd_setup(FakeConfig::default(), decode, FAST).await;
+    let started = Instant::now();
+    let body = chat_body("stall please", json!({"stream": true}));
+    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert_eq!(status, 200);
+    let data = sse_data(&text);
+    assert!(data.len() >= 3, "{text}");
+    assert!(data[0].contains("\"role\":\"assistant\""), "the first event went out: {text}");
+    let error: serde_json::Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+    assert_eq!(error["error"]["code"], "stream_idle_timeout", "{text}");
+    assert_eq!(data[data.len() - 1], "[DONE]");
+    assert!(text.ends_with("\n\ndata: [DONE]\n\n"), "{text:?}");
+    let series = r#"tokenonce_timeouts_total{route="pd",stage="stream_idle"}"#;
+    assert_eq!(proxy.metric_reaches(series, 1.0).await, 1.0);
+    assert_eq!(proxy.metric(r#"tokenonce_upstream_errors_total{kind="timeout",stage="decode"}"#).await, 1.0);
+}
+
+/// A decode that sends no head within `decode_first_byte_timeout_ms` is a 504
+/// `decode_timeout`, counted at stage `first_byte`.
+#[tokio::test(flavor = "multi_thread")]
+async fn decode_without_a_head_is_504() {
+    let decode = FakeConfig { delay: Duration::from_secs(10), ..FakeConfig::default() };
+    let (_p, _d, proxy) = pd_setup(FakeConfig::default(), decode, FAST).await;
+    let started = Instant::now();
+    let (status, _, text) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("hi", json!({})), &[]).await;
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert_eq!(status, 504, "{text}");
+    assert!(text.contains("\"code\":\"decode_timeout\""), "{text}");
+    assert_eq!(proxy.metric_reaches(r#"tokenonce_timeouts_total{route="pd",stage="first_byte"}"#, 1.0).await, 1.0);
+}
+
+/// A non-streamed decode answer needs no rewrite, so its head goes out at once and its body
+/// streams through; when the engine stalls mid-body the client connection is cut (the body
+/// never ends: no silent truncation), counted at `stream_idle`.
+#[tokio::test(flavor = "multi_thread")]
+async fn non_sse_decode_stalled_mid_body_is_cut() {
+    let prefill = FakeVllm::start(FakeConfig::default()).await;
+    let decode = StallingEngine::start(JSON_HEAD_THEN_STALL).await;
+    let proxy = TokenOnce::start(&pd(&prefill.host_port(), &decode.addr, FAST)).await;
+    let started = Instant::now();
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", proxy.url))
+        .json(&chat_body("hi", json!({})))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "the head is relayed before the body");
+    let body = resp.bytes().await;
+    assert!(body.is_err(), "a cut body must not read as complete: {body:?}");
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert_eq!(decode.posts(), 1);
+    let series = r#"tokenonce_timeouts_total{route="pd",stage="stream_idle"}"#;
+    assert_eq!(proxy.metric_reaches(series, 1.0).await, 1.0);
+    let outcome = r#"tokenonce_requests_total{api="chat",mode="orchestrate",outcome="server_error",route="pd"}"#;
+    assert_eq!(proxy.metric_reaches(outcome, 1.0).await, 1.0);
+}
+
+/// When the answer's `cached_tokens` must be rewritten it is buffered, so a stall mid-body
+/// comes before the client got a byte: a typed 504 `stream_idle_timeout`.
+#[tokio::test(flavor = "multi_thread")]
+async fn rewritten_decode_stalled_mid_body_is_504() {
+    let prefill = FakeVllm::start(FakeConfig { cached_tokens: Some(3), ..FakeConfig::default() }).await;
+    let decode = StallingEngine::start(JSON_HEAD_THEN_STALL).await;
+    let proxy = TokenOnce::start(&pd(&prefill.host_port(), &decode.addr, FAST)).await;
+    let started = Instant::now();
+    let (status, _, text) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("hi", json!({})), &[]).await;
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert_eq!(status, 504, "{text}");
+    let error: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error["error"]["code"], "stream_idle_timeout", "{text}");
+    assert_eq!(error["error"]["type"], "upstream_error");
+    assert_eq!(proxy.metric_reaches(r#"tokenonce_timeouts_total{route="pd",stage="stream_idle"}"#, 1.0).await, 1.0);
+}
+
+/// Passthrough through pingora's pipeline (a path no API handler takes): an engine with no
+/// head is a 504; one that stalls mid-body has its client connection cut. Both counted.
+#[tokio::test(flavor = "multi_thread")]
+async fn passthrough_pipeline_stalls_are_bounded() {
+    let silent = StallingEngine::start("").await;
+    let proxy = TokenOnce::start(&passthrough(&silent.addr, "\"/tokenize\"", FAST)).await;
+    let started = Instant::now();
+    let (status, _, text) = post_raw(&format!("{}/tokenize", proxy.url), "{\"prompt\":\"hi\"}", &[]).await;
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert_eq!(status, 504, "{text}");
+    assert!(text.contains("\"code\":\"decode_timeout\""), "{text}");
+    assert_eq!(proxy.metric_reaches(r#"tokenonce_timeouts_total{route="pt",stage="first_byte"}"#, 1.0).await, 1.0);
+
+    let stalling = StallingEngine::start(JSON_HEAD_THEN_STALL).await;
+    let proxy = TokenOnce::start(&passthrough(&stalling.addr, "\"/tokenize\"", FAST)).await;
+    let started = Instant::now();
+    let resp = reqwest::Client::new().post(format!("{}/tokenize", proxy.url)).body("{}").send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.bytes().await.is_err(), "the cut body must not read as complete");
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert_eq!(proxy.metric_reaches(r#"tokenonce_timeouts_total{route="pt",stage="stream_idle"}"#, 1.0).await, 1.0);
+    assert_eq!(proxy.metric(r#"tokenonce_upstream_errors_total{kind="timeout",stage="passthrough"}"#).await, 1.0);
+}
+
+/// Relay decodes (and decode-only header requests) were unbounded before their head: now
+/// the route's first-byte timeout holds there too.
+#[tokio::test(flavor = "multi_thread")]
+async fn relay_decode_without_a_head_is_504() {
+    let engine = FakeVllm::start(FakeConfig { delay: Duration::from_secs(10), ..FakeConfig::default() }).await;
+    let config = format!(
+        "[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"relay\"\nmode = \"relay\"\ndecode_pool = \"decode\"\n{FAST}\n[routes.match]\npaths = [\"/v1/chat/completions\"]\n",
+        engine.host_port()
+    );
+    let proxy = TokenOnce::start(&config).await;
+    let started = Instant::now();
+    let (status, _, text) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("hi", json!({})), &[]).await;
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert_eq!(status, 504, "{text}");
+    assert!(text.contains("\"code\":\"decode_timeout\""), "{text}");
+    assert_eq!(proxy.metric_reaches(r#"tokenonce_timeouts_total{route="relay",stage="first_byte"}"#, 1.0).await, 1.0);
+}
+
+/// A header-named prefiller that never answers is bounded by the route's prefill timeout.
+#[tokio::test(flavor = "multi_thread")]
+async fn hung_header_prefiller_is_504() {
+    let prefiller = StallingEngine::start("").await;
+    let decode = FakeVllm::start(FakeConfig::default()).await;
+    let config = format!(
+        "[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"hdr\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ header = \"x-prefiller-host-port\", allow = [\"127.0.0.0/8\"] }}\nprefill_timeout_ms = 300\n[routes.match]\npaths = [\"/v1/chat/completions\"]\n",
+        decode.host_port()
+    );
+    let proxy = TokenOnce::start(&config).await;
+    let started = Instant::now();
+    let headers = [("x-prefiller-host-port", prefiller.addr.as_str())];
+    let (status, _, text) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("hi", json!({})), &headers).await;
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    assert_eq!(status, 504, "{text}");
+    assert!(text.contains("\"code\":\"prefill_timeout\""), "{text}");
+    assert_eq!(prefiller.posts(), 1);
+    assert!(decode.posts().is_empty());
+    assert_eq!(proxy.metric_reaches(r#"tokenonce_timeouts_total{route="hdr",stage="prefill"}"#, 1.0).await, 1.0);
+}
+
+/// A client that stops reading a long stream: once tokenonce's writes wait past
+/// `client_write_timeout_ms` the client connection is cut and the decode's stream closed
+/// (the engine sees it cancelled), counted at `client_write`.
+#[tokio::test(flavor = "multi_thread")]
+async fn client_that_stops_reading_is_cut_and_the_decode_closed() {
+    // The fake renders its whole answer before the head: give it time for that.
+    let keys = "decode_first_byte_timeout_ms = 30000\nclient_write_timeout_ms = 300\n";
+    let (_p, decode, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), keys).await;
+    // ~200k events, ~50 MB: far more than the socket buffers between us hold.
+    let body = serde_json::to_vec(&chat_body("long answer", json!({"stream": true, "max_tokens": 200_000}))).unwrap();
+    let addr: std::net::SocketAddr = proxy.url.trim_start_matches("http://").parse().unwrap();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut client = socket.connect(addr).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    client.write_all(head.as_bytes()).await.unwrap();
+    client.write_all(&body).await.unwrap();
+    let mut first = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(10), client.read(&mut first)).await.unwrap().unwrap();
+    assert!(first[..n].starts_with(b"HTTP/1.1 200"), "{:?}", String::from_utf8_lossy(&first[..n]));
+    // The client reads nothing more.
+    let series = r#"tokenonce_timeouts_total{route="pd",stage="client_write"}"#;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while proxy.metric(series).await < 1.0 {
+        assert!(Instant::now() < deadline, "no client write timeout within 15 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while decode.cancelled() < 1 {
+        assert!(Instant::now() < deadline, "the decode stream was not closed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The connection is cut: reading on drains what was buffered, then ends (bounded).
+    let mut sink = vec![0u8; 1 << 16];
+    let drained = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match client.read(&mut sink).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(drained.is_ok(), "the client connection stayed open");
+    let outcome = r#"tokenonce_requests_total{api="chat",mode="orchestrate",outcome="client_closed",route="pd"}"#;
+    assert_eq!(proxy.metric_reaches(outcome, 1.0).await, 1.0);
+}
+
+/// A chat body that streams, sent by a client that gives up after 300 ms.
+async fn post_and_leave(url: &str, body: &serde_json::Value) {
+    let client = reqwest::Client::builder().timeout(Duration::from_millis(300)).build().unwrap();
+    let sent = client.post(url).json(body).send().await;
+    assert!(sent.is_err(), "the client was meant to give up first: {sent:?}");
+}
+
+/// Waits (bounded: 5 s) until `engine` has received `n` POSTs.
+async fn posts_reach(engine: &FakeVllm, n: usize) -> Vec<support::fake_vllm::Recorded> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while engine.posts().len() < n && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    engine.posts()
+}
+
+/// Point 5: the client leaves after a prefill that returned `kv_transfer_params`, while the
+/// decode has not answered: tokenonce still sends the decode for one token, not streamed,
+/// with the prefill's kv params (so the decode pulls the KV blocks and the prefill frees
+/// them), reads and discards the answer, and counts it as `released`.
+#[tokio::test(flavor = "multi_thread")]
+async fn client_gone_before_the_decode_answered_releases_the_kv_blocks() {
+    let prefill = FakeConfig { connector: true, ..FakeConfig::default() };
+    let decode = FakeConfig { delay: Duration::from_secs(1), ..FakeConfig::default() };
+    let (p, d, proxy) = pd_setup(prefill, decode, "").await;
+    let body = chat_body(
+        "leave early",
+        json!({"stream": true, "stream_options": {"include_usage": true}, "max_completion_tokens": 9, "min_tokens": 2}),
+    );
+    post_and_leave(&format!("{}/v1/chat/completions", proxy.url), &body).await;
+    let posts = posts_reach(&d, 2).await;
+    assert_eq!(posts.len(), 2, "the decode, then its release");
+    let (decode_leg, release) = (posts[0].json(), posts[1].json());
+    assert_eq!(release["max_tokens"], 1);
+    assert_eq!(release["max_completion_tokens"], 1);
+    assert_eq!(release["stream"], false);
+    assert!(release.get("stream_options").is_none() && release.get("min_tokens").is_none(), "{release}");
+    let prefill_kv = p.posts()[0].json();
+    assert_eq!(prefill_kv["kv_transfer_params"]["do_remote_decode"], true);
+    assert_eq!(release["kv_transfer_params"], decode_leg["kv_transfer_params"], "the same handoff");
+    assert_eq!(release["kv_transfer_params"]["remote_engine_id"], "fake-engine");
+    assert!(release["kv_transfer_params"]["prompt_token_ids"].is_array(), "token-in, like the decode");
+    assert_eq!(release["messages"], decode_leg["messages"]);
+    let released = r#"tokenonce_kv_releases_total{result="released",route="pd"}"#;
+    assert_eq!(proxy.metric_reaches(released, 1.0).await, 1.0);
+    assert_eq!(d.posts().len(), 2, "one release, no more");
+}
+
+/// With `on_client_gone = "abandon"` nothing is sent after the decode the client left;
+/// counted as `abandoned`.
+#[tokio::test(flavor = "multi_thread")]
+async fn client_gone_with_abandon_sends_no_release() {
+    let prefill = FakeConfig { connector: true, ..FakeConfig::default() };
+    let decode = FakeConfig { delay: Duration::from_secs(1), ..FakeConfig::default() };
+    let (_p, d, proxy) = pd_setup(prefill, decode, "on_client_gone = \"abandon\"\n").await;
+    post_and_leave(&format!("{}/v1/chat/completions", proxy.url), &chat_body("leave", json!({"stream": true}))).await;
+    let abandoned = r#"tokenonce_kv_releases_total{result="abandoned",route="pd"}"#;
+    assert_eq!(proxy.metric_reaches(abandoned, 1.0).await, 1.0);
+    // Past the decode's delay: a release would have arrived by now.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(d.posts().len(), 1, "the decode the client left, nothing after it");
+    assert_eq!(proxy.metric(r#"tokenonce_kv_releases_total{result="released",route="pd"}"#).await, 0.0);
+}
+
+/// A decode that already streams has pulled the KV blocks: a client leaving then gets no
+/// release. A prefill without `kv_transfer_params` (no KV connector) holds nothing either.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_release_once_the_decode_streams_or_without_kv_params() {
+    let prefill = FakeConfig { connector: true, ..FakeConfig::default() };
+    let decode = FakeConfig { chunk_delay: Duration::from_secs(2), ..FakeConfig::default() };
+    let (_p, d, proxy) = pd_setup(prefill, decode, "").await;
+    let mut resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", proxy.url))
+        .json(&chat_body("stream then leave", json!({"stream": true})))
+        .send()
+        .await
+        .unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(5), resp.chunk()).await.unwrap().unwrap().unwrap();
+    assert!(first.starts_with(b"data: "), "{first:?}");
+    drop(resp);
+    let closed = r#"tokenonce_requests_total{api="chat",mode="orchestrate",outcome="client_closed",route="pd"}"#;
+    assert_eq!(proxy.metric_reaches(closed, 1.0).await, 1.0);
+    assert_eq!(d.posts().len(), 1);
+    for result in ["released", "failed", "timeout", "abandoned"] {
+        let series = format!("tokenonce_kv_releases_total{{result=\"{result}\",route=\"pd\"}}");
+        assert_eq!(proxy.metric(&series).await, 0.0, "{result}");
+    }
+
+    let decode = FakeConfig { delay: Duration::from_secs(1), ..FakeConfig::default() };
+    let (_p, d, proxy) = pd_setup(FakeConfig::default(), decode, "").await;
+    post_and_leave(&format!("{}/v1/chat/completions", proxy.url), &chat_body("no kv", json!({"stream": true}))).await;
+    assert_eq!(proxy.metric_reaches(closed, 1.0).await, 1.0);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(d.posts().len(), 1, "kv_transfer_params null: nothing to release");
+}
+
+/// A release leg that does not finish within `release_timeout_ms` is given up and counted.
+#[tokio::test(flavor = "multi_thread")]
+async fn release_that_hangs_is_bounded() {
+    let prefill = FakeConfig { connector: true, ..FakeConfig::default() };
+    let decode = FakeConfig { delay: Duration::from_secs(10), ..FakeConfig::default() };
+    let (_p, d, proxy) = pd_setup(prefill, decode, "release_timeout_ms = 300\n").await;
+    let started = Instant::now();
+    post_and_leave(&format!("{}/v1/chat/completions", proxy.url), &chat_body("hang", json!({"stream": true}))).await;
+    let timed_out = r#"tokenonce_kv_releases_total{result="timeout",route="pd"}"#;
+    assert_eq!(proxy.metric_reaches(timed_out, 1.0).await, 1.0);
+    assert!(started.elapsed() < Duration::from_secs(4), "took {:?}", started.elapsed());
+    assert_eq!(proxy.metric(r#"tokenonce_timeouts_total{route="pd",stage="release"}"#).await, 1.0);
+    assert_eq!(posts_reach(&d, 2).await.len(), 2);
+}
+
+/// Point 7: a passthrough route honours `max_body_bytes` on pingora's pipeline: a declared
+/// `Content-Length` over it is refused before any engine is asked, a chunked body that grows
+/// past it is cut off; both 413 `body_too_large`, OpenAI-shaped.
+#[tokio::test(flavor = "multi_thread")]
+async fn passthrough_route_honours_max_body_bytes() {
+    let engine = FakeVllm::start(FakeConfig::default()).await;
+    let proxy = TokenOnce::start(&passthrough(&engine.host_port(), "\"/tokenize\"", "max_body_bytes = 1000\n")).await;
+    let url = format!("{}/tokenize", proxy.url);
+    let (status, _, text) = post_raw(&url, "{\"prompt\":\"small\"}", &[]).await;
+    assert_eq!(status, 200, "{text}");
+    let (status, _, text) = post_raw(&url, "x".repeat(5000), &[]).await;
+    assert_eq!(status, 413, "{text}");
+    let error: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error["error"]["code"], "body_too_large");
+    assert_eq!(engine.posts().len(), 1, "a declared length over the limit never reaches the engine");
+
+    // Chunked: no length up front; 10 pieces of 400 bytes pass the limit at the third.
+    let pieces: Vec<Result<Vec<u8>, std::io::Error>> = (0..10).map(|_| Ok(vec![b'y'; 400])).collect();
+    let body = reqwest::Body::wrap_stream(futures_util::stream::iter(pieces));
+    let resp = reqwest::Client::new().post(&url).body(body).send().await.unwrap();
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap_or_default();
+    assert_eq!(status, 413, "{text}");
+    assert!(text.contains("\"code\":\"body_too_large\""), "{text}");
+}
+
+/// Point 7: the SSE decoder's buffer is capped: an event longer than `max_sse_event_bytes`
+/// (here the first chat event, which echoes ~100 KB of prompt ids) is never sent; the stream
+/// ends with the error event `stream_event_too_large` and `[DONE]`, counted as `too_large`.
+#[tokio::test(flavor = "multi_thread")]
+async fn over_long_sse_event_ends_the_stream_with_an_error_event() {
+    let (_p, _d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "max_sse_event_bytes = 65536\n").await;
+    let words: Vec<String> = (0..15_000).map(|i| format!("w{i}")).collect();
+    let body = chat_body(&words.join(" "), json!({"stream": true, "return_token_ids": true}));
+    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+    assert_eq!(status, 200);
+    let data = sse_data(&text);
+    assert_eq!(data.len(), 2, "only the error event and [DONE]: {}", &text[..text.len().min(300)]);
+    let error: serde_json::Value = serde_json::from_str(&data[0]).unwrap();
+    assert_eq!(error["error"]["code"], "stream_event_too_large", "{text}");
+    assert_eq!(data[1], "[DONE]");
+    let series = r#"tokenonce_upstream_errors_total{kind="too_large",stage="decode"}"#;
+    assert_eq!(proxy.metric_reaches(series, 1.0).await, 1.0);
+}
