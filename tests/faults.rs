@@ -980,8 +980,16 @@ async fn decode_restart_as_a_new_version_recovers_reuse() {
     let (status, text) = chat(&proxy, false).await;
     assert_eq!(status, 200, "{text}");
     assert_eq!(proxy.metric(APPLIED).await, 1.0, "the new gate");
-    // The failed request was planned (and counted) under the old gate too.
-    assert_eq!(proxy.metric(old_gate).await, 2.0);
+    // The failed request was planned (and counted) under the old gate too, unless a health
+    // poll saw the stop before its prefill ended: that forgets the version (as it should), and
+    // the request counts as `decode_version_unknown` (a loaded machine makes that window
+    // longer than a poll interval).
+    let unknown = r#"tokenonce_token_reuse_total{reason="decode_version_unknown",result="fallback",route="pd"}"#;
+    let (old_count, unknown_count) = (proxy.metric(old_gate).await, proxy.metric(unknown).await);
+    assert!(
+        (old_count, unknown_count) == (2.0, 0.0) || (old_count, unknown_count) == (1.0, 1.0),
+        "old gate {old_count}, version unknown {unknown_count}"
+    );
     assert!(started.elapsed() < Duration::from_secs(5), "recovered within {:?}", started.elapsed());
 }
 
