@@ -8,6 +8,7 @@
 //! - `openai`: the wire protocol as pure functions on bytes (request view, rewrites, handoff
 //!   extraction, prompt-id validation, error bodies).
 //! - `handoff`: the relay-mode id cache and correlation keys.
+//! - `parity`: pool tokenizers, the vocabulary bound and the sampled parity watch.
 //! - `sse`: incremental SSE framing.
 //! - `upstream`: pools, the HTTP client for the legs, health and version polling.
 //! - `proxy`: pingora glue and the executor that runs a plan; the one error exit.
@@ -21,6 +22,7 @@ pub mod config;
 pub mod handoff;
 pub mod metrics;
 pub mod openai;
+pub mod parity;
 pub mod plan;
 pub mod proxy;
 pub mod reload;
@@ -46,6 +48,9 @@ pub enum AppError {
     /// Metrics registration failed.
     #[error("metrics: {0}")]
     Metrics(#[from] prometheus::Error),
+    /// The parity watch's worker could not start.
+    #[error("parity watch: {0}")]
+    Watch(#[from] std::io::Error),
     /// A route names a pool that does not exist.
     #[error(transparent)]
     Routes(#[from] DanglingPool),
@@ -71,6 +76,8 @@ pub struct App {
     pub draining: Arc<std::sync::atomic::AtomicBool>,
     /// Client-edge limits (header count and size, body read deadline).
     pub edge: proxy::edge::EdgeLimits,
+    /// The parity watch's workers (kept across reloads).
+    pub watch: Arc<parity::Watch>,
 }
 
 /// The current [`App`], swapped whole when the config is reloaded; each request takes one
@@ -93,7 +100,8 @@ impl App {
             Arc::new(UpstreamClient::new(config.upstream().connect_timeout(), config.upstream().idle_timeout()));
         let cache = Arc::new(handoff::IdCache::new(config.cache().capacity_bytes(), config.cache().ttl()));
         let edge = proxy::edge::EdgeLimits::of(&config);
-        Ok(Self { cache, draining: Arc::default(), edge, config, routes, pools, client, metrics, registry })
+        let watch = Arc::new(parity::Watch::start(parity::WORKERS, parity::QUEUE)?);
+        Ok(Self { cache, draining: Arc::default(), edge, config, routes, pools, client, metrics, registry, watch })
     }
 
     /// The state for a reloaded `config`: metrics, client and cache carry over, and pools
@@ -135,6 +143,7 @@ impl App {
             cache: Arc::clone(&self.cache),
             draining: Arc::clone(&self.draining),
             edge,
+            watch: Arc::clone(&self.watch),
         })
     }
 

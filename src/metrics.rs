@@ -188,6 +188,26 @@ label_enum! {
         Stateful => "stateful",
         /// A fractional `token_reuse` left this request out of the canary share.
         Canary => "canary",
+        /// An id is at or above the vocabulary size of the route's tokenizer.
+        IdsOutOfVocab => "ids_out_of_vocab",
+        /// The parity watch found ids that do not carry their request (`disable_reuse`).
+        ParityReuseOff => "parity_reuse_off",
+        /// The prefill and decode pools serve different models (`GET /v1/models`).
+        ModelMismatch => "model_mismatch",
+    }
+}
+
+label_enum! {
+    /// Result of a parity check (`parity_checks_total{result}`).
+    ParityResult {
+        /// The ids decode to the request's contents, in order, and their count agrees.
+        Match => "match",
+        /// They do not.
+        Mismatch => "mismatch",
+        /// Nothing comparable (no text content, a token prompt, ids that do not decode).
+        Skipped => "skipped",
+        /// The watch's queue was full: not checked.
+        Dropped => "dropped",
     }
 }
 
@@ -282,6 +302,10 @@ pub struct Metrics {
     cache_lookups: IntCounterVec,
     cache_evictions: IntCounterVec,
     config_reloads: IntCounterVec,
+    parity_checks: IntCounterVec,
+    parity_reuse_disabled: IntCounterVec,
+    parity_reuse_off: IntGaugeVec,
+    models_differ: IntGaugeVec,
 }
 
 fn histogram(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheus::Result<HistogramVec> {
@@ -438,6 +462,30 @@ impl Metrics {
                 "Config reloads on SIGHUP by result; a failed one keeps the running config.",
                 &["result"],
             )?,
+            parity_checks: counter(
+                registry,
+                "tokenonce_parity_checks_total",
+                "Sampled checks that reused ids decode to their request (match, mismatch, skipped, dropped).",
+                &["route", "result"],
+            )?,
+            parity_reuse_disabled: counter(
+                registry,
+                "tokenonce_parity_reuse_disabled_total",
+                "Times a parity mismatch turned token reuse off for the route (on_parity_mismatch = disable_reuse).",
+                &["route"],
+            )?,
+            parity_reuse_off: gauge_vec(
+                registry,
+                "tokenonce_parity_reuse_off",
+                "1 while a parity mismatch holds token reuse off for the route.",
+                &["route"],
+            )?,
+            models_differ: gauge_vec(
+                registry,
+                "tokenonce_pool_models_differ",
+                "1 while the route's prefill and decode pools report different models in GET /v1/models.",
+                &["route"],
+            )?,
         };
         metrics.init_fixed();
         Ok(metrics)
@@ -517,6 +565,23 @@ impl Metrics {
         }
     }
 
+    /// Resolves (and so creates) a route's parity series.
+    pub fn parity(&self, route: &str) -> ParityMetrics {
+        ParityMetrics {
+            checks: ParityResult::ALL
+                .iter()
+                .map(|r| self.parity_checks.with_label_values(&[route, r.as_str()]))
+                .collect(),
+            reuse_disabled: self.parity_reuse_disabled.with_label_values(&[route]),
+            reuse_off: self.parity_reuse_off.with_label_values(&[route]),
+        }
+    }
+
+    /// Sets whether `route`'s prefill and decode pools serve different models.
+    pub fn models_differ(&self, route: &str, differ: bool) {
+        self.models_differ.with_label_values(&[route]).set(i64::from(differ));
+    }
+
     /// Creates a pool's series (zeros instead of gaps).
     pub fn pool(&self, pool: &str) {
         self.upstream_ejections.with_label_values(&[pool]);
@@ -578,6 +643,35 @@ impl Metrics {
             tracing::warn!(error = %e, "metrics encoding failed");
         }
         out
+    }
+}
+
+/// One route's parity-watch series.
+#[derive(Clone)]
+pub struct ParityMetrics {
+    /// By [`ParityResult`].
+    checks: Vec<IntCounter>,
+    reuse_disabled: IntCounter,
+    reuse_off: IntGauge,
+}
+
+impl ParityMetrics {
+    /// Counts one check.
+    pub fn check(&self, result: ParityResult) {
+        if let Some(c) = self.checks.get(result as usize) {
+            c.inc();
+        }
+    }
+
+    /// Counts reuse turned off, and marks it off.
+    pub fn reuse_disabled(&self) {
+        self.reuse_disabled.inc();
+        self.reuse_off.set(1);
+    }
+
+    /// Marks reuse on again.
+    pub fn reuse_back_on(&self) {
+        self.reuse_off.set(0);
     }
 }
 
@@ -680,6 +774,9 @@ mod tests {
         for (i, r) in FallbackReason::ALL.iter().enumerate() {
             assert_eq!(*r as usize, i);
         }
+        for (i, r) in ParityResult::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i);
+        }
         for (i, s) in TimeoutStage::ALL.iter().enumerate() {
             assert_eq!(*s as usize, i);
         }
@@ -726,6 +823,8 @@ mod tests {
         m.route("r", Mode::Relay);
         m.upstream_health("decode", "127.0.0.1:1", true);
         m.pool("decode");
+        m.parity("r");
+        m.models_differ("r", false);
         let text = String::from_utf8(Metrics::render(&registry)).unwrap();
         for name in [
             "tokenonce_requests_total",
@@ -749,6 +848,10 @@ mod tests {
             "tokenonce_prefill_failovers_total",
             "tokenonce_upstream_ejections_total",
             "tokenonce_upstream_ejected",
+            "tokenonce_parity_checks_total",
+            "tokenonce_parity_reuse_disabled_total",
+            "tokenonce_parity_reuse_off",
+            "tokenonce_pool_models_differ",
             "tokenonce_timeouts_total",
             "tokenonce_kv_releases_total",
         ] {

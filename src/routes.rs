@@ -3,13 +3,15 @@
 //! first rule whose path, model glob and headers all match wins, else the `default` route
 //! (passthrough to `defaults.passthrough_pool`). `select` is a pure function of the request.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::HeaderMap;
 
-use crate::config::{defaults, Config, Mode, PrefillSource, RouteMatch};
+use crate::config::{defaults, Config, Mode, PrefillSource, RouteMatch, RouteSpec};
 use crate::metrics::{Metrics, RouteMetrics};
+use crate::parity::RouteParity;
 use crate::plan::{ClientHandoff, HeaderRule, ReusePolicy};
 use crate::upstream::{Pool, RetryBudget};
 
@@ -72,9 +74,28 @@ pub struct Route {
     pub max_sse_event_bytes: usize,
     /// This route's series.
     pub metrics: RouteMetrics,
+    /// The parity watch's state, when the route's pools have a tokenizer.
+    pub parity: Option<Arc<RouteParity>>,
+    /// Set by the health poller: the prefill and decode pools report different models.
+    models_differ: AtomicBool,
 }
 
 impl Route {
+    /// The reuse policy for a request now: the config's knobs plus the route's current state
+    /// (parity watch holding reuse off, pools serving different models).
+    pub fn policy_now(&self) -> ReusePolicy {
+        ReusePolicy {
+            hold_ids: self.parity.as_ref().is_some_and(|p| p.reuse_off()),
+            models_differ: self.models_differ.load(Ordering::Relaxed),
+            ..self.policy
+        }
+    }
+
+    /// Records whether the route's pools serve different models; true when it changed.
+    pub fn set_models_differ(&self, differ: bool) -> bool {
+        self.models_differ.swap(differ, Ordering::Relaxed) != differ
+    }
+
     /// The header naming the prefiller, which is never forwarded to an engine.
     pub fn prefiller_header(&self) -> Option<&str> {
         match &self.prefill {
@@ -133,13 +154,18 @@ impl RouteTable {
                 None => None,
             };
             let o = &spec.options();
+            let tokenizer = route_tokenizer(config, spec);
             routes.push(Arc::new(Route {
                 name: spec.name().to_owned(),
                 mode: spec.mode(),
                 matcher: Some(spec.matcher().clone()),
                 decode_pool: pool(spec.decode_pool(), spec.name())?,
                 prefill,
-                policy: ReusePolicy { token_reuse: o.token_reuse(), relay_handoff: o.relay_handoff() },
+                policy: ReusePolicy::new(
+                    o.token_reuse(),
+                    o.relay_handoff(),
+                    tokenizer.as_ref().map(|t| t.vocab_bound()),
+                ),
                 client_handoff: o.client_handoff(),
                 prefill_timeout: o.prefill_timeout(),
                 decode_first_byte_timeout: o.decode_first_byte_timeout(),
@@ -157,6 +183,8 @@ impl RouteTable {
                 release_timeout: o.release_timeout(),
                 max_sse_event_bytes: o.max_sse_event_bytes(),
                 metrics: metrics.route(spec.name(), spec.mode()),
+                parity: route_parity(spec, tokenizer, metrics),
+                models_differ: AtomicBool::new(false),
             }));
         }
         let largest_body = routes.iter().map(|r| r.max_body_bytes).max().unwrap_or(DEFAULT_ROUTE_BODY_LIMIT);
@@ -166,10 +194,7 @@ impl RouteTable {
             matcher: None,
             decode_pool: pool(config.passthrough_pool(), DEFAULT_ROUTE)?,
             prefill: None,
-            policy: ReusePolicy {
-                token_reuse: crate::config::ReuseShare::OFF,
-                relay_handoff: crate::config::RelayHandoff::Cache,
-            },
+            policy: ReusePolicy::new(crate::config::ReuseShare::OFF, crate::config::RelayHandoff::Cache, None),
             client_handoff: ClientHandoff::Strip,
             prefill_timeout: Duration::from_millis(defaults::PREFILL_TIMEOUT_MS),
             decode_first_byte_timeout: Duration::from_millis(defaults::DECODE_FIRST_BYTE_TIMEOUT_MS),
@@ -187,6 +212,8 @@ impl RouteTable {
             release_timeout: Duration::from_millis(defaults::RELEASE_TIMEOUT_MS),
             max_sse_event_bytes: defaults::MAX_SSE_EVENT_BYTES as usize,
             metrics: metrics.default_route(DEFAULT_ROUTE),
+            parity: None,
+            models_differ: AtomicBool::new(false),
         });
         Ok(Self { routes, default })
     }
@@ -216,6 +243,39 @@ impl RouteTable {
     pub fn max_body_bytes(&self) -> usize {
         self.default.max_body_bytes
     }
+}
+
+/// A route's tokenizer: its decode pool's (the engine that reads the ids), else its prefill
+/// pool's.
+fn route_tokenizer(config: &Config, spec: &RouteSpec) -> Option<Arc<crate::parity::Tokenizer>> {
+    let of = |i: usize| config.pools().get(i).and_then(|p| p.tokenizer().cloned());
+    of(spec.decode_pool()).or_else(|| spec.prefill_pool().and_then(of))
+}
+
+/// A route's parity watch state (with a tokenizer), and its parity and model-identity series
+/// created (zeros instead of gaps, also on routes without a tokenizer).
+fn route_parity(
+    spec: &RouteSpec,
+    tokenizer: Option<Arc<crate::parity::Tokenizer>>,
+    metrics: &Metrics,
+) -> Option<Arc<RouteParity>> {
+    if spec.prefill_pool().is_some() {
+        metrics.models_differ(spec.name(), false);
+    }
+    if spec.mode() != Mode::Passthrough {
+        metrics.parity(spec.name());
+    }
+    let o = spec.options();
+    tokenizer.map(|t| {
+        Arc::new(RouteParity::new(
+            spec.name(),
+            t,
+            o.parity_sample(),
+            o.on_parity_mismatch(),
+            o.parity_cooldown(),
+            metrics.parity(spec.name()),
+        ))
+    })
 }
 
 /// The metric label of unmatched requests.

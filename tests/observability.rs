@@ -185,6 +185,38 @@ fn dashboard() -> Value {
     serde_json::from_str(&read("dashboards/tokenonce.json")).expect("dashboards/tokenonce.json is JSON")
 }
 
+/// Every panel and row of the dashboard has an id of its own, and no two top-level panels
+/// (rows included) share a cell of Grafana's 24-column grid: merges of branches that each
+/// added panels gave two the same id and stacked one on another before.
+#[test]
+fn dashboard_panels_have_unique_ids_and_do_not_overlap() {
+    let dashboard = dashboard();
+    let top = dashboard["panels"].as_array().expect("panels");
+    let mut ids = BTreeMap::new();
+    let mut all: Vec<&Value> = top.iter().collect();
+    all.extend(top.iter().flat_map(|p| p["panels"].as_array().into_iter().flatten()));
+    for p in all {
+        let id = p["id"].as_u64().unwrap_or_else(|| panic!("panel {} has no id", p["title"]));
+        if let Some(other) = ids.insert(id, p["title"].clone()) {
+            panic!("panels {other} and {} share id {id}", p["title"]);
+        }
+    }
+    let cells = |p: &Value| {
+        let g = &p["gridPos"];
+        let n = |k: &str| g[k].as_u64().unwrap_or_else(|| panic!("panel {} lacks gridPos.{k}", p["title"]));
+        (n("x"), n("y"), n("w"), n("h"))
+    };
+    for (i, a) in top.iter().enumerate() {
+        let (ax, ay, aw, ah) = cells(a);
+        assert!(ax + aw <= 24, "panel {} is wider than the grid", a["title"]);
+        for b in &top[i + 1..] {
+            let (bx, by, bw, bh) = cells(b);
+            let apart = ax + aw <= bx || bx + bw <= ax || ay + ah <= by || by + bh <= ay;
+            assert!(apart, "panels {} and {} overlap", a["title"], b["title"]);
+        }
+    }
+}
+
 /// The PromQL expression of every target of every panel, with the panel title.
 fn dashboard_exprs(dashboard: &Value) -> Vec<(String, String)> {
     let mut out = Vec::new();

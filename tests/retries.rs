@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use serde_json::json;
 use support::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 /// What the raw engine does with the second request on a connection.
@@ -54,7 +54,12 @@ impl RawEngine {
 }
 
 async fn serve(mut sock: TcpStream, second: Second, seen: Arc<std::sync::Mutex<Vec<String>>>) {
-    let Some((method, id)) = read_request(&mut sock).await else { return };
+    let Some((method, id)) = fault_engine::read_request(&mut sock).await.map(|r| {
+        let id = fault_engine::header(&r.head, "x-request-id").unwrap_or_default().to_owned();
+        (r.method, id)
+    }) else {
+        return;
+    };
     let body = "{\"ok\":true}";
     let resp = |close: &str| {
         format!(
@@ -62,7 +67,7 @@ async fn serve(mut sock: TcpStream, second: Second, seen: Arc<std::sync::Mutex<V
             body.len()
         )
     };
-    if method != "post" {
+    if method != "POST" {
         // Probes (`/health`, `/version`) on connections of their own, never pooled.
         let _ = sock.write_all(resp("connection: close\r\n").as_bytes()).await;
         return;
@@ -81,33 +86,11 @@ async fn serve(mut sock: TcpStream, second: Second, seen: Arc<std::sync::Mutex<V
             sock.set_linger(Some(Duration::ZERO)).unwrap();
         }
         Second::CloseAfterRead => {
-            if let Some((_, id)) = read_request(&mut sock).await {
-                seen.lock().unwrap().push(id);
+            if let Some(r) = fault_engine::read_request(&mut sock).await {
+                seen.lock().unwrap().push(fault_engine::header(&r.head, "x-request-id").unwrap_or_default().to_owned());
             }
         }
     }
-}
-
-/// Reads one request whole (head and `content-length` body, within 10 s); its method (lower
-/// case) and `x-request-id`.
-async fn read_request(sock: &mut TcpStream) -> Option<(String, String)> {
-    let mut got = Vec::new();
-    let mut buf = vec![0u8; 1 << 16];
-    let work = async {
-        loop {
-            let n = sock.read(&mut buf).await.ok().filter(|&n| n > 0)?;
-            got.extend_from_slice(&buf[..n]);
-            let end = got.windows(4).position(|w| w == b"\r\n\r\n")?;
-            let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
-            let field = |name: &str| head.lines().find_map(|l| l.strip_prefix(name).map(|v| v.trim().to_owned()));
-            let len: usize = field("content-length:").map_or(0, |v| v.parse().unwrap());
-            if got.len() >= end + 4 + len {
-                let method = head.split(' ').next().unwrap_or_default().to_owned();
-                return Some((method, field("x-request-id:").unwrap_or_default()));
-            }
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), work).await.ok().flatten()
 }
 
 /// One health round at start, then none: the test's requests alone use the pool.

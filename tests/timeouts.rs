@@ -45,8 +45,8 @@ impl StallingEngine {
 }
 
 async fn serve(mut sock: TcpStream, answer: &'static str, posts: Arc<AtomicUsize>) {
-    let Some(method) = read_request(&mut sock).await else { return };
-    if method != "post" {
+    let Some(req) = fault_engine::read_request(&mut sock).await else { return };
+    if req.method != "POST" {
         let body = "{\"version\":\"0.32.0\"}";
         let head = format!(
             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
@@ -58,28 +58,6 @@ async fn serve(mut sock: TcpStream, answer: &'static str, posts: Arc<AtomicUsize
     posts.fetch_add(1, Ordering::SeqCst);
     let _ = sock.write_all(answer.as_bytes()).await;
     tokio::time::sleep(Duration::from_secs(20)).await;
-}
-
-/// Reads one request whole (head and `content-length` body, within 10 s); its method.
-async fn read_request(sock: &mut TcpStream) -> Option<String> {
-    let mut got = Vec::new();
-    let mut buf = vec![0u8; 1 << 16];
-    let work = async {
-        loop {
-            let n = sock.read(&mut buf).await.ok().filter(|&n| n > 0)?;
-            got.extend_from_slice(&buf[..n]);
-            let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") else { continue };
-            let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
-            let len: usize = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().parse().unwrap()))
-                .unwrap_or(0);
-            if got.len() >= end + 4 + len {
-                return Some(head.split(' ').next().unwrap_or_default().to_owned());
-            }
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), work).await.ok().flatten()
 }
 
 /// A 200 JSON head promising 100 bytes, then 7 of them.

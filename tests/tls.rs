@@ -117,8 +117,18 @@ async fn tls_pools(
     client_ca: Option<&Path>,
     pool_tls: &str,
 ) -> (FakeVllm, FakeVllm, TlsFront, TlsFront, TokenOnce) {
+    tls_pools_with(pki, client_ca, pool_tls, FakeConfig::default()).await
+}
+
+/// [`tls_pools`] with the prefill engine's own behaviour.
+async fn tls_pools_with(
+    pki: &Pki,
+    client_ca: Option<&Path>,
+    pool_tls: &str,
+    prefill: FakeConfig,
+) -> (FakeVllm, FakeVllm, TlsFront, TlsFront, TokenOnce) {
     let id = pki.issue("engine", &["engine.test"]);
-    let p = FakeVllm::start(FakeConfig::default()).await;
+    let p = FakeVllm::start(prefill).await;
     let d = FakeVllm::start(FakeConfig::default()).await;
     let pf = TlsFront::start(p.addr, &id, client_ca).await;
     let df = TlsFront::start(d.addr, &id, client_ca).await;
@@ -151,6 +161,33 @@ async fn pools_over_tls_with_a_good_chain() {
     assert_eq!(models.status(), 200, "passthrough over TLS");
     assert!(pf.accepted() >= 1 && df.accepted() >= 1, "both engines were reached over TLS");
     assert_eq!(pf.refused() + df.refused(), 0);
+}
+
+/// The poller's `GET /version` and `GET /v1/models` go over the pool's TLS too: engines behind
+/// TLS that serve different models (another context length) are seen to differ, and the route
+/// exchanges no ids.
+#[tokio::test(flavor = "multi_thread")]
+async fn model_identity_is_learned_over_tls() {
+    let pki = Pki::new("cluster");
+    let other_model = FakeConfig { max_model_len: 32768, ..FakeConfig::default() };
+    let (p, d, _pf, _df, proxy) =
+        tls_pools_with(&pki, None, &ca_line(&pki.ca_file(), "engine.test"), other_model).await;
+    proxy.wait_ready(200).await;
+    let differ = r#"tokenonce_pool_models_differ{route="pd"}"#;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while proxy.metric(differ).await != 1.0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(proxy.metric(differ).await, 1.0, "the models were read over TLS");
+    for (engine, name) in [(&p, "prefill"), (&d, "decode")] {
+        let paths: Vec<String> = engine.requests().into_iter().filter(|r| r.method == "GET").map(|r| r.path).collect();
+        assert!(paths.iter().any(|p| p == "/v1/models") && paths.iter().any(|p| p == "/version"), "{name}: {paths:?}");
+    }
+    let (status, _, text) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("tls models", json!({})), &[]).await;
+    assert_eq!(status, 200, "{text}");
+    let series = r#"tokenonce_token_reuse_total{reason="model_mismatch",result="fallback",route="pd"}"#;
+    assert_eq!(proxy.metric_reaches(series, 1.0).await, 1.0);
 }
 
 /// The typed 502 of a refused engine certificate: OpenAI-shaped, the stage and the cause,
@@ -264,4 +301,47 @@ cert_file = "{cert}"
     let err = tokenonce::config::Config::from_toml(missing, "t.toml").unwrap_err();
     let keys: Vec<&str> = err.problems.iter().map(|p| p.key.as_str()).collect();
     assert_eq!(keys, ["server.tls.cert_file", "server.tls.key_file"], "{:?}", err.problems);
+}
+
+/// The `tokenonce check` command itself (what an operator runs) fails on files that do not
+/// exist behind the TLS keys and on a sampling ratio out of range, naming each key at its line.
+#[test]
+fn check_command_reports_missing_files_and_a_ratio_out_of_range() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("bad.toml");
+    std::fs::write(
+        &file,
+        r#"[server.tls]
+listen = "127.0.0.1:8443"
+cert_file = "/nonexistent/server.pem"
+key_file = "/nonexistent/server.key"
+
+[pools.decode]
+endpoints = ["engine.test:8200"]
+[pools.decode.tls]
+ca_file = "/nonexistent/ca.pem"
+cert_file = "/nonexistent/client.pem"
+key_file = "/nonexistent/client.key"
+
+[tracing]
+endpoint = "http://127.0.0.1:4318/v1/traces"
+sampling_ratio = -0.5
+"#,
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tokenonce")).arg("check").arg(&file).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    for (line, key, words) in [
+        (3, "server.tls.cert_file", "/nonexistent/server.pem"),
+        (4, "server.tls.key_file", "/nonexistent/server.key"),
+        (9, "pools.decode.tls.ca_file", "cannot read `/nonexistent/ca.pem`"),
+        (10, "pools.decode.tls.cert_file", "/nonexistent/client.pem"),
+        (11, "pools.decode.tls.key_file", "/nonexistent/client.key"),
+        (15, "tracing.sampling_ratio", "-0.5 is not between 0.0 and 1.0"),
+    ] {
+        let found =
+            err.lines().any(|l| l.contains(&format!("bad.toml:{line}:")) && l.contains(key) && l.contains(words));
+        assert!(found, "no `{key}` problem at line {line} mentioning {words:?} in:\n{err}");
+    }
 }

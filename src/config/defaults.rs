@@ -2,7 +2,9 @@
 //! validator applies these, `file.rs` links here instead of restating numbers, and a test
 //! checks README's configuration table against them.
 
-use super::model::{Balance, ClientHandoff, LogFormat, OnClientGone, OnPrefillFailure, OtlpProtocol, RelayHandoff};
+use super::model::{
+    Balance, ClientHandoff, LogFormat, OnClientGone, OnPrefillFailure, OtlpProtocol, ParityPolicy, RelayHandoff,
+};
 
 /// Client listener: all interfaces, on vLLM's own default port, so clients need no change.
 pub const LISTEN: &str = "0.0.0.0:8000";
@@ -96,3 +98,12 @@ pub const TRACING_PROTOCOL: OtlpProtocol = OtlpProtocol::Http;
 pub const TRACING_SAMPLING_RATIO: f64 = 1.0;
 /// `service.name` of tokenonce's spans.
 pub const TRACING_SERVICE_NAME: &str = "tokenonce";
+/// Share of reused requests the parity watch checks: 1 % keeps its cost (a few ms of one
+/// worker per sample at 37k tokens) far below the proxy's, and still catches a bad rollout
+/// within a few hundred requests.
+pub const PARITY_SAMPLE: f64 = 0.01;
+/// A parity mismatch alerts (counted, logged); turning reuse off is a route's choice.
+pub const ON_PARITY_MISMATCH: ParityPolicy = ParityPolicy::Alert;
+/// Reuse stays off at least this long after a mismatch under `disable_reuse`, ms: a rollout
+/// or a bad engine is not fixed in less.
+pub const PARITY_COOLDOWN_MS: u64 = 60_000;

@@ -181,6 +181,9 @@ pub struct Pool {
     pub balance: Option<Field<String>>,
     /// Pin the engines' vLLM version instead of asking `GET /version`.
     pub vllm_version: Option<Field<String>>,
+    /// The engines' `tokenizer.json` (or the model folder holding it): bounds relayed ids and
+    /// drives the parity watch (none: neither).
+    pub tokenizer: Option<Field<String>>,
     /// TLS to the pool's engines (none: plain HTTP).
     pub tls: Option<Spanned<PoolTls>>,
     /// Unknown keys.
@@ -273,6 +276,15 @@ pub struct Route {
     /// Orchestrate: a client's own `kv_transfer_params`, `strip` or `reject`
     /// ([`CLIENT_KV_TRANSFER_PARAMS`](super::defaults::CLIENT_KV_TRANSFER_PARAMS)).
     pub client_kv_transfer_params: Option<Field<String>>,
+    /// Share of reused requests the parity watch checks, none to all
+    /// ([`PARITY_SAMPLE`](super::defaults::PARITY_SAMPLE)); needs a pool `tokenizer`.
+    pub parity_sample: Option<Field<f64>>,
+    /// What a parity mismatch does, `alert` or `disable_reuse`
+    /// ([`ON_PARITY_MISMATCH`](super::defaults::ON_PARITY_MISMATCH)).
+    pub on_parity_mismatch: Option<Field<String>>,
+    /// How long `disable_reuse` keeps reuse off at least, ms
+    /// ([`PARITY_COOLDOWN_MS`](super::defaults::PARITY_COOLDOWN_MS)).
+    pub parity_cooldown_ms: Option<Field<i64>>,
     /// Unknown keys.
     #[serde(flatten)]
     pub unknown: Unknown,

@@ -8,8 +8,9 @@ pub mod model;
 
 pub use model::{
     AdminToken, AllowEntry, AllowTarget, Balance, CacheSettings, ClientHandoff, Config, ConfigError, LogFormat, Mode,
-    OnClientGone, OnPrefillFailure, OtlpProtocol, PoolSpec, PrefillSource, Problem, RelayHandoff, ReuseShare,
-    RouteMatch, RouteOptions, RouteSpec, ServerSettings, ServerTls, TracingSettings, UpstreamSettings, Version,
+    OnClientGone, OnPrefillFailure, OtlpProtocol, ParityPolicy, PoolSpec, PrefillSource, Problem, RelayHandoff,
+    ReuseShare, RouteMatch, RouteOptions, RouteSpec, ServerSettings, ServerTls, TracingSettings, UpstreamSettings,
+    Version,
 };
 
 /// The embedded default configuration text.
@@ -224,6 +225,19 @@ pathz = ["/x"]
     }
 
     #[test]
+    fn a_tokenizer_that_does_not_load_and_a_share_past_one_are_problems_at_their_keys() {
+        let text = "[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\ntokenizer = \"/no/such/tokenizer.json\"\n\n[[routes]]\nname = \"r\"\nmode = \"passthrough\"\ndecode_pool = \"decode\"\nparity_sample = 1.5\non_parity_mismatch = \"panic\"\n";
+        let err = Config::from_toml(text, "t").unwrap_err();
+        let got: Vec<(&str, usize)> = err.problems.iter().map(|p| (p.key.as_str(), p.line)).collect();
+        assert_eq!(
+            got,
+            [("pools.decode.tokenizer", 3), ("routes[0].parity_sample", 9), ("routes[0].on_parity_mismatch", 10)]
+        );
+        assert!(err.problems[0].message.contains("cannot load tokenizer"), "{:?}", err.problems);
+        assert_eq!(err.problems[2].message, "`panic` is not one of: alert, disable_reuse");
+    }
+
+    #[test]
     fn a_table_or_array_of_the_wrong_type_is_one_problem_at_its_key() {
         let err = Config::from_toml("[pools.decode]\nendpoints = \"127.0.0.1:1\"\n", "t").unwrap_err();
         assert_eq!(err.problems.len(), 1);
@@ -279,7 +293,7 @@ pathz = ["/x"]
             "upstream.",
             Upstream { connect_timeout_ms, idle_timeout_ms, health_interval_ms, eject_after_failures }
         ));
-        all.extend(keys!("pools.NAME.", Pool { endpoints, balance, vllm_version, tls }));
+        all.extend(keys!("pools.NAME.", Pool { endpoints, balance, vllm_version, tokenizer, tls }));
         all.retain(|k| k != "pools.NAME.tls");
         all.extend(keys!("pools.NAME.tls.", PoolTls { ca_file, server_name, cert_file, key_file, verify }));
         all.extend(keys!("defaults.", Defaults { passthrough_pool }));
@@ -287,7 +301,8 @@ pathz = ["/x"]
             name, matcher as "match", mode, relay_handoff, prefill, decode_pool, token_reuse, prefill_timeout_ms,
             decode_first_byte_timeout_ms, max_body_bytes, client_kv_transfer_params, retry_budget_percent,
             retry_budget_min_per_second, prefill_attempts, on_prefill_failure, stream_idle_timeout_ms,
-            client_write_timeout_ms, on_client_gone, release_timeout_ms, max_sse_event_bytes,
+            client_write_timeout_ms, on_client_gone, release_timeout_ms, max_sse_event_bytes, parity_sample,
+            on_parity_mismatch, parity_cooldown_ms,
         });
         // `routes.match` is a table; README lists its keys instead.
         all.extend(route.into_iter().filter(|k| k != "routes.match"));
@@ -376,6 +391,9 @@ pathz = ["/x"]
             ("routes.on_client_gone", code(defaults::ON_CLIENT_GONE.name())),
             ("routes.release_timeout_ms", defaults::RELEASE_TIMEOUT_MS.to_string()),
             ("routes.max_sse_event_bytes", defaults::MAX_SSE_EVENT_BYTES.to_string()),
+            ("routes.parity_sample", defaults::PARITY_SAMPLE.to_string()),
+            ("routes.on_parity_mismatch", code(defaults::ON_PARITY_MISMATCH.name())),
+            ("routes.parity_cooldown_ms", defaults::PARITY_COOLDOWN_MS.to_string()),
             ("cache.capacity_bytes", defaults::CACHE_CAPACITY_BYTES.to_string()),
             ("cache.ttl_ms", defaults::CACHE_TTL_MS.to_string()),
             ("tracing.protocol", code(defaults::TRACING_PROTOCOL.name())),

@@ -108,6 +108,7 @@ pub struct PoolSpec {
     endpoints: Vec<String>,
     balance: Balance,
     vllm_version: Option<Version>,
+    tokenizer: Option<std::sync::Arc<crate::parity::Tokenizer>>,
     tls: Option<UpstreamTls>,
 }
 
@@ -130,6 +131,11 @@ impl PoolSpec {
     /// Pinned vLLM version, if any.
     pub fn vllm_version(&self) -> Option<Version> {
         self.vllm_version
+    }
+
+    /// The engines' tokenizer, loaded when the config was, if configured.
+    pub fn tokenizer(&self) -> Option<&std::sync::Arc<crate::parity::Tokenizer>> {
+        self.tokenizer.as_ref()
     }
 
     /// TLS to its engines (`None`: plain HTTP).
@@ -240,6 +246,25 @@ impl Choice for OtlpProtocol {
         match self {
             Self::Http => "http",
             Self::Grpc => "grpc",
+        }
+    }
+}
+
+/// What a route does when the parity watch finds ids that do not carry their request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParityPolicy {
+    /// Count and log it (the alert rule fires on the counter).
+    Alert,
+    /// Also send the route's decodes as text for a cool-down, until samples match again.
+    DisableReuse,
+}
+
+impl Choice for ParityPolicy {
+    const ALL: &'static [Self] = &[Self::Alert, Self::DisableReuse];
+    fn name(self) -> &'static str {
+        match self {
+            Self::Alert => "alert",
+            Self::DisableReuse => "disable_reuse",
         }
     }
 }
@@ -469,6 +494,9 @@ pub struct RouteOptions {
     on_client_gone: OnClientGone,
     release_timeout: Duration,
     max_sse_event_bytes: usize,
+    parity_sample: f64,
+    on_parity_mismatch: ParityPolicy,
+    parity_cooldown: Duration,
 }
 
 impl RouteOptions {
@@ -545,6 +573,21 @@ impl RouteOptions {
     /// Longest SSE event relayed (positive).
     pub fn max_sse_event_bytes(&self) -> usize {
         self.max_sse_event_bytes
+    }
+
+    /// Share of reused requests the parity watch checks (0–1).
+    pub fn parity_sample(&self) -> f64 {
+        self.parity_sample
+    }
+
+    /// What a parity mismatch does.
+    pub fn on_parity_mismatch(&self) -> ParityPolicy {
+        self.on_parity_mismatch
+    }
+
+    /// Least time `disable_reuse` keeps reuse off (positive).
+    pub fn parity_cooldown(&self) -> Duration {
+        self.parity_cooldown
     }
 }
 

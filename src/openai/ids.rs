@@ -15,6 +15,9 @@ pub enum IdsError {
     /// The array length disagrees with `usage.prompt_tokens`.
     #[error("prompt ids count {count} != usage.prompt_tokens {expected}")]
     CountMismatch { count: usize, expected: u64 },
+    /// An id is at or above the vocabulary size of the route's tokenizer.
+    #[error("prompt id {id} is outside the tokenizer's vocabulary of {bound}")]
+    OutOfVocab { id: u64, bound: u32 },
 }
 
 /// A JSON array of token ids that passed validation; holds its raw text and count.
@@ -36,14 +39,22 @@ impl PromptIds {
     /// # Errors
     /// [`IdsError`] naming the first rule broken.
     pub fn parse(raw: &str, expected: Option<u64>) -> Result<Self, IdsError> {
+        Self::parse_within(raw, expected, None)
+    }
+
+    /// [`PromptIds::parse`], and every id below `vocab` (one compare per id, in the same pass).
+    ///
+    /// # Errors
+    /// [`IdsError`] naming the first rule broken.
+    pub fn parse_within(raw: &str, expected: Option<u64>, vocab: Option<u32>) -> Result<Self, IdsError> {
         // JSON's four whitespace bytes only: `str::trim` would also take e.g. U+00A0, which
         // no JSON parser (the decode engine's included) accepts.
         let raw = raw.trim_matches([' ', '\t', '\n', '\r']);
         // Compact arrays (what vLLM sends) in one branch-light pass; anything else, and every
         // refusal with its reason, through the full scanner.
-        let count = match count_compact(raw.as_bytes()) {
+        let count = match count_compact(raw.as_bytes(), vocab) {
             Some(n) => n,
-            None => count_ids(raw.as_bytes())?,
+            None => count_ids(raw.as_bytes(), vocab)?,
         };
         if count == 0 {
             return Err(IdsError::Empty);
@@ -102,12 +113,13 @@ impl PromptIds {
 }
 
 /// The element count of a compact array `[d,d,...]` (no whitespace) whose elements are all
-/// integers without leading zeros and under 10 digits (so within `u32`); `None` for anything
-/// else (including valid arrays with whitespace or 10-digit ids), which `count_ids` decides.
+/// integers without leading zeros and under 10 digits (so within `u32`), each below `vocab` when
+/// given; `None` for anything else (including valid arrays with whitespace or 10-digit ids, and
+/// an id past the vocabulary), which `count_ids` decides and names.
 /// Two cheap passes: a byte-class fold the compiler vectorizes, then the element bounds from
 /// memchr's comma search (a per-byte state machine ran at ~2.5 ns/byte, the largest single
 /// cost of a 37k-token handoff in a profile).
-pub(crate) fn count_compact(bytes: &[u8]) -> Option<usize> {
+pub(crate) fn count_compact(bytes: &[u8], vocab: Option<u32>) -> Option<usize> {
     let inner = bytes.strip_prefix(b"[")?.strip_suffix(b"]")?;
     // No early exit, so this stays branch-free per byte.
     let stray = inner.iter().fold(false, |bad, &b| bad | ((b.wrapping_sub(b'0') >= 10) & (b != b',')));
@@ -116,10 +128,13 @@ pub(crate) fn count_compact(bytes: &[u8]) -> Option<usize> {
     }
     // Every element: 1..=9 digits, no leading zero.
     let element_ok = |e: &[u8]| matches!(e.len(), 1..=9) && (e.len() == 1 || e.first() != Some(&b'0'));
+    // The vocabulary gate: the element's value (at most 9 digits, so no overflow), one compare.
+    let in_vocab = |e: &[u8]| vocab.is_none_or(|v| e.iter().fold(0u32, |n, &d| n * 10 + u32::from(d - b'0')) < v);
     let mut count = 0usize;
     let mut start = 0usize;
     for comma in memchr::memchr_iter(b',', inner).chain(std::iter::once(inner.len())) {
-        if !element_ok(inner.get(start..comma)?) {
+        let element = inner.get(start..comma)?;
+        if !element_ok(element) || !in_vocab(element) {
             return None;
         }
         count += 1;
@@ -128,8 +143,10 @@ pub(crate) fn count_compact(bytes: &[u8]) -> Option<usize> {
     Some(count)
 }
 
-/// Counts the elements of a JSON array of integers in `0..=u32::MAX`, rejecting anything else.
-fn count_ids(bytes: &[u8]) -> Result<usize, IdsError> {
+/// Counts the elements of a JSON array of integers in `0..=u32::MAX` (below `vocab` when
+/// given), rejecting anything else.
+fn count_ids(bytes: &[u8], vocab: Option<u32>) -> Result<usize, IdsError> {
+    let limit = vocab.map_or(u64::MAX, u64::from);
     let mut it = bytes.iter().copied().peekable();
     if it.next() != Some(b'[') {
         return Err(IdsError::Malformed("not an array"));
@@ -174,6 +191,9 @@ fn count_ids(bytes: &[u8]) -> Result<usize, IdsError> {
                 Some(b'[') => "nested array",
                 _ => "not an integer",
             }));
+        }
+        if value >= limit {
+            return Err(IdsError::OutOfVocab { id: value, bound: vocab.unwrap_or(u32::MAX) });
         }
         count += 1;
         skip_ws(&mut it);
@@ -252,21 +272,43 @@ mod tests {
             "1]",
             "[a]",
         ] {
-            let fast = count_compact(raw.as_bytes());
-            let full = count_ids(raw.as_bytes()).ok();
+            let fast = count_compact(raw.as_bytes(), None);
+            let full = count_ids(raw.as_bytes(), None).ok();
             if let Some(n) = fast {
                 assert_eq!(Some(n), full, "{raw}");
             }
         }
         // What vLLM sends is decided by the fast path itself.
         for raw in ["[1]", "[0,1]", "[10,0,7]", "[123456789,5]"] {
-            assert_eq!(count_compact(raw.as_bytes()), count_ids(raw.as_bytes()).ok(), "{raw}");
+            assert_eq!(count_compact(raw.as_bytes(), None), count_ids(raw.as_bytes(), None).ok(), "{raw}");
         }
     }
 
     #[test]
     fn count_must_match_usage() {
         assert_eq!(PromptIds::parse("[1,2,3]", Some(4)), Err(IdsError::CountMismatch { count: 3, expected: 4 }));
+    }
+
+    #[test]
+    fn ids_at_or_past_the_vocabulary_are_refused() {
+        assert_eq!(PromptIds::parse_within("[0,4,1]", Some(3), Some(5)).unwrap().len(), 3);
+        assert_eq!(
+            PromptIds::parse_within("[0, 5,1]", Some(3), Some(5)),
+            Err(IdsError::OutOfVocab { id: 5, bound: 5 })
+        );
+        assert_eq!(
+            PromptIds::parse_within("[151669]", None, Some(151669)),
+            Err(IdsError::OutOfVocab { id: 151669, bound: 151669 })
+        );
+        assert!(PromptIds::parse_within("[4294967295]", None, None).is_ok());
+        // The compact fast path gates too: it leaves an id past the vocabulary to the full
+        // scanner, which names it.
+        assert_eq!(count_compact(b"[0,4,1]", Some(5)), Some(3));
+        assert_eq!(count_compact(b"[0,5,1]", Some(5)), None);
+        assert_eq!(count_compact(b"[123456789]", Some(123456789)), None);
+        assert_eq!(PromptIds::parse_within("[0,1,5]", Some(3), Some(5)), Err(IdsError::OutOfVocab { id: 5, bound: 5 }));
+        // Shape errors still come first where they occur.
+        assert!(matches!(PromptIds::parse_within("[1,-9]", None, Some(5)), Err(IdsError::Malformed(_))));
     }
 
     #[test]

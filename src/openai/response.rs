@@ -27,6 +27,8 @@ pub struct Handoff {
     pub ids: Result<PromptIds, IdsFault>,
     /// The prefill's `usage.prompt_tokens_details.cached_tokens`, when reported.
     pub cached_tokens: Option<u64>,
+    /// The prefill's `usage.prompt_tokens`, when reported.
+    pub prompt_tokens: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -107,6 +109,15 @@ pub struct HandoffError(pub String);
 /// # Errors
 /// [`HandoffError`] when the body is not a JSON object of the expected shape.
 pub fn extract_handoff(api: Api, body: &[u8]) -> Result<Handoff, HandoffError> {
+    extract_handoff_within(api, body, None)
+}
+
+/// [`extract_handoff`], with every id also checked to be below `vocab` (the route's
+/// tokenizer) in the same validation pass.
+///
+/// # Errors
+/// [`HandoffError`] when the body is not a JSON object of the expected shape.
+pub fn extract_handoff_within(api: Api, body: &[u8], vocab: Option<u32>) -> Result<Handoff, HandoffError> {
     let resp: PrefillResponse<'_> = serde_json::from_slice(body).map_err(|e| HandoffError(e.to_string()))?;
     let raw_ids = match api {
         Api::Chat => resp.prompt_token_ids,
@@ -125,13 +136,13 @@ pub fn extract_handoff(api: Api, body: &[u8]) -> Result<Handoff, HandoffError> {
         None => Err(IdsFault::Missing),
         Some(raw) => match expected {
             None => Err(IdsFault::Invalid(IdsError::Malformed("usage's prompt token count missing"))),
-            Some(n) => PromptIds::parse(raw.get(), Some(n)).map_err(IdsFault::Invalid),
+            Some(n) => PromptIds::parse_within(raw.get(), Some(n), vocab).map_err(IdsFault::Invalid),
         },
     };
     let kv_transfer_params =
         resp.kv_transfer_params.map(RawValue::get).filter(|raw| !is_null(Some(raw))).map(str::to_owned);
     let cached_tokens = details.and_then(|d| d.cached_tokens);
-    Ok(Handoff { kv_transfer_params, ids, cached_tokens })
+    Ok(Handoff { kv_transfer_params, ids, cached_tokens, prompt_tokens: expected })
 }
 
 /// Sets `usage.prompt_tokens_details.cached_tokens` in a response object; `None` when the

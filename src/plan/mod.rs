@@ -19,16 +19,30 @@ pub use prefiller::{prefiller_from_header, HeaderRule};
 pub use crate::config::ClientHandoff;
 use crate::config::{RelayHandoff, ReuseShare, Version};
 use crate::openai::request::{decode_body, prefill_body};
-use crate::openai::response::{extract_handoff, HandoffError, IdsFault};
+use crate::openai::response::{extract_handoff_within, HandoffError, IdsFault};
 use crate::openai::{Api, ApiError, FallbackReason, IdsError, PromptIds, RawObject, RequestView};
 
-/// A route's knobs that decide reuse, copied from its config once.
+/// A route's knobs that decide reuse, copied from its config once, and the route's state
+/// that the request path copies in per request (`hold_ids`, `models_differ`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReusePolicy {
     /// Reuse the prefill's prompt ids on the decode: on, off, or for a share of requests.
     pub token_reuse: ReuseShare,
     /// Relay mode: where the ids wait between the legs.
     pub relay_handoff: RelayHandoff,
+    /// Ids must be below this (the route's tokenizer's vocabulary, added tokens included).
+    pub vocab: Option<u32>,
+    /// The parity watch holds reuse off: ask for the ids (to check them) but decode as text.
+    pub hold_ids: bool,
+    /// The prefill and decode pools report different models: never exchange ids.
+    pub models_differ: bool,
+}
+
+impl ReusePolicy {
+    /// A route's config knobs; the runtime flags off.
+    pub const fn new(token_reuse: ReuseShare, relay_handoff: RelayHandoff, vocab: Option<u32>) -> Self {
+        Self { token_reuse, relay_handoff, vocab, hold_ids: false, models_differ: false }
+    }
 }
 
 /// Body fields that steer the P/D handoff (vLLM reads them as the engine's transfer
@@ -152,6 +166,10 @@ pub struct DecodeStep {
     pub cached_tokens: Option<u64>,
     /// Why the prefill's ids were refused, for the log.
     pub refused: Option<IdsError>,
+    /// The prefill's valid ids (sent, or held back by the parity watch), for a parity sample.
+    pub ids: Option<PromptIds>,
+    /// The prefill's `usage.prompt_tokens`.
+    pub prompt_tokens: Option<u64>,
     /// The prefill answered `kv_transfer_params`: it holds the prompt's KV blocks until this
     /// decode pulls them (or its KV lease ends).
     pub holds_kv: bool,
@@ -177,7 +195,9 @@ fn request_gate(view: &RequestView, policy: &ReusePolicy, canary_key: &str) -> O
     if policy.token_reuse.is_off() {
         return Some(FallbackReason::Disabled);
     }
-    view.reuse_blocker().or_else(|| (!policy.token_reuse.admits(canary_key)).then_some(FallbackReason::Canary))
+    view.reuse_blocker()
+        .or(policy.models_differ.then_some(FallbackReason::ModelMismatch))
+        .or_else(|| (!policy.token_reuse.admits(canary_key)).then_some(FallbackReason::Canary))
 }
 
 /// The gate on the decode's version: chat ids in `kv_transfer_params` need vLLM 0.27,
@@ -216,6 +236,7 @@ pub fn gate(view: &RequestView, policy: &ReusePolicy, decode: DecodeVersion, can
 /// An orchestrated request, planned: the prefill body to send, and what to do with its answer.
 pub struct Orchestration<'r, 'a> {
     request: Request<'r, 'a>,
+    policy: ReusePolicy,
     /// The reuse gate, decided before the prefill.
     pub gate: Gate,
     /// The prefill leg's body.
@@ -233,7 +254,7 @@ pub fn orchestrate<'r, 'a>(
     let gate = gate(request.view, policy, decode, canary_key);
     let api = request.view.api;
     let prefill_body = Bytes::from(prefill_body(request.obj, api, gate == Gate::Reuse));
-    Orchestration { request, gate, prefill_body }
+    Orchestration { request, policy: *policy, gate, prefill_body }
 }
 
 impl Orchestration<'_, '_> {
@@ -247,6 +268,8 @@ impl Orchestration<'_, '_> {
             reuse: Reuse::Fallback(FallbackReason::Stateful),
             cached_tokens: None,
             refused: None,
+            ids: None,
+            prompt_tokens: None,
             holds_kv: false,
             api: self.request.view.api,
         })
@@ -261,31 +284,40 @@ impl Orchestration<'_, '_> {
             reuse: Reuse::Fallback(FallbackReason::PrefillFailed),
             cached_tokens: None,
             refused: None,
+            ids: None,
+            prompt_tokens: None,
             holds_kv: false,
             api: self.request.view.api,
         }
     }
 
     /// The decode leg, given the prefill's 2xx answer: its `kv_transfer_params`, its ids when
-    /// the gate allowed reuse and they validate, else the text decode with the reason.
+    /// the gate allowed reuse and they validate (below the vocabulary, when the route has a
+    /// tokenizer) and the parity watch does not hold them, else the text decode with the reason.
     ///
     /// # Errors
     /// [`HandoffError`] when the answer is not a completion response.
     pub fn after_prefill(&self, answer: &[u8]) -> Result<DecodeStep, HandoffError> {
         let api = self.request.view.api;
-        let handoff = extract_handoff(api, answer)?;
+        let handoff = extract_handoff_within(api, answer, self.policy.vocab)?;
         let (ids, fallback, refused) = match (self.gate, handoff.ids) {
             (Gate::Fallback(reason), _) => (None, reason, None),
-            (Gate::Reuse, Ok(ids)) => (Some(ids), FallbackReason::IdsMissing, None),
+            (Gate::Reuse, Ok(ids)) => (Some(ids), FallbackReason::ParityReuseOff, None),
             (Gate::Reuse, Err(IdsFault::Missing)) => (None, FallbackReason::IdsMissing, None),
+            (Gate::Reuse, Err(IdsFault::Invalid(e @ IdsError::OutOfVocab { .. }))) => {
+                (None, FallbackReason::IdsOutOfVocab, Some(e))
+            }
             (Gate::Reuse, Err(IdsFault::Invalid(e))) => (None, FallbackReason::IdsMalformed, Some(e)),
         };
-        let body = decode_body(self.request.obj, api, handoff.kv_transfer_params.as_deref(), ids.as_ref());
+        let sent = ids.as_ref().filter(|_| !self.policy.hold_ids);
+        let body = decode_body(self.request.obj, api, handoff.kv_transfer_params.as_deref(), sent);
         Ok(DecodeStep {
             body: Bytes::from(body),
-            reuse: Reuse::of(ids.as_ref(), fallback),
+            reuse: Reuse::of(sent, fallback),
             cached_tokens: handoff.cached_tokens,
             refused,
+            ids,
+            prompt_tokens: handoff.prompt_tokens,
             holds_kv: handoff.kv_transfer_params.is_some(),
             api,
         })

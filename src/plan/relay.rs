@@ -11,7 +11,7 @@ use crate::config::RelayHandoff;
 use crate::handoff::{prompt_fingerprint, CacheKey};
 use crate::openai::json::is_null;
 use crate::openai::request::{decode_body, kv_params_with_ids};
-use crate::openai::response::{extract_handoff, hide_token_ids};
+use crate::openai::response::{extract_handoff_within, hide_token_ids};
 use crate::openai::{Api, FallbackReason, IdsError, PromptIds, RawObject};
 
 /// What the request's `kv_transfer_params` say it is.
@@ -134,7 +134,7 @@ impl RelayPrefill<'_, '_> {
         let mut out = PrefillAnswer { body: None, store: None, kept: false };
         let Ok(text) = std::str::from_utf8(answer) else { return out };
         let api = self.0.request.view.api;
-        let handoff = extract_handoff(api, answer).ok();
+        let handoff = extract_handoff_within(api, answer, self.0.policy.vocab).ok();
         let mut rewritten: Option<Vec<u8>> = None;
         if let Some((handoff, ids)) = handoff.as_ref().and_then(|h| h.ids.as_ref().ok().map(|ids| (h, ids))) {
             match self.0.policy.relay_handoff {
@@ -223,7 +223,7 @@ impl RelayDecode<'_, '_> {
             return Search::Done(Found::Blocked(reason));
         }
         if let Some(raw) = &self.0.facts.ids_raw {
-            return Search::Done(match PromptIds::parse(raw, None) {
+            return Search::Done(match PromptIds::parse_within(raw, None, self.0.policy.vocab) {
                 Ok(ids) => Found::Ids(ids),
                 Err(e) => Found::Malformed(e),
             });
@@ -247,6 +247,9 @@ impl RelayDecode<'_, '_> {
                 (Some(ids), reuse, None)
             }
             Found::Blocked(reason) if handoff_like => (None, Reuse::Fallback(reason), None),
+            Found::Malformed(e @ IdsError::OutOfVocab { .. }) => {
+                (None, Reuse::Fallback(FallbackReason::IdsOutOfVocab), Some(e))
+            }
             Found::Malformed(e) => (None, Reuse::Fallback(FallbackReason::IdsMalformed), Some(e)),
             Found::Missing if self.0.facts.looks_like_decode => {
                 (None, Reuse::Fallback(FallbackReason::CacheMiss), None)

@@ -5,8 +5,8 @@ use super::*;
 use crate::config::{RelayHandoff, ReuseShare};
 use crate::handoff::CacheKey;
 
-const ON: ReusePolicy = ReusePolicy { token_reuse: ReuseShare::ON, relay_handoff: RelayHandoff::Cache };
-const OFF: ReusePolicy = ReusePolicy { token_reuse: ReuseShare::OFF, relay_handoff: RelayHandoff::Cache };
+const ON: ReusePolicy = ReusePolicy::new(ReuseShare::ON, RelayHandoff::Cache, None);
+const OFF: ReusePolicy = ReusePolicy::new(ReuseShare::OFF, RelayHandoff::Cache, None);
 const V32: DecodeVersion = DecodeVersion::Known(Version(0, 32, 0));
 const V26: DecodeVersion = DecodeVersion::Known(Version(0, 26, 1));
 
@@ -551,7 +551,7 @@ fn canary_share_admits_its_fraction_deterministically() {
 #[test]
 fn canary_gate_counts_the_left_out_requests() {
     let (obj, view) = parsed(Api::Chat, CHAT);
-    let half = ReusePolicy { token_reuse: ReuseShare::from_fraction(0.5).unwrap(), relay_handoff: RelayHandoff::Cache };
+    let half = ReusePolicy { token_reuse: ReuseShare::from_fraction(0.5).unwrap(), ..ON };
     let ids: Vec<String> = (0..200).map(|i| format!("r{i}")).collect();
     let (inside, outside): (Vec<&String>, Vec<&String>) = ids.iter().partition(|id| half.token_reuse.admits(id));
     assert!(!inside.is_empty() && !outside.is_empty());
@@ -561,7 +561,7 @@ fn canary_gate_counts_the_left_out_requests() {
     assert_eq!(plan.gate, Gate::Fallback(FallbackReason::Canary));
     assert!(json(&plan.prefill_body).get("return_token_ids").is_none());
     assert!(!needs_decode_version(&view, &half, outside[0]));
-    let zero = ReusePolicy { token_reuse: ReuseShare::from_fraction(0.0).unwrap(), relay_handoff: RelayHandoff::Cache };
+    let zero = ReusePolicy { token_reuse: ReuseShare::from_fraction(0.0).unwrap(), ..ON };
     assert_eq!(
         orchestrate(Request { obj: &obj, view: &view }, &zero, V32, "x").gate,
         Gate::Fallback(FallbackReason::Disabled)

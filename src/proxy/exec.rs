@@ -21,7 +21,7 @@ use super::Ctx;
 use crate::config::{OnClientGone, OnPrefillFailure};
 use crate::metrics::{ErrorKind, Leg, Release, Stage, TimeoutStage};
 use crate::openai::response::HandoffError;
-use crate::openai::IdsError;
+use crate::openai::{IdsError, PromptIds};
 use crate::plan::{DecodeStep, DecodeVersion, Orchestration, Reuse};
 use crate::routes::Route;
 use crate::upstream::client::CREDENTIAL_HEADERS;
@@ -427,6 +427,20 @@ pub async fn forward(
     let relayed = relay(session, ctx, exchange, None, leg).await;
     ctx.trace.leg_done(leg);
     relayed
+}
+
+/// Hands `ids` to the parity watch when the route samples this request (never waits: a
+/// full queue drops the sample, counted).
+pub fn watch_parity(ctx: &Ctx, api: crate::openai::Api, body: &Bytes, ids: &PromptIds, prompt_tokens: Option<u64>) {
+    let Some(parity) = ctx.route.parity.as_ref().filter(|p| p.wants_sample()) else { return };
+    ctx.app.watch.submit(crate::parity::Sample {
+        route: Arc::clone(parity),
+        request_id: ctx.request_id.clone(),
+        api,
+        body: body.clone(),
+        ids: ids.clone(),
+        prompt_tokens,
+    });
 }
 
 /// Counts how the decode was sent and notes it for the access log.

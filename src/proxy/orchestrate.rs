@@ -35,12 +35,13 @@ pub async fn run(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> 
         let body = cleaned.as_ref().map_or_else(|| req.incoming.body.clone(), |c| Bytes::from(c.to_bytes()));
         return exec::forward(session, ctx, &req.incoming, Leg::Decode, decode, body).await;
     };
-    let version = if plan::needs_decode_version(&req.view, &route.policy, &ctx.request_id) {
+    let policy = route.policy_now();
+    let version = if plan::needs_decode_version(&req.view, &policy, &ctx.request_id) {
         exec::decode_version(&app, &route, decode.endpoint()).await
     } else {
         DecodeVersion::NotAsked
     };
-    let plan = plan::orchestrate(plan::Request { obj, view: &req.view }, &route.policy, version, &ctx.request_id);
+    let plan = plan::orchestrate(plan::Request { obj, view: &req.view }, &policy, version, &ctx.request_id);
     if let Some(step) = plan.decode_only() {
         exec::record_reuse(ctx, step.reuse, None);
         return exec::decode(session, ctx, &req.incoming, &decode, step).await;
@@ -51,12 +52,15 @@ pub async fn run(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> 
 
     let handoff_started = Instant::now();
     let handoff = ctx.trace.handoff();
-    let step = match exec::after_prefill(ctx, &plan, prefilled)? {
+    let mut step = match exec::after_prefill(ctx, &plan, prefilled)? {
         exec::Prefilled::Step(step) => step,
         // The prefill's own error (e.g. vLLM's 400 for a too-long prompt) goes back unchanged.
         exec::Prefilled::EngineAnswer(head, answer) => return write_engine_answer(session, ctx, &head, answer).await,
     };
     exec::record_reuse(ctx, step.reuse, step.refused.as_ref());
+    if let Some(ids) = step.ids.take() {
+        exec::watch_parity(ctx, req.view.api, req.incoming.body, &ids, step.prompt_tokens);
+    }
     route.metrics.stage(Stage::Handoff, handoff_started.elapsed());
     drop(handoff);
 

@@ -29,7 +29,7 @@ pub async fn handle(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) 
     // Only an `X-Request-Id` the orchestrator sent correlates the legs (ours is random).
     let client_id = req.incoming.headers.contains_key("x-request-id").then(|| ctx.request_id.clone());
     let canary_key = ctx.request_id.clone();
-    match crate::plan::relay::plan(req.plan_input(), &route.policy, client_id.as_deref(), &canary_key) {
+    match crate::plan::relay::plan(req.plan_input(), &route.policy_now(), client_id.as_deref(), &canary_key) {
         RelayPlan::Prefill(plan) => prefill(session, ctx, req, &plan).await,
         RelayPlan::Decode(plan) => decode(session, ctx, req, &plan).await,
     }
@@ -89,6 +89,18 @@ async fn decode(
                 _ => Found::Missing,
             }
         }
+    };
+    let found = match found {
+        Found::Ids(ids) => {
+            exec::watch_parity(ctx, req.view.api, req.incoming.body, &ids, None);
+            // While the watch holds reuse off, the ids were only checked.
+            if route.parity.as_ref().is_some_and(|p| p.reuse_off()) {
+                Found::Blocked(crate::openai::FallbackReason::ParityReuseOff)
+            } else {
+                Found::Ids(ids)
+            }
+        }
+        other => other,
     };
     let (body, reuse, refused) = plan.step(found);
     exec::record_reuse(ctx, reuse, refused.as_ref());

@@ -1,7 +1,8 @@
 //! Background poller: every interval, each endpoint's `GET /health` (for `/readyz` and
-//! endpoint choice) and its `GET /version` (for the token-reuse gate): until known, again
+//! endpoint choice), its `GET /version` (for the token-reuse gate): until known, again
 //! whenever the endpoint turns healthy after being unhealthy (a restart may bring another
-//! vLLM), and on a slow timer.
+//! vLLM), and on a slow timer; and its `GET /v1/models` (once per healthy spell), from which
+//! each route learns whether its prefill and decode pools serve the same model.
 
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 
 use super::client::{Target, UpstreamClient};
-use super::pool::Endpoint;
+use super::pool::{Endpoint, ModelIdentity};
 use crate::config::Version;
 
 /// Deadline of one health or version probe.
@@ -19,7 +20,6 @@ pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// A known version is asked again this often, for an engine replaced between two polls.
 pub const VERSION_REFRESH: Duration = Duration::from_secs(300);
 
-/// Asks `GET /version` and records it on the endpoint.
 /// A failed `/version` is not asked again on the request path for this long.
 pub const VERSION_RETRY_PAUSE: Duration = Duration::from_secs(30);
 
@@ -50,6 +50,56 @@ async fn ask_version(client: &UpstreamClient, to: Target<'_>) -> Option<Version>
     Version::parse(&parsed.version)
 }
 
+/// Asks `GET /v1/models`: the first base model (no `parent`) of the list.
+async fn ask_model(client: &UpstreamClient, to: Target<'_>) -> Option<ModelIdentity> {
+    #[derive(serde::Deserialize)]
+    struct Models {
+        data: Vec<Model>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Model {
+        id: String,
+        #[serde(default)]
+        root: Option<String>,
+        #[serde(default)]
+        parent: Option<String>,
+        #[serde(default)]
+        max_model_len: Option<u64>,
+    }
+    let (status, body) = client.get(to, "/v1/models", PROBE_TIMEOUT).await.ok()?;
+    if status != 200 {
+        return None;
+    }
+    let models: Models = serde_json::from_slice(&body).ok()?;
+    let base = models.data.into_iter().find(|m| m.parent.is_none())?;
+    Some(ModelIdentity { id: base.id, root: base.root, max_model_len: base.max_model_len })
+}
+
+/// True when some endpoint of `a` and some endpoint of `b` report different models
+/// (endpoints not known yet do not count).
+pub fn pools_differ(a: &super::Pool, b: &super::Pool) -> bool {
+    let known = |p: &super::Pool| p.endpoints.iter().filter_map(|e| e.model()).collect::<Vec<_>>();
+    let (a, b) = (known(a), known(b));
+    a.iter().any(|x| b.iter().any(|y| x != y))
+}
+
+/// Sets each route's "pools serve different models" flag and gauge from what the endpoints
+/// reported; a change is logged.
+fn compare_models(app: &crate::App) {
+    for route in app.routes.routes() {
+        let Some(crate::routes::PrefillTarget::Pool(prefill)) = &route.prefill else { continue };
+        let differ = pools_differ(prefill, &route.decode_pool);
+        app.metrics.models_differ(&route.name, differ);
+        if route.set_models_differ(differ) {
+            if differ {
+                tracing::warn!(route = %route.name, "prefill and decode pools serve different models: no ids are exchanged");
+            } else {
+                tracing::info!(route = %route.name, "prefill and decode pools serve the same model again");
+            }
+        }
+    }
+}
+
 /// The poller; it reads the current pools each round, so reloads take effect.
 pub struct HealthPoller {
     /// The current state.
@@ -70,6 +120,7 @@ impl HealthPoller {
             }
             app.metrics.upstream_ejected(&pool.name, pool.ejected(std::time::Instant::now()));
         }
+        compare_models(&app);
         let ready = app.decode_pools().iter().all(|p| p.any_healthy());
         app.metrics.ready.set(i64::from(ready));
         (self.on_tick)(&app);
@@ -83,20 +134,24 @@ async fn poll_endpoint(app: &crate::App, pool: &super::Pool, endpoint: &Endpoint
     let healthy = matches!(app.client.get(endpoint.target(), "/health", PROBE_TIMEOUT).await, Ok((200, _)));
     let was_healthy = endpoint.set_healthy(healthy);
     app.metrics.upstream_health(&pool.name, &endpoint.addr, healthy);
-    if pool.pinned_version().is_some() {
-        return;
-    }
     if !healthy {
         if was_healthy {
             endpoint.forget_version();
+            endpoint.forget_model();
         }
         return;
     }
-    if !was_healthy {
-        endpoint.end_version_pause();
+    if pool.pinned_version().is_none() {
+        if !was_healthy {
+            endpoint.end_version_pause();
+        }
+        if !was_healthy || endpoint.version().is_none() || endpoint.version_older_than(VERSION_REFRESH) {
+            learn_version(&app.client, endpoint).await;
+        }
     }
-    if !was_healthy || endpoint.version().is_none() || endpoint.version_older_than(VERSION_REFRESH) {
-        learn_version(&app.client, endpoint).await;
+    // After the version, which the reuse gate of every chat request waits on.
+    if !was_healthy || !endpoint.model_asked() {
+        endpoint.set_model(ask_model(&app.client, endpoint.target()).await);
     }
 }
 

@@ -1,5 +1,5 @@
 //! Upstream engines: pools and endpoint choice (`pool`), the HTTP client for the legs
-//! tokenonce sends itself (`client`), the background health and version poller (`health`),
+//! tokenonce sends itself (`client`), the background health, version and model poller (`health`),
 //! and the per-route retry budget (`budget`).
 
 pub mod budget;
@@ -9,4 +9,4 @@ pub mod pool;
 
 pub use budget::RetryBudget;
 pub use client::{Exchange, SendFailure, UpstreamClient, UpstreamError};
-pub use pool::{Endpoint, Picked, Pool};
+pub use pool::{Endpoint, ModelIdentity, Picked, Pool};

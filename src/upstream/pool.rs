@@ -26,6 +26,21 @@ pub struct Endpoint {
     pub version_ask: tokio::sync::Mutex<()>,
     /// Passive outlier detection: consecutive failures and the ejection they caused.
     outlier: RwLock<Outlier>,
+    /// What `GET /v1/models` said: `None` not asked yet, `Some(None)` asked without a usable
+    /// answer.
+    model: RwLock<Option<Option<ModelIdentity>>>,
+}
+
+/// The model an engine serves, from `GET /v1/models` (its first base model): engines whose
+/// identities differ must not exchange prompt ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelIdentity {
+    /// The served model name (`id`).
+    pub id: String,
+    /// Where the weights came from (`root`).
+    pub root: Option<String>,
+    /// The context length (`max_model_len`).
+    pub max_model_len: Option<u64>,
 }
 
 /// First ejection's length; it doubles with each ejection in a row.
@@ -64,6 +79,7 @@ impl Endpoint {
             version_failed_at: RwLock::new(None),
             version_ask: tokio::sync::Mutex::new(()),
             outlier: RwLock::new(Outlier::default()),
+            model: RwLock::new(None),
         }
     }
 
@@ -159,6 +175,30 @@ impl Endpoint {
         }
         if let Ok(mut t) = self.version_learned_at.write() {
             *t = None;
+        }
+    }
+
+    /// The model `GET /v1/models` reported, if known.
+    pub fn model(&self) -> Option<ModelIdentity> {
+        self.model.read().ok().and_then(|m| m.clone().flatten())
+    }
+
+    /// True once `/v1/models` was asked (since the endpoint last turned healthy).
+    pub fn model_asked(&self) -> bool {
+        self.model.read().is_ok_and(|m| m.is_some())
+    }
+
+    /// Records what `/v1/models` said (`None`: nothing usable).
+    pub fn set_model(&self, model: Option<ModelIdentity>) {
+        if let Ok(mut m) = self.model.write() {
+            *m = Some(model);
+        }
+    }
+
+    /// Forgets the model: the engine went away and may come back serving another.
+    pub fn forget_model(&self) {
+        if let Ok(mut m) = self.model.write() {
+            *m = None;
         }
     }
 

@@ -6,7 +6,8 @@
 #   3. stack.sh up: prefill :18100 and decode :18200 started concurrently while
 #      `cargo build --bin tokenonce` runs; then tokenonce :18000 (admin :18900) with
 #      tests/e2e/tokenonce-e2e.toml
-#   4. pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py (orchestrate and relay mode)
+#   4. pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py (orchestrate and relay mode),
+#      then tests/e2e/test_parity_e2e.py (the parity watch's verdicts on all that traffic)
 #   5. stack.sh down, always (trap on EXIT), and a one-line summary with the wall time.
 # Exits non-zero on any failure. Usage: bash tests/e2e/run.sh [extra pytest args]
 # Env: E2E_RUN_DIR (logs, pid files; default ${TMPDIR:-/tmp}/tokenonce-e2e),
@@ -80,9 +81,9 @@ bash "$HERE/stack.sh" up
 phase stack-up "$t"
 
 t=$SECONDS
-say "pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py"
+say "pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py tests/e2e/test_parity_e2e.py"
 set +e
-timeout "${E2E_PYTEST_TIMEOUT:-600}" "$VENV/bin/python" -m pytest "$HERE/test_e2e.py" "$HERE/test_relay_e2e.py" \
+timeout "${E2E_PYTEST_TIMEOUT:-600}" "$VENV/bin/python" -m pytest "$HERE/test_e2e.py" "$HERE/test_relay_e2e.py" "$HERE/test_parity_e2e.py" \
   -p no:cacheprovider -v --tb=short --durations=5 "$@"
 rc=$?
 set -e

@@ -34,7 +34,10 @@ DECODE_PORT=18200
 TAMPER_PORT=18101  # test_e2e.py starts it; pool `prefill-short` of tokenonce-e2e.toml
 LISTEN_PORT=18000
 ADMIN_PORT=18900
-CONFIG="$HERE/tokenonce-e2e.toml"
+CONFIG_TEMPLATE="$HERE/tokenonce-e2e.toml"  # @MODEL_DIR@ and @RUN_DIR@ filled in by render_config
+CONFIG="$RUN_DIR/tokenonce-e2e.toml"
+VENV="${TOKENONCE_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenonce-vllm-venv}"
+MODEL_DIR="${TOKENONCE_VLLM_MODEL_DIR:-$VENV/models/tiny-qwen3}"
 BIN="${CARGO_TARGET_DIR:-$ROOT/target}/debug/tokenonce"
 VLLM_FLAGS=(--enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3
             --distributed-executor-backend uni)
@@ -87,8 +90,17 @@ check_free() {  # fail rather than test against a server this script did not sta
   done
 }
 
+# The config with the model folder (its real tokenizer.json, for the parity watch) and a
+# deliberately wrong tokenizer (ids rotated) for the `wrongtok` route.
+render_config() {
+  python3 "$HERE/wrong_tokenizer.py" "$MODEL_DIR/tokenizer.json" "$RUN_DIR/wrong-tokenizer.json" \
+    || die "cannot write the wrong tokenizer"
+  sed -e "s|@MODEL_DIR@|$MODEL_DIR|g" -e "s|@RUN_DIR@|$RUN_DIR|g" "$CONFIG_TEMPLATE" >"$CONFIG"
+}
+
 start_tokenonce() {
   [ -x "$BIN" ] || die "no $BIN (cargo build --bin tokenonce)"
+  render_config
   "$BIN" check "$CONFIG" >/dev/null || die "tokenonce check $CONFIG failed"
   setsid "$BIN" --config "$CONFIG" </dev/null >"$RUN_DIR/tokenonce.log" 2>&1 &
   echo $! >"$RUN_DIR/tokenonce.pid"

@@ -27,6 +27,8 @@ pub struct FakeConfig {
     pub version: String,
     /// Served model name.
     pub model: String,
+    /// `max_model_len` in `GET /v1/models` (vLLM's answer for the e2e tier's model: 49152).
+    pub max_model_len: u64,
     /// Answer prefills like a NIXL-connected engine (non-null `kv_transfer_params`).
     pub connector: bool,
     /// Exact raw `kv_transfer_params` to return on prefills (overrides `connector`).
@@ -64,6 +66,7 @@ impl Default for FakeConfig {
         Self {
             version: "0.32.0".into(),
             model: "tiny-qwen3".into(),
+            max_model_len: 49152,
             connector: false,
             kv_params_raw: None,
             cached_tokens: None,
@@ -311,8 +314,9 @@ async fn handle(
                 200,
                 "application/json",
                 Body::from(format!(
-                    "{{\"object\":\"list\",\"data\":[{{\"id\":\"{m}\",\"object\":\"model\",\"created\":1796062677,\"owned_by\":\"vllm\",\"root\":\"/models/{m}\",\"parent\":null,\"max_model_len\":49152,\"permission\":[{{\"id\":\"modelperm-0\",\"object\":\"model_permission\",\"created\":1796062677,\"allow_create_engine\":false,\"allow_sampling\":true,\"allow_logprobs\":true,\"allow_search_indices\":false,\"allow_view\":true,\"allow_fine_tuning\":false,\"organization\":\"*\",\"group\":null,\"is_blocking\":false}}]}}]}}",
-                    m = config.model
+                    "{{\"object\":\"list\",\"data\":[{{\"id\":\"{m}\",\"object\":\"model\",\"created\":1796062677,\"owned_by\":\"vllm\",\"root\":\"/models/{m}\",\"parent\":null,\"max_model_len\":{len},\"permission\":[{{\"id\":\"modelperm-0\",\"object\":\"model_permission\",\"created\":1796062677,\"allow_create_engine\":false,\"allow_sampling\":true,\"allow_logprobs\":true,\"allow_search_indices\":false,\"allow_view\":true,\"allow_fine_tuning\":false,\"organization\":\"*\",\"group\":null,\"is_blocking\":false}}]}}]}}",
+                    m = config.model,
+                    len = config.max_model_len
                 )),
             ),
             _ => respond(404, "application/json", Body::from("{\"detail\":\"Not Found\"}")),

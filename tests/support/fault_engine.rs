@@ -225,11 +225,15 @@ async fn accept_loop(listener: TcpListener, inner: SocketAddr, state: Arc<Mutex<
 }
 
 /// A request as read: method (upper case), path, raw head (without the blank line), body.
-struct Request {
-    method: String,
-    path: String,
-    head: String,
-    body: Vec<u8>,
+pub struct Request {
+    /// As sent (`POST`).
+    pub method: String,
+    /// Path and query.
+    pub path: String,
+    /// The raw head, request line included.
+    pub head: String,
+    /// The `content-length` body.
+    pub body: Vec<u8>,
 }
 
 async fn serve(mut sock: TcpStream, inner: SocketAddr, state: Arc<Mutex<State>>) {
@@ -258,8 +262,9 @@ async fn serve(mut sock: TcpStream, inner: SocketAddr, state: Arc<Mutex<State>>)
     }
 }
 
-/// Reads one request whole (head, then a `content-length` body; within [`HOLD`]).
-async fn read_request(sock: &mut TcpStream) -> Option<Request> {
+/// Reads one request whole (head, then a `content-length` body; within [`HOLD`]): the one
+/// request reader of the tests' raw engines.
+pub async fn read_request(sock: &mut TcpStream) -> Option<Request> {
     let mut got = Vec::new();
     let mut buf = vec![0u8; 1 << 16];
     let work = async {
@@ -282,7 +287,7 @@ async fn read_request(sock: &mut TcpStream) -> Option<Request> {
 }
 
 /// The value of header `name` in a raw head.
-fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+pub fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
     head.lines().skip(1).find_map(|l| {
         let (k, v) = l.split_once(':')?;
         k.trim().eq_ignore_ascii_case(name).then(|| v.trim())

@@ -422,19 +422,27 @@ fn check_server_tls(ck: &mut Checker<'_>, tls: Spanned<file::ServerTls>, plain: 
     };
     let cert = ck.required(&cert_file, &span, "server.tls.cert_file");
     let key = ck.required(&key_file, &span, "server.tls.key_file");
-    let identity = identity(ck, cert, key, "server.tls.cert_file")?;
+    let identity = identity(ck, cert, key, ["server.tls.cert_file", "server.tls.key_file"])?;
     Some(ServerTls { listen: listen?, identity })
 }
 
-/// A certificate and key loaded from their files; a problem (at the certificate) when they
-/// cannot be read, do not parse, or do not belong together.
+/// A certificate and key loaded from their files: a file that cannot be read is a problem at
+/// its own key (both are reported), one that does not parse or a pair that does not belong
+/// together a problem at the certificate.
 fn identity(
     ck: &mut Checker<'_>,
     cert: Option<(&String, Range<usize>)>,
     key: Option<(&String, Range<usize>)>,
-    cert_key: &str,
+    [cert_key, key_key]: [&str; 2],
 ) -> Option<Identity> {
-    let ((cert, span), (key, _)) = (cert?, key?);
+    let ((cert, span), (key, key_span)) = (cert?, key?);
+    let mut readable = |path: &str, at: Range<usize>, name: &str| {
+        std::fs::File::open(path).map_err(|e| ck.at(Some(at), name, format!("cannot read `{path}`: {e}"))).is_ok()
+    };
+    let cert_readable = readable(cert, span.clone(), cert_key);
+    if !(readable(key, key_span, key_key) && cert_readable) {
+        return None;
+    }
     Identity::load(cert, key).map_err(|why| ck.at(Some(span), cert_key, why)).ok()
 }
 
@@ -470,7 +478,7 @@ fn check_pool_tls(
     let client_key = ck.get(key_file, &key_key);
     let client = match (&cert, &client_key) {
         (None, None) => Ok(None),
-        (Some(_), Some(_)) => identity(ck, cert, client_key, &cert_key).map(Some).ok_or(()),
+        (Some(_), Some(_)) => identity(ck, cert, client_key, [&cert_key, &key_key]).map(Some).ok_or(()),
         _ => {
             ck.at(Some(span.clone()), &cert_key, "`cert_file` and `key_file` go together (mTLS client certificate)");
             Err(())
@@ -544,7 +552,7 @@ fn check_pools(ck: &mut Checker<'_>, pools: &BTreeMap<String, Spanned<file::Pool
     for (name, pool) in pools {
         let path = [Seg::Key("pools"), Seg::Key(name)];
         let key = key_path(&path, None);
-        let file::Pool { endpoints, balance, vllm_version, tls, unknown } = pool.get_ref();
+        let file::Pool { endpoints, balance, vllm_version, tokenizer, tls, unknown } = pool.get_ref();
         ck.unknown(unknown, &path);
         let endpoints_key = format!("{key}.endpoints");
         let endpoints = match endpoints {
@@ -576,8 +584,15 @@ fn check_pools(ck: &mut Checker<'_>, pools: &BTreeMap<String, Spanned<file::Pool
             }
             parsed
         });
+        let tokenizer_key = format!("{key}.tokenizer");
+        let tokenizer = ck.get(tokenizer, &tokenizer_key).and_then(|(path, span)| {
+            crate::parity::Tokenizer::load(std::path::Path::new(path))
+                .map(std::sync::Arc::new)
+                .map_err(|why| ck.at(Some(span), &tokenizer_key, why))
+                .ok()
+        });
         let tls = tls.as_ref().and_then(|t| check_pool_tls(ck, t, name, &endpoints));
-        specs.push(PoolSpec { name: name.clone(), endpoints, balance, vllm_version, tls });
+        specs.push(PoolSpec { name: name.clone(), endpoints, balance, vllm_version, tokenizer, tls });
     }
     specs
 }
@@ -600,7 +615,8 @@ fn check_route(
         relay_handoff: _, token_reuse: _, prefill_timeout_ms: _, decode_first_byte_timeout_ms: _,
         max_body_bytes: _, client_kv_transfer_params: _, retry_budget_percent: _, retry_budget_min_per_second: _,
         prefill_attempts: _, on_prefill_failure: _, stream_idle_timeout_ms: _, client_write_timeout_ms: _,
-        on_client_gone: _, release_timeout_ms: _, max_sse_event_bytes: _,
+        on_client_gone: _, release_timeout_ms: _, max_sse_event_bytes: _, parity_sample: _, on_parity_mismatch: _,
+        parity_cooldown_ms: _,
     } = route;
     ck.unknown(&unknown, &path);
     let name = check_route_name(ck, &name, &span, &key, seen_names);
@@ -672,9 +688,9 @@ fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> 
     let file::Route {
         token_reuse, prefill_timeout_ms, decode_first_byte_timeout_ms, max_body_bytes, relay_handoff,
         client_kv_transfer_params, retry_budget_percent, retry_budget_min_per_second, prefill_attempts,
-        on_prefill_failure, stream_idle_timeout_ms: _, client_write_timeout_ms: _, on_client_gone: _,
-        release_timeout_ms: _, max_sse_event_bytes: _, name: _, matcher: _, mode: _, prefill: _, decode_pool: _,
-        unknown: _,
+        on_prefill_failure, parity_sample, on_parity_mismatch, parity_cooldown_ms, stream_idle_timeout_ms: _,
+        client_write_timeout_ms: _, on_client_gone: _, release_timeout_ms: _, max_sse_event_bytes: _, name: _,
+        matcher: _, mode: _, prefill: _, decode_pool: _, unknown: _,
     } = route;
     let waits = check_route_waits(ck, key, route);
     RouteOptions {
@@ -731,6 +747,30 @@ fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> 
         on_client_gone: waits.on_client_gone,
         release_timeout: waits.release_timeout,
         max_sse_event_bytes: waits.max_sse_event_bytes,
+        parity_sample: check_share(ck, parity_sample, &format!("{key}.parity_sample")),
+        on_parity_mismatch: ck.optional_choice(
+            on_parity_mismatch,
+            &format!("{key}.on_parity_mismatch"),
+            defaults::ON_PARITY_MISMATCH,
+        ),
+        parity_cooldown: ck.millis(
+            parity_cooldown_ms,
+            &format!("{key}.parity_cooldown_ms"),
+            defaults::PARITY_COOLDOWN_MS,
+            MAX_LEG_MS,
+        ),
+    }
+}
+
+/// A share between 0 and 1 (the parity sample), else the default with a problem.
+fn check_share(ck: &mut Checker<'_>, field: &Option<Field<f64>>, key: &str) -> f64 {
+    match ck.get(field, key) {
+        None => defaults::PARITY_SAMPLE,
+        Some((v, _)) if (0.0..=1.0).contains(v) => *v,
+        Some((_, span)) => {
+            ck.at(Some(span), key, "must be between 0 and 1");
+            defaults::PARITY_SAMPLE
+        }
     }
 }
 

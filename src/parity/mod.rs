@@ -1,0 +1,10 @@
+//! Proof that relayed ids belong to their request: a pool's tokenizer (`tokenizer.rs`) bounds
+//! the vocabulary on the hot path, and a sampled parity watch (`watch.rs`) decodes ids off
+//! the request path and checks them against the request's contents (`check.rs`).
+
+pub mod check;
+mod tokenizer;
+mod watch;
+
+pub use tokenizer::{Tokenizer, TOKENIZER_FILE};
+pub use watch::{RouteParity, Sample, Watch, QUEUE, WORKERS};
