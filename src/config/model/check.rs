@@ -294,6 +294,7 @@ fn check_server(ck: &mut Checker<'_>, server: file::Server) -> ServerSettings {
         listen,
         admin_listen,
         threads,
+        work_stealing,
         grace_period_seconds,
         graceful_shutdown_timeout_seconds,
         log_level,
@@ -321,6 +322,7 @@ fn check_server(ck: &mut Checker<'_>, server: file::Server) -> ServerSettings {
         listen: ck.addr(&listen, "server.listen", defaults::LISTEN),
         admin_listen: ck.addr(&admin_listen, "server.admin_listen", defaults::ADMIN_LISTEN),
         threads: ck.positive(&threads, "server.threads", defaults::THREADS, MAX_THREADS) as usize,
+        work_stealing: ck.get(&work_stealing, "server.work_stealing").map_or(defaults::WORK_STEALING, |(v, _)| *v),
         grace_period_seconds: ck.positive(
             &grace_period_seconds,
             "server.grace_period_seconds",
