@@ -47,11 +47,12 @@ enum Peer {
     Floor,
     Tokenonce,
     NoReuse,
+    NoSteal,
     Toy,
     Router,
 }
 
-const PEERS: [Peer; 5] = [Peer::Floor, Peer::Tokenonce, Peer::NoReuse, Peer::Toy, Peer::Router];
+const PEERS: [Peer; 6] = [Peer::Floor, Peer::Tokenonce, Peer::NoReuse, Peer::NoSteal, Peer::Toy, Peer::Router];
 
 impl Peer {
     fn name(self) -> &'static str {
@@ -59,6 +60,7 @@ impl Peer {
             Self::Floor => "(b) floor",
             Self::Tokenonce => "(a) tokenonce",
             Self::NoReuse => "(a0) tokenonce reuse off",
+            Self::NoSteal => "(a1) tokenonce work_stealing = false",
             Self::Toy => "(c) toy proxy",
             Self::Router => "(d) vllm-router",
         }
@@ -387,7 +389,19 @@ fn tokenonce_binary() -> PathBuf {
 }
 
 async fn spawn_tokenonce(prefill: &FakeVllm, decode: &FakeVllm, reuse: bool, threads: u32) -> TokenOnce {
-    let settings = Settings { health_interval_ms: 1000, log: "warn".into(), threads, ..Settings::default() };
+    spawn_tokenonce_with(prefill, decode, reuse, threads, true).await
+}
+
+async fn spawn_tokenonce_with(
+    prefill: &FakeVllm,
+    decode: &FakeVllm,
+    reuse: bool,
+    threads: u32,
+    work_stealing: bool,
+) -> TokenOnce {
+    let server_extra = format!("work_stealing = {work_stealing}");
+    let settings =
+        Settings { health_interval_ms: 1000, log: "warn".into(), threads, server_extra, ..Settings::default() };
     let config = pd_config(prefill, decode, &format!("token_reuse = {reuse}"));
     let proxy = TokenOnce::spawn(&tokenonce_binary(), &config, &settings).await;
     proxy.wait_ready(200).await;
@@ -504,6 +518,7 @@ fn main() {
 async fn run(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVllm) {
     let tok = spawn_tokenonce(prefill, decode, true, 2).await;
     let no_reuse = spawn_tokenonce(prefill, decode, false, 2).await;
+    let no_steal = spawn_tokenonce_with(prefill, decode, true, 2, false).await;
     let mut externals = Vec::new();
     let mut absent = Vec::new();
     for peer in [Peer::Toy, Peer::Router] {
@@ -524,6 +539,7 @@ async fn run(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVll
     let mut targets = vec![
         Target { peer: Peer::Tokenonce, url: tok.url.clone(), pid: tok.pid().unwrap() },
         Target { peer: Peer::NoReuse, url: no_reuse.url.clone(), pid: no_reuse.pid().unwrap() },
+        Target { peer: Peer::NoSteal, url: no_steal.url.clone(), pid: no_steal.pid().unwrap() },
     ];
     for (peer, x) in &externals {
         targets.push(Target { peer: *peer, url: x.url.clone(), pid: x.child.id() });
@@ -584,6 +600,7 @@ async fn run(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVll
         println!("| {} | absent | | |", peer.name());
     }
     drop(no_reuse);
+    drop(no_steal);
     drop(externals);
 
     knee(opts, bench, prefill, decode, &b, w).await;
@@ -627,11 +644,13 @@ fn cell(cells: &[(Peer, Cell)], peer: Peer) -> Option<&Cell> {
 
 fn print_latency(rows: &[(Workload, Vec<(Peer, Cell)>)]) {
     println!("### Latency added over the floor (ms, client wall clock to the last byte: p50 / p99; paired median)\n");
-    println!("| workload | floor p50 | (a) tokenonce | (a0) reuse off | (c) toy | (d) router |\n|---|---:|---:|---:|---:|---:|");
+    println!(
+        "| workload | floor p50 | (a) tokenonce | (a0) reuse off | (a1) no stealing | (c) toy | (d) router |\n|---|---:|---:|---:|---:|---:|---:|"
+    );
     for (w, cells) in rows {
         let floor = cells.iter().find_map(|(_, c)| c.error.is_none().then_some(c.floor_p50)).unwrap_or(f64::NAN);
         let mut line = format!("| {} | {} |", w.label(), fmt(floor));
-        for peer in [Peer::Tokenonce, Peer::NoReuse, Peer::Toy, Peer::Router] {
+        for peer in [Peer::Tokenonce, Peer::NoReuse, Peer::NoSteal, Peer::Toy, Peer::Router] {
             line.push_str(&match cells.iter().find(|(p, _)| *p == peer) {
                 None => " absent |".into(),
                 Some((_, c)) if c.error.is_some() => format!(" FAILED: {} |", c.error.as_deref().unwrap_or("")),
@@ -645,22 +664,25 @@ fn print_latency(rows: &[(Workload, Vec<(Peer, Cell)>)]) {
 fn print_cpu(rows: &[(Workload, Vec<(Peer, Cell)>)]) {
     println!("\n### Proxy CPU per request (µs, all threads of the proxy process)\n");
     println!(
-        "| workload | (a) tokenonce | (a0) reuse off | (c) toy | (d) router | (a) ÷ (a0) | (a) ÷ (d) | (a) ÷ (c) |"
+        "| workload | (a) tokenonce | (a0) reuse off | (a1) no stealing | (c) toy | (d) router | (a) ÷ (a0) | (a) ÷ (d) | (a) ÷ (c) | (a1) ÷ (a) | (a1) ÷ (d) |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (w, cells) in rows {
         let v = |p| cell(cells, p).map_or(f64::NAN, |c| c.cpu_us);
-        let (a, a0, c, d) = (v(Peer::Tokenonce), v(Peer::NoReuse), v(Peer::Toy), v(Peer::Router));
+        let (a, a0, a1, c, d) = (v(Peer::Tokenonce), v(Peer::NoReuse), v(Peer::NoSteal), v(Peer::Toy), v(Peer::Router));
         println!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             w.label(),
             fmt(a),
             fmt(a0),
+            fmt(a1),
             fmt(c),
             fmt(d),
             ratio(a, a0),
             ratio(a, d),
-            ratio(a, c)
+            ratio(a, c),
+            ratio(a1, a),
+            ratio(a1, d)
         );
     }
 }
@@ -694,6 +716,15 @@ fn goals(rows: &[(Workload, Vec<(Peer, Cell)>)]) {
         let c = get(true, stream, 1_000, Peer::Toy);
         check(format!("1k chat {s}: CPU ÷ router"), a.as_ref().zip(d).map(|(a, d)| a.cpu_us / d.cpu_us), 0.25);
         check(format!("1k chat {s}: CPU ÷ toy"), a.as_ref().zip(c).map(|(a, c)| a.cpu_us / c.cpu_us), 0.1);
+        let a1 = get(true, stream, 1_000, Peer::NoSteal);
+        let d = get(true, stream, 1_000, Peer::Router);
+        let limit = if stream { 150.0 } else { 100.0 };
+        check(format!("1k chat {s}, work_stealing = false: CPU µs"), a1.as_ref().map(|a| a.cpu_us), limit);
+        check(
+            format!("1k chat {s}, work_stealing = false: CPU ÷ router"),
+            a1.as_ref().zip(d).map(|(a, d)| a.cpu_us / d.cpu_us),
+            0.25,
+        );
     }
 }
 

@@ -210,6 +210,7 @@ pub fn start(
 
     let mut conf = ServerConf::new().ok_or_else(|| StartError::Conf("default ServerConf".into()))?;
     conf.threads = config.server().threads();
+    conf.work_stealing = config.server().work_stealing();
     conf.grace_period_seconds = Some(config.server().grace_period_seconds());
     conf.graceful_shutdown_timeout_seconds = Some(config.server().graceful_shutdown_timeout_seconds());
     conf.upgrade_sock = format!("/tmp/tokenonce-upgrade-{}.sock", std::process::id());

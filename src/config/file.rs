@@ -112,6 +112,8 @@ pub struct Server {
     pub admin_listen: Option<Field<String>>,
     /// Worker threads of the proxy service ([`THREADS`](super::defaults::THREADS)).
     pub threads: Option<Field<i64>>,
+    /// Whether idle worker threads steal queued tasks ([`WORK_STEALING`](super::defaults::WORK_STEALING)).
+    pub work_stealing: Option<Field<bool>>,
     /// Seconds to let in-flight streams finish after SIGTERM
     /// ([`GRACE_PERIOD_SECONDS`](super::defaults::GRACE_PERIOD_SECONDS)).
     pub grace_period_seconds: Option<Field<i64>>,

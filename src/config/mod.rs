@@ -208,6 +208,19 @@ pathz = ["/x"]
     }
 
     #[test]
+    fn work_stealing_is_a_switch_on_by_default() {
+        const POOL: &str = "[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n";
+        let with = |v: &str| Config::from_toml(&format!("{POOL}[server]\nwork_stealing = {v}\n"), "t");
+        assert!(Config::from_toml(POOL, "t").unwrap().server().work_stealing());
+        assert!(!with("false").unwrap().server().work_stealing());
+        let err = with("\"off\"").unwrap_err();
+        assert_eq!(
+            (err.problems.len(), err.problems[0].key.as_str(), err.problems[0].line),
+            (1, "server.work_stealing", 4)
+        );
+    }
+
+    #[test]
     fn log_level_is_a_tracing_filter_whose_bare_words_are_levels() {
         const POOL: &str = "[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n";
         let with = |level: &str| Config::from_toml(&format!("{POOL}[server]\nlog_level = {level:?}\n"), "t");
@@ -275,6 +288,7 @@ pathz = ["/x"]
                 listen,
                 admin_listen,
                 threads,
+                work_stealing,
                 grace_period_seconds,
                 graceful_shutdown_timeout_seconds,
                 log_level,
@@ -362,6 +376,7 @@ pathz = ["/x"]
             ("server.listen", code(defaults::LISTEN)),
             ("server.admin_listen", code(defaults::ADMIN_LISTEN)),
             ("server.threads", defaults::THREADS.to_string()),
+            ("server.work_stealing", defaults::WORK_STEALING.to_string()),
             ("server.grace_period_seconds", defaults::GRACE_PERIOD_SECONDS.to_string()),
             ("server.graceful_shutdown_timeout_seconds", defaults::GRACEFUL_SHUTDOWN_TIMEOUT_SECONDS.to_string()),
             ("server.log_level", code(defaults::LOG_LEVEL)),

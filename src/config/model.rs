@@ -674,6 +674,7 @@ pub struct ServerSettings {
     listen: String,
     admin_listen: String,
     threads: usize,
+    work_stealing: bool,
     grace_period_seconds: u64,
     graceful_shutdown_timeout_seconds: u64,
     log_level: String,
@@ -741,6 +742,11 @@ impl ServerSettings {
     /// Proxy worker threads (positive).
     pub fn threads(&self) -> usize {
         self.threads
+    }
+
+    /// Whether the worker threads share one work-stealing runtime.
+    pub fn work_stealing(&self) -> bool {
+        self.work_stealing
     }
 
     /// Grace period after SIGTERM.

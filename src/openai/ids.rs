@@ -56,6 +56,12 @@ impl PromptIds {
             Some(n) => n,
             None => count_ids(raw.as_bytes(), vocab)?,
         };
+        Self::counted(raw, count, expected)
+    }
+
+    /// Ids whose text `raw` a scanner already validated and counted (`count`); checks the
+    /// count against `expected`.
+    pub(crate) fn counted(raw: &str, count: usize, expected: Option<u64>) -> Result<Self, IdsError> {
         if count == 0 {
             return Err(IdsError::Empty);
         }
@@ -116,31 +122,84 @@ impl PromptIds {
 /// integers without leading zeros and under 10 digits (so within `u32`), each below `vocab` when
 /// given; `None` for anything else (including valid arrays with whitespace or 10-digit ids, and
 /// an id past the vocabulary), which `count_ids` decides and names.
-/// Two cheap passes: a byte-class fold the compiler vectorizes, then the element bounds from
-/// memchr's comma search (a per-byte state machine ran at ~2.5 ns/byte, the largest single
-/// cost of a 37k-token handoff in a profile).
+///
+/// The shape is checked by folds over the bytes and over shifted copies of them, which the
+/// compiler vectorizes (about 4.5 instructions per byte under callgrind, against 12.5 for the
+/// element-by-element memchr walk it replaced, and 19 for serde's scan of the same array).
+/// Only the vocabulary gate walks the elements.
 pub(crate) fn count_compact(bytes: &[u8], vocab: Option<u32>) -> Option<usize> {
     let inner = bytes.strip_prefix(b"[")?.strip_suffix(b"]")?;
-    // No early exit, so this stays branch-free per byte.
-    let stray = inner.iter().fold(false, |bad, &b| bad | ((b.wrapping_sub(b'0') >= 10) & (b != b',')));
-    if stray {
+    let commas = compact_shape(inner)?;
+    if let Some(bound) = vocab {
+        all_below(inner, bound)?;
+    }
+    Some(commas + 1)
+}
+
+/// The comma count of `inner` when it is `d,d,...`: digits and commas only, no empty element,
+/// no leading zero, no element of 10 digits or more.
+fn compact_shape(inner: &[u8]) -> Option<usize> {
+    let (&first, &last) = (inner.first()?, inner.last()?);
+    // Byte classes and commas, counted in u8 lanes per block so the count vectorizes too.
+    let mut stray = 0u8;
+    let mut commas = 0usize;
+    for block in inner.chunks(255) {
+        let mut in_block = 0u8;
+        for &b in block {
+            stray |= u8::from(b.wrapping_sub(b'0') >= 10) & u8::from(b != b',');
+            in_block += u8::from(b == b',');
+        }
+        commas += usize::from(in_block);
+    }
+    let second = inner.get(1).copied().unwrap_or(b',');
+    if stray != 0 || first == b',' || last == b',' || (first == b'0' && second != b',') {
         return None;
     }
-    // Every element: 1..=9 digits, no leading zero.
-    let element_ok = |e: &[u8]| matches!(e.len(), 1..=9) && (e.len() == 1 || e.first() != Some(&b'0'));
-    // The vocabulary gate: the element's value (at most 9 digits, so no overflow), one compare.
-    let in_vocab = |e: &[u8]| vocab.is_none_or(|v| e.iter().fold(0u32, |n, &d| n * 10 + u32::from(d - b'0')) < v);
-    let mut count = 0usize;
-    let mut start = 0usize;
-    for comma in memchr::memchr_iter(b',', inner).chain(std::iter::once(inner.len())) {
-        let element = inner.get(start..comma)?;
-        if !element_ok(element) || !in_vocab(element) {
-            return None;
-        }
-        count += 1;
-        start = comma + 1;
-    }
-    Some(count)
+    // After each comma: another comma (an empty element) or a zero followed by a digit.
+    let at = |k: usize| inner.get(k..).unwrap_or_default();
+    let bad_after_comma = at(0).iter().zip(at(1)).zip(at(2)).fold(0u8, |bad, ((&c, &x), &y)| {
+        bad | (u8::from(c == b',') & (u8::from(x == b',') | (u8::from(x == b'0') & u8::from(y != b','))))
+    });
+    // (A comma among the last two bytes is covered above: `last` is not a comma, and a lone
+    // `0` as the last element is fine.)
+    (bad_after_comma == 0 && !has_ten_digit_run(inner)).then_some(commas)
+}
+
+/// True when 10 consecutive bytes of `inner` (digits and commas) hold no comma.
+fn has_ten_digit_run(inner: &[u8]) -> bool {
+    let at = |k: usize| inner.get(k..).unwrap_or_default();
+    let digit = |b: &u8| u8::from(*b != b',');
+    at(0)
+        .iter()
+        .zip(at(1))
+        .zip(at(2))
+        .zip(at(3))
+        .zip(at(4))
+        .zip(at(5))
+        .zip(at(6))
+        .zip(at(7))
+        .zip(at(8))
+        .zip(at(9))
+        .fold(0u8, |run, (((((((((a, b), c), d), e), f), g), h), i), j)| {
+            run | (digit(a)
+                & digit(b)
+                & digit(c)
+                & digit(d)
+                & digit(e)
+                & digit(f)
+                & digit(g)
+                & digit(h)
+                & digit(i)
+                & digit(j))
+        })
+        != 0
+}
+
+/// `Some(())` when every element of `inner` (shape already checked: 1 to 9 digits each) is
+/// below `bound`: one compare per id.
+fn all_below(inner: &[u8], bound: u32) -> Option<()> {
+    let value = |e: &[u8]| e.iter().fold(0u32, |n, &d| n * 10 + u32::from(d.wrapping_sub(b'0')));
+    inner.split(|&b| b == b',').all(|e| value(e) < bound).then_some(())
 }
 
 /// Counts the elements of a JSON array of integers in `0..=u32::MAX` (below `vocab` when
@@ -257,6 +316,14 @@ mod tests {
             "[01]",
             "[00]",
             "[1,01]",
+            "[0,0]",
+            "[1,0]",
+            "[1,00]",
+            "[10,01,2]",
+            "[5,0123]",
+            "[1234567890,1]",
+            "[1,1234567890]",
+            "[123456789,123456789]",
             "[1,]",
             "[,1]",
             "[]",
@@ -279,7 +346,7 @@ mod tests {
             }
         }
         // What vLLM sends is decided by the fast path itself.
-        for raw in ["[1]", "[0,1]", "[10,0,7]", "[123456789,5]"] {
+        for raw in ["[1]", "[0,1]", "[10,0,7]", "[123456789,5]", "[0,0]", "[1,0]", "[7,123456789,0]"] {
             assert_eq!(count_compact(raw.as_bytes(), None), count_ids(raw.as_bytes(), None).ok(), "{raw}");
         }
     }

@@ -2,6 +2,7 @@
 //! prefill handoff extraction, response rewrites, prompt-id validation, error bodies.
 //! Nothing here knows about pingora or sockets.
 
+mod cut;
 pub mod error;
 pub mod ids;
 pub mod json;

@@ -4,6 +4,7 @@
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
+use super::cut::CutAnswer;
 use super::ids::{IdsError, PromptIds};
 use super::json::{is_null, RawObject};
 use super::request::Api;
@@ -118,7 +119,36 @@ pub fn extract_handoff(api: Api, body: &[u8]) -> Result<Handoff, HandoffError> {
 /// # Errors
 /// [`HandoffError`] when the body is not a JSON object of the expected shape.
 pub fn extract_handoff_within(api: Api, body: &[u8], vocab: Option<u32>) -> Result<Handoff, HandoffError> {
-    let resp: PrefillResponse<'_> = serde_json::from_slice(body).map_err(|e| HandoffError(e.to_string()))?;
+    // Long prompts: the id arrays cut out, validated and counted in one pass, serde on the
+    // rest. Anything the cut cannot vouch for (a value spanning a cut, ids not cut, a parse
+    // error, whose message must point into the real answer) reads the whole answer.
+    if let Some(cut) = ids_key(api).and_then(|key| CutAnswer::new(body, key, vocab)) {
+        if let Ok(Some(handoff)) = read_handoff(api, cut.rest(), Some(&cut), vocab) {
+            return Ok(handoff);
+        }
+    }
+    // Without a cut every value is the answer's own: there is always an answer.
+    read_handoff(api, body, None, vocab)?.ok_or_else(|| HandoffError("unreadable".to_owned()))
+}
+
+/// The text that precedes an API's echoed id array in vLLM's compact JSON.
+fn ids_key(api: Api) -> Option<&'static [u8]> {
+    match api {
+        Api::Chat | Api::Completions => Some(b"\"prompt_token_ids\":["),
+        Api::Responses => Some(b"\"tokens\":["),
+        Api::Messages => None,
+    }
+}
+
+/// The handoff from `text`: the whole answer (`cut` `None`), or its rest after `cut`, where
+/// `Ok(None)` says the cut cannot be vouched for.
+fn read_handoff(
+    api: Api,
+    text: &[u8],
+    cut: Option<&CutAnswer<'_>>,
+    vocab: Option<u32>,
+) -> Result<Option<Handoff>, HandoffError> {
+    let resp: PrefillResponse<'_> = serde_json::from_slice(text).map_err(|e| HandoffError(e.to_string()))?;
     let raw_ids = match api {
         Api::Chat => resp.prompt_token_ids,
         Api::Completions => resp.choices.as_ref().and_then(|c| c.first()).and_then(|c| c.prompt_token_ids),
@@ -131,18 +161,23 @@ pub fn extract_handoff_within(api: Api, body: &[u8], vocab: Option<u32>) -> Resu
         Api::Messages => None,
     }
     .filter(|raw| raw.get() != "null");
+    let kv = resp.kv_transfer_params.map(RawValue::get).filter(|raw| !is_null(Some(raw)));
+    let spans_a_cut = |raw: Option<&str>| raw.is_some_and(|raw| cut.is_some_and(|c| c.spans_a_cut(raw)));
+    if spans_a_cut(kv) || spans_a_cut(resp.usage.map(RawValue::get)) {
+        return Ok(None);
+    }
     let (expected, details) = usage_counts(api, resp.usage)?;
     let ids = match raw_ids {
         None => Err(IdsFault::Missing),
-        Some(raw) => match expected {
-            None => Err(IdsFault::Invalid(IdsError::Malformed("usage's prompt token count missing"))),
-            Some(n) => PromptIds::parse_within(raw.get(), Some(n), vocab).map_err(IdsFault::Invalid),
+        Some(raw) => match (expected, cut.and_then(|c| c.ids_of(raw))) {
+            (None, _) => Err(IdsFault::Invalid(IdsError::Malformed("usage's prompt token count missing"))),
+            (Some(n), Some(ids)) => PromptIds::counted(ids.raw, ids.count, Some(n)).map_err(IdsFault::Invalid),
+            (Some(_), None) if spans_a_cut(Some(raw.get())) => return Ok(None),
+            (Some(n), None) => PromptIds::parse_within(raw.get(), Some(n), vocab).map_err(IdsFault::Invalid),
         },
     };
-    let kv_transfer_params =
-        resp.kv_transfer_params.map(RawValue::get).filter(|raw| !is_null(Some(raw))).map(str::to_owned);
     let cached_tokens = details.and_then(|d| d.cached_tokens);
-    Ok(Handoff { kv_transfer_params, ids, cached_tokens, prompt_tokens: expected })
+    Ok(Some(Handoff { kv_transfer_params: kv.map(str::to_owned), ids, cached_tokens, prompt_tokens: expected }))
 }
 
 /// Sets `usage.prompt_tokens_details.cached_tokens` in a response object; `None` when the
@@ -284,10 +319,18 @@ impl<F: FnMut(&str) -> Option<Vec<u8>>> SseRewriter<F> {
     }
 }
 
+/// False when `raw` (an event's bytes) cannot hold a `usage` member, so no rewrite applies
+/// and its JSON is not parsed (most events of a stream): neither the key's text nor a `\u`
+/// escape (`"\u0075sage"` is the same key) appears in it.
+fn may_hold_usage(raw: &[u8]) -> bool {
+    memchr::memmem::find(raw, b"usage").is_some() || memchr::memmem::find(raw, b"\\u").is_some()
+}
+
 /// Appends `event` to `out`: `rewrite`'s version of its JSON data, else its exact bytes.
 fn emit(event: &Event, rewrite: &mut impl FnMut(&str) -> Option<Vec<u8>>, out: &mut Vec<u8>) {
-    let rewritten = event
-        .data()
+    let rewritten = Some(event)
+        .filter(|e| may_hold_usage(e.raw()))
+        .and_then(Event::data)
         .filter(|d| d.iter().find(|b| !is_json_ws(**b)) == Some(&b'{'))
         .and_then(|d| String::from_utf8(d).ok())
         .and_then(|d| rewrite(&d));
@@ -547,6 +590,20 @@ mod tests {
         let want = rewrite_cached_tokens(&String::from_utf8(before[0].data().unwrap()).unwrap(), 7).unwrap();
         assert_eq!(events[0].data().unwrap(), want);
         assert_eq!(events[0].other_lines().collect::<Vec<_>>(), before[0].other_lines().collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn only_events_that_can_hold_usage_are_parsed_and_an_escaped_key_still_counts() {
+        // Deltas without usage pass as they came (even when their JSON would not parse);
+        // a usage key spelled with a `\u` escape is the same key and is rewritten.
+        let stream = b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: {not json\n\n";
+        assert_eq!(StreamFraming::new(Some(7)).feed(stream), stream.to_vec());
+        let escaped = b"data: {\"\\u0075sage\":{\"prompt_tokens\":3}}\n\n";
+        let out = StreamFraming::new(Some(7)).feed(escaped);
+        let events = crate::sse::SseDecoder::new().feed(&out);
+        let data: serde_json::Value = serde_json::from_slice(&events[0].data().unwrap()).unwrap();
+        assert_eq!(data["usage"]["prompt_tokens_details"]["cached_tokens"], 7);
+        assert!(may_hold_usage(br#"{"usage":null}"#) && !may_hold_usage(br#"{"u":"sage"}"#));
     }
 
     #[test]

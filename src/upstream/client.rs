@@ -326,7 +326,10 @@ impl UpstreamClient {
     /// [`UpstreamError`] on a read failure or an oversized body.
     pub async fn read_to_end(&self, mut exchange: Exchange, limit: usize) -> Result<Bytes, UpstreamError> {
         let addr = exchange.peer.to_string();
-        let mut buf = BytesMut::new();
+        // Sized once from the declared length (a 37k-token prefill answer is ~260 KB: growing
+        // by doubling copied it about twice more), never past the limit.
+        let declared = exchange.header("content-length").and_then(|v| v.trim().parse::<usize>().ok());
+        let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(limit));
         loop {
             match exchange.session.read_response_body().await {
                 Ok(Some(chunk)) => {

@@ -334,6 +334,7 @@ fn check_server(ck: &mut Checker<'_>, server: file::Server) -> ServerSettings {
         listen,
         admin_listen,
         threads,
+        work_stealing,
         grace_period_seconds,
         graceful_shutdown_timeout_seconds,
         log_level,
@@ -366,6 +367,7 @@ fn check_server(ck: &mut Checker<'_>, server: file::Server) -> ServerSettings {
         admin_listen,
         tls: tls.flatten(),
         threads: ck.positive(&threads, "server.threads", defaults::THREADS, MAX_THREADS) as usize,
+        work_stealing: ck.get(&work_stealing, "server.work_stealing").map_or(defaults::WORK_STEALING, |(v, _)| *v),
         grace_period_seconds: ck.positive(
             &grace_period_seconds,
             "server.grace_period_seconds",

@@ -1,0 +1,152 @@
+//! A prefill answer with its echoed id arrays cut out (each left as `[]`), so the JSON parser
+//! reads only the small rest: the ids, ~90 % of a long prompt's answer, are delimited,
+//! validated and counted in one purpose-built pass instead of serde's scan plus a second one.
+//!
+//! Why this is exact: an array of digits and commas is a complete JSON value, and so is `[]`;
+//! the bytes before a cut are unchanged, so a parser reaches the cut in the same state and
+//! leaves it in the same state. The parse of the rest therefore has the structure of the
+//! whole answer, and a member the parser finds at a cut's offset holds that cut's ids.
+
+use serde_json::value::RawValue;
+
+use super::ids::count_compact;
+
+/// One cut: where its `[]` sits in the rest, the ids it stands for and their count.
+struct Cut<'a> {
+    at: usize,
+    ids: &'a str,
+    count: usize,
+}
+
+/// Ids that a cut stood for, validated and counted.
+pub(crate) struct CutIds<'a> {
+    pub(crate) raw: &'a str,
+    pub(crate) count: usize,
+}
+
+/// The answer without its id arrays, and the cuts made.
+pub(crate) struct CutAnswer<'a> {
+    rest: Vec<u8>,
+    cuts: Vec<Cut<'a>>,
+}
+
+impl<'a> CutAnswer<'a> {
+    /// Cuts out every array that follows `key` (e.g. `"prompt_token_ids":[`, ending in `[`)
+    /// and is compact ids (digits and commas, each id below `vocab` when given). `None` when
+    /// nothing was cut: the answer is read whole.
+    pub(crate) fn new(body: &'a [u8], key: &[u8], vocab: Option<u32>) -> Option<Self> {
+        let mut rest = Vec::new();
+        let mut cuts = Vec::new();
+        let mut copied = 0usize;
+        for found in memchr::memmem::find_iter(body, key) {
+            let open = found + key.len() - 1;
+            if open < copied {
+                continue;
+            }
+            let Some(close) = body.get(open..).and_then(|tail| memchr::memchr(b']', tail)) else { break };
+            let end = open + close + 1;
+            let Some(array) = body.get(open..end) else { break };
+            let Some(count) = count_compact(array, vocab) else { continue };
+            // Validated as ASCII digits, commas and brackets: never fails.
+            let Ok(ids) = std::str::from_utf8(array) else { continue };
+            if rest.capacity() == 0 {
+                rest.reserve(body.len().saturating_sub(array.len()) + 64);
+            }
+            rest.extend_from_slice(body.get(copied..open)?);
+            cuts.push(Cut { at: rest.len(), ids, count });
+            rest.extend_from_slice(b"[]");
+            copied = end;
+        }
+        if cuts.is_empty() {
+            return None;
+        }
+        rest.extend_from_slice(body.get(copied..)?);
+        Some(Self { rest, cuts })
+    }
+
+    /// The bytes for the parser.
+    pub(crate) fn rest(&self) -> &[u8] {
+        &self.rest
+    }
+
+    /// The ids a cut stood for when `value` (parsed from [`CutAnswer::rest`]) is that cut.
+    pub(crate) fn ids_of(&self, value: &RawValue) -> Option<CutIds<'a>> {
+        let at = self.offset(value.get())?;
+        if value.get() != "[]" {
+            return None;
+        }
+        self.cuts.iter().find(|c| c.at == at).map(|c| CutIds { raw: c.ids, count: c.count })
+    }
+
+    /// True when `text` (a value parsed from the rest) spans a cut: its text is not the
+    /// answer's, so it must be read from the whole answer.
+    pub(crate) fn spans_a_cut(&self, text: &str) -> bool {
+        match self.offset(text) {
+            Some(start) => self.cuts.iter().any(|c| c.at >= start && c.at < start + text.len()),
+            None => true,
+        }
+    }
+
+    /// Where `text` starts in the rest, if it is a slice of it.
+    fn offset(&self, text: &str) -> Option<usize> {
+        let at = (text.as_ptr() as usize).checked_sub(self.rest.as_ptr() as usize)?;
+        (at + text.len() <= self.rest.len()).then_some(at)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KEY: &[u8] = b"\"prompt_token_ids\":[";
+
+    fn value<'r>(rest: &'r [u8], key: &str) -> &'r RawValue {
+        let map: std::collections::HashMap<&str, &RawValue> = serde_json::from_slice(rest).unwrap();
+        map.get(key).copied().unwrap()
+    }
+
+    #[test]
+    fn cuts_compact_arrays_and_maps_the_parsed_member_back() {
+        let body = br#"{"a":1,"prompt_token_ids":[5,6,7],"kv":{"x":[1]}}"#;
+        let cut = CutAnswer::new(body, KEY, None).unwrap();
+        assert_eq!(cut.rest(), br#"{"a":1,"prompt_token_ids":[],"kv":{"x":[1]}}"#);
+        let ids = cut.ids_of(value(cut.rest(), "prompt_token_ids")).unwrap();
+        assert_eq!((ids.raw, ids.count), ("[5,6,7]", 3));
+        assert!(!cut.spans_a_cut(value(cut.rest(), "kv").get()));
+    }
+
+    #[test]
+    fn leaves_what_is_not_compact_ids_to_the_parser() {
+        for body in [
+            &br#"{"prompt_token_ids":[1, 2]}"#[..],
+            br#"{"prompt_token_ids":[]}"#,
+            br#"{"prompt_token_ids":[01]}"#,
+            br#"{"prompt_token_ids":[1,-2]}"#,
+            br#"{"prompt_token_ids":[1.5]}"#,
+            br#"{"prompt_token_ids":[[1]]}"#,
+            br#"{"prompt_token_ids" : [1]}"#,
+            br#"{"prompt_token_ids":[1"#,
+        ] {
+            assert!(CutAnswer::new(body, KEY, None).is_none(), "{}", String::from_utf8_lossy(body));
+        }
+        // Past the vocabulary: left whole, so the full scanner names the id.
+        assert!(CutAnswer::new(br#"{"prompt_token_ids":[1,9]}"#, KEY, Some(9)).is_none());
+    }
+
+    #[test]
+    fn a_key_seen_inside_another_value_is_cut_but_not_taken_for_the_member() {
+        // The nested one is cut too; the parsed top-level member maps to its own cut only,
+        // and the object holding the nested cut reads as spanning a cut.
+        let body = br#"{"kv":{"prompt_token_ids":[9,9]},"prompt_token_ids":[1,2]}"#;
+        let cut = CutAnswer::new(body, KEY, None).unwrap();
+        let top = cut.ids_of(value(cut.rest(), "prompt_token_ids")).unwrap();
+        assert_eq!((top.raw, top.count), ("[1,2]", 2));
+        assert!(cut.spans_a_cut(value(cut.rest(), "kv").get()));
+        assert!(cut.ids_of(value(cut.rest(), "kv")).is_none());
+        // A string that merely contains the key's text is never cut (its quotes are escaped).
+        let body = br#"{"note":"\"prompt_token_ids\":[1]","prompt_token_ids":[3]}"#;
+        let cut = CutAnswer::new(body, KEY, None).unwrap();
+        assert_eq!(cut.ids_of(value(cut.rest(), "prompt_token_ids")).unwrap().raw, "[3]");
+        assert_eq!(value(cut.rest(), "note").get(), r#""\"prompt_token_ids\":[1]""#);
+    }
+}
