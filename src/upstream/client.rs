@@ -13,6 +13,7 @@ use pingora::http::RequestHeader;
 use pingora::protocols::http::client::HttpSession;
 use pingora::upstreams::peer::HttpPeer;
 
+use super::resolve::Resolver;
 use crate::metrics::ErrorKind;
 use crate::tls::UpstreamTls;
 
@@ -181,30 +182,30 @@ pub struct UpstreamClient {
     fresh: TransportConnector,
     connect_timeout: Duration,
     idle_timeout: Duration,
+    /// Endpoint names remembered for a few seconds (a lookup per leg cost `getaddrinfo`).
+    resolver: Resolver,
 }
 
 impl UpstreamClient {
     /// A client with its own connection pool.
     pub fn new(connect_timeout: Duration, idle_timeout: Duration) -> Self {
-        Self { connector: Connector::new(None), fresh: TransportConnector::new(None), connect_timeout, idle_timeout }
+        Self {
+            connector: Connector::new(None),
+            fresh: TransportConnector::new(None),
+            connect_timeout,
+            idle_timeout,
+            resolver: Resolver::default(),
+        }
     }
 
     /// A peer for `target` with tokenonce's connection options and the pool's TLS.
     pub async fn peer(&self, target: Target<'_>) -> Result<HttpPeer, UpstreamError> {
         let addr = target.addr;
-        let resolved = tokio::net::lookup_host(addr)
-            .await
-            .map_err(|e| UpstreamError::Connect {
-                addr: addr.to_owned(),
-                cause: "name resolution failed",
-                detail: e.to_string(),
-            })?
-            .next()
-            .ok_or_else(|| UpstreamError::Connect {
-                addr: addr.to_owned(),
-                cause: "name resolution failed",
-                detail: "no address".into(),
-            })?;
+        let resolved = self.resolver.resolve(addr).await.map_err(|e| UpstreamError::Connect {
+            addr: addr.to_owned(),
+            cause: "name resolution failed",
+            detail: e.0,
+        })?;
         let mut peer = HttpPeer::new(resolved, false, String::new());
         peer.options.connection_timeout = Some(self.connect_timeout);
         peer.options.idle_timeout = Some(self.idle_timeout);
@@ -316,7 +317,12 @@ impl UpstreamClient {
         fresh: bool,
     ) -> Result<Exchange, SendFailure> {
         let peer = self.peer(to).await.map_err(|error| SendFailure { error, unstarted: true })?;
-        let session = self.attempt(&peer, head, &body, fresh).await?;
+        let session = self.attempt(&peer, head, &body, fresh).await.inspect_err(|f| {
+            // The name may point somewhere else now: the next leg looks it up again.
+            if matches!(f.error, UpstreamError::Connect { .. }) {
+                self.resolver.forget(to.addr);
+            }
+        })?;
         Ok(Exchange { session, peer })
     }
 

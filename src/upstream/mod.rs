@@ -1,11 +1,12 @@
 //! Upstream engines: pools and endpoint choice (`pool`), the HTTP client for the legs
-//! tokenonce sends itself (`client`), the background health, version and model poller (`health`),
-//! and the per-route retry budget (`budget`).
+//! tokenonce sends itself (`client`) and its name cache (`resolve`), the background health,
+//! version and model poller (`health`), and the per-route retry budget (`budget`).
 
 pub mod budget;
 pub mod client;
 pub mod health;
 pub mod pool;
+pub mod resolve;
 
 pub use budget::RetryBudget;
 pub use client::{Exchange, SendFailure, UpstreamClient, UpstreamError};
