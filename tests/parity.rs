@@ -88,6 +88,25 @@ fn reuse(reason: &str) -> String {
     }
 }
 
+/// A running set-up: fake prefill `p` and decode `d`, tokenonce on a route whose pools have
+/// the test tokenizer (word ids shifted by `shift`), and the folder holding it.
+struct Stack {
+    _dir: tempfile::TempDir,
+    p: FakeVllm,
+    d: FakeVllm,
+    proxy: TokenOnce,
+}
+
+async fn stack(shift: u64, prefill: FakeConfig, route_extra: &str) -> Stack {
+    let dir = tempfile::tempdir().unwrap();
+    let tk = write_tokenizer(dir.path(), shift);
+    let p = FakeVllm::start(prefill).await;
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let proxy = TokenOnce::start(&config(&p, &d, &tk, route_extra)).await;
+    proxy.wait_ready(200).await;
+    Stack { _dir: dir, p, d, proxy }
+}
+
 /// The ids the fake echoes for a chat with user content `user`.
 fn ids_of(user: &str) -> String {
     let body = chat_body(user, json!({}));
@@ -96,17 +115,12 @@ fn ids_of(user: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_right_ids_match_and_another_requests_ids_are_a_mismatch() {
-    let dir = tempfile::tempdir().unwrap();
-    let tk = write_tokenizer(dir.path(), 0);
-    let p = FakeVllm::start(FakeConfig::default()).await;
-    let d = FakeVllm::start(FakeConfig::default()).await;
-    let proxy = TokenOnce::start(&config(&p, &d, &tk, "")).await;
-    proxy.wait_ready(200).await;
-    chat(&proxy, "alpha").await;
+    let Stack { p, proxy, .. } = &stack(0, FakeConfig::default(), "").await;
+    chat(proxy, "alpha").await;
     assert_eq!(proxy.metric_reaches(&checks("match"), 1.0).await, 1.0);
     // A prefill answering another request's ids (same count, so the gate passes them).
     p.configure(|c| c.corrupt_prompt_ids = Some(ids_of("bravo")));
-    chat(&proxy, "alpha").await;
+    chat(proxy, "alpha").await;
     assert_eq!(proxy.metric_reaches(&checks("mismatch"), 1.0).await, 1.0);
     // `alert` (the default): counted and logged, reuse stays on.
     assert_eq!(proxy.metric(&reuse("none")).await, 2.0);
@@ -116,17 +130,12 @@ async fn the_right_ids_match_and_another_requests_ids_are_a_mismatch() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn ids_past_the_vocabulary_never_reach_the_decode() {
-    let dir = tempfile::tempdir().unwrap();
-    let tk = write_tokenizer(dir.path(), 0);
-    let p = FakeVllm::start(FakeConfig::default()).await;
-    let d = FakeVllm::start(FakeConfig::default()).await;
-    let proxy = TokenOnce::start(&config(&p, &d, &tk, "")).await;
-    proxy.wait_ready(200).await;
+    let Stack { p, d, proxy, .. } = &stack(0, FakeConfig::default(), "").await;
     // Right count, valid integers, one id at the vocabulary bound (`<unk>` is 150000).
     let mut ids: Vec<u64> = serde_json::from_str(&ids_of("alpha")).unwrap();
     ids[2] = 150_001;
     p.configure(|c| c.corrupt_prompt_ids = Some(serde_json::to_string(&ids).unwrap()));
-    chat(&proxy, "alpha").await;
+    chat(proxy, "alpha").await;
     assert_eq!(proxy.metric_reaches(&reuse("ids_out_of_vocab"), 1.0).await, 1.0);
     let decode = d.posts().pop().unwrap().json();
     assert!(decode["kv_transfer_params"].get("prompt_token_ids").is_none_or(Value::is_null), "{decode}");
@@ -135,32 +144,22 @@ async fn ids_past_the_vocabulary_never_reach_the_decode() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn ids_read_with_another_tokenizer_are_a_mismatch() {
-    let dir = tempfile::tempdir().unwrap();
-    let wrong = write_tokenizer(dir.path(), 7);
-    let p = FakeVllm::start(FakeConfig::default()).await;
-    let d = FakeVllm::start(FakeConfig::default()).await;
-    let proxy = TokenOnce::start(&config(&p, &d, &wrong, "")).await;
-    proxy.wait_ready(200).await;
-    chat(&proxy, "charlie").await;
+    let Stack { proxy, .. } = &stack(7, FakeConfig::default(), "").await;
+    chat(proxy, "charlie").await;
     assert_eq!(proxy.metric_reaches(&checks("mismatch"), 1.0).await, 1.0);
     assert_eq!(proxy.metric(&checks("match")).await, 0.0);
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn disable_reuse_turns_reuse_off_on_a_mismatch_and_on_again_when_samples_match() {
-    let dir = tempfile::tempdir().unwrap();
-    let tk = write_tokenizer(dir.path(), 0);
-    let p = FakeVllm::start(FakeConfig::default()).await;
-    let d = FakeVllm::start(FakeConfig::default()).await;
     let extra = "on_parity_mismatch = \"disable_reuse\"\nparity_cooldown_ms = 300\n";
-    let proxy = TokenOnce::start(&config(&p, &d, &tk, extra)).await;
-    proxy.wait_ready(200).await;
+    let Stack { p, d, proxy, .. } = &stack(0, FakeConfig::default(), extra).await;
     p.configure(|c| c.corrupt_prompt_ids = Some(ids_of("bravo")));
-    chat(&proxy, "charlie").await;
+    chat(proxy, "charlie").await;
     assert_eq!(proxy.metric_reaches(&checks("mismatch"), 1.0).await, 1.0);
     assert_eq!(proxy.metric_reaches(r#"tokenonce_parity_reuse_off{route="pd"}"#, 1.0).await, 1.0);
     // Reuse is off: the decode goes text, the prefill's ids are still checked.
-    chat(&proxy, "charlie").await;
+    chat(proxy, "charlie").await;
     assert_eq!(proxy.metric_reaches(&reuse("parity_reuse_off"), 1.0).await, 1.0);
     assert_eq!(proxy.metric_reaches(&checks("mismatch"), 2.0).await, 2.0);
     let decode = d.posts().pop().unwrap().json();
@@ -170,10 +169,10 @@ async fn disable_reuse_turns_reuse_off_on_a_mismatch_and_on_again_when_samples_m
     // The prefill is fixed; after the cool-down a matching check turns reuse back on.
     p.configure(|c| c.corrupt_prompt_ids = None);
     tokio::time::sleep(Duration::from_millis(400)).await;
-    chat(&proxy, "delta").await;
+    chat(proxy, "delta").await;
     assert_eq!(proxy.metric_reaches(&checks("match"), 1.0).await, 1.0);
     assert_eq!(proxy.metric_reaches(r#"tokenonce_parity_reuse_off{route="pd"}"#, 0.0).await, 0.0);
-    chat(&proxy, "delta").await;
+    chat(proxy, "delta").await;
     // The first request went token-in before its check ran (the watch is off the request
     // path); the two after the mismatch went text; the last token-in again.
     assert_eq!(proxy.metric_reaches(&reuse("none"), 2.0).await, 2.0);
@@ -182,19 +181,14 @@ async fn disable_reuse_turns_reuse_off_on_a_mismatch_and_on_again_when_samples_m
 
 #[tokio::test(flavor = "multi_thread")]
 async fn pools_serving_different_models_never_exchange_ids() {
-    let dir = tempfile::tempdir().unwrap();
-    let tk = write_tokenizer(dir.path(), 0);
     // Same name, another context length: another model build (or config) behind the name.
-    let p = FakeVllm::start(FakeConfig { max_model_len: 32768, ..FakeConfig::default() }).await;
-    let d = FakeVllm::start(FakeConfig::default()).await;
-    let proxy = TokenOnce::start(&config(&p, &d, &tk, "")).await;
-    proxy.wait_ready(200).await;
+    let Stack { p, proxy, .. } = &stack(0, FakeConfig { max_model_len: 32768, ..FakeConfig::default() }, "").await;
     let deadline = Instant::now() + Duration::from_secs(10);
     while proxy.metric(r#"tokenonce_pool_models_differ{route="pd"}"#).await != 1.0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(proxy.metric(r#"tokenonce_pool_models_differ{route="pd"}"#).await, 1.0);
-    chat(&proxy, "alpha").await;
+    chat(proxy, "alpha").await;
     assert_eq!(proxy.metric_reaches(&reuse("model_mismatch"), 1.0).await, 1.0);
     let prefill = p.posts().pop().unwrap().json();
     assert!(prefill.get("return_token_ids").is_none(), "ids are not even asked for: {prefill}");
@@ -211,6 +205,6 @@ async fn pools_serving_different_models_never_exchange_ids() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(proxy.metric(r#"tokenonce_pool_models_differ{route="pd"}"#).await, 0.0);
-    chat(&proxy, "alpha").await;
+    chat(proxy, "alpha").await;
     assert_eq!(proxy.metric_reaches(&reuse("none"), 1.0).await, 1.0);
 }
