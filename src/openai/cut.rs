@@ -78,13 +78,11 @@ impl<'a> CutAnswer<'a> {
         self.cuts.iter().find(|c| c.at == at).map(|c| CutIds { raw: c.ids, count: c.count })
     }
 
-    /// True when `text` (a value parsed from the rest) spans a cut: its text is not the
-    /// answer's, so it must be read from the whole answer.
+    /// True when `text`, a value parsed from the rest, spans a cut: its text is not the
+    /// answer's, so it must be read from the whole answer. A text from elsewhere (a value
+    /// written in its place) holds no cut.
     pub(crate) fn spans_a_cut(&self, text: &str) -> bool {
-        match self.offset(text) {
-            Some(start) => self.cuts.iter().any(|c| c.at >= start && c.at < start + text.len()),
-            None => true,
-        }
+        self.offset(text).is_some_and(|start| self.cuts.iter().any(|c| c.at >= start && c.at < start + text.len()))
     }
 
     /// Where `text` starts in the rest, if it is a slice of it.
@@ -113,6 +111,8 @@ mod tests {
         let ids = cut.ids_of(value(cut.rest(), "prompt_token_ids")).unwrap();
         assert_eq!((ids.raw, ids.count), ("[5,6,7]", 3));
         assert!(!cut.spans_a_cut(value(cut.rest(), "kv").get()));
+        assert!(cut.spans_a_cut(std::str::from_utf8(cut.rest()).unwrap()), "the whole rest holds the cut");
+        assert!(!cut.spans_a_cut("[]"), "a text from elsewhere holds no cut");
     }
 
     #[test]

@@ -127,6 +127,11 @@ impl<'a> RawObject<'a> {
         self.members.iter().map(|(k, _)| k.as_ref())
     }
 
+    /// Member values (raw JSON text) in order.
+    pub fn values(&self) -> impl Iterator<Item = &str> {
+        self.members.iter().map(|(_, v)| v.as_ref())
+    }
+
     /// Writes the object compactly: members in order, each value byte for byte.
     pub fn to_bytes(&self) -> Vec<u8> {
         let size: usize = self.members.iter().map(|(k, v)| k.len() + v.len() + 4).sum();

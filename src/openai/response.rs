@@ -243,7 +243,21 @@ fn set_usage_detail(obj: &mut RawObject<'_>, details_key: &str, cached: u64) -> 
 /// `choices[].token_ids`; completions `choices[].prompt_token_ids` and `choices[].token_ids`.
 /// `None` when nothing had to change.
 pub fn hide_token_ids(api: Api, text: &str) -> Option<Vec<u8>> {
-    let mut top = RawObject::parse(text).ok()?;
+    // Long prompts: the echoed arrays cut out first (they are what becomes `null`), so the
+    // parse reads only the rest; a kept value spanning a cut sends it to the whole answer.
+    if let Some(cut) = ids_key(api).and_then(|key| CutAnswer::new(text.as_bytes(), key, None)) {
+        if let Some(hidden) = std::str::from_utf8(cut.rest()).ok().and_then(|rest| hide_ids_in(api, rest, Some(&cut))) {
+            return hidden;
+        }
+    }
+    hide_ids_in(api, text, None).flatten()
+}
+
+/// [`hide_token_ids`] on `text`: the whole answer, or (`cut`) its rest, where the outer
+/// `None` says a value kept in the output spans a cut (it would read `[]`).
+fn hide_ids_in(api: Api, text: &str, cut: Option<&CutAnswer<'_>>) -> Option<Option<Vec<u8>>> {
+    let whole = |obj: &RawObject<'_>| cut.is_none_or(|c| obj.values().all(|v| !c.spans_a_cut(v)));
+    let Ok(mut top) = RawObject::parse(text) else { return Some(None) };
     let mut changed = false;
     if api == Api::Responses {
         // Responses echo through `enable_response_messages`: both raw message lists.
@@ -253,35 +267,39 @@ pub fn hide_token_ids(api: Api, text: &str) -> Option<Vec<u8>> {
                 changed = true;
             }
         }
-        return changed.then(|| top.to_bytes());
+        return whole(&top).then(|| changed.then(|| top.to_bytes()));
     }
     if api == Api::Chat && top.has_non_null("prompt_token_ids") {
         top.set_raw("prompt_token_ids", "null");
         changed = true;
     }
     if let Some(choices_raw) = top.get("choices") {
-        let choices: Vec<&RawValue> = serde_json::from_str(choices_raw).ok()?;
+        let Ok(choices) = serde_json::from_str::<Vec<&RawValue>>(choices_raw) else { return Some(None) };
         let mut out = Vec::with_capacity(choices_raw.len());
         out.push(b'[');
         for (i, choice) in choices.iter().enumerate() {
             if i > 0 {
                 out.push(b',');
             }
-            let mut c = RawObject::parse(choice.get()).ok()?;
+            let Ok(mut c) = RawObject::parse(choice.get()) else { return Some(None) };
             for key in ["prompt_token_ids", "token_ids"] {
                 if c.has_non_null(key) {
                     c.set_raw(key, "null");
                     changed = true;
                 }
             }
+            if !whole(&c) {
+                return None;
+            }
             c.write_to(&mut out);
         }
         out.push(b']');
         if changed {
-            top.set_raw("choices", String::from_utf8(out).ok()?);
+            let Ok(choices) = String::from_utf8(out) else { return Some(None) };
+            top.set_raw("choices", choices);
         }
     }
-    changed.then(|| top.to_bytes())
+    whole(&top).then(|| changed.then(|| top.to_bytes()))
 }
 
 fn is_json_ws(b: u8) -> bool {
@@ -514,6 +532,18 @@ mod tests {
             br#"{"output":[],"input_messages":null,"output_messages":null}"#
         );
         assert_eq!(hide_token_ids(Api::Responses, r#"{"input_messages":null}"#), None);
+    }
+
+    #[test]
+    fn hidden_ids_keep_a_cut_array_that_stays_in_the_answer() {
+        // The echo is cut and nulled; the same key inside `kv_transfer_params` is cut too but
+        // kept, so the answer is read whole for it: its ids come back as they were.
+        let chat = r#"{"choices":[{"token_ids":[9]}],"prompt_token_ids":[1,2,3],"kv_transfer_params":{"prompt_token_ids":[4,5]}}"#;
+        let want = r#"{"choices":[{"token_ids":null}],"prompt_token_ids":null,"kv_transfer_params":{"prompt_token_ids":[4,5]}}"#;
+        assert_eq!(String::from_utf8(hide_token_ids(Api::Chat, chat).unwrap()).unwrap(), want);
+        let cmpl = r#"{"choices":[{"prompt_token_ids":[1,2],"token_ids":[7],"text":"a"}],"id":"x"}"#;
+        let want = r#"{"choices":[{"prompt_token_ids":null,"token_ids":null,"text":"a"}],"id":"x"}"#;
+        assert_eq!(String::from_utf8(hide_token_ids(Api::Completions, cmpl).unwrap()).unwrap(), want);
     }
 
     #[test]
