@@ -212,6 +212,30 @@ label_enum! {
 }
 
 label_enum! {
+    /// What became of spans handed to the OTLP exporter (`trace_spans_total{result}`).
+    SpanExport {
+        /// The collector took the batch.
+        Exported => "exported",
+        /// The batch could not be sent (collector down, refused, timed out): the spans are lost.
+        Failed => "failed",
+    }
+}
+
+/// Spans handed to the OTLP exporter, by [`SpanExport`]. One counter for the process (the
+/// exporter is built once and outlives reloads); every registry gets it.
+pub fn trace_spans() -> &'static prometheus::Result<IntCounterVec> {
+    static SPANS: std::sync::OnceLock<prometheus::Result<IntCounterVec>> = std::sync::OnceLock::new();
+    SPANS.get_or_init(|| {
+        let opts = Opts::new("tokenonce_trace_spans_total", "Spans handed to the OTLP exporter, by result.");
+        let spans = IntCounterVec::new(opts, &["result"])?;
+        for result in SpanExport::ALL {
+            spans.with_label_values(&[result.as_str()]);
+        }
+        Ok(spans)
+    })
+}
+
+label_enum! {
     /// Result of a relay cache lookup (`cache_lookups_total{result}`).
     CacheLookup {
         /// Ids found and taken.
@@ -342,6 +366,8 @@ impl Metrics {
         let build_info =
             gauge_vec(registry, "tokenonce_build_info", "Always 1; labelled with the build.", &["version"])?;
         build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        let spans = trace_spans().as_ref().map_err(|e| prometheus::Error::Msg(e.to_string()))?;
+        registered(registry, spans.clone())?;
         let metrics = Self {
             requests: counter(
                 registry,
@@ -854,6 +880,7 @@ mod tests {
             "tokenonce_pool_models_differ",
             "tokenonce_timeouts_total",
             "tokenonce_kv_releases_total",
+            "tokenonce_trace_spans_total",
         ] {
             assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing");
         }

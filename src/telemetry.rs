@@ -24,7 +24,7 @@ use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
 use crate::config::{defaults, Config, LogFormat, OtlpProtocol, TracingSettings};
-use crate::metrics::Leg;
+use crate::metrics::{Leg, SpanExport};
 
 /// Target of the exported spans (the log layer never sees it).
 pub const TARGET: &str = "tokenonce::otel";
@@ -108,7 +108,7 @@ fn exporter(settings: &TracingSettings) -> Result<(Telemetry, opentelemetry_sdk:
             .build(),
         OtlpProtocol::Grpc => SpanExporter::builder().with_tonic().with_endpoint(settings.endpoint()).build(),
     };
-    let exporter = built.map_err(|e| TelemetryError(format!("exporter: {e}")))?;
+    let exporter = Counted(built.map_err(|e| TelemetryError(format!("exporter: {e}")))?);
     let batch = BatchConfigBuilder::default().with_scheduled_delay(EXPORT_DELAY).build();
     let processor =
         BatchSpanProcessor::builder(exporter, opentelemetry_sdk::runtime::Tokio).with_batch_config(batch).build();
@@ -121,6 +121,35 @@ fn exporter(settings: &TracingSettings) -> Result<(Telemetry, opentelemetry_sdk:
     let tracer = provider.tracer("tokenonce");
     drop(_entered);
     Ok((Telemetry { provider, _runtime: runtime }, tracer))
+}
+
+/// An exporter whose batches are counted in `tokenonce_trace_spans_total{result}`: a
+/// collector that is down loses spans silently otherwise (requests never wait for it).
+#[derive(Debug)]
+struct Counted<E>(E);
+
+impl<E: opentelemetry_sdk::trace::SpanExporter> opentelemetry_sdk::trace::SpanExporter for Counted<E> {
+    async fn export(&self, batch: Vec<opentelemetry_sdk::trace::SpanData>) -> opentelemetry_sdk::error::OTelSdkResult {
+        let spans = batch.len() as u64;
+        let result = self.0.export(batch).await;
+        let outcome = if result.is_ok() { SpanExport::Exported } else { SpanExport::Failed };
+        if let Ok(counter) = crate::metrics::trace_spans() {
+            counter.with_label_values(&[outcome.as_str()]).inc_by(spans);
+        }
+        result
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.0.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> opentelemetry_sdk::error::OTelSdkResult {
+        self.0.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.0.set_resource(resource);
+    }
 }
 
 /// Reads W3C trace context from request headers.

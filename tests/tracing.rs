@@ -69,6 +69,20 @@ fn attr(attrs: &[KeyValue], key: &str) -> Option<String> {
     }
 }
 
+/// `tokenonce_trace_spans_total{result}` once it is at least `least` (waiting at most 15 s:
+/// batches leave every second).
+async fn spans_counted(proxy: &TokenOnce, result: &str, least: f64) -> f64 {
+    let series = format!(r#"tokenonce_trace_spans_total{{result="{result}"}}"#);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let got = proxy.metric(&series).await;
+        if got >= least || Instant::now() >= deadline {
+            return got;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -121,6 +135,9 @@ async fn spans_continue_the_client_trace_across_both_legs() {
     let spans = if spans.len() < 5 { received.trace_with(trace, "decode").await } else { spans };
     let request = named(&spans, "POST /v1/chat/completions");
     assert_eq!(hex(&request.parent_span_id), client_span, "the client's span is the parent");
+    // What the collector took is counted.
+    assert!(spans_counted(&proxy, "exported", spans.len() as f64).await >= spans.len() as f64);
+    assert_eq!(proxy.metric(r#"tokenonce_trace_spans_total{result="failed"}"#).await, 0.0);
     assert_eq!(request.kind, SpanKind::Server as i32);
     assert!(spans.iter().all(|(service, _)| service == "tokenonce-test"));
     let (prefill, handoff, decode) = (named(&spans, "prefill"), named(&spans, "handoff"), named(&spans, "decode"));
@@ -250,4 +267,7 @@ async fn a_collector_that_is_down_fails_no_request() {
         assert_eq!(status, 200, "{text}");
     }
     assert!(d.posts().iter().all(|r| r.header("traceparent").is_some()), "legs still carry their context");
+    // The lost spans are counted, so a dashboard shows the collector is down.
+    assert!(spans_counted(&proxy, "failed", 1.0).await >= 1.0);
+    assert_eq!(proxy.metric(r#"tokenonce_trace_spans_total{result="exported"}"#).await, 0.0);
 }
