@@ -208,3 +208,27 @@ async fn pools_serving_different_models_never_exchange_ids() {
     chat(proxy, "alpha").await;
     assert_eq!(proxy.metric_reaches(&reuse("none"), 1.0).await, 1.0);
 }
+
+/// The tokenizer is part of the loaded config: replacing its file and reloading (the SIGHUP
+/// path) makes the watch read ids with the new one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replaced_tokenizer_file_is_read_again_on_reload() {
+    let dir = tempfile::tempdir().unwrap();
+    let wrong = write_tokenizer(dir.path(), 7);
+    let p = FakeVllm::start(FakeConfig::default()).await;
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let text = config(&p, &d, &wrong, "");
+    let proxy = TokenOnce::start(&text).await;
+    proxy.wait_ready(200).await;
+    chat(&proxy, "charlie").await;
+    assert_eq!(proxy.metric_reaches(&checks("mismatch"), 1.0).await, 1.0);
+    // The right tokenizer at the same path, then a reload of the unchanged config.
+    assert_eq!(write_tokenizer(dir.path(), 0), wrong);
+    proxy.reconfigure(&text);
+    let reloaded = r#"tokenonce_config_reloads_total{result="success"}"#;
+    assert_eq!(proxy.metric_reaches(reloaded, 1.0).await, 1.0);
+    proxy.wait_ready(200).await;
+    chat(&proxy, "charlie").await;
+    assert_eq!(proxy.metric_reaches(&checks("match"), 1.0).await, 1.0);
+    assert_eq!(proxy.metric(&checks("mismatch")).await, 1.0);
+}
