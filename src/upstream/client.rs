@@ -337,13 +337,15 @@ impl UpstreamClient {
         let declared = exchange.header("content-length").and_then(|v| v.trim().parse::<usize>().ok());
         let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(limit));
         loop {
-            match exchange.session.read_response_body().await {
-                Ok(Some(chunk)) => {
-                    if buf.len() + chunk.len() > limit {
-                        return Err(UpstreamError::TooLarge { addr, limit });
-                    }
-                    buf.extend_from_slice(&chunk);
-                }
+            // HTTP/1 (every leg): appended straight from pingora's read buffer, not first
+            // copied into a `Bytes` of its own (a 37k-token answer is ~230 KB).
+            let read = match &mut exchange.session {
+                HttpSession::H1(h1) => h1.read_body_ref().await.map(|c| c.map(|c| append_within(&mut buf, c, limit))),
+                other => other.read_response_body().await.map(|c| c.map(|c| append_within(&mut buf, &c, limit))),
+            };
+            match read {
+                Ok(Some(true)) => {}
+                Ok(Some(false)) => return Err(UpstreamError::TooLarge { addr, limit }),
                 Ok(None) => break,
                 Err(e) => return Err(UpstreamError::io(&addr, &e)),
             }
@@ -388,4 +390,13 @@ impl UpstreamClient {
             }),
         }
     }
+}
+
+/// Appends `chunk` to `buf` unless that would pass `limit`; false when it would.
+fn append_within(buf: &mut BytesMut, chunk: &[u8], limit: usize) -> bool {
+    let fits = buf.len() + chunk.len() <= limit;
+    if fits {
+        buf.extend_from_slice(chunk);
+    }
+    fits
 }
