@@ -7,7 +7,8 @@
 //! Proxies, all between the same two in-process fake vLLM engines (`tests/support/fake_vllm.rs`):
 //! - (b) floor: the client sends the prefill, then the decode with the echoed ids itself (the
 //!   bench's own handoff work between the legs is excluded from its time);
-//! - (a) tokenonce (orchestrate, token reuse on), and (a0) the same with reuse off;
+//! - (a) tokenonce (orchestrate, token reuse on), (a0) the same with reuse off, and (a1) with
+//!   reuse on and `server.work_stealing = false`;
 //! - (c) vLLM's `toy_proxy_server.py` (Python, FastAPI + httpx, no reuse);
 //! - (d) vLLM Router (PyPI `vllm-router`, Rust, `--vllm-pd-disaggregation`, no reuse).
 //!
@@ -16,10 +17,11 @@
 //! its columns printed as "absent".
 //!
 //! Per workload (chat and completions, streamed and not, ~1k and ~37k tokens) each proxy gets
-//! `rounds` sequential requests, each paired with a floor request right before it (so machine
-//! noise hits both alike): latency added = proxy − floor quantiles (client wall clock to the
-//! last byte); proxy CPU per request = on-CPU time of all the proxy process's threads
-//! (`/proc/PID/task/*/schedstat`, ns) over its requests ÷ their count. Then throughput at
+//! `rounds` sequential requests, interleaved with the other proxies in blocks of 5 (after one
+//! untimed warm request), each paired with a floor request right before it (so machine noise
+//! hits all alike). Latency added = proxy − floor quantiles (client wall clock to the last
+//! byte); proxy CPU per request = the median over blocks of the on-CPU time of all the proxy
+//! process's threads (`/proc/PID/task/*/schedstat`, ns) during the block ÷ 5. Then throughput at
 //! concurrency 64 (1k chat, not streamed), the req/s curve of tokenonce at 1 and 2 worker
 //! threads (its knee: the lowest concurrency reaching 90 % of the peak), and tokenonce's RSS
 //! with 256 concurrent 37k-token requests in flight. Everything is on 127.0.0.1; every loop is
@@ -300,47 +302,89 @@ fn well_formed(w: Workload, body: &[u8]) -> bool {
     }
 }
 
-async fn measure(bench: &Bench, t: &Target, w: Workload, b: &Bodies, rounds: usize) -> Cell {
-    let budget = Duration::from_secs(60);
-    for _ in 0..3 {
-        match bench.via(&t.url, w, b).await {
-            Ok((_, body)) if well_formed(w, &body) => {}
-            Ok((_, body)) => {
-                return Cell {
-                    error: Some(format!("malformed answer: {}", String::from_utf8_lossy(&body[..body.len().min(200)]))),
-                    ..Cell::default()
-                }
-            }
-            Err(e) => return Cell { error: Some(e), ..Cell::default() },
-        }
+/// Checks each target answers `w` well (3 requests), then measures them interleaved in
+/// blocks: each round gives every target [`BLOCK`] requests in a row (after one untimed
+/// request, so its threads and caches are warm, as under steady traffic), each request
+/// paired with a floor request right before it. A change in the machine's load thus falls on
+/// all targets alike. CPU per request is the median over blocks of (the block's on-CPU time ÷
+/// its requests): a block where something else woke the proxy does not move it.
+async fn measure(
+    bench: &Bench,
+    fakes: [&FakeVllm; 2],
+    targets: &[Target],
+    w: Workload,
+    b: &Bodies,
+    rounds: usize,
+) -> Vec<Cell> {
+    let mut failed: Vec<Option<String>> = Vec::new();
+    for t in targets {
+        failed.push(warm(bench, t, w, b).await.err());
     }
-    let (mut floor, mut proxy, mut cpu) = (Vec::new(), Vec::new(), 0u64);
+    let n = targets.len();
+    let (mut floor, mut proxy, mut cpu) = (vec![Vec::new(); n], vec![Vec::new(); n], vec![Vec::new(); n]);
     let started = Instant::now();
-    for _ in 0..rounds {
+    let budget = Duration::from_secs(60 * n as u64);
+    for _ in 0..rounds.div_ceil(BLOCK) {
         if started.elapsed() > budget {
             break;
         }
-        let f = bench.floor(w, b).await;
-        let before = cpu_ns(t.pid);
-        let p = bench.via(&t.url, w, b).await;
-        cpu += cpu_ns(t.pid).saturating_sub(before);
-        match (f, p) {
-            (Ok((fm, _)), Ok((pm, _))) => {
-                floor.push(fm);
-                proxy.push(pm);
+        for (i, t) in targets.iter().enumerate() {
+            if failed[i].is_some() {
+                continue;
             }
-            (Err(e), _) | (_, Err(e)) => return Cell { error: Some(e), ..Cell::default() },
+            if let Err(e) = bench.via(&t.url, w, b).await {
+                failed[i] = Some(e);
+                continue;
+            }
+            let mut spent = 0u64;
+            for _ in 0..BLOCK {
+                let f = bench.floor(w, b).await;
+                let before = cpu_ns(t.pid);
+                let p = bench.via(&t.url, w, b).await;
+                spent += cpu_ns(t.pid).saturating_sub(before);
+                match (f, p) {
+                    (Ok((fm, _)), Ok((pm, _))) => {
+                        floor[i].push(fm);
+                        proxy[i].push(pm);
+                    }
+                    (Err(e), _) | (_, Err(e)) => failed[i] = Some(e),
+                }
+            }
+            cpu[i].push(spent as f64 / 1e3 / BLOCK as f64);
+        }
+        // The fakes keep every request they got; a 37k-token round is megabytes.
+        fakes.iter().for_each(|f| f.forget());
+    }
+    (0..n)
+        .map(|i| match failed[i].take() {
+            Some(e) => Cell { error: Some(e), ..Cell::default() },
+            None => {
+                let (p, f) = (&proxy[i], &floor[i]);
+                let diffs: Vec<f64> = p.iter().zip(f).map(|(p, f)| p - f).collect();
+                Cell {
+                    added: [quantile(p, 0.5) - quantile(f, 0.5), quantile(p, 0.99) - quantile(f, 0.99)],
+                    paired: quantile(&diffs, 0.5),
+                    floor_p50: quantile(f, 0.5),
+                    cpu_us: quantile(&cpu[i], 0.5),
+                    error: None,
+                }
+            }
+        })
+        .collect()
+}
+
+/// Requests a target gets in a row within a round of [`measure`].
+const BLOCK: usize = 5;
+
+/// Three requests through `t`, each answered well.
+async fn warm(bench: &Bench, t: &Target, w: Workload, b: &Bodies) -> Result<(), String> {
+    for _ in 0..3 {
+        let (_, body) = bench.via(&t.url, w, b).await?;
+        if !well_formed(w, &body) {
+            return Err(format!("malformed answer: {}", String::from_utf8_lossy(&body[..body.len().min(200)])));
         }
     }
-    let n = proxy.len();
-    let diffs: Vec<f64> = proxy.iter().zip(&floor).map(|(p, f)| p - f).collect();
-    Cell {
-        added: [quantile(&proxy, 0.5) - quantile(&floor, 0.5), quantile(&proxy, 0.99) - quantile(&floor, 0.99)],
-        paired: quantile(&diffs, 0.5),
-        floor_p50: quantile(&floor, 0.5),
-        cpu_us: cpu as f64 / 1e3 / n.max(1) as f64,
-        error: None,
-    }
+    Ok(())
 }
 
 /// `total` requests at `concurrency` through `url` (or the floor when `None`): req/s and
@@ -565,13 +609,8 @@ async fn run(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVll
                 let b = Bodies::new(w);
                 let rounds = if words_n > 10_000 { (opts.rounds / 4).max(5) } else { opts.rounds };
                 eprintln!("peers: {} ...", w.label());
-                let mut cells = Vec::new();
-                for t in &targets {
-                    cells.push((t.peer, measure(bench, t, w, &b, rounds).await));
-                    prefill.forget();
-                    decode.forget();
-                }
-                rows.push((w, cells));
+                let cells = measure(bench, [prefill, decode], &targets, w, &b, rounds).await;
+                rows.push((w, targets.iter().map(|t| t.peer).zip(cells).collect()));
             }
         }
     }
@@ -632,7 +671,7 @@ fn header(opts: &Options) {
         std::thread::available_parallelism().map_or(0, std::num::NonZero::get)
     );
     println!(
-        "- {} sequential requests per proxy and workload at 1k ({} at 37k), each after a floor request; max_tokens {MAX_TOKENS}\n",
+        "- {} requests per proxy and workload at 1k ({} at 37k), interleaved across proxies in blocks of {BLOCK}, each after a floor request; CPU = median over blocks; max_tokens {MAX_TOKENS}\n",
         opts.rounds,
         (opts.rounds / 4).max(5)
     );
