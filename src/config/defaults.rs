@@ -14,7 +14,7 @@ pub const ADMIN_LISTEN: &str = "127.0.0.1:9000";
 pub const THREADS: u64 = 2;
 /// Work stealing: one multi-threaded runtime whose idle threads take queued tasks (pingora's
 /// default). Off, each thread runs its own runtime and keeps the connections it was handed,
-/// with no cross-thread wake-ups: less CPU per request, less even under uneven load.
+/// with no cross-thread wake-ups (measured within noise of on), less even under uneven load.
 pub const WORK_STEALING: bool = true;
 /// Seconds in-flight streams may finish after SIGTERM: short decodes end well within it.
 pub const GRACE_PERIOD_SECONDS: u64 = 5;
