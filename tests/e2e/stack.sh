@@ -77,16 +77,22 @@ stop_vllm() {
   ( vllm_env "$1"; bash "$HERE/vllm/stop.sh" "$1" >/dev/null )
 }
 
-stop_tokenonce() {
-  local pidfile="$RUN_DIR/tokenonce.pid" pid
+# stop_pidfile PIDFILE PATTERN TRIES: TERM the process the file names if its command line
+# still matches PATTERN (a reused pid is left alone), wait up to TRIES x 0.2 s, then KILL.
+stop_pidfile() {
+  local pidfile="$1" pattern="$2" tries="$3" pid
   [ -f "$pidfile" ] || return 0
   pid="$(cat "$pidfile")"
-  if [[ "$pid" =~ ^[0-9]+$ ]] && [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q tokenonce; then
+  if [[ "$pid" =~ ^[0-9]+$ ]] && [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q "$pattern"; then
     kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    for _ in $(seq 1 "$tries"); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
     kill -KILL "$pid" 2>/dev/null || true
   fi
   rm -f "$pidfile"
+}
+
+stop_tokenonce() {
+  stop_pidfile "$RUN_DIR/tokenonce.pid" tokenonce 50
 }
 
 start_receiver() {
@@ -102,15 +108,7 @@ start_receiver() {
 }
 
 stop_receiver() {
-  local pidfile="$RUN_DIR/otlp.pid" pid
-  [ -f "$pidfile" ] || return 0
-  pid="$(cat "$pidfile")"
-  if [[ "$pid" =~ ^[0-9]+$ ]] && [ -r "/proc/$pid/cmdline" ] && tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q otlp_receiver; then
-    kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 1 25); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-    kill -KILL "$pid" 2>/dev/null || true
-  fi
-  rm -f "$pidfile"
+  stop_pidfile "$RUN_DIR/otlp.pid" otlp_receiver 25
 }
 
 down() {
