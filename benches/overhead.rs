@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
-use support::{pd_config, words, FakeConfig, FakeVllm, Settings, TokenOnce};
+use support::{fmt_num, fmt_signed, pd_config, words, FakeConfig, FakeVllm, Settings, TokenOnce};
 
 /// User-message sizes in words (the fake tokenizer: one token per whitespace-separated word).
 const PROMPT_WORDS: [usize; 2] = [1_000, 37_000];
@@ -595,24 +595,6 @@ async fn measure(bench: &Bench, env: &Env, words_n: usize, opts: &Options, budge
     }
 }
 
-fn f(ms: f64) -> String {
-    if ms.is_nan() {
-        "–".into()
-    } else if ms.abs() < 10.0 {
-        format!("{ms:.2}")
-    } else {
-        format!("{ms:.1}")
-    }
-}
-
-fn signed(ms: f64) -> String {
-    if ms >= 0.0 {
-        format!("+{}", f(ms))
-    } else {
-        f(ms)
-    }
-}
-
 fn print_size(r: &SizeResult) {
     println!(
         "### ~{}k-token prompt: {} words → {} prompt tokens; client body {:.1} KB, decode body with ids {:.1} KB; {} measured rounds{}\n",
@@ -637,12 +619,12 @@ fn print_size(r: &SizeResult) {
         let (ns, st) = (q3(&s(via, false).total), q3(&s(via, true).ttfb));
         println!(
             "| {name} | {} | {} | {} | {} | {} | {} |",
-            f(ns[0]),
-            f(ns[1]),
-            f(ns[2]),
-            f(st[0]),
-            f(st[1]),
-            f(st[2])
+            fmt_num(ns[0]),
+            fmt_num(ns[1]),
+            fmt_num(ns[2]),
+            fmt_num(st[0]),
+            fmt_num(st[1]),
+            fmt_num(st[2])
         );
         qs.push((ns, st));
     }
@@ -650,33 +632,33 @@ fn print_size(r: &SizeResult) {
         let ((cn, cs), (on, os)) = (qs[2], qs[other]);
         println!(
             "| {name} | **{}** | {} | **{}** | **{}** | {} | **{}** |",
-            signed(cn[0] - on[0]),
-            signed(cn[1] - on[1]),
-            signed(cn[2] - on[2]),
-            signed(cs[0] - os[0]),
-            signed(cs[1] - os[1]),
-            signed(cs[2] - os[2])
+            fmt_signed(cn[0] - on[0]),
+            fmt_signed(cn[1] - on[1]),
+            fmt_signed(cn[2] - on[2]),
+            fmt_signed(cs[0] - os[0]),
+            fmt_signed(cs[1] - os[1]),
+            fmt_signed(cs[2] - os[2])
         );
     }
     let (c, b, a) = (Via::Tokenonce, Via::DirectPd, Via::Direct);
     println!(
         "\n- Added latency as the median of per-round paired differences: (c) − (b) {} ms non-streamed, {} ms TTFB; \
          (c) − (a) {} ms non-streamed, {} ms TTFB.",
-        signed(paired_median(&s(c, false).total, &s(b, false).total)),
-        signed(paired_median(&s(c, true).ttfb, &s(b, true).ttfb)),
-        signed(paired_median(&s(c, false).total, &s(a, false).total)),
-        signed(paired_median(&s(c, true).ttfb, &s(a, true).ttfb)),
+        fmt_signed(paired_median(&s(c, false).total, &s(b, false).total)),
+        fmt_signed(paired_median(&s(c, true).ttfb, &s(b, true).ttfb)),
+        fmt_signed(paired_median(&s(c, false).total, &s(a, false).total)),
+        fmt_signed(paired_median(&s(c, true).ttfb, &s(a, true).ttfb)),
     );
     let legs: Vec<[f64; 3]> = s(b, false).legs.iter().chain(&s(b, true).legs).copied().collect();
     let leg = |i: usize| median(&legs.iter().map(|l| l[i]).collect::<Vec<_>>());
     println!(
         "- (b) legs, median: prefill {} ms, decode to first byte {} ms; the bench's own handoff between them \
          (parse the prefill answer, splice the ids; not counted in (b)) {} ms.",
-        f(leg(0)),
-        f(leg(1)),
-        f(leg(2))
+        fmt_num(leg(0)),
+        fmt_num(leg(1)),
+        fmt_num(leg(2))
     );
-    let own: Vec<String> = r.own.iter().map(|(k, v)| format!("{k} {}", f(*v))).collect();
+    let own: Vec<String> = r.own.iter().map(|(k, v)| format!("{k} {}", fmt_num(*v))).collect();
     println!(
         "- tokenonce's own timings of its (c) requests (`/metrics` sum/count deltas, means, ms): {}.",
         own.join(", ")
@@ -690,11 +672,11 @@ fn print_size(r: &SizeResult) {
          (a) {} ms ({:.0}%), (b) {} ms ({:.0}%), (c) {} ms ({:.0}%). Not in the table: the axum fake does not set \
          TCP_NODELAY, so its later SSE writes wait for the receiver's delayed ACK (~40 ms); a fake artifact \
          that TTFB does not include.",
-        f(median(&s(a, true).total)),
+        fmt_num(median(&s(a, true).total)),
         stalled(a),
-        f(median(&s(b, true).total)),
+        fmt_num(median(&s(b, true).total)),
         stalled(b),
-        f(median(&s(c, true).total)),
+        fmt_num(median(&s(c, true).total)),
         stalled(c)
     );
     println!(
@@ -712,8 +694,8 @@ fn print_size(r: &SizeResult) {
             "- Streaming relay check ({} ms between the decode's SSE events): ({}) TTFB {} ms, last byte {} ms.",
             CHECK_CHUNK_DELAY.as_millis(),
             via.letter(),
-            f(*ttfb),
-            f(*total)
+            fmt_num(*ttfb),
+            fmt_num(*total)
         );
     }
     for w in &r.warnings {

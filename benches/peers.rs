@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde_json::{json, Value};
-use support::{pd_config, words, FakeConfig, FakeVllm, Settings, TokenOnce};
+use support::{fmt_num, fmt_signed, pd_config, words, FakeConfig, FakeVllm, Settings, TokenOnce};
 
 const MAX_TOKENS: u64 = 16;
 const SIZES: [usize; 2] = [1_000, 37_000];
@@ -472,26 +472,6 @@ async fn wait_answering(client: &reqwest::Client, url: &str) -> Result<(), Strin
     Err(format!("not answering within 30 s: {last}"))
 }
 
-fn fmt(v: f64) -> String {
-    if v.is_nan() {
-        "–".into()
-    } else if v.abs() >= 100.0 {
-        format!("{v:.0}")
-    } else if v.abs() >= 10.0 {
-        format!("{v:.1}")
-    } else {
-        format!("{v:.2}")
-    }
-}
-
-fn signed(v: f64) -> String {
-    if v >= 0.0 {
-        format!("+{}", fmt(v))
-    } else {
-        fmt(v)
-    }
-}
-
 fn ratio(a: f64, b: f64) -> String {
     if a.is_nan() || b.is_nan() || b == 0.0 {
         "–".into()
@@ -628,10 +608,10 @@ async fn run(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVll
     println!("\n### Throughput at concurrency 64 ({}, {total} requests)\n", w.label());
     println!("| proxy | req/s | ÷ floor | proxy CPU µs/req under load |\n|---|---:|---:|---:|");
     let (floor_rps, _) = throughput(bench, None, w, &b, 64, total).await;
-    println!("| {} | {} | 1.00× | – |", Peer::Floor.name(), fmt(floor_rps));
+    println!("| {} | {} | 1.00× | – |", Peer::Floor.name(), fmt_num(floor_rps));
     for t in &targets {
         let (rps, cpu) = throughput(bench, Some(t), w, &b, 64, total).await;
-        println!("| {} | {} | {} | {} |", t.peer.name(), fmt(rps), ratio(rps, floor_rps), fmt(cpu));
+        println!("| {} | {} | {} | {} |", t.peer.name(), fmt_num(rps), ratio(rps, floor_rps), fmt_num(cpu));
         prefill.forget();
         decode.forget();
     }
@@ -688,12 +668,14 @@ fn print_latency(rows: &[(Workload, Vec<(Peer, Cell)>)]) {
     );
     for (w, cells) in rows {
         let floor = cells.iter().find_map(|(_, c)| c.error.is_none().then_some(c.floor_p50)).unwrap_or(f64::NAN);
-        let mut line = format!("| {} | {} |", w.label(), fmt(floor));
+        let mut line = format!("| {} | {} |", w.label(), fmt_num(floor));
         for peer in [Peer::Tokenonce, Peer::NoReuse, Peer::NoSteal, Peer::Toy, Peer::Router] {
             line.push_str(&match cells.iter().find(|(p, _)| *p == peer) {
                 None => " absent |".into(),
                 Some((_, c)) if c.error.is_some() => format!(" FAILED: {} |", c.error.as_deref().unwrap_or("")),
-                Some((_, c)) => format!(" {} / {} ({}) |", signed(c.added[0]), signed(c.added[1]), signed(c.paired)),
+                Some((_, c)) => {
+                    format!(" {} / {} ({}) |", fmt_signed(c.added[0]), fmt_signed(c.added[1]), fmt_signed(c.paired))
+                }
             });
         }
         println!("{line}");
@@ -712,11 +694,11 @@ fn print_cpu(rows: &[(Workload, Vec<(Peer, Cell)>)]) {
         println!(
             "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             w.label(),
-            fmt(a),
-            fmt(a0),
-            fmt(a1),
-            fmt(c),
-            fmt(d),
+            fmt_num(a),
+            fmt_num(a0),
+            fmt_num(a1),
+            fmt_num(c),
+            fmt_num(d),
             ratio(a, a0),
             ratio(a, d),
             ratio(a, c),
@@ -736,7 +718,12 @@ fn goals(rows: &[(Workload, Vec<(Peer, Cell)>)]) {
     };
     let check = |what: String, value: Option<f64>, limit: f64| match value {
         Some(v) if !v.is_nan() => {
-            println!("- {} {what}: {} (goal ≤ {})", if v <= limit { "MET" } else { "NOT MET" }, fmt(v), fmt(limit))
+            println!(
+                "- {} {what}: {} (goal ≤ {})",
+                if v <= limit { "MET" } else { "NOT MET" },
+                fmt_num(v),
+                fmt_num(limit)
+            )
         }
         _ => println!("- UNKNOWN {what}: not measured"),
     };
@@ -790,8 +777,8 @@ async fn knee(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVl
         let knee = levels.iter().zip(&rps).find(|(_, &r)| r >= 0.9 * peak).map_or(0, |(c, _)| *c);
         println!(
             "| {threads} | {} | {} | c={knee} |",
-            rps.iter().map(|r| fmt(*r)).collect::<Vec<_>>().join(" | "),
-            fmt(peak)
+            rps.iter().map(|r| fmt_num(*r)).collect::<Vec<_>>().join(" | "),
+            fmt_num(peak)
         );
     }
 }

@@ -109,19 +109,26 @@ async fn stalled_decode_stream_ends_with_an_idle_error_event() {
     assert_eq!(proxy.metric(r#"tokenonce_upstream_errors_total{kind="timeout",stage="decode"}"#).await, 1.0);
 }
 
-/// A decode that sends no head within `decode_first_byte_timeout_ms` is a 504
-/// `decode_timeout`, counted at stage `first_byte`.
-#[tokio::test(flavor = "multi_thread")]
-async fn decode_without_a_head_is_504() {
-    let decode = FakeConfig { delay: Duration::from_secs(10), ..FakeConfig::default() };
-    let (_p, _d, proxy) = pd_setup(FakeConfig::default(), decode, FAST).await;
+/// A chat request through `proxy` is answered within 5 s with a 504 `decode_timeout`, counted
+/// at stage `first_byte` of `route`.
+async fn chat_is_a_fast_decode_timeout(proxy: &TokenOnce, route: &str) {
     let started = Instant::now();
     let (status, _, text) =
         post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("hi", json!({})), &[]).await;
     assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
     assert_eq!(status, 504, "{text}");
     assert!(text.contains("\"code\":\"decode_timeout\""), "{text}");
-    assert_eq!(proxy.metric_reaches(r#"tokenonce_timeouts_total{route="pd",stage="first_byte"}"#, 1.0).await, 1.0);
+    let series = format!(r#"tokenonce_timeouts_total{{route="{route}",stage="first_byte"}}"#);
+    assert_eq!(proxy.metric_reaches(&series, 1.0).await, 1.0);
+}
+
+/// A decode that sends no head within `decode_first_byte_timeout_ms` is a 504
+/// `decode_timeout`, counted at stage `first_byte`.
+#[tokio::test(flavor = "multi_thread")]
+async fn decode_without_a_head_is_504() {
+    let decode = FakeConfig { delay: Duration::from_secs(10), ..FakeConfig::default() };
+    let (_p, _d, proxy) = pd_setup(FakeConfig::default(), decode, FAST).await;
+    chat_is_a_fast_decode_timeout(&proxy, "pd").await;
 }
 
 /// A non-streamed decode answer needs no rewrite, so its head goes out at once and its body
@@ -202,13 +209,7 @@ async fn relay_decode_without_a_head_is_504() {
         engine.host_port()
     );
     let proxy = TokenOnce::start(&config).await;
-    let started = Instant::now();
-    let (status, _, text) =
-        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("hi", json!({})), &[]).await;
-    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
-    assert_eq!(status, 504, "{text}");
-    assert!(text.contains("\"code\":\"decode_timeout\""), "{text}");
-    assert_eq!(proxy.metric_reaches(r#"tokenonce_timeouts_total{route="relay",stage="first_byte"}"#, 1.0).await, 1.0);
+    chat_is_a_fast_decode_timeout(&proxy, "relay").await;
 }
 
 /// A header-named prefiller that never answers is bounded by the route's prefill timeout.

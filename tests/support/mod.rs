@@ -436,3 +436,25 @@ pub fn words(n: usize, seed: u64) -> String {
     }
     text
 }
+
+/// A number for a bench table: 3 significant-ish places (`0.42`, `12.3`, `456`), `–` for NaN.
+pub fn fmt_num(v: f64) -> String {
+    if v.is_nan() {
+        "–".into()
+    } else if v.abs() >= 100.0 {
+        format!("{v:.0}")
+    } else if v.abs() >= 10.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+/// [`fmt_num`] with its sign always shown (`+0.42`, `-1.10`).
+pub fn fmt_signed(v: f64) -> String {
+    if v >= 0.0 {
+        format!("+{}", fmt_num(v))
+    } else {
+        fmt_num(v)
+    }
+}
