@@ -114,7 +114,7 @@ async fn exchange(
 ) -> Result<Exchange, ProxyError> {
     let result = exchange_once(ctx, req, leg, endpoint, body).await;
     let failed = match &result {
-        Ok(exchange) => exchange.session.response_header().is_none_or(|h| h.status.as_u16() >= 500),
+        Ok(exchange) => exchange.status() >= 500,
         Err(e) => matches!(e, ProxyError::Upstream { .. }),
     };
     if !failed {
@@ -142,7 +142,7 @@ async fn exchange_once(
     }
     let (app, route) = (&ctx.app, &ctx.route);
     route.retry_budget.sent();
-    let failure = match app.client.send(endpoint.endpoint().target(), &head, body.clone()).await {
+    let failure = match app.client.send(endpoint.endpoint().target(), &head, std::slice::from_ref(&body)).await {
         Ok(exchange) => return Ok(exchange),
         Err(failure) => failure,
     };
@@ -157,7 +157,10 @@ async fn exchange_once(
     }
     app.metrics.upstream_retry(leg);
     tracing::debug!(request_id = %ctx.request_id, error = %failure.error, "leg re-sent: the engine never got it");
-    app.client.resend(endpoint.endpoint().target(), &head, body).await.map_err(|f| ProxyError::upstream(leg, f.error))
+    app.client
+        .resend(endpoint.endpoint().target(), &head, std::slice::from_ref(&body))
+        .await
+        .map_err(|f| ProxyError::upstream(leg, f.error))
 }
 
 /// [`exchange`] within `first_byte_timeout`, racing the client going away.
@@ -268,7 +271,7 @@ async fn prefill_once(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, body: By
         Ok(exchange) => exchange,
         Err(e) => return PrefillTry::NoAnswer(e),
     };
-    let head = exchange.session.response_header().cloned();
+    let head = Some(exchange.head().clone());
     if head.as_ref().is_some_and(|h| h.status.as_u16() >= 500) {
         ctx.app.metrics.upstream_error(Leg::Prefill, ErrorKind::Status5xx);
     }

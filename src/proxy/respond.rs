@@ -117,10 +117,7 @@ pub async fn relay(
 ) -> Result<(), ProxyError> {
     let ok = (200..300).contains(&exchange.status());
     let is_sse = exchange.header("content-type").is_some_and(|ct| ct.starts_with("text/event-stream"));
-    let head = exchange
-        .session
-        .response_header()
-        .and_then(|h| client_head(h, &ctx.request_id))
+    let head = client_head(exchange.head(), &ctx.request_id)
         .ok_or_else(|| ProxyError::Internal("engine response head cannot be copied".into()))?;
     match (is_sse && ok, cached_tokens.filter(|_| ok)) {
         (true, _) => relay_stream(session, ctx, exchange, head, cached_tokens, leg).await,
@@ -144,7 +141,7 @@ async fn next_chunk(
 ) -> Result<Option<Bytes>, ProxyError> {
     let idle = ctx.route.stream_idle_timeout;
     let read = tokio::select! {
-        r = tokio::time::timeout(idle, exchange.session.read_response_body()) => r,
+        r = tokio::time::timeout(idle, exchange.read_body()) => r,
         // Dropping `exchange` closes the engine connection; vLLM aborts the request.
         _ = client_gone(session) => return Err(ProxyError::ClientGone),
     };
@@ -154,10 +151,7 @@ async fn next_chunk(
             ctx.answer_started |= chunk.as_ref().is_some_and(|c| !c.is_empty());
             Ok(chunk)
         }
-        Ok(Err(e)) => {
-            let source = crate::upstream::UpstreamError::io(&exchange.peer.to_string(), &e);
-            Err(ProxyError::StreamBroken { leg, source })
-        }
+        Ok(Err(source)) => Err(ProxyError::StreamBroken { leg, source }),
     }
 }
 
@@ -214,7 +208,7 @@ async fn relay_through(
         ctx.trace.usage(&t.concat());
     }
     // Pooled before the client sees the end, so its next request can reuse the connection.
-    ctx.app.client.release(exchange).await;
+    ctx.app.client.release(exchange);
     write_body(session, ctx, Bytes::new(), true).await?;
     let status = ctx.status;
     ctx.outcome.get_or_insert(Outcome::from_status(status));
@@ -250,7 +244,7 @@ async fn relay_rewritten(
             None => break,
         }
     }
-    ctx.app.client.release(exchange).await;
+    ctx.app.client.release(exchange);
     let body = body.freeze();
     let body = std::str::from_utf8(&body)
         .ok()
@@ -285,7 +279,7 @@ async fn relay_stream(
             }
         };
         let Some(chunk) = chunk else {
-            ctx.app.client.release(exchange).await;
+            ctx.app.client.release(exchange);
             let rest = framing.end();
             ctx.trace.usage(&rest);
             write_body(session, ctx, Bytes::from(rest), true).await?;

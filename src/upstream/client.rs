@@ -1,18 +1,20 @@
-//! The HTTP/1.1 client for the legs tokenonce sends itself (prefill, decode, health), on
-//! pingora's pooled connector: connect timeouts, idle pooling under vLLM's 5 s keep-alive,
-//! and, for a failed send, whether the engine provably never got the request (the
-//! executor decides whether to re-send; only the idempotent `get` retries here).
+//! The HTTP/1.1 client for the legs tokenonce sends itself (prefill, decode, health): dials
+//! with pingora's transport connector (connect timeout, TLS), speaks HTTP/1.1 itself
+//! (`h1`), pools idle connections under vLLM's 5 s keep-alive, and, for a failed send, says
+//! whether the engine provably never got the request (the executor decides whether to
+//! re-send; only the idempotent `get` retries here).
 
-use std::time::Duration;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::HeaderMap;
-use pingora::connectors::http::Connector;
 use pingora::connectors::TransportConnector;
-use pingora::http::RequestHeader;
-use pingora::protocols::http::client::HttpSession;
-use pingora::upstreams::peer::HttpPeer;
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::upstreams::peer::{HttpPeer, Peer};
 
+use super::h1::{encode_head, Answer, Conn, WireError};
 use super::resolve::Resolver;
 use crate::metrics::ErrorKind;
 use crate::tls::UpstreamTls;
@@ -90,6 +92,11 @@ impl UpstreamError {
     pub fn io(addr: &str, e: &pingora::Error) -> Self {
         Self::Io { addr: addr.to_owned(), cause: cause_of(e), detail: e.to_string() }
     }
+
+    /// A failure on the wire with `addr` (writing, reading, or a malformed answer).
+    pub fn wire(addr: &str, e: &WireError) -> Self {
+        Self::Io { addr: addr.to_owned(), cause: e.cause(), detail: e.to_string() }
+    }
 }
 
 /// True for a failed TLS handshake (either side refused, or it timed out).
@@ -157,29 +164,94 @@ pub struct SendFailure {
 
 /// An exchange that has its response header; the body is still to be read.
 pub struct Exchange {
-    /// The session, positioned after the response header.
-    pub session: HttpSession,
-    /// The peer it talks to (needed to release the connection).
-    pub peer: HttpPeer,
+    conn: Conn,
+    answer: Answer,
+    /// The idle pool's key for the connection (its peer's address and TLS settings).
+    pool_key: u64,
+    /// `host:port`, for errors.
+    addr: String,
 }
 
 impl Exchange {
     /// Response status.
     pub fn status(&self) -> u16 {
-        self.session.response_header().map_or(0, |h| h.status.as_u16())
+        self.answer.head.status.as_u16()
     }
 
     /// A response header value.
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.session.response_header().and_then(|h| h.headers.get(name)).and_then(|v| v.to_str().ok())
+        self.answer.head.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    /// The response head.
+    pub fn head(&self) -> &ResponseHeader {
+        &self.answer.head
+    }
+
+    /// The next piece of the body as it arrives (`None`: the body ended).
+    ///
+    /// # Errors
+    /// [`UpstreamError::Io`] when the connection fails or the framing is broken.
+    pub async fn read_body(&mut self) -> Result<Option<Bytes>, UpstreamError> {
+        self.conn.read_body(&mut self.answer).await.map_err(|e| UpstreamError::wire(&self.addr, &e))
+    }
+}
+
+/// Idle connections by peer, most recently used last. No task watches them: a connection
+/// is checked for a close or stray bytes when it is taken, and those idle past the pool's
+/// limit are dropped whenever the pool is used.
+#[derive(Default)]
+struct IdlePool {
+    by_peer: Mutex<HashMap<u64, VecDeque<Conn>>>,
+}
+
+/// Most idle connections kept per peer (a burst of concurrency 256 leaves that many).
+const MAX_IDLE_PER_PEER: usize = 512;
+
+impl IdlePool {
+    /// The most recent live connection to `key`, if any (stale ones are closed).
+    fn take(&self, key: u64, idle_timeout: Duration) -> Option<Conn> {
+        let mut stale = Vec::new();
+        let found = {
+            let mut by_peer = self.by_peer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let idle = by_peer.get_mut(&key)?;
+            let mut found = None;
+            while let Some(conn) = idle.pop_back() {
+                if conn.idle_since.elapsed() < idle_timeout && conn.is_quiet() {
+                    found = Some(conn);
+                    break;
+                }
+                stale.push(conn);
+            }
+            found
+        };
+        drop(stale);
+        found
+    }
+
+    /// Keeps `conn` for reuse, dropping connections to `key` idle past `idle_timeout`.
+    fn put(&self, key: u64, mut conn: Conn, idle_timeout: Duration) {
+        conn.idle_since = Instant::now();
+        let mut stale = Vec::new();
+        {
+            let mut by_peer = self.by_peer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let idle = by_peer.entry(key).or_default();
+            while idle.front().is_some_and(|c| c.idle_since.elapsed() >= idle_timeout)
+                || idle.len() >= MAX_IDLE_PER_PEER
+            {
+                stale.extend(idle.pop_front());
+            }
+            idle.push_back(conn);
+        }
+        drop(stale);
     }
 }
 
 /// The shared client.
 pub struct UpstreamClient {
-    connector: Connector,
-    /// Dials without looking in the pool (a re-send must not meet another stale connection).
-    fresh: TransportConnector,
+    /// Dials (and does TLS); connections are pooled in `idle`.
+    connector: TransportConnector,
+    idle: IdlePool,
     connect_timeout: Duration,
     idle_timeout: Duration,
     /// Endpoint names remembered for a few seconds (a lookup per leg cost `getaddrinfo`).
@@ -190,8 +262,8 @@ impl UpstreamClient {
     /// A client with its own connection pool.
     pub fn new(connect_timeout: Duration, idle_timeout: Duration) -> Self {
         Self {
-            connector: Connector::new(None),
-            fresh: TransportConnector::new(None),
+            connector: TransportConnector::new(None),
+            idle: IdlePool::default(),
             connect_timeout,
             idle_timeout,
             resolver: Resolver::default(),
@@ -245,59 +317,57 @@ impl UpstreamClient {
         Ok(head)
     }
 
+    /// A connection to `peer`: a live idle one, unless `fresh`, else a new one.
+    async fn connection(&self, peer: &HttpPeer, key: u64, fresh: bool) -> Result<Conn, pingora::BError> {
+        if let Some(conn) = (!fresh).then(|| self.idle.take(key, self.idle_timeout)).flatten() {
+            return Ok(conn);
+        }
+        self.connector.new_stream(peer).await.map(Conn::new)
+    }
+
     /// One attempt: connect (or take a pooled connection), write the request, read the
     /// response head.
     ///
-    /// What a failure proves, with pingora's `HttpSession`, about whether the engine got it:
+    /// What a failure proves about whether the engine got the request:
     /// - connecting failed: nothing was sent. Unstarted.
-    /// - writing the head, the body, or the final flush failed: some bytes of the request
-    ///   never left this process; the request is framed by `Content-Length`, so the engine
-    ///   never had it whole and cannot have acted on it. Unstarted. On a reused connection
-    ///   this is the keep-alive race: the engine closed the idle connection (not reading our
-    ///   request) and our write met its reset. (A close that arrived before we took the
-    ///   connection is caught by pingora's pool check, which then dials a fresh one.)
+    /// - writing the request failed: some bytes of it never left this process; it is framed
+    ///   by `Content-Length`, so the engine never had it whole and cannot have acted on it.
+    ///   Unstarted. On a reused connection this is the keep-alive race: the engine closed
+    ///   the idle connection (not reading our request) and our write met its reset. (A close
+    ///   that arrived before we took the connection is caught by the pool's check, and a
+    ///   new connection is dialled.)
     /// - the request was fully written and reading the response head failed (EOF, reset,
     ///   timeout), even with no response byte: the engine may have read it and started (it
     ///   can crash or close mid-work), and a decode is not idempotent. Not unstarted, however
-    ///   likely a stale connection looks; pingora's `RetryType::ReusedOnly` guesses here, we
-    ///   do not.
+    ///   likely a stale connection looks.
     async fn attempt(
         &self,
         peer: &HttpPeer,
-        head: &RequestHeader,
-        body: &Bytes,
+        head: &[u8],
+        body: &[Bytes],
         fresh: bool,
-    ) -> Result<HttpSession, SendFailure> {
+    ) -> Result<(Conn, Answer), SendFailure> {
         let addr = peer.to_string();
-        let connected = if fresh {
-            let stream = self.fresh.new_stream(peer).await;
-            stream
-                .map(|s| HttpSession::H1(pingora::protocols::http::v1::client::HttpSession::new_with_options(s, peer)))
-        } else {
-            self.connector.get_http_session(peer).await.map(|(session, _reused)| session)
-        };
-        let mut session =
-            connected.map_err(|e| SendFailure { error: UpstreamError::connect(&addr, &e), unstarted: true })?;
-        let written = async {
-            session.write_request_header(Box::new(head.clone())).await?;
-            if !body.is_empty() {
-                session.write_request_body(body.clone(), true).await?;
-            }
-            session.finish_request_body().await
-        };
-        written.await.map_err(|e| SendFailure { error: UpstreamError::io(&addr, &e), unstarted: true })?;
-        session
-            .read_response_header()
+        let mut conn = self
+            .connection(peer, peer.reuse_hash(), fresh)
             .await
-            .map_err(|e| SendFailure { error: UpstreamError::io(&addr, &e), unstarted: false })?;
-        Ok(session)
+            .map_err(|e| SendFailure { error: UpstreamError::connect(&addr, &e), unstarted: true })?;
+        conn.write_request(head, body)
+            .await
+            .map_err(|e| SendFailure { error: UpstreamError::wire(&addr, &e), unstarted: true })?;
+        let answer = conn
+            .read_head()
+            .await
+            .map_err(|e| SendFailure { error: UpstreamError::wire(&addr, &e), unstarted: false })?;
+        Ok((conn, answer))
     }
 
-    /// Sends `head` + `body` to `addr` once and reads the response header.
+    /// Sends `head` + `body` (its parts written in order, one vectored write) to `to` once
+    /// and reads the response header.
     ///
     /// # Errors
     /// [`SendFailure`]: the error, and whether the engine provably never got the request.
-    pub async fn send(&self, to: Target<'_>, head: &RequestHeader, body: Bytes) -> Result<Exchange, SendFailure> {
+    pub async fn send(&self, to: Target<'_>, head: &RequestHeader, body: &[Bytes]) -> Result<Exchange, SendFailure> {
         self.send_via(to, head, body, false).await
     }
 
@@ -305,7 +375,7 @@ impl UpstreamClient {
     ///
     /// # Errors
     /// As [`Self::send`].
-    pub async fn resend(&self, to: Target<'_>, head: &RequestHeader, body: Bytes) -> Result<Exchange, SendFailure> {
+    pub async fn resend(&self, to: Target<'_>, head: &RequestHeader, body: &[Bytes]) -> Result<Exchange, SendFailure> {
         self.send_via(to, head, body, true).await
     }
 
@@ -313,17 +383,21 @@ impl UpstreamClient {
         &self,
         to: Target<'_>,
         head: &RequestHeader,
-        body: Bytes,
+        body: &[Bytes],
         fresh: bool,
     ) -> Result<Exchange, SendFailure> {
+        let wire = encode_head(head).map_err(|detail| SendFailure {
+            error: UpstreamError::Io { addr: to.addr.to_owned(), cause: "bad request head", detail: detail.to_owned() },
+            unstarted: true,
+        })?;
         let peer = self.peer(to).await.map_err(|error| SendFailure { error, unstarted: true })?;
-        let session = self.attempt(&peer, head, &body, fresh).await.inspect_err(|f| {
+        let (conn, answer) = self.attempt(&peer, &wire, body, fresh).await.inspect_err(|f| {
             // The name may point somewhere else now: the next leg looks it up again.
             if matches!(f.error, UpstreamError::Connect { .. }) {
                 self.resolver.forget(to.addr);
             }
         })?;
-        Ok(Exchange { session, peer })
+        Ok(Exchange { conn, answer, pool_key: peer.reuse_hash(), addr: to.addr.to_owned() })
     }
 
     /// Reads the rest of the body (at most `limit` bytes) and returns the connection to the pool.
@@ -331,33 +405,22 @@ impl UpstreamClient {
     /// # Errors
     /// [`UpstreamError`] on a read failure or an oversized body.
     pub async fn read_to_end(&self, mut exchange: Exchange, limit: usize) -> Result<Bytes, UpstreamError> {
-        let addr = exchange.peer.to_string();
-        // Sized once from the declared length (a 37k-token prefill answer is ~260 KB: growing
-        // by doubling copied it about twice more), never past the limit.
-        let declared = exchange.header("content-length").and_then(|v| v.trim().parse::<usize>().ok());
-        let mut buf = BytesMut::with_capacity(declared.unwrap_or(0).min(limit));
-        loop {
-            // HTTP/1 (every leg): appended straight from pingora's read buffer, not first
-            // copied into a `Bytes` of its own (a 37k-token answer is ~230 KB).
-            let read = match &mut exchange.session {
-                HttpSession::H1(h1) => h1.read_body_ref().await.map(|c| c.map(|c| append_within(&mut buf, c, limit))),
-                other => other.read_response_body().await.map(|c| c.map(|c| append_within(&mut buf, &c, limit))),
-            };
-            match read {
-                Ok(Some(true)) => {}
-                Ok(Some(false)) => return Err(UpstreamError::TooLarge { addr, limit }),
-                Ok(None) => break,
-                Err(e) => return Err(UpstreamError::io(&addr, &e)),
+        let read = exchange.conn.read_to_end(&mut exchange.answer, limit).await;
+        match read.map_err(|e| UpstreamError::wire(&exchange.addr, &e))? {
+            Some(body) => {
+                self.release(exchange);
+                Ok(body)
             }
+            None => Err(UpstreamError::TooLarge { addr: exchange.addr, limit }),
         }
-        self.release(exchange).await;
-        Ok(buf.freeze())
     }
 
-    /// Returns a fully read exchange's connection to the pool (dropped if not reusable).
-    pub async fn release(&self, exchange: Exchange) {
-        let Exchange { session, peer } = exchange;
-        self.connector.release_http_session(session, &peer, Some(self.idle_timeout)).await;
+    /// Returns a fully read exchange's connection to the pool (dropped, so closed, if the
+    /// body was not read to its end or the engine asked to close).
+    pub fn release(&self, exchange: Exchange) {
+        if exchange.conn.reusable_after(&exchange.answer) {
+            self.idle.put(exchange.pool_key, exchange.conn, self.idle_timeout);
+        }
     }
 
     /// `GET path` with a deadline; returns the status and body.
@@ -370,12 +433,12 @@ impl UpstreamClient {
             let head = Self::request_head("GET", path, addr, &HeaderMap::new(), &[], "tokenonce-health", 0)?;
             // A GET is idempotent: one more try on any failure (a stale pooled connection
             // must not mark an endpoint unhealthy).
-            let exchange = match self.send(to, &head, Bytes::new()).await {
+            let exchange = match self.send(to, &head, &[]).await {
                 Ok(exchange) => exchange,
                 Err(SendFailure {
                     error: error @ (UpstreamError::Connect { .. } | UpstreamError::Tls { .. }), ..
                 }) => return Err(error),
-                Err(_) => self.resend(to, &head, Bytes::new()).await.map_err(|f| f.error)?,
+                Err(_) => self.resend(to, &head, &[]).await.map_err(|f| f.error)?,
             };
             let status = exchange.status();
             let body = self.read_to_end(exchange, 1 << 20).await?;
@@ -390,13 +453,4 @@ impl UpstreamClient {
             }),
         }
     }
-}
-
-/// Appends `chunk` to `buf` unless that would pass `limit`; false when it would.
-fn append_within(buf: &mut BytesMut, chunk: &[u8], limit: usize) -> bool {
-    let fits = buf.len() + chunk.len() <= limit;
-    if fits {
-        buf.extend_from_slice(chunk);
-    }
-    fits
 }

@@ -1,9 +1,10 @@
 //! Upstream engines: pools and endpoint choice (`pool`), the HTTP client for the legs
-//! tokenonce sends itself (`client`) and its name cache (`resolve`), the background health,
+//! tokenonce sends itself (`client`, speaking HTTP/1.1 in `h1`) and its name cache (`resolve`), the background health,
 //! version and model poller (`health`), and the per-route retry budget (`budget`).
 
 pub mod budget;
 pub mod client;
+mod h1;
 pub mod health;
 pub mod pool;
 pub mod resolve;
