@@ -166,6 +166,8 @@ struct Case {
     decode: Engine,
     /// Changes the fake behind the prefill engine.
     prefill_fake: fn(&mut FakeConfig),
+    /// Changes the fake behind the decode engine.
+    decode_fake: fn(&mut FakeConfig),
     /// `max_tokens` of the request.
     max_tokens: u64,
     /// More checks of what the engines read: (prefill, decode).
@@ -192,12 +194,19 @@ struct Case {
 
 fn unchanged(_: &mut FakeConfig) {}
 
+/// A JSON answer sent in 16-byte pieces without a declared length (chunked), so it is
+/// streamed through to the client rather than read whole first.
+fn chunked_answer(c: &mut FakeConfig) {
+    c.split_every = Some(16);
+}
+
 /// The happy path: both engines pass, a chat request is answered with reuse applied.
 const OK: Case = Case {
     mode: Mode::Orchestrate,
     prefill: Engine::Up(Fault::Pass),
     decode: Engine::Up(Fault::Pass),
     prefill_fake: unchanged,
+    decode_fake: unchanged,
     max_tokens: 5,
     engines_saw: |_, _| {},
     route: "",
@@ -417,7 +426,9 @@ async fn settles<T: PartialEq + std::fmt::Debug>(what: &str, want: T, got: impl 
 async fn run(case: Case) {
     let mut prefill_config = FakeConfig::default();
     (case.prefill_fake)(&mut prefill_config);
-    let (pf, df) = (FakeVllm::start(prefill_config).await, FakeVllm::start(FakeConfig::default()).await);
+    let mut decode_config = FakeConfig::default();
+    (case.decode_fake)(&mut decode_config);
+    let (pf, df) = (FakeVllm::start(prefill_config).await, FakeVllm::start(decode_config).await);
     let (p, d) = (engine(&pf, case.prefill).await, engine(&df, case.decode).await);
     let proxy = TokenOnce::start(&case.config(&p.host_port(), &d.host_port())).await;
     let series: Vec<String> = case.counted.iter().map(|c| c.series(&case)).collect();
@@ -623,11 +634,18 @@ matrix! {
         decode: Engine::Up(Fault::Status(200, "not json at all")), answer: Answer::Exactly("not json at all"),
         counted: &[Applied, Outcome("success")], ..OK
     };
-    /// Decode closes mid-body (not streamed): the body needs no rewrite and streams through,
-    /// so the head went out; the client connection is cut without ending the body.
+    /// Decode closes mid-body (not streamed, no declared length): the body needs no rewrite
+    /// and streams through, so the head went out; the client connection is cut without ending
+    /// the body.
     decode_cut_mid_body: Case {
-        decode: Engine::Up(Fault::Cut(At::body(40))), answer: Answer::CutAfterHead,
+        decode_fake: chunked_answer, decode: Engine::Up(Fault::Cut(At::body(40))), answer: Answer::CutAfterHead,
         counted: &[Applied, UpErr("decode", "stream_broken"), Outcome("server_error")], ..OK
+    };
+    /// The same cut of a small answer with a declared length, read whole before it is written
+    /// (nothing sent yet): 502.
+    decode_cut_mid_small_body: Case {
+        decode: Engine::Up(Fault::Cut(At::body(40))), status: 502, answer: Answer::Error("decode_unavailable"),
+        counted: &[Applied, UpErr("decode", "io"), Outcome("server_error")], ..OK
     };
     /// The same cut of an answer buffered for the `cached_tokens` rewrite (nothing sent yet): 502.
     decode_cut_mid_body_rewritten: Case {
@@ -635,10 +653,19 @@ matrix! {
         answer: Answer::Error("decode_unavailable"), counted: &[Applied, UpErr("decode", "io"), Outcome("server_error")],
         ..OK
     };
-    /// Decode sends its head and part of a JSON body, then nothing: at `stream_idle_timeout_ms`
+    /// Decode sends its head and part of a JSON body of no declared length, then nothing: at
+    /// `stream_idle_timeout_ms`
     /// the client connection is cut (the body never ends), the decode closed.
     decode_hangs_mid_body: Case {
-        decode: Engine::Up(Fault::Stall(At::body(40))), route: SHORT_IDLE, answer: Answer::CutAfterHead,
+        decode_fake: chunked_answer, decode: Engine::Up(Fault::Stall(At::body(40))), route: SHORT_IDLE,
+        answer: Answer::CutAfterHead,
+        counted: &[Applied, UpErr("decode", "timeout"), Timeout("stream_idle"), Outcome("server_error")],
+        closed: (0, 1), within_ms: 5_000, ..OK
+    };
+    /// The same hang of a small answer with a declared length: 504 `stream_idle_timeout`.
+    decode_hangs_mid_small_body: Case {
+        decode: Engine::Up(Fault::Stall(At::body(40))), route: SHORT_IDLE, status: 504,
+        answer: Answer::Error("stream_idle_timeout"),
         counted: &[Applied, UpErr("decode", "timeout"), Timeout("stream_idle"), Outcome("server_error")],
         closed: (0, 1), within_ms: 5_000, ..OK
     };

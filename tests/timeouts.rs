@@ -64,6 +64,10 @@ async fn serve(mut sock: TcpStream, answer: &'static str, posts: Arc<AtomicUsize
 const JSON_HEAD_THEN_STALL: &str =
     "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"id\":";
 
+/// The same stall in a chunked JSON answer (no declared length, so it is not read whole first).
+const CHUNKED_JSON_HEAD_THEN_STALL: &str =
+    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n6\r\n{\"id\":\r\n";
+
 /// An orchestrate route `pd` over `prefill` and `decode` (`host:port`) with `extra` keys.
 fn pd(prefill: &str, decode: &str, extra: &str) -> String {
     format!(
@@ -131,13 +135,13 @@ async fn decode_without_a_head_is_504() {
     chat_is_a_fast_decode_timeout(&proxy, "pd").await;
 }
 
-/// A non-streamed decode answer needs no rewrite, so its head goes out at once and its body
-/// streams through; when the engine stalls mid-body the client connection is cut (the body
-/// never ends: no silent truncation), counted at `stream_idle`.
+/// A non-streamed decode answer of no declared length needs no rewrite, so its head goes out
+/// at once and its body streams through; when the engine stalls mid-body the client
+/// connection is cut (the body never ends: no silent truncation), counted at `stream_idle`.
 #[tokio::test(flavor = "multi_thread")]
 async fn non_sse_decode_stalled_mid_body_is_cut() {
     let prefill = FakeVllm::start(FakeConfig::default()).await;
-    let decode = StallingEngine::start(JSON_HEAD_THEN_STALL).await;
+    let decode = StallingEngine::start(CHUNKED_JSON_HEAD_THEN_STALL).await;
     let proxy = TokenOnce::start(&pd(&prefill.host_port(), &decode.addr, FAST)).await;
     let started = Instant::now();
     let resp = reqwest::Client::new()

@@ -119,12 +119,21 @@ pub async fn relay(
     let is_sse = exchange.header("content-type").is_some_and(|ct| ct.starts_with("text/event-stream"));
     let head = client_head(exchange.head(), &ctx.request_id)
         .ok_or_else(|| ProxyError::Internal("engine response head cannot be copied".into()))?;
+    let small = exchange
+        .header("content-length")
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .is_some_and(|n| n <= SMALL_ANSWER);
     match (is_sse && ok, cached_tokens.filter(|_| ok)) {
         (true, _) => relay_stream(session, ctx, exchange, head, cached_tokens, leg).await,
-        (false, Some(cached)) => relay_rewritten(session, ctx, exchange, head, cached, leg).await,
-        (false, None) => relay_through(session, ctx, exchange, head, Bytes::new(), leg).await,
+        (false, cached) if cached.is_some() || small => relay_buffered(session, ctx, exchange, head, cached, leg).await,
+        (false, _) => relay_through(session, ctx, exchange, head, Bytes::new(), leg).await,
     }
 }
+
+/// Largest declared non-SSE answer read whole before it is written, with its length, in one
+/// write (a non-streamed answer comes from vLLM at once; streamed through, its head, body and
+/// last chunk were three writes).
+const SMALL_ANSWER: usize = 64 * 1024;
 
 /// Largest non-streamed answer buffered to set its `cached_tokens` (a long answer with top
 /// logprobs is ~2 KB per token: 16 MiB holds 8k of them). A larger one streams through with
@@ -216,15 +225,15 @@ async fn relay_through(
     Ok(())
 }
 
-/// A 2xx JSON answer whose `cached_tokens` is set to the prefill's: buffered (every read
-/// within the idle timeout), rewritten, written with its length. Past [`REWRITE_LIMIT`] it
-/// streams through unchanged instead.
-async fn relay_rewritten(
+/// An answer buffered (every read within the idle timeout) and written with its length: a
+/// small one as it came, a 2xx JSON one with `cached_tokens` set to the prefill's. Past
+/// [`REWRITE_LIMIT`] it streams through unchanged instead.
+async fn relay_buffered(
     session: &mut Session,
     ctx: &mut Ctx,
     mut exchange: Exchange,
     head: ResponseHeader,
-    cached_tokens: u64,
+    cached_tokens: Option<u64>,
     leg: Leg,
 ) -> Result<(), ProxyError> {
     let mut body = bytes::BytesMut::new();
@@ -246,9 +255,8 @@ async fn relay_rewritten(
     }
     ctx.app.client.release(exchange);
     let body = body.freeze();
-    let body = std::str::from_utf8(&body)
-        .ok()
-        .and_then(|t| rewrite_usage_cached(ctx.api.unwrap_or(Api::Chat), t, cached_tokens))
+    let body = cached_tokens
+        .and_then(|cached| rewrite_usage_cached(ctx.api.unwrap_or(Api::Chat), std::str::from_utf8(&body).ok()?, cached))
         .map_or(body, Bytes::from);
     ctx.trace.usage(&body);
     write_buffered(session, ctx, head, body).await;
