@@ -6,7 +6,7 @@
 //!
 //! Proxies, all between the same two in-process fake vLLM engines (`tests/support/fake_vllm.rs`):
 //! - (b) floor: the client sends the prefill, then the decode with the echoed ids itself (the
-//!   bench's own handoff work between the legs is excluded from its time);
+//!   bench's own handoff work between the legs is excluded from its time and its CPU);
 //! - (a) tokenonce (orchestrate, token reuse on), (a0) the same with reuse off, and (a1) with
 //!   reuse on and `server.work_stealing = false`;
 //! - (c) vLLM's `toy_proxy_server.py` (Python, FastAPI + httpx, no reuse);
@@ -21,7 +21,13 @@
 //! untimed warm request), each paired with a floor request right before it (so machine noise
 //! hits all alike). Latency added = proxy − floor quantiles (client wall clock to the last
 //! byte); proxy CPU per request = the median over blocks of the on-CPU time of all the proxy
-//! process's threads (`/proc/PID/task/*/schedstat`, ns) during the block ÷ 5. Then throughput at
+//! process's threads (`/proc/PID/task/*/schedstat`, ns) during the block ÷ 5. The paired floor
+//! requests run on a thread of their own (its own current-thread runtime and connection pool,
+//! the fakes on theirs), and the floor's CPU per request is measured alike: that thread's CPU
+//! clock (`CLOCK_THREAD_CPUTIME_ID`, the same on-CPU ns as schedstat) over its two legs, median
+//! over the blocks of the workload. It is what a client sending both legs itself spends
+//! (syscalls included; on loopback a send also runs the receiver's TCP path, charged to the
+//! sender, as for the proxies); a proxy does at least that plus its server side. Then throughput at
 //! concurrency 64 (1k chat, not streamed), the req/s curve of tokenonce at 1 and 2 worker
 //! threads (its knee: the lowest concurrency reaching 90 % of the peak), and tokenonce's RSS
 //! with 256 concurrent 37k-token requests in flight. Everything is on 127.0.0.1; every loop is
@@ -35,6 +41,7 @@ mod support;
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -152,6 +159,13 @@ fn cpu_ns(pid: u32) -> u64 {
         .sum()
 }
 
+/// On-CPU ns of the calling thread so far (the kernel's `sum_exec_runtime`, as schedstat, but
+/// brought up to date for a running thread, which its own schedstat is not).
+fn thread_cpu_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    (t.tv_sec as u64) * 1_000_000_000 + t.tv_nsec as u64
+}
+
 fn rss_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status
@@ -233,6 +247,71 @@ struct Bench {
     decode: String,
 }
 
+/// The client of every request: HTTP/1.1, no proxy, `TCP_NODELAY`, a pool per host.
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .http1_only()
+        .tcp_nodelay(true)
+        .pool_max_idle_per_host(128)
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+}
+
+/// One floor request: ms to the last byte of the decode (both legs, without the handoff
+/// between them), the calling thread's on-CPU ns over the two legs, the decode's body.
+struct FloorRun {
+    ms: f64,
+    cpu_ns: u64,
+    body: Bytes,
+}
+
+type FloorJob = (Workload, Arc<Bodies>, tokio::sync::oneshot::Sender<Result<FloorRun, String>>);
+
+/// The paired floor's client on an OS thread of its own, with its own current-thread runtime
+/// and connection pool (so their connection tasks run there too): that thread runs nothing but
+/// floor requests, one at a time, so its CPU clock counts only the floor client's work.
+struct FloorThread {
+    jobs: Option<tokio::sync::mpsc::UnboundedSender<FloorJob>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl FloorThread {
+    fn start(prefill: String, decode: String) -> Self {
+        let (jobs, mut rx) = tokio::sync::mpsc::unbounded_channel::<FloorJob>();
+        let thread = std::thread::Builder::new()
+            .name("floor-client".into())
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                let bench = Bench { client: client(), prefill, decode };
+                rt.block_on(async {
+                    while let Some((w, b, reply)) = rx.recv().await {
+                        let _ = reply.send(bench.floor(w, &b).await);
+                    }
+                });
+            })
+            .unwrap();
+        Self { jobs: Some(jobs), thread: Some(thread) }
+    }
+
+    async fn floor(&self, w: Workload, b: &Arc<Bodies>) -> Result<FloorRun, String> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let gone = || "floor thread gone".to_owned();
+        self.jobs.as_ref().ok_or_else(gone)?.send((w, Arc::clone(b), reply)).map_err(|_| gone())?;
+        answer.await.map_err(|_| gone())?
+    }
+}
+
+impl Drop for FloorThread {
+    fn drop(&mut self) {
+        drop(self.jobs.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 /// One timed exchange: ms to the last byte, and the body.
 async fn post(client: &reqwest::Client, url: &str, body: Bytes) -> Result<(f64, Bytes), String> {
     let started = Instant::now();
@@ -253,12 +332,18 @@ async fn post(client: &reqwest::Client, url: &str, body: Bytes) -> Result<(f64, 
 }
 
 impl Bench {
-    /// The floor: prefill, then decode, timed without the client's handoff work between.
-    async fn floor(&self, w: Workload, b: &Bodies) -> Result<(f64, Bytes), String> {
+    /// The floor: prefill, then decode, timed without the client's handoff work between. Its
+    /// `cpu_ns` is this thread's over the two legs: meaningful only on a thread doing nothing
+    /// else meanwhile ([`FloorThread`]); a concurrent caller ignores it.
+    async fn floor(&self, w: Workload, b: &Bodies) -> Result<FloorRun, String> {
+        let cpu = thread_cpu_ns();
         let (p_ms, answer) = post(&self.client, &format!("{}{}", self.prefill, w.path()), b.prefill.clone()).await?;
+        let p_cpu = thread_cpu_ns().saturating_sub(cpu);
         let decode = b.decode(w.chat, &answer);
+        let cpu = thread_cpu_ns();
         let (d_ms, body) = post(&self.client, &format!("{}{}", self.decode, w.path()), decode).await?;
-        Ok((p_ms + d_ms, body))
+        let cpu_ns = p_cpu + thread_cpu_ns().saturating_sub(cpu);
+        Ok(FloorRun { ms: p_ms + d_ms, cpu_ns, body })
     }
 
     async fn via(&self, base: &str, w: Workload, b: &Bodies) -> Result<(f64, Bytes), String> {
@@ -302,26 +387,37 @@ fn well_formed(w: Workload, body: &[u8]) -> bool {
     }
 }
 
+/// One workload's results: the floor's CPU µs per request (median over all its blocks, every
+/// target's pairs pooled) and each proxy's cell.
+struct Row {
+    w: Workload,
+    floor_cpu_us: f64,
+    cells: Vec<(Peer, Cell)>,
+}
+
 /// Checks each target answers `w` well (3 requests), then measures them interleaved in
 /// blocks: each round gives every target [`BLOCK`] requests in a row (after one untimed
 /// request, so its threads and caches are warm, as under steady traffic), each request
-/// paired with a floor request right before it. A change in the machine's load thus falls on
-/// all targets alike. CPU per request is the median over blocks of (the block's on-CPU time ÷
-/// its requests): a block where something else woke the proxy does not move it.
+/// paired with a floor request (on `floor`'s thread) right before it. A change in the
+/// machine's load thus falls on all targets alike. CPU per request is the median over blocks
+/// of (the block's on-CPU time ÷ its requests): a block where something else woke the proxy
+/// does not move it. The floor's likewise, over its requests of each block.
 async fn measure(
     bench: &Bench,
+    floor_thread: &FloorThread,
     fakes: [&FakeVllm; 2],
     targets: &[Target],
     w: Workload,
-    b: &Bodies,
+    b: &Arc<Bodies>,
     rounds: usize,
-) -> Vec<Cell> {
+) -> Row {
     let mut failed: Vec<Option<String>> = Vec::new();
     for t in targets {
         failed.push(warm(bench, t, w, b).await.err());
     }
     let n = targets.len();
     let (mut floor, mut proxy, mut cpu) = (vec![Vec::new(); n], vec![Vec::new(); n], vec![Vec::new(); n]);
+    let mut floor_cpu = Vec::new();
     let started = Instant::now();
     let budget = Duration::from_secs(60 * n as u64);
     for _ in 0..rounds.div_ceil(BLOCK) {
@@ -336,26 +432,30 @@ async fn measure(
                 failed[i] = Some(e);
                 continue;
             }
-            let mut spent = 0u64;
+            let (mut spent, mut floor_spent) = (0u64, 0u64);
             for _ in 0..BLOCK {
-                let f = bench.floor(w, b).await;
+                let f = floor_thread.floor(w, b).await;
                 let before = cpu_ns(t.pid);
                 let p = bench.via(&t.url, w, b).await;
                 spent += cpu_ns(t.pid).saturating_sub(before);
                 match (f, p) {
-                    (Ok((fm, _)), Ok((pm, _))) => {
-                        floor[i].push(fm);
+                    (Ok(f), Ok((pm, _))) => {
+                        floor[i].push(f.ms);
+                        floor_spent += f.cpu_ns;
                         proxy[i].push(pm);
                     }
                     (Err(e), _) | (_, Err(e)) => failed[i] = Some(e),
                 }
             }
             cpu[i].push(spent as f64 / 1e3 / BLOCK as f64);
+            if failed[i].is_none() {
+                floor_cpu.push(floor_spent as f64 / 1e3 / BLOCK as f64);
+            }
         }
         // The fakes keep every request they got; a 37k-token round is megabytes.
         fakes.iter().for_each(|f| f.forget());
     }
-    (0..n)
+    let cells = (0..n)
         .map(|i| match failed[i].take() {
             Some(e) => Cell { error: Some(e), ..Cell::default() },
             None => {
@@ -370,7 +470,8 @@ async fn measure(
                 }
             }
         })
-        .collect()
+        .collect::<Vec<_>>();
+    Row { w, floor_cpu_us: quantile(&floor_cpu, 0.5), cells: targets.iter().map(|t| t.peer).zip(cells).collect() }
 }
 
 /// Requests a target gets in a row within a round of [`measure`].
@@ -401,7 +502,7 @@ async fn throughput(
     futures_util::future::join_all((0..concurrency).map(|_| async {
         let _ = match target {
             Some(t) => bench.via(&t.url, w, b).await,
-            None => bench.floor(w, b).await,
+            None => bench.floor(w, b).await.map(|f| (f.ms, f.body)),
         };
     }))
     .await;
@@ -414,7 +515,7 @@ async fn throughput(
         while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < total && Instant::now() < deadline {
             let r = match target {
                 Some(t) => bench.via(&t.url, w, b).await,
-                None => bench.floor(w, b).await,
+                None => bench.floor(w, b).await.map(|f| (f.ms, f.body)),
             };
             if r.is_ok() {
                 done += 1;
@@ -521,25 +622,19 @@ fn main() {
     let engine = FakeConfig { connector: true, ..FakeConfig::default() };
     let prefill = fake_rt.block_on(FakeVllm::start(engine.clone()));
     let decode = fake_rt.block_on(FakeVllm::start(engine));
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .http1_only()
-        .tcp_nodelay(true)
-        .pool_max_idle_per_host(128)
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap();
     let bench = Bench {
-        client: client.clone(),
+        client: client(),
         prefill: format!("http://{}", prefill.host_port()),
         decode: format!("http://{}", decode.host_port()),
     };
-    rt.block_on(run(&opts, &bench, &prefill, &decode));
+    let floor_thread = FloorThread::start(bench.prefill.clone(), bench.decode.clone());
+    rt.block_on(run(&opts, &bench, &floor_thread, &prefill, &decode));
+    drop(floor_thread);
     println!("\nBench run time: {:.0} s (excluding the build).", run_started.elapsed().as_secs_f64());
     drop(fake_rt);
 }
 
-async fn run(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVllm) {
+async fn run(opts: &Options, bench: &Bench, floor_thread: &FloorThread, prefill: &FakeVllm, decode: &FakeVllm) {
     let tok = spawn_tokenonce(prefill, decode, true, 2).await;
     let no_reuse = spawn_tokenonce(prefill, decode, false, 2).await;
     let no_steal = spawn_tokenonce_with(prefill, decode, true, 2, false).await;
@@ -578,7 +673,7 @@ async fn run(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVll
     header(opts);
 
     // Latency and CPU per workload.
-    let mut rows: Vec<(Workload, Vec<(Peer, Cell)>)> = Vec::new();
+    let mut rows: Vec<Row> = Vec::new();
     for &words_n in &SIZES {
         for chat in [true, false] {
             for stream in [false, true] {
@@ -586,11 +681,10 @@ async fn run(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVll
                 if opts.only.as_ref().is_some_and(|o| !w.label().contains(o.as_str())) {
                     continue;
                 }
-                let b = Bodies::new(w);
+                let b = Arc::new(Bodies::new(w));
                 let rounds = if words_n > 10_000 { (opts.rounds / 4).max(5) } else { opts.rounds };
                 eprintln!("peers: {} ...", w.label());
-                let cells = measure(bench, [prefill, decode], &targets, w, &b, rounds).await;
-                rows.push((w, targets.iter().map(|t| t.peer).zip(cells).collect()));
+                rows.push(measure(bench, floor_thread, [prefill, decode], &targets, w, &b, rounds).await);
             }
         }
     }
@@ -647,7 +741,7 @@ fn header(opts: &Options) {
     println!("- command: `cargo bench --bench peers{}`", if opts.quick { " -- --quick" } else { "" });
     println!("- commit {}; tokenonce binary {}", git(&["rev-parse", "--short", "HEAD"]), tokenonce_binary().display());
     println!(
-        "- {} CPUs ({cpu}); tokenonce threads = 2, log warn; fakes on one 1-worker runtime and the client on one thread, in the bench process",
+        "- {} CPUs ({cpu}); tokenonce threads = 2, log warn; in the bench process: fakes on one 1-worker runtime, the proxies' client on one thread, the paired floor's client on another",
         std::thread::available_parallelism().map_or(0, std::num::NonZero::get)
     );
     println!(
@@ -661,12 +755,12 @@ fn cell(cells: &[(Peer, Cell)], peer: Peer) -> Option<&Cell> {
     cells.iter().find(|(p, c)| *p == peer && c.error.is_none()).map(|(_, c)| c)
 }
 
-fn print_latency(rows: &[(Workload, Vec<(Peer, Cell)>)]) {
+fn print_latency(rows: &[Row]) {
     println!("### Latency added over the floor (ms, client wall clock to the last byte: p50 / p99; paired median)\n");
     println!(
         "| workload | floor p50 | (a) tokenonce | (a0) reuse off | (a1) no stealing | (c) toy | (d) router |\n|---|---:|---:|---:|---:|---:|---:|"
     );
-    for (w, cells) in rows {
+    for Row { w, cells, .. } in rows {
         let floor = cells.iter().find_map(|(_, c)| c.error.is_none().then_some(c.floor_p50)).unwrap_or(f64::NAN);
         let mut line = format!("| {} | {} |", w.label(), fmt_num(floor));
         for peer in [Peer::Tokenonce, Peer::NoReuse, Peer::NoSteal, Peer::Toy, Peer::Router] {
@@ -682,23 +776,27 @@ fn print_latency(rows: &[(Workload, Vec<(Peer, Cell)>)]) {
     }
 }
 
-fn print_cpu(rows: &[(Workload, Vec<(Peer, Cell)>)]) {
-    println!("\n### Proxy CPU per request (µs, all threads of the proxy process)\n");
+fn print_cpu(rows: &[Row]) {
     println!(
-        "| workload | (a) tokenonce | (a0) reuse off | (a1) no stealing | (c) toy | (d) router | (a) ÷ (a0) | (a) ÷ (d) | (a) ÷ (c) | (a1) ÷ (a) | (a1) ÷ (d) |"
+        "\n### CPU per request (µs; a proxy: all threads of its process; (b) floor: its client thread over the two legs)\n"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    for (w, cells) in rows {
+    println!(
+        "| workload | (b) floor | (a) tokenonce | (a0) reuse off | (a1) no stealing | (c) toy | (d) router | (a) ÷ (b) | (a) ÷ (a0) | (a) ÷ (d) | (a) ÷ (c) | (a1) ÷ (a) | (a1) ÷ (d) |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for Row { w, floor_cpu_us: b, cells } in rows {
         let v = |p| cell(cells, p).map_or(f64::NAN, |c| c.cpu_us);
         let (a, a0, a1, c, d) = (v(Peer::Tokenonce), v(Peer::NoReuse), v(Peer::NoSteal), v(Peer::Toy), v(Peer::Router));
         println!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             w.label(),
+            fmt_num(*b),
             fmt_num(a),
             fmt_num(a0),
             fmt_num(a1),
             fmt_num(c),
             fmt_num(d),
+            ratio(a, *b),
             ratio(a, a0),
             ratio(a, d),
             ratio(a, c),
@@ -709,12 +807,13 @@ fn print_cpu(rows: &[(Workload, Vec<(Peer, Cell)>)]) {
 }
 
 /// The issue's goals, checked against this run.
-fn goals(rows: &[(Workload, Vec<(Peer, Cell)>)]) {
+fn goals(rows: &[Row]) {
     println!("\n### Goals (issue 12), this run\n");
+    let row = |chat: bool, stream: bool, words: usize| {
+        rows.iter().find(|r| r.w.chat == chat && r.w.stream == stream && r.w.words == words)
+    };
     let get = |chat: bool, stream: bool, words: usize, peer: Peer| {
-        rows.iter()
-            .find(|(w, _)| w.chat == chat && w.stream == stream && w.words == words)
-            .and_then(|(_, cells)| cell(cells, peer).cloned())
+        row(chat, stream, words).and_then(|r| cell(&r.cells, peer).cloned())
     };
     let check = |what: String, value: Option<f64>, limit: f64| match value {
         Some(v) if !v.is_nan() => {
@@ -737,6 +836,13 @@ fn goals(rows: &[(Workload, Vec<(Peer, Cell)>)]) {
         check(format!("37k chat {s}: added p99 ms"), a.as_ref().map(|a| a.added[1]), 2.0);
         check(format!("37k chat {s}: CPU ÷ router"), a.as_ref().zip(d).map(|(a, d)| a.cpu_us / d.cpu_us), 0.5);
         let a = get(true, stream, 1_000, Peer::Tokenonce);
+        match row(true, stream, 1_000).map(|r| r.floor_cpu_us).filter(|v| !v.is_nan()) {
+            Some(b) => println!(
+                "- INFO 1k chat {s}: floor CPU µs: {} (a client sending both legs itself; a proxy spends at least this plus its server side)",
+                fmt_num(b)
+            ),
+            None => println!("- UNKNOWN 1k chat {s}: floor CPU µs: not measured"),
+        }
         check(format!("1k chat {s}: CPU µs"), a.as_ref().map(|a| a.cpu_us), if stream { 150.0 } else { 100.0 });
         let d = get(true, stream, 1_000, Peer::Router);
         let c = get(true, stream, 1_000, Peer::Toy);
