@@ -53,7 +53,7 @@ fn prefill_rewrite_matches_the_recorded_prefill_request() {
         let plain = fixture(plain);
         let obj = RawObject::parse(&plain.request).unwrap();
         assert!(RequestView::parse(api, &obj).unwrap().reuse_blocker().is_none());
-        let ours = json(std::str::from_utf8(&prefill_body(&obj, api, true)).unwrap());
+        let ours = json(std::str::from_utf8(&prefill_body(&obj, None, api, true).to_bytes()).unwrap());
         let recorded = json(&fixture(prefill).request);
         assert_eq!(ours, recorded, "{api:?}");
     }
@@ -86,7 +86,7 @@ fn handoff_from_real_prefill_responses() {
 fn decode_rewrite_matches_the_recorded_token_in_requests() {
     let ids = extract_handoff(Api::Chat, fixture("chat_prefill").response.as_bytes()).unwrap().ids.unwrap();
     let plain = fixture("chat_plain");
-    let ours = decode_body(&RawObject::parse(&plain.request).unwrap(), Api::Chat, None, Some(&ids));
+    let ours = decode_body(&RawObject::parse(&plain.request).unwrap(), None, Api::Chat, None, Some(&ids)).to_bytes();
     assert_eq!(json(std::str::from_utf8(&ours).unwrap()), json(&fixture("chat_decode_ids").request));
 
     let ids =
@@ -95,7 +95,8 @@ fn decode_rewrite_matches_the_recorded_token_in_requests() {
     plain_cmpl.as_object_mut().unwrap().remove("stream");
     plain_cmpl.as_object_mut().unwrap().remove("stream_options");
     let plain_text = serde_json::to_string(&plain_cmpl).unwrap();
-    let ours = decode_body(&RawObject::parse(&plain_text).unwrap(), Api::Completions, None, Some(&ids));
+    let ours =
+        decode_body(&RawObject::parse(&plain_text).unwrap(), None, Api::Completions, None, Some(&ids)).to_bytes();
     assert_eq!(json(std::str::from_utf8(&ours).unwrap()), json(&fixture("completions_decode_ids").request));
 
     // And on the real engine the answers were the same: text, ids, usage.
@@ -310,8 +311,9 @@ fn real_nixl_kv_params_are_spliced_verbatim() {
     assert!(kv.contains("\"remote_request_id\":\"chatcmpl-"));
     let ids = h.ids.unwrap();
     let plain = fixture("chat_plain");
-    let body = decode_body(&RawObject::parse(&plain.request).unwrap(), Api::Chat, Some(&kv), Some(&ids));
-    let text = String::from_utf8(body).unwrap();
+    let body =
+        decode_body(&RawObject::parse(&plain.request).unwrap(), None, Api::Chat, Some(&kv), Some(&ids)).to_bytes();
+    let text = String::from_utf8(body.to_vec()).unwrap();
     let expected = format!("\"kv_transfer_params\":{},\"prompt_token_ids\":{IDS}}}", kv.trim_end_matches('}'));
     assert!(text.contains(&expected), "{text}");
     assert!(text.contains("\"remote_port\":5600,\"tp_size\":1"), "integers stay integers");
@@ -334,7 +336,8 @@ fn recorded_responses_and_messages_prefills() {
     let plain = fixture("responses_plain");
     let ids = extract_handoff(Api::Responses, fixture("responses_prefill").response.as_bytes()).unwrap().ids.unwrap();
     let obj = RawObject::parse(&plain.request).unwrap();
-    let ours = json(std::str::from_utf8(&decode_body(&obj, Api::Responses, None, Some(&ids))).unwrap());
+    let ours =
+        json(std::str::from_utf8(&decode_body(&obj, None, Api::Responses, None, Some(&ids)).to_bytes()).unwrap());
     assert_eq!(ours, json(&fixture("responses_decode_ids").request));
 }
 

@@ -3,6 +3,10 @@
 
 use std::fmt;
 
+use bytes::Bytes;
+
+use super::json::lies_inside;
+
 /// Why an id array was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IdsError {
@@ -23,7 +27,8 @@ pub enum IdsError {
 /// A JSON array of token ids that passed validation; holds its raw text and count.
 #[derive(Clone, PartialEq, Eq)]
 pub struct PromptIds {
-    raw: Box<str>,
+    /// ASCII JSON array text (validated); a slice of the prefill answer when it came from one.
+    raw: Bytes,
     count: usize,
 }
 
@@ -62,6 +67,16 @@ impl PromptIds {
     /// Ids whose text `raw` a scanner already validated and counted (`count`); checks the
     /// count against `expected`.
     pub(crate) fn counted(raw: &str, count: usize, expected: Option<u64>) -> Result<Self, IdsError> {
+        Self::counted_in(None, raw, count, expected)
+    }
+
+    /// [`Self::counted`], keeping `raw` as a slice of `source` (no copy) when it lies inside.
+    pub(crate) fn counted_in(
+        source: Option<&Bytes>,
+        raw: &str,
+        count: usize,
+        expected: Option<u64>,
+    ) -> Result<Self, IdsError> {
         if count == 0 {
             return Err(IdsError::Empty);
         }
@@ -70,7 +85,16 @@ impl PromptIds {
                 return Err(IdsError::CountMismatch { count, expected });
             }
         }
-        Ok(Self { raw: raw.into(), count })
+        let raw = match source.filter(|s| lies_inside(s, raw.as_bytes())) {
+            Some(source) => source.slice_ref(raw.as_bytes()),
+            None => Bytes::copy_from_slice(raw.as_bytes()),
+        };
+        Ok(Self { raw, count })
+    }
+
+    /// The JSON array text as shared bytes (no copy).
+    pub fn shared(&self) -> &Bytes {
+        &self.raw
     }
 
     /// Builds from ids already held as integers (used by the relay cache and tests).
@@ -84,12 +108,17 @@ impl PromptIds {
             raw.push_str(&id.to_string());
         }
         raw.push(']');
-        Self { raw: raw.into(), count: ids.len() }
+        Self { raw: Bytes::from(raw), count: ids.len() }
     }
 
-    /// The ids as a compact JSON array text.
+    /// The ids as a compact JSON array text. (ASCII by construction; the check is one pass.)
     pub fn as_json(&self) -> &str {
-        &self.raw
+        std::str::from_utf8(&self.raw).unwrap_or("[]")
+    }
+
+    /// Length of the JSON array text in bytes.
+    pub fn json_len(&self) -> usize {
+        self.raw.len()
     }
 
     /// Number of ids.
@@ -106,7 +135,7 @@ impl PromptIds {
     pub fn to_vec(&self) -> Vec<u32> {
         let mut out = Vec::with_capacity(self.count);
         let mut current: Option<u32> = None;
-        for &b in self.raw.as_bytes() {
+        for &b in self.raw.iter() {
             if b.is_ascii_digit() {
                 let digit = u32::from(b - b'0');
                 current = Some(current.unwrap_or(0).saturating_mul(10).saturating_add(digit));

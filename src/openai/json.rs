@@ -5,6 +5,8 @@
 use std::borrow::Cow;
 use std::fmt;
 
+use bytes::Bytes;
+
 use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -155,20 +157,154 @@ impl<'a> RawObject<'a> {
         out
     }
 
-    fn write_nesting(&self, out: &mut Vec<u8>, nested: Option<(&str, &RawObject<'_>)>) {
-        out.push(b'{');
+    /// The bytes of [`Self::to_bytes_nesting`] (or [`Self::to_bytes`] without `nested`) as
+    /// [`Pieces`]: values of at least [`SHARE_MIN`] bytes that lie inside `shared` (the
+    /// buffer the request arrived in) are referenced there, and a value that is exactly
+    /// [`IDS_HOLE`] is `ids`, not copied.
+    pub fn to_pieces(
+        &self,
+        shared: Option<&Bytes>,
+        nested: Option<(&str, &RawObject<'_>)>,
+        ids: Option<&Bytes>,
+    ) -> Pieces {
+        let mut out = PiecesWriter { shared, ids, done: Vec::new(), small: Vec::with_capacity(512) };
+        self.write_nesting(&mut out, nested);
+        out.finish()
+    }
+
+    fn write_nesting(&self, out: &mut impl Sink, nested: Option<(&str, &RawObject<'_>)>) {
+        out.small().push(b'{');
         for (i, (k, v)) in self.members.iter().enumerate() {
             if i > 0 {
-                out.push(b',');
+                out.small().push(b',');
             }
-            write_json_string(out, k);
-            out.push(b':');
+            write_json_string(out.small(), k);
+            out.small().push(b':');
             match nested {
                 Some((key, inner)) if key == k => inner.write_nesting(out, None),
-                _ => out.extend_from_slice(v.as_bytes()),
+                _ => out.value(v),
             }
         }
-        out.push(b'}');
+        out.small().push(b'}');
+    }
+}
+
+/// Where [`RawObject::write_nesting`] writes: small bytes, and member values.
+trait Sink {
+    /// The buffer for small bytes (punctuation, keys, small values).
+    fn small(&mut self) -> &mut Vec<u8>;
+    /// A member value, byte for byte.
+    fn value(&mut self, v: &str) {
+        self.small().extend_from_slice(v.as_bytes());
+    }
+}
+
+impl Sink for Vec<u8> {
+    fn small(&mut self) -> &mut Vec<u8> {
+        self
+    }
+}
+
+/// Smallest value referenced in the buffer it came in rather than copied (below it, one
+/// more piece for the vectored write costs more than the copy).
+pub const SHARE_MIN: usize = 4096;
+
+/// A placeholder value for [`RawObject::to_pieces`]: written as the ids given there (a
+/// `static`, so every use is the same address, which is how it is told apart).
+pub static IDS_HOLE: &str = "\"tokenonce: prompt ids go here\"";
+
+/// A request body in pieces, in order, for one vectored write: small parts copied into
+/// buffers of their own, large values referenced in the buffers they arrived in (so a
+/// 37k-token prompt's text and ids are not copied again on their way to an engine).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Pieces(Vec<Bytes>);
+
+impl Pieces {
+    /// Total length in bytes.
+    pub fn len(&self) -> usize {
+        self.0.iter().map(Bytes::len).sum()
+    }
+
+    /// True when there are no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The pieces in order.
+    pub fn parts(&self) -> &[Bytes] {
+        &self.0
+    }
+
+    /// The body as one buffer (a copy unless it is one piece).
+    pub fn to_bytes(&self) -> Bytes {
+        match self.0.as_slice() {
+            [] => Bytes::new(),
+            [one] => one.clone(),
+            many => Bytes::from(many.concat()),
+        }
+    }
+}
+
+impl From<Bytes> for Pieces {
+    fn from(body: Bytes) -> Self {
+        Self(vec![body])
+    }
+}
+
+impl From<Vec<u8>> for Pieces {
+    fn from(body: Vec<u8>) -> Self {
+        Self(vec![Bytes::from(body)])
+    }
+}
+
+/// True when `inner` is a part of `outer`'s memory (so `Bytes::slice_ref` can share it).
+pub fn lies_inside(outer: &[u8], inner: &[u8]) -> bool {
+    let (start, at) = (outer.as_ptr() as usize, inner.as_ptr() as usize);
+    at >= start && at + inner.len() <= start + outer.len()
+}
+
+/// Builds [`Pieces`] for [`RawObject::to_pieces`].
+struct PiecesWriter<'s> {
+    shared: Option<&'s Bytes>,
+    ids: Option<&'s Bytes>,
+    done: Vec<Bytes>,
+    small: Vec<u8>,
+}
+
+impl PiecesWriter<'_> {
+    /// Ends the small buffer under way (if any) and adds `piece` after it.
+    fn push(&mut self, piece: Bytes) {
+        if !self.small.is_empty() {
+            self.done.push(Bytes::from(std::mem::take(&mut self.small)));
+        }
+        self.done.push(piece);
+    }
+
+    fn finish(mut self) -> Pieces {
+        if !self.small.is_empty() || self.done.is_empty() {
+            self.done.push(Bytes::from(self.small));
+        }
+        Pieces(self.done)
+    }
+}
+
+impl Sink for PiecesWriter<'_> {
+    fn small(&mut self) -> &mut Vec<u8> {
+        &mut self.small
+    }
+
+    fn value(&mut self, v: &str) {
+        if let Some(ids) = self.ids.filter(|_| std::ptr::eq(v, IDS_HOLE)) {
+            let ids = ids.clone();
+            return self.push(ids);
+        }
+        match self.shared.filter(|s| v.len() >= SHARE_MIN && lies_inside(s, v.as_bytes())) {
+            Some(shared) => {
+                let piece = shared.slice_ref(v.as_bytes());
+                self.push(piece);
+            }
+            None => self.small.extend_from_slice(v.as_bytes()),
+        }
     }
 }
 
@@ -235,6 +371,29 @@ pub fn is_null(raw: Option<&str>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Large values of the source and the ids become pieces of their own buffers (no copy);
+    /// the pieces read as the same bytes the copying writer produces.
+    #[test]
+    fn pieces_share_large_values_and_the_ids() {
+        let big = "x".repeat(SHARE_MIN);
+        let source = Bytes::from(format!(r#"{{"messages":["{big}"],"n":1}}"#));
+        let mut obj = RawObject::parse(std::str::from_utf8(&source).unwrap()).unwrap();
+        let ids = Bytes::from_static(b"[1,2,3]");
+        obj.set_raw("prompt", IDS_HOLE);
+        let pieces = obj.to_pieces(Some(&source), None, Some(&ids));
+        let parts = pieces.parts();
+        assert_eq!(parts.len(), 5, "head, messages, middle, ids, tail: {parts:?}");
+        assert!(lies_inside(&source, &parts[1]), "the messages are a slice of the source");
+        assert!(std::ptr::eq(parts[3].as_ptr(), ids.as_ptr()), "the ids are the ids' own buffer");
+        let want = format!(r#"{{"messages":["{big}"],"n":1,"prompt":[1,2,3]}}"#);
+        assert_eq!(pieces.to_bytes(), want.as_bytes());
+        assert_eq!(pieces.len(), want.len());
+        // Small values, and no source: one piece, a copy.
+        let small = RawObject::parse(r#"{"a":1}"#).unwrap().to_pieces(Some(&source), None, None);
+        assert_eq!(small.parts().len(), 1);
+        assert_eq!(small.to_bytes(), &br#"{"a":1}"#[..]);
+    }
 
     #[test]
     fn round_trip_keeps_value_bytes_and_order() {

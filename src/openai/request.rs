@@ -1,12 +1,13 @@
 //! The client request: a light view of the fields that decide reuse (parsed once), and the
 //! two rewrites that turn it into the prefill leg and the decode leg, as byte splices.
 
+use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use super::error::ApiError;
 use super::ids::PromptIds;
-use super::json::{is_null, RawObject};
+use super::json::{is_null, Pieces, RawObject, IDS_HOLE};
 use super::FallbackReason;
 
 /// Which OpenAI API a request speaks.
@@ -254,14 +255,15 @@ pub const PREFILL_KV_TRANSFER_PARAMS: &str = r#"{"do_remote_decode":true,"do_rem
 /// 1-token answer must not land in the prefill engine's response store (unbounded, and
 /// never read: later turns go to the decode, which stores the real answer).
 /// Other fields keep their bytes.
-pub fn prefill_body(client: &RawObject<'_>, api: Api, want_ids: bool) -> Vec<u8> {
+/// Large values found in `shared` (the client body's buffer) are referenced, not copied.
+pub fn prefill_body(client: &RawObject<'_>, shared: Option<&Bytes>, api: Api, want_ids: bool) -> Pieces {
     let mut obj = client.clone();
     one_token(&mut obj, api);
     if let Some(key) = api.echo_field().filter(|_| want_ids) {
         obj.set_raw(key, "true");
     }
     obj.set_raw("kv_transfer_params", PREFILL_KV_TRANSFER_PARAMS);
-    obj.to_bytes()
+    obj.to_pieces(shared, None, None)
 }
 
 /// One token, not streamed: the API's token limit (`max_completion_tokens` only when
@@ -311,25 +313,27 @@ pub fn kv_params_with_ids(kv_transfer_params: Option<&str>, ids: &PromptIds) -> 
 /// `ids` is given, the token-in form (chat, Responses, Messages:
 /// `kv_transfer_params.prompt_token_ids`, which vLLM 0.32 reads on all three;
 /// completions: `prompt = ids`). The client's limits, `stream*` and `return_token_ids` stay.
+/// Neither the ids nor large values found in `shared` (the client body's buffer) are copied:
+/// they are pieces of their own.
 pub fn decode_body(
     client: &RawObject<'_>,
+    shared: Option<&Bytes>,
     api: Api,
     kv_transfer_params: Option<&str>,
     ids: Option<&PromptIds>,
-) -> Vec<u8> {
+) -> Pieces {
     let mut obj = client.clone();
     let kv = kv_transfer_params.filter(|raw| !is_null(Some(raw)));
+    let hole = ids.map(PromptIds::shared);
     match (api, ids) {
-        (Api::Chat | Api::Responses | Api::Messages, Some(ids)) => {
-            // Written straight into the body: the ids are copied once (kv_params_with_ids
-            // would copy them into a string, and the body would copy that).
+        (Api::Chat | Api::Responses | Api::Messages, Some(_)) => {
             let mut kv_obj = kv.and_then(|raw| RawObject::parse(raw).ok()).unwrap_or_default();
-            kv_obj.set_raw("prompt_token_ids", ids.as_json());
+            kv_obj.set_raw("prompt_token_ids", IDS_HOLE);
             obj.set_raw("kv_transfer_params", "null");
-            return obj.to_bytes_nesting("kv_transfer_params", &kv_obj);
+            return obj.to_pieces(shared, Some(("kv_transfer_params", &kv_obj)), hole);
         }
-        (Api::Completions, Some(ids)) => {
-            obj.set_raw("prompt", ids.as_json());
+        (Api::Completions, Some(_)) => {
+            obj.set_raw("prompt", IDS_HOLE);
             if let Some(kv) = kv {
                 obj.set_raw("kv_transfer_params", kv);
             }
@@ -340,7 +344,7 @@ pub fn decode_body(
             }
         }
     }
-    obj.to_bytes()
+    obj.to_pieces(shared, None, hole)
 }
 
 #[cfg(test)]
@@ -419,7 +423,7 @@ mod tests {
     #[test]
     fn prefill_rewrite_sets_limits_and_kv_params() {
         let body = r#"{"model":"m","messages":[],"max_tokens":50,"max_completion_tokens":60,"min_tokens":3,"min_completion_tokens":2,"stream":true,"stream_options":{"include_usage":true},"temperature":0.70}"#;
-        let out = prefill_body(&RawObject::parse(body).unwrap(), Api::Chat, true);
+        let out = prefill_body(&RawObject::parse(body).unwrap(), None, Api::Chat, true).to_bytes().to_vec();
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(v["max_tokens"], 1);
         assert_eq!(v["max_completion_tokens"], 1);
@@ -457,7 +461,8 @@ mod tests {
 
     #[test]
     fn prefill_rewrite_without_reuse_leaves_return_token_ids_alone() {
-        let out = prefill_body(&RawObject::parse(r#"{"messages":[]}"#).unwrap(), Api::Chat, false);
+        let out =
+            prefill_body(&RawObject::parse(r#"{"messages":[]}"#).unwrap(), None, Api::Chat, false).to_bytes().to_vec();
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
         assert!(v.get("return_token_ids").is_none());
         assert!(v.get("max_completion_tokens").is_none());
@@ -469,7 +474,8 @@ mod tests {
             RawObject::parse(r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":9,"stream":true}"#).unwrap();
         let ids = PromptIds::parse("[1,2,3]", Some(3)).unwrap();
         let kv = r#"{"remote_port":5600,"tp_size":1,"f":1.0,"nested":{"a":[1,2]}}"#;
-        let out = String::from_utf8(decode_body(&client, Api::Chat, Some(kv), Some(&ids))).unwrap();
+        let out =
+            String::from_utf8(decode_body(&client, None, Api::Chat, Some(kv), Some(&ids)).to_bytes().to_vec()).unwrap();
         assert_eq!(
             out,
             r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":9,"stream":true,"kv_transfer_params":{"remote_port":5600,"tp_size":1,"f":1.0,"nested":{"a":[1,2]},"prompt_token_ids":[1,2,3]}}"#
@@ -480,16 +486,19 @@ mod tests {
     fn completions_decode_replaces_prompt() {
         let client = RawObject::parse(r#"{"prompt":"hello","max_tokens":5}"#).unwrap();
         let ids = PromptIds::parse("[7,8]", Some(2)).unwrap();
-        let out = decode_body(&client, Api::Completions, None, Some(&ids));
+        let out = decode_body(&client, None, Api::Completions, None, Some(&ids)).to_bytes().to_vec();
         assert_eq!(out, br#"{"prompt":[7,8],"max_tokens":5}"#);
     }
 
     #[test]
     fn text_decode_only_adds_non_null_kv_params() {
         let client = RawObject::parse(r#"{"messages":[]}"#).unwrap();
-        assert_eq!(decode_body(&client, Api::Chat, Some("null"), None), br#"{"messages":[]}"#);
         assert_eq!(
-            decode_body(&client, Api::Chat, Some(r#"{"a":1}"#), None),
+            decode_body(&client, None, Api::Chat, Some("null"), None).to_bytes().to_vec(),
+            br#"{"messages":[]}"#
+        );
+        assert_eq!(
+            decode_body(&client, None, Api::Chat, Some(r#"{"a":1}"#), None).to_bytes().to_vec(),
             br#"{"messages":[],"kv_transfer_params":{"a":1}}"#
         );
     }

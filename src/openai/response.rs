@@ -1,6 +1,7 @@
 //! Engine responses: what the prefill hands over (ids, `kv_transfer_params`, cached tokens),
 //! and the few rewrites of a decode or prefill response tokenonce makes on the way back.
 
+use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -119,11 +120,24 @@ pub fn extract_handoff(api: Api, body: &[u8]) -> Result<Handoff, HandoffError> {
 /// # Errors
 /// [`HandoffError`] when the body is not a JSON object of the expected shape.
 pub fn extract_handoff_within(api: Api, body: &[u8], vocab: Option<u32>) -> Result<Handoff, HandoffError> {
+    extract_from(api, body, None, vocab)
+}
+
+/// [`extract_handoff_within`] on the answer's own buffer: the ids it returns are a slice of
+/// `body`, not a copy.
+///
+/// # Errors
+/// As [`extract_handoff_within`].
+pub fn extract_handoff_shared(api: Api, body: &Bytes, vocab: Option<u32>) -> Result<Handoff, HandoffError> {
+    extract_from(api, body, Some(body), vocab)
+}
+
+fn extract_from(api: Api, body: &[u8], source: Option<&Bytes>, vocab: Option<u32>) -> Result<Handoff, HandoffError> {
     // Long prompts: the id arrays cut out, validated and counted in one pass, serde on the
     // rest. Anything the cut cannot vouch for (a value spanning a cut, ids not cut, a parse
     // error, whose message must point into the real answer) reads the whole answer.
     if let Some(cut) = ids_key(api).and_then(|key| CutAnswer::new(body, key, vocab)) {
-        if let Ok(Some(handoff)) = read_handoff(api, cut.rest(), Some(&cut), vocab) {
+        if let Ok(Some(handoff)) = read_handoff(api, cut.rest(), Some((&cut, source)), vocab) {
             return Ok(handoff);
         }
     }
@@ -140,14 +154,16 @@ fn ids_key(api: Api) -> Option<&'static [u8]> {
     }
 }
 
-/// The handoff from `text`: the whole answer (`cut` `None`), or its rest after `cut`, where
-/// `Ok(None)` says the cut cannot be vouched for.
+/// The handoff from `text`: the whole answer (`cut` `None`), or its rest after `cut` (with
+/// the answer's buffer, when the ids may be kept as a slice of it), where `Ok(None)` says
+/// the cut cannot be vouched for.
 fn read_handoff(
     api: Api,
     text: &[u8],
-    cut: Option<&CutAnswer<'_>>,
+    cut: Option<(&CutAnswer<'_>, Option<&Bytes>)>,
     vocab: Option<u32>,
 ) -> Result<Option<Handoff>, HandoffError> {
+    let (cut, source) = (cut.map(|(c, _)| c), cut.and_then(|(_, s)| s));
     let resp: PrefillResponse<'_> = serde_json::from_slice(text).map_err(|e| HandoffError(e.to_string()))?;
     let raw_ids = match api {
         Api::Chat => resp.prompt_token_ids,
@@ -171,7 +187,9 @@ fn read_handoff(
         None => Err(IdsFault::Missing),
         Some(raw) => match (expected, cut.and_then(|c| c.ids_of(raw))) {
             (None, _) => Err(IdsFault::Invalid(IdsError::Malformed("usage's prompt token count missing"))),
-            (Some(n), Some(ids)) => PromptIds::counted(ids.raw, ids.count, Some(n)).map_err(IdsFault::Invalid),
+            (Some(n), Some(ids)) => {
+                PromptIds::counted_in(source, ids.raw, ids.count, Some(n)).map_err(IdsFault::Invalid)
+            }
             (Some(_), None) if spans_a_cut(Some(raw.get())) => return Ok(None),
             (Some(n), None) => PromptIds::parse_within(raw.get(), Some(n), vocab).map_err(IdsFault::Invalid),
         },

@@ -18,8 +18,9 @@ pub use prefiller::{prefiller_from_header, HeaderRule};
 
 pub use crate::config::ClientHandoff;
 use crate::config::{RelayHandoff, ReuseShare, Version};
+use crate::openai::json::Pieces;
 use crate::openai::request::{decode_body, prefill_body};
-use crate::openai::response::{extract_handoff_within, HandoffError, IdsFault};
+use crate::openai::response::{extract_handoff_shared, HandoffError, IdsFault};
 use crate::openai::{Api, ApiError, FallbackReason, IdsError, PromptIds, RawObject, RequestView};
 
 /// A route's knobs that decide reuse, copied from its config once, and the route's state
@@ -108,6 +109,8 @@ pub enum DecodeVersion {
 pub struct Request<'r, 'a> {
     /// The body's members, raw.
     pub obj: &'r RawObject<'a>,
+    /// The buffer the body arrived in (its large values go to the legs uncopied).
+    pub source: Option<&'r Bytes>,
     /// The fields that decide reuse.
     pub view: &'r RequestView,
 }
@@ -149,7 +152,7 @@ impl Reuse {
 
     fn of(ids: Option<&PromptIds>, fallback: FallbackReason) -> Self {
         match ids {
-            Some(ids) => Self::Applied { tokens: ids.len(), id_bytes: ids.as_json().len() },
+            Some(ids) => Self::Applied { tokens: ids.len(), id_bytes: ids.json_len() },
             None => Self::Fallback(fallback),
         }
     }
@@ -159,7 +162,7 @@ impl Reuse {
 #[derive(Debug, Clone)]
 pub struct DecodeStep {
     /// The body to send.
-    pub body: Bytes,
+    pub body: Pieces,
     /// Token-in or text, and why.
     pub reuse: Reuse,
     /// Set `usage.prompt_tokens_details.cached_tokens` in the answer to this (the prefill's).
@@ -185,7 +188,7 @@ impl DecodeStep {
         if !self.holds_kv {
             return None;
         }
-        crate::openai::request::release_body(&self.body, self.api).map(Bytes::from)
+        crate::openai::request::release_body(&self.body.to_bytes(), self.api).map(Bytes::from)
     }
 }
 
@@ -240,7 +243,7 @@ pub struct Orchestration<'r, 'a> {
     /// The reuse gate, decided before the prefill.
     pub gate: Gate,
     /// The prefill leg's body.
-    pub prefill_body: Bytes,
+    pub prefill_body: Pieces,
 }
 
 /// Plans an orchestrated request (prefill, then decode). `canary_key` is the request's id
@@ -253,7 +256,7 @@ pub fn orchestrate<'r, 'a>(
 ) -> Orchestration<'r, 'a> {
     let gate = gate(request.view, policy, decode, canary_key);
     let api = request.view.api;
-    let prefill_body = Bytes::from(prefill_body(request.obj, api, gate == Gate::Reuse));
+    let prefill_body = prefill_body(request.obj, request.source, api, gate == Gate::Reuse);
     Orchestration { request, policy: *policy, gate, prefill_body }
 }
 
@@ -264,7 +267,7 @@ impl Orchestration<'_, '_> {
     /// stored id lives on the engine that decoded it), so a prefill leg would fail with 404.
     pub fn decode_only(&self) -> Option<DecodeStep> {
         (self.gate == Gate::Fallback(FallbackReason::Stateful)).then(|| DecodeStep {
-            body: Bytes::from(self.request.obj.to_bytes()),
+            body: self.request.obj.to_pieces(self.request.source, None, None),
             reuse: Reuse::Fallback(FallbackReason::Stateful),
             cached_tokens: None,
             refused: None,
@@ -280,7 +283,7 @@ impl Orchestration<'_, '_> {
     /// handoff, counted as a `prefill_failed` fallback.
     pub fn decode_alone(&self) -> DecodeStep {
         DecodeStep {
-            body: Bytes::from(self.request.obj.to_bytes()),
+            body: self.request.obj.to_pieces(self.request.source, None, None),
             reuse: Reuse::Fallback(FallbackReason::PrefillFailed),
             cached_tokens: None,
             refused: None,
@@ -297,9 +300,9 @@ impl Orchestration<'_, '_> {
     ///
     /// # Errors
     /// [`HandoffError`] when the answer is not a completion response.
-    pub fn after_prefill(&self, answer: &[u8]) -> Result<DecodeStep, HandoffError> {
+    pub fn after_prefill(&self, answer: &Bytes) -> Result<DecodeStep, HandoffError> {
         let api = self.request.view.api;
-        let handoff = extract_handoff_within(api, answer, self.policy.vocab)?;
+        let handoff = extract_handoff_shared(api, answer, self.policy.vocab)?;
         let (ids, fallback, refused) = match (self.gate, handoff.ids) {
             (Gate::Fallback(reason), _) => (None, reason, None),
             (Gate::Reuse, Ok(ids)) => (Some(ids), FallbackReason::ParityReuseOff, None),
@@ -310,9 +313,9 @@ impl Orchestration<'_, '_> {
             (Gate::Reuse, Err(IdsFault::Invalid(e))) => (None, FallbackReason::IdsMalformed, Some(e)),
         };
         let sent = ids.as_ref().filter(|_| !self.policy.hold_ids);
-        let body = decode_body(self.request.obj, api, handoff.kv_transfer_params.as_deref(), sent);
+        let body = decode_body(self.request.obj, self.request.source, api, handoff.kv_transfer_params.as_deref(), sent);
         Ok(DecodeStep {
-            body: Bytes::from(body),
+            body,
             reuse: Reuse::of(sent, fallback),
             cached_tokens: handoff.cached_tokens,
             refused,

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use super::{request_gate, version_gate, DecodeVersion, Request, Reuse, ReusePolicy};
 use crate::config::RelayHandoff;
 use crate::handoff::{prompt_fingerprint, CacheKey};
-use crate::openai::json::is_null;
+use crate::openai::json::{is_null, Pieces};
 use crate::openai::request::{decode_body, kv_params_with_ids};
 use crate::openai::response::{extract_handoff_within, hide_token_ids};
 use crate::openai::{Api, FallbackReason, IdsError, PromptIds, RawObject};
@@ -114,7 +114,7 @@ pub struct PrefillAnswer {
 impl RelayPrefill<'_, '_> {
     /// The prefill body asking for ids; `None` when this request cannot reuse them (it is
     /// then forwarded unchanged).
-    pub fn body(&self) -> Option<Bytes> {
+    pub fn body(&self) -> Option<Pieces> {
         let view = self.0.request.view;
         let eligible = request_gate(view, &self.0.policy, self.0.canary_key).is_none() && !view.stream;
         if !eligible {
@@ -125,7 +125,7 @@ impl RelayPrefill<'_, '_> {
         if !view.return_token_ids {
             body.set_raw(echo, "true");
         }
-        Some(Bytes::from(body.to_bytes()))
+        Some(body.to_pieces(self.0.request.source, None, None))
     }
 
     /// Keeps the ids of a 2xx answer (cache or stateless) and hides them from the client
@@ -239,7 +239,7 @@ impl RelayDecode<'_, '_> {
     /// The decode leg: token-in with the ids found, else the request as sent (minus any
     /// inline ids a blocked request carried: vLLM 0.27–0.31 would use them unchecked).
     /// `None` as the body means unchanged.
-    pub fn step(&self, found: Found) -> (Option<Bytes>, Reuse, Option<IdsError>) {
+    pub fn step(&self, found: Found) -> (Option<Pieces>, Reuse, Option<IdsError>) {
         let handoff_like = self.0.facts.looks_like_decode || self.0.facts.ids_raw.is_some();
         let (ids, reuse, refused) = match found {
             Found::Ids(ids) => {
@@ -267,8 +267,8 @@ impl RelayDecode<'_, '_> {
             Some(raw) if strip => Some(without_ids(raw).unwrap_or_else(|| raw.to_owned())),
             kv => kv.map(str::to_owned),
         };
-        let body = decode_body(self.0.request.obj, api, kv.as_deref(), ids.as_ref());
-        (Some(Bytes::from(body)), reuse, refused)
+        let body = decode_body(self.0.request.obj, self.0.request.source, api, kv.as_deref(), ids.as_ref());
+        (Some(body), reuse, refused)
     }
 }
 

@@ -73,9 +73,9 @@ fn orchestrate_gate_covers_every_pre_prefill_reason() {
     ];
     for (name, api, body, policy, version, want) in rows {
         let (obj, view) = parsed(*api, body);
-        let plan = orchestrate(Request { obj: &obj, view: &view }, policy, *version, "req");
+        let plan = orchestrate(Request { obj: &obj, view: &view, source: None }, policy, *version, "req");
         assert_eq!(plan.gate, *want, "{name}");
-        let prefill = json(&plan.prefill_body);
+        let prefill = json(&plan.prefill_body.to_bytes());
         assert_eq!(prefill["max_tokens"], 1, "{name}");
         assert_eq!(prefill["kv_transfer_params"]["do_remote_decode"], true, "{name}");
         assert_eq!(prefill.get("return_token_ids").is_some(), *want == Gate::Reuse, "{name}: ids asked only to reuse");
@@ -150,12 +150,12 @@ fn after_prefill_builds_the_decode_and_its_outcome() {
     ];
     for (name, api, body, version, answer, want) in rows {
         let (obj, view) = parsed(*api, body);
-        let plan = orchestrate(Request { obj: &obj, view: &view }, &ON, *version, "req");
-        let step = plan.after_prefill(answer.as_bytes()).unwrap();
+        let plan = orchestrate(Request { obj: &obj, view: &view, source: None }, &ON, *version, "req");
+        let step = plan.after_prefill(&Bytes::copy_from_slice(answer.as_bytes())).unwrap();
         assert_eq!(step.reuse, *want, "{name}");
         assert_eq!(step.refused.is_some(), *want == Reuse::Fallback(FallbackReason::IdsMalformed), "{name}");
-        let text = String::from_utf8(step.body.to_vec()).unwrap();
-        let decode = json(&step.body);
+        let text = String::from_utf8(step.body.to_bytes().to_vec()).unwrap();
+        let decode = json(&step.body.to_bytes());
         match (api, want) {
             (Api::Chat, Reuse::Applied { .. }) => {
                 assert!(
@@ -194,8 +194,8 @@ fn after_prefill_builds_the_decode_and_its_outcome() {
 #[test]
 fn a_prefill_answer_that_is_not_a_completion_is_an_error() {
     let (obj, view) = parsed(Api::Chat, CHAT);
-    let plan = orchestrate(Request { obj: &obj, view: &view }, &ON, V32, "req");
-    assert!(plan.after_prefill(b"<html>busy</html>").is_err());
+    let plan = orchestrate(Request { obj: &obj, view: &view, source: None }, &ON, V32, "req");
+    assert!(plan.after_prefill(&Bytes::copy_from_slice(b"<html>busy</html>")).is_err());
 }
 
 /// After a failed prefill, the decode alone gets the client's body byte for byte (no kv
@@ -204,9 +204,9 @@ fn a_prefill_answer_that_is_not_a_completion_is_an_error() {
 fn decode_alone_sends_the_client_body_as_is() {
     for (api, body, policy) in [(Api::Chat, CHAT, ON), (Api::Chat, CHAT, OFF), (Api::Completions, CMPL, ON)] {
         let (obj, view) = parsed(api, body);
-        let plan = orchestrate(Request { obj: &obj, view: &view }, &policy, V32, "req");
+        let plan = orchestrate(Request { obj: &obj, view: &view, source: None }, &policy, V32, "req");
         let step = plan.decode_alone();
-        assert_eq!(&step.body[..], body.as_bytes(), "{body}");
+        assert_eq!(&step.body.to_bytes()[..], body.as_bytes(), "{body}");
         assert_eq!(step.reuse, Reuse::Fallback(FallbackReason::PrefillFailed));
         assert_eq!((step.cached_tokens, step.refused.is_none()), (None, true));
     }
@@ -220,8 +220,8 @@ fn decode_alone_sends_the_client_body_as_is() {
 fn a_release_leg_exactly_when_the_prefill_holds_kv() {
     let (obj, view) = parsed(Api::Chat, CHAT);
     for (version, answer) in [(V32, CHAT_ANSWER), (V26, CHAT_ANSWER)] {
-        let plan = orchestrate(Request { obj: &obj, view: &view }, &ON, version, "req");
-        let step = plan.after_prefill(answer.as_bytes()).unwrap();
+        let plan = orchestrate(Request { obj: &obj, view: &view, source: None }, &ON, version, "req");
+        let step = plan.after_prefill(&Bytes::copy_from_slice(answer.as_bytes())).unwrap();
         assert!(step.holds_kv);
         let release = json(&step.release_body().expect("a release leg"));
         assert_eq!((release["max_tokens"].clone(), release["stream"].clone()), (1.into(), false.into()));
@@ -229,8 +229,8 @@ fn a_release_leg_exactly_when_the_prefill_holds_kv() {
         assert_eq!(release["kv_transfer_params"]["remote_engine_id"], "e");
     }
     let (obj, view) = parsed(Api::Completions, CMPL);
-    let plan = orchestrate(Request { obj: &obj, view: &view }, &ON, V32, "req");
-    let step = plan.after_prefill(CMPL_ANSWER.as_bytes()).unwrap();
+    let plan = orchestrate(Request { obj: &obj, view: &view, source: None }, &ON, V32, "req");
+    let step = plan.after_prefill(&Bytes::copy_from_slice(CMPL_ANSWER.as_bytes())).unwrap();
     assert!(!step.holds_kv && step.release_body().is_none(), "kv_transfer_params null: nothing held");
     assert!(plan.decode_alone().release_body().is_none());
 }
@@ -240,8 +240,8 @@ fn a_release_leg_exactly_when_the_prefill_holds_kv() {
 fn relay_prefill_asks_for_ids_only_when_they_can_be_used() {
     let prefill = |body: &str, api: Api, policy: ReusePolicy| -> Option<serde_json::Value> {
         let (obj, view) = parsed(api, body);
-        match relay_plan(Request { obj: &obj, view: &view }, &policy, None, "req") {
-            RelayPlan::Prefill(p) => p.body().map(|b| json(&b)),
+        match relay_plan(Request { obj: &obj, view: &view, source: None }, &policy, None, "req") {
+            RelayPlan::Prefill(p) => p.body().map(|b| json(&b.to_bytes())),
             RelayPlan::Decode(_) => panic!("{body} is a prefill"),
         }
     };
@@ -268,8 +268,11 @@ fn relay_responses_prefill_caches_and_hides_the_raw_messages() {
     let body = r#"{"model":"m","input":"x","kv_transfer_params":{"do_remote_decode":true}}"#;
     let answer = r#"{"id":"r","usage":{"input_tokens":2},"input_messages":[{"message":"p","tokens":[4,5],"type":"raw_message_tokens"}],"output_messages":[{"message":"o","tokens":[9],"type":"raw_message_tokens"}],"kv_transfer_params":null}"#;
     let (obj, view) = parsed(Api::Responses, body);
-    let RelayPlan::Prefill(p) = relay_plan(Request { obj: &obj, view: &view }, &ON, Some("c"), "req") else { panic!() };
-    let kept = p.after_prefill(answer.as_bytes());
+    let RelayPlan::Prefill(p) = relay_plan(Request { obj: &obj, view: &view, source: None }, &ON, Some("c"), "req")
+    else {
+        panic!()
+    };
+    let kept = p.after_prefill(&Bytes::copy_from_slice(answer.as_bytes()));
     assert_eq!(kept.store.unwrap().ids, vec![4, 5]);
     let out = json(&kept.body.unwrap());
     assert!(out["input_messages"].is_null() && out["output_messages"].is_null(), "{out}");
@@ -281,9 +284,9 @@ fn relay_prefill_keeps_ids_in_the_cache_or_in_the_answer() {
         r#"{"model":"m","messages":[{"role":"user","content":"x"}],"kv_transfer_params":{"do_remote_decode":true}}"#;
     let answer = r#"{"id":"a","prompt_token_ids":[4,5],"usage":{"prompt_tokens":2},"kv_transfer_params":{"remote_request_id":"eng-1","remote_port":1}}"#;
     let (obj, view) = parsed(Api::Chat, body);
-    let request = Request { obj: &obj, view: &view };
+    let request = Request { obj: &obj, view: &view, source: None };
     let RelayPlan::Prefill(cache) = relay_plan(request, &ON, Some("client-7"), "req") else { panic!() };
-    let kept = cache.after_prefill(answer.as_bytes());
+    let kept = cache.after_prefill(&Bytes::copy_from_slice(answer.as_bytes()));
     let entry = kept.store.unwrap();
     assert_eq!(entry.ids, vec![4, 5]);
     assert_eq!(entry.keys[0], CacheKey::RemoteRequestId("eng-1".into()));
@@ -293,7 +296,7 @@ fn relay_prefill_keeps_ids_in_the_cache_or_in_the_answer() {
 
     let stateless = ReusePolicy { relay_handoff: RelayHandoff::Stateless, ..ON };
     let RelayPlan::Prefill(p) = relay_plan(request, &stateless, None, "req") else { panic!() };
-    let kept = p.after_prefill(answer.as_bytes());
+    let kept = p.after_prefill(&Bytes::copy_from_slice(answer.as_bytes()));
     assert!(kept.store.is_none() && kept.kept);
     let out = String::from_utf8(kept.body.unwrap().to_vec()).unwrap();
     assert!(
@@ -302,7 +305,7 @@ fn relay_prefill_keeps_ids_in_the_cache_or_in_the_answer() {
     );
 
     let RelayPlan::Prefill(p) = relay_plan(request, &ON, None, "req") else { panic!() };
-    let nothing = p.after_prefill(br#"{"prompt_token_ids":null,"usage":{"prompt_tokens":2}}"#);
+    let nothing = p.after_prefill(&Bytes::copy_from_slice(br#"{"prompt_token_ids":null,"usage":{"prompt_tokens":2}}"#));
     assert!(!nothing.kept && nothing.store.is_none());
 }
 
@@ -403,7 +406,9 @@ fn relay_decode_table() {
     ];
     for (name, api, body, policy, version, searches_cache, from_cache, want, ids) in rows {
         let (obj, view) = parsed(api, body);
-        let RelayPlan::Decode(plan) = relay_plan(Request { obj: &obj, view: &view }, &policy, None, "req") else {
+        let RelayPlan::Decode(plan) =
+            relay_plan(Request { obj: &obj, view: &view, source: None }, &policy, None, "req")
+        else {
             panic!("{name}: a decode")
         };
         let found = match (plan.search(version), from_cache) {
@@ -415,7 +420,7 @@ fn relay_decode_table() {
         assert_eq!(reuse, want, "{name}");
         match (ids, body_out) {
             (Some(ids), Some(out)) => {
-                let out = json(&out);
+                let out = json(&out.to_bytes());
                 let sent =
                     if api == Api::Chat { &out["kv_transfer_params"]["prompt_token_ids"] } else { &out["prompt"] };
                 assert_eq!(sent.to_string(), ids, "{name}");
@@ -425,7 +430,7 @@ fn relay_decode_table() {
             }
             (None, Some(out)) => {
                 assert!(
-                    json(&out)["kv_transfer_params"].get("prompt_token_ids").is_none(),
+                    json(&out.to_bytes())["kv_transfer_params"].get("prompt_token_ids").is_none(),
                     "{name}: inline ids dropped"
                 );
             }
@@ -439,7 +444,8 @@ fn relay_decode_table() {
 fn relay_decode_asks_the_version_only_when_ids_could_apply() {
     let check = |body: &str, cache_empty: bool| {
         let (obj, view) = parsed(Api::Chat, body);
-        let RelayPlan::Decode(plan) = relay_plan(Request { obj: &obj, view: &view }, &ON, None, "req") else {
+        let RelayPlan::Decode(plan) = relay_plan(Request { obj: &obj, view: &view, source: None }, &ON, None, "req")
+        else {
             panic!()
         };
         plan.needs_decode_version(cache_empty)
@@ -487,9 +493,9 @@ fn client_handoff_fields_are_stripped_or_refused() {
 #[test]
 fn responses_and_messages_prefill_bodies() {
     let (obj, view) = parsed(Api::Responses, r#"{"input":"hi","max_output_tokens":50,"stream":true,"store":true}"#);
-    let plan = orchestrate(Request { obj: &obj, view: &view }, &ON, V32, "req");
+    let plan = orchestrate(Request { obj: &obj, view: &view, source: None }, &ON, V32, "req");
     assert_eq!(plan.gate, Gate::Reuse);
-    let p = json(&plan.prefill_body);
+    let p = json(&plan.prefill_body.to_bytes());
     assert_eq!(
         (p["max_output_tokens"].as_u64(), p["stream"].as_bool(), p["store"].as_bool()),
         (Some(1), Some(false), Some(false))
@@ -499,9 +505,9 @@ fn responses_and_messages_prefill_bodies() {
     assert_eq!(p["kv_transfer_params"]["do_remote_decode"], true);
 
     let (obj, view) = parsed(Api::Messages, MSG);
-    let plan = orchestrate(Request { obj: &obj, view: &view }, &ON, V32, "req");
+    let plan = orchestrate(Request { obj: &obj, view: &view, source: None }, &ON, V32, "req");
     assert_eq!(plan.gate, Gate::Fallback(FallbackReason::IdsNotEchoed));
-    let p = json(&plan.prefill_body);
+    let p = json(&plan.prefill_body.to_bytes());
     assert_eq!(p["max_tokens"], 1);
     assert!(p.get("return_token_ids").is_none() && p.get("enable_response_messages").is_none());
     assert!(!needs_decode_version(&view, &ON, "req"));
@@ -516,13 +522,13 @@ fn stateful_responses_go_to_the_decode_alone() {
         r#"{"input":"hi","background":true,"store":true}"#,
     ] {
         let (obj, view) = parsed(Api::Responses, body);
-        let plan = orchestrate(Request { obj: &obj, view: &view }, &ON, V32, "req");
+        let plan = orchestrate(Request { obj: &obj, view: &view, source: None }, &ON, V32, "req");
         let step = plan.decode_only().unwrap_or_else(|| panic!("{body}"));
         assert_eq!(step.reuse, Reuse::Fallback(FallbackReason::Stateful));
-        assert_eq!(step.body, body.as_bytes());
+        assert_eq!(step.body.to_bytes(), body.as_bytes());
     }
     let (obj, view) = parsed(Api::Responses, r#"{"input":"hi","previous_response_id":null,"background":false}"#);
-    assert!(orchestrate(Request { obj: &obj, view: &view }, &ON, V32, "req").decode_only().is_none());
+    assert!(orchestrate(Request { obj: &obj, view: &view, source: None }, &ON, V32, "req").decode_only().is_none());
 }
 
 /// A fractional `token_reuse` admits a share of request ids, the same ids every time, and a
@@ -555,15 +561,15 @@ fn canary_gate_counts_the_left_out_requests() {
     let ids: Vec<String> = (0..200).map(|i| format!("r{i}")).collect();
     let (inside, outside): (Vec<&String>, Vec<&String>) = ids.iter().partition(|id| half.token_reuse.admits(id));
     assert!(!inside.is_empty() && !outside.is_empty());
-    let plan = orchestrate(Request { obj: &obj, view: &view }, &half, V32, inside[0]);
+    let plan = orchestrate(Request { obj: &obj, view: &view, source: None }, &half, V32, inside[0]);
     assert_eq!(plan.gate, Gate::Reuse);
-    let plan = orchestrate(Request { obj: &obj, view: &view }, &half, V32, outside[0]);
+    let plan = orchestrate(Request { obj: &obj, view: &view, source: None }, &half, V32, outside[0]);
     assert_eq!(plan.gate, Gate::Fallback(FallbackReason::Canary));
-    assert!(json(&plan.prefill_body).get("return_token_ids").is_none());
+    assert!(json(&plan.prefill_body.to_bytes()).get("return_token_ids").is_none());
     assert!(!needs_decode_version(&view, &half, outside[0]));
     let zero = ReusePolicy { token_reuse: ReuseShare::from_fraction(0.0).unwrap(), ..ON };
     assert_eq!(
-        orchestrate(Request { obj: &obj, view: &view }, &zero, V32, "x").gate,
+        orchestrate(Request { obj: &obj, view: &view, source: None }, &zero, V32, "x").gate,
         Gate::Fallback(FallbackReason::Disabled)
     );
 }

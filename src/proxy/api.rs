@@ -81,7 +81,7 @@ pub async fn handle(session: &mut Session, ctx: &mut Ctx, api: Api) -> Result<()
     if route.mode == Mode::Passthrough {
         // The body was read to choose the route: forward it unchanged ourselves.
         let endpoint = exec::pick(&route.decode_pool, Leg::Passthrough)?;
-        return exec::forward(session, ctx, &incoming, Leg::Passthrough, endpoint, body.clone()).await;
+        return exec::forward(session, ctx, &incoming, Leg::Passthrough, endpoint, body.clone().into()).await;
     }
     let obj = parsed.map_err(|e| ApiError::invalid(format!("body is not a JSON object: {e}"), None))?;
     let view = view.ok_or_else(|| ApiError::invalid("body is not a JSON object", None))??;

@@ -20,6 +20,7 @@ use super::respond::{client_gone, ms_since, relay};
 use super::Ctx;
 use crate::config::{OnClientGone, OnPrefillFailure};
 use crate::metrics::{ErrorKind, Leg, Release, Stage, TimeoutStage};
+use crate::openai::json::Pieces;
 use crate::openai::response::HandoffError;
 use crate::openai::{IdsError, PromptIds};
 use crate::plan::{DecodeStep, DecodeVersion, Orchestration, Reuse};
@@ -110,7 +111,7 @@ async fn exchange(
     req: &Incoming<'_>,
     leg: Leg,
     endpoint: &Picked,
-    body: Bytes,
+    body: Pieces,
 ) -> Result<Exchange, ProxyError> {
     let result = exchange_once(ctx, req, leg, endpoint, body).await;
     let failed = match &result {
@@ -134,7 +135,7 @@ async fn exchange_once(
     req: &Incoming<'_>,
     leg: Leg,
     endpoint: &Picked,
-    body: Bytes,
+    body: Pieces,
 ) -> Result<Exchange, ProxyError> {
     let mut head = req.head(endpoint.addr(), &ctx.request_id, body.len())?;
     for (name, value) in ctx.trace.headers_for(leg) {
@@ -142,7 +143,7 @@ async fn exchange_once(
     }
     let (app, route) = (&ctx.app, &ctx.route);
     route.retry_budget.sent();
-    let failure = match app.client.send(endpoint.endpoint().target(), &head, std::slice::from_ref(&body)).await {
+    let failure = match app.client.send(endpoint.endpoint().target(), &head, body.parts()).await {
         Ok(exchange) => return Ok(exchange),
         Err(failure) => failure,
     };
@@ -158,7 +159,7 @@ async fn exchange_once(
     app.metrics.upstream_retry(leg);
     tracing::debug!(request_id = %ctx.request_id, error = %failure.error, "leg re-sent: the engine never got it");
     app.client
-        .resend(endpoint.endpoint().target(), &head, std::slice::from_ref(&body))
+        .resend(endpoint.endpoint().target(), &head, body.parts())
         .await
         .map_err(|f| ProxyError::upstream(leg, f.error))
 }
@@ -170,7 +171,7 @@ async fn send(
     req: &Incoming<'_>,
     leg: Leg,
     endpoint: &Picked,
-    body: Bytes,
+    body: Pieces,
     first_byte_timeout: Option<Duration>,
 ) -> Result<Exchange, ProxyError> {
     tokio::select! {
@@ -193,7 +194,7 @@ pub async fn prefill(
     req: &Incoming<'_>,
     first: &Picked,
     pool: Option<&Pool>,
-    body: Bytes,
+    body: Pieces,
 ) -> Result<(ResponseHeader, Bytes), ProxyError> {
     let route = Arc::clone(&ctx.route);
     let started = Instant::now();
@@ -242,7 +243,7 @@ async fn prefill_attempts(
     req: &Incoming<'_>,
     first: &Picked,
     pool: Option<&Pool>,
-    body: Bytes,
+    body: Pieces,
 ) -> PrefillTry {
     let attempts = pool.map_or(1, |p| ctx.route.prefill_attempts.min(p.endpoints.len()));
     let mut tried = vec![first.addr().to_owned()];
@@ -266,7 +267,7 @@ async fn prefill_attempts(
 }
 
 /// One prefill attempt on `endpoint`: send, then read the whole answer. A 5xx is counted here.
-async fn prefill_once(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, body: Bytes) -> PrefillTry {
+async fn prefill_once(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, body: Pieces) -> PrefillTry {
     let exchange = match exchange(ctx, req, Leg::Prefill, endpoint, body).await {
         Ok(exchange) => exchange,
         Err(e) => return PrefillTry::NoAnswer(e),
@@ -381,7 +382,7 @@ async fn release(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, step: &Decode
     }
     let span = ctx.trace.release();
     let work = async {
-        let exchange = exchange(ctx, req, Leg::Decode, endpoint, body).await?;
+        let exchange = exchange(ctx, req, Leg::Decode, endpoint, body.into()).await?;
         let ok = (200..300).contains(&exchange.status());
         ctx.app
             .client
@@ -416,7 +417,7 @@ pub async fn forward(
     req: &Incoming<'_>,
     leg: Leg,
     endpoint: Picked,
-    body: Bytes,
+    body: Pieces,
 ) -> Result<(), ProxyError> {
     ctx.decode_sent_at = Some(Instant::now());
     // A relayed prefill answers as a whole; anything else is bounded to its response head.

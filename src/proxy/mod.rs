@@ -105,7 +105,7 @@ pub struct ApiRequest<'a> {
 impl ApiRequest<'_> {
     /// The request as the plan reads it.
     pub fn plan_input(&self) -> crate::plan::Request<'_, '_> {
-        crate::plan::Request { obj: &self.obj, view: &self.view }
+        crate::plan::Request { obj: &self.obj, view: &self.view, source: Some(self.incoming.body) }
     }
 }
 

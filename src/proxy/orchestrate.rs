@@ -15,6 +15,7 @@ use super::exec;
 use super::respond::write_engine_answer;
 use super::{ApiRequest, Ctx};
 use crate::metrics::{Leg, Stage};
+use crate::openai::json::Pieces;
 use crate::openai::response::HandoffError;
 use crate::plan::{self, prefiller_from_header, DecodeVersion};
 use crate::routes::{PrefillTarget, Route};
@@ -32,7 +33,9 @@ pub async fn run(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> 
     let decode = exec::pick(&route.decode_pool, Leg::Decode)?;
     let Some(prefiller) = prefiller(&route, req.incoming.headers, ctx.client_ip)? else {
         // Header mode without the header: the picker chose decode-only; send it as is.
-        let body = cleaned.as_ref().map_or_else(|| req.incoming.body.clone(), |c| Bytes::from(c.to_bytes()));
+        let body = cleaned
+            .as_ref()
+            .map_or_else(|| req.incoming.body.clone().into(), |c| c.to_pieces(Some(req.incoming.body), None, None));
         return exec::forward(session, ctx, &req.incoming, Leg::Decode, decode, body).await;
     };
     let policy = route.policy_now();
@@ -41,7 +44,12 @@ pub async fn run(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> 
     } else {
         DecodeVersion::NotAsked
     };
-    let plan = plan::orchestrate(plan::Request { obj, view: &req.view }, &policy, version, &ctx.request_id);
+    let plan = plan::orchestrate(
+        plan::Request { obj, view: &req.view, source: Some(req.incoming.body) },
+        &policy,
+        version,
+        &ctx.request_id,
+    );
     if let Some(step) = plan.decode_only() {
         exec::record_reuse(ctx, step.reuse, None);
         return exec::decode(session, ctx, &req.incoming, &decode, step).await;
@@ -98,7 +106,7 @@ async fn prefill(
     ctx: &mut Ctx,
     req: &exec::Incoming<'_>,
     prefiller: &Prefiller,
-    body: Bytes,
+    body: Pieces,
 ) -> Result<(ResponseHeader, Bytes), ProxyError> {
     let route = Arc::clone(&ctx.route);
     if !prefiller.named {

@@ -48,7 +48,8 @@ async fn prefill(
     };
     let endpoint = exec::pick(pool, Leg::Prefill)?;
     let Some(body) = plan.body() else {
-        return exec::forward(session, ctx, &req.incoming, Leg::Prefill, endpoint, req.incoming.body.clone()).await;
+        return exec::forward(session, ctx, &req.incoming, Leg::Prefill, endpoint, req.incoming.body.clone().into())
+            .await;
     };
     let (head, answer) = exec::prefill(session, ctx, &req.incoming, &endpoint, Some(pool), body).await?;
     drop(endpoint);
@@ -104,7 +105,7 @@ async fn decode(
     };
     let (body, reuse, refused) = plan.step(found);
     exec::record_reuse(ctx, reuse, refused.as_ref());
-    let body = body.unwrap_or_else(|| req.incoming.body.clone());
+    let body = body.unwrap_or_else(|| req.incoming.body.clone().into());
     exec::forward(session, ctx, &req.incoming, Leg::Decode, endpoint, body).await
 }
 

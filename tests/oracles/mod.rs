@@ -576,14 +576,18 @@ pub fn fuzz_request_view(data: &[u8]) {
 /// `kv_params_with_ids` keeps every member of an object `kv_transfer_params` and sets
 /// `prompt_token_ids` to the ids' exact text (a non-object is replaced by a fresh object).
 pub fn check_rewrites(api: Api, body: &str, kv: Option<&str>, ids: Option<&PromptIds>, want_ids: bool) {
-    let Ok(obj) = RawObject::parse(body) else {
+    // Parsed from a shared buffer, as the proxy does: large values become pieces of it.
+    let source = bytes::Bytes::copy_from_slice(body.as_bytes());
+    let Ok(obj) = RawObject::parse(std::str::from_utf8(&source).unwrap()) else {
         return;
     };
     let m = members(body).expect("RawObject parsed what serde_json did not");
     let kv = kv.map(|k| k.trim_matches(JSON_WS)).filter(|k| is_json(k));
 
     // Prefill leg.
-    let out = object_out(&prefill_body(&obj, api, want_ids), "prefill_body");
+    let shared = prefill_body(&obj, Some(&source), api, want_ids).to_bytes();
+    assert_eq!(shared, prefill_body(&obj, None, api, want_ids).to_bytes(), "prefill pieces differ from the copy");
+    let out = object_out(&shared, "prefill_body");
     let mut touched =
         vec!["max_tokens", "max_completion_tokens", "min_tokens", "min_completion_tokens", "stream", "stream_options"];
     touched.push("kv_transfer_params");
@@ -616,7 +620,9 @@ pub fn check_rewrites(api: Api, body: &str, kv: Option<&str>, ids: Option<&Promp
     }
 
     // Decode leg.
-    let out = object_out(&decode_body(&obj, api, kv, ids), "decode_body");
+    let shared = decode_body(&obj, Some(&source), api, kv, ids).to_bytes();
+    assert_eq!(shared, decode_body(&obj, None, api, kv, ids).to_bytes(), "decode pieces differ from the copy");
+    let out = object_out(&shared, "decode_body");
     let kv_given = kv.filter(|k| *k != "null");
     let mut touched: Vec<&str> = Vec::new();
     match (api, ids) {
