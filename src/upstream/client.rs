@@ -229,6 +229,27 @@ impl IdlePool {
         found
     }
 
+    /// Closes every connection idle past `idle_timeout`, of every peer.
+    fn close_expired(&self, idle_timeout: Duration) {
+        let mut stale = Vec::new();
+        {
+            let mut by_peer = self.by_peer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            for idle in by_peer.values_mut() {
+                while idle.front().is_some_and(|c| c.idle_since.elapsed() >= idle_timeout) {
+                    stale.extend(idle.pop_front());
+                }
+            }
+            by_peer.retain(|_, idle| !idle.is_empty());
+        }
+        drop(stale);
+    }
+
+    /// Connections kept, over all peers.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.by_peer.lock().unwrap_or_else(std::sync::PoisonError::into_inner).values().map(VecDeque::len).sum()
+    }
+
     /// Keeps `conn` for reuse, dropping connections to `key` idle past `idle_timeout`.
     fn put(&self, key: u64, mut conn: Conn, idle_timeout: Duration) {
         conn.idle_since = Instant::now();
@@ -423,6 +444,12 @@ impl UpstreamClient {
         }
     }
 
+    /// Closes the pooled connections idle past the pool's limit, of every peer (the health
+    /// poller calls it each round; a peer's own pool use drops its stale ones too).
+    pub fn close_expired_idle(&self) {
+        self.idle.close_expired(self.idle_timeout);
+    }
+
     /// `GET path` with a deadline; returns the status and body.
     ///
     /// # Errors
@@ -452,5 +479,41 @@ impl UpstreamClient {
                 detail: format!("GET {path} timed out"),
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pooled connection to a loopback listener (kept open by the returned listener's accept).
+    async fn conn() -> (Conn, tokio::net::TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = tokio::net::TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        let (engine, _) = listener.accept().await.unwrap();
+        (Conn::new(Box::new(pingora::protocols::l4::stream::Stream::from(client))), engine)
+    }
+
+    #[tokio::test]
+    async fn the_pool_returns_live_connections_and_closes_expired_ones() {
+        let pool = IdlePool::default();
+        let long = Duration::from_secs(60);
+        let (a, _engine_a) = conn().await;
+        let (b, engine_b) = conn().await;
+        pool.put(1, a, long);
+        pool.put(2, b, long);
+        assert_eq!(pool.len(), 2);
+        // An engine that closed its side: the peek sees the FIN and the pool dials anew.
+        drop(engine_b);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(pool.take(2, long).is_none(), "a closed connection is not handed out");
+        assert_eq!(pool.len(), 1);
+        let a = pool.take(1, long).expect("a live connection");
+        pool.put(1, a, long);
+        // Past the idle limit: closed by the sweep, whichever peer it belongs to.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        pool.close_expired(Duration::from_millis(10));
+        assert_eq!(pool.len(), 0);
+        assert!(pool.by_peer.lock().unwrap().is_empty(), "empty peers are forgotten");
     }
 }

@@ -331,7 +331,8 @@ fn parse_head(buf: &[u8]) -> Result<Option<(Answer, usize)>, WireError> {
             None => Framing::UntilClose,
         },
     };
-    let keep_alive = !close && framing != Framing::UntilClose;
+    // Both framings at once is how responses are smuggled: read as chunked, never reused.
+    let keep_alive = !close && framing != Framing::UntilClose && !(chunked && length.is_some());
     Ok(Some((Answer { head, framing, keep_alive, informational }, len)))
 }
 

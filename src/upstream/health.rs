@@ -121,6 +121,9 @@ impl HealthPoller {
             app.metrics.upstream_ejected(&pool.name, pool.ejected(std::time::Instant::now()));
         }
         compare_models(&app);
+        // Idle engine connections of endpoints no longer used (or removed by a reload) close
+        // within one interval past their idle limit.
+        app.client.close_expired_idle();
         let ready = app.decode_pools().iter().all(|p| p.any_healthy());
         app.metrics.ready.set(i64::from(ready));
         (self.on_tick)(&app);

@@ -53,6 +53,8 @@ fn framing_follows_the_head() {
     assert!(!old.keep_alive, "HTTP/1.0 is not reused");
     let until_close = head_of(b"HTTP/1.1 200 OK\r\n\r\n");
     assert_eq!((until_close.framing, until_close.keep_alive), (Framing::UntilClose, false));
+    let both = head_of(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n");
+    assert_eq!((both.framing, both.keep_alive), (Framing::Chunked(Chunk::Size), false), "chunked wins, not reused");
     let empty = head_of(b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n");
     assert_eq!(empty.framing, Framing::Done);
     assert!(head_of(b"HTTP/1.1 100 Continue\r\n\r\n").informational);
