@@ -38,8 +38,15 @@ command -v c++ >/dev/null 2>&1 || { echo "[fuzz] no C++ compiler (libFuzzer): ru
 # -O -a: release with debug assertions and overflow checks; 16 codegen units build several
 # times faster than cargo-fuzz's default of 1 for a few percent of execution speed.
 t0=$(date +%s)
-cargo fuzz build -s none -O -a --codegen-units 16 --target-dir "$TARGET_DIR" 2>&1 | grep -E "^(error|warning: unused)|Finished" || true
-[ -x "$BIN/config" ] || { echo "[fuzz] build failed" >&2; exit 1; }
+# A failed build fails the run (a stale binary in a warm target dir must not stand in for it).
+build_log=$(mktemp)
+if ! cargo fuzz build -s none -O -a --codegen-units 16 --target-dir "$TARGET_DIR" >"$build_log" 2>&1; then
+  grep -E "^error" -A12 "$build_log" >&2 || tail -40 "$build_log" >&2
+  echo "[fuzz] build failed" >&2
+  exit 1
+fi
+grep -E "^warning: unused|Finished" "$build_log" || true
+rm -f "$build_log"
 echo "[fuzz] built in $(( $(date +%s) - t0 )) s"
 
 # Per-target input bound and dictionary: SSE inputs are decoded byte by byte, so a shorter
