@@ -152,23 +152,23 @@ async fn read_to_end_refuses_a_declared_length_over_the_limit() {
     assert!(!conn.reusable_after(&answer), "an unread body leaves the connection unusable");
 }
 
+/// `raw` answered on a fresh connection, read whole within `limit`; and whether reusable.
+async fn whole_within(raw: &[u8], limit: usize) -> (Option<Bytes>, bool) {
+    let (mut conn, mut engine) = pair().await;
+    engine.write_all(raw).await.unwrap();
+    let mut answer = conn.read_head().await.unwrap();
+    let body = conn.read_to_end(&mut answer, limit).await.unwrap();
+    (body, conn.reusable_after(&answer))
+}
+
 #[tokio::test]
 async fn read_to_end_reads_a_chunked_body_whole() {
-    let (mut conn, mut engine) = pair().await;
-    engine
-        .write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
-        .await
-        .unwrap();
-    let mut answer = conn.read_head().await.unwrap();
-    assert_eq!(conn.read_to_end(&mut answer, 5).await.unwrap().as_deref(), Some(&b"abcde"[..]));
-    assert!(conn.reusable_after(&answer));
-    let (mut conn, mut engine) = pair().await;
-    engine
-        .write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n3\r\ndef\r\n0\r\n\r\n")
-        .await
-        .unwrap();
-    let mut answer = conn.read_head().await.unwrap();
-    assert!(conn.read_to_end(&mut answer, 5).await.unwrap().is_none(), "6 bytes over a limit of 5");
+    let head = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n";
+    let fits = format!("{head}3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n");
+    let (body, reusable) = whole_within(fits.as_bytes(), 5).await;
+    assert_eq!((body.as_deref(), reusable), (Some(&b"abcde"[..]), true));
+    let over = format!("{head}3\r\nabc\r\n3\r\ndef\r\n0\r\n\r\n");
+    assert!(whole_within(over.as_bytes(), 5).await.0.is_none(), "6 bytes over a limit of 5");
 }
 
 #[tokio::test]
