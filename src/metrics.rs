@@ -125,6 +125,9 @@ label_enum! {
         Timeout => "timeout",
         /// The route has `on_client_gone = "abandon"`: nothing was sent.
         Abandoned => "abandoned",
+        /// The decode had its request whole: it pulls the blocks, or frees them on the
+        /// prefill when aborted first; nothing was sent.
+        LeftToDecode => "left_to_decode",
     }
 }
 

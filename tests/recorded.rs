@@ -41,6 +41,14 @@ fn json(text: &str) -> Value {
     serde_json::from_str(text).unwrap()
 }
 
+/// The handoff a recorded decode leg carried: its `kv_transfer_params` without the ids, as the
+/// prefill of its own (sent just before it, not recorded) returned them.
+fn recorded_handoff(decode: &str) -> String {
+    let mut kv = json(&fixture(decode).request)["kv_transfer_params"].clone();
+    kv.as_object_mut().unwrap().remove("prompt_token_ids");
+    serde_json::to_string(&kv).unwrap()
+}
+
 /// The prefill rewrite of the recorded plain chat is the prefill request that real vLLM
 /// answered with ids (same fields; values equal).
 #[test]
@@ -59,13 +67,20 @@ fn prefill_rewrite_matches_the_recorded_prefill_request() {
     }
 }
 
-/// The handoff read from real prefill responses: the 20 ids of the README prompt, no kv
-/// params without a connector, and the completions ids on the first choice.
+/// The handoff read from real prefill responses (NixlConnector): the 20 ids of the README
+/// prompt, the engine's kv params byte for byte, and the completions ids on the first choice.
 #[test]
 fn handoff_from_real_prefill_responses() {
-    let h = extract_handoff(Api::Chat, fixture("chat_prefill").response.as_bytes()).unwrap();
+    let f = fixture("chat_prefill");
+    let h = extract_handoff(Api::Chat, f.response.as_bytes()).unwrap();
     assert_eq!(h.ids.unwrap().as_json(), IDS);
-    assert_eq!(h.kv_transfer_params, None);
+    let kv = h.kv_transfer_params.unwrap();
+    assert_eq!(json(&kv), json(&f.response)["kv_transfer_params"]);
+    assert!(f.response.contains(&kv), "verbatim: {kv}");
+    let kv = json(&kv);
+    assert_eq!((kv["transfer_mode"].as_str(), kv["remote_num_tokens"].as_u64()), (Some("pull"), Some(20)));
+    assert_eq!(kv["remote_block_ids"].as_array().unwrap().len(), 1, "one list per KV-cache group");
+    assert_eq!(kv["remote_block_ids"][0].as_array().unwrap().len(), 1, "20 tokens: one 128-token block");
     let h = extract_handoff(Api::Completions, fixture("completions_prefill").response.as_bytes()).unwrap();
     assert_eq!(h.ids.unwrap().to_vec(), vec![9707, 1052, 0]);
     for name in ["chat_tools_prefill", "chat_thinking_off_prefill", "chat_multiturn_prefill"] {
@@ -80,13 +95,15 @@ fn handoff_from_real_prefill_responses() {
     assert!(h.ids.is_err());
 }
 
-/// The decode rewrite of the recorded plain requests with the recorded prefill ids is the
-/// token-in request real vLLM answered identically to the plain one.
+/// The decode rewrite of the recorded plain requests with the recorded prefill ids and handoff
+/// is the token-in request real vLLM answered (after pulling the KV) identically to the plain one.
 #[test]
 fn decode_rewrite_matches_the_recorded_token_in_requests() {
     let ids = extract_handoff(Api::Chat, fixture("chat_prefill").response.as_bytes()).unwrap().ids.unwrap();
     let plain = fixture("chat_plain");
-    let ours = decode_body(&RawObject::parse(&plain.request).unwrap(), None, Api::Chat, None, Some(&ids)).to_bytes();
+    let kv = recorded_handoff("chat_decode_ids");
+    let ours =
+        decode_body(&RawObject::parse(&plain.request).unwrap(), None, Api::Chat, Some(&kv), Some(&ids)).to_bytes();
     assert_eq!(json(std::str::from_utf8(&ours).unwrap()), json(&fixture("chat_decode_ids").request));
 
     let ids =
@@ -95,8 +112,9 @@ fn decode_rewrite_matches_the_recorded_token_in_requests() {
     plain_cmpl.as_object_mut().unwrap().remove("stream");
     plain_cmpl.as_object_mut().unwrap().remove("stream_options");
     let plain_text = serde_json::to_string(&plain_cmpl).unwrap();
+    let kv = recorded_handoff("completions_decode_ids");
     let ours =
-        decode_body(&RawObject::parse(&plain_text).unwrap(), None, Api::Completions, None, Some(&ids)).to_bytes();
+        decode_body(&RawObject::parse(&plain_text).unwrap(), None, Api::Completions, Some(&kv), Some(&ids)).to_bytes();
     assert_eq!(json(std::str::from_utf8(&ours).unwrap()), json(&fixture("completions_decode_ids").request));
 
     // And on the real engine the answers were the same: text, ids, usage.
@@ -203,7 +221,11 @@ fn hiding_ids_restores_the_plain_shape() {
     let hidden = json(hidden_text);
     assert!(hidden["prompt_token_ids"].is_null());
     assert!(hidden["choices"][0]["token_ids"].is_null());
-    assert_eq!(shape(hidden_text), shape(&fixture("chat_plain").response));
+    // the prefill's answer also names its KV blocks, where the plain answer has null
+    let kv = extract_handoff(Api::Chat, with_ids.as_bytes()).unwrap().kv_transfer_params.unwrap();
+    let plain = fixture("chat_plain").response;
+    assert!(kv.starts_with('{') && plain.contains("\"kv_transfer_params\":null"), "{kv}");
+    assert_eq!(shape(hidden_text), shape(&plain).replace("kv_transfer_params:null", &format!("kv_transfer_params:{}", shape(&kv))));
     let first_chunk = fixture("chat_stream_return_ids")
         .response
         .split("\n\n")
@@ -260,7 +282,8 @@ fn stream_shapes(body: &str) -> Vec<String> {
 /// same order, same JSON types, same statuses, SSE event by event.
 #[tokio::test(flavor = "multi_thread")]
 async fn fake_engine_matches_the_recordings() {
-    let fake = FakeVllm::start(FakeConfig::default()).await;
+    // like the recorded pair: a KV connector, answers split by the qwen3 reasoning parser
+    let fake = FakeVllm::start(FakeConfig { connector: true, ..FakeConfig::default() }).await;
     let names = [
         "chat_plain",
         "chat_plain_stream",
@@ -270,6 +293,7 @@ async fn fake_engine_matches_the_recordings() {
         "chat_stream_return_ids",
         "chat_multiturn_prefill",
         "chat_thinking_off_prefill",
+        "chat_prefill_nixl",
         "completions_prefill",
         "completions_decode_ids",
         "completions_decode_ids_stream",
@@ -308,7 +332,7 @@ fn real_nixl_kv_params_are_spliced_verbatim() {
     let prefill = fixture("chat_prefill_nixl");
     let h = extract_handoff(Api::Chat, prefill.response.as_bytes()).unwrap();
     let kv = h.kv_transfer_params.clone().unwrap();
-    assert!(kv.contains("\"remote_request_id\":\"chatcmpl-"));
+    assert!(kv.contains("\"remote_request_id\":\"chatcmpl-fixture-rid-0001-"), "vLLM names it after X-Request-Id: {kv}");
     let ids = h.ids.unwrap();
     let plain = fixture("chat_plain");
     let body =
@@ -316,7 +340,7 @@ fn real_nixl_kv_params_are_spliced_verbatim() {
     let text = String::from_utf8(body.to_vec()).unwrap();
     let expected = format!("\"kv_transfer_params\":{},\"prompt_token_ids\":{IDS}}}", kv.trim_end_matches('}'));
     assert!(text.contains(&expected), "{text}");
-    assert!(text.contains("\"remote_port\":5600,\"tp_size\":1"), "integers stay integers");
+    assert!(text.contains("\"remote_port\":19100,\"tp_size\":1"), "integers stay integers");
 }
 
 /// vLLM 0.32's Responses prefill (`enable_response_messages`) hands over the 20 ids it
@@ -336,8 +360,9 @@ fn recorded_responses_and_messages_prefills() {
     let plain = fixture("responses_plain");
     let ids = extract_handoff(Api::Responses, fixture("responses_prefill").response.as_bytes()).unwrap().ids.unwrap();
     let obj = RawObject::parse(&plain.request).unwrap();
+    let kv = recorded_handoff("responses_decode_ids");
     let ours =
-        json(std::str::from_utf8(&decode_body(&obj, None, Api::Responses, None, Some(&ids)).to_bytes()).unwrap());
+        json(std::str::from_utf8(&decode_body(&obj, None, Api::Responses, Some(&kv), Some(&ids)).to_bytes()).unwrap());
     assert_eq!(ours, json(&fixture("responses_decode_ids").request));
 }
 

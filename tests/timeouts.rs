@@ -305,52 +305,112 @@ async fn posts_reach(engine: &FakeVllm, n: usize) -> Vec<support::fake_vllm::Rec
     engine.posts()
 }
 
-/// Point 5: the client leaves after a prefill that returned `kv_transfer_params`, while the
-/// decode has not answered: tokenonce still sends the decode for one token, not streamed,
-/// with the prefill's kv params (so the decode pulls the KV blocks and the prefill frees
-/// them), reads and discards the answer, and counts it as `released`.
+/// A decode endpoint that does not take connections for its first second: its accept queue
+/// (backlog 0) is held full, so a connect to it hangs (the kernel drops the SYN) until the
+/// door opens; then every connection, those that retried meanwhile too, is piped to `engine`.
+/// A decode leg sent to it while closed is provably never delivered.
+async fn slow_door(engine: &FakeVllm) -> String {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(0).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let filler = TcpStream::connect(addr).await.unwrap();
+    let target = engine.host_port();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        drop(filler);
+        // Bounded: the test is over well within a minute.
+        let until = Instant::now() + Duration::from_secs(60);
+        while let Ok(Ok((mut inbound, _))) =
+            tokio::time::timeout(until.saturating_duration_since(Instant::now()), listener.accept()).await
+        {
+            let target = target.clone();
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = TcpStream::connect(target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    addr.to_string()
+}
+
+/// tokenonce between a prefill fake with a KV connector and `decode_addr`.
+async fn pd_via(decode_addr: &str, route_extra: &str) -> (FakeVllm, TokenOnce) {
+    let p = FakeVllm::start(FakeConfig { connector: true, ..FakeConfig::default() }).await;
+    let config = format!(
+        "[pools.prefill]\nendpoints = [\"{}\"]\n\n[pools.decode]\nendpoints = [\"{decode_addr}\"]\nvllm_version = \"0.32.0\"\n\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n{route_extra}\n[routes.match]\npaths = [\"/v1/chat/completions\"]\n",
+        p.host_port()
+    );
+    (p, TokenOnce::start(&config).await)
+}
+
+/// Point 5: the client leaves after a prefill that returned `kv_transfer_params`, before the
+/// decode leg reached the engine (its connect hangs): the decode never had the request, so
+/// tokenonce sends it for one token, not streamed, with the prefill's kv params (the decode
+/// pulls the KV blocks and the prefill frees them), reads and discards the answer, and counts
+/// it as `released`.
 #[tokio::test(flavor = "multi_thread")]
-async fn client_gone_before_the_decode_answered_releases_the_kv_blocks() {
-    let prefill = FakeConfig { connector: true, ..FakeConfig::default() };
-    let decode = FakeConfig { delay: Duration::from_secs(1), ..FakeConfig::default() };
-    let (p, d, proxy) = pd_setup(prefill, decode, "").await;
+async fn client_gone_before_the_decode_got_its_request_releases_the_kv_blocks() {
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let (p, proxy) = pd_via(&slow_door(&d).await, "").await;
     let body = chat_body(
         "leave early",
         json!({"stream": true, "stream_options": {"include_usage": true}, "max_completion_tokens": 9, "min_tokens": 2}),
     );
     post_and_leave(&format!("{}/v1/chat/completions", proxy.url), &body).await;
-    let posts = posts_reach(&d, 2).await;
-    assert_eq!(posts.len(), 2, "the decode, then its release");
-    let (decode_leg, release) = (posts[0].json(), posts[1].json());
+    let posts = posts_reach(&d, 1).await;
+    assert_eq!(posts.len(), 1, "the release alone: the decode leg never got through");
+    let release = posts[0].json();
     assert_eq!(release["max_tokens"], 1);
     assert_eq!(release["max_completion_tokens"], 1);
     assert_eq!(release["stream"], false);
     assert!(release.get("stream_options").is_none() && release.get("min_tokens").is_none(), "{release}");
     let prefill_kv = p.posts()[0].json();
     assert_eq!(prefill_kv["kv_transfer_params"]["do_remote_decode"], true);
-    assert_eq!(release["kv_transfer_params"], decode_leg["kv_transfer_params"], "the same handoff");
-    assert_eq!(release["kv_transfer_params"]["remote_engine_id"], "fake-engine");
+    assert_eq!(release["kv_transfer_params"]["remote_engine_id"], "fake-engine", "the prefill's handoff");
     assert!(release["kv_transfer_params"]["prompt_token_ids"].is_array(), "token-in, like the decode");
-    assert_eq!(release["messages"], decode_leg["messages"]);
+    assert_eq!(release["messages"], body["messages"]);
     let released = r#"tokenonce_kv_releases_total{result="released",route="pd"}"#;
     assert_eq!(proxy.metric_reaches(released, 1.0).await, 1.0);
-    assert_eq!(d.posts().len(), 2, "one release, no more");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(d.posts().len(), 1, "one release, no more");
 }
 
-/// With `on_client_gone = "abandon"` nothing is sent after the decode the client left;
-/// counted as `abandoned`.
+/// With `on_client_gone = "abandon"` nothing is sent in the same case; counted as `abandoned`.
 #[tokio::test(flavor = "multi_thread")]
 async fn client_gone_with_abandon_sends_no_release() {
-    let prefill = FakeConfig { connector: true, ..FakeConfig::default() };
-    let decode = FakeConfig { delay: Duration::from_secs(1), ..FakeConfig::default() };
-    let (_p, d, proxy) = pd_setup(prefill, decode, "on_client_gone = \"abandon\"\n").await;
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let (_p, proxy) = pd_via(&slow_door(&d).await, "on_client_gone = \"abandon\"\n").await;
     post_and_leave(&format!("{}/v1/chat/completions", proxy.url), &chat_body("leave", json!({"stream": true}))).await;
     let abandoned = r#"tokenonce_kv_releases_total{result="abandoned",route="pd"}"#;
     assert_eq!(proxy.metric_reaches(abandoned, 1.0).await, 1.0);
-    // Past the decode's delay: a release would have arrived by now.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    assert_eq!(d.posts().len(), 1, "the decode the client left, nothing after it");
+    // Past the door's opening: a release would have arrived by now.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(d.posts().len(), 0, "nothing reached the decode");
     assert_eq!(proxy.metric(r#"tokenonce_kv_releases_total{result="released",route="pd"}"#).await, 0.0);
+}
+
+/// The client leaves after the decode got its request whole, before it answered (here it
+/// takes 1 s): the decode owns the blocks (it pulls them, or frees them on the prefill when
+/// aborted first), and a second decode with the same handoff would read them again after the
+/// prefill freed them. No release, under either policy; counted as `left_to_decode`.
+#[tokio::test(flavor = "multi_thread")]
+async fn client_gone_after_the_decode_got_its_request_sends_no_release() {
+    for policy in ["", "on_client_gone = \"abandon\"\n"] {
+        let prefill = FakeConfig { connector: true, ..FakeConfig::default() };
+        let decode = FakeConfig { delay: Duration::from_secs(1), ..FakeConfig::default() };
+        let (_p, d, proxy) = pd_setup(prefill, decode, policy).await;
+        post_and_leave(&format!("{}/v1/chat/completions", proxy.url), &chat_body("leave", json!({"stream": false}))).await;
+        let left = r#"tokenonce_kv_releases_total{result="left_to_decode",route="pd"}"#;
+        assert_eq!(proxy.metric_reaches(left, 1.0).await, 1.0, "{policy}");
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(d.posts().len(), 1, "the decode the client left, nothing after it ({policy})");
+        for result in ["released", "abandoned"] {
+            let series = format!("tokenonce_kv_releases_total{{result=\"{result}\",route=\"pd\"}}");
+            assert_eq!(proxy.metric(&series).await, 0.0, "{policy} {result}");
+        }
+    }
 }
 
 /// A decode that already streams has pulled the KV blocks: a client leaving then gets no

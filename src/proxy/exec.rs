@@ -27,7 +27,7 @@ use crate::plan::{DecodeStep, DecodeVersion, Orchestration, Reuse};
 use crate::routes::Route;
 use crate::upstream::client::CREDENTIAL_HEADERS;
 use crate::upstream::health::learn_version;
-use crate::upstream::{Endpoint, Exchange, Picked, Pool, UpstreamClient};
+use crate::upstream::{Delivery, Endpoint, Exchange, Picked, Pool, UpstreamClient};
 use crate::App;
 
 /// Largest prefill response accepted (a 128k-token prompt echoed is about 1 MB).
@@ -106,14 +106,16 @@ async fn within<F: Future>(limit: Option<Duration>, work: F) -> Result<F::Output
 ///
 /// The outcome feeds the endpoint's passive ejection: no answer or a 5xx head is a failure,
 /// any other head a success (a timeout drops this future and counts as neither).
+/// `delivery` is marked once the request is written whole (see [`decode`]).
 async fn exchange(
     ctx: &Ctx,
     req: &Incoming<'_>,
     leg: Leg,
     endpoint: &Picked,
     body: Pieces,
+    delivery: &Delivery,
 ) -> Result<Exchange, ProxyError> {
-    let result = exchange_once(ctx, req, leg, endpoint, body).await;
+    let result = exchange_once(ctx, req, leg, endpoint, body, delivery).await;
     let failed = match &result {
         Ok(exchange) => exchange.status() >= 500,
         Err(e) => matches!(e, ProxyError::Upstream { .. }),
@@ -136,6 +138,7 @@ async fn exchange_once(
     leg: Leg,
     endpoint: &Picked,
     body: Pieces,
+    delivery: &Delivery,
 ) -> Result<Exchange, ProxyError> {
     let mut head = req.head(endpoint.addr(), &ctx.request_id, body.len())?;
     for (name, value) in ctx.trace.headers_for(leg) {
@@ -143,7 +146,7 @@ async fn exchange_once(
     }
     let (app, route) = (&ctx.app, &ctx.route);
     route.retry_budget.sent();
-    let failure = match app.client.send(endpoint.endpoint().target(), &head, body.parts()).await {
+    let failure = match app.client.send(endpoint.endpoint().target(), &head, body.parts(), delivery).await {
         Ok(exchange) => return Ok(exchange),
         Err(failure) => failure,
     };
@@ -159,7 +162,7 @@ async fn exchange_once(
     app.metrics.upstream_retry(leg);
     tracing::debug!(request_id = %ctx.request_id, error = %failure.error, "leg re-sent: the engine never got it");
     app.client
-        .resend(endpoint.endpoint().target(), &head, body.parts())
+        .resend(endpoint.endpoint().target(), &head, body.parts(), delivery)
         .await
         .map_err(|f| ProxyError::upstream(leg, f.error))
 }
@@ -173,9 +176,10 @@ async fn send(
     endpoint: &Picked,
     body: Pieces,
     first_byte_timeout: Option<Duration>,
+    delivery: &Delivery,
 ) -> Result<Exchange, ProxyError> {
     tokio::select! {
-        r = within(first_byte_timeout, exchange(ctx, req, leg, endpoint, body)) => {
+        r = within(first_byte_timeout, exchange(ctx, req, leg, endpoint, body, delivery)) => {
             r.unwrap_or_else(|after| Err(ProxyError::Timeout { leg, after }))
         }
         _ = client_gone(session) => Err(ProxyError::ClientGone),
@@ -268,7 +272,7 @@ async fn prefill_attempts(
 
 /// One prefill attempt on `endpoint`: send, then read the whole answer. A 5xx is counted here.
 async fn prefill_once(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, body: Pieces) -> PrefillTry {
-    let exchange = match exchange(ctx, req, Leg::Prefill, endpoint, body).await {
+    let exchange = match exchange(ctx, req, Leg::Prefill, endpoint, body, &Delivery::default()).await {
         Ok(exchange) => exchange,
         Err(e) => return PrefillTry::NoAnswer(e),
     };
@@ -346,7 +350,8 @@ pub async fn decode(
     ctx.decode_sent_at = Some(started);
     let timeout = Some(route.decode_first_byte_timeout);
     ctx.trace.leg_started(Leg::Decode);
-    let result = match send(session, ctx, req, Leg::Decode, endpoint, step.body.clone(), timeout).await {
+    let delivery = Delivery::default();
+    let result = match send(session, ctx, req, Leg::Decode, endpoint, step.body.clone(), timeout, &delivery).await {
         Ok(exchange) => {
             ctx.trace.first_byte();
             ctx.decode_first_byte_ms = Some(ms_since(started));
@@ -356,22 +361,39 @@ pub async fn decode(
         Err(e) => Err(e),
     };
     ctx.trace.leg_done(Leg::Decode);
-    // Gone before the decode answered a byte: it may not have pulled the prefill's KV blocks.
     if matches!(result, Err(ProxyError::ClientGone)) && !ctx.answer_started {
-        release(ctx, req, endpoint, &step).await;
+        after_client_gone(ctx, req, endpoint, &step, &delivery).await;
     }
     result
+}
+
+/// The client left before the decode answered a body byte, while the prefill may hold KV
+/// blocks for it. A decode engine that got the request whole owns those blocks: vLLM pulls
+/// them when it schedules the request, and one aborted before that tells the prefill to free
+/// them (NixlConnector, vLLM 0.32). A second decode with the same `kv_transfer_params` would
+/// read them again after the prefill freed them (on real engines the prefill logs "Potentially
+/// invalid KV blocks ... retrieved"), so a release goes only where the decode provably never
+/// had the request (gone before it was written whole); the rest count `left_to_decode`.
+async fn after_client_gone(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, step: &DecodeStep, delivery: &Delivery) {
+    if !step.holds_kv {
+        return;
+    }
+    if delivery.delivered() {
+        ctx.route.metrics.kv_release(Release::LeftToDecode);
+        tracing::info!(request_id = %ctx.request_id, route = %ctx.route.name, "client gone after the decode got its request: the decode frees or pulls the KV blocks, no release");
+        return;
+    }
+    release(ctx, req, endpoint, step).await;
 }
 
 /// Largest answer read (and discarded) from a release leg.
 const RELEASE_ANSWER_LIMIT: usize = 1024 * 1024;
 
-/// The client left after a prefill that may hold KV blocks for this decode, before the decode
-/// answered a byte of its body (once it streams, it has pulled them). Under the route's
-/// `on_client_gone`: `release` sends the decode again for one token, not streamed (the first
-/// was closed with the client, and vLLM may have aborted it before pulling), reads and
-/// discards the answer within `release_timeout_ms`, so the decode pulls the blocks and the
-/// prefill frees them now; `abandon` sends nothing. Counted in `kv_releases_total`.
+/// The client left after a prefill that holds KV blocks for this decode, before the decode
+/// leg reached the engine whole. Under the route's `on_client_gone`: `release` sends the
+/// decode for one token, not streamed, reads and discards the answer within
+/// `release_timeout_ms`, so the decode pulls the blocks and the prefill frees them now;
+/// `abandon` sends nothing (they wait for the prefill's lease). Counted in `kv_releases_total`.
 async fn release(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, step: &DecodeStep) {
     let Some(body) = step.release_body() else { return };
     let route = &ctx.route;
@@ -382,7 +404,7 @@ async fn release(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, step: &Decode
     }
     let span = ctx.trace.release();
     let work = async {
-        let exchange = exchange(ctx, req, Leg::Decode, endpoint, body.into()).await?;
+        let exchange = exchange(ctx, req, Leg::Decode, endpoint, body.into(), &Delivery::default()).await?;
         let ok = (200..300).contains(&exchange.status());
         ctx.app
             .client
@@ -426,7 +448,7 @@ pub async fn forward(
         Leg::Decode | Leg::Passthrough => ctx.route.decode_first_byte_timeout,
     };
     ctx.trace.leg_started(leg);
-    let exchange = send(session, ctx, req, leg, &endpoint, body, Some(first_byte)).await?;
+    let exchange = send(session, ctx, req, leg, &endpoint, body, Some(first_byte), &Delivery::default()).await?;
     ctx.trace.first_byte();
     let relayed = relay(session, ctx, exchange, None, leg).await;
     ctx.trace.leg_done(leg);

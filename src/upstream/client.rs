@@ -5,6 +5,7 @@
 //! re-send; only the idempotent `get` retries here).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -279,6 +280,23 @@ pub struct UpstreamClient {
     resolver: Resolver,
 }
 
+/// Whether a leg's request left this process whole. Set by the send as soon as the last byte
+/// is written, so a caller that stops waiting (the client left) still knows whether the
+/// engine may have the request: before, it provably has not.
+#[derive(Debug, Default)]
+pub struct Delivery(AtomicBool);
+
+impl Delivery {
+    fn mark(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    /// True once the request was written whole (the engine may act on it).
+    pub fn delivered(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
 impl UpstreamClient {
     /// A client with its own connection pool.
     pub fn new(connect_timeout: Duration, idle_timeout: Duration) -> Self {
@@ -367,6 +385,7 @@ impl UpstreamClient {
         head: &[u8],
         body: &[Bytes],
         fresh: bool,
+        delivery: &Delivery,
     ) -> Result<(Conn, Answer), SendFailure> {
         let addr = peer.to_string();
         let mut conn = self
@@ -376,6 +395,7 @@ impl UpstreamClient {
         conn.write_request(head, body)
             .await
             .map_err(|e| SendFailure { error: UpstreamError::wire(&addr, &e), unstarted: true })?;
+        delivery.mark();
         let answer = conn
             .read_head()
             .await
@@ -386,18 +406,32 @@ impl UpstreamClient {
     /// Sends `head` + `body` (its parts written in order, one vectored write) to `to` once
     /// and reads the response header.
     ///
+    /// `delivery` is marked once the request is written whole.
+    ///
     /// # Errors
     /// [`SendFailure`]: the error, and whether the engine provably never got the request.
-    pub async fn send(&self, to: Target<'_>, head: &RequestHeader, body: &[Bytes]) -> Result<Exchange, SendFailure> {
-        self.send_via(to, head, body, false).await
+    pub async fn send(
+        &self,
+        to: Target<'_>,
+        head: &RequestHeader,
+        body: &[Bytes],
+        delivery: &Delivery,
+    ) -> Result<Exchange, SendFailure> {
+        self.send_via(to, head, body, false, delivery).await
     }
 
     /// [`Self::send`] on a newly dialled connection (never a pooled one), for a re-send.
     ///
     /// # Errors
     /// As [`Self::send`].
-    pub async fn resend(&self, to: Target<'_>, head: &RequestHeader, body: &[Bytes]) -> Result<Exchange, SendFailure> {
-        self.send_via(to, head, body, true).await
+    pub async fn resend(
+        &self,
+        to: Target<'_>,
+        head: &RequestHeader,
+        body: &[Bytes],
+        delivery: &Delivery,
+    ) -> Result<Exchange, SendFailure> {
+        self.send_via(to, head, body, true, delivery).await
     }
 
     async fn send_via(
@@ -406,13 +440,14 @@ impl UpstreamClient {
         head: &RequestHeader,
         body: &[Bytes],
         fresh: bool,
+        delivery: &Delivery,
     ) -> Result<Exchange, SendFailure> {
         let wire = encode_head(head).map_err(|detail| SendFailure {
             error: UpstreamError::Io { addr: to.addr.to_owned(), cause: "bad request head", detail: detail.to_owned() },
             unstarted: true,
         })?;
         let peer = self.peer(to).await.map_err(|error| SendFailure { error, unstarted: true })?;
-        let (conn, answer) = self.attempt(&peer, &wire, body, fresh).await.inspect_err(|f| {
+        let (conn, answer) = self.attempt(&peer, &wire, body, fresh, delivery).await.inspect_err(|f| {
             // The name may point somewhere else now: the next leg looks it up again.
             if matches!(f.error, UpstreamError::Connect { .. }) {
                 self.resolver.forget(to.addr);
@@ -460,12 +495,13 @@ impl UpstreamClient {
             let head = Self::request_head("GET", path, addr, &HeaderMap::new(), &[], "tokenonce-health", 0)?;
             // A GET is idempotent: one more try on any failure (a stale pooled connection
             // must not mark an endpoint unhealthy).
-            let exchange = match self.send(to, &head, &[]).await {
+            let delivery = Delivery::default();
+            let exchange = match self.send(to, &head, &[], &delivery).await {
                 Ok(exchange) => exchange,
                 Err(SendFailure {
                     error: error @ (UpstreamError::Connect { .. } | UpstreamError::Tls { .. }), ..
                 }) => return Err(error),
-                Err(_) => self.resend(to, &head, &[]).await.map_err(|f| f.error)?,
+                Err(_) => self.resend(to, &head, &[], &delivery).await.map_err(|f| f.error)?,
             };
             let status = exchange.status();
             let body = self.read_to_end(exchange, 1 << 20).await?;

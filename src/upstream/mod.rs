@@ -10,5 +10,5 @@ pub mod pool;
 pub mod resolve;
 
 pub use budget::RetryBudget;
-pub use client::{Exchange, SendFailure, UpstreamClient, UpstreamError};
+pub use client::{Delivery, Exchange, SendFailure, UpstreamClient, UpstreamError};
 pub use pool::{Endpoint, ModelIdentity, Picked, Pool};

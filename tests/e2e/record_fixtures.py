@@ -2,8 +2,8 @@
 """Record real vLLM request/response exchanges as JSON fixtures for tokenonce's Rust tests.
 
 Sends a fixed list of requests to a vLLM OpenAI-compatible server (started with
-tests/e2e/vllm/start.sh: model "tiny-qwen3", random weights, real Qwen3 tokenizer) and
-writes one file per exchange, OUT/<name>.json, with this envelope (keys in this order):
+tests/e2e/vllm/start.sh: model "tiny-qwen3", seeded weights, real Qwen3 tokenizer, NixlConnector)
+and writes one file per exchange, OUT/<name>.json, with this envelope (keys in this order):
 
     {"name", "vllm_version", "method", "path", "request_headers", "request_body",
      "status", "response_headers", "response_body"}
@@ -16,9 +16,15 @@ Usage:
         [--only apis]   (only the /v1/responses and /v1/messages group, names responses_*, messages_*)
 
 With --port2, every decode leg (the names containing "decode") is sent to the second
-server, as a P/D sidecar would; everything else goes to --port. Prints one line per
-fixture (name, status, bytes, milliseconds), then the result of a few consistency checks;
-exits 1 if a check fails (the fixtures are written anyway).
+server, as a P/D sidecar would; everything else goes to --port. A token-in decode leg carries
+a real handoff: the `kv_transfer_params` of a prefill of the same prompt sent just before it
+(not recorded; a handoff is pulled once) with the ids added, so the decode pulls the prompt's
+KV over NIXL as it does behind tokenonce. Prints one line per fixture (name, status, bytes,
+milliseconds), then the result of a few consistency checks; exits 1 if a check fails (the
+fixtures are written anyway).
+
+The tier's pair records them: `E2E_TRACING=0 bash tests/e2e/stack.sh up`, then
+`python3 tests/e2e/record_fixtures.py --port 18100 --port2 18200 --out tests/fixtures/vllm`.
 """
 
 import argparse
@@ -112,10 +118,10 @@ def prefill(body):
             "return_token_ids": True, "kv_transfer_params": dict(PREFILL_KV)}
 
 
-def decode_chat(ids, **fields):
-    """The chat decode leg in token-in form."""
+def decode_chat(ids, kv=None, **fields):
+    """The chat decode leg in token-in form, with the prefill's handoff `kv` when given."""
     return chat(max_tokens=5, temperature=0, **fields,
-                kv_transfer_params={"prompt_token_ids": ids})
+                kv_transfer_params={**(kv or {}), "prompt_token_ids": ids})
 
 
 def responses(**fields):
@@ -142,28 +148,33 @@ def record_apis(r):
     RESP, MSG = "/v1/responses", "/v1/messages"
     r.record("responses_prefill", RESP, responses_prefill(responses()))
     ids = r.json_body("responses_prefill")["input_messages"][0]["tokens"]
+    kv = lambda: r.handoff(RESP, responses_prefill(responses()))  # noqa: E731 (a fresh one per decode)
+    mkv = lambda: r.handoff(MSG, {**messages(), "max_tokens": 1, "temperature": 0, "stream": False,  # noqa: E731
+                                  "kv_transfer_params": dict(PREFILL_KV)})
     r.record("responses_prefill_return_token_ids", RESP,
              {**responses(), "max_output_tokens": 1, "temperature": 0, "stream": False, "store": False,
               "return_token_ids": True, "kv_transfer_params": dict(PREFILL_KV)})
     r.record("responses_plain", RESP, responses(max_output_tokens=5, temperature=0))
     r.record("responses_plain_stream", RESP, responses(max_output_tokens=5, temperature=0, stream=True))
     r.record("responses_decode_ids", RESP,
-             responses(max_output_tokens=5, temperature=0, kv_transfer_params={"prompt_token_ids": ids}), which=D)
+             responses(max_output_tokens=5, temperature=0, kv_transfer_params={**kv(), "prompt_token_ids": ids}),
+             which=D)
     r.record("responses_decode_ids_stream", RESP,
              responses(max_output_tokens=5, temperature=0, stream=True,
-                       kv_transfer_params={"prompt_token_ids": ids}), which=D)
+                       kv_transfer_params={**kv(), "prompt_token_ids": ids}), which=D)
     r.record("responses_decode_short_ids", RESP,
-             responses(max_output_tokens=5, temperature=0, kv_transfer_params={"prompt_token_ids": ids[:10]}),
-             which=D)
+             responses(max_output_tokens=5, temperature=0,
+                       kv_transfer_params={**kv(), "prompt_token_ids": ids[:10]}), which=D)
     r.record("messages_prefill", MSG,
              {**messages(), "max_tokens": 1, "temperature": 0, "stream": False, "return_token_ids": True,
               "kv_transfer_params": dict(PREFILL_KV)})
     r.record("messages_plain", MSG, messages(max_tokens=5, temperature=0))
     r.record("messages_plain_stream", MSG, messages(max_tokens=5, temperature=0, stream=True))
     r.record("messages_decode_ids", MSG,
-             messages(max_tokens=5, temperature=0, kv_transfer_params={"prompt_token_ids": ids}), which=D)
+             messages(max_tokens=5, temperature=0, kv_transfer_params={**mkv(), "prompt_token_ids": ids}), which=D)
     r.record("messages_decode_short_ids", MSG,
-             messages(max_tokens=5, temperature=0, kv_transfer_params={"prompt_token_ids": ids[:10]}), which=D)
+             messages(max_tokens=5, temperature=0, kv_transfer_params={**mkv(), "prompt_token_ids": ids[:10]}),
+             which=D)
     return ids
 
 
@@ -209,10 +220,11 @@ class Recorder:
             self.versions[which] = json.loads(body)["version"]
         return self.versions[which]
 
-    def send(self, which, method, path, body):
+    def send(self, which, method, path, body, extra_headers=None):
         conn = http.client.HTTPConnection(HOST, self.ports[which], timeout=TIMEOUT_S)
         try:
             headers = {} if body is None else {"Content-Type": "application/json"}
+            headers.update(extra_headers or {})
             conn.request(method, path, body=body, headers=headers)
             resp = conn.getresponse()
             raw = resp.read()  # de-chunked, otherwise untouched (no Accept-Encoding sent)
@@ -220,14 +232,15 @@ class Recorder:
         finally:
             conn.close()
 
-    def record(self, name, path, body, method="POST", which=1):
-        """body: a dict (sent as compact JSON), a str (sent as is), or None (GET)."""
+    def record(self, name, path, body, method="POST", which=1, headers=None):
+        """body: a dict (sent as compact JSON), a str (sent as is), or None (GET); `headers`
+        are sent and recorded too."""
         if isinstance(body, dict):
             body = dumps(body)
         body_bytes = None if body is None else body.encode("utf-8")
         version = self.version(which)
         t0 = time.monotonic()
-        status, ctype, raw = self.send(which, method, path, body_bytes)
+        status, ctype, raw = self.send(which, method, path, body_bytes, headers)
         ms = (time.monotonic() - t0) * 1000.0
         text = raw.decode("utf-8")  # strict: fixtures must hold the exact bytes
         fixture = {
@@ -235,7 +248,8 @@ class Recorder:
             "vllm_version": version,
             "method": method,
             "path": path,
-            "request_headers": {} if body is None else {"content-type": "application/json"},
+            "request_headers": {**({} if body is None else {"content-type": "application/json"}),
+                                **{k.lower(): v for k, v in (headers or {}).items()}},
             "request_body": "" if body is None else body,
             "status": status,
             "response_headers": {} if ctype is None else {"content-type": ctype},
@@ -249,6 +263,13 @@ class Recorder:
         print(f"{name:36s} {status:3d} {len(raw):7d} bytes {ms:8.1f} ms  (port {self.ports[which]})",
               flush=True)
         return fixture
+
+    def handoff(self, path, prefill_body, headers=None):
+        """A prefill leg sent, not recorded: its `kv_transfer_params` (None without a connector)."""
+        status, _, raw = self.send(1, "POST", path, dumps(prefill_body).encode("utf-8"), headers)
+        if status != 200:
+            sys.exit(f"prefill for a handoff answered {status}: {raw[:300]!r}")
+        return json.loads(raw).get("kv_transfer_params") or {}
 
     def json_body(self, name):
         return json.loads(self.results[name]["response_body"])
@@ -268,8 +289,9 @@ def stream_text(body, kind):
     parts = []
     for ev in sse_events(body):
         for ch in ev.get("choices", []):
-            if kind == "chat":
-                parts.append(ch.get("delta", {}).get("content") or "")
+            if kind == "chat":  # the reasoning parser splits the output: both parts, in order
+                delta = ch.get("delta", {})
+                parts.append((delta.get("reasoning") or "") + (delta.get("content") or ""))
             else:
                 parts.append(ch.get("text") or "")
     return "".join(parts)
@@ -308,13 +330,19 @@ def main():
     r.record("completions_prefill", COMPL, prefill(completion("Hello there!")))
     compl_ids = r.json_body("completions_prefill")["choices"][0]["prompt_token_ids"]
 
-    # ---- decode legs, token-in
-    r.record("chat_decode_ids", CHAT, decode_chat(chat_ids), which=D)
-    r.record("chat_decode_ids_stream", CHAT, decode_chat(chat_ids, **STREAM_USAGE), which=D)
-    r.record("chat_decode_short_ids", CHAT, decode_chat(chat_ids[:10]), which=D)
-    r.record("completions_decode_ids", COMPL, completion(compl_ids, max_tokens=5, temperature=0), which=D)
+    # The handoff as the prefill names it after the client's X-Request-Id (remote_request_id).
+    r.record("chat_prefill_nixl", CHAT, prefill(chat()), headers={"X-Request-Id": "fixture-rid-0001"})
+
+    # ---- decode legs, token-in, each with the handoff of a prefill of its own
+    kv = lambda: r.handoff(CHAT, prefill(chat()))  # noqa: E731
+    ckv = lambda: r.handoff(COMPL, prefill(completion("Hello there!")))  # noqa: E731
+    r.record("chat_decode_ids", CHAT, decode_chat(chat_ids, kv()), which=D)
+    r.record("chat_decode_ids_stream", CHAT, decode_chat(chat_ids, kv(), **STREAM_USAGE), which=D)
+    r.record("chat_decode_short_ids", CHAT, decode_chat(chat_ids[:10], kv()), which=D)
+    r.record("completions_decode_ids", COMPL,
+             completion(compl_ids, max_tokens=5, temperature=0, kv_transfer_params=ckv()), which=D)
     r.record("completions_decode_ids_stream", COMPL,
-             completion(compl_ids, max_tokens=5, temperature=0, **STREAM_USAGE), which=D)
+             completion(compl_ids, max_tokens=5, temperature=0, kv_transfer_params=ckv(), **STREAM_USAGE), which=D)
 
     # ---- plain (no kv_transfer_params), for comparison
     r.record("chat_plain", CHAT, chat(max_tokens=5, temperature=0))
@@ -344,7 +372,8 @@ def main():
     r.record("err_stream_options_without_stream", CHAT,
              chat(max_tokens=5, temperature=0, stream_options={"include_usage": True}))
     r.record("err_min_tokens_gt_max", CHAT, chat(max_tokens=1, min_tokens=5, temperature=0))
-    r.record("err_tools_auto_without_parser", CHAT, prefill(chat(TOOLS_MESSAGES, tools=[WEATHER_TOOL])))
+    # err_tools_auto_without_parser (tool_choice "auto" on a server without --enable-auto-tool-choice)
+    # was recorded on such a server; the tier's servers have the parser, so it is not recorded here.
 
     # ---- GET endpoints
     r.record("get_version", "/version", None, method="GET")
@@ -354,14 +383,16 @@ def main():
     # ---- consistency checks
     plain = r.json_body("chat_plain")
     dec = r.json_body("chat_decode_ids")
-    plain_text = plain["choices"][0]["message"]["content"]
+    plain_message = plain["choices"][0]["message"]
+    plain_text = (plain_message.get("reasoning") or "") + (plain_message.get("content") or "")
     ids_stream = sse_events(r.results["chat_stream_return_ids"]["response_body"])
     plain_out_ids = [i for ev in ids_stream for ch in ev.get("choices", []) for i in (ch.get("token_ids") or [])]
     check("chat_prefill prompt ids", len(chat_ids) > 0, f"{len(chat_ids)} ids {chat_ids}")
     check("chat_stream_return_ids prompt ids == chat_prefill ids",
           ids_stream[0].get("prompt_token_ids") == chat_ids)
-    check("chat_decode_ids text == chat_plain text", dec["choices"][0]["message"]["content"] == plain_text,
-          repr(plain_text))
+    dec_message = dec["choices"][0]["message"]
+    check("chat_decode_ids text == chat_plain text",
+          (dec_message.get("reasoning") or "") + (dec_message.get("content") or "") == plain_text, repr(plain_text))
     check("chat_decode_ids usage == chat_plain usage",
           (dec["usage"]["prompt_tokens"], dec["usage"]["completion_tokens"])
           == (plain["usage"]["prompt_tokens"], plain["usage"]["completion_tokens"]),

@@ -14,6 +14,8 @@
 #                                   receiver)
 #   stack.sh restart-decode [ARGS]  restart the decode server with extra vLLM ARGS
 #                                   (e.g. --no-enable-prefix-caching); no ARGS = the default
+#   stack.sh kill-decode|kill-prefill  SIGKILL a server's whole process group (a crash)
+#   stack.sh restart-tokenonce      rebuild (unless E2E_BUILD=0) and restart tokenonce alone
 #   stack.sh status                 one line per component
 # Env:
 #   E2E_RUN_DIR   pid files and logs (default ${TMPDIR:-/tmp}/tokenonce-e2e)
@@ -36,6 +38,7 @@ RUN_DIR="${E2E_RUN_DIR:-${TMPDIR:-/tmp}/tokenonce-e2e}"
 PREFILL_PORT=18100
 DECODE_PORT=18200
 TAMPER_PORT=18101  # test_e2e.py starts it; pool `prefill-short` of tokenonce-e2e.toml
+DOOR_PORT=18201    # door.py (started here), pool `decode-door` (test_kv_paths_e2e.py)
 LISTEN_PORT=18000
 ADMIN_PORT=18900
 OTLP_PORT=18400  # otlp_receiver.py: the trace collector of vLLM and tokenonce
@@ -111,8 +114,20 @@ stop_receiver() {
   stop_pidfile "$RUN_DIR/otlp.pid" otlp_receiver 25
 }
 
+# door.py: pool `decode-door`'s endpoint, a pipe to the decode that test_kv_paths_e2e.py closes
+# (SIGUSR1) and opens (SIGUSR2); up from the start, as /readyz wants every decode pool healthy.
+start_door() {
+  setsid "$VENV/bin/python" "$HERE/door.py" "$DOOR_PORT" "$DECODE_PORT" </dev/null >"$RUN_DIR/door.log" 2>&1 &
+  echo $! >"$RUN_DIR/door.pid"
+}
+
+stop_door() {
+  stop_pidfile "$RUN_DIR/door.pid" door.py 25
+}
+
 down() {
   stop_tokenonce
+  stop_door
   stop_vllm "$PREFILL_PORT" & local a=$!
   stop_vllm "$DECODE_PORT" & local b=$!
   wait "$a" "$b" || true
@@ -155,10 +170,10 @@ start_tokenonce() {
 up() {
   # leftovers of an earlier run of this script (killed before its clean-up) are ours to stop
   if [ -f "$RUN_DIR/tokenonce.pid" ] || [ -f "$RUN_DIR/vllm-$PREFILL_PORT.pid" ] || [ -f "$RUN_DIR/vllm-$DECODE_PORT.pid" ] \
-     || [ -f "$RUN_DIR/otlp.pid" ]; then
+     || [ -f "$RUN_DIR/otlp.pid" ] || [ -f "$RUN_DIR/door.pid" ]; then
     say "stopping leftovers of an earlier run"; down
   fi
-  check_free "$PREFILL_PORT" "$DECODE_PORT" "$LISTEN_PORT" "$ADMIN_PORT" "$TAMPER_PORT" "$OTLP_PORT"
+  check_free "$PREFILL_PORT" "$DECODE_PORT" "$LISTEN_PORT" "$ADMIN_PORT" "$TAMPER_PORT" "$DOOR_PORT" "$OTLP_PORT"
   rm -f "$RUN_DIR"/*.log "$RUN_DIR"/*.out  # no stale logs from an earlier run
   local t0=$SECONDS
   [ "$TRACING" = 1 ] && start_receiver
@@ -176,6 +191,7 @@ up() {
   [ "$build_rc" = 0 ] || { tail -n 30 "$RUN_DIR/cargo-build.log" >&2; die "cargo build failed"; }
   [ "$rc_p" = 0 ] && [ "$rc_d" = 0 ] || die "a vLLM server did not start (logs in $RUN_DIR)"
   say "both vLLM servers up in $((SECONDS - t0)) s"
+  start_door
   start_tokenonce
 }
 
@@ -189,6 +205,14 @@ restart_decode() {
     [ $((SECONDS - t0)) -lt 30 ] || die "tokenonce not ready after the decode restart"
     sleep 0.2
   done
+}
+
+kill_vllm() {  # a crash: SIGKILL to the server's process group (start.sh runs it under setsid)
+  local pidfile="$RUN_DIR/vllm-$1.pid" pid
+  [ -f "$pidfile" ] || die "no $pidfile"
+  pid="$(cat "$pidfile")"
+  kill -KILL -- "-$pid" 2>/dev/null || true
+  rm -f "$pidfile"
 }
 
 status() {
@@ -206,6 +230,13 @@ case "${1:-}" in
   up) up ;;
   down) down ;;
   restart-decode) shift; restart_decode "$@" ;;
+  kill-decode) kill_vllm "$DECODE_PORT" ;;
+  restart-tokenonce)
+    stop_tokenonce
+    [ -f "$RUN_DIR/door.pid" ] || start_door
+    if [ "${E2E_BUILD:-1}" = 1 ]; then (cd "$ROOT" && cargo build --locked --bin tokenonce) >"$RUN_DIR/cargo-build.log" 2>&1 || die "cargo build failed"; fi
+    start_tokenonce ;;
+  kill-prefill) kill_vllm "$PREFILL_PORT" ;;
   status) status ;;
-  *) echo "usage: $0 up|down|restart-decode [vllm args]|status" >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|restart-decode [vllm args]|kill-decode|kill-prefill|restart-tokenonce|status" >&2; exit 2 ;;
 esac

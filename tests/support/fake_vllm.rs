@@ -503,7 +503,7 @@ fn completion(config: &FakeConfig, headers: &HeaderMap, raw: &[u8], chat: bool) 
     } else if let Some(raw) = &config.kv_params_raw {
         raw.clone()
     } else if config.connector {
-        format!("{{\"do_remote_prefill\":true,\"do_remote_decode\":false,\"remote_block_ids\":[[1,2,3]],\"remote_engine_id\":\"fake-engine\",\"remote_request_id\":\"{id}-abcd1234\",\"remote_host\":\"127.0.0.1\",\"remote_port\":5600,\"tp_size\":1,\"dcp_size\":1,\"pp_size\":1,\"remote_num_tokens\":{n_prompt},\"remote_blocks_expiry_time\":null,\"remote_registration_generation\":0,\"transfer_mode\":\"pull\",\"remote_prefill_cached_tokens\":0}}")
+        nixl_kv_params(&id, n_prompt)
     } else {
         "null".to_owned()
     };
@@ -512,11 +512,22 @@ fn completion(config: &FakeConfig, headers: &HeaderMap, raw: &[u8], chat: bool) 
     let total = n_prompt + out.len();
     let out_ids = if want_ids { ids_json(&out) } else { "null".into() };
     let fingerprint = format!("vllm-{}-91c5f304", config.version);
+    // vLLM's qwen3 reasoning parser (the tier's servers run it): with thinking on (the
+    // template's default) the whole output is reasoning, never closed by `</think>`.
+    let thinking = chat && body["chat_template_kwargs"]["enable_thinking"].as_bool() != Some(false);
+    let reasoning_details = match (chat, thinking) {
+        (false, _) => "null".to_owned(),
+        (true, true) => format!("{{\"reasoning_tokens\":{}}}", out.len()),
+        (true, false) => "{\"reasoning_tokens\":0}".to_owned(),
+    };
+    let delta_key = if thinking { "reasoning" } else { "content" };
     if !stream {
         let text_json = serde_json::to_string(&text).unwrap();
-        let usage = format!("{{\"prompt_tokens\":{n_prompt},\"total_tokens\":{total},\"completion_tokens\":{},\"prompt_tokens_details\":{details},\"completion_tokens_details\":null}}", out.len());
+        let (content_json, reasoning_json) =
+            if thinking { ("null".to_owned(), text_json.clone()) } else { (text_json.clone(), "null".to_owned()) };
+        let usage = format!("{{\"prompt_tokens\":{n_prompt},\"total_tokens\":{total},\"completion_tokens\":{},\"prompt_tokens_details\":{details},\"completion_tokens_details\":{reasoning_details}}}", out.len());
         return Ok(Reply::Json(if chat {
-            format!("{{\"id\":\"{id}\",\"object\":\"chat.completion\",\"created\":{created},\"model\":\"{model}\",\"choices\":[{{\"index\":0,\"message\":{{\"role\":\"assistant\",\"content\":{text_json},\"refusal\":null,\"annotations\":null,\"audio\":null,\"function_call\":null,\"reasoning\":null}},\"logprobs\":null,\"finish_reason\":\"length\",\"stop_reason\":null,\"token_ids\":{out_ids},\"routed_experts\":null}}],\"service_tier\":null,\"system_fingerprint\":\"{fingerprint}\",\"usage\":{usage},\"prompt_logprobs\":null,\"prompt_token_ids\":{prompt_json},\"prompt_text\":null,\"kv_transfer_params\":{kv},\"ec_transfer_params\":null,\"metrics\":null}}")
+            format!("{{\"id\":\"{id}\",\"object\":\"chat.completion\",\"created\":{created},\"model\":\"{model}\",\"choices\":[{{\"index\":0,\"message\":{{\"role\":\"assistant\",\"content\":{content_json},\"refusal\":null,\"annotations\":null,\"audio\":null,\"function_call\":null,\"reasoning\":{reasoning_json}}},\"logprobs\":null,\"finish_reason\":\"length\",\"stop_reason\":null,\"token_ids\":{out_ids},\"routed_experts\":null}}],\"service_tier\":null,\"system_fingerprint\":\"{fingerprint}\",\"usage\":{usage},\"prompt_logprobs\":null,\"prompt_token_ids\":{prompt_json},\"prompt_text\":null,\"kv_transfer_params\":{kv},\"ec_transfer_params\":null,\"metrics\":null}}")
         } else {
             format!("{{\"id\":\"{id}\",\"object\":\"text_completion\",\"created\":{created},\"model\":\"{model}\",\"choices\":[{{\"index\":0,\"text\":{text_json},\"logprobs\":null,\"finish_reason\":\"length\",\"stop_reason\":null,\"token_ids\":{out_ids},\"prompt_logprobs\":null,\"prompt_token_ids\":{prompt_json},\"routed_experts\":null}}],\"service_tier\":null,\"system_fingerprint\":\"{fingerprint}\",\"usage\":{usage},\"kv_transfer_params\":{kv},\"ec_transfer_params\":null,\"metrics\":null}}")
         }));
@@ -532,7 +543,7 @@ fn completion(config: &FakeConfig, headers: &HeaderMap, raw: &[u8], chat: bool) 
         let tid = if want_ids { format!(",\"token_ids\":[{t}]") } else { ",\"token_ids\":null".to_owned() };
         let finish = if i == last { "\"length\",\"stop_reason\":null" } else { "null" };
         if chat {
-            events.push(format!("data: {{\"id\":\"{id}\",\"object\":\"chat.completion.chunk\",\"created\":{created},\"model\":\"{model}\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":{tj}}},\"logprobs\":null,\"finish_reason\":{finish}{tid}}}]}}\n\n"));
+            events.push(format!("data: {{\"id\":\"{id}\",\"object\":\"chat.completion.chunk\",\"created\":{created},\"model\":\"{model}\",\"choices\":[{{\"index\":0,\"delta\":{{\"{delta_key}\":{tj}}},\"logprobs\":null,\"finish_reason\":{finish}{tid}}}]}}\n\n"));
         } else {
             let p = if i == 0 { prompt_json.clone() } else { "null".into() };
             let fin = if i == last { "\"length\"" } else { "null" };
@@ -544,7 +555,8 @@ fn completion(config: &FakeConfig, headers: &HeaderMap, raw: &[u8], chat: bool) 
         let det = config
             .cached_tokens
             .map_or(String::new(), |c| format!(",\"prompt_tokens_details\":{{\"cached_tokens\":{c}}}"));
-        events.push(format!("data: {{\"id\":\"{id}\",\"object\":\"{obj}\",\"created\":{created},\"model\":\"{model}\",\"choices\":[],\"usage\":{{\"prompt_tokens\":{n_prompt},\"total_tokens\":{total},\"completion_tokens\":{}{det}}},\"system_fingerprint\":\"{fingerprint}\"}}\n\n", out.len()));
+        let reasoning = if chat { format!(",\"completion_tokens_details\":{reasoning_details}") } else { String::new() };
+        events.push(format!("data: {{\"id\":\"{id}\",\"object\":\"{obj}\",\"created\":{created},\"model\":\"{model}\",\"choices\":[],\"usage\":{{\"prompt_tokens\":{n_prompt},\"total_tokens\":{total},\"completion_tokens\":{}{det}{reasoning}}},\"system_fingerprint\":\"{fingerprint}\"}}\n\n", out.len()));
     }
     events.push("data: [DONE]\n\n".to_owned());
     if let Some(n) = config.split_every {
@@ -560,4 +572,15 @@ fn completion(config: &FakeConfig, headers: &HeaderMap, raw: &[u8], chat: bool) 
         events = vec![String::from_utf8_lossy(&joined[..cut.min(joined.len())]).into_owned(), String::new()];
     }
     Ok(Reply::Sse(events))
+}
+
+/// A prefill's `kv_transfer_params` as vLLM 0.32's NixlConnector (CPU, pull) returns them
+/// (recorded: `chat_prefill_nixl`): one list of block ids per KV-cache group, one block per 128
+/// prompt tokens, and the request id suffixed the way vLLM suffixes it.
+pub fn nixl_kv_params(id: &str, n_prompt: usize) -> String {
+    let blocks: Vec<String> = (1..=n_prompt.div_ceil(128).max(1)).map(|b| b.to_string()).collect();
+    format!(
+        "{{\"do_remote_prefill\":true,\"do_remote_decode\":false,\"remote_block_ids\":[[{}]],\"remote_engine_id\":\"fake-engine\",\"remote_request_id\":\"{id}-abcd1234\",\"remote_host\":\"127.0.0.1\",\"remote_port\":5600,\"tp_size\":1,\"dcp_size\":1,\"pp_size\":1,\"remote_num_tokens\":{n_prompt},\"remote_blocks_expiry_time\":null,\"transfer_mode\":\"pull\",\"remote_prefill_cached_tokens\":0}}",
+        blocks.join(",")
+    )
 }

@@ -62,7 +62,7 @@ fn kv_json(config: &FakeConfig, body: &Value, id: &str, n_prompt: usize) -> Stri
         return raw.clone();
     }
     if config.connector {
-        return format!("{{\"do_remote_prefill\":true,\"do_remote_decode\":false,\"remote_block_ids\":[[1]],\"remote_engine_id\":\"fake-engine\",\"remote_request_id\":\"{id}\",\"remote_host\":\"127.0.0.1\",\"remote_port\":5600,\"remote_num_tokens\":{n_prompt}}}");
+        return super::nixl_kv_params(id, n_prompt);
     }
     "null".into()
 }
