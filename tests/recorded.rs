@@ -225,7 +225,10 @@ fn hiding_ids_restores_the_plain_shape() {
     let kv = extract_handoff(Api::Chat, with_ids.as_bytes()).unwrap().kv_transfer_params.unwrap();
     let plain = fixture("chat_plain").response;
     assert!(kv.starts_with('{') && plain.contains("\"kv_transfer_params\":null"), "{kv}");
-    assert_eq!(shape(hidden_text), shape(&plain).replace("kv_transfer_params:null", &format!("kv_transfer_params:{}", shape(&kv))));
+    assert_eq!(
+        shape(hidden_text),
+        shape(&plain).replace("kv_transfer_params:null", &format!("kv_transfer_params:{}", shape(&kv)))
+    );
     let first_chunk = fixture("chat_stream_return_ids")
         .response
         .split("\n\n")
@@ -332,7 +335,10 @@ fn real_nixl_kv_params_are_spliced_verbatim() {
     let prefill = fixture("chat_prefill_nixl");
     let h = extract_handoff(Api::Chat, prefill.response.as_bytes()).unwrap();
     let kv = h.kv_transfer_params.clone().unwrap();
-    assert!(kv.contains("\"remote_request_id\":\"chatcmpl-fixture-rid-0001-"), "vLLM names it after X-Request-Id: {kv}");
+    assert!(
+        kv.contains("\"remote_request_id\":\"chatcmpl-fixture-rid-0001-"),
+        "vLLM names it after X-Request-Id: {kv}"
+    );
     let ids = h.ids.unwrap();
     let plain = fixture("chat_plain");
     let body =

@@ -305,41 +305,54 @@ async fn posts_reach(engine: &FakeVllm, n: usize) -> Vec<support::fake_vllm::Rec
     engine.posts()
 }
 
-/// A decode endpoint that does not take connections for its first second: its accept queue
-/// (backlog 0) is held full, so a connect to it hangs (the kernel drops the SYN) until the
-/// door opens; then every connection, those that retried meanwhile too, is piped to `engine`.
-/// A decode leg sent to it while closed is provably never delivered.
-async fn slow_door(engine: &FakeVllm) -> String {
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
-    let listener = socket.listen(0).unwrap();
-    let addr = listener.local_addr().unwrap();
-    let filler = TcpStream::connect(addr).await.unwrap();
-    let target = engine.host_port();
-    tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        drop(filler);
-        // Bounded: the test is over well within a minute.
-        let until = Instant::now() + Duration::from_secs(60);
-        while let Ok(Ok((mut inbound, _))) =
-            tokio::time::timeout(until.saturating_duration_since(Instant::now()), listener.accept()).await
-        {
-            let target = target.clone();
-            tokio::spawn(async move {
-                if let Ok(mut outbound) = TcpStream::connect(target).await {
-                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                }
-            });
-        }
-    });
-    addr.to_string()
+/// A decode endpoint that takes no connection until [`Door::open`]: its accept queue (backlog
+/// 0) is held full by a connection of its own, so a connect to it hangs (the kernel drops the
+/// SYN; the client sends it again after 1 s). Opened, every connection, those that retried
+/// meanwhile too, is piped to the engine. A decode leg sent to it while closed is provably
+/// never delivered.
+struct Door {
+    addr: String,
+    opener: Arc<tokio::sync::Notify>,
+}
+
+impl Door {
+    async fn closed_before(engine: &FakeVllm) -> Self {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = socket.listen(0).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let filler = TcpStream::connect(addr).await.unwrap();
+        let opener = Arc::new(tokio::sync::Notify::new());
+        let (target, wait) = (engine.host_port(), Arc::clone(&opener));
+        tokio::spawn(async move {
+            // Bounded: a test opens it within seconds, and is over well within a minute.
+            let _ = tokio::time::timeout(Duration::from_secs(20), wait.notified()).await;
+            drop(filler);
+            let until = Instant::now() + Duration::from_secs(60);
+            while let Ok(Ok((mut inbound, _))) =
+                tokio::time::timeout(until.saturating_duration_since(Instant::now()), listener.accept()).await
+            {
+                let target = target.clone();
+                tokio::spawn(async move {
+                    if let Ok(mut outbound) = TcpStream::connect(target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+            }
+        });
+        Self { addr: addr.to_string(), opener }
+    }
+
+    fn open(&self) {
+        self.opener.notify_one();
+    }
 }
 
 /// tokenonce between a prefill fake with a KV connector and `decode_addr`.
 async fn pd_via(decode_addr: &str, route_extra: &str) -> (FakeVllm, TokenOnce) {
     let p = FakeVllm::start(FakeConfig { connector: true, ..FakeConfig::default() }).await;
     let config = format!(
-        "[pools.prefill]\nendpoints = [\"{}\"]\n\n[pools.decode]\nendpoints = [\"{decode_addr}\"]\nvllm_version = \"0.32.0\"\n\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n{route_extra}\n[routes.match]\npaths = [\"/v1/chat/completions\"]\n",
+        "[defaults]\npassthrough_pool = \"prefill\"\n\n[pools.prefill]\nendpoints = [\"{}\"]\n\n[pools.decode]\nendpoints = [\"{decode_addr}\"]\nvllm_version = \"0.32.0\"\n\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n{route_extra}\n[routes.match]\npaths = [\"/v1/chat/completions\"]\n",
         p.host_port()
     );
     (p, TokenOnce::start(&config).await)
@@ -353,12 +366,14 @@ async fn pd_via(decode_addr: &str, route_extra: &str) -> (FakeVllm, TokenOnce) {
 #[tokio::test(flavor = "multi_thread")]
 async fn client_gone_before_the_decode_got_its_request_releases_the_kv_blocks() {
     let d = FakeVllm::start(FakeConfig::default()).await;
-    let (p, proxy) = pd_via(&slow_door(&d).await, "").await;
+    let door = Door::closed_before(&d).await;
+    let (p, proxy) = pd_via(&door.addr, "").await;
     let body = chat_body(
         "leave early",
         json!({"stream": true, "stream_options": {"include_usage": true}, "max_completion_tokens": 9, "min_tokens": 2}),
     );
     post_and_leave(&format!("{}/v1/chat/completions", proxy.url), &body).await;
+    door.open();
     let posts = posts_reach(&d, 1).await;
     assert_eq!(posts.len(), 1, "the release alone: the decode leg never got through");
     let release = posts[0].json();
@@ -381,8 +396,10 @@ async fn client_gone_before_the_decode_got_its_request_releases_the_kv_blocks() 
 #[tokio::test(flavor = "multi_thread")]
 async fn client_gone_with_abandon_sends_no_release() {
     let d = FakeVllm::start(FakeConfig::default()).await;
-    let (_p, proxy) = pd_via(&slow_door(&d).await, "on_client_gone = \"abandon\"\n").await;
+    let door = Door::closed_before(&d).await;
+    let (_p, proxy) = pd_via(&door.addr, "on_client_gone = \"abandon\"\n").await;
     post_and_leave(&format!("{}/v1/chat/completions", proxy.url), &chat_body("leave", json!({"stream": true}))).await;
+    door.open();
     let abandoned = r#"tokenonce_kv_releases_total{result="abandoned",route="pd"}"#;
     assert_eq!(proxy.metric_reaches(abandoned, 1.0).await, 1.0);
     // Past the door's opening: a release would have arrived by now.
@@ -401,7 +418,8 @@ async fn client_gone_after_the_decode_got_its_request_sends_no_release() {
         let prefill = FakeConfig { connector: true, ..FakeConfig::default() };
         let decode = FakeConfig { delay: Duration::from_secs(1), ..FakeConfig::default() };
         let (_p, d, proxy) = pd_setup(prefill, decode, policy).await;
-        post_and_leave(&format!("{}/v1/chat/completions", proxy.url), &chat_body("leave", json!({"stream": false}))).await;
+        post_and_leave(&format!("{}/v1/chat/completions", proxy.url), &chat_body("leave", json!({"stream": false})))
+            .await;
         let left = r#"tokenonce_kv_releases_total{result="left_to_decode",route="pd"}"#;
         assert_eq!(proxy.metric_reaches(left, 1.0).await, 1.0, "{policy}");
         tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -448,16 +466,17 @@ async fn no_release_once_the_decode_streams_or_without_kv_params() {
 /// A release leg that does not finish within `release_timeout_ms` is given up and counted.
 #[tokio::test(flavor = "multi_thread")]
 async fn release_that_hangs_is_bounded() {
-    let prefill = FakeConfig { connector: true, ..FakeConfig::default() };
-    let decode = FakeConfig { delay: Duration::from_secs(10), ..FakeConfig::default() };
-    let (_p, d, proxy) = pd_setup(prefill, decode, "release_timeout_ms = 300\n").await;
+    let d = FakeVllm::start(FakeConfig { delay: Duration::from_secs(10), ..FakeConfig::default() }).await;
+    let door = Door::closed_before(&d).await;
+    let (_p, proxy) = pd_via(&door.addr, "release_timeout_ms = 1500\n").await;
     let started = Instant::now();
     post_and_leave(&format!("{}/v1/chat/completions", proxy.url), &chat_body("hang", json!({"stream": true}))).await;
+    door.open();
     let timed_out = r#"tokenonce_kv_releases_total{result="timeout",route="pd"}"#;
     assert_eq!(proxy.metric_reaches(timed_out, 1.0).await, 1.0);
     assert!(started.elapsed() < Duration::from_secs(4), "took {:?}", started.elapsed());
     assert_eq!(proxy.metric(r#"tokenonce_timeouts_total{route="pd",stage="release"}"#).await, 1.0);
-    assert_eq!(posts_reach(&d, 2).await.len(), 2);
+    assert_eq!(posts_reach(&d, 1).await.len(), 1, "the release reached the decode, which held it");
 }
 
 /// Point 7: a passthrough route honours `max_body_bytes` on pingora's pipeline: a declared

@@ -555,7 +555,8 @@ fn completion(config: &FakeConfig, headers: &HeaderMap, raw: &[u8], chat: bool) 
         let det = config
             .cached_tokens
             .map_or(String::new(), |c| format!(",\"prompt_tokens_details\":{{\"cached_tokens\":{c}}}"));
-        let reasoning = if chat { format!(",\"completion_tokens_details\":{reasoning_details}") } else { String::new() };
+        let reasoning =
+            if chat { format!(",\"completion_tokens_details\":{reasoning_details}") } else { String::new() };
         events.push(format!("data: {{\"id\":\"{id}\",\"object\":\"{obj}\",\"created\":{created},\"model\":\"{model}\",\"choices\":[],\"usage\":{{\"prompt_tokens\":{n_prompt},\"total_tokens\":{total},\"completion_tokens\":{}{det}{reasoning}}},\"system_fingerprint\":\"{fingerprint}\"}}\n\n", out.len()));
     }
     events.push("data: [DONE]\n\n".to_owned());
