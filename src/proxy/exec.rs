@@ -167,7 +167,8 @@ async fn exchange_once(
         .map_err(|f| ProxyError::upstream(leg, f.error))
 }
 
-/// [`exchange`] within `first_byte_timeout`, racing the client going away.
+/// [`exchange`] within `first_byte_timeout`, racing the client going away; with the result,
+/// whether the request was written whole (the engine may have it) when that ended.
 async fn send(
     session: &mut Session,
     ctx: &Ctx,
@@ -176,14 +177,15 @@ async fn send(
     endpoint: &Picked,
     body: Pieces,
     first_byte_timeout: Option<Duration>,
-    delivery: &Delivery,
-) -> Result<Exchange, ProxyError> {
-    tokio::select! {
-        r = within(first_byte_timeout, exchange(ctx, req, leg, endpoint, body, delivery)) => {
+) -> (Result<Exchange, ProxyError>, bool) {
+    let delivery = Delivery::default();
+    let result = tokio::select! {
+        r = within(first_byte_timeout, exchange(ctx, req, leg, endpoint, body, &delivery)) => {
             r.unwrap_or_else(|after| Err(ProxyError::Timeout { leg, after }))
         }
         _ = client_gone(session) => Err(ProxyError::ClientGone),
-    }
+    };
+    (result, delivery.delivered())
 }
 
 /// The prefill leg, whole: sends `body` to `first` (then, failing over, to other endpoints
@@ -350,8 +352,8 @@ pub async fn decode(
     ctx.decode_sent_at = Some(started);
     let timeout = Some(route.decode_first_byte_timeout);
     ctx.trace.leg_started(Leg::Decode);
-    let delivery = Delivery::default();
-    let result = match send(session, ctx, req, Leg::Decode, endpoint, step.body.clone(), timeout, &delivery).await {
+    let (sent, delivered) = send(session, ctx, req, Leg::Decode, endpoint, step.body.clone(), timeout).await;
+    let result = match sent {
         Ok(exchange) => {
             ctx.trace.first_byte();
             ctx.decode_first_byte_ms = Some(ms_since(started));
@@ -362,7 +364,7 @@ pub async fn decode(
     };
     ctx.trace.leg_done(Leg::Decode);
     if matches!(result, Err(ProxyError::ClientGone)) && !ctx.answer_started {
-        after_client_gone(ctx, req, endpoint, &step, &delivery).await;
+        after_client_gone(ctx, req, endpoint, &step, delivered).await;
     }
     result
 }
@@ -370,15 +372,16 @@ pub async fn decode(
 /// The client left before the decode answered a body byte, while the prefill may hold KV
 /// blocks for it. A decode engine that got the request whole owns those blocks: vLLM pulls
 /// them when it schedules the request, and one aborted before that tells the prefill to free
-/// them (NixlConnector, vLLM 0.32). A second decode with the same `kv_transfer_params` would
-/// read them again after the prefill freed them (on real engines the prefill logs "Potentially
-/// invalid KV blocks ... retrieved"), so a release goes only where the decode provably never
-/// had the request (gone before it was written whole); the rest count `left_to_decode`.
-async fn after_client_gone(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, step: &DecodeStep, delivery: &Delivery) {
+/// them (NixlConnector, vLLM 0.32). A second decode with the same `kv_transfer_params` reads
+/// them again after the prefill freed them (on the real pair: a second NIXL transfer, and the
+/// prefill logs "Potentially invalid KV blocks ... retrieved"), so a release goes only where the
+/// decode provably never had the request (gone before it was written whole); the rest count
+/// `left_to_decode`.
+async fn after_client_gone(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, step: &DecodeStep, delivered: bool) {
     if !step.holds_kv {
         return;
     }
-    if delivery.delivered() {
+    if delivered {
         ctx.route.metrics.kv_release(Release::LeftToDecode);
         tracing::info!(request_id = %ctx.request_id, route = %ctx.route.name, "client gone after the decode got its request: the decode frees or pulls the KV blocks, no release");
         return;
@@ -448,7 +451,7 @@ pub async fn forward(
         Leg::Decode | Leg::Passthrough => ctx.route.decode_first_byte_timeout,
     };
     ctx.trace.leg_started(leg);
-    let exchange = send(session, ctx, req, leg, &endpoint, body, Some(first_byte), &Delivery::default()).await?;
+    let exchange = send(session, ctx, req, leg, &endpoint, body, Some(first_byte)).await.0?;
     ctx.trace.first_byte();
     let relayed = relay(session, ctx, exchange, None, leg).await;
     ctx.trace.leg_done(leg);
