@@ -114,7 +114,8 @@ def chat(text, **fields):
 def test_client_gone_before_the_decode_got_its_request():
     """`release` (route e2e-door): released at once. `abandon` (e2e-door-abandon): held until
     the lease ends, then freed by the prefill with its "expired" line."""
-    assert until(lambda: prefill_held() == 0, 5), "the prefill holds blocks before the test"
+    # Blocks an earlier test left unpulled are freed by their lease (30 s) at the latest.
+    assert until(lambda: prefill_held() == 0, LEASE_S + 5), "the prefill holds blocks before the test"
     door = Door()
     try:
         seen = {}

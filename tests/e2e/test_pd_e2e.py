@@ -80,10 +80,11 @@ def test_a_decode_given_another_requests_kv_answers_differently():
     """Bob's messages and ids, Alice's KV: the decode pulls Alice's blocks and answers from
     them, not as Bob's direct call; the comparison catches it."""
     _, alice_kv = prefill(ALICE)
-    bob_ids, _ = prefill(BOB)
+    bob_ids, bob_kv = prefill(BOB)
     with DecodePull() as pull:
         got = result(chat(DECODE_PORT, BOB, kv_transfer_params={**alice_kv, "prompt_token_ids": bob_ids}))
     pull.assert_pulled(len(bob_ids))
+    chat(DECODE_PORT, BOB, max_tokens=1, kv_transfer_params={**bob_kv, "prompt_token_ids": bob_ids})  # frees Bob's blocks
     alice, bob = direct(ALICE), direct(BOB)
     assert got.comparable() != bob.comparable(), "the tier must catch a decode given another request's KV"
     assert got.token_ids == alice.token_ids, "the answer came from Alice's KV"
