@@ -130,6 +130,8 @@ name = "pd"
 mode = "orchestrate"
 decode_pool = "decode"
 prefill = {{ pool = "prefill" }}
+prefill_timeout_ms = 600000
+decode_first_byte_timeout_ms = 600000
 [routes.match]
 paths = ["/v1/chat/completions"]
 ''')
@@ -184,7 +186,7 @@ def main():
             sent, first = pipe.last
             return client, first - sent
 
-        for name, port in proxies.items():  # warm both engines' prefix caches, and each path
+        for name, port in reversed(proxies.items()):  # warm both engines' prefix caches, and each path
             run(port, "warm")
             run(port, "warm-2")
         got = {name: {"client": [], "decode": []} for name in proxies}
