@@ -95,7 +95,7 @@ impl App {
         let eject_after = config.upstream().eject_after_failures();
         let pools: Vec<Arc<Pool>> = config.pools().iter().map(|spec| Arc::new(Pool::new(spec, eject_after))).collect();
         pools.iter().for_each(|p| metrics.pool(&p.name));
-        let routes = RouteTable::new(&config, &pools, &metrics)?;
+        let routes = RouteTable::new(&config, &pools, &metrics, None)?;
         let client =
             Arc::new(UpstreamClient::new(config.upstream().connect_timeout(), config.upstream().idle_timeout()));
         let cache = Arc::new(handoff::IdCache::new(config.cache().capacity_bytes(), config.cache().ttl()));
@@ -104,8 +104,10 @@ impl App {
         Ok(Self { cache, draining: Arc::default(), edge, config, routes, pools, client, metrics, registry, watch })
     }
 
-    /// The state for a reloaded `config`: metrics, client and cache carry over, and pools
-    /// whose spec did not change keep their endpoints (health, in-flight counts, versions).
+    /// The state for a reloaded `config`: metrics, client and cache carry over, pools whose
+    /// spec did not change keep their endpoints (health, in-flight counts, versions,
+    /// ejections), and routes unchanged over those pools keep their [`routes::RouteState`]
+    /// (model identity, parity hold, retry budget).
     ///
     /// # Errors
     /// [`AppError::Routes`] if a route names a missing pool (validation prevents it).
@@ -131,7 +133,7 @@ impl App {
             })
             .collect();
         pools.iter().for_each(|p| self.metrics.pool(&p.name));
-        let routes = RouteTable::new(&config, &pools, &self.metrics)?;
+        let routes = RouteTable::new(&config, &pools, &self.metrics, Some(&self.routes))?;
         let edge = proxy::edge::EdgeLimits::of(&config);
         Ok(Self {
             config,

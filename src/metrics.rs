@@ -699,6 +699,11 @@ impl ParityMetrics {
     pub fn reuse_back_on(&self) {
         self.reuse_off.set(0);
     }
+
+    /// Sets the `reuse_off` gauge to a hold's state (when the route's watch is built).
+    pub fn show_hold(&self, held: bool) {
+        self.reuse_off.set(i64::from(held));
+    }
 }
 
 /// One route's series, resolved when the route table is built; the request path only

@@ -142,7 +142,7 @@ async fn exchange_once(
         head.insert_header(name, value).map_err(|e| ProxyError::Internal(format!("trace header: {e}")))?;
     }
     let (app, route) = (&ctx.app, &ctx.route);
-    route.retry_budget.sent();
+    route.retry_budget().sent();
     let failure = match app.client.send(endpoint.endpoint().target(), &head, body.parts()).await {
         Ok(exchange) => return Ok(exchange),
         Err(failure) => failure,
@@ -151,7 +151,7 @@ async fn exchange_once(
     if !failure.unstarted || failure.error.kind() == ErrorKind::Tls {
         return Err(ProxyError::upstream(leg, failure.error));
     }
-    if !route.retry_budget.try_retry(Instant::now()) {
+    if !route.retry_budget().try_retry(Instant::now()) {
         route.metrics.retry_refused();
         tracing::info!(request_id = %ctx.request_id, route = %route.name, error = %failure.error, "retry budget exhausted");
         return Err(ProxyError::upstream(leg, failure.error));

@@ -90,7 +90,7 @@ fn compare_models(app: &crate::App) {
         let Some(crate::routes::PrefillTarget::Pool(prefill)) = &route.prefill else { continue };
         let differ = pools_differ(prefill, &route.decode_pool);
         app.metrics.models_differ(&route.name, differ);
-        if route.set_models_differ(differ) {
+        if route.state().set_models_differ(differ) {
             if differ {
                 tracing::warn!(route = %route.name, "prefill and decode pools serve different models: no ids are exchanged");
             } else {
