@@ -3,7 +3,8 @@
 //!
 //! Layout (formats → model → plan → execution); README "Architecture" walks the request path:
 //! - `config`: TOML file format → validated model; the embedded default.
-//! - `routes`: the runtime route table (routes holding their pools, policy, metric handles).
+//! - `routes`: the runtime route table (routes holding their pools, policy, metric handles)
+//!   and what each route learns at run time (`RouteState`, kept across reloads).
 //! - `plan`: pure decisions per request: legs, reuse gate, prefill and decode bodies.
 //! - `openai`: the wire protocol as pure functions on bytes (request view, rewrites, handoff
 //!   extraction, prompt-id validation, error bodies).
@@ -12,6 +13,7 @@
 //! - `sse`: incremental SSE framing.
 //! - `upstream`: pools, the HTTP client for the legs, health and version polling.
 //! - `proxy`: pingora glue and the executor that runs a plan; the one error exit.
+//!   ARCHITECTURE.md is the one-page map of these rooms.
 //! - `metrics`: every exported metric and its label enums.
 //! - `reload`: SIGHUP config reload.
 //! - `server`: wiring config into a pingora server.

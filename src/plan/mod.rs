@@ -100,8 +100,11 @@ pub enum DecodeVersion {
     Known(Version),
     /// Asked, but no usable answer.
     Unknown,
-    /// Not asked, because the plan said it does not matter ([`needs_decode_version`]).
-    NotAsked,
+    /// Not asked: the plan said the version does not decide this request
+    /// ([`needs_decode_version`], [`relay::RelayDecode::needs_decode_version`]), so no version
+    /// gate applies. Only a caller that skipped a check the plan needed hands it to a gate
+    /// that does apply; the orchestrated gate then falls back, to be safe.
+    NotNeeded,
 }
 
 /// The client request as the plan reads it: the parsed body and its view.
@@ -210,8 +213,8 @@ fn version_gate(api: Api, version: DecodeVersion) -> Option<FallbackReason> {
     match version {
         DecodeVersion::Known(v) if v >= first => None,
         DecodeVersion::Known(_) => Some(FallbackReason::DecodeVersionOld),
-        // NotAsked here means the caller skipped a check the plan needed: be safe.
-        DecodeVersion::Unknown | DecodeVersion::NotAsked => Some(FallbackReason::DecodeVersionUnknown),
+        // NotNeeded here means the caller skipped a check the plan needed: be safe.
+        DecodeVersion::Unknown | DecodeVersion::NotNeeded => Some(FallbackReason::DecodeVersionUnknown),
     }
 }
 

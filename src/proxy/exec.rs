@@ -120,7 +120,7 @@ async fn exchange(
     };
     if !failed {
         endpoint.endpoint().request_succeeded();
-    } else if let Some(pool) = endpoint.pool() {
+    } else if let Some(pool) = endpoint.ejection() {
         if endpoint.endpoint().request_failed(Instant::now(), pool.eject_after) {
             ctx.app.metrics.upstream_ejection(&pool.name);
             tracing::warn!(pool = %pool.name, endpoint = %endpoint.addr(), "endpoint ejected after consecutive failures");
@@ -188,7 +188,7 @@ async fn send(
 ///
 /// # Errors
 /// [`ProxyError`] on timeout, engine failure, or the client leaving.
-pub async fn prefill(
+pub async fn prefill_leg(
     session: &mut Session,
     ctx: &mut Ctx,
     req: &Incoming<'_>,

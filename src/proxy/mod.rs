@@ -1,5 +1,6 @@
 //! The pingora glue. `Proxy` is the client-facing service: `request_filter` reads API bodies
-//! and runs them itself (pingora.md pattern C); every other request goes through pingora's
+//! and runs them itself (pingora cannot replay a body read that early once it is over 64 KiB,
+//! so API requests never enter its upstream pipeline); every other request goes through pingora's
 //! pipeline to the route's pool, byte for byte. `Admin` (admin.rs) serves the operator API.
 //!
 //! Phases used: request_filter (route; API requests answered here) → upstream_peer

@@ -42,7 +42,7 @@ pub async fn run(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> 
     let version = if plan::needs_decode_version(&req.view, &policy, &ctx.request_id) {
         exec::decode_version(&app, &route, decode.endpoint()).await
     } else {
-        DecodeVersion::NotAsked
+        DecodeVersion::NotNeeded
     };
     let plan = plan::orchestrate(
         plan::Request { obj, view: &req.view, source: Some(req.incoming.body) },
@@ -55,7 +55,7 @@ pub async fn run(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> 
         return exec::decode(session, ctx, &req.incoming, &decode, step).await;
     }
 
-    let prefilled = prefill(session, ctx, &req.incoming, &prefiller, plan.prefill_body.clone()).await;
+    let prefilled = guarded_prefill(session, ctx, &req.incoming, &prefiller, plan.prefill_body.clone()).await;
     drop(prefiller);
 
     let handoff_started = Instant::now();
@@ -98,10 +98,11 @@ fn prefiller(route: &Route, headers: &HeaderMap, peer: Option<IpAddr>) -> Result
 /// Largest error body relayed from a header-named prefiller.
 const NAMED_PREFILLER_ERROR_LIMIT: usize = 64 * 1024;
 
-/// The prefill leg. A header-named prefiller gets no client credentials unless the route
-/// says so, its connect failures all read alike (no probing of ports and hosts through
-/// tokenonce), and its error bodies are relayed only up to a bound.
-async fn prefill(
+/// The prefill leg ([`exec::prefill_leg`]) under the trust rules of its prefiller: a
+/// header-named one gets no client credentials unless the route says so, its connect failures
+/// all read alike (no probing of ports and hosts through tokenonce), and its error bodies are
+/// relayed only up to a bound.
+async fn guarded_prefill(
     session: &mut Session,
     ctx: &mut Ctx,
     req: &exec::Incoming<'_>,
@@ -114,11 +115,11 @@ async fn prefill(
             Some(PrefillTarget::Pool(pool)) => Some(pool.as_ref()),
             _ => None,
         };
-        return exec::prefill(session, ctx, req, &prefiller.endpoint, pool, body).await;
+        return exec::prefill_leg(session, ctx, req, &prefiller.endpoint, pool, body).await;
     }
     let forward = matches!(&ctx.route.prefill, Some(PrefillTarget::Header(rule)) if rule.forward_credentials);
     let req = exec::Incoming { drop_credentials: !forward, ..*req };
-    let (head, answer) = exec::prefill(session, ctx, &req, &prefiller.endpoint, None, body)
+    let (head, answer) = exec::prefill_leg(session, ctx, &req, &prefiller.endpoint, None, body)
         .await
         .map_err(ProxyError::uniform_connect)?;
     if !head.status.is_success() && answer.len() > NAMED_PREFILLER_ERROR_LIMIT {

@@ -30,12 +30,14 @@ pub async fn handle(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) 
     let client_id = req.incoming.headers.contains_key("x-request-id").then(|| ctx.request_id.clone());
     let canary_key = ctx.request_id.clone();
     match crate::plan::relay::plan(req.plan_input(), &route.policy_now(), client_id.as_deref(), &canary_key) {
-        RelayPlan::Prefill(plan) => prefill(session, ctx, req, &plan).await,
-        RelayPlan::Decode(plan) => decode(session, ctx, req, &plan).await,
+        RelayPlan::Prefill(plan) => annotated_prefill(session, ctx, req, &plan).await,
+        RelayPlan::Decode(plan) => completed_decode(session, ctx, req, &plan).await,
     }
 }
 
-async fn prefill(
+/// A relayed prefill: asked to echo its ids, which are kept (cache or inline) and hidden from
+/// the answer unless the orchestrator asked for them.
+async fn annotated_prefill(
     session: &mut Session,
     ctx: &mut Ctx,
     req: &ApiRequest<'_>,
@@ -51,7 +53,7 @@ async fn prefill(
         return exec::forward(session, ctx, &req.incoming, Leg::Prefill, endpoint, req.incoming.body.clone().into())
             .await;
     };
-    let (head, answer) = exec::prefill(session, ctx, &req.incoming, &endpoint, Some(pool), body).await?;
+    let (head, answer) = exec::prefill_leg(session, ctx, &req.incoming, &endpoint, Some(pool), body).await?;
     drop(endpoint);
     if !head.status.is_success() {
         return write_engine_answer(session, ctx, &head, answer).await;
@@ -67,7 +69,8 @@ async fn prefill(
     write_engine_answer(session, ctx, &head, kept.body.unwrap_or(answer)).await
 }
 
-async fn decode(
+/// A relayed decode: its ids found (inline or in the cache) and sent token-in, else as sent.
+async fn completed_decode(
     session: &mut Session,
     ctx: &mut Ctx,
     req: &ApiRequest<'_>,
@@ -78,7 +81,7 @@ async fn decode(
     let version = if plan.needs_decode_version(app.cache.is_empty()) {
         exec::decode_version(&app, &route, endpoint.endpoint()).await
     } else {
-        DecodeVersion::NotAsked
+        DecodeVersion::NotNeeded
     };
     let found = match plan.search(version) {
         Search::Done(found) => found,
