@@ -269,25 +269,21 @@ impl Orchestration<'_, '_> {
     /// prefill engine does not hold the earlier answers (its legs are `store: false`, and a
     /// stored id lives on the engine that decoded it), so a prefill leg would fail with 404.
     pub fn decode_only(&self) -> Option<DecodeStep> {
-        (self.gate == Gate::Fallback(FallbackReason::Stateful)).then(|| DecodeStep {
-            body: self.request.obj.to_pieces(self.request.source, None, None),
-            reuse: Reuse::Fallback(FallbackReason::Stateful),
-            cached_tokens: None,
-            refused: None,
-            ids: None,
-            prompt_tokens: None,
-            holds_kv: false,
-            api: self.request.view.api,
-        })
+        (self.gate == Gate::Fallback(FallbackReason::Stateful)).then(|| self.text_decode(FallbackReason::Stateful))
     }
 
     /// The decode leg alone, after a failed prefill (`on_prefill_failure = "decode_alone"`):
     /// the client's body (its own handoff fields already removed), the text path, no KV
     /// handoff, counted as a `prefill_failed` fallback.
     pub fn decode_alone(&self) -> DecodeStep {
+        self.text_decode(FallbackReason::PrefillFailed)
+    }
+
+    /// The client's body as the decode, no prefill behind it, counted as `reason`.
+    fn text_decode(&self, reason: FallbackReason) -> DecodeStep {
         DecodeStep {
             body: self.request.obj.to_pieces(self.request.source, None, None),
-            reuse: Reuse::Fallback(FallbackReason::PrefillFailed),
+            reuse: Reuse::Fallback(reason),
             cached_tokens: None,
             refused: None,
             ids: None,

@@ -153,7 +153,7 @@ impl ProxyHttp for Proxy {
         ctx.started = Instant::now();
         ctx.counted = true;
         ctx.client_ip = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
-        app.metrics.inflight.inc();
+        app.metrics.inflight().inc();
         session.as_downstream_mut().set_write_timeout(Some(ctx.route.client_write_timeout));
         let header = session.req_header();
         ctx.trace = crate::telemetry::RequestTrace::start(header.method.as_str(), header.uri.path(), &header.headers);
@@ -291,7 +291,7 @@ impl ProxyHttp for Proxy {
     /// Counts the request once, whatever path it took.
     async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Ctx) {
         if ctx.counted {
-            ctx.app.metrics.inflight.dec();
+            ctx.app.metrics.inflight().dec();
         }
         let status =
             if ctx.status != 0 { ctx.status } else { session.response_written().map_or(0, |h| h.status.as_u16()) };

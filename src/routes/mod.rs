@@ -166,89 +166,11 @@ impl RouteTable {
         metrics: &Metrics,
         previous: Option<&RouteTable>,
     ) -> Result<Self, DanglingPool> {
-        let pool = |i: usize, route: &str| pools.get(i).cloned().ok_or(DanglingPool { route: route.to_owned() });
-        let now = Instant::now();
-        let mut routes = Vec::with_capacity(config.routes().len());
-        for spec in config.routes() {
-            let prefill = match spec.prefill() {
-                Some(PrefillSource::Pool(i)) => Some(PrefillTarget::Pool(pool(*i, spec.name())?)),
-                Some(PrefillSource::Header { name, allow, trusted_sources, forward_credentials }) => {
-                    Some(PrefillTarget::Header(HeaderRule {
-                        name: name.clone(),
-                        allow: allow.clone(),
-                        trusted_sources: trusted_sources.clone(),
-                        forward_credentials: *forward_credentials,
-                    }))
-                }
-                None => None,
-            };
-            let o = &spec.options();
-            let tokenizer = route_tokenizer(config, spec);
-            let budget =
-                BudgetRule { percent: o.retry_budget_percent(), min_per_second: o.retry_budget_min_per_second() };
-            let mut route = Route {
-                name: spec.name().to_owned(),
-                mode: spec.mode(),
-                matcher: Some(spec.matcher().clone()),
-                decode_pool: pool(spec.decode_pool(), spec.name())?,
-                prefill,
-                policy: ReusePolicy::new(
-                    o.token_reuse(),
-                    o.relay_handoff(),
-                    tokenizer.as_ref().map(|t| t.vocab_bound()),
-                ),
-                client_handoff: o.client_handoff(),
-                prefill_timeout: o.prefill_timeout(),
-                decode_first_byte_timeout: o.decode_first_byte_timeout(),
-                max_body_bytes: o.max_body_bytes(),
-                prefill_attempts: o.prefill_attempts(),
-                on_prefill_failure: o.on_prefill_failure(),
-                stream_idle_timeout: o.stream_idle_timeout(),
-                client_write_timeout: o.client_write_timeout(),
-                on_client_gone: o.on_client_gone(),
-                release_timeout: o.release_timeout(),
-                max_sse_event_bytes: o.max_sse_event_bytes(),
-                metrics: metrics.route(spec.name(), spec.mode()),
-                parity: None,
-                state: RouteState::new(budget, now),
-            };
-            let holds = tokenizer.is_some() && o.on_parity_mismatch() == ParityPolicy::DisableReuse;
-            if let Some(old) = previous.and_then(|t| t.routes.iter().find(|old| route.same_as(old))) {
-                route.state = RouteState::carried(&old.state, budget, holds, now);
-            }
-            route.parity = route_parity(spec, tokenizer, metrics, &route.state);
-            routes.push(Arc::new(route));
-        }
+        let built = Built { config, pools, metrics, previous, now: Instant::now() };
+        let routes =
+            config.routes().iter().map(|spec| built.route(spec).map(Arc::new)).collect::<Result<Vec<_>, _>>()?;
         let largest_body = routes.iter().map(|r| r.max_body_bytes).max().unwrap_or(DEFAULT_ROUTE_BODY_LIMIT);
-        let budget = BudgetRule {
-            percent: defaults::RETRY_BUDGET_PERCENT as u32,
-            min_per_second: defaults::RETRY_BUDGET_MIN_PER_SECOND as u32,
-        };
-        let mut default = Route {
-            name: DEFAULT_ROUTE.to_owned(),
-            mode: Mode::Passthrough,
-            matcher: None,
-            decode_pool: pool(config.passthrough_pool(), DEFAULT_ROUTE)?,
-            prefill: None,
-            policy: ReusePolicy::new(crate::config::ReuseShare::OFF, crate::config::RelayHandoff::Cache, None),
-            client_handoff: ClientHandoff::Strip,
-            prefill_timeout: Duration::from_millis(defaults::PREFILL_TIMEOUT_MS),
-            decode_first_byte_timeout: Duration::from_millis(defaults::DECODE_FIRST_BYTE_TIMEOUT_MS),
-            max_body_bytes: largest_body,
-            prefill_attempts: 1,
-            on_prefill_failure: crate::config::OnPrefillFailure::Error,
-            stream_idle_timeout: Duration::from_millis(defaults::STREAM_IDLE_TIMEOUT_MS),
-            client_write_timeout: Duration::from_millis(defaults::CLIENT_WRITE_TIMEOUT_MS),
-            on_client_gone: defaults::ON_CLIENT_GONE,
-            release_timeout: Duration::from_millis(defaults::RELEASE_TIMEOUT_MS),
-            max_sse_event_bytes: defaults::MAX_SSE_EVENT_BYTES as usize,
-            metrics: metrics.default_route(DEFAULT_ROUTE),
-            parity: None,
-            state: RouteState::new(budget, now),
-        };
-        if let Some(old) = previous.map(|t| &t.default).filter(|old| default.same_as(old)) {
-            default.state = RouteState::carried(&old.state, budget, false, now);
-        }
+        let default = built.default_route(largest_body)?;
         Ok(Self { routes, default: Arc::new(default) })
     }
 
@@ -276,6 +198,105 @@ impl RouteTable {
     /// Largest body any route accepts (bounds the read before a route is chosen).
     pub fn max_body_bytes(&self) -> usize {
         self.default.max_body_bytes
+    }
+}
+
+/// What every route of one table is built from.
+struct Built<'a> {
+    config: &'a Config,
+    pools: &'a [Arc<Pool>],
+    metrics: &'a Metrics,
+    /// The table before a reload: unchanged routes keep their state.
+    previous: Option<&'a RouteTable>,
+    now: Instant,
+}
+
+impl Built<'_> {
+    /// Pool `i` of the config, for route `route`.
+    fn pool(&self, i: usize, route: &str) -> Result<Arc<Pool>, DanglingPool> {
+        self.pools.get(i).cloned().ok_or(DanglingPool { route: route.to_owned() })
+    }
+
+    /// One configured route, with its state carried over when `previous` holds it unchanged.
+    fn route(&self, spec: &RouteSpec) -> Result<Route, DanglingPool> {
+        let prefill = match spec.prefill() {
+            Some(PrefillSource::Pool(i)) => Some(PrefillTarget::Pool(self.pool(*i, spec.name())?)),
+            Some(PrefillSource::Header { name, allow, trusted_sources, forward_credentials }) => {
+                Some(PrefillTarget::Header(HeaderRule {
+                    name: name.clone(),
+                    allow: allow.clone(),
+                    trusted_sources: trusted_sources.clone(),
+                    forward_credentials: *forward_credentials,
+                }))
+            }
+            None => None,
+        };
+        let o = &spec.options();
+        let tokenizer = route_tokenizer(self.config, spec);
+        let budget = BudgetRule { percent: o.retry_budget_percent(), min_per_second: o.retry_budget_min_per_second() };
+        let mut route = Route {
+            name: spec.name().to_owned(),
+            mode: spec.mode(),
+            matcher: Some(spec.matcher().clone()),
+            decode_pool: self.pool(spec.decode_pool(), spec.name())?,
+            prefill,
+            policy: ReusePolicy::new(o.token_reuse(), o.relay_handoff(), tokenizer.as_ref().map(|t| t.vocab_bound())),
+            client_handoff: o.client_handoff(),
+            prefill_timeout: o.prefill_timeout(),
+            decode_first_byte_timeout: o.decode_first_byte_timeout(),
+            max_body_bytes: o.max_body_bytes(),
+            prefill_attempts: o.prefill_attempts(),
+            on_prefill_failure: o.on_prefill_failure(),
+            stream_idle_timeout: o.stream_idle_timeout(),
+            client_write_timeout: o.client_write_timeout(),
+            on_client_gone: o.on_client_gone(),
+            release_timeout: o.release_timeout(),
+            max_sse_event_bytes: o.max_sse_event_bytes(),
+            metrics: self.metrics.route(spec.name(), spec.mode()),
+            parity: None,
+            state: RouteState::new(budget, self.now),
+        };
+        let holds = tokenizer.is_some() && o.on_parity_mismatch() == ParityPolicy::DisableReuse;
+        if let Some(old) = self.previous.and_then(|t| t.routes.iter().find(|old| route.same_as(old))) {
+            route.state = RouteState::carried(&old.state, budget, holds, self.now);
+        }
+        route.parity = route_parity(spec, tokenizer, self.metrics, &route.state);
+        Ok(route)
+    }
+
+    /// The route of unmatched requests: passthrough to `defaults.passthrough_pool`, taking
+    /// bodies up to `largest_body` (the most any route accepts).
+    fn default_route(&self, largest_body: usize) -> Result<Route, DanglingPool> {
+        let budget = BudgetRule {
+            percent: defaults::RETRY_BUDGET_PERCENT as u32,
+            min_per_second: defaults::RETRY_BUDGET_MIN_PER_SECOND as u32,
+        };
+        let mut default = Route {
+            name: DEFAULT_ROUTE.to_owned(),
+            mode: Mode::Passthrough,
+            matcher: None,
+            decode_pool: self.pool(self.config.passthrough_pool(), DEFAULT_ROUTE)?,
+            prefill: None,
+            policy: ReusePolicy::new(crate::config::ReuseShare::OFF, crate::config::RelayHandoff::Cache, None),
+            client_handoff: ClientHandoff::Strip,
+            prefill_timeout: Duration::from_millis(defaults::PREFILL_TIMEOUT_MS),
+            decode_first_byte_timeout: Duration::from_millis(defaults::DECODE_FIRST_BYTE_TIMEOUT_MS),
+            max_body_bytes: largest_body,
+            prefill_attempts: 1,
+            on_prefill_failure: crate::config::OnPrefillFailure::Error,
+            stream_idle_timeout: Duration::from_millis(defaults::STREAM_IDLE_TIMEOUT_MS),
+            client_write_timeout: Duration::from_millis(defaults::CLIENT_WRITE_TIMEOUT_MS),
+            on_client_gone: defaults::ON_CLIENT_GONE,
+            release_timeout: Duration::from_millis(defaults::RELEASE_TIMEOUT_MS),
+            max_sse_event_bytes: defaults::MAX_SSE_EVENT_BYTES as usize,
+            metrics: self.metrics.default_route(DEFAULT_ROUTE),
+            parity: None,
+            state: RouteState::new(budget, self.now),
+        };
+        if let Some(old) = self.previous.map(|t| &t.default).filter(|old| default.same_as(old)) {
+            default.state = RouteState::carried(&old.state, budget, false, self.now);
+        }
+        Ok(default)
     }
 }
 

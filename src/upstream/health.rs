@@ -125,7 +125,7 @@ impl HealthPoller {
         // within one interval past their idle limit.
         app.client.close_expired_idle();
         let ready = app.decode_pools().iter().all(|p| p.any_healthy());
-        app.metrics.ready.set(i64::from(ready));
+        app.metrics.ready().set(i64::from(ready));
         (self.on_tick)(&app);
     }
 }
