@@ -17,7 +17,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::error::ProxyError;
 use super::respond::{client_gone, ms_since, relay};
-use super::Ctx;
+use super::{Record, RequestInfo};
 use crate::config::{OnClientGone, OnPrefillFailure};
 use crate::metrics::{ErrorKind, Leg, Release, Stage, TimeoutStage};
 use crate::openai::json::Pieces;
@@ -97,6 +97,14 @@ async fn within<F: Future>(limit: Option<Duration>, work: F) -> Result<F::Output
     }
 }
 
+/// One leg to send: its request, label, endpoint and body.
+struct Outgoing<'r, 'a> {
+    req: &'r Incoming<'a>,
+    leg: Leg,
+    endpoint: &'r Picked,
+    body: Pieces,
+}
+
 /// Sends one leg and returns its engine's answer head (the one call of the upstream client).
 ///
 /// Retry rule: a leg is re-sent once, to the same endpoint on a new connection, only when
@@ -106,23 +114,18 @@ async fn within<F: Future>(limit: Option<Duration>, work: F) -> Result<F::Output
 ///
 /// The outcome feeds the endpoint's passive ejection: no answer or a 5xx head is a failure,
 /// any other head a success (a timeout drops this future and counts as neither).
-async fn exchange(
-    ctx: &Ctx,
-    req: &Incoming<'_>,
-    leg: Leg,
-    endpoint: &Picked,
-    body: Pieces,
-) -> Result<Exchange, ProxyError> {
-    let result = exchange_once(ctx, req, leg, endpoint, body).await;
+async fn exchange(info: &RequestInfo, rec: &Record, out: &Outgoing<'_, '_>) -> Result<Exchange, ProxyError> {
+    let result = exchange_once(info, rec, out).await;
     let failed = match &result {
         Ok(exchange) => exchange.status() >= 500,
         Err(e) => matches!(e, ProxyError::Upstream { .. }),
     };
+    let endpoint = out.endpoint;
     if !failed {
         endpoint.endpoint().request_succeeded();
     } else if let Some(pool) = endpoint.ejection() {
         if endpoint.endpoint().request_failed(Instant::now(), pool.eject_after) {
-            ctx.app.metrics.upstream_ejection(&pool.name);
+            info.app.metrics.upstream_ejection(&pool.name);
             tracing::warn!(pool = %pool.name, endpoint = %endpoint.addr(), "endpoint ejected after consecutive failures");
         }
     }
@@ -130,18 +133,13 @@ async fn exchange(
 }
 
 /// [`exchange`] without the ejection bookkeeping.
-async fn exchange_once(
-    ctx: &Ctx,
-    req: &Incoming<'_>,
-    leg: Leg,
-    endpoint: &Picked,
-    body: Pieces,
-) -> Result<Exchange, ProxyError> {
-    let mut head = req.head(endpoint.addr(), &ctx.request_id, body.len())?;
-    for (name, value) in ctx.trace.headers_for(leg) {
+async fn exchange_once(info: &RequestInfo, rec: &Record, out: &Outgoing<'_, '_>) -> Result<Exchange, ProxyError> {
+    let (leg, endpoint, body) = (out.leg, out.endpoint, &out.body);
+    let mut head = out.req.head(endpoint.addr(), &info.request_id, body.len())?;
+    for (name, value) in rec.trace.headers_for(leg) {
         head.insert_header(name, value).map_err(|e| ProxyError::Internal(format!("trace header: {e}")))?;
     }
-    let (app, route) = (&ctx.app, &ctx.route);
+    let (app, route) = (&info.app, &info.route);
     route.retry_budget().sent();
     let failure = match app.client.send(endpoint.endpoint().target(), &head, body.parts()).await {
         Ok(exchange) => return Ok(exchange),
@@ -153,11 +151,11 @@ async fn exchange_once(
     }
     if !route.retry_budget().try_retry(Instant::now()) {
         route.metrics.retry_refused();
-        tracing::info!(request_id = %ctx.request_id, route = %route.name, error = %failure.error, "retry budget exhausted");
+        tracing::info!(request_id = %info.request_id, route = %route.name, error = %failure.error, "retry budget exhausted");
         return Err(ProxyError::upstream(leg, failure.error));
     }
     app.metrics.upstream_retry(leg);
-    tracing::debug!(request_id = %ctx.request_id, error = %failure.error, "leg re-sent: the engine never got it");
+    tracing::debug!(request_id = %info.request_id, error = %failure.error, "leg re-sent: the engine never got it");
     app.client
         .resend(endpoint.endpoint().target(), &head, body.parts())
         .await
@@ -167,15 +165,14 @@ async fn exchange_once(
 /// [`exchange`] within `first_byte_timeout`, racing the client going away.
 async fn send(
     session: &mut Session,
-    ctx: &Ctx,
-    req: &Incoming<'_>,
-    leg: Leg,
-    endpoint: &Picked,
-    body: Pieces,
+    info: &RequestInfo,
+    rec: &Record,
+    out: Outgoing<'_, '_>,
     first_byte_timeout: Option<Duration>,
 ) -> Result<Exchange, ProxyError> {
+    let leg = out.leg;
     tokio::select! {
-        r = within(first_byte_timeout, exchange(ctx, req, leg, endpoint, body)) => {
+        r = within(first_byte_timeout, exchange(info, rec, &out)) => {
             r.unwrap_or_else(|after| Err(ProxyError::Timeout { leg, after }))
         }
         _ = client_gone(session) => Err(ProxyError::ClientGone),
@@ -190,21 +187,22 @@ async fn send(
 /// [`ProxyError`] on timeout, engine failure, or the client leaving.
 pub async fn prefill_leg(
     session: &mut Session,
-    ctx: &mut Ctx,
+    info: &RequestInfo,
+    rec: &mut Record,
     req: &Incoming<'_>,
     first: &Picked,
     pool: Option<&Pool>,
     body: Pieces,
 ) -> Result<(ResponseHeader, Bytes), ProxyError> {
-    let route = Arc::clone(&ctx.route);
+    let route = &info.route;
     let started = Instant::now();
-    ctx.trace.leg_started(Leg::Prefill);
+    rec.trace.leg_started(Leg::Prefill);
     let answer = tokio::select! {
-        r = within(Some(route.prefill_timeout), prefill_attempts(ctx, req, first, pool, body)) => r,
+        r = within(Some(route.prefill_timeout), prefill_attempts(info, rec, req, first, pool, body)) => r,
         _ = client_gone(session) => return Err(ProxyError::ClientGone),
     };
-    ctx.trace.leg_done(Leg::Prefill);
-    ctx.prefill_ms = Some(ms_since(started));
+    rec.trace.leg_done(Leg::Prefill);
+    rec.prefill_ms = Some(ms_since(started));
     route.metrics.stage(Stage::Prefill, started.elapsed());
     match answer {
         Err(after) => Err(ProxyError::Timeout { leg: Leg::Prefill, after }),
@@ -239,15 +237,16 @@ impl PrefillTry {
 /// allow, it goes to another endpoint of `pool` (a header-named prefiller has none), not
 /// one tried already. Each failover is counted; the last attempt's result is returned.
 async fn prefill_attempts(
-    ctx: &Ctx,
+    info: &RequestInfo,
+    rec: &Record,
     req: &Incoming<'_>,
     first: &Picked,
     pool: Option<&Pool>,
     body: Pieces,
 ) -> PrefillTry {
-    let attempts = pool.map_or(1, |p| ctx.route.prefill_attempts.min(p.endpoints.len()));
+    let attempts = pool.map_or(1, |p| info.route.prefill_attempts.min(p.endpoints.len()));
     let mut tried = vec![first.addr().to_owned()];
-    let mut result = prefill_once(ctx, req, first, body.clone()).await;
+    let mut result = prefill_once(info, rec, req, first, body.clone()).await;
     for _ in 1..attempts {
         if !result.fails_over() {
             break;
@@ -256,27 +255,33 @@ async fn prefill_attempts(
         let next = pool.and_then(|p| p.pick_at(Instant::now(), &tried_now)).filter(|n| !tried_now.contains(&n.addr()));
         let Some(next) = next else { break };
         if let PrefillTry::NoAnswer(e) = &result {
-            super::error::count(ctx, e);
+            super::error::count(info, e);
         }
-        ctx.route.metrics.prefill_failover();
-        tracing::info!(request_id = %ctx.request_id, route = %ctx.route.name, "prefill failed over to another endpoint");
+        info.route.metrics.prefill_failover();
+        tracing::info!(request_id = %info.request_id, route = %info.route.name, "prefill failed over to another endpoint");
         tried.push(next.addr().to_owned());
-        result = prefill_once(ctx, req, &next, body.clone()).await;
+        result = prefill_once(info, rec, req, &next, body.clone()).await;
     }
     result
 }
 
 /// One prefill attempt on `endpoint`: send, then read the whole answer. A 5xx is counted here.
-async fn prefill_once(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, body: Pieces) -> PrefillTry {
-    let exchange = match exchange(ctx, req, Leg::Prefill, endpoint, body).await {
+async fn prefill_once(
+    info: &RequestInfo,
+    rec: &Record,
+    req: &Incoming<'_>,
+    endpoint: &Picked,
+    body: Pieces,
+) -> PrefillTry {
+    let exchange = match exchange(info, rec, &Outgoing { req, leg: Leg::Prefill, endpoint, body }).await {
         Ok(exchange) => exchange,
         Err(e) => return PrefillTry::NoAnswer(e),
     };
     let head = Some(exchange.head().clone());
     if head.as_ref().is_some_and(|h| h.status.as_u16() >= 500) {
-        ctx.app.metrics.upstream_error(Leg::Prefill, ErrorKind::Status5xx);
+        info.app.metrics.upstream_error(Leg::Prefill, ErrorKind::Status5xx);
     }
-    let body = ctx.app.client.read_to_end(exchange, PREFILL_RESPONSE_LIMIT).await;
+    let body = info.app.client.read_to_end(exchange, PREFILL_RESPONSE_LIMIT).await;
     PrefillTry::Answered(body.map(|b| (head, b)).map_err(|e| ProxyError::upstream(Leg::Prefill, e)))
 }
 
@@ -296,7 +301,7 @@ pub enum Prefilled {
 /// # Errors
 /// The prefill's failure, when it is answered.
 pub fn after_prefill(
-    ctx: &Ctx,
+    info: &RequestInfo,
     plan: &Orchestration<'_, '_>,
     prefilled: Result<(ResponseHeader, Bytes), ProxyError>,
 ) -> Result<Prefilled, ProxyError> {
@@ -314,7 +319,7 @@ pub fn after_prefill(
                 | ProxyError::PrefillBadResponse(_)
         ),
     };
-    if !failed || ctx.route.on_prefill_failure != OnPrefillFailure::DecodeAlone {
+    if !failed || info.route.on_prefill_failure != OnPrefillFailure::DecodeAlone {
         return result;
     }
     let error = match &result {
@@ -323,9 +328,9 @@ pub fn after_prefill(
         Err(e) => e.to_string(),
     };
     if let Err(e) = &result {
-        super::error::count(ctx, e);
+        super::error::count(info, e);
     }
-    tracing::info!(request_id = %ctx.request_id, route = %ctx.route.name, error = %error, "prefill failed: the decode runs alone");
+    tracing::info!(request_id = %info.request_id, route = %info.route.name, error = %error, "prefill failed: the decode runs alone");
     Ok(Prefilled::Step(plan.decode_alone()))
 }
 
@@ -336,29 +341,31 @@ pub fn after_prefill(
 /// [`ProxyError`] when the decode fails, times out, or the client leaves.
 pub async fn decode(
     session: &mut Session,
-    ctx: &mut Ctx,
+    info: &RequestInfo,
+    rec: &mut Record,
     req: &Incoming<'_>,
     endpoint: &Picked,
     step: DecodeStep,
 ) -> Result<(), ProxyError> {
-    let route = Arc::clone(&ctx.route);
+    let route = &info.route;
     let started = Instant::now();
-    ctx.decode_sent_at = Some(started);
+    rec.decode_sent_at = Some(started);
     let timeout = Some(route.decode_first_byte_timeout);
-    ctx.trace.leg_started(Leg::Decode);
-    let result = match send(session, ctx, req, Leg::Decode, endpoint, step.body.clone(), timeout).await {
+    rec.trace.leg_started(Leg::Decode);
+    let out = Outgoing { req, leg: Leg::Decode, endpoint, body: step.body.clone() };
+    let result = match send(session, info, rec, out, timeout).await {
         Ok(exchange) => {
-            ctx.trace.first_byte();
-            ctx.decode_first_byte_ms = Some(ms_since(started));
+            rec.trace.first_byte();
+            rec.decode_first_byte_ms = Some(ms_since(started));
             route.metrics.stage(Stage::DecodeFirstByte, started.elapsed());
-            relay(session, ctx, exchange, step.cached_tokens, Leg::Decode).await
+            relay(session, info, rec, exchange, step.cached_tokens, Leg::Decode).await
         }
         Err(e) => Err(e),
     };
-    ctx.trace.leg_done(Leg::Decode);
+    rec.trace.leg_done(Leg::Decode);
     // Gone before the decode answered a byte: it may not have pulled the prefill's KV blocks.
-    if matches!(result, Err(ProxyError::ClientGone)) && !ctx.answer_started {
-        release(ctx, req, endpoint, &step).await;
+    if matches!(result, Err(ProxyError::ClientGone)) && !rec.answer_started {
+        release(info, rec, req, endpoint, &step).await;
     }
     result
 }
@@ -372,19 +379,19 @@ const RELEASE_ANSWER_LIMIT: usize = 1024 * 1024;
 /// was closed with the client, and vLLM may have aborted it before pulling), reads and
 /// discards the answer within `release_timeout_ms`, so the decode pulls the blocks and the
 /// prefill frees them now; `abandon` sends nothing. Counted in `kv_releases_total`.
-async fn release(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, step: &DecodeStep) {
+async fn release(info: &RequestInfo, rec: &Record, req: &Incoming<'_>, endpoint: &Picked, step: &DecodeStep) {
     let Some(body) = step.release_body() else { return };
-    let route = &ctx.route;
+    let route = &info.route;
     if route.on_client_gone == OnClientGone::Abandon {
         route.metrics.kv_release(Release::Abandoned);
-        tracing::info!(request_id = %ctx.request_id, route = %route.name, "client gone after the prefill: KV blocks left to their lease");
+        tracing::info!(request_id = %info.request_id, route = %route.name, "client gone after the prefill: KV blocks left to their lease");
         return;
     }
-    let span = ctx.trace.release();
+    let span = rec.trace.release();
     let work = async {
-        let exchange = exchange(ctx, req, Leg::Decode, endpoint, body.into()).await?;
+        let exchange = exchange(info, rec, &Outgoing { req, leg: Leg::Decode, endpoint, body: body.into() }).await?;
         let ok = (200..300).contains(&exchange.status());
-        ctx.app
+        info.app
             .client
             .read_to_end(exchange, RELEASE_ANSWER_LIMIT)
             .await
@@ -402,7 +409,7 @@ async fn release(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, step: &Decode
     };
     route.metrics.kv_release(result);
     span.set_attribute("tokenonce.release.result", result.as_str());
-    tracing::info!(request_id = %ctx.request_id, route = %route.name, result = result.as_str(), error = %error, "client gone after the prefill: one-token decode sent to release its KV blocks");
+    tracing::info!(request_id = %info.request_id, route = %route.name, result = result.as_str(), error = %error, "client gone after the prefill: one-token decode sent to release its KV blocks");
 }
 
 /// Sends `body` to `endpoint` on `leg` and relays the answer unchanged (passthrough with a
@@ -413,33 +420,40 @@ async fn release(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, step: &Decode
 /// [`ProxyError`] when the engine fails or the client leaves.
 pub async fn forward(
     session: &mut Session,
-    ctx: &mut Ctx,
+    info: &RequestInfo,
+    rec: &mut Record,
     req: &Incoming<'_>,
     leg: Leg,
     endpoint: Picked,
     body: Pieces,
 ) -> Result<(), ProxyError> {
-    ctx.decode_sent_at = Some(Instant::now());
+    rec.decode_sent_at = Some(Instant::now());
     // A relayed prefill answers as a whole; anything else is bounded to its response head.
     let first_byte = match leg {
-        Leg::Prefill => ctx.route.prefill_timeout,
-        Leg::Decode | Leg::Passthrough => ctx.route.decode_first_byte_timeout,
+        Leg::Prefill => info.route.prefill_timeout,
+        Leg::Decode | Leg::Passthrough => info.route.decode_first_byte_timeout,
     };
-    ctx.trace.leg_started(leg);
-    let exchange = send(session, ctx, req, leg, &endpoint, body, Some(first_byte)).await?;
-    ctx.trace.first_byte();
-    let relayed = relay(session, ctx, exchange, None, leg).await;
-    ctx.trace.leg_done(leg);
+    rec.trace.leg_started(leg);
+    let exchange = send(session, info, rec, Outgoing { req, leg, endpoint: &endpoint, body }, Some(first_byte)).await?;
+    rec.trace.first_byte();
+    let relayed = relay(session, info, rec, exchange, None, leg).await;
+    rec.trace.leg_done(leg);
     relayed
 }
 
 /// Hands `ids` to the parity watch when the route samples this request (never waits: a
 /// full queue drops the sample, counted).
-pub fn watch_parity(ctx: &Ctx, api: crate::openai::Api, body: &Bytes, ids: &PromptIds, prompt_tokens: Option<u64>) {
-    let Some(parity) = ctx.route.parity.as_ref().filter(|p| p.wants_sample()) else { return };
-    ctx.app.watch.submit(crate::parity::Sample {
+pub fn watch_parity(
+    info: &RequestInfo,
+    api: crate::openai::Api,
+    body: &Bytes,
+    ids: &PromptIds,
+    prompt_tokens: Option<u64>,
+) {
+    let Some(parity) = info.route.parity.as_ref().filter(|p| p.wants_sample()) else { return };
+    info.app.watch.submit(crate::parity::Sample {
         route: Arc::clone(parity),
-        request_id: ctx.request_id.clone(),
+        request_id: info.request_id.clone(),
         api,
         body: body.clone(),
         ids: ids.clone(),
@@ -448,24 +462,24 @@ pub fn watch_parity(ctx: &Ctx, api: crate::openai::Api, body: &Bytes, ids: &Prom
 }
 
 /// Counts how the decode was sent and notes it for the access log.
-pub fn record_reuse(ctx: &mut Ctx, reuse: Reuse, refused: Option<&IdsError>) {
+pub fn record_reuse(info: &RequestInfo, rec: &mut Record, reuse: Reuse, refused: Option<&IdsError>) {
     if let Some(e) = refused {
-        tracing::info!(request_id = %ctx.request_id, error = %e, "prompt ids refused");
+        tracing::info!(request_id = %info.request_id, error = %e, "prompt ids refused");
     }
     match reuse {
         Reuse::Applied { tokens, id_bytes } => {
-            ctx.route.metrics.reuse_applied(tokens, id_bytes);
-            ctx.trace.attribute("tokenonce.reuse.result", "applied");
-            ctx.trace.attribute("tokenonce.reuse.reason", "none");
-            ctx.trace.attribute("tokenonce.reused_prompt_tokens", i64::try_from(tokens).unwrap_or(i64::MAX));
+            info.route.metrics.reuse_applied(tokens, id_bytes);
+            rec.trace.attribute("tokenonce.reuse.result", "applied");
+            rec.trace.attribute("tokenonce.reuse.reason", "none");
+            rec.trace.attribute("tokenonce.reused_prompt_tokens", i64::try_from(tokens).unwrap_or(i64::MAX));
         }
         Reuse::Fallback(reason) => {
-            ctx.trace.attribute("tokenonce.reuse.result", "fallback");
-            ctx.trace.attribute("tokenonce.reuse.reason", reason.as_str());
-            ctx.route.metrics.reuse_fallback(reason);
-            tracing::info!(request_id = %ctx.request_id, route = %ctx.route.name, reason = %reason, "token reuse fallback");
+            rec.trace.attribute("tokenonce.reuse.result", "fallback");
+            rec.trace.attribute("tokenonce.reuse.reason", reason.as_str());
+            info.route.metrics.reuse_fallback(reason);
+            tracing::info!(request_id = %info.request_id, route = %info.route.name, reason = %reason, "token reuse fallback");
         }
         Reuse::NotCounted => {}
     }
-    ctx.reuse = reuse.log_value().or(ctx.reuse);
+    rec.reuse = reuse.log_value().or(rec.reuse);
 }
