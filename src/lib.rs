@@ -11,7 +11,8 @@
 //! - `handoff`: the relay-mode id cache and correlation keys.
 //! - `parity`: pool tokenizers, the vocabulary bound and the sampled parity watch.
 //! - `sse`: incremental SSE framing.
-//! - `upstream`: pools, the HTTP client for the legs, health and version polling.
+//! - `upstream`: pools, the leg client (retry, budget, ejection) over the HTTP client,
+//!   health and version polling.
 //! - `proxy`: pingora glue and the executor that runs a plan; the one error exit.
 //!   ARCHITECTURE.md is the one-page map of these rooms.
 //! - `metrics`: every exported metric and its label enums.

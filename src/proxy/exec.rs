@@ -1,8 +1,9 @@
-//! The executor: runs the legs a plan decided. Sends a leg (the one place that calls the
-//! upstream client, so retry, failover and ejection policies go here), waits within the leg's
-//! deadline while watching the client, reads the prefill's answer, relays the decode's, and
-//! records the stage timings and the reuse outcome. Every failure is returned as a
-//! [`ProxyError`] for the one error exit.
+//! The executor: runs the legs a plan decided. Builds each leg's head and sends it through the
+//! [`LegClient`] (where the retry, budget and ejection rules are), waits within the leg's
+//! deadline while watching the client, fails a pool prefill over to another endpoint, reads
+//! the prefill's answer, relays the decode's, sends the release leg, and records the stage
+//! timings and the reuse outcome. Every failure is returned as a [`ProxyError`] for the one
+//! error exit.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -27,7 +28,7 @@ use crate::plan::{DecodeStep, DecodeVersion, Orchestration, Reuse};
 use crate::routes::Route;
 use crate::upstream::client::CREDENTIAL_HEADERS;
 use crate::upstream::health::learn_version;
-use crate::upstream::{Endpoint, Exchange, Picked, Pool, UpstreamClient};
+use crate::upstream::{Endpoint, Exchange, LegClient, Picked, Pool, UpstreamClient};
 use crate::App;
 
 /// Largest prefill response accepted (a 128k-token prompt echoed is about 1 MB).
@@ -105,61 +106,29 @@ struct Outgoing<'r, 'a> {
     body: Pieces,
 }
 
-/// Sends one leg and returns its engine's answer head (the one call of the upstream client).
-///
-/// Retry rule: a leg is re-sent once, to the same endpoint on a new connection, only when
-/// the engine provably never got it (connect failed, or the request could not be written
-/// whole; see `UpstreamClient::attempt`) and the route's retry budget has a retry. A failure
-/// after the request was written is never re-sent: a decode must not run twice.
-///
-/// The outcome feeds the endpoint's passive ejection: no answer or a 5xx head is a failure,
-/// any other head a success (a timeout drops this future and counts as neither).
-async fn exchange(info: &RequestInfo, rec: &Record, out: &Outgoing<'_, '_>) -> Result<Exchange, ProxyError> {
-    let result = exchange_once(info, rec, out).await;
-    let failed = match &result {
-        Ok(exchange) => exchange.status() >= 500,
-        Err(e) => matches!(e, ProxyError::Upstream { .. }),
-    };
-    let endpoint = out.endpoint;
-    if !failed {
-        endpoint.endpoint().request_succeeded();
-    } else if let Some(pool) = endpoint.ejection() {
-        if endpoint.endpoint().request_failed(Instant::now(), pool.eject_after) {
-            info.app.metrics.upstream_ejection(&pool.name);
-            tracing::warn!(pool = %pool.name, endpoint = %endpoint.addr(), "endpoint ejected after consecutive failures");
-        }
+/// The request's leg client: the route's budget and series, the process's connections.
+fn leg_client(info: &RequestInfo) -> LegClient<'_> {
+    LegClient {
+        client: &info.app.client,
+        metrics: &info.app.metrics,
+        budget: info.route.retry_budget(),
+        route_metrics: &info.route.metrics,
+        route: &info.route.name,
+        request_id: &info.request_id,
     }
-    result
 }
 
-/// [`exchange`] without the ejection bookkeeping.
-async fn exchange_once(info: &RequestInfo, rec: &Record, out: &Outgoing<'_, '_>) -> Result<Exchange, ProxyError> {
-    let (leg, endpoint, body) = (out.leg, out.endpoint, &out.body);
-    let mut head = out.req.head(endpoint.addr(), &info.request_id, body.len())?;
-    for (name, value) in rec.trace.headers_for(leg) {
+/// Sends one leg (its head built from the request, with the trace context) through the
+/// [`LegClient`], the one sender of every leg: retry, budget and ejection rules live there.
+async fn exchange(info: &RequestInfo, rec: &Record, out: &Outgoing<'_, '_>) -> Result<Exchange, ProxyError> {
+    let mut head = out.req.head(out.endpoint.addr(), &info.request_id, out.body.len())?;
+    for (name, value) in rec.trace.headers_for(out.leg) {
         head.insert_header(name, value).map_err(|e| ProxyError::Internal(format!("trace header: {e}")))?;
     }
-    let (app, route) = (&info.app, &info.route);
-    route.retry_budget().sent();
-    let failure = match app.client.send(endpoint.endpoint().target(), &head, body.parts()).await {
-        Ok(exchange) => return Ok(exchange),
-        Err(failure) => failure,
-    };
-    // A refused certificate is refused again: never worth a retry.
-    if !failure.unstarted || failure.error.kind() == ErrorKind::Tls {
-        return Err(ProxyError::upstream(leg, failure.error));
-    }
-    if !route.retry_budget().try_retry(Instant::now()) {
-        route.metrics.retry_refused();
-        tracing::info!(request_id = %info.request_id, route = %route.name, error = %failure.error, "retry budget exhausted");
-        return Err(ProxyError::upstream(leg, failure.error));
-    }
-    app.metrics.upstream_retry(leg);
-    tracing::debug!(request_id = %info.request_id, error = %failure.error, "leg re-sent: the engine never got it");
-    app.client
-        .resend(endpoint.endpoint().target(), &head, body.parts())
+    leg_client(info)
+        .exchange(out.leg, out.endpoint, &head, out.body.parts())
         .await
-        .map_err(|f| ProxyError::upstream(leg, f.error))
+        .map_err(|e| ProxyError::upstream(out.leg, e))
 }
 
 /// [`exchange`] within `first_byte_timeout`, racing the client going away.
