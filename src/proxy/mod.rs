@@ -154,7 +154,7 @@ impl ProxyHttp for Proxy {
 
     /// Routes the request; API calls that need their body are answered here (`Ok(true)`).
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
-        let app = Arc::clone(&ctx.info.app);
+        let app = &ctx.info.app;
         ctx.info.started = Instant::now();
         ctx.rec.counted = true;
         ctx.info.client_ip = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
