@@ -3,15 +3,18 @@
 //!
 //! Layout (formats → model → plan → execution); README "Architecture" walks the request path:
 //! - `config`: TOML file format → validated model; the embedded default.
-//! - `routes`: the runtime route table (routes holding their pools, policy, metric handles).
+//! - `routes`: the runtime route table (routes holding their pools, policy, metric handles)
+//!   and what each route learns at run time (`RouteState`, kept across reloads).
 //! - `plan`: pure decisions per request: legs, reuse gate, prefill and decode bodies.
 //! - `openai`: the wire protocol as pure functions on bytes (request view, rewrites, handoff
 //!   extraction, prompt-id validation, error bodies).
 //! - `handoff`: the relay-mode id cache and correlation keys.
 //! - `parity`: pool tokenizers, the vocabulary bound and the sampled parity watch.
 //! - `sse`: incremental SSE framing.
-//! - `upstream`: pools, the HTTP client for the legs, health and version polling.
+//! - `upstream`: pools, the leg client (retry, budget, ejection) over the HTTP client,
+//!   health and version polling.
 //! - `proxy`: pingora glue and the executor that runs a plan; the one error exit.
+//!   ARCHITECTURE.md is the one-page map of these rooms.
 //! - `metrics`: every exported metric and its label enums.
 //! - `reload`: SIGHUP config reload.
 //! - `server`: wiring config into a pingora server.
@@ -95,7 +98,7 @@ impl App {
         let eject_after = config.upstream().eject_after_failures();
         let pools: Vec<Arc<Pool>> = config.pools().iter().map(|spec| Arc::new(Pool::new(spec, eject_after))).collect();
         pools.iter().for_each(|p| metrics.pool(&p.name));
-        let routes = RouteTable::new(&config, &pools, &metrics)?;
+        let routes = RouteTable::new(&config, &pools, &metrics, None)?;
         let client =
             Arc::new(UpstreamClient::new(config.upstream().connect_timeout(), config.upstream().idle_timeout()));
         let cache = Arc::new(handoff::IdCache::new(config.cache().capacity_bytes(), config.cache().ttl()));
@@ -104,8 +107,10 @@ impl App {
         Ok(Self { cache, draining: Arc::default(), edge, config, routes, pools, client, metrics, registry, watch })
     }
 
-    /// The state for a reloaded `config`: metrics, client and cache carry over, and pools
-    /// whose spec did not change keep their endpoints (health, in-flight counts, versions).
+    /// The state for a reloaded `config`: metrics, client and cache carry over, pools whose
+    /// spec did not change keep their endpoints (health, in-flight counts, versions,
+    /// ejections), and routes unchanged over those pools keep their [`routes::RouteState`]
+    /// (model identity, parity hold, retry budget).
     ///
     /// # Errors
     /// [`AppError::Routes`] if a route names a missing pool (validation prevents it).
@@ -131,7 +136,7 @@ impl App {
             })
             .collect();
         pools.iter().for_each(|p| self.metrics.pool(&p.name));
-        let routes = RouteTable::new(&config, &pools, &self.metrics)?;
+        let routes = RouteTable::new(&config, &pools, &self.metrics, Some(&self.routes))?;
         let edge = proxy::edge::EdgeLimits::of(&config);
         Ok(Self {
             config,

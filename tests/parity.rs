@@ -95,17 +95,28 @@ struct Stack {
     p: FakeVllm,
     d: FakeVllm,
     proxy: TokenOnce,
+    /// The config it runs (for a reload of the same file).
+    text: String,
 }
 
 async fn stack(shift: u64, prefill: FakeConfig, route_extra: &str) -> Stack {
+    stack_with(shift, prefill, route_extra, &Settings::default()).await
+}
+
+async fn stack_with(shift: u64, prefill: FakeConfig, route_extra: &str, settings: &Settings) -> Stack {
     let dir = tempfile::tempdir().unwrap();
     let tk = write_tokenizer(dir.path(), shift);
     let p = FakeVllm::start(prefill).await;
     let d = FakeVllm::start(FakeConfig::default()).await;
-    let proxy = TokenOnce::start(&config(&p, &d, &tk, route_extra)).await;
+    let text = config(&p, &d, &tk, route_extra);
+    let proxy = TokenOnce::start_with(&text, settings).await;
     proxy.wait_ready(200).await;
-    Stack { _dir: dir, p, d, proxy }
+    Stack { _dir: dir, p, d, proxy, text }
 }
+
+const RELOADED: &str = r#"tokenonce_config_reloads_total{result="success"}"#;
+const REUSE_OFF: &str = r#"tokenonce_parity_reuse_off{route="pd"}"#;
+const MODELS_DIFFER: &str = r#"tokenonce_pool_models_differ{route="pd"}"#;
 
 /// The ids the fake echoes for a chat with user content `user`.
 fn ids_of(user: &str) -> String {
@@ -207,6 +218,49 @@ async fn pools_serving_different_models_never_exchange_ids() {
     assert_eq!(proxy.metric(r#"tokenonce_pool_models_differ{route="pd"}"#).await, 0.0);
     chat(proxy, "alpha").await;
     assert_eq!(proxy.metric_reaches(&reuse("none"), 1.0).await, 1.0);
+}
+
+/// The parity hold is the route's state: a reload of the unchanged file (the SIGHUP path,
+/// which rebuilds the watch with its tokenizer read again) keeps reuse off and the gauge at
+/// 1, and a matching sample inside the cool-down does not end it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_keeps_the_parity_hold() {
+    let extra = "on_parity_mismatch = \"disable_reuse\"\nparity_cooldown_ms = 600000\n";
+    let Stack { p, d, proxy, text, .. } = &stack(0, FakeConfig::default(), extra).await;
+    p.configure(|c| c.corrupt_prompt_ids = Some(ids_of("bravo")));
+    chat(proxy, "charlie").await;
+    assert_eq!(proxy.metric_reaches(&checks("mismatch"), 1.0).await, 1.0);
+    assert_eq!(proxy.metric_reaches(REUSE_OFF, 1.0).await, 1.0);
+    p.configure(|c| c.corrupt_prompt_ids = None);
+    proxy.reconfigure(text);
+    assert_eq!(proxy.metric_reaches(RELOADED, 1.0).await, 1.0);
+    assert_eq!(proxy.metric(REUSE_OFF).await, 1.0, "the gauge reports the hold");
+    chat(proxy, "charlie").await;
+    assert_eq!(proxy.metric_reaches(&reuse("parity_reuse_off"), 1.0).await, 1.0);
+    assert_eq!(proxy.metric(&reuse("none")).await, 1.0, "only the request before the mismatch went token-in");
+    let decode = d.posts().pop().unwrap().json();
+    assert!(decode["kv_transfer_params"].get("prompt_token_ids").is_none_or(Value::is_null), "{decode}");
+    assert_eq!(proxy.metric_reaches(&checks("match"), 1.0).await, 1.0);
+    assert_eq!(proxy.metric(REUSE_OFF).await, 1.0, "a match inside the cool-down keeps the hold");
+}
+
+/// Model identity is the route's state: right after a reload of the unchanged file, before
+/// any health round could learn it again (one round at start, the next a minute later),
+/// pools serving different models still exchange no ids and the gauge still reads 1.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_keeps_the_model_mismatch() {
+    let quiet = Settings { health_interval_ms: 60_000, ..Settings::default() };
+    let prefill = FakeConfig { max_model_len: 32768, ..FakeConfig::default() };
+    let Stack { proxy, text, .. } = &stack_with(0, prefill, "", &quiet).await;
+    assert_eq!(proxy.metric_reaches(MODELS_DIFFER, 1.0).await, 1.0);
+    chat(proxy, "alpha").await;
+    assert_eq!(proxy.metric_reaches(&reuse("model_mismatch"), 1.0).await, 1.0);
+    proxy.reconfigure(text);
+    assert_eq!(proxy.metric_reaches(RELOADED, 1.0).await, 1.0);
+    assert_eq!(proxy.metric(MODELS_DIFFER).await, 1.0, "the gauge reports the state");
+    chat(proxy, "alpha").await;
+    assert_eq!(proxy.metric_reaches(&reuse("model_mismatch"), 2.0).await, 2.0);
+    assert_eq!(proxy.metric(&reuse("none")).await, 0.0, "no ids crossed models");
 }
 
 /// The tokenizer is part of the loaded config: replacing its file and reloading (the SIGHUP

@@ -163,3 +163,25 @@ async fn retry_budget_refuses_retries_past_its_bound() {
     assert_eq!(proxy.metric(r#"tokenonce_retry_budget_exhausted_total{route="pt"}"#).await, 2.0);
     assert_eq!(proxy.metric(r#"tokenonce_retry_budget_exhausted_total{route="default"}"#).await, 0.0);
 }
+
+/// The budget is the route's state: a reload of the unchanged file keeps it. At 50 % and no
+/// floor, the refused first leg left half a retry; after the reload the second leg's half
+/// makes a whole one, so it is re-sent (a budget started again would refuse it too).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_keeps_the_retry_budget() {
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = closed.local_addr().unwrap().to_string();
+    drop(closed);
+    let text = config(&addr, "retry_budget_percent = 50\nretry_budget_min_per_second = 0\n");
+    let proxy = TokenOnce::start(&text).await;
+    let url = format!("{}/v1/chat/completions", proxy.url);
+    let (status, _, body) = post_json(&url, &chat_body("r0", json!({})), &[]).await;
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(proxy.metric(r#"tokenonce_retry_budget_exhausted_total{route="pt"}"#).await, 1.0);
+    proxy.reconfigure(&text);
+    assert_eq!(proxy.metric_reaches(r#"tokenonce_config_reloads_total{result="success"}"#, 1.0).await, 1.0);
+    let (status, _, body) = post_json(&url, &chat_body("r1", json!({})), &[]).await;
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(proxy.metric(r#"tokenonce_upstream_retries_total{stage="passthrough"}"#).await, 1.0);
+    assert_eq!(proxy.metric(r#"tokenonce_retry_budget_exhausted_total{route="pt"}"#).await, 1.0);
+}

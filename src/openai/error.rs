@@ -1,5 +1,5 @@
 //! tokenonce's own errors in OpenAI's shape, `{"error":{"message","type","param","code"}}`,
-//! each with its HTTP status and a stable `code` string (DESIGN.md §7). Upstream errors are
+//! each with its HTTP status and a stable `code` string (README "Errors" lists them). Upstream errors are
 //! never re-wrapped here: an engine's own 4xx body is relayed unchanged.
 
 use serde::Serialize;

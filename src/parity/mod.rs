@@ -7,4 +7,4 @@ mod tokenizer;
 mod watch;
 
 pub use tokenizer::{Tokenizer, TOKENIZER_FILE};
-pub use watch::{RouteParity, Sample, Watch, QUEUE, WORKERS};
+pub use watch::{ParityHold, RouteParity, Sample, Watch, QUEUE, WORKERS};

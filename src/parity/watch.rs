@@ -22,7 +22,38 @@ pub const WORKERS: usize = 1;
 /// Samples waiting for a worker; more are dropped.
 pub const QUEUE: usize = 16;
 
-/// One route's parity settings and state, built with the route table.
+/// A route's hold on token reuse after a parity mismatch under `disable_reuse`: `Some(until)`
+/// while held. It lives in the route's state ([`crate::routes::RouteState`]), so a reload of
+/// the unchanged route keeps it while the watch itself is rebuilt (a new tokenizer file).
+#[derive(Debug, Default)]
+pub struct ParityHold(Mutex<Option<Instant>>);
+
+impl ParityHold {
+    /// True while reuse is held off.
+    pub fn is_held(&self) -> bool {
+        self.0.lock().is_ok_and(|off| off.is_some())
+    }
+
+    /// Holds reuse off until at least `until`; true when it was not held before.
+    pub fn hold_until(&self, until: Instant) -> bool {
+        let Ok(mut off) = self.0.lock() else { return false };
+        let was_free = off.is_none();
+        *off = Some(until);
+        was_free
+    }
+
+    /// Ends the hold if its cool-down passed at `now`; true when it ended.
+    fn release_after_cooldown(&self, now: Instant) -> bool {
+        let Ok(mut off) = self.0.lock() else { return false };
+        if off.is_some_and(|until| now >= until) {
+            *off = None;
+            return true;
+        }
+        false
+    }
+}
+
+/// One route's parity settings, built with the route table, and its hold (the route's state).
 pub struct RouteParity {
     route: String,
     tokenizer: Arc<Tokenizer>,
@@ -31,8 +62,8 @@ pub struct RouteParity {
     acc: AtomicU64,
     policy: ParityPolicy,
     cooldown: Duration,
-    /// `Some(until)` while reuse is off after a mismatch.
-    off: Mutex<Option<Instant>>,
+    /// Held while reuse is off after a mismatch (carried across reloads).
+    hold: Arc<ParityHold>,
     metrics: ParityMetrics,
 }
 
@@ -53,8 +84,8 @@ pub struct Sample {
 }
 
 impl RouteParity {
-    /// The state of route `route` checking with `tokenizer`, sampling `share` (0–1) of
-    /// reused requests.
+    /// The watch of route `route` checking with `tokenizer`, sampling `share` (0–1) of
+    /// reused requests, its hold in `hold` (the `reuse_off` gauge is set to match it).
     pub fn new(
         route: &str,
         tokenizer: Arc<Tokenizer>,
@@ -62,18 +93,11 @@ impl RouteParity {
         policy: ParityPolicy,
         cooldown: Duration,
         metrics: ParityMetrics,
+        hold: Arc<ParityHold>,
     ) -> Self {
         let step = (share.clamp(0.0, 1.0) * (1u64 << 32) as f64).ceil() as u64;
-        Self {
-            route: route.to_owned(),
-            tokenizer,
-            step,
-            acc: AtomicU64::new(0),
-            policy,
-            cooldown,
-            off: Mutex::new(None),
-            metrics,
-        }
+        metrics.show_hold(hold.is_held());
+        Self { route: route.to_owned(), tokenizer, step, acc: AtomicU64::new(0), policy, cooldown, hold, metrics }
     }
 
     /// The route's tokenizer.
@@ -84,7 +108,7 @@ impl RouteParity {
     /// True while a mismatch holds reuse off (`disable_reuse`): decodes go text, and every
     /// request's ids are checked until they match again after the cool-down.
     pub fn reuse_off(&self) -> bool {
-        self.off.lock().is_ok_and(|off| off.is_some())
+        self.hold.is_held()
     }
 
     /// Whether to check this request: exactly `share` of calls (evenly spread), or every one
@@ -135,19 +159,15 @@ impl RouteParity {
     }
 
     fn turn_off(&self, now: Instant) {
-        let Ok(mut off) = self.off.lock() else { return };
-        if off.is_none() {
+        if self.hold.hold_until(now + self.cooldown) {
             self.metrics.reuse_disabled();
             tracing::warn!(route = %self.route, cooldown_ms = self.cooldown.as_millis() as u64,
                 "parity: token reuse off for the route until samples match again");
         }
-        *off = Some(now + self.cooldown);
     }
 
     fn maybe_back_on(&self, now: Instant) {
-        let Ok(mut off) = self.off.lock() else { return };
-        if off.is_some_and(|until| now >= until) {
-            *off = None;
+        if self.hold.release_after_cooldown(now) {
             self.metrics.reuse_back_on();
             tracing::info!(route = %self.route, "parity: samples match again, token reuse back on");
         }
@@ -204,7 +224,8 @@ mod tests {
     fn parity(share: f64, policy: ParityPolicy, registry: &prometheus::Registry) -> Arc<RouteParity> {
         let metrics = Metrics::register(registry).unwrap();
         let tk = Arc::new(word_tokenizer(&["<|im_start|>user", "hello", "world", "bye"], &["<|im_end|>"]));
-        Arc::new(RouteParity::new("r", tk, share, policy, Duration::from_millis(50), metrics.parity("r")))
+        let hold = Arc::default();
+        Arc::new(RouteParity::new("r", tk, share, policy, Duration::from_millis(50), metrics.parity("r"), hold))
     }
 
     fn scrape(registry: &prometheus::Registry, result: &str) -> u64 {

@@ -100,8 +100,11 @@ pub enum DecodeVersion {
     Known(Version),
     /// Asked, but no usable answer.
     Unknown,
-    /// Not asked, because the plan said it does not matter ([`needs_decode_version`]).
-    NotAsked,
+    /// Not asked: the plan said the version does not decide this request
+    /// ([`needs_decode_version`], [`relay::RelayDecode::needs_decode_version`]), so no version
+    /// gate applies. Only a caller that skipped a check the plan needed hands it to a gate
+    /// that does apply; the orchestrated gate then falls back, to be safe.
+    NotNeeded,
 }
 
 /// The client request as the plan reads it: the parsed body and its view.
@@ -210,8 +213,8 @@ fn version_gate(api: Api, version: DecodeVersion) -> Option<FallbackReason> {
     match version {
         DecodeVersion::Known(v) if v >= first => None,
         DecodeVersion::Known(_) => Some(FallbackReason::DecodeVersionOld),
-        // NotAsked here means the caller skipped a check the plan needed: be safe.
-        DecodeVersion::Unknown | DecodeVersion::NotAsked => Some(FallbackReason::DecodeVersionUnknown),
+        // NotNeeded here means the caller skipped a check the plan needed: be safe.
+        DecodeVersion::Unknown | DecodeVersion::NotNeeded => Some(FallbackReason::DecodeVersionUnknown),
     }
 }
 
@@ -266,25 +269,21 @@ impl Orchestration<'_, '_> {
     /// prefill engine does not hold the earlier answers (its legs are `store: false`, and a
     /// stored id lives on the engine that decoded it), so a prefill leg would fail with 404.
     pub fn decode_only(&self) -> Option<DecodeStep> {
-        (self.gate == Gate::Fallback(FallbackReason::Stateful)).then(|| DecodeStep {
-            body: self.request.obj.to_pieces(self.request.source, None, None),
-            reuse: Reuse::Fallback(FallbackReason::Stateful),
-            cached_tokens: None,
-            refused: None,
-            ids: None,
-            prompt_tokens: None,
-            holds_kv: false,
-            api: self.request.view.api,
-        })
+        (self.gate == Gate::Fallback(FallbackReason::Stateful)).then(|| self.text_decode(FallbackReason::Stateful))
     }
 
     /// The decode leg alone, after a failed prefill (`on_prefill_failure = "decode_alone"`):
     /// the client's body (its own handoff fields already removed), the text path, no KV
     /// handoff, counted as a `prefill_failed` fallback.
     pub fn decode_alone(&self) -> DecodeStep {
+        self.text_decode(FallbackReason::PrefillFailed)
+    }
+
+    /// The client's body as the decode, no prefill behind it, counted as `reason`.
+    fn text_decode(&self, reason: FallbackReason) -> DecodeStep {
         DecodeStep {
             body: self.request.obj.to_pieces(self.request.source, None, None),
-            reuse: Reuse::Fallback(FallbackReason::PrefillFailed),
+            reuse: Reuse::Fallback(reason),
             cached_tokens: None,
             refused: None,
             ids: None,

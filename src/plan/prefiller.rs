@@ -10,7 +10,7 @@ use crate::config::AllowEntry;
 use crate::openai::ApiError;
 
 /// A route's rule for a header-named prefiller.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HeaderRule {
     /// Lower-case header name (never forwarded to an engine).
     pub name: String,

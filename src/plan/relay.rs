@@ -216,7 +216,8 @@ impl RelayDecode<'_, '_> {
     pub fn search(&self, decode: DecodeVersion) -> Search {
         let view = self.0.request.view;
         let blocked = request_gate(view, &self.0.policy, self.0.canary_key).or_else(|| match decode {
-            DecodeVersion::NotAsked => None,
+            // Not needed: the plan found no ids could apply, or this API needs no version.
+            DecodeVersion::NotNeeded => None,
             known => version_gate(view.api, known),
         });
         if let Some(reason) = blocked {

@@ -56,7 +56,7 @@ impl ProxyHttp for Admin {
             }
             "/healthz" => (200, "text/plain", b"ok\n".to_vec()),
             "/readyz" if app.draining.load(Ordering::Relaxed) => (503, "text/plain", b"draining\n".to_vec()),
-            "/readyz" if app.metrics.ready.get() == 1 => (200, "text/plain", b"ready\n".to_vec()),
+            "/readyz" if app.metrics.ready().get() == 1 => (200, "text/plain", b"ready\n".to_vec()),
             "/drain" if !drain_authorized(&app, session.req_header()) => {
                 tracing::warn!("/drain refused: no or wrong admin token");
                 (

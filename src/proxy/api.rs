@@ -41,12 +41,13 @@ async fn read_body_unbounded(session: &mut Session, limit: usize) -> Result<Byte
     }
 }
 
-/// Serves one API request to the end.
+/// Serves one API request to the end; sets the request's route (the last of what it is)
+/// once the body is read.
 ///
 /// # Errors
 /// Any [`ProxyError`]; the caller's error exit answers it.
 pub async fn handle(session: &mut Session, ctx: &mut Ctx, api: Api) -> Result<(), ProxyError> {
-    let app = Arc::clone(&ctx.app);
+    let app = &ctx.info.app;
     let head = session.req_header();
     let path = head.uri.path().to_owned();
     let path_and_query = head.uri.path_and_query().map_or_else(|| path.clone(), |p| p.as_str().to_owned());
@@ -64,8 +65,10 @@ pub async fn handle(session: &mut Session, ctx: &mut Ctx, api: Api) -> Result<()
     let parsed = RawObject::parse_bytes(&body);
     let view = parsed.as_ref().ok().map(|obj| RequestView::parse(api, obj));
     let model = view.as_ref().and_then(|v| v.as_ref().ok()).and_then(|v| v.model.as_deref());
-    ctx.route = Arc::clone(app.routes.select(&RequestFacts { path: &path, model, headers: &headers }));
-    let route = Arc::clone(&ctx.route);
+    ctx.info.route = Arc::clone(app.routes.select(&RequestFacts { path: &path, model, headers: &headers }));
+    let Ctx { info, rec } = ctx;
+    let info = &*info;
+    let route = &info.route;
     session.as_downstream_mut().set_write_timeout(Some(route.client_write_timeout));
     if body.len() > route.max_body_bytes {
         return Err(ApiError::BodyTooLarge { limit: route.max_body_bytes }.into());
@@ -81,13 +84,13 @@ pub async fn handle(session: &mut Session, ctx: &mut Ctx, api: Api) -> Result<()
     if route.mode == Mode::Passthrough {
         // The body was read to choose the route: forward it unchanged ourselves.
         let endpoint = exec::pick(&route.decode_pool, Leg::Passthrough)?;
-        return exec::forward(session, ctx, &incoming, Leg::Passthrough, endpoint, body.clone().into()).await;
+        return exec::forward(session, info, rec, &incoming, Leg::Passthrough, endpoint, body.clone().into()).await;
     }
     let obj = parsed.map_err(|e| ApiError::invalid(format!("body is not a JSON object: {e}"), None))?;
     let view = view.ok_or_else(|| ApiError::invalid("body is not a JSON object", None))??;
     let req = ApiRequest { incoming, obj, view };
     match route.mode {
-        Mode::Relay => relay::handle(session, ctx, &req).await,
-        _ => orchestrate::run(session, ctx, &req).await,
+        Mode::Relay => relay::handle(session, info, rec, &req).await,
+        _ => orchestrate::run(session, info, rec, &req).await,
     }
 }

@@ -9,7 +9,7 @@ use bytes::Bytes;
 use pingora::proxy::Session;
 
 use super::respond::write_full;
-use super::Ctx;
+use super::{Record, RequestInfo};
 use crate::metrics::{ErrorKind, Leg, Outcome, TimeoutStage};
 use crate::openai::response::HandoffError;
 use crate::openai::ApiError;
@@ -153,12 +153,12 @@ impl ProxyError {
 }
 
 /// Counts `err` in `upstream_errors_total` and `timeouts_total` (each where it belongs).
-pub fn count(ctx: &Ctx, err: &ProxyError) {
+pub fn count(info: &RequestInfo, err: &ProxyError) {
     if let Some((leg, kind)) = err.counted_as() {
-        ctx.app.metrics.upstream_error(leg, kind);
+        info.app.metrics.upstream_error(leg, kind);
     }
     if let Some(stage) = err.timeout_stage() {
-        ctx.route.metrics.timeout(stage);
+        info.route.metrics.timeout(stage);
     }
 }
 
@@ -166,36 +166,36 @@ pub fn count(ctx: &Ctx, err: &ProxyError) {
 /// (a JSON error before the response began; an SSE error event and `[DONE]` after the head
 /// of a stream went out; nothing when the client is gone; a cut connection when a non-SSE
 /// body was under way or the client stopped reading, see [`Ctx::cut`]).
-pub async fn fail(session: &mut Session, ctx: &mut Ctx, err: ProxyError) {
+pub async fn fail(session: &mut Session, info: &RequestInfo, rec: &mut Record, err: ProxyError) {
     if let ProxyError::ClientGone = err {
-        ctx.outcome = Some(Outcome::ClientClosed);
+        rec.outcome = Some(Outcome::ClientClosed);
         return;
     }
-    count(ctx, &err);
+    count(info, &err);
     if let ProxyError::ClientStalled { .. } = err {
-        tracing::info!(request_id = %ctx.request_id, error = %err, "client connection cut");
-        ctx.outcome = Some(Outcome::ClientClosed);
-        ctx.cut = true;
+        tracing::info!(request_id = %info.request_id, error = %err, "client connection cut");
+        rec.outcome = Some(Outcome::ClientClosed);
+        rec.cut = true;
         return;
     }
     let api = err.api_error();
-    ctx.trace.error(api.code());
-    if ctx.streaming {
-        tracing::warn!(request_id = %ctx.request_id, code = api.code(), error = %err, "decode stream broke");
+    rec.trace.error(api.code());
+    if rec.streaming {
+        tracing::warn!(request_id = %info.request_id, code = api.code(), error = %err, "decode stream broke");
         let _ = session.write_response_body(Some(Bytes::from(api.sse_event())), true).await;
-        ctx.outcome = Some(Outcome::ServerError);
+        rec.outcome = Some(Outcome::ServerError);
         return;
     }
-    tracing::info!(request_id = %ctx.request_id, code = api.code(), error = %err, "request failed");
+    tracing::info!(request_id = %info.request_id, code = api.code(), error = %err, "request failed");
     if session.response_written().is_some() {
         // A non-SSE answer was already on its way: nothing more can be said, and ending
         // its body would pass the cut answer off as whole, so the connection is cut.
-        tracing::warn!(request_id = %ctx.request_id, code = api.code(), "answer cut mid-body");
-        ctx.outcome = Some(Outcome::ServerError);
-        ctx.cut = true;
+        tracing::warn!(request_id = %info.request_id, code = api.code(), "answer cut mid-body");
+        rec.outcome = Some(Outcome::ServerError);
+        rec.cut = true;
         return;
     }
-    write_full(session, ctx, api.status(), Some("application/json"), Bytes::from(api.body())).await;
+    write_full(session, info, rec, api.status(), Some("application/json"), Bytes::from(api.body())).await;
 }
 
 #[cfg(test)]

@@ -1,8 +1,9 @@
-//! The executor: runs the legs a plan decided. Sends a leg (the one place that calls the
-//! upstream client, so retry, failover and ejection policies go here), waits within the leg's
-//! deadline while watching the client, reads the prefill's answer, relays the decode's, and
-//! records the stage timings and the reuse outcome. Every failure is returned as a
-//! [`ProxyError`] for the one error exit.
+//! The executor: runs the legs a plan decided. Builds each leg's head and sends it through the
+//! [`LegClient`] (where the retry, budget and ejection rules are), waits within the leg's
+//! deadline while watching the client, fails a pool prefill over to another endpoint, reads
+//! the prefill's answer, relays the decode's, sends the release leg, and records the stage
+//! timings and the reuse outcome. Every failure is returned as a [`ProxyError`] for the one
+//! error exit.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -17,7 +18,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::error::ProxyError;
 use super::respond::{client_gone, ms_since, relay};
-use super::Ctx;
+use super::{Record, RequestInfo};
 use crate::config::{OnClientGone, OnPrefillFailure};
 use crate::metrics::{ErrorKind, Leg, Release, Stage, TimeoutStage};
 use crate::openai::json::Pieces;
@@ -27,7 +28,7 @@ use crate::plan::{DecodeStep, DecodeVersion, Orchestration, Reuse};
 use crate::routes::Route;
 use crate::upstream::client::CREDENTIAL_HEADERS;
 use crate::upstream::health::learn_version;
-use crate::upstream::{Delivery, Endpoint, Exchange, Picked, Pool, UpstreamClient};
+use crate::upstream::{Delivery, Endpoint, Exchange, LegClient, Picked, Pool, UpstreamClient};
 use crate::App;
 
 /// Largest prefill response accepted (a 128k-token prompt echoed is about 1 MB).
@@ -97,90 +98,58 @@ async fn within<F: Future>(limit: Option<Duration>, work: F) -> Result<F::Output
     }
 }
 
-/// Sends one leg and returns its engine's answer head (the one call of the upstream client).
-///
-/// Retry rule: a leg is re-sent once, to the same endpoint on a new connection, only when
-/// the engine provably never got it (connect failed, or the request could not be written
-/// whole; see `UpstreamClient::attempt`) and the route's retry budget has a retry. A failure
-/// after the request was written is never re-sent: a decode must not run twice.
-///
-/// The outcome feeds the endpoint's passive ejection: no answer or a 5xx head is a failure,
-/// any other head a success (a timeout drops this future and counts as neither).
-/// `delivery` is marked once the request is written whole (see [`decode`]).
-async fn exchange(
-    ctx: &Ctx,
-    req: &Incoming<'_>,
+/// One leg to send: its request, label, endpoint and body.
+struct Outgoing<'r, 'a> {
+    req: &'r Incoming<'a>,
     leg: Leg,
-    endpoint: &Picked,
+    endpoint: &'r Picked,
     body: Pieces,
-    delivery: &Delivery,
-) -> Result<Exchange, ProxyError> {
-    let result = exchange_once(ctx, req, leg, endpoint, body, delivery).await;
-    let failed = match &result {
-        Ok(exchange) => exchange.status() >= 500,
-        Err(e) => matches!(e, ProxyError::Upstream { .. }),
-    };
-    if !failed {
-        endpoint.endpoint().request_succeeded();
-    } else if let Some(pool) = endpoint.pool() {
-        if endpoint.endpoint().request_failed(Instant::now(), pool.eject_after) {
-            ctx.app.metrics.upstream_ejection(&pool.name);
-            tracing::warn!(pool = %pool.name, endpoint = %endpoint.addr(), "endpoint ejected after consecutive failures");
-        }
-    }
-    result
 }
 
-/// [`exchange`] without the ejection bookkeeping.
-async fn exchange_once(
-    ctx: &Ctx,
-    req: &Incoming<'_>,
-    leg: Leg,
-    endpoint: &Picked,
-    body: Pieces,
+/// The request's leg client: the route's budget and series, the process's connections.
+fn leg_client(info: &RequestInfo) -> LegClient<'_> {
+    LegClient {
+        client: &info.app.client,
+        metrics: &info.app.metrics,
+        budget: info.route.retry_budget(),
+        route_metrics: &info.route.metrics,
+        route: &info.route.name,
+        request_id: &info.request_id,
+    }
+}
+
+/// Sends one leg (its head built from the request, with the trace context) through the
+/// [`LegClient`], the one sender of every leg: retry, budget and ejection rules live there.
+/// `delivery` is marked once the request is written whole (see [`decode`]).
+async fn exchange(
+    info: &RequestInfo,
+    rec: &Record,
+    out: &Outgoing<'_, '_>,
     delivery: &Delivery,
 ) -> Result<Exchange, ProxyError> {
-    let mut head = req.head(endpoint.addr(), &ctx.request_id, body.len())?;
-    for (name, value) in ctx.trace.headers_for(leg) {
+    let mut head = out.req.head(out.endpoint.addr(), &info.request_id, out.body.len())?;
+    for (name, value) in rec.trace.headers_for(out.leg) {
         head.insert_header(name, value).map_err(|e| ProxyError::Internal(format!("trace header: {e}")))?;
     }
-    let (app, route) = (&ctx.app, &ctx.route);
-    route.retry_budget.sent();
-    let failure = match app.client.send(endpoint.endpoint().target(), &head, body.parts(), delivery).await {
-        Ok(exchange) => return Ok(exchange),
-        Err(failure) => failure,
-    };
-    // A refused certificate is refused again: never worth a retry.
-    if !failure.unstarted || failure.error.kind() == ErrorKind::Tls {
-        return Err(ProxyError::upstream(leg, failure.error));
-    }
-    if !route.retry_budget.try_retry(Instant::now()) {
-        route.metrics.retry_refused();
-        tracing::info!(request_id = %ctx.request_id, route = %route.name, error = %failure.error, "retry budget exhausted");
-        return Err(ProxyError::upstream(leg, failure.error));
-    }
-    app.metrics.upstream_retry(leg);
-    tracing::debug!(request_id = %ctx.request_id, error = %failure.error, "leg re-sent: the engine never got it");
-    app.client
-        .resend(endpoint.endpoint().target(), &head, body.parts(), delivery)
+    leg_client(info)
+        .exchange(out.leg, out.endpoint, &head, out.body.parts(), delivery)
         .await
-        .map_err(|f| ProxyError::upstream(leg, f.error))
+        .map_err(|e| ProxyError::upstream(out.leg, e))
 }
 
 /// [`exchange`] within `first_byte_timeout`, racing the client going away; with the result,
 /// whether the request was written whole (the engine may have it) when that ended.
 async fn send(
     session: &mut Session,
-    ctx: &Ctx,
-    req: &Incoming<'_>,
-    leg: Leg,
-    endpoint: &Picked,
-    body: Pieces,
+    info: &RequestInfo,
+    rec: &Record,
+    out: Outgoing<'_, '_>,
     first_byte_timeout: Option<Duration>,
 ) -> (Result<Exchange, ProxyError>, bool) {
+    let leg = out.leg;
     let delivery = Delivery::default();
     let result = tokio::select! {
-        r = within(first_byte_timeout, exchange(ctx, req, leg, endpoint, body, &delivery)) => {
+        r = within(first_byte_timeout, exchange(info, rec, &out, &delivery)) => {
             r.unwrap_or_else(|after| Err(ProxyError::Timeout { leg, after }))
         }
         _ = client_gone(session) => Err(ProxyError::ClientGone),
@@ -194,23 +163,24 @@ async fn send(
 ///
 /// # Errors
 /// [`ProxyError`] on timeout, engine failure, or the client leaving.
-pub async fn prefill(
+pub async fn prefill_leg(
     session: &mut Session,
-    ctx: &mut Ctx,
+    info: &RequestInfo,
+    rec: &mut Record,
     req: &Incoming<'_>,
     first: &Picked,
     pool: Option<&Pool>,
     body: Pieces,
 ) -> Result<(ResponseHeader, Bytes), ProxyError> {
-    let route = Arc::clone(&ctx.route);
+    let route = &info.route;
     let started = Instant::now();
-    ctx.trace.leg_started(Leg::Prefill);
+    rec.trace.leg_started(Leg::Prefill);
     let answer = tokio::select! {
-        r = within(Some(route.prefill_timeout), prefill_attempts(ctx, req, first, pool, body)) => r,
+        r = within(Some(route.prefill_timeout), prefill_attempts(info, rec, req, first, pool, body)) => r,
         _ = client_gone(session) => return Err(ProxyError::ClientGone),
     };
-    ctx.trace.leg_done(Leg::Prefill);
-    ctx.prefill_ms = Some(ms_since(started));
+    rec.trace.leg_done(Leg::Prefill);
+    rec.prefill_ms = Some(ms_since(started));
     route.metrics.stage(Stage::Prefill, started.elapsed());
     match answer {
         Err(after) => Err(ProxyError::Timeout { leg: Leg::Prefill, after }),
@@ -245,15 +215,16 @@ impl PrefillTry {
 /// allow, it goes to another endpoint of `pool` (a header-named prefiller has none), not
 /// one tried already. Each failover is counted; the last attempt's result is returned.
 async fn prefill_attempts(
-    ctx: &Ctx,
+    info: &RequestInfo,
+    rec: &Record,
     req: &Incoming<'_>,
     first: &Picked,
     pool: Option<&Pool>,
     body: Pieces,
 ) -> PrefillTry {
-    let attempts = pool.map_or(1, |p| ctx.route.prefill_attempts.min(p.endpoints.len()));
+    let attempts = pool.map_or(1, |p| info.route.prefill_attempts.min(p.endpoints.len()));
     let mut tried = vec![first.addr().to_owned()];
-    let mut result = prefill_once(ctx, req, first, body.clone()).await;
+    let mut result = prefill_once(info, rec, req, first, body.clone()).await;
     for _ in 1..attempts {
         if !result.fails_over() {
             break;
@@ -262,27 +233,34 @@ async fn prefill_attempts(
         let next = pool.and_then(|p| p.pick_at(Instant::now(), &tried_now)).filter(|n| !tried_now.contains(&n.addr()));
         let Some(next) = next else { break };
         if let PrefillTry::NoAnswer(e) = &result {
-            super::error::count(ctx, e);
+            super::error::count(info, e);
         }
-        ctx.route.metrics.prefill_failover();
-        tracing::info!(request_id = %ctx.request_id, route = %ctx.route.name, "prefill failed over to another endpoint");
+        info.route.metrics.prefill_failover();
+        tracing::info!(request_id = %info.request_id, route = %info.route.name, "prefill failed over to another endpoint");
         tried.push(next.addr().to_owned());
-        result = prefill_once(ctx, req, &next, body.clone()).await;
+        result = prefill_once(info, rec, req, &next, body.clone()).await;
     }
     result
 }
 
 /// One prefill attempt on `endpoint`: send, then read the whole answer. A 5xx is counted here.
-async fn prefill_once(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, body: Pieces) -> PrefillTry {
-    let exchange = match exchange(ctx, req, Leg::Prefill, endpoint, body, &Delivery::default()).await {
-        Ok(exchange) => exchange,
-        Err(e) => return PrefillTry::NoAnswer(e),
-    };
+async fn prefill_once(
+    info: &RequestInfo,
+    rec: &Record,
+    req: &Incoming<'_>,
+    endpoint: &Picked,
+    body: Pieces,
+) -> PrefillTry {
+    let exchange =
+        match exchange(info, rec, &Outgoing { req, leg: Leg::Prefill, endpoint, body }, &Delivery::default()).await {
+            Ok(exchange) => exchange,
+            Err(e) => return PrefillTry::NoAnswer(e),
+        };
     let head = Some(exchange.head().clone());
     if head.as_ref().is_some_and(|h| h.status.as_u16() >= 500) {
-        ctx.app.metrics.upstream_error(Leg::Prefill, ErrorKind::Status5xx);
+        info.app.metrics.upstream_error(Leg::Prefill, ErrorKind::Status5xx);
     }
-    let body = ctx.app.client.read_to_end(exchange, PREFILL_RESPONSE_LIMIT).await;
+    let body = info.app.client.read_to_end(exchange, PREFILL_RESPONSE_LIMIT).await;
     PrefillTry::Answered(body.map(|b| (head, b)).map_err(|e| ProxyError::upstream(Leg::Prefill, e)))
 }
 
@@ -302,7 +280,7 @@ pub enum Prefilled {
 /// # Errors
 /// The prefill's failure, when it is answered.
 pub fn after_prefill(
-    ctx: &Ctx,
+    info: &RequestInfo,
     plan: &Orchestration<'_, '_>,
     prefilled: Result<(ResponseHeader, Bytes), ProxyError>,
 ) -> Result<Prefilled, ProxyError> {
@@ -320,7 +298,7 @@ pub fn after_prefill(
                 | ProxyError::PrefillBadResponse(_)
         ),
     };
-    if !failed || ctx.route.on_prefill_failure != OnPrefillFailure::DecodeAlone {
+    if !failed || info.route.on_prefill_failure != OnPrefillFailure::DecodeAlone {
         return result;
     }
     let error = match &result {
@@ -329,9 +307,9 @@ pub fn after_prefill(
         Err(e) => e.to_string(),
     };
     if let Err(e) = &result {
-        super::error::count(ctx, e);
+        super::error::count(info, e);
     }
-    tracing::info!(request_id = %ctx.request_id, route = %ctx.route.name, error = %error, "prefill failed: the decode runs alone");
+    tracing::info!(request_id = %info.request_id, route = %info.route.name, error = %error, "prefill failed: the decode runs alone");
     Ok(Prefilled::Step(plan.decode_alone()))
 }
 
@@ -342,29 +320,31 @@ pub fn after_prefill(
 /// [`ProxyError`] when the decode fails, times out, or the client leaves.
 pub async fn decode(
     session: &mut Session,
-    ctx: &mut Ctx,
+    info: &RequestInfo,
+    rec: &mut Record,
     req: &Incoming<'_>,
     endpoint: &Picked,
     step: DecodeStep,
 ) -> Result<(), ProxyError> {
-    let route = Arc::clone(&ctx.route);
+    let route = &info.route;
     let started = Instant::now();
-    ctx.decode_sent_at = Some(started);
+    rec.decode_sent_at = Some(started);
     let timeout = Some(route.decode_first_byte_timeout);
-    ctx.trace.leg_started(Leg::Decode);
-    let (sent, delivered) = send(session, ctx, req, Leg::Decode, endpoint, step.body.clone(), timeout).await;
+    rec.trace.leg_started(Leg::Decode);
+    let out = Outgoing { req, leg: Leg::Decode, endpoint, body: step.body.clone() };
+    let (sent, delivered) = send(session, info, rec, out, timeout).await;
     let result = match sent {
         Ok(exchange) => {
-            ctx.trace.first_byte();
-            ctx.decode_first_byte_ms = Some(ms_since(started));
+            rec.trace.first_byte();
+            rec.decode_first_byte_ms = Some(ms_since(started));
             route.metrics.stage(Stage::DecodeFirstByte, started.elapsed());
-            relay(session, ctx, exchange, step.cached_tokens, Leg::Decode).await
+            relay(session, info, rec, exchange, step.cached_tokens, Leg::Decode).await
         }
         Err(e) => Err(e),
     };
-    ctx.trace.leg_done(Leg::Decode);
-    if matches!(result, Err(ProxyError::ClientGone)) && !ctx.answer_started {
-        after_client_gone(ctx, req, endpoint, &step, delivered).await;
+    rec.trace.leg_done(Leg::Decode);
+    if matches!(result, Err(ProxyError::ClientGone)) && !rec.answer_started {
+        after_client_gone(info, rec, req, endpoint, &step, delivered).await;
     }
     result
 }
@@ -377,16 +357,23 @@ pub async fn decode(
 /// prefill logs "Potentially invalid KV blocks ... retrieved"), so a release goes only where the
 /// decode provably never had the request (gone before it was written whole); the rest count
 /// `left_to_decode`.
-async fn after_client_gone(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, step: &DecodeStep, delivered: bool) {
+async fn after_client_gone(
+    info: &RequestInfo,
+    rec: &Record,
+    req: &Incoming<'_>,
+    endpoint: &Picked,
+    step: &DecodeStep,
+    delivered: bool,
+) {
     if !step.holds_kv {
         return;
     }
     if delivered {
-        ctx.route.metrics.kv_release(Release::LeftToDecode);
-        tracing::info!(request_id = %ctx.request_id, route = %ctx.route.name, "client gone after the decode got its request: the decode frees or pulls the KV blocks, no release");
+        info.route.metrics.kv_release(Release::LeftToDecode);
+        tracing::info!(request_id = %info.request_id, route = %info.route.name, "client gone after the decode got its request: the decode frees or pulls the KV blocks, no release");
         return;
     }
-    release(ctx, req, endpoint, step).await;
+    release(info, rec, req, endpoint, step).await;
 }
 
 /// Largest answer read (and discarded) from a release leg.
@@ -397,19 +384,20 @@ const RELEASE_ANSWER_LIMIT: usize = 1024 * 1024;
 /// decode for one token, not streamed, reads and discards the answer within
 /// `release_timeout_ms`, so the decode pulls the blocks and the prefill frees them now;
 /// `abandon` sends nothing (they wait for the prefill's lease). Counted in `kv_releases_total`.
-async fn release(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, step: &DecodeStep) {
+async fn release(info: &RequestInfo, rec: &Record, req: &Incoming<'_>, endpoint: &Picked, step: &DecodeStep) {
     let Some(body) = step.release_body() else { return };
-    let route = &ctx.route;
+    let route = &info.route;
     if route.on_client_gone == OnClientGone::Abandon {
         route.metrics.kv_release(Release::Abandoned);
-        tracing::info!(request_id = %ctx.request_id, route = %route.name, "client gone after the prefill: KV blocks left to their lease");
+        tracing::info!(request_id = %info.request_id, route = %route.name, "client gone after the prefill: KV blocks left to their lease");
         return;
     }
-    let span = ctx.trace.release();
+    let span = rec.trace.release();
     let work = async {
-        let exchange = exchange(ctx, req, Leg::Decode, endpoint, body.into(), &Delivery::default()).await?;
+        let out = Outgoing { req, leg: Leg::Decode, endpoint, body: body.into() };
+        let exchange = exchange(info, rec, &out, &Delivery::default()).await?;
         let ok = (200..300).contains(&exchange.status());
-        ctx.app
+        info.app
             .client
             .read_to_end(exchange, RELEASE_ANSWER_LIMIT)
             .await
@@ -427,7 +415,7 @@ async fn release(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, step: &Decode
     };
     route.metrics.kv_release(result);
     span.set_attribute("tokenonce.release.result", result.as_str());
-    tracing::info!(request_id = %ctx.request_id, route = %route.name, result = result.as_str(), error = %error, "client gone after the prefill: one-token decode sent to release its KV blocks");
+    tracing::info!(request_id = %info.request_id, route = %route.name, result = result.as_str(), error = %error, "client gone after the prefill: one-token decode sent to release its KV blocks");
 }
 
 /// Sends `body` to `endpoint` on `leg` and relays the answer unchanged (passthrough with a
@@ -438,33 +426,41 @@ async fn release(ctx: &Ctx, req: &Incoming<'_>, endpoint: &Picked, step: &Decode
 /// [`ProxyError`] when the engine fails or the client leaves.
 pub async fn forward(
     session: &mut Session,
-    ctx: &mut Ctx,
+    info: &RequestInfo,
+    rec: &mut Record,
     req: &Incoming<'_>,
     leg: Leg,
     endpoint: Picked,
     body: Pieces,
 ) -> Result<(), ProxyError> {
-    ctx.decode_sent_at = Some(Instant::now());
+    rec.decode_sent_at = Some(Instant::now());
     // A relayed prefill answers as a whole; anything else is bounded to its response head.
     let first_byte = match leg {
-        Leg::Prefill => ctx.route.prefill_timeout,
-        Leg::Decode | Leg::Passthrough => ctx.route.decode_first_byte_timeout,
+        Leg::Prefill => info.route.prefill_timeout,
+        Leg::Decode | Leg::Passthrough => info.route.decode_first_byte_timeout,
     };
-    ctx.trace.leg_started(leg);
-    let exchange = send(session, ctx, req, leg, &endpoint, body, Some(first_byte)).await.0?;
-    ctx.trace.first_byte();
-    let relayed = relay(session, ctx, exchange, None, leg).await;
-    ctx.trace.leg_done(leg);
+    rec.trace.leg_started(leg);
+    let exchange =
+        send(session, info, rec, Outgoing { req, leg, endpoint: &endpoint, body }, Some(first_byte)).await.0?;
+    rec.trace.first_byte();
+    let relayed = relay(session, info, rec, exchange, None, leg).await;
+    rec.trace.leg_done(leg);
     relayed
 }
 
 /// Hands `ids` to the parity watch when the route samples this request (never waits: a
 /// full queue drops the sample, counted).
-pub fn watch_parity(ctx: &Ctx, api: crate::openai::Api, body: &Bytes, ids: &PromptIds, prompt_tokens: Option<u64>) {
-    let Some(parity) = ctx.route.parity.as_ref().filter(|p| p.wants_sample()) else { return };
-    ctx.app.watch.submit(crate::parity::Sample {
+pub fn watch_parity(
+    info: &RequestInfo,
+    api: crate::openai::Api,
+    body: &Bytes,
+    ids: &PromptIds,
+    prompt_tokens: Option<u64>,
+) {
+    let Some(parity) = info.route.parity.as_ref().filter(|p| p.wants_sample()) else { return };
+    info.app.watch.submit(crate::parity::Sample {
         route: Arc::clone(parity),
-        request_id: ctx.request_id.clone(),
+        request_id: info.request_id.clone(),
         api,
         body: body.clone(),
         ids: ids.clone(),
@@ -473,24 +469,24 @@ pub fn watch_parity(ctx: &Ctx, api: crate::openai::Api, body: &Bytes, ids: &Prom
 }
 
 /// Counts how the decode was sent and notes it for the access log.
-pub fn record_reuse(ctx: &mut Ctx, reuse: Reuse, refused: Option<&IdsError>) {
+pub fn record_reuse(info: &RequestInfo, rec: &mut Record, reuse: Reuse, refused: Option<&IdsError>) {
     if let Some(e) = refused {
-        tracing::info!(request_id = %ctx.request_id, error = %e, "prompt ids refused");
+        tracing::info!(request_id = %info.request_id, error = %e, "prompt ids refused");
     }
     match reuse {
         Reuse::Applied { tokens, id_bytes } => {
-            ctx.route.metrics.reuse_applied(tokens, id_bytes);
-            ctx.trace.attribute("tokenonce.reuse.result", "applied");
-            ctx.trace.attribute("tokenonce.reuse.reason", "none");
-            ctx.trace.attribute("tokenonce.reused_prompt_tokens", i64::try_from(tokens).unwrap_or(i64::MAX));
+            info.route.metrics.reuse_applied(tokens, id_bytes);
+            rec.trace.attribute("tokenonce.reuse.result", "applied");
+            rec.trace.attribute("tokenonce.reuse.reason", "none");
+            rec.trace.attribute("tokenonce.reused_prompt_tokens", i64::try_from(tokens).unwrap_or(i64::MAX));
         }
         Reuse::Fallback(reason) => {
-            ctx.trace.attribute("tokenonce.reuse.result", "fallback");
-            ctx.trace.attribute("tokenonce.reuse.reason", reason.as_str());
-            ctx.route.metrics.reuse_fallback(reason);
-            tracing::info!(request_id = %ctx.request_id, route = %ctx.route.name, reason = %reason, "token reuse fallback");
+            rec.trace.attribute("tokenonce.reuse.result", "fallback");
+            rec.trace.attribute("tokenonce.reuse.reason", reason.as_str());
+            info.route.metrics.reuse_fallback(reason);
+            tracing::info!(request_id = %info.request_id, route = %info.route.name, reason = %reason, "token reuse fallback");
         }
         Reuse::NotCounted => {}
     }
-    ctx.reuse = reuse.log_value().or(ctx.reuse);
+    rec.reuse = reuse.log_value().or(rec.reuse);
 }

@@ -1,5 +1,6 @@
 //! The pingora glue. `Proxy` is the client-facing service: `request_filter` reads API bodies
-//! and runs them itself (pingora.md pattern C); every other request goes through pingora's
+//! and runs them itself (pingora cannot replay a body read that early once it is over 64 KiB,
+//! so API requests never enter its upstream pipeline); every other request goes through pingora's
 //! pipeline to the route's pool, byte for byte. `Admin` (admin.rs) serves the operator API.
 //!
 //! Phases used: request_filter (route; API requests answered here) → upstream_peer
@@ -38,8 +39,18 @@ use crate::routes::{RequestFacts, Route};
 use crate::upstream::{Picked, UpstreamError};
 use crate::{App, SharedApp};
 
-/// Per-request state.
+/// Per-request state: what the request is, and what it records on its way. Handlers take
+/// the two apart (`&RequestInfo`, `&mut Record`), so they can hold on to the route while
+/// recording.
 pub struct Ctx {
+    /// What the request is.
+    pub info: RequestInfo,
+    /// What it records.
+    pub rec: Record,
+}
+
+/// What a request is: set by `request_filter` and the route choice, then only read.
+pub struct RequestInfo {
     /// The configuration snapshot this request runs on.
     pub app: Arc<App>,
     /// The chosen route (the default route until one is chosen).
@@ -52,6 +63,12 @@ pub struct Ctx {
     pub request_id: String,
     /// The client's (peer's) IP address.
     pub client_ip: Option<std::net::IpAddr>,
+}
+
+/// What a request records on its way: the answer's status and outcome, timings, the reuse
+/// result, its spans, and what the error exit and `logging` need to know.
+#[derive(Default)]
+pub struct Record {
     /// Final status sent to the client.
     pub status: u16,
     /// How it ended (set when known; else derived from the status in `logging`).
@@ -85,10 +102,10 @@ pub struct Ctx {
     pub cut: bool,
 }
 
-impl Ctx {
-    /// Records the time to first byte once.
-    pub fn mark_first_byte(&mut self) {
-        self.first_byte.get_or_insert_with(|| self.started.elapsed());
+impl Record {
+    /// Records the time to first byte (since `started`) once.
+    pub fn mark_first_byte(&mut self, started: Instant) {
+        self.first_byte.get_or_insert_with(|| started.elapsed());
     }
 }
 
@@ -123,64 +140,54 @@ impl ProxyHttp for Proxy {
         // One config snapshot per request: a reload never changes a request in flight.
         let app = self.app.load_full();
         Ctx {
-            route: Arc::clone(app.routes.default_route()),
-            app,
-            started: Instant::now(),
-            api: None,
-            request_id: String::new(),
-            client_ip: None,
-            status: 0,
-            outcome: None,
-            first_byte: None,
-            streaming: false,
-            decode_sent_at: None,
-            reuse: None,
-            pass_endpoint: None,
-            counted: false,
-            body_bytes: 0,
-            answer_started: false,
-            prefill_ms: None,
-            decode_first_byte_ms: None,
-            trace: crate::telemetry::RequestTrace::default(),
-            cut: false,
+            info: RequestInfo {
+                route: Arc::clone(app.routes.default_route()),
+                app,
+                started: Instant::now(),
+                api: None,
+                request_id: String::new(),
+                client_ip: None,
+            },
+            rec: Record::default(),
         }
     }
 
     /// Routes the request; API calls that need their body are answered here (`Ok(true)`).
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
-        let app = Arc::clone(&ctx.app);
-        ctx.started = Instant::now();
-        ctx.counted = true;
-        ctx.client_ip = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
-        app.metrics.inflight.inc();
-        session.as_downstream_mut().set_write_timeout(Some(ctx.route.client_write_timeout));
+        let app = &ctx.info.app;
+        ctx.info.started = Instant::now();
+        ctx.rec.counted = true;
+        ctx.info.client_ip = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
+        app.metrics.inflight().inc();
+        session.as_downstream_mut().set_write_timeout(Some(ctx.info.route.client_write_timeout));
         let header = session.req_header();
-        ctx.trace = crate::telemetry::RequestTrace::start(header.method.as_str(), header.uri.path(), &header.headers);
+        ctx.rec.trace =
+            crate::telemetry::RequestTrace::start(header.method.as_str(), header.uri.path(), &header.headers);
         if let Err(e) = edge::check_head(&header.headers, &app.edge) {
             session.set_keepalive(None);
-            error::fail(session, ctx, e.into()).await;
+            error::fail(session, &ctx.info, &mut ctx.rec, e.into()).await;
             return Ok(true);
         }
         let header = session.req_header();
-        ctx.request_id = header
+        ctx.info.request_id = header
             .headers
             .get("x-request-id")
             .and_then(|v| v.to_str().ok())
             .filter(|v| !v.is_empty())
             .map_or_else(|| uuid::Uuid::new_v4().simple().to_string(), str::to_owned);
         let path = header.uri.path();
-        ctx.api = (header.method == http::Method::POST).then(|| Api::from_path(path)).flatten();
+        ctx.info.api = (header.method == http::Method::POST).then(|| Api::from_path(path)).flatten();
         // A route is chosen here unless it may depend on the body's model.
-        let known = match ctx.api {
+        let known = match ctx.info.api {
             Some(_) if app.routes.needs_model(path) => None,
             _ => Some(app.routes.select(&RequestFacts { path, model: None, headers: &header.headers })),
         };
-        match (ctx.api, known) {
+        match (ctx.info.api, known) {
             (Some(api), known) if known.is_none_or(|r| r.mode != Mode::Passthrough) => {
                 if let Err(e) = api::handle(session, ctx, api).await {
-                    error::fail(session, ctx, e).await;
+                    error::fail(session, &ctx.info, &mut ctx.rec, e).await;
                 }
-                if ctx.cut {
+                if ctx.rec.cut {
                     // An error here makes pingora drop the connection without ending the body.
                     return Err(Error::explain(ErrorType::WriteError, "response cut"));
                 }
@@ -188,10 +195,10 @@ impl ProxyHttp for Proxy {
             }
             (_, known) => {
                 if let Some(route) = known {
-                    ctx.route = Arc::clone(route);
+                    ctx.info.route = Arc::clone(route);
                 }
-                session.as_downstream_mut().set_write_timeout(Some(ctx.route.client_write_timeout));
-                passthrough::check_declared_length(session, ctx).await
+                session.as_downstream_mut().set_write_timeout(Some(ctx.info.route.client_write_timeout));
+                passthrough::check_declared_length(session, &ctx.info, &mut ctx.rec).await
             }
         }
     }
@@ -205,29 +212,31 @@ impl ProxyHttp for Proxy {
         _end_of_stream: bool,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        passthrough::count_body(ctx, body.as_ref().map_or(0, bytes::Bytes::len))
+        passthrough::count_body(&ctx.info, &mut ctx.rec, body.as_ref().map_or(0, bytes::Bytes::len))
     }
 
     /// A cut response was logged by the error exit already.
     fn suppress_error_log(&self, _session: &Session, ctx: &Ctx, _error: &Error) -> bool {
-        ctx.cut
+        ctx.rec.cut
     }
 
     /// Passthrough only: an endpoint of the route's pool.
     async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
         let picked = ctx
+            .info
             .route
             .decode_pool
             .pick()
             .ok_or_else(|| Error::explain(ErrorType::HTTPStatus(502), "passthrough pool is empty"))?;
         let peer = ctx
+            .info
             .app
             .client
             .peer(picked.endpoint().target())
             .await
             .map_err(|e| Error::explain(ErrorType::ConnectError, e.to_string()))?;
-        ctx.pass_endpoint = Some(picked);
-        Ok(Box::new(passthrough::bounded_peer(peer, &ctx.route)))
+        ctx.rec.pass_endpoint = Some(picked);
+        Ok(Box::new(passthrough::bounded_peer(peer, &ctx.info.route)))
     }
 
     /// Passthrough: the request's own `traceparent` goes to the engine (when tracing is on).
@@ -237,7 +246,7 @@ impl ProxyHttp for Proxy {
         upstream: &mut RequestHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        for (name, value) in ctx.trace.headers_for(Leg::Passthrough) {
+        for (name, value) in ctx.rec.trace.headers_for(Leg::Passthrough) {
             upstream.insert_header(name, value)?;
         }
         Ok(())
@@ -249,19 +258,19 @@ impl ProxyHttp for Proxy {
         upstream: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        ctx.status = upstream.status.as_u16();
-        ctx.mark_first_byte();
+        ctx.rec.status = upstream.status.as_u16();
+        ctx.rec.mark_first_byte(ctx.info.started);
         Ok(())
     }
 
     /// Passthrough failures go through the one error exit (OpenAI-shaped, redacted).
     async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
-        if ctx.cut {
+        if ctx.rec.cut {
             // `request_filter` cut an API response; the error exit already ran.
             return FailToProxy { error_code: 0, can_reuse_downstream: false };
         }
-        let addr = ctx.pass_endpoint.as_ref().map_or_else(String::new, |p| p.addr().to_owned());
-        let err = match passthrough::classify(session, e, ctx) {
+        let addr = ctx.rec.pass_endpoint.as_ref().map_or_else(String::new, |p| p.addr().to_owned());
+        let err = match passthrough::classify(session, e, &ctx.info) {
             Some(err) => err,
             None => match e.etype() {
                 ErrorType::ConnectTimedout
@@ -283,39 +292,42 @@ impl ProxyHttp for Proxy {
             ProxyError::ClientGone | ProxyError::ClientStalled { .. } => 0,
             ref err => err.api_error().status(),
         };
-        error::fail(session, ctx, err).await;
+        error::fail(session, &ctx.info, &mut ctx.rec, err).await;
         FailToProxy { error_code: code, can_reuse_downstream: false }
     }
 
     /// Counts the request once, whatever path it took.
     async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Ctx) {
-        if ctx.counted {
-            ctx.app.metrics.inflight.dec();
+        if ctx.rec.counted {
+            ctx.info.app.metrics.inflight().dec();
         }
-        let status =
-            if ctx.status != 0 { ctx.status } else { session.response_written().map_or(0, |h| h.status.as_u16()) };
+        let status = if ctx.rec.status != 0 {
+            ctx.rec.status
+        } else {
+            session.response_written().map_or(0, |h| h.status.as_u16())
+        };
         let outcome =
-            ctx.outcome.unwrap_or(if status == 0 { Outcome::ClientClosed } else { Outcome::from_status(status) });
-        let elapsed = ctx.started.elapsed();
-        let route = &ctx.route;
-        route.metrics.finished(ctx.api, outcome, elapsed, ctx.first_byte);
-        let mode = crate::metrics::served_as(ctx.api, route.mode).as_str();
-        ctx.trace.attribute("tokenonce.route", route.name.clone());
-        ctx.trace.attribute("tokenonce.api", ctx.api.map_or("other", Api::as_str));
-        ctx.trace.attribute("tokenonce.mode", mode);
-        ctx.trace.attribute("tokenonce.outcome", outcome.as_str());
-        ctx.trace.finish(status);
+            ctx.rec.outcome.unwrap_or(if status == 0 { Outcome::ClientClosed } else { Outcome::from_status(status) });
+        let elapsed = ctx.info.started.elapsed();
+        let route = &ctx.info.route;
+        route.metrics.finished(ctx.info.api, outcome, elapsed, ctx.rec.first_byte);
+        let mode = crate::metrics::served_as(ctx.info.api, route.mode).as_str();
+        ctx.rec.trace.attribute("tokenonce.route", route.name.clone());
+        ctx.rec.trace.attribute("tokenonce.api", ctx.info.api.map_or("other", Api::as_str));
+        ctx.rec.trace.attribute("tokenonce.mode", mode);
+        ctx.rec.trace.attribute("tokenonce.outcome", outcome.as_str());
+        ctx.rec.trace.finish(status);
         tracing::info!(
-            request_id = %ctx.request_id,
+            request_id = %ctx.info.request_id,
             route = %route.name,
-            api = ctx.api.map_or("other", Api::as_str),
+            api = ctx.info.api.map_or("other", Api::as_str),
             mode,
             status,
             outcome = outcome.as_str(),
-            reuse = ctx.reuse.unwrap_or("-"),
-            prefill_ms = ctx.prefill_ms.unwrap_or(0.0),
-            decode_first_byte_ms = ctx.decode_first_byte_ms.unwrap_or(0.0),
-            ttfb_ms = ctx.first_byte.map_or(0.0, |d| d.as_secs_f64() * 1000.0),
+            reuse = ctx.rec.reuse.unwrap_or("-"),
+            prefill_ms = ctx.rec.prefill_ms.unwrap_or(0.0),
+            decode_first_byte_ms = ctx.rec.decode_first_byte_ms.unwrap_or(0.0),
+            ttfb_ms = ctx.rec.first_byte.map_or(0.0, |d| d.as_secs_f64() * 1000.0),
             total_ms = elapsed.as_secs_f64() * 1000.0,
             "request"
         );

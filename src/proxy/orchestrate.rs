@@ -2,7 +2,6 @@
 //! decode leg, relay. Decisions come from `plan`; sending and waiting from `exec`.
 
 use std::net::IpAddr;
-use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -13,7 +12,7 @@ use pingora::proxy::Session;
 use super::error::ProxyError;
 use super::exec;
 use super::respond::write_engine_answer;
-use super::{ApiRequest, Ctx};
+use super::{ApiRequest, Record, RequestInfo};
 use crate::metrics::{Leg, Stage};
 use crate::openai::json::Pieces;
 use crate::openai::response::HandoffError;
@@ -25,54 +24,61 @@ use crate::upstream::Picked;
 ///
 /// # Errors
 /// Any [`ProxyError`]; the caller's error exit answers it.
-pub async fn run(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> Result<(), ProxyError> {
-    let (app, route) = (Arc::clone(&ctx.app), Arc::clone(&ctx.route));
+pub async fn run(
+    session: &mut Session,
+    info: &RequestInfo,
+    rec: &mut Record,
+    req: &ApiRequest<'_>,
+) -> Result<(), ProxyError> {
+    let (app, route) = (&info.app, &info.route);
     // The handoff is ours: a client's own kv_transfer_params never reach an engine.
     let cleaned = plan::without_client_handoff(&req.obj, route.client_handoff)?;
     let obj = cleaned.as_ref().unwrap_or(&req.obj);
     let decode = exec::pick(&route.decode_pool, Leg::Decode)?;
-    let Some(prefiller) = prefiller(&route, req.incoming.headers, ctx.client_ip)? else {
+    let Some(prefiller) = prefiller(route, req.incoming.headers, info.client_ip)? else {
         // Header mode without the header: the picker chose decode-only; send it as is.
         let body = cleaned
             .as_ref()
             .map_or_else(|| req.incoming.body.clone().into(), |c| c.to_pieces(Some(req.incoming.body), None, None));
-        return exec::forward(session, ctx, &req.incoming, Leg::Decode, decode, body).await;
+        return exec::forward(session, info, rec, &req.incoming, Leg::Decode, decode, body).await;
     };
     let policy = route.policy_now();
-    let version = if plan::needs_decode_version(&req.view, &policy, &ctx.request_id) {
-        exec::decode_version(&app, &route, decode.endpoint()).await
+    let version = if plan::needs_decode_version(&req.view, &policy, &info.request_id) {
+        exec::decode_version(app, route, decode.endpoint()).await
     } else {
-        DecodeVersion::NotAsked
+        DecodeVersion::NotNeeded
     };
     let plan = plan::orchestrate(
         plan::Request { obj, view: &req.view, source: Some(req.incoming.body) },
         &policy,
         version,
-        &ctx.request_id,
+        &info.request_id,
     );
     if let Some(step) = plan.decode_only() {
-        exec::record_reuse(ctx, step.reuse, None);
-        return exec::decode(session, ctx, &req.incoming, &decode, step).await;
+        exec::record_reuse(info, rec, step.reuse, None);
+        return exec::decode(session, info, rec, &req.incoming, &decode, step).await;
     }
 
-    let prefilled = prefill(session, ctx, &req.incoming, &prefiller, plan.prefill_body.clone()).await;
+    let prefilled = guarded_prefill(session, info, rec, &req.incoming, &prefiller, plan.prefill_body.clone()).await;
     drop(prefiller);
 
     let handoff_started = Instant::now();
-    let handoff = ctx.trace.handoff();
-    let mut step = match exec::after_prefill(ctx, &plan, prefilled)? {
+    let handoff = rec.trace.handoff();
+    let mut step = match exec::after_prefill(info, &plan, prefilled)? {
         exec::Prefilled::Step(step) => step,
         // The prefill's own error (e.g. vLLM's 400 for a too-long prompt) goes back unchanged.
-        exec::Prefilled::EngineAnswer(head, answer) => return write_engine_answer(session, ctx, &head, answer).await,
+        exec::Prefilled::EngineAnswer(head, answer) => {
+            return write_engine_answer(session, info, rec, &head, answer).await
+        }
     };
-    exec::record_reuse(ctx, step.reuse, step.refused.as_ref());
+    exec::record_reuse(info, rec, step.reuse, step.refused.as_ref());
     if let Some(ids) = step.ids.take() {
-        exec::watch_parity(ctx, req.view.api, req.incoming.body, &ids, step.prompt_tokens);
+        exec::watch_parity(info, req.view.api, req.incoming.body, &ids, step.prompt_tokens);
     }
     route.metrics.stage(Stage::Handoff, handoff_started.elapsed());
     drop(handoff);
 
-    exec::decode(session, ctx, &req.incoming, &decode, step).await
+    exec::decode(session, info, rec, &req.incoming, &decode, step).await
 }
 
 /// Where the prefill leg goes.
@@ -98,27 +104,29 @@ fn prefiller(route: &Route, headers: &HeaderMap, peer: Option<IpAddr>) -> Result
 /// Largest error body relayed from a header-named prefiller.
 const NAMED_PREFILLER_ERROR_LIMIT: usize = 64 * 1024;
 
-/// The prefill leg. A header-named prefiller gets no client credentials unless the route
-/// says so, its connect failures all read alike (no probing of ports and hosts through
-/// tokenonce), and its error bodies are relayed only up to a bound.
-async fn prefill(
+/// The prefill leg ([`exec::prefill_leg`]) under the trust rules of its prefiller: a
+/// header-named one gets no client credentials unless the route says so, its connect failures
+/// all read alike (no probing of ports and hosts through tokenonce), and its error bodies are
+/// relayed only up to a bound.
+async fn guarded_prefill(
     session: &mut Session,
-    ctx: &mut Ctx,
+    info: &RequestInfo,
+    rec: &mut Record,
     req: &exec::Incoming<'_>,
     prefiller: &Prefiller,
     body: Pieces,
 ) -> Result<(ResponseHeader, Bytes), ProxyError> {
-    let route = Arc::clone(&ctx.route);
+    let route = &info.route;
     if !prefiller.named {
         let pool = match &route.prefill {
             Some(PrefillTarget::Pool(pool)) => Some(pool.as_ref()),
             _ => None,
         };
-        return exec::prefill(session, ctx, req, &prefiller.endpoint, pool, body).await;
+        return exec::prefill_leg(session, info, rec, req, &prefiller.endpoint, pool, body).await;
     }
-    let forward = matches!(&ctx.route.prefill, Some(PrefillTarget::Header(rule)) if rule.forward_credentials);
+    let forward = matches!(&info.route.prefill, Some(PrefillTarget::Header(rule)) if rule.forward_credentials);
     let req = exec::Incoming { drop_credentials: !forward, ..*req };
-    let (head, answer) = exec::prefill(session, ctx, &req, &prefiller.endpoint, None, body)
+    let (head, answer) = exec::prefill_leg(session, info, rec, &req, &prefiller.endpoint, None, body)
         .await
         .map_err(ProxyError::uniform_connect)?;
     if !head.status.is_success() && answer.len() > NAMED_PREFILLER_ERROR_LIMIT {

@@ -9,7 +9,7 @@ use pingora::proxy::Session;
 use pingora::upstreams::peer::HttpPeer;
 
 use super::error::{self, ProxyError};
-use super::Ctx;
+use super::{Record, RequestInfo};
 use crate::metrics::Leg;
 use crate::openai::ApiError;
 use crate::routes::Route;
@@ -19,14 +19,14 @@ use crate::routes::Route;
 ///
 /// # Errors
 /// Never; `Result` is the phase's signature.
-pub async fn check_declared_length(session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
-    let limit = ctx.route.max_body_bytes;
+pub async fn check_declared_length(session: &mut Session, info: &RequestInfo, rec: &mut Record) -> Result<bool> {
+    let limit = info.route.max_body_bytes;
     let declared = session.req_header().headers.get("content-length").and_then(|v| v.to_str().ok()?.parse().ok());
     if declared.is_none_or(|len: usize| len <= limit) {
         return Ok(false);
     }
     session.set_keepalive(None);
-    error::fail(session, ctx, ApiError::BodyTooLarge { limit }.into()).await;
+    error::fail(session, info, rec, ApiError::BodyTooLarge { limit }.into()).await;
     Ok(true)
 }
 
@@ -34,9 +34,9 @@ pub async fn check_declared_length(session: &mut Session, ctx: &mut Ctx) -> Resu
 ///
 /// # Errors
 /// `HTTPStatus(413)` once the body is over `max_body_bytes` ([`classify`] answers it).
-pub fn count_body(ctx: &mut Ctx, n: usize) -> Result<()> {
-    ctx.body_bytes = ctx.body_bytes.saturating_add(n);
-    if ctx.body_bytes > ctx.route.max_body_bytes {
+pub fn count_body(info: &RequestInfo, rec: &mut Record, n: usize) -> Result<()> {
+    rec.body_bytes = rec.body_bytes.saturating_add(n);
+    if rec.body_bytes > info.route.max_body_bytes {
         return Err(Error::explain(ErrorType::HTTPStatus(413), "request body over max_body_bytes"));
     }
     Ok(())
@@ -58,8 +58,8 @@ fn read_timeout(route: &Route) -> Duration {
 /// The failures of the pipeline that are bounds of ours: a body over the limit, an engine
 /// read or write that ran out (before the response head: no answer in time; after: a
 /// stalled body), a client that stopped reading. `None`: not one of them.
-pub fn classify(session: &Session, e: &Error, ctx: &Ctx) -> Option<ProxyError> {
-    let route = &ctx.route;
+pub fn classify(session: &Session, e: &Error, info: &RequestInfo) -> Option<ProxyError> {
+    let route = &info.route;
     let upstream = matches!(e.esource(), ErrorSource::Upstream);
     match e.etype() {
         ErrorType::HTTPStatus(413) => Some(ApiError::BodyTooLarge { limit: route.max_body_bytes }.into()),

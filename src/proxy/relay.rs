@@ -3,7 +3,6 @@
 //! `kv_transfer_params`); a decode finds them and goes token-in. Decisions come from
 //! `plan::relay`; this module sends the legs and touches the cache.
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use pingora::proxy::Session;
@@ -11,7 +10,7 @@ use pingora::proxy::Session;
 use super::error::ProxyError;
 use super::exec;
 use super::respond::write_engine_answer;
-use super::{ApiRequest, Ctx};
+use super::{ApiRequest, Record, RequestInfo};
 use crate::handoff::{Evicted, Lookup};
 use crate::metrics::Leg;
 use crate::openai::PromptIds;
@@ -24,67 +23,84 @@ use crate::App;
 ///
 /// # Errors
 /// Any [`ProxyError`]; the caller's error exit answers it.
-pub async fn handle(session: &mut Session, ctx: &mut Ctx, req: &ApiRequest<'_>) -> Result<(), ProxyError> {
-    let route = Arc::clone(&ctx.route);
+pub async fn handle(
+    session: &mut Session,
+    info: &RequestInfo,
+    rec: &mut Record,
+    req: &ApiRequest<'_>,
+) -> Result<(), ProxyError> {
     // Only an `X-Request-Id` the orchestrator sent correlates the legs (ours is random).
-    let client_id = req.incoming.headers.contains_key("x-request-id").then(|| ctx.request_id.clone());
-    let canary_key = ctx.request_id.clone();
-    match crate::plan::relay::plan(req.plan_input(), &route.policy_now(), client_id.as_deref(), &canary_key) {
-        RelayPlan::Prefill(plan) => prefill(session, ctx, req, &plan).await,
-        RelayPlan::Decode(plan) => decode(session, ctx, req, &plan).await,
+    let client_id = req.incoming.headers.contains_key("x-request-id").then_some(info.request_id.as_str());
+    let policy = info.route.policy_now();
+    match crate::plan::relay::plan(req.plan_input(), &policy, client_id, &info.request_id) {
+        RelayPlan::Prefill(plan) => annotated_prefill(session, info, rec, req, &plan).await,
+        RelayPlan::Decode(plan) => completed_decode(session, info, rec, req, &plan).await,
     }
 }
 
-async fn prefill(
+/// A relayed prefill: asked to echo its ids, which are kept (cache or inline) and hidden from
+/// the answer unless the orchestrator asked for them.
+async fn annotated_prefill(
     session: &mut Session,
-    ctx: &mut Ctx,
+    info: &RequestInfo,
+    rec: &mut Record,
     req: &ApiRequest<'_>,
     plan: &RelayPrefill<'_, '_>,
 ) -> Result<(), ProxyError> {
-    let (app, route) = (Arc::clone(&ctx.app), Arc::clone(&ctx.route));
+    let (app, route) = (&info.app, &info.route);
     let pool = match &route.prefill {
         Some(PrefillTarget::Pool(pool)) => pool,
         _ => &route.decode_pool,
     };
     let endpoint = exec::pick(pool, Leg::Prefill)?;
     let Some(body) = plan.body() else {
-        return exec::forward(session, ctx, &req.incoming, Leg::Prefill, endpoint, req.incoming.body.clone().into())
-            .await;
+        return exec::forward(
+            session,
+            info,
+            rec,
+            &req.incoming,
+            Leg::Prefill,
+            endpoint,
+            req.incoming.body.clone().into(),
+        )
+        .await;
     };
-    let (head, answer) = exec::prefill(session, ctx, &req.incoming, &endpoint, Some(pool), body).await?;
+    let (head, answer) = exec::prefill_leg(session, info, rec, &req.incoming, &endpoint, Some(pool), body).await?;
     drop(endpoint);
     if !head.status.is_success() {
-        return write_engine_answer(session, ctx, &head, answer).await;
+        return write_engine_answer(session, info, rec, &head, answer).await;
     }
     let kept = plan.after_prefill(&answer);
     if let Some(entry) = kept.store {
         let evicted = app.cache.insert(entry.keys, entry.fingerprint, entry.ids, Instant::now());
-        record_cache(&app, None, evicted);
+        record_cache(app, None, evicted);
     }
     if kept.kept {
-        ctx.reuse = Some("ids_kept");
+        rec.reuse = Some("ids_kept");
     }
-    write_engine_answer(session, ctx, &head, kept.body.unwrap_or(answer)).await
+    write_engine_answer(session, info, rec, &head, kept.body.unwrap_or(answer)).await
 }
 
-async fn decode(
+/// A relayed decode: its ids found (inline or in the cache) and sent token-in, else as sent.
+async fn completed_decode(
     session: &mut Session,
-    ctx: &mut Ctx,
+    info: &RequestInfo,
+    rec: &mut Record,
     req: &ApiRequest<'_>,
     plan: &RelayDecode<'_, '_>,
 ) -> Result<(), ProxyError> {
-    let (app, route) = (Arc::clone(&ctx.app), Arc::clone(&ctx.route));
+    let (app, route) = (&info.app, &info.route);
     let endpoint = exec::pick(&route.decode_pool, Leg::Decode)?;
     let version = if plan.needs_decode_version(app.cache.is_empty()) {
-        exec::decode_version(&app, &route, endpoint.endpoint()).await
+        exec::decode_version(app, route, endpoint.endpoint()).await
     } else {
-        DecodeVersion::NotAsked
+        DecodeVersion::NotNeeded
     };
     let found = match plan.search(version) {
         Search::Done(found) => found,
         Search::Cache { keys, fingerprint } => {
             let (lookup, evicted) = app.cache.take(&keys, fingerprint, Instant::now());
-            record_cache(&app, Some(&lookup), evicted);
+            record_cache(app, Some(&lookup), evicted);
             match lookup {
                 Lookup::Hit(ids) => Found::Ids(PromptIds::from_ids(&ids)),
                 _ => Found::Missing,
@@ -93,7 +109,7 @@ async fn decode(
     };
     let found = match found {
         Found::Ids(ids) => {
-            exec::watch_parity(ctx, req.view.api, req.incoming.body, &ids, None);
+            exec::watch_parity(info, req.view.api, req.incoming.body, &ids, None);
             // While the watch holds reuse off, the ids were only checked.
             if route.parity.as_ref().is_some_and(|p| p.reuse_off()) {
                 Found::Blocked(crate::openai::FallbackReason::ParityReuseOff)
@@ -104,9 +120,9 @@ async fn decode(
         other => other,
     };
     let (body, reuse, refused) = plan.step(found);
-    exec::record_reuse(ctx, reuse, refused.as_ref());
+    exec::record_reuse(info, rec, reuse, refused.as_ref());
     let body = body.unwrap_or_else(|| req.incoming.body.clone().into());
-    exec::forward(session, ctx, &req.incoming, Leg::Decode, endpoint, body).await
+    exec::forward(session, info, rec, &req.incoming, Leg::Decode, endpoint, body).await
 }
 
 /// Counts a cache lookup and evictions, and refreshes the cache gauges.

@@ -10,7 +10,7 @@ use pingora::http::ResponseHeader;
 use pingora::proxy::Session;
 
 use super::error::ProxyError;
-use super::Ctx;
+use super::{Record, RequestInfo};
 use crate::metrics::{Leg, Outcome, Stage, TimeoutStage};
 use crate::openai::response::{rewrite_usage_cached, StreamFraming};
 use crate::openai::Api;
@@ -24,18 +24,25 @@ pub async fn client_gone(session: &mut Session) {
 }
 
 /// Writes a complete response with `Content-Length` (and `x-request-id`).
-pub async fn write_full(session: &mut Session, ctx: &mut Ctx, status: u16, content_type: Option<&str>, body: Bytes) {
+pub async fn write_full(
+    session: &mut Session,
+    info: &RequestInfo,
+    rec: &mut Record,
+    status: u16,
+    content_type: Option<&str>,
+    body: Bytes,
+) {
     let Ok(mut head) = ResponseHeader::build(status, Some(4)) else {
-        ctx.outcome.get_or_insert(Outcome::ServerError);
+        rec.outcome.get_or_insert(Outcome::ServerError);
         return;
     };
     let built = content_type.is_none_or(|ct| head.insert_header("content-type", ct).is_ok())
-        && head.insert_header("x-request-id", ctx.request_id.as_str()).is_ok();
+        && head.insert_header("x-request-id", info.request_id.as_str()).is_ok();
     if !built {
-        ctx.outcome.get_or_insert(Outcome::ServerError);
+        rec.outcome.get_or_insert(Outcome::ServerError);
         return;
     }
-    write_buffered(session, ctx, head, body).await;
+    write_buffered(session, info, rec, head, body).await;
 }
 
 /// The client's response head from an engine's: status and end-to-end headers kept,
@@ -54,30 +61,36 @@ pub fn client_head(upstream: &ResponseHeader, request_id: &str) -> Option<Respon
 }
 
 /// Writes `head` with `body` and its `Content-Length`; records status and outcome.
-pub async fn write_buffered(session: &mut Session, ctx: &mut Ctx, mut head: ResponseHeader, body: Bytes) {
+pub async fn write_buffered(
+    session: &mut Session,
+    info: &RequestInfo,
+    rec: &mut Record,
+    mut head: ResponseHeader,
+    body: Bytes,
+) {
     let status = head.status.as_u16();
     if head.insert_header("content-length", body.len().to_string()).is_err() {
-        ctx.outcome.get_or_insert(Outcome::ServerError);
+        rec.outcome.get_or_insert(Outcome::ServerError);
         return;
     }
-    ctx.mark_first_byte();
-    ctx.status = status;
+    rec.mark_first_byte(info.started);
+    rec.status = status;
     let written = match session.write_response_header(Box::new(head), false).await {
         Ok(()) => session.write_response_body(Some(body), true).await,
         Err(e) => Err(e),
     };
     match written {
         Ok(()) => {
-            ctx.outcome.get_or_insert(Outcome::from_status(status));
+            rec.outcome.get_or_insert(Outcome::from_status(status));
         }
         Err(e) => {
             if e.etype() == &pingora::ErrorType::WriteTimedout {
                 // The client stopped reading: cut it (finishing the body would wait again).
-                ctx.route.metrics.timeout(TimeoutStage::ClientWrite);
-                tracing::info!(request_id = %ctx.request_id, "client stopped reading: connection cut");
-                ctx.cut = true;
+                info.route.metrics.timeout(TimeoutStage::ClientWrite);
+                tracing::info!(request_id = %info.request_id, "client stopped reading: connection cut");
+                rec.cut = true;
             }
-            ctx.outcome.get_or_insert(Outcome::ClientClosed);
+            rec.outcome.get_or_insert(Outcome::ClientClosed);
         }
     }
 }
@@ -88,13 +101,14 @@ pub async fn write_buffered(session: &mut Session, ctx: &mut Ctx, mut head: Resp
 /// [`ProxyError::Internal`] when the engine's head cannot be copied.
 pub async fn write_engine_answer(
     session: &mut Session,
-    ctx: &mut Ctx,
+    info: &RequestInfo,
+    rec: &mut Record,
     upstream: &ResponseHeader,
     body: Bytes,
 ) -> Result<(), ProxyError> {
-    let head = client_head(upstream, &ctx.request_id)
+    let head = client_head(upstream, &info.request_id)
         .ok_or_else(|| ProxyError::Internal("engine response head cannot be copied".into()))?;
-    write_buffered(session, ctx, head, body).await;
+    write_buffered(session, info, rec, head, body).await;
     Ok(())
 }
 
@@ -110,23 +124,26 @@ pub async fn write_engine_answer(
 /// an SSE error event, or a cut connection for other bodies) or the client is gone.
 pub async fn relay(
     session: &mut Session,
-    ctx: &mut Ctx,
+    info: &RequestInfo,
+    rec: &mut Record,
     exchange: Exchange,
     cached_tokens: Option<u64>,
     leg: Leg,
 ) -> Result<(), ProxyError> {
     let ok = (200..300).contains(&exchange.status());
     let is_sse = exchange.header("content-type").is_some_and(|ct| ct.starts_with("text/event-stream"));
-    let head = client_head(exchange.head(), &ctx.request_id)
+    let head = client_head(exchange.head(), &info.request_id)
         .ok_or_else(|| ProxyError::Internal("engine response head cannot be copied".into()))?;
     let small = exchange
         .header("content-length")
         .and_then(|v| v.trim().parse::<usize>().ok())
         .is_some_and(|n| n <= SMALL_ANSWER);
     match (is_sse && ok, cached_tokens.filter(|_| ok)) {
-        (true, _) => relay_stream(session, ctx, exchange, head, cached_tokens, leg).await,
-        (false, cached) if cached.is_some() || small => relay_buffered(session, ctx, exchange, head, cached, leg).await,
-        (false, _) => relay_through(session, ctx, exchange, head, Bytes::new(), leg).await,
+        (true, _) => relay_stream(session, info, rec, exchange, head, cached_tokens, leg).await,
+        (false, cached) if cached.is_some() || small => {
+            relay_buffered(session, info, rec, exchange, head, cached, leg).await
+        }
+        (false, _) => relay_through(session, info, rec, exchange, head, Bytes::new(), leg).await,
     }
 }
 
@@ -144,11 +161,12 @@ pub const REWRITE_LIMIT: usize = 16 * 1024 * 1024;
 /// stream idle timeout while watching the client.
 async fn next_chunk(
     session: &mut Session,
-    ctx: &mut Ctx,
+    info: &RequestInfo,
+    rec: &mut Record,
     exchange: &mut Exchange,
     leg: Leg,
 ) -> Result<Option<Bytes>, ProxyError> {
-    let idle = ctx.route.stream_idle_timeout;
+    let idle = info.route.stream_idle_timeout;
     let read = tokio::select! {
         r = tokio::time::timeout(idle, exchange.read_body()) => r,
         // Dropping `exchange` closes the engine connection; vLLM aborts the request.
@@ -157,7 +175,7 @@ async fn next_chunk(
     match read {
         Err(_) => Err(ProxyError::StreamIdle { leg, after: idle }),
         Ok(Ok(chunk)) => {
-            ctx.answer_started |= chunk.as_ref().is_some_and(|c| !c.is_empty());
+            rec.answer_started |= chunk.as_ref().is_some_and(|c| !c.is_empty());
             Ok(chunk)
         }
         Ok(Err(source)) => Err(ProxyError::StreamBroken { leg, source }),
@@ -166,19 +184,24 @@ async fn next_chunk(
 
 /// Writes `body` to the client within the route's client write timeout (set on the
 /// session); a write that ran out is a stalled client, any other failure a gone one.
-async fn write_body(session: &mut Session, ctx: &Ctx, body: Bytes, end: bool) -> Result<(), ProxyError> {
+async fn write_body(session: &mut Session, info: &RequestInfo, body: Bytes, end: bool) -> Result<(), ProxyError> {
     session.write_response_body(Some(body), end).await.map_err(|e| match e.etype() {
-        pingora::ErrorType::WriteTimedout => ProxyError::ClientStalled { after: ctx.route.client_write_timeout },
+        pingora::ErrorType::WriteTimedout => ProxyError::ClientStalled { after: info.route.client_write_timeout },
         _ => ProxyError::ClientGone,
     })
 }
 
 /// Writes `head` (chunked: the client connection stays reusable, and a cut shows as one)
 /// and records it as the client's first byte.
-async fn write_head(session: &mut Session, ctx: &mut Ctx, mut head: ResponseHeader) -> Result<(), ProxyError> {
+async fn write_head(
+    session: &mut Session,
+    info: &RequestInfo,
+    rec: &mut Record,
+    mut head: ResponseHeader,
+) -> Result<(), ProxyError> {
     let _ = head.insert_header("transfer-encoding", "chunked");
-    ctx.mark_first_byte();
-    ctx.status = head.status.as_u16();
+    rec.mark_first_byte(info.started);
+    rec.status = head.status.as_u16();
     session.write_response_header(Box::new(head), false).await.map_err(|_| ProxyError::ClientGone)
 }
 
@@ -191,37 +214,38 @@ const USAGE_TAP_LIMIT: usize = 1024 * 1024;
 /// Nothing is held beyond one read.
 async fn relay_through(
     session: &mut Session,
-    ctx: &mut Ctx,
+    info: &RequestInfo,
+    rec: &mut Record,
     mut exchange: Exchange,
     head: ResponseHeader,
     prefix: Bytes,
     leg: Leg,
 ) -> Result<(), ProxyError> {
-    write_head(session, ctx, head).await?;
+    write_head(session, info, rec, head).await?;
     if !prefix.is_empty() {
-        write_body(session, ctx, prefix.clone(), false).await?;
+        write_body(session, info, prefix.clone(), false).await?;
     }
     // With tracing on, an answer of at most USAGE_TAP_LIMIT is kept to read its `usage`.
-    let mut tap = ctx.trace.is_on().then(|| vec![prefix.clone()]);
+    let mut tap = rec.trace.is_on().then(|| vec![prefix.clone()]);
     let mut tapped = prefix.len();
-    while let Some(chunk) = next_chunk(session, ctx, &mut exchange, leg).await? {
+    while let Some(chunk) = next_chunk(session, info, rec, &mut exchange, leg).await? {
         tapped += chunk.len();
         match tap.as_mut() {
             Some(_) if tapped > USAGE_TAP_LIMIT => tap = None,
             Some(t) => t.push(chunk.clone()),
             None => {}
         }
-        write_body(session, ctx, chunk, false).await?;
+        write_body(session, info, chunk, false).await?;
     }
     if let Some(t) = tap {
-        ctx.trace.usage(&t.concat());
+        rec.trace.usage(&t.concat());
     }
     // Pooled before the client sees the end, so its next request can reuse the connection.
-    ctx.app.client.release(exchange);
-    write_body(session, ctx, Bytes::new(), true).await?;
-    let status = ctx.status;
-    ctx.outcome.get_or_insert(Outcome::from_status(status));
-    observe_decode_total(ctx);
+    info.app.client.release(exchange);
+    write_body(session, info, Bytes::new(), true).await?;
+    let status = rec.status;
+    rec.outcome.get_or_insert(Outcome::from_status(status));
+    observe_decode_total(info, rec);
     Ok(())
 }
 
@@ -230,7 +254,8 @@ async fn relay_through(
 /// [`REWRITE_LIMIT`] it streams through unchanged instead.
 async fn relay_buffered(
     session: &mut Session,
-    ctx: &mut Ctx,
+    info: &RequestInfo,
+    rec: &mut Record,
     mut exchange: Exchange,
     head: ResponseHeader,
     cached_tokens: Option<u64>,
@@ -239,66 +264,69 @@ async fn relay_buffered(
     let mut body = bytes::BytesMut::new();
     loop {
         // Nothing went to the client yet: a broken body is the engine being unavailable.
-        let chunk = next_chunk(session, ctx, &mut exchange, leg).await.map_err(|e| match e {
+        let chunk = next_chunk(session, info, rec, &mut exchange, leg).await.map_err(|e| match e {
             ProxyError::StreamBroken { leg, source } => ProxyError::upstream(leg, source),
             other => other,
         })?;
         match chunk {
             Some(chunk) if body.len() + chunk.len() > REWRITE_LIMIT => {
-                tracing::info!(request_id = %ctx.request_id, limit = REWRITE_LIMIT, "answer too large to rewrite: relayed as is");
+                tracing::info!(request_id = %info.request_id, limit = REWRITE_LIMIT, "answer too large to rewrite: relayed as is");
                 body.extend_from_slice(&chunk);
-                return relay_through(session, ctx, exchange, head, body.freeze(), leg).await;
+                return relay_through(session, info, rec, exchange, head, body.freeze(), leg).await;
             }
             Some(chunk) => body.extend_from_slice(&chunk),
             None => break,
         }
     }
-    ctx.app.client.release(exchange);
+    info.app.client.release(exchange);
     let body = body.freeze();
     let body = cached_tokens
-        .and_then(|cached| rewrite_usage_cached(ctx.api.unwrap_or(Api::Chat), std::str::from_utf8(&body).ok()?, cached))
+        .and_then(|cached| {
+            rewrite_usage_cached(info.api.unwrap_or(Api::Chat), std::str::from_utf8(&body).ok()?, cached)
+        })
         .map_or(body, Bytes::from);
-    ctx.trace.usage(&body);
-    write_buffered(session, ctx, head, body).await;
-    observe_decode_total(ctx);
+    rec.trace.usage(&body);
+    write_buffered(session, info, rec, head, body).await;
+    observe_decode_total(info, rec);
     Ok(())
 }
 
 async fn relay_stream(
     session: &mut Session,
-    ctx: &mut Ctx,
+    info: &RequestInfo,
+    rec: &mut Record,
     mut exchange: Exchange,
     head: ResponseHeader,
     cached_tokens: Option<u64>,
     leg: Leg,
 ) -> Result<(), ProxyError> {
-    write_head(session, ctx, head).await?;
-    ctx.streaming = true;
+    write_head(session, info, rec, head).await?;
+    rec.streaming = true;
     // Always framed, so a break never leaves half an event before the error event.
-    let limit = ctx.route.max_sse_event_bytes;
-    let mut framing = StreamFraming::for_api(ctx.api.unwrap_or(Api::Chat), cached_tokens).with_event_limit(limit);
+    let limit = info.route.max_sse_event_bytes;
+    let mut framing = StreamFraming::for_api(info.api.unwrap_or(Api::Chat), cached_tokens).with_event_limit(limit);
     loop {
-        let chunk = match next_chunk(session, ctx, &mut exchange, leg).await {
+        let chunk = match next_chunk(session, info, rec, &mut exchange, leg).await {
             Ok(chunk) => chunk,
             Err(e) => {
                 let dropped = framing.broken();
-                tracing::debug!(request_id = %ctx.request_id, dropped, "unfinished event of a broken stream dropped");
+                tracing::debug!(request_id = %info.request_id, dropped, "unfinished event of a broken stream dropped");
                 return Err(e);
             }
         };
         let Some(chunk) = chunk else {
-            ctx.app.client.release(exchange);
+            info.app.client.release(exchange);
             let rest = framing.end();
-            ctx.trace.usage(&rest);
-            write_body(session, ctx, Bytes::from(rest), true).await?;
-            ctx.outcome = Some(Outcome::Success);
-            observe_decode_total(ctx);
+            rec.trace.usage(&rest);
+            write_body(session, info, Bytes::from(rest), true).await?;
+            rec.outcome = Some(Outcome::Success);
+            observe_decode_total(info, rec);
             return Ok(());
         };
         let out = framing.feed(&chunk);
-        ctx.trace.usage(&out);
+        rec.trace.usage(&out);
         if !out.is_empty() {
-            write_body(session, ctx, Bytes::from(out), false).await?;
+            write_body(session, info, Bytes::from(out), false).await?;
         }
         if framing.too_long() {
             return Err(ProxyError::EventTooLarge { leg, limit });
@@ -307,9 +335,9 @@ async fn relay_stream(
 }
 
 /// Records the decode leg's whole duration (send to last byte) when one was sent.
-fn observe_decode_total(ctx: &Ctx) {
-    if let Some(t) = ctx.decode_sent_at {
-        ctx.route.metrics.stage(Stage::DecodeTotal, t.elapsed());
+fn observe_decode_total(info: &RequestInfo, rec: &Record) {
+    if let Some(t) = rec.decode_sent_at {
+        info.route.metrics.stage(Stage::DecodeTotal, t.elapsed());
     }
 }
 

@@ -46,6 +46,12 @@ impl RetryBudget {
         }
     }
 
+    /// True when this budget follows the rule `new(percent, min_per_second, _)` sets.
+    pub fn has_rule(&self, percent: u32, min_per_second: u32) -> bool {
+        self.per_send == u64::from(percent.min(100)) * MILLI / 100
+            && self.per_second == u64::from(min_per_second) * MILLI
+    }
+
     /// A leg was sent (its first attempt): earns the share.
     pub fn sent(&self) {
         if let Ok(mut s) = self.state.lock() {

@@ -206,7 +206,8 @@ struct IdlePool {
     by_peer: Mutex<HashMap<u64, VecDeque<Conn>>>,
 }
 
-/// Most idle connections kept per peer (a burst of concurrency 256 leaves that many).
+/// Most idle connections kept per peer (a burst of up to 512 concurrent legs to one engine
+/// leaves that many idle, all kept for the next burst).
 const MAX_IDLE_PER_PEER: usize = 512;
 
 impl IdlePool {

@@ -90,7 +90,7 @@ fn compare_models(app: &crate::App) {
         let Some(crate::routes::PrefillTarget::Pool(prefill)) = &route.prefill else { continue };
         let differ = pools_differ(prefill, &route.decode_pool);
         app.metrics.models_differ(&route.name, differ);
-        if route.set_models_differ(differ) {
+        if route.state().set_models_differ(differ) {
             if differ {
                 tracing::warn!(route = %route.name, "prefill and decode pools serve different models: no ids are exchanged");
             } else {
@@ -125,7 +125,7 @@ impl HealthPoller {
         // within one interval past their idle limit.
         app.client.close_expired_idle();
         let ready = app.decode_pools().iter().all(|p| p.any_healthy());
-        app.metrics.ready.set(i64::from(ready));
+        app.metrics.ready().set(i64::from(ready));
         (self.on_tick)(&app);
     }
 }

@@ -1,14 +1,17 @@
 //! Upstream engines: pools and endpoint choice (`pool`), the HTTP client for the legs
-//! tokenonce sends itself (`client`, speaking HTTP/1.1 in `h1`) and its name cache (`resolve`), the background health,
-//! version and model poller (`health`), and the per-route retry budget (`budget`).
+//! tokenonce sends itself (`client`, speaking HTTP/1.1 in `h1`) and its name cache (`resolve`),
+//! one leg sent under the retry and ejection rules (`leg`), the background health, version and
+//! model poller (`health`), and the per-route retry budget (`budget`).
 
 pub mod budget;
 pub mod client;
 mod h1;
 pub mod health;
+pub mod leg;
 pub mod pool;
 pub mod resolve;
 
 pub use budget::RetryBudget;
 pub use client::{Delivery, Exchange, SendFailure, UpstreamClient, UpstreamError};
+pub use leg::LegClient;
 pub use pool::{Endpoint, ModelIdentity, Picked, Pool};

@@ -215,12 +215,13 @@ impl Endpoint {
 pub struct Picked {
     endpoint: Arc<Endpoint>,
     /// The pool it came from (`None`: a one-off endpoint, never ejected).
-    pool: Option<Arc<PoolName>>,
+    pool: Option<Arc<PoolEjection>>,
 }
 
-/// What a picked endpoint knows of its pool: its name (the metrics label) and the ejection rule.
+/// The ejection rule of a pool, as each endpoint picked from it carries it: the pool's name
+/// (the label its ejections are counted under) and the failures that eject.
 #[derive(Debug)]
-pub struct PoolName {
+pub struct PoolEjection {
     /// Name from config.
     pub name: String,
     /// Consecutive failures that eject an endpoint (0: never).
@@ -234,8 +235,9 @@ impl Picked {
         Self { endpoint, pool: None }
     }
 
-    /// The pool it was picked from, if any.
-    pub fn pool(&self) -> Option<&PoolName> {
+    /// The ejection rule of the pool it was picked from (`None`: a one-off endpoint, never
+    /// ejected).
+    pub fn ejection(&self) -> Option<&PoolEjection> {
         self.pool.as_deref()
     }
 
@@ -266,8 +268,8 @@ pub struct Pool {
     balance: Balance,
     pinned_version: Option<Version>,
     next: AtomicUsize,
-    /// Name and ejection rule, shared with every [`Picked`] of this pool.
-    id: Arc<PoolName>,
+    /// Its ejection rule, shared with every [`Picked`] of this pool.
+    ejection: Arc<PoolEjection>,
 }
 
 impl Pool {
@@ -283,13 +285,13 @@ impl Pool {
             balance: spec.balance(),
             pinned_version: spec.vllm_version(),
             next: AtomicUsize::new(0),
-            id: Arc::new(PoolName { name: spec.name().to_owned(), eject_after }),
+            ejection: Arc::new(PoolEjection { name: spec.name().to_owned(), eject_after }),
         }
     }
 
     /// Consecutive failures that eject an endpoint (0: never).
     pub fn eject_after(&self) -> u32 {
-        self.id.eject_after
+        self.ejection.eject_after
     }
 
     /// Endpoints ejected at `now`.
@@ -332,7 +334,7 @@ impl Pool {
             }
         }?;
         let mut picked = Picked::new(Arc::clone(chosen));
-        picked.pool = Some(Arc::clone(&self.id));
+        picked.pool = Some(Arc::clone(&self.ejection));
         Some(picked)
     }
 }
@@ -462,6 +464,6 @@ mod tests {
         p.endpoints[0].set_healthy(true);
         assert_ne!(p.pick_at(now, &[]).unwrap().addr(), "127.0.0.1:9000");
         assert_eq!(p.pick_at(now + EJECT_BASE, &[]).unwrap().addr(), "127.0.0.1:9000", "the only healthy one");
-        assert_eq!(p.pick().unwrap().pool().unwrap().name, "p");
+        assert_eq!(p.pick().unwrap().ejection().unwrap().name, "p");
     }
 }

@@ -2,14 +2,18 @@
 //! holding its pools (`Arc`), its reuse policy, limits and pre-resolved metric handles; the
 //! first rule whose path, model glob and headers all match wins, else the `default` route
 //! (passthrough to `defaults.passthrough_pool`). `select` is a pure function of the request.
+//! What a route learns at run time is its [`RouteState`] (`state.rs`), carried across reloads.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+mod state;
+
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use http::HeaderMap;
 
-use crate::config::{defaults, Config, Mode, PrefillSource, RouteMatch, RouteSpec};
+pub use state::{BudgetRule, RouteState};
+
+use crate::config::{defaults, Config, Mode, ParityPolicy, PrefillSource, RouteMatch, RouteSpec};
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::parity::RouteParity;
 use crate::plan::{ClientHandoff, HeaderRule, ReusePolicy};
@@ -56,8 +60,6 @@ pub struct Route {
     pub decode_first_byte_timeout: Duration,
     /// Largest accepted body.
     pub max_body_bytes: usize,
-    /// Caps the legs re-sent after an unstarted failure.
-    pub retry_budget: RetryBudget,
     /// Pool prefill: endpoints tried (at least 1; at most the pool's size at run time).
     pub prefill_attempts: usize,
     /// Orchestrate: what a failed prefill leg leads to.
@@ -74,10 +76,10 @@ pub struct Route {
     pub max_sse_event_bytes: usize,
     /// This route's series.
     pub metrics: RouteMetrics,
-    /// The parity watch's state, when the route's pools have a tokenizer.
+    /// The parity watch, when the route's pools have a tokenizer (its hold is in `state`).
     pub parity: Option<Arc<RouteParity>>,
-    /// Set by the health poller: the prefill and decode pools report different models.
-    models_differ: AtomicBool,
+    /// What the route learned at run time; carried across reloads while it is unchanged.
+    state: Arc<RouteState>,
 }
 
 impl Route {
@@ -86,14 +88,34 @@ impl Route {
     pub fn policy_now(&self) -> ReusePolicy {
         ReusePolicy {
             hold_ids: self.parity.as_ref().is_some_and(|p| p.reuse_off()),
-            models_differ: self.models_differ.load(Ordering::Relaxed),
+            models_differ: self.state.models_differ(),
             ..self.policy
         }
     }
 
-    /// Records whether the route's pools serve different models; true when it changed.
-    pub fn set_models_differ(&self, differ: bool) -> bool {
-        self.models_differ.swap(differ, Ordering::Relaxed) != differ
+    /// What the route learned at run time.
+    pub fn state(&self) -> &RouteState {
+        &self.state
+    }
+
+    /// The route's retry budget (part of its state).
+    pub fn retry_budget(&self) -> &RetryBudget {
+        self.state.retry_budget()
+    }
+
+    /// True when `old` is this route before a reload, unchanged: same name, mode and pools
+    /// (the very pool objects a reload carried over) or prefiller rule.
+    fn same_as(&self, old: &Route) -> bool {
+        let same_prefill = match (&self.prefill, &old.prefill) {
+            (None, None) => true,
+            (Some(PrefillTarget::Pool(a)), Some(PrefillTarget::Pool(b))) => Arc::ptr_eq(a, b),
+            (Some(PrefillTarget::Header(a)), Some(PrefillTarget::Header(b))) => a == b,
+            _ => false,
+        };
+        self.name == old.name
+            && self.mode == old.mode
+            && Arc::ptr_eq(&self.decode_pool, &old.decode_pool)
+            && same_prefill
     }
 
     /// The header naming the prefiller, which is never forwarded to an engine.
@@ -133,89 +155,23 @@ pub struct RouteTable {
 
 impl RouteTable {
     /// Builds the table of a validated `config` over its `pools` (same order as
-    /// `config.pools`), resolving each route's series in `metrics`.
+    /// `config.pools`), resolving each route's series in `metrics`. A route that `previous`
+    /// (the table before a reload) holds unchanged keeps its [`RouteState`].
     ///
     /// # Errors
     /// [`DanglingPool`] if a pool index is out of range (validation prevents it).
-    pub fn new(config: &Config, pools: &[Arc<Pool>], metrics: &Metrics) -> Result<Self, DanglingPool> {
-        let pool = |i: usize, route: &str| pools.get(i).cloned().ok_or(DanglingPool { route: route.to_owned() });
-        let mut routes = Vec::with_capacity(config.routes().len());
-        for spec in config.routes() {
-            let prefill = match spec.prefill() {
-                Some(PrefillSource::Pool(i)) => Some(PrefillTarget::Pool(pool(*i, spec.name())?)),
-                Some(PrefillSource::Header { name, allow, trusted_sources, forward_credentials }) => {
-                    Some(PrefillTarget::Header(HeaderRule {
-                        name: name.clone(),
-                        allow: allow.clone(),
-                        trusted_sources: trusted_sources.clone(),
-                        forward_credentials: *forward_credentials,
-                    }))
-                }
-                None => None,
-            };
-            let o = &spec.options();
-            let tokenizer = route_tokenizer(config, spec);
-            routes.push(Arc::new(Route {
-                name: spec.name().to_owned(),
-                mode: spec.mode(),
-                matcher: Some(spec.matcher().clone()),
-                decode_pool: pool(spec.decode_pool(), spec.name())?,
-                prefill,
-                policy: ReusePolicy::new(
-                    o.token_reuse(),
-                    o.relay_handoff(),
-                    tokenizer.as_ref().map(|t| t.vocab_bound()),
-                ),
-                client_handoff: o.client_handoff(),
-                prefill_timeout: o.prefill_timeout(),
-                decode_first_byte_timeout: o.decode_first_byte_timeout(),
-                max_body_bytes: o.max_body_bytes(),
-                retry_budget: RetryBudget::new(
-                    o.retry_budget_percent(),
-                    o.retry_budget_min_per_second(),
-                    std::time::Instant::now(),
-                ),
-                prefill_attempts: o.prefill_attempts(),
-                on_prefill_failure: o.on_prefill_failure(),
-                stream_idle_timeout: o.stream_idle_timeout(),
-                client_write_timeout: o.client_write_timeout(),
-                on_client_gone: o.on_client_gone(),
-                release_timeout: o.release_timeout(),
-                max_sse_event_bytes: o.max_sse_event_bytes(),
-                metrics: metrics.route(spec.name(), spec.mode()),
-                parity: route_parity(spec, tokenizer, metrics),
-                models_differ: AtomicBool::new(false),
-            }));
-        }
+    pub fn new(
+        config: &Config,
+        pools: &[Arc<Pool>],
+        metrics: &Metrics,
+        previous: Option<&RouteTable>,
+    ) -> Result<Self, DanglingPool> {
+        let built = Built { config, pools, metrics, previous, now: Instant::now() };
+        let routes =
+            config.routes().iter().map(|spec| built.route(spec).map(Arc::new)).collect::<Result<Vec<_>, _>>()?;
         let largest_body = routes.iter().map(|r| r.max_body_bytes).max().unwrap_or(DEFAULT_ROUTE_BODY_LIMIT);
-        let default = Arc::new(Route {
-            name: DEFAULT_ROUTE.to_owned(),
-            mode: Mode::Passthrough,
-            matcher: None,
-            decode_pool: pool(config.passthrough_pool(), DEFAULT_ROUTE)?,
-            prefill: None,
-            policy: ReusePolicy::new(crate::config::ReuseShare::OFF, crate::config::RelayHandoff::Cache, None),
-            client_handoff: ClientHandoff::Strip,
-            prefill_timeout: Duration::from_millis(defaults::PREFILL_TIMEOUT_MS),
-            decode_first_byte_timeout: Duration::from_millis(defaults::DECODE_FIRST_BYTE_TIMEOUT_MS),
-            max_body_bytes: largest_body,
-            retry_budget: RetryBudget::new(
-                defaults::RETRY_BUDGET_PERCENT as u32,
-                defaults::RETRY_BUDGET_MIN_PER_SECOND as u32,
-                std::time::Instant::now(),
-            ),
-            prefill_attempts: 1,
-            on_prefill_failure: crate::config::OnPrefillFailure::Error,
-            stream_idle_timeout: Duration::from_millis(defaults::STREAM_IDLE_TIMEOUT_MS),
-            client_write_timeout: Duration::from_millis(defaults::CLIENT_WRITE_TIMEOUT_MS),
-            on_client_gone: defaults::ON_CLIENT_GONE,
-            release_timeout: Duration::from_millis(defaults::RELEASE_TIMEOUT_MS),
-            max_sse_event_bytes: defaults::MAX_SSE_EVENT_BYTES as usize,
-            metrics: metrics.default_route(DEFAULT_ROUTE),
-            parity: None,
-            models_differ: AtomicBool::new(false),
-        });
-        Ok(Self { routes, default })
+        let default = built.default_route(largest_body)?;
+        Ok(Self { routes, default: Arc::new(default) })
     }
 
     /// The configured routes in order.
@@ -245,6 +201,105 @@ impl RouteTable {
     }
 }
 
+/// What every route of one table is built from.
+struct Built<'a> {
+    config: &'a Config,
+    pools: &'a [Arc<Pool>],
+    metrics: &'a Metrics,
+    /// The table before a reload: unchanged routes keep their state.
+    previous: Option<&'a RouteTable>,
+    now: Instant,
+}
+
+impl Built<'_> {
+    /// Pool `i` of the config, for route `route`.
+    fn pool(&self, i: usize, route: &str) -> Result<Arc<Pool>, DanglingPool> {
+        self.pools.get(i).cloned().ok_or(DanglingPool { route: route.to_owned() })
+    }
+
+    /// One configured route, with its state carried over when `previous` holds it unchanged.
+    fn route(&self, spec: &RouteSpec) -> Result<Route, DanglingPool> {
+        let prefill = match spec.prefill() {
+            Some(PrefillSource::Pool(i)) => Some(PrefillTarget::Pool(self.pool(*i, spec.name())?)),
+            Some(PrefillSource::Header { name, allow, trusted_sources, forward_credentials }) => {
+                Some(PrefillTarget::Header(HeaderRule {
+                    name: name.clone(),
+                    allow: allow.clone(),
+                    trusted_sources: trusted_sources.clone(),
+                    forward_credentials: *forward_credentials,
+                }))
+            }
+            None => None,
+        };
+        let o = &spec.options();
+        let tokenizer = route_tokenizer(self.config, spec);
+        let budget = BudgetRule { percent: o.retry_budget_percent(), min_per_second: o.retry_budget_min_per_second() };
+        let mut route = Route {
+            name: spec.name().to_owned(),
+            mode: spec.mode(),
+            matcher: Some(spec.matcher().clone()),
+            decode_pool: self.pool(spec.decode_pool(), spec.name())?,
+            prefill,
+            policy: ReusePolicy::new(o.token_reuse(), o.relay_handoff(), tokenizer.as_ref().map(|t| t.vocab_bound())),
+            client_handoff: o.client_handoff(),
+            prefill_timeout: o.prefill_timeout(),
+            decode_first_byte_timeout: o.decode_first_byte_timeout(),
+            max_body_bytes: o.max_body_bytes(),
+            prefill_attempts: o.prefill_attempts(),
+            on_prefill_failure: o.on_prefill_failure(),
+            stream_idle_timeout: o.stream_idle_timeout(),
+            client_write_timeout: o.client_write_timeout(),
+            on_client_gone: o.on_client_gone(),
+            release_timeout: o.release_timeout(),
+            max_sse_event_bytes: o.max_sse_event_bytes(),
+            metrics: self.metrics.route(spec.name(), spec.mode()),
+            parity: None,
+            state: RouteState::new(budget, self.now),
+        };
+        let holds = tokenizer.is_some() && o.on_parity_mismatch() == ParityPolicy::DisableReuse;
+        if let Some(old) = self.previous.and_then(|t| t.routes.iter().find(|old| route.same_as(old))) {
+            route.state = RouteState::carried(&old.state, budget, holds, self.now);
+        }
+        route.parity = route_parity(spec, tokenizer, self.metrics, &route.state);
+        Ok(route)
+    }
+
+    /// The route of unmatched requests: passthrough to `defaults.passthrough_pool`, taking
+    /// bodies up to `largest_body` (the most any route accepts).
+    fn default_route(&self, largest_body: usize) -> Result<Route, DanglingPool> {
+        let budget = BudgetRule {
+            percent: defaults::RETRY_BUDGET_PERCENT as u32,
+            min_per_second: defaults::RETRY_BUDGET_MIN_PER_SECOND as u32,
+        };
+        let mut default = Route {
+            name: DEFAULT_ROUTE.to_owned(),
+            mode: Mode::Passthrough,
+            matcher: None,
+            decode_pool: self.pool(self.config.passthrough_pool(), DEFAULT_ROUTE)?,
+            prefill: None,
+            policy: ReusePolicy::new(crate::config::ReuseShare::OFF, crate::config::RelayHandoff::Cache, None),
+            client_handoff: ClientHandoff::Strip,
+            prefill_timeout: Duration::from_millis(defaults::PREFILL_TIMEOUT_MS),
+            decode_first_byte_timeout: Duration::from_millis(defaults::DECODE_FIRST_BYTE_TIMEOUT_MS),
+            max_body_bytes: largest_body,
+            prefill_attempts: 1,
+            on_prefill_failure: crate::config::OnPrefillFailure::Error,
+            stream_idle_timeout: Duration::from_millis(defaults::STREAM_IDLE_TIMEOUT_MS),
+            client_write_timeout: Duration::from_millis(defaults::CLIENT_WRITE_TIMEOUT_MS),
+            on_client_gone: defaults::ON_CLIENT_GONE,
+            release_timeout: Duration::from_millis(defaults::RELEASE_TIMEOUT_MS),
+            max_sse_event_bytes: defaults::MAX_SSE_EVENT_BYTES as usize,
+            metrics: self.metrics.default_route(DEFAULT_ROUTE),
+            parity: None,
+            state: RouteState::new(budget, self.now),
+        };
+        if let Some(old) = self.previous.map(|t| &t.default).filter(|old| default.same_as(old)) {
+            default.state = RouteState::carried(&old.state, budget, false, self.now);
+        }
+        Ok(default)
+    }
+}
+
 /// A route's tokenizer: its decode pool's (the engine that reads the ids), else its prefill
 /// pool's.
 fn route_tokenizer(config: &Config, spec: &RouteSpec) -> Option<Arc<crate::parity::Tokenizer>> {
@@ -252,18 +307,20 @@ fn route_tokenizer(config: &Config, spec: &RouteSpec) -> Option<Arc<crate::parit
     of(spec.decode_pool()).or_else(|| spec.prefill_pool().and_then(of))
 }
 
-/// A route's parity watch state (with a tokenizer), and its parity and model-identity series
-/// created (zeros instead of gaps, also on routes without a tokenizer).
+/// A route's parity watch (with a tokenizer) holding reuse in `state`, and its parity and
+/// model-identity series created and set to what `state` holds (zeros instead of gaps, also
+/// on routes without a tokenizer; gauges equal the state they report after a reload too).
 fn route_parity(
     spec: &RouteSpec,
     tokenizer: Option<Arc<crate::parity::Tokenizer>>,
     metrics: &Metrics,
+    state: &RouteState,
 ) -> Option<Arc<RouteParity>> {
     if spec.prefill_pool().is_some() {
-        metrics.models_differ(spec.name(), false);
+        metrics.models_differ(spec.name(), state.models_differ());
     }
     if spec.mode() != Mode::Passthrough {
-        metrics.parity(spec.name());
+        metrics.parity(spec.name()).show_hold(state.parity_hold().is_held());
     }
     let o = spec.options();
     tokenizer.map(|t| {
@@ -274,6 +331,7 @@ fn route_parity(
             o.on_parity_mismatch(),
             o.parity_cooldown(),
             metrics.parity(spec.name()),
+            Arc::clone(state.parity_hold()),
         ))
     })
 }
@@ -317,7 +375,7 @@ decode_pool = "decode"
     fn table() -> RouteTable {
         let config = Config::from_toml(CONF, "t").unwrap();
         let pools: Vec<Arc<Pool>> = config.pools().iter().map(|p| Arc::new(Pool::new(p, 3))).collect();
-        RouteTable::new(&config, &pools, &Metrics::register(&prometheus::Registry::new()).unwrap()).unwrap()
+        RouteTable::new(&config, &pools, &Metrics::register(&prometheus::Registry::new()).unwrap(), None).unwrap()
     }
 
     fn pick(path: &str, model: Option<&str>, headers: &[(&'static str, &'static str)]) -> Option<String> {

@@ -1,0 +1,636 @@
+//! Every metric tokenonce exports, defined in this one place (prefix `tokenonce_`). Label
+//! values are enums owned here (bounded cardinality); route and pool names come from config.
+//! Per-route handles are resolved once, when the route table is built ([`RouteMetrics`]);
+//! every series that can occur is created up front, so dashboards never see a gap.
+//! `labels.rs`: the label enums; `series.rs`: the per-route handles; here: the families, each
+//! concern (requests, reuse, upstreams, cache, parity, reloads) registering its own.
+
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
+
+use crate::config::Mode;
+
+mod labels;
+mod series;
+
+use labels::{api_label, API_LABELS};
+pub use labels::{
+    served_as, CacheLookup, ErrorKind, Eviction, FallbackReason, Leg, Outcome, ParityResult, Release, Reload,
+    SpanExport, Stage, TimeoutStage,
+};
+pub use series::{ParityMetrics, RouteMetrics};
+
+/// Latency buckets from 1 ms to 120 s: loopback overheads at the bottom, long prefills and
+/// whole streamed answers at the top.
+pub const LATENCY_BUCKETS: &[f64] =
+    &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0];
+
+/// Spans handed to the OTLP exporter, by [`SpanExport`]. One counter for the process (the
+/// exporter is built once and outlives reloads); every registry gets it.
+pub fn trace_spans() -> &'static prometheus::Result<IntCounterVec> {
+    static SPANS: std::sync::OnceLock<prometheus::Result<IntCounterVec>> = std::sync::OnceLock::new();
+    SPANS.get_or_init(|| {
+        let opts = Opts::new("tokenonce_trace_spans_total", "Spans handed to the OTLP exporter, by result.");
+        let spans = IntCounterVec::new(opts, &["result"])?;
+        for result in SpanExport::ALL {
+            spans.with_label_values(&[result.as_str()]);
+        }
+        Ok(spans)
+    })
+}
+
+/// Handles to every metric family, by concern; each concern registers its own.
+#[derive(Clone)]
+pub struct Metrics {
+    /// Requests served: counts, durations, stages, bounded waits, KV releases, in flight.
+    requests: Requests,
+    /// Token reuse: applied or fallen back, and what it saved.
+    reuse: ReuseFamilies,
+    /// Engines: failures, retries, failovers, ejections, health, readiness.
+    upstreams: Upstreams,
+    /// The relay id cache.
+    cache: CacheFamilies,
+    /// The parity watch and the pools' model identity.
+    parity: ParityFamilies,
+    /// Config reloads.
+    reloads: Reloads,
+}
+
+/// Requests served: counts, durations, stages, bounded waits, KV releases, in flight.
+#[derive(Clone)]
+struct Requests {
+    requests: IntCounterVec,
+    request_duration: HistogramVec,
+    time_to_first_byte: HistogramVec,
+    stage_duration: HistogramVec,
+    timeouts: IntCounterVec,
+    kv_releases: IntCounterVec,
+    /// Requests being served now.
+    inflight: IntGauge,
+}
+
+impl Requests {
+    fn register(registry: &Registry) -> prometheus::Result<Self> {
+        Ok(Self {
+            requests: counter(
+                registry,
+                "tokenonce_requests_total",
+                "Requests finished, by route, API, mode and outcome.",
+                &["route", "api", "mode", "outcome"],
+            )?,
+            request_duration: histogram(
+                registry,
+                "tokenonce_request_duration_seconds",
+                "Time from request head to the last response byte.",
+                &["route", "api", "mode"],
+            )?,
+            time_to_first_byte: histogram(
+                registry,
+                "tokenonce_time_to_first_byte_seconds",
+                "Time from request head until the response header went to the client.",
+                &["route", "api", "mode"],
+            )?,
+            stage_duration: histogram(
+                registry,
+                "tokenonce_stage_duration_seconds",
+                "Duration of each stage of an orchestrated request.",
+                &["route", "stage"],
+            )?,
+            timeouts: counter(
+                registry,
+                "tokenonce_timeouts_total",
+                "Bounded waits that ran out, by route and stage (connect, prefill, first_byte, stream_idle, client_write, release).",
+                &["route", "stage"],
+            )?,
+            kv_releases: counter(
+                registry,
+                "tokenonce_kv_releases_total",
+                "Clients gone after a prefill holding KV, before the decode answered a body byte: what became of the blocks.",
+                &["route", "result"],
+            )?,
+            inflight: gauge(registry, "tokenonce_inflight_requests", "Client requests being served now.")?,
+        })
+    }
+}
+
+/// Token reuse: applied or fallen back, and what it saved.
+#[derive(Clone)]
+struct ReuseFamilies {
+    token_reuse: IntCounterVec,
+    reused_prompt_tokens: IntCounterVec,
+    relayed_id_bytes: IntCounter,
+}
+
+impl ReuseFamilies {
+    fn register(registry: &Registry) -> prometheus::Result<Self> {
+        Ok(Self {
+            token_reuse: counter(
+                registry,
+                "tokenonce_token_reuse_total",
+                "Orchestrated/relayed decodes by whether prefill ids were reused, and why not.",
+                &["route", "result", "reason"],
+            )?,
+            reused_prompt_tokens: counter(
+                registry,
+                "tokenonce_reused_prompt_tokens_total",
+                "Prompt tokens whose rendering and tokenization the decode engine skipped.",
+                &["route"],
+            )?,
+            relayed_id_bytes: registered(
+                registry,
+                IntCounter::new(
+                    "tokenonce_relayed_id_bytes_total",
+                    "Bytes of prompt-id JSON spliced into decode requests.",
+                )?,
+            )?,
+        })
+    }
+}
+
+/// Engines: failures, retries, failovers, ejections, health, readiness.
+#[derive(Clone)]
+struct Upstreams {
+    upstream_errors: IntCounterVec,
+    upstream_retries: IntCounterVec,
+    retry_budget_exhausted: IntCounterVec,
+    prefill_failovers: IntCounterVec,
+    upstream_ejections: IntCounterVec,
+    upstream_ejected: IntGaugeVec,
+    upstream_healthy: IntGaugeVec,
+    /// 1 while every decode pool has a healthy endpoint (what `/readyz` reports).
+    ready: IntGauge,
+}
+
+impl Upstreams {
+    fn register(registry: &Registry) -> prometheus::Result<Self> {
+        Ok(Self {
+            upstream_errors: counter(
+                registry,
+                "tokenonce_upstream_errors_total",
+                "Upstream failures by stage (prefill, decode, passthrough) and kind.",
+                &["stage", "kind"],
+            )?,
+            upstream_retries: counter(
+                registry,
+                "tokenonce_upstream_retries_total",
+                "Legs re-sent once because the engine provably never got them (connect failed, or the request could not be written whole).",
+                &["stage"],
+            )?,
+            retry_budget_exhausted: counter(
+                registry,
+                "tokenonce_retry_budget_exhausted_total",
+                "Legs that could safely have been re-sent but the route's retry budget refused.",
+                &["route"],
+            )?,
+            prefill_failovers: counter(
+                registry,
+                "tokenonce_prefill_failovers_total",
+                "Pool prefills moved to another endpoint after failing before any answer or answering 5xx.",
+                &["route"],
+            )?,
+            upstream_ejections: counter(
+                registry,
+                "tokenonce_upstream_ejections_total",
+                "Endpoints ejected from their pool's choice after consecutive request failures.",
+                &["pool"],
+            )?,
+            upstream_ejected: gauge_vec(
+                registry,
+                "tokenonce_upstream_ejected",
+                "Endpoints of the pool ejected now (updated on ejection and every health interval).",
+                &["pool"],
+            )?,
+            upstream_healthy: gauge_vec(
+                registry,
+                "tokenonce_upstream_healthy",
+                "1 while the endpoint answers GET /health with 200.",
+                &["pool", "endpoint"],
+            )?,
+            ready: gauge(registry, "tokenonce_ready", "1 while every decode pool has an endpoint answering /health.")?,
+        })
+    }
+}
+
+/// The relay id cache.
+#[derive(Clone)]
+struct CacheFamilies {
+    cache_entries: IntGauge,
+    cache_bytes: IntGauge,
+    cache_lookups: IntCounterVec,
+    cache_evictions: IntCounterVec,
+}
+
+impl CacheFamilies {
+    fn register(registry: &Registry) -> prometheus::Result<Self> {
+        Ok(Self {
+            cache_entries: gauge(registry, "tokenonce_cache_entries", "Relay id cache: entries held.")?,
+            cache_bytes: gauge(registry, "tokenonce_cache_bytes", "Relay id cache: bytes of ids held.")?,
+            cache_lookups: counter(
+                registry,
+                "tokenonce_cache_lookups_total",
+                "Relay id cache lookups by result (hit, miss, expired, mismatch).",
+                &["result"],
+            )?,
+            cache_evictions: counter(
+                registry,
+                "tokenonce_cache_evictions_total",
+                "Relay id cache evictions by reason (ttl, capacity).",
+                &["reason"],
+            )?,
+        })
+    }
+}
+
+/// The parity watch and the pools' model identity.
+#[derive(Clone)]
+struct ParityFamilies {
+    parity_checks: IntCounterVec,
+    parity_reuse_disabled: IntCounterVec,
+    parity_reuse_off: IntGaugeVec,
+    models_differ: IntGaugeVec,
+}
+
+impl ParityFamilies {
+    fn register(registry: &Registry) -> prometheus::Result<Self> {
+        Ok(Self {
+            parity_checks: counter(
+                registry,
+                "tokenonce_parity_checks_total",
+                "Sampled checks that reused ids decode to their request (match, mismatch, skipped, dropped).",
+                &["route", "result"],
+            )?,
+            parity_reuse_disabled: counter(
+                registry,
+                "tokenonce_parity_reuse_disabled_total",
+                "Times a parity mismatch turned token reuse off for the route (on_parity_mismatch = disable_reuse).",
+                &["route"],
+            )?,
+            parity_reuse_off: gauge_vec(
+                registry,
+                "tokenonce_parity_reuse_off",
+                "1 while a parity mismatch holds token reuse off for the route.",
+                &["route"],
+            )?,
+            models_differ: gauge_vec(
+                registry,
+                "tokenonce_pool_models_differ",
+                "1 while the route's prefill and decode pools report different models in GET /v1/models.",
+                &["route"],
+            )?,
+        })
+    }
+}
+
+/// Config reloads.
+#[derive(Clone)]
+struct Reloads {
+    config_reloads: IntCounterVec,
+}
+
+impl Reloads {
+    fn register(registry: &Registry) -> prometheus::Result<Self> {
+        Ok(Self {
+            config_reloads: counter(
+                registry,
+                "tokenonce_config_reloads_total",
+                "Config reloads on SIGHUP by result; a failed one keeps the running config.",
+                &["result"],
+            )?,
+        })
+    }
+}
+
+fn histogram(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheus::Result<HistogramVec> {
+    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()), labels)?;
+    registry.register(Box::new(h.clone()))?;
+    Ok(h)
+}
+
+fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheus::Result<IntCounterVec> {
+    let c = IntCounterVec::new(Opts::new(name, help), labels)?;
+    registry.register(Box::new(c.clone()))?;
+    Ok(c)
+}
+
+fn gauge(registry: &Registry, name: &str, help: &str) -> prometheus::Result<IntGauge> {
+    registered(registry, IntGauge::new(name, help)?)
+}
+
+fn gauge_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheus::Result<IntGaugeVec> {
+    registered(registry, IntGaugeVec::new(Opts::new(name, help), labels)?)
+}
+
+fn registered<C: prometheus::core::Collector + Clone + 'static>(registry: &Registry, c: C) -> prometheus::Result<C> {
+    registry.register(Box::new(c.clone()))?;
+    Ok(c)
+}
+
+impl Metrics {
+    /// Creates and registers every metric in `registry`.
+    ///
+    /// # Errors
+    /// When a name is registered twice in the same registry.
+    pub fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let build_info =
+            gauge_vec(registry, "tokenonce_build_info", "Always 1; labelled with the build.", &["version"])?;
+        build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        let spans = trace_spans().as_ref().map_err(|e| prometheus::Error::Msg(e.to_string()))?;
+        registered(registry, spans.clone())?;
+        let metrics = Self {
+            requests: Requests::register(registry)?,
+            reuse: ReuseFamilies::register(registry)?,
+            upstreams: Upstreams::register(registry)?,
+            cache: CacheFamilies::register(registry)?,
+            parity: ParityFamilies::register(registry)?,
+            reloads: Reloads::register(registry)?,
+        };
+        metrics.init_fixed();
+        Ok(metrics)
+    }
+
+    /// Client requests being served now.
+    pub fn inflight(&self) -> &IntGauge {
+        &self.requests.inflight
+    }
+
+    /// 1 while every decode pool has a healthy endpoint (what `/readyz` reports).
+    pub fn ready(&self) -> &IntGauge {
+        &self.upstreams.ready
+    }
+
+    /// Creates the route-independent series up front (zeros instead of gaps).
+    fn init_fixed(&self) {
+        for leg in Leg::ALL {
+            for kind in ErrorKind::ALL {
+                self.upstreams.upstream_errors.with_label_values(&[leg.as_str(), kind.as_str()]);
+            }
+            self.upstreams.upstream_retries.with_label_values(&[leg.as_str()]);
+        }
+        for result in CacheLookup::ALL {
+            self.cache.cache_lookups.with_label_values(&[result.as_str()]);
+        }
+        for reason in Eviction::ALL {
+            self.cache.cache_evictions.with_label_values(&[reason.as_str()]);
+        }
+        for result in Reload::ALL {
+            self.reloads.config_reloads.with_label_values(&[result.as_str()]);
+        }
+    }
+
+    /// Resolves (and so creates) every series of one configured route with mode `mode`.
+    pub fn route(&self, route: &str, mode: Mode) -> RouteMetrics {
+        self.route_series(route, mode, true)
+    }
+
+    /// The series of unmatched requests: requests and durations only (they never reuse ids,
+    /// so no reuse series is exported for them).
+    pub fn default_route(&self, route: &str) -> RouteMetrics {
+        self.route_series(route, Mode::Passthrough, false)
+    }
+
+    fn route_series(&self, route: &str, mode: Mode, counts_reuse: bool) -> RouteMetrics {
+        let reuse = |result: &str, reason: &str| {
+            if counts_reuse {
+                self.reuse.token_reuse.with_label_values(&[route, result, reason])
+            } else {
+                // Detached: never registered, so never exported.
+                IntCounter::new("tokenonce_detached", "unexported")
+                    .unwrap_or_else(|_| self.reuse.relayed_id_bytes.clone())
+            }
+        };
+        let per_api = |f: &dyn Fn(&str, &str) -> Histogram| {
+            API_LABELS.map(|api| f(api_label(api), served_as(api, mode).as_str()))
+        };
+        RouteMetrics {
+            requests: API_LABELS.map(|api| {
+                let (api, mode) = (api_label(api), served_as(api, mode).as_str());
+                Outcome::ALL
+                    .iter()
+                    .map(|o| self.requests.requests.with_label_values(&[route, api, mode, o.as_str()]))
+                    .collect()
+            }),
+            request_duration: per_api(&|api, mode| {
+                self.requests.request_duration.with_label_values(&[route, api, mode])
+            }),
+            time_to_first_byte: per_api(&|api, mode| {
+                self.requests.time_to_first_byte.with_label_values(&[route, api, mode])
+            }),
+            stages: Stage::ALL
+                .iter()
+                .map(|s| self.requests.stage_duration.with_label_values(&[route, s.as_str()]))
+                .collect(),
+            reuse_applied: reuse("applied", "none"),
+            reuse_fallback: FallbackReason::ALL.iter().map(|r| reuse("fallback", r.as_str())).collect(),
+            reused_prompt_tokens: if counts_reuse {
+                self.reuse.reused_prompt_tokens.with_label_values(&[route])
+            } else {
+                reuse("", "")
+            },
+            relayed_id_bytes: self.reuse.relayed_id_bytes.clone(),
+            retry_refused: self.upstreams.retry_budget_exhausted.with_label_values(&[route]),
+            prefill_failovers: self.upstreams.prefill_failovers.with_label_values(&[route]),
+            timeouts: TimeoutStage::ALL
+                .iter()
+                .map(|s| self.requests.timeouts.with_label_values(&[route, s.as_str()]))
+                .collect(),
+            kv_releases: Release::ALL
+                .iter()
+                .map(|r| {
+                    if counts_reuse {
+                        self.requests.kv_releases.with_label_values(&[route, r.as_str()])
+                    } else {
+                        reuse("", "")
+                    }
+                })
+                .collect(),
+        }
+    }
+
+    /// Resolves (and so creates) a route's parity series.
+    pub fn parity(&self, route: &str) -> ParityMetrics {
+        ParityMetrics {
+            checks: ParityResult::ALL
+                .iter()
+                .map(|r| self.parity.parity_checks.with_label_values(&[route, r.as_str()]))
+                .collect(),
+            reuse_disabled: self.parity.parity_reuse_disabled.with_label_values(&[route]),
+            reuse_off: self.parity.parity_reuse_off.with_label_values(&[route]),
+        }
+    }
+
+    /// Sets whether `route`'s prefill and decode pools serve different models.
+    pub fn models_differ(&self, route: &str, differ: bool) {
+        self.parity.models_differ.with_label_values(&[route]).set(i64::from(differ));
+    }
+
+    /// Creates a pool's series (zeros instead of gaps).
+    pub fn pool(&self, pool: &str) {
+        self.upstreams.upstream_ejections.with_label_values(&[pool]);
+        self.upstreams.upstream_ejected.with_label_values(&[pool]);
+    }
+
+    /// Counts one endpoint of `pool` ejected.
+    pub fn upstream_ejection(&self, pool: &str) {
+        self.upstreams.upstream_ejections.with_label_values(&[pool]).inc();
+        self.upstreams.upstream_ejected.with_label_values(&[pool]).inc();
+    }
+
+    /// Sets how many endpoints of `pool` are ejected now.
+    pub fn upstream_ejected(&self, pool: &str, ejected: usize) {
+        self.upstreams.upstream_ejected.with_label_values(&[pool]).set(i64::try_from(ejected).unwrap_or(i64::MAX));
+    }
+
+    /// Counts one upstream failure.
+    pub fn upstream_error(&self, leg: Leg, kind: ErrorKind) {
+        self.upstreams.upstream_errors.with_label_values(&[leg.as_str(), kind.as_str()]).inc();
+    }
+
+    /// Counts one leg re-sent.
+    pub fn upstream_retry(&self, leg: Leg) {
+        self.upstreams.upstream_retries.with_label_values(&[leg.as_str()]).inc();
+    }
+
+    /// Records an endpoint's health poll.
+    pub fn upstream_health(&self, pool: &str, endpoint: &str, healthy: bool) {
+        self.upstreams.upstream_healthy.with_label_values(&[pool, endpoint]).set(i64::from(healthy));
+    }
+
+    /// Counts one relay cache lookup.
+    pub fn cache_lookup(&self, result: CacheLookup) {
+        self.cache.cache_lookups.with_label_values(&[result.as_str()]).inc();
+    }
+
+    /// Counts cache evictions and sets the cache gauges to `entries` and `bytes`.
+    pub fn cache_state(&self, ttl_evicted: u64, capacity_evicted: u64, entries: usize, bytes: usize) {
+        for (reason, n) in [(Eviction::Ttl, ttl_evicted), (Eviction::Capacity, capacity_evicted)] {
+            if n > 0 {
+                self.cache.cache_evictions.with_label_values(&[reason.as_str()]).inc_by(n);
+            }
+        }
+        self.cache.cache_entries.set(i64::try_from(entries).unwrap_or(i64::MAX));
+        self.cache.cache_bytes.set(i64::try_from(bytes).unwrap_or(i64::MAX));
+    }
+
+    /// Counts one config reload.
+    pub fn reload(&self, result: Reload) {
+        self.reloads.config_reloads.with_label_values(&[result.as_str()]).inc();
+    }
+
+    /// Renders `registry` in the Prometheus text format.
+    pub fn render(registry: &Registry) -> Vec<u8> {
+        let mut out = Vec::new();
+        let encoder = prometheus::TextEncoder::new();
+        if let Err(e) = prometheus::Encoder::encode(&encoder, &registry.gather(), &mut out) {
+            tracing::warn!(error = %e, "metrics encoding failed");
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::labels::api_index;
+    use super::*;
+    use crate::openai::Api;
+
+    #[test]
+    fn label_tables_follow_declaration_order() {
+        for (i, s) in Stage::ALL.iter().enumerate() {
+            assert_eq!(*s as usize, i);
+        }
+        for (i, o) in Outcome::ALL.iter().enumerate() {
+            assert_eq!(*o as usize, i);
+        }
+        for (i, r) in FallbackReason::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i);
+        }
+        for (i, r) in ParityResult::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i);
+        }
+        for (i, s) in TimeoutStage::ALL.iter().enumerate() {
+            assert_eq!(*s as usize, i);
+        }
+        for (i, r) in Release::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i);
+        }
+        for (i, api) in API_LABELS.iter().enumerate() {
+            assert_eq!(api_index(*api), i);
+        }
+    }
+
+    #[test]
+    fn a_route_creates_every_series_it_can_touch() {
+        let registry = Registry::new();
+        let m = Metrics::register(&registry).unwrap();
+        let r = m.route("r", Mode::Orchestrate);
+        let text = String::from_utf8(Metrics::render(&registry)).unwrap();
+        let count = |prefix: &str| text.lines().filter(|l| l.starts_with(prefix)).count();
+        assert_eq!(count("tokenonce_requests_total{"), API_LABELS.len() * Outcome::ALL.len());
+        assert_eq!(count("tokenonce_token_reuse_total{"), 1 + FallbackReason::ALL.len());
+        assert_eq!(count("tokenonce_upstream_errors_total{"), Leg::ALL.len() * ErrorKind::ALL.len());
+        assert_eq!(count("tokenonce_stage_duration_seconds_count{"), Stage::ALL.len());
+        assert_eq!(count("tokenonce_timeouts_total{"), TimeoutStage::ALL.len());
+        assert_eq!(count("tokenonce_kv_releases_total{"), Release::ALL.len());
+        r.finished(Some(Api::Completions), Outcome::ClientClosed, Duration::from_millis(5), None);
+        r.reuse_fallback(FallbackReason::CacheMiss);
+        r.reuse_applied(7, 20);
+        let text = String::from_utf8(Metrics::render(&registry)).unwrap();
+        for line in [
+            r#"tokenonce_requests_total{api="completions",mode="orchestrate",outcome="client_closed",route="r"} 1"#,
+            r#"tokenonce_token_reuse_total{reason="cache_miss",result="fallback",route="r"} 1"#,
+            r#"tokenonce_token_reuse_total{reason="none",result="applied",route="r"} 1"#,
+            r#"tokenonce_reused_prompt_tokens_total{route="r"} 7"#,
+            "tokenonce_relayed_id_bytes_total 20",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line}");
+        }
+    }
+
+    #[test]
+    fn registers_every_design_metric_once() {
+        let registry = Registry::new();
+        let m = Metrics::register(&registry).unwrap();
+        m.route("r", Mode::Relay);
+        m.upstream_health("decode", "127.0.0.1:1", true);
+        m.pool("decode");
+        m.parity("r");
+        m.models_differ("r", false);
+        let text = String::from_utf8(Metrics::render(&registry)).unwrap();
+        for name in [
+            "tokenonce_requests_total",
+            "tokenonce_request_duration_seconds",
+            "tokenonce_time_to_first_byte_seconds",
+            "tokenonce_stage_duration_seconds",
+            "tokenonce_token_reuse_total",
+            "tokenonce_reused_prompt_tokens_total",
+            "tokenonce_relayed_id_bytes_total",
+            "tokenonce_upstream_errors_total",
+            "tokenonce_upstream_retries_total",
+            "tokenonce_retry_budget_exhausted_total",
+            "tokenonce_inflight_requests",
+            "tokenonce_cache_entries",
+            "tokenonce_cache_bytes",
+            "tokenonce_cache_lookups_total",
+            "tokenonce_cache_evictions_total",
+            "tokenonce_build_info",
+            "tokenonce_ready",
+            "tokenonce_upstream_healthy",
+            "tokenonce_prefill_failovers_total",
+            "tokenonce_upstream_ejections_total",
+            "tokenonce_upstream_ejected",
+            "tokenonce_parity_checks_total",
+            "tokenonce_parity_reuse_disabled_total",
+            "tokenonce_parity_reuse_off",
+            "tokenonce_pool_models_differ",
+            "tokenonce_timeouts_total",
+            "tokenonce_kv_releases_total",
+            "tokenonce_trace_spans_total",
+        ] {
+            assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing");
+        }
+        assert!(Metrics::register(&registry).is_err(), "double registration must fail");
+    }
+}

@@ -1,0 +1,129 @@
+//! The handles a route resolves once, when the route table is built: its request, reuse,
+//! stage, timeout and release series ([`RouteMetrics`]) and its parity series
+//! ([`ParityMetrics`]). The request path only increments and observes them.
+
+use std::time::Duration;
+
+use prometheus::{Histogram, IntCounter, IntGauge};
+
+use super::labels::api_index;
+use super::{FallbackReason, Outcome, ParityResult, Release, Stage, TimeoutStage};
+use crate::openai::Api;
+
+/// One route's parity-watch series.
+#[derive(Clone)]
+pub struct ParityMetrics {
+    /// By [`ParityResult`].
+    pub(super) checks: Vec<IntCounter>,
+    pub(super) reuse_disabled: IntCounter,
+    pub(super) reuse_off: IntGauge,
+}
+
+impl ParityMetrics {
+    /// Counts one check.
+    pub fn check(&self, result: ParityResult) {
+        if let Some(c) = self.checks.get(result as usize) {
+            c.inc();
+        }
+    }
+
+    /// Counts reuse turned off, and marks it off.
+    pub fn reuse_disabled(&self) {
+        self.reuse_disabled.inc();
+        self.reuse_off.set(1);
+    }
+
+    /// Marks reuse on again.
+    pub fn reuse_back_on(&self) {
+        self.reuse_off.set(0);
+    }
+
+    /// Sets the `reuse_off` gauge to a hold's state (when the route's watch is built).
+    pub fn show_hold(&self, held: bool) {
+        self.reuse_off.set(i64::from(held));
+    }
+}
+
+/// One route's series, resolved when the route table is built; the request path only
+/// increments and observes.
+#[derive(Clone)]
+pub struct RouteMetrics {
+    /// `[api][outcome]`.
+    pub(super) requests: [Vec<IntCounter>; 5],
+    pub(super) request_duration: [Histogram; 5],
+    pub(super) time_to_first_byte: [Histogram; 5],
+    /// By [`Stage`].
+    pub(super) stages: Vec<Histogram>,
+    pub(super) reuse_applied: IntCounter,
+    /// By [`FallbackReason`].
+    pub(super) reuse_fallback: Vec<IntCounter>,
+    pub(super) reused_prompt_tokens: IntCounter,
+    pub(super) relayed_id_bytes: IntCounter,
+    pub(super) retry_refused: IntCounter,
+    pub(super) prefill_failovers: IntCounter,
+    /// By [`TimeoutStage`].
+    pub(super) timeouts: Vec<IntCounter>,
+    /// By [`Release`].
+    pub(super) kv_releases: Vec<IntCounter>,
+}
+
+impl RouteMetrics {
+    /// Counts a finished request and observes its duration and time to first byte.
+    pub fn finished(&self, api: Option<Api>, outcome: Outcome, total: Duration, first_byte: Option<Duration>) {
+        let i = api_index(api);
+        if let Some(c) = self.requests.get(i).and_then(|by_outcome| by_outcome.get(outcome as usize)) {
+            c.inc();
+        }
+        if let Some(h) = self.request_duration.get(i) {
+            h.observe(total.as_secs_f64());
+        }
+        if let (Some(h), Some(t)) = (self.time_to_first_byte.get(i), first_byte) {
+            h.observe(t.as_secs_f64());
+        }
+    }
+
+    /// Observes one stage's duration.
+    pub fn stage(&self, stage: Stage, took: Duration) {
+        if let Some(h) = self.stages.get(stage as usize) {
+            h.observe(took.as_secs_f64());
+        }
+    }
+
+    /// Counts a decode that reused `tokens` prompt ids, `id_bytes` of JSON.
+    pub fn reuse_applied(&self, tokens: usize, id_bytes: usize) {
+        self.reuse_applied.inc();
+        self.reused_prompt_tokens.inc_by(tokens as u64);
+        self.relayed_id_bytes.inc_by(id_bytes as u64);
+    }
+
+    /// Counts a retry the budget refused.
+    pub fn retry_refused(&self) {
+        self.retry_refused.inc();
+    }
+
+    /// Counts a pool prefill moved to another endpoint.
+    pub fn prefill_failover(&self) {
+        self.prefill_failovers.inc();
+    }
+
+    /// Counts a bounded wait that ran out.
+    pub fn timeout(&self, stage: TimeoutStage) {
+        if let Some(c) = self.timeouts.get(stage as usize) {
+            c.inc();
+        }
+    }
+
+    /// Counts what became of a gone client's KV blocks.
+    pub fn kv_release(&self, result: Release) {
+        if let Some(c) = self.kv_releases.get(result as usize) {
+            c.inc();
+        }
+    }
+
+    /// Counts a decode that fell back to text.
+    pub fn reuse_fallback(&self, reason: FallbackReason) {
+        if let Some(c) = self.reuse_fallback.get(reason as usize) {
+            c.inc();
+        }
+    }
+}

@@ -1,0 +1,233 @@
+//! The framing of a relayed engine stream: whole SSE events only, each with its exact bytes
+//! unless a usage rewrite applies to it, bounded in length; a cut event is dropped.
+
+use super::rewrite::rewrite_usage_cached;
+use crate::openai::request::Api;
+use crate::sse::{Event, SseDecoder};
+
+fn is_json_ws(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+}
+
+/// Rewrites a response stream event by event: each SSE event whose data is a JSON object
+/// is passed through `rewrite` (which returns JSON text, or `None` to leave the event
+/// alone); events it leaves alone keep their exact bytes.
+pub struct SseRewriter<F> {
+    decoder: SseDecoder,
+    rewrite: F,
+}
+
+impl<F: FnMut(&str) -> Option<Vec<u8>>> SseRewriter<F> {
+    /// A rewriter applying `rewrite` to each event's JSON data.
+    pub fn new(rewrite: F) -> Self {
+        Self { decoder: SseDecoder::new(), rewrite }
+    }
+
+    /// Feeds upstream bytes; returns the bytes ready for the client (possibly empty).
+    pub fn feed(&mut self, chunk: &[u8]) -> Vec<u8> {
+        let events = self.decoder.feed(chunk);
+        let mut out = Vec::with_capacity(chunk.len() + 64);
+        for event in events {
+            emit(&event, &mut self.rewrite, &mut out);
+        }
+        out
+    }
+
+    /// Ends the stream; returns whatever followed the last event (an unterminated tail or
+    /// trailing blank lines) unchanged, so nothing is dropped.
+    pub fn finish(self) -> Vec<u8> {
+        self.decoder.into_pending()
+    }
+}
+
+/// False when `raw` (an event's bytes) cannot hold a `usage` member, so no rewrite applies
+/// and its JSON is not parsed (most events of a stream): neither the key's text nor a `\u`
+/// escape (`"\u0075sage"` is the same key) appears in it.
+fn may_hold_usage(raw: &[u8]) -> bool {
+    memchr::memmem::find(raw, b"usage").is_some() || memchr::memmem::find(raw, b"\\u").is_some()
+}
+
+/// Appends `event` to `out`: `rewrite`'s version of its JSON data, else its exact bytes.
+fn emit(event: &Event, rewrite: &mut impl FnMut(&str) -> Option<Vec<u8>>, out: &mut Vec<u8>) {
+    let rewritten = Some(event)
+        .filter(|e| may_hold_usage(e.raw()))
+        .and_then(Event::data)
+        .filter(|d| d.iter().find(|b| !is_json_ws(**b)) == Some(&b'{'))
+        .and_then(|d| String::from_utf8(d).ok())
+        .and_then(|d| rewrite(&d));
+    match rewritten {
+        Some(data) => {
+            // The event's other fields first (`event: response.completed` names the event).
+            for line in event.other_lines() {
+                out.extend_from_slice(line);
+                // A line read as ending in CR came with CRLF after it: written back with a
+                // bare LF it would lose that CR and read as another field.
+                out.extend_from_slice(if line.ends_with(b"\r") { b"\r\n" } else { b"\n" });
+            }
+            // One `data:` line: in JSON text a CR or LF can only be whitespace between
+            // tokens (strings escape them), and either would end the SSE line early.
+            out.extend_from_slice(b"data: ");
+            out.extend(data.iter().map(|&b| if b == b'\n' || b == b'\r' { b' ' } else { b }));
+            out.extend_from_slice(b"\n\n");
+        }
+        None => out.extend_from_slice(event.raw()),
+    }
+}
+
+/// The framing of a relayed decode stream: only complete events go to the client, each as
+/// soon as its blank line arrives, with their exact bytes (or, given `cached_tokens`, with
+/// `usage.prompt_tokens_details.cached_tokens` set). An event the engine cut by breaking the
+/// stream is dropped, so an error event after it starts on a line of its own.
+#[derive(Debug)]
+pub struct StreamFraming {
+    decoder: SseDecoder,
+    cached_tokens: Option<u64>,
+    api: Api,
+    max_event: usize,
+    /// A complete event over `max_event` was seen (and it and all after it dropped).
+    overlong: bool,
+}
+
+impl StreamFraming {
+    /// Framing for one chat or completions stream; `cached_tokens` as the prefill reported
+    /// it. No event limit.
+    pub fn new(cached_tokens: Option<u64>) -> Self {
+        Self::for_api(Api::Chat, cached_tokens)
+    }
+
+    /// Framing for one stream of `api` (whose usage shape the rewrite follows).
+    pub fn for_api(api: Api, cached_tokens: Option<u64>) -> Self {
+        Self { decoder: SseDecoder::new(), cached_tokens, api, max_event: usize::MAX, overlong: false }
+    }
+
+    /// The same framing, with [`Self::too_long`] true once an event (complete, or still
+    /// being received) is longer than `max_event` bytes; that event is never emitted, and
+    /// the relay then ends the stream. Memory stays bounded by `max_event` plus one read.
+    pub fn with_event_limit(self, max_event: usize) -> Self {
+        Self { max_event, ..self }
+    }
+
+    /// True when an event longer than the limit was seen or is being received.
+    pub fn too_long(&self) -> bool {
+        self.overlong || self.decoder.pending() > self.max_event
+    }
+
+    /// Feeds engine bytes; returns the complete events among them (possibly none), up to
+    /// the first one over the limit.
+    pub fn feed(&mut self, chunk: &[u8]) -> Vec<u8> {
+        let events = self.decoder.feed(chunk);
+        let mut out = Vec::with_capacity(chunk.len());
+        for event in &events {
+            if self.overlong || event.raw().len() > self.max_event {
+                self.overlong = true;
+                break;
+            }
+            match self.cached_tokens {
+                Some(n) => emit(event, &mut |d: &str| rewrite_usage_cached(self.api, d, n), &mut out),
+                None => out.extend_from_slice(event.raw()),
+            }
+        }
+        out
+    }
+
+    /// The stream ended cleanly: whatever followed the last event (a last event without its
+    /// blank line, trailing blank lines) is passed as it came.
+    pub fn end(self) -> Vec<u8> {
+        self.decoder.into_pending()
+    }
+
+    /// The stream broke: the unfinished event is dropped; returns how many bytes that was.
+    pub fn broken(self) -> usize {
+        self.decoder.pending()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::openai::response::rewrite::rewrite_cached_tokens;
+    #[test]
+    fn sse_rewriter_touches_only_usage_events() {
+        let stream = b"data: {\"choices\":[{\"delta\":{}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":4}}\n\ndata: [DONE]\n\n";
+        for cut in 0..stream.len() {
+            let mut rw = SseRewriter::new(|d: &str| rewrite_cached_tokens(d, 2));
+            let mut out = rw.feed(&stream[..cut]);
+            out.extend(rw.feed(&stream[cut..]));
+            out.extend(rw.finish());
+            assert_eq!(
+                String::from_utf8(out).unwrap(),
+                "data: {\"choices\":[{\"delta\":{}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"prompt_tokens_details\":{\"cached_tokens\":2}}}\n\ndata: [DONE]\n\n"
+            );
+        }
+    }
+
+    #[test]
+    fn sse_rewriter_keeps_multi_line_data_one_event() {
+        let stream =
+            b"data: {\"usage\":{\"prompt_tokens\":1},\ndata: \"x\":[1,\r\ndata: 2]}\n\ndata:   {\"usage\":{}}\n\n";
+        let mut rw = SseRewriter::new(|d: &str| rewrite_cached_tokens(d, 2));
+        let mut out = rw.feed(stream);
+        out.extend(rw.finish());
+        let events = SseDecoder::new().feed(&out);
+        assert_eq!(events.len(), 2, "{}", String::from_utf8_lossy(&out));
+        let first: serde_json::Value = serde_json::from_slice(&events[0].data().unwrap()).unwrap();
+        assert_eq!(first["x"], serde_json::json!([1, 2]));
+        assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
+        let second: serde_json::Value = serde_json::from_slice(&events[1].data().unwrap()).unwrap();
+        assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
+    }
+
+    #[test]
+    fn framing_flags_an_event_longer_than_its_limit() {
+        let mut f = StreamFraming::new(None).with_event_limit(16);
+        assert_eq!(f.feed(b"data: {\"a\":1}\n\ndata: {\"b\":"), b"data: {\"a\":1}\n\n");
+        assert!(!f.too_long(), "10 bytes pending");
+        assert!(f.feed(b"\"0123456789\"").is_empty());
+        assert!(f.too_long(), "22 bytes pending, limit 16");
+        let mut f = StreamFraming::new(None).with_event_limit(16);
+        assert_eq!(
+            f.feed(b"data: 1\n\ndata: {\"b\":\"0123456789\"}\n\ndata: 2\n\n"),
+            b"data: 1\n\n",
+            "stops at the long one"
+        );
+        assert!(f.too_long(), "a whole event over the limit counts too");
+    }
+
+    #[test]
+    fn a_rewritten_event_keeps_its_other_lines_as_they_read() {
+        // `data\r` (a field named "data\r", written `data\r\r\n`) must not come back as
+        // `data\r\n`, which reads as an empty data line.
+        let stream = b"data\r\r\nevent: e\ndata: {\"usage\":{\"prompt_tokens\":3}}\n\n";
+        let mut framing = StreamFraming::new(Some(7));
+        let out = framing.feed(stream);
+        let events = crate::sse::SseDecoder::new().feed(&out);
+        let before = crate::sse::SseDecoder::new().feed(stream);
+        let want = rewrite_cached_tokens(&String::from_utf8(before[0].data().unwrap()).unwrap(), 7).unwrap();
+        assert_eq!(events[0].data().unwrap(), want);
+        assert_eq!(events[0].other_lines().collect::<Vec<_>>(), before[0].other_lines().collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn only_events_that_can_hold_usage_are_parsed_and_an_escaped_key_still_counts() {
+        // Deltas without usage pass as they came (even when their JSON would not parse);
+        // a usage key spelled with a `\u` escape is the same key and is rewritten.
+        let stream = b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: {not json\n\n";
+        assert_eq!(StreamFraming::new(Some(7)).feed(stream), stream.to_vec());
+        let escaped = b"data: {\"\\u0075sage\":{\"prompt_tokens\":3}}\n\n";
+        let out = StreamFraming::new(Some(7)).feed(escaped);
+        let events = crate::sse::SseDecoder::new().feed(&out);
+        let data: serde_json::Value = serde_json::from_slice(&events[0].data().unwrap()).unwrap();
+        assert_eq!(data["usage"]["prompt_tokens_details"]["cached_tokens"], 7);
+        assert!(may_hold_usage(br#"{"usage":null}"#) && !may_hold_usage(br#"{"u":"sage"}"#));
+    }
+
+    #[test]
+    fn sse_rewriter_hands_back_trailing_blank_lines() {
+        for stream in [&b"data: [DONE]\n\n\n"[..], b"\r\n", b"data: {\"a\":1}\n\n\r\n\r"] {
+            let mut rw = SseRewriter::new(|_: &str| None);
+            let mut out = rw.feed(stream);
+            out.extend(rw.finish());
+            assert_eq!(out, stream);
+        }
+    }
+}
