@@ -34,6 +34,7 @@ if [ ! -s toy_proxy_server.py ]; then
         curl -fsS --max-time 300 -o "$tmp/vllm.tar.gz" "$sdist_url"
         tar -xzf "$tmp/vllm.tar.gz" -O "vllm-$SDIST_VERSION/$TOY_PATH" > toy_proxy_server.py.part
     fi
+    [ -s toy_proxy_server.py.part ] || { echo "peers.sh: no toy proxy fetched; copy vLLM's $TOY_PATH (vLLM >= 0.32) to $DIR/toy_proxy_server.py" >&2; exit 1; }
     mv toy_proxy_server.py.part toy_proxy_server.py
 fi
 
