@@ -27,8 +27,9 @@ trap stop EXIT
 # --- quick start ---
 bash .ci/setup                         # once: the build's Debian packages (cmake, libssl-dev, ...)
 bash tests/e2e/vllm/setup.sh           # once: vLLM CPU 0.32 + NIXL 1.5.1 + a tiny Qwen3 (~3 min)
-bash tests/e2e/vllm/start.sh 8100      # the prefill vLLM, NixlConnector on CPU
-bash tests/e2e/vllm/start.sh 8200      # the decode vLLM, the same
+bash tests/e2e/vllm/start.sh 8100 &    # the prefill vLLM, NixlConnector on CPU
+bash tests/e2e/vllm/start.sh 8200 &    # the decode vLLM, the same
+wait                                   # both answer /health (~1 min)
 cargo run --locked &                   # tokenonce, embedded default: :8000 -> prefill 8100, decode 8200
 for _ in $(seq 60); do curl -fs http://127.0.0.1:9000/readyz && break; sleep 1; done
 curl -s http://127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \

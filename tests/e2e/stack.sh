@@ -15,6 +15,7 @@
 #   stack.sh restart-decode [ARGS]  restart the decode server with extra vLLM ARGS
 #                                   (e.g. --no-enable-prefix-caching); no ARGS = the default
 #   stack.sh kill-decode|kill-prefill  SIGKILL a server's whole process group (a crash)
+#   stack.sh start-prefill          start the prefill server again (after kill-prefill)
 #   stack.sh restart-tokenonce      rebuild (unless E2E_BUILD=0) and restart tokenonce alone
 #   stack.sh status                 one line per component
 # Env:
@@ -237,6 +238,7 @@ case "${1:-}" in
     if [ "${E2E_BUILD:-1}" = 1 ]; then (cd "$ROOT" && cargo build --locked --bin tokenonce) >"$RUN_DIR/cargo-build.log" 2>&1 || die "cargo build failed"; fi
     start_tokenonce ;;
   kill-prefill) kill_vllm "$PREFILL_PORT" ;;
+  start-prefill) start_vllm "$PREFILL_PORT" ;;
   status) status ;;
-  *) echo "usage: $0 up|down|restart-decode [vllm args]|kill-decode|kill-prefill|restart-tokenonce|status" >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|restart-decode [vllm args]|kill-decode|kill-prefill|start-prefill|restart-tokenonce|status" >&2; exit 2 ;;
 esac

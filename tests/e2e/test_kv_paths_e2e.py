@@ -1,6 +1,6 @@
 """The KV paths tokenonce owns, on the real NIXL pair: what the client sees, what the prefill
 logs and holds, what the decode pulls, what tokenonce counts. Runs last in the tier: its last
-two tests crash a server (the decode is started again; the prefill is not).
+two tests crash a server (each is started again).
 
 - A client gone after the prefill, before the decode leg reached the engine (the decode sits
   behind door.py, a TCP pipe whose accept queue the test holds full, so tokenonce's connect
@@ -12,7 +12,8 @@ two tests crash a server (the decode is started again; the prefill is not).
   sent before) pulled the freed blocks again: two transfers, and a second "Potentially invalid
   KV blocks for unrecognized request ... retrieved" line on the prefill.
 - The decode killed mid-stream: the client's stream ends with an error event and [DONE].
-- The prefill gone between the two legs of a relayed request: the decode's pull fails.
+- The prefill gone, then restarted, between the two legs of relayed requests: the decode's
+  pull fails and vLLM fails the request (its default kv_load_failure_policy, fail).
 
 The prefill's `vllm:kv_cache_usage_perc` is the measure of held blocks: one 128-token block of
 its 1 GiB cache (16,384 blocks) reads 6.1e-05, none 0.
@@ -213,30 +214,59 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error_event():
         subprocess.run(["bash", os.path.join(HERE, "stack.sh"), "restart-decode"], check=True, timeout=400)
 
 
-def test_prefill_gone_between_the_legs_of_a_relayed_request():
-    """A relayed prefill answers (its KV on the prefill), the prefill crashes, then the decode
-    leg arrives with that handoff (the orchestrator's two legs as test_relay_e2e sends them).
-    What vLLM 0.32 does: the decode's NIXL handshake with the dead prefill times out, it counts
-    a failed transfer, computes nothing and answers 500 "Internal server error"; tokenonce
-    relays that answer as is (an engine's own answer) and counts the request a server error."""
-    req = {"model": MODEL, "max_tokens": 8, "temperature": 0, "return_token_ids": True,
-           "messages": [{"role": "user", "content": "The prefill will be gone " + uuid.uuid4().hex}]}
-    headers = {"X-Request-Id": str(uuid.uuid4()), "x-e2e-route": "relay"}
-    before = scrape()
-    prefill_leg = {**req, "stream": False, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
-    handed = HTTP.post(f"{TOKENONCE}/v1/chat/completions", json=prefill_leg, headers=headers).json()
+def relayed_prefill(req, headers):
+    """The prefill leg of a relayed request (as test_relay_e2e's orchestrator sends it)."""
+    leg = {**req, "stream": False, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE}
+    handed = HTTP.post(f"{TOKENONCE}/v1/chat/completions", json=leg, headers=headers).json()
     assert handed["kv_transfer_params"]["transfer_mode"] == "pull", handed
-    subprocess.run(["bash", os.path.join(HERE, "stack.sh"), "kill-prefill"], check=True, timeout=30)
+    return handed["kv_transfer_params"]
+
+
+def relayed_decode(req, headers, kv):
+    """The decode leg of a relayed request, its handoff as the prefill gave it; with what the
+    decode counted (settled on a failed transfer or a pull)."""
+    before = scrape()
     with DecodePull() as pull:
-        r = HTTP.post(f"{TOKENONCE}/v1/chat/completions", json={**req, "kv_transfer_params": handed["kv_transfer_params"]},
-                      headers=headers)
-    after = scrape()
-    d = pull.settled(lambda d: d[FAILED] >= 1)
+        r = HTTP.post(f"{TOKENONCE}/v1/chat/completions", json={**req, "kv_transfer_params": kv}, headers=headers)
+    d = pull.settled(lambda d: d[FAILED] >= 1 or d[TRANSFERS] >= 1)
+    return r, d, before, scrape()
+
+
+def test_prefill_gone_or_restarted_between_the_legs_of_a_relayed_request():
+    """Two relayed requests get their prefill legs answered (their KV on the prefill); then the
+    prefill crashes. What vLLM 0.32 does with the first decode leg, the prefill still gone: the
+    decode's NIXL handshake with it times out, it counts a failed transfer, computes nothing
+    and answers 500 "Internal server error"; tokenonce relays that answer as is (an engine's
+    own answer) and counts the request a server error. The prefill is then started again (a
+    new engine id, none of the old blocks) and the second decode leg arrives with its old
+    handoff: the same, failed transfers (2 seen) and vLLM's 500. The decode's log says why:
+    "Failing 1 request(s) due to KV load failure (failure_policy=fail, ...)", vLLM 0.32's
+    default `kv_load_failure_policy`."""
+    reqs, headers = [], []
+    for i in range(2):
+        reqs.append({"model": MODEL, "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+                     "messages": [{"role": "user", "content": f"The prefill will be gone {i} " + uuid.uuid4().hex}]})
+        headers.append({"X-Request-Id": str(uuid.uuid4()), "x-e2e-route": "relay"})
+    kvs = [relayed_prefill(r, h) for r, h in zip(reqs, headers)]
+    subprocess.run(["bash", os.path.join(HERE, "stack.sh"), "kill-prefill"], check=True, timeout=30)
+    route = "e2e-relay"
+
+    r, d, before, after = relayed_decode(reqs[0], headers[0], kvs[0])
+    delta = lambda name, **labels: metric(after, name, route=route, **labels) - metric(before, name, route=route, **labels)  # noqa: E731
     assert d[FAILED] == 1 and d[EXTERNAL] == 0 and d[LOCAL] == 0, f"one failed pull, nothing computed: {d}"
     assert r.status_code == 500, (r.status_code, r.text[:300])
     assert r.json() == {"error": {"message": "Internal server error", "type": "InternalServerError",
                                   "param": None, "code": 500}}, r.text[:300]
-    route = "e2e-relay"
-    delta = lambda name, **labels: metric(after, name, route=route, **labels) - metric(before, name, route=route, **labels)  # noqa: E731
     assert delta("tokenonce_token_reuse_total", result="applied") == 1, "the ids were handed over"
+    assert delta("tokenonce_requests_total", outcome="server_error") == 1
+
+    subprocess.run(["bash", os.path.join(HERE, "stack.sh"), "start-prefill"], check=True, timeout=400)
+    r, d, before, after = relayed_decode(reqs[1], headers[1], kvs[1])
+    assert d[FAILED] >= 1 and d[EXTERNAL] == 0 and d[LOCAL] == 0, f"failed pulls, nothing computed: {d}"
+    assert r.status_code == 500 and r.json()["error"]["message"] == "Internal server error", r.text[:300]
+    # The relay kept the ids for the cache's TTL (30 s): a restart that took longer finds
+    # them gone (cache_miss, a text decode with the old handoff); either way one decision.
+    applied = delta("tokenonce_token_reuse_total", result="applied")
+    missed = delta("tokenonce_token_reuse_total", result="fallback", reason="cache_miss")
+    assert (applied, missed) in ((1, 0), (0, 1)), (applied, missed)
     assert delta("tokenonce_requests_total", outcome="server_error") == 1
