@@ -40,5 +40,9 @@ TOKENONCE_JOB=$!
 
 # What the lines above must have shown: one request reused its ids, and the decode pulled the
 # prompt's KV over NIXL (its own counters).
-curl -s http://127.0.0.1:9000/metrics | grep -q 'tokenonce_token_reuse_total{reason="none",result="applied",route="pd"} 1$'
-curl -s http://127.0.0.1:8200/metrics | grep -q '^vllm:nixl_xfer_time_seconds_count{.*} 1.0$'
+# (Each page is fetched whole before grep reads it: `curl | grep -q` under pipefail fails when
+# grep stops reading early and curl's write hits the closed pipe, exit 23.)
+tokenonce_metrics=$(curl -fsS http://127.0.0.1:9000/metrics)
+decode_metrics=$(curl -fsS http://127.0.0.1:8200/metrics)
+grep -q 'tokenonce_token_reuse_total{reason="none",result="applied",route="pd"} 1$' <<<"$tokenonce_metrics"
+grep -q '^vllm:nixl_xfer_time_seconds_count{.*} 1.0$' <<<"$decode_metrics"
