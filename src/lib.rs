@@ -137,6 +137,7 @@ impl App {
             .collect();
         pools.iter().for_each(|p| self.metrics.pool(&p.name));
         let routes = RouteTable::new(&config, &pools, &self.metrics, Some(&self.routes))?;
+        self.forget_removed(&pools, &routes);
         let edge = proxy::edge::EdgeLimits::of(&config);
         Ok(Self {
             config,
@@ -150,6 +151,35 @@ impl App {
             edge,
             watch: Arc::clone(&self.watch),
         })
+    }
+
+    /// Removes the gauges of the endpoints, pools and routes this state has and `pools` and
+    /// `routes` (a reload's) do not.
+    fn forget_removed(&self, pools: &[Arc<Pool>], routes: &RouteTable) {
+        for old in &self.pools {
+            let Some(new) = pools.iter().find(|p| p.name == old.name) else {
+                self.metrics.forget_pool(&old.name);
+                old.endpoints.iter().for_each(|e| self.metrics.forget_endpoint(&old.name, &e.addr));
+                continue;
+            };
+            for e in old.endpoints.iter().filter(|e| !new.endpoints.iter().any(|n| n.addr == e.addr)) {
+                self.metrics.forget_endpoint(&old.name, &e.addr);
+            }
+        }
+        for old in self.routes.routes() {
+            if !routes.routes().iter().any(|r| r.name == old.name) {
+                self.metrics.forget_models_differ(&old.name);
+                self.metrics.forget_parity_hold(&old.name);
+            }
+        }
+    }
+
+    /// Sets the gauges read from state at a scrape and each health round: ejected endpoints
+    /// per pool, the relay cache (its expired entries dropped first).
+    pub fn refresh_gauges(&self) {
+        let now = std::time::Instant::now();
+        self.pools.iter().for_each(|p| self.metrics.upstream_ejected(&p.name, p.ejected(now)));
+        self.sweep_cache();
     }
 
     /// The pools that serve decodes (readiness needs each to have a healthy endpoint).

@@ -178,6 +178,73 @@ async fn consecutive_failures_eject_an_endpoint_until_it_recovers() {
     assert_eq!(proxy.metric(EJECTIONS).await, 1.0);
 }
 
+/// `upstream_ejected` reads the pool's state when scraped: 1 right after an ejection and 0
+/// once the backoff ended (the endpoint readmitted), with no health round in between (the
+/// interval is 10 min here).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_ejected_gauge_is_the_pools_state_between_health_rounds() {
+    let (a, b, d) = (
+        FakeVllm::start(failing(503)).await,
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+    );
+    let settings = Settings {
+        health_interval_ms: 600_000,
+        upstream_extra: "eject_after_failures = 2\n".into(),
+        ..Settings::default()
+    };
+    let proxy = TokenOnce::start_with(&two_prefill_config(&a, &b, &d, ""), &settings).await;
+    wait_healthy(&proxy, &[&a, &b]).await;
+    let ejected = r#"tokenonce_upstream_ejected{pool="prefill"}"#;
+    assert_eq!(proxy.metric(ejected).await, 0.0);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while proxy.metric(EJECTIONS).await < 1.0 {
+        assert!(Instant::now() < deadline, "never ejected");
+        assert_eq!(chat(&proxy).await.0, 200);
+    }
+    assert_eq!(proxy.metric(ejected).await, 1.0);
+    // The backoff is 5 s: the endpoint is readmitted by itself, and the gauge says so.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while proxy.metric(ejected).await != 0.0 {
+        assert!(Instant::now() < deadline, "the gauge still reads an ejection that ended");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(proxy.metric(EJECTIONS).await, 1.0);
+}
+
+/// A reload removes the gauges of what it took away: the health of an endpoint no longer in
+/// its pool, the pool-identity gauge of a route no longer configured (their alerts would
+/// otherwise fire forever on values nothing updates); what stays keeps reporting.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_removes_the_gauges_of_what_it_took_away() {
+    let (a, b, d) = (
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+    );
+    let proxy = TokenOnce::start(&two_prefill_config(&a, &b, &d, "")).await;
+    wait_healthy(&proxy, &[&a, &b]).await;
+    let healthy =
+        |e: &FakeVllm| format!(r#"tokenonce_upstream_healthy{{endpoint="{}",pool="prefill"}}"#, e.host_port());
+    let text = proxy.metrics().await;
+    assert!(text.contains(&healthy(&a)) && text.contains(r#"tokenonce_pool_models_differ{route="pd"}"#), "{text}");
+
+    let reloaded = r#"tokenonce_config_reloads_total{result="success"}"#;
+    let only_b = format!(
+        "[pools.prefill]\nendpoints = [\"{}\"]\n\n[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"pd2\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n\n[routes.match]\npaths = [\"/v1/chat/completions\"]\n",
+        b.host_port(),
+        d.host_port()
+    );
+    proxy.reconfigure(&only_b);
+    assert_eq!(proxy.metric_reaches(reloaded, 1.0).await, 1.0);
+    let text = proxy.metrics().await;
+    assert!(!text.contains(&healthy(&a)), "a removed endpoint's health stays: {text}");
+    assert!(text.contains(&healthy(&b)), "{text}");
+    assert!(!text.contains(r#"tokenonce_pool_models_differ{route="pd"}"#), "a removed route's gauge stays: {text}");
+    assert!(!text.contains(r#"tokenonce_parity_reuse_off{route="pd"}"#), "{text}");
+    assert!(text.contains(r#"tokenonce_pool_models_differ{route="pd2"} 0"#), "{text}");
+}
+
 const PREFILL_FAILED: &str = r#"tokenonce_token_reuse_total{reason="prefill_failed",result="fallback",route="pd"}"#;
 
 /// `on_prefill_failure = "decode_alone"`: a prefill answering 503 (and, in a second engine

@@ -198,7 +198,7 @@ impl Upstreams {
             upstream_ejected: gauge_vec(
                 registry,
                 "tokenonce_upstream_ejected",
-                "Endpoints of the pool ejected now (updated on ejection and every health interval).",
+                "Endpoints of the pool ejected now (read from the pool when scraped).",
                 &["pool"],
             )?,
             upstream_healthy: gauge_vec(
@@ -421,6 +421,7 @@ impl Metrics {
                 .map(|s| self.requests.stage_duration.with_label_values(&[route, s.as_str()]))
                 .collect(),
             reuse_applied: reuse("applied", "none"),
+            reuse_decode_failed: reuse("decode_failed", "none"),
             reuse_fallback: FallbackReason::ALL.iter().map(|r| reuse("fallback", r.as_str())).collect(),
             reused_prompt_tokens: if counts_reuse {
                 self.reuse.reused_prompt_tokens.with_label_values(&[route])
@@ -470,10 +471,31 @@ impl Metrics {
         self.upstreams.upstream_ejected.with_label_values(&[pool]);
     }
 
-    /// Counts one endpoint of `pool` ejected.
+    /// Counts one endpoint of `pool` ejected (the `upstream_ejected` gauge is set from the
+    /// pool's state when scraped: an ejection also ends by itself).
     pub fn upstream_ejection(&self, pool: &str) {
         self.upstreams.upstream_ejections.with_label_values(&[pool]).inc();
-        self.upstreams.upstream_ejected.with_label_values(&[pool]).inc();
+    }
+
+    /// Removes the gauges of what a reload took away, so no alert fires on a series that no
+    /// longer reports anything: an endpoint no longer in `pool`'s list.
+    pub fn forget_endpoint(&self, pool: &str, endpoint: &str) {
+        let _ = self.upstreams.upstream_healthy.remove_label_values(&[pool, endpoint]);
+    }
+
+    /// Removes a pool's gauges after a reload removed the pool.
+    pub fn forget_pool(&self, pool: &str) {
+        let _ = self.upstreams.upstream_ejected.remove_label_values(&[pool]);
+    }
+
+    /// Removes a route's model-identity gauge (the route is gone, or has no prefill pool now).
+    pub fn forget_models_differ(&self, route: &str) {
+        let _ = self.parity.models_differ.remove_label_values(&[route]);
+    }
+
+    /// Removes a route's parity-hold gauge (the route is gone, or is passthrough now).
+    pub fn forget_parity_hold(&self, route: &str) {
+        let _ = self.parity.parity_reuse_off.remove_label_values(&[route]);
     }
 
     /// Sets how many endpoints of `pool` are ejected now.

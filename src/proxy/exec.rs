@@ -333,6 +333,7 @@ pub async fn decode(
     rec.trace.leg_started(Leg::Decode);
     let out = Outgoing { req, leg: Leg::Decode, endpoint, body: step.body.clone() };
     let (sent, delivered) = send(session, info, rec, out, timeout).await;
+    settle_reuse(info, rec, sent.as_ref().ok().map(Exchange::status));
     let result = match sent {
         Ok(exchange) => {
             rec.trace.first_byte();
@@ -433,15 +434,19 @@ pub async fn forward(
     endpoint: Picked,
     body: Pieces,
 ) -> Result<(), ProxyError> {
-    rec.decode_sent_at = Some(Instant::now());
+    // The decode stage's duration is the decode's: a relayed prefill forwarded as is has none.
+    if leg == Leg::Decode {
+        rec.decode_sent_at = Some(Instant::now());
+    }
     // A relayed prefill answers as a whole; anything else is bounded to its response head.
     let first_byte = match leg {
         Leg::Prefill => info.route.prefill_timeout,
         Leg::Decode | Leg::Passthrough => info.route.decode_first_byte_timeout,
     };
     rec.trace.leg_started(leg);
-    let exchange =
-        send(session, info, rec, Outgoing { req, leg, endpoint: &endpoint, body }, Some(first_byte)).await.0?;
+    let sent = send(session, info, rec, Outgoing { req, leg, endpoint: &endpoint, body }, Some(first_byte)).await.0;
+    settle_reuse(info, rec, sent.as_ref().ok().map(Exchange::status));
+    let exchange = sent?;
     rec.trace.first_byte();
     let relayed = relay(session, info, rec, exchange, None, leg).await;
     rec.trace.leg_done(leg);
@@ -468,18 +473,14 @@ pub fn watch_parity(
     });
 }
 
-/// Counts how the decode was sent and notes it for the access log.
+/// Counts how the decode was sent and notes it for the access log; a decode sent ids is
+/// counted when it answers ([`settle_reuse`]).
 pub fn record_reuse(info: &RequestInfo, rec: &mut Record, reuse: Reuse, refused: Option<&IdsError>) {
     if let Some(e) = refused {
         tracing::info!(request_id = %info.request_id, error = %e, "prompt ids refused");
     }
     match reuse {
-        Reuse::Applied { tokens, id_bytes } => {
-            info.route.metrics.reuse_applied(tokens, id_bytes);
-            rec.trace.attribute("tokenonce.reuse.result", "applied");
-            rec.trace.attribute("tokenonce.reuse.reason", "none");
-            rec.trace.attribute("tokenonce.reused_prompt_tokens", i64::try_from(tokens).unwrap_or(i64::MAX));
-        }
+        Reuse::Applied { tokens, id_bytes } => rec.reuse_pending = Some((tokens, id_bytes)),
         Reuse::Fallback(reason) => {
             rec.trace.attribute("tokenonce.reuse.result", "fallback");
             rec.trace.attribute("tokenonce.reuse.reason", reason.as_str());
@@ -489,4 +490,20 @@ pub fn record_reuse(info: &RequestInfo, rec: &mut Record, reuse: Reuse, refused:
         Reuse::NotCounted => {}
     }
     rec.reuse = reuse.log_value().or(rec.reuse);
+}
+
+/// Counts the reuse of a decode that was sent ids, now that its leg ended in `answered`
+/// (a 2xx head: `applied`; anything else: `decode_failed`, the ids sent but not used).
+fn settle_reuse(info: &RequestInfo, rec: &mut Record, answered: Option<u16>) {
+    let Some((tokens, id_bytes)) = rec.reuse_pending.take() else { return };
+    if answered.is_some_and(|status| (200..300).contains(&status)) {
+        info.route.metrics.reuse_applied(tokens, id_bytes);
+        rec.trace.attribute("tokenonce.reuse.result", "applied");
+        rec.trace.attribute("tokenonce.reused_prompt_tokens", i64::try_from(tokens).unwrap_or(i64::MAX));
+    } else {
+        info.route.metrics.reuse_decode_failed();
+        rec.trace.attribute("tokenonce.reuse.result", "decode_failed");
+        rec.reuse = Some("decode_failed");
+    }
+    rec.trace.attribute("tokenonce.reuse.reason", "none");
 }

@@ -81,6 +81,9 @@ pub struct Record {
     pub decode_sent_at: Option<Instant>,
     /// Token reuse result or fallback reason, for the access log.
     pub reuse: Option<&'static str>,
+    /// Ids sent to the decode (tokens, JSON bytes), counted `applied` only once the decode
+    /// answers 2xx and `decode_failed` otherwise (see `exec::settle_reuse`).
+    pub reuse_pending: Option<(usize, usize)>,
     /// Endpoint of a pipeline passthrough (held for in-flight counting).
     pub pass_endpoint: Option<Picked>,
     /// Whether `inflight_requests` was raised for this request.

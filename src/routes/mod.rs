@@ -318,9 +318,13 @@ fn route_parity(
 ) -> Option<Arc<RouteParity>> {
     if spec.prefill_pool().is_some() {
         metrics.models_differ(spec.name(), state.models_differ());
+    } else {
+        metrics.forget_models_differ(spec.name());
     }
     if spec.mode() != Mode::Passthrough {
         metrics.parity(spec.name()).show_hold(state.parity_hold().is_held());
+    } else {
+        metrics.forget_parity_hold(spec.name());
     }
     let o = spec.options();
     tokenizer.map(|t| {
