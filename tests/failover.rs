@@ -212,6 +212,35 @@ async fn the_ejected_gauge_is_the_pools_state_between_health_rounds() {
     assert_eq!(proxy.metric(EJECTIONS).await, 1.0);
 }
 
+/// Ejections are the pool's state: a reload of the unchanged file keeps the ejected endpoint
+/// out (it gets no request) and the gauge at 1.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_keeps_an_ejection() {
+    let (a, b, d) = (
+        FakeVllm::start(failing(503)).await,
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+    );
+    let settings = Settings { upstream_extra: "eject_after_failures = 2\n".into(), ..Settings::default() };
+    let text = two_prefill_config(&a, &b, &d, "");
+    let proxy = TokenOnce::start_with(&text, &settings).await;
+    wait_healthy(&proxy, &[&a, &b]).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while proxy.metric(EJECTIONS).await < 1.0 {
+        assert!(Instant::now() < deadline, "never ejected");
+        assert_eq!(chat(&proxy).await.0, 200);
+    }
+    let seen = a.posts().len();
+    proxy.reconfigure(&text);
+    let reloaded = r#"tokenonce_config_reloads_total{result="success"}"#;
+    assert_eq!(proxy.metric_reaches(reloaded, 1.0).await, 1.0);
+    assert_eq!(proxy.metric(r#"tokenonce_upstream_ejected{pool="prefill"}"#).await, 1.0);
+    for _ in 0..4 {
+        assert_eq!(chat(&proxy).await.0, 200);
+    }
+    assert_eq!(a.posts().len(), seen, "still ejected after the reload");
+}
+
 /// A reload removes the gauges of what it took away: the health of an endpoint no longer in
 /// its pool, the pool-identity gauge of a route no longer configured (their alerts would
 /// otherwise fire forever on values nothing updates); what stays keeps reporting.
