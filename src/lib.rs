@@ -22,6 +22,30 @@
 //! - `tls`: certificates from files, the TLS listener's certificate, pools' upstream TLS.
 
 pub mod config;
+
+/// What this binary is: its version and the build facts `build.rs` recorded, as
+/// `tokenonce --version` prints them and `tokenonce_build_info` labels them.
+pub mod build {
+    /// The crate version.
+    pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+    /// The git commit built (`unknown` outside a checkout).
+    pub const COMMIT: &str = env!("TOKENONCE_COMMIT");
+    /// The compiler's version.
+    pub const RUSTC: &str = env!("TOKENONCE_RUSTC");
+    /// The cargo profile (`release`, `debug`).
+    pub const PROFILE: &str = env!("TOKENONCE_PROFILE");
+    /// `--version`'s line after the name.
+    pub const LONG_VERSION: &str = concat!(
+        env!("CARGO_PKG_VERSION"),
+        " (commit ",
+        env!("TOKENONCE_COMMIT"),
+        ", rustc ",
+        env!("TOKENONCE_RUSTC"),
+        ", ",
+        env!("TOKENONCE_PROFILE"),
+        " profile)"
+    );
+}
 pub mod handoff;
 pub mod metrics;
 pub mod openai;

@@ -332,9 +332,20 @@ impl Metrics {
     /// # Errors
     /// When a name is registered twice in the same registry.
     pub fn register(registry: &Registry) -> prometheus::Result<Self> {
-        let build_info =
-            gauge_vec(registry, "tokenonce_build_info", "Always 1; labelled with the build.", &["version"])?;
-        build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        let build_info = gauge_vec(
+            registry,
+            "tokenonce_build_info",
+            "Always 1; labelled with the build (what tokenonce --version prints).",
+            &["version", "commit", "rustc", "profile"],
+        )?;
+        build_info
+            .with_label_values(&[
+                crate::build::VERSION,
+                crate::build::COMMIT,
+                crate::build::RUSTC,
+                crate::build::PROFILE,
+            ])
+            .set(1);
         let spans = trace_spans().as_ref().map_err(|e| prometheus::Error::Msg(e.to_string()))?;
         registered(registry, spans.clone())?;
         let metrics = Self {
