@@ -939,8 +939,8 @@ fn k8s_sidecar_manifest_is_valid_and_stops_within_its_grace_period() {
 
 /// Text logs written to a file (stderr not a terminal) carry no ANSI colour codes, even with
 /// `NO_COLOR` unset: a log collector or `2> tokenonce.log` would keep them as text.
-#[test]
-fn text_logs_to_a_file_carry_no_colour_codes() {
+#[tokio::test]
+async fn text_logs_to_a_file_carry_no_colour_codes() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("tokenonce.toml");
     std::fs::write(
@@ -967,7 +967,7 @@ fn text_logs_to_a_file_carry_no_colour_codes() {
         if text.contains("tokenonce listening") || Instant::now() > deadline || child.try_wait().unwrap().is_some() {
             break text;
         }
-        std::thread::sleep(Duration::from_millis(50));
+        tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let _ = child.kill();
     let _ = child.wait();
