@@ -77,6 +77,8 @@ pub struct Record {
     pub first_byte: Option<Duration>,
     /// True once an SSE response head went out: errors then end the stream instead.
     pub streaming: bool,
+    /// The `sequence_number` an error event ending a Responses stream takes.
+    pub next_sequence: u64,
     /// When the decode leg was sent.
     pub decode_sent_at: Option<Instant>,
     /// Token reuse result or fallback reason, for the access log.
@@ -166,6 +168,8 @@ impl ProxyHttp for Proxy {
         let header = session.req_header();
         ctx.rec.trace =
             crate::telemetry::RequestTrace::start(header.method.as_str(), header.uri.path(), &header.headers);
+        // Known before the head is checked, so even that error is in the API's format.
+        ctx.info.api = (header.method == http::Method::POST).then(|| Api::from_path(header.uri.path())).flatten();
         if let Err(e) = edge::check_head(&header.headers, &app.edge) {
             session.set_keepalive(None);
             error::fail(session, &ctx.info, &mut ctx.rec, e.into()).await;
@@ -179,7 +183,6 @@ impl ProxyHttp for Proxy {
             .filter(|v| !v.is_empty())
             .map_or_else(|| uuid::Uuid::new_v4().simple().to_string(), str::to_owned);
         let path = header.uri.path();
-        ctx.info.api = (header.method == http::Method::POST).then(|| Api::from_path(path)).flatten();
         // A route is chosen here unless it may depend on the body's model.
         let known = match ctx.info.api {
             Some(_) if app.routes.needs_model(path) => None,

@@ -324,6 +324,7 @@ async fn relay_stream(
             return Ok(());
         };
         let out = framing.feed(&chunk);
+        rec.next_sequence = framing.next_sequence();
         rec.trace.usage(&out);
         if !out.is_empty() {
             write_body(session, info, Bytes::from(out), false).await?;
