@@ -52,10 +52,17 @@ pub enum ApiError {
     /// The decode stream broke after the response had started.
     #[error("decode engine stream failed: {0}")]
     DecodeStreamFailed(String),
+    /// `server.max_in_flight` requests are being served: this one is refused before any leg.
+    #[error("tokenonce is serving its limit of {0} requests; retry shortly")]
+    Overloaded(usize),
     /// A bug or an unclassified failure inside tokenonce.
     #[error("internal error: {0}")]
     Internal(String),
 }
+
+/// Seconds a client refused as [`ApiError::Overloaded`] is told to wait (`Retry-After`): a
+/// request slot frees as soon as any answer ends, so a short pause is enough.
+pub const OVERLOADED_RETRY_AFTER_SECONDS: u64 = 1;
 
 #[derive(Serialize)]
 struct Envelope<'a> {
@@ -86,6 +93,7 @@ impl ApiError {
             | Self::DecodeStreamFailed(_)
             | Self::StreamEventTooLarge(_) => 502,
             Self::PrefillTimeout(_) | Self::DecodeTimeout(_) | Self::StreamIdleTimeout(_) => 504,
+            Self::Overloaded(_) => 503,
             Self::Internal(_) => 500,
         }
     }
@@ -108,6 +116,7 @@ impl ApiError {
             Self::DecodeStreamFailed(_) => "decode_stream_failed",
             Self::StreamIdleTimeout(_) => "stream_idle_timeout",
             Self::StreamEventTooLarge(_) => "stream_event_too_large",
+            Self::Overloaded(_) => "overloaded",
             Self::Internal(_) => "internal_error",
         }
     }
@@ -118,8 +127,14 @@ impl ApiError {
             400 | 408 | 413 | 431 => "invalid_request_error",
             403 => "permission_error",
             500 => "internal_error",
+            503 => "server_error",
             _ => "upstream_error",
         }
+    }
+
+    /// Seconds the client should wait before retrying (`Retry-After`), for errors that say so.
+    pub fn retry_after(&self) -> Option<u64> {
+        matches!(self, Self::Overloaded(_)).then_some(OVERLOADED_RETRY_AFTER_SECONDS)
     }
 
     fn param(&self) -> Option<&'static str> {
@@ -160,7 +175,7 @@ mod tests {
 
     #[test]
     fn code_and_status_table() {
-        let table: [(ApiError, u16, &str); 16] = [
+        let table: [(ApiError, u16, &str); 17] = [
             (ApiError::StreamIdleTimeout(5), 504, "stream_idle_timeout"),
             (ApiError::StreamEventTooLarge(5), 502, "stream_event_too_large"),
             (ApiError::UntrustedPrefillerHeader, 403, "prefiller_header_untrusted"),
@@ -176,6 +191,7 @@ mod tests {
             (ApiError::DecodeUnavailable("x".into()), 502, "decode_unavailable"),
             (ApiError::DecodeTimeout(5), 504, "decode_timeout"),
             (ApiError::DecodeStreamFailed("x".into()), 502, "decode_stream_failed"),
+            (ApiError::Overloaded(4), 503, "overloaded"),
             (ApiError::Internal("x".into()), 500, "internal_error"),
         ];
         for (err, status, code) in table {
@@ -188,6 +204,12 @@ mod tests {
             assert!(e["type"].is_string());
             assert!(e.as_object().unwrap().contains_key("param"));
         }
+    }
+
+    #[test]
+    fn only_overloaded_asks_for_a_retry_after() {
+        assert_eq!(ApiError::Overloaded(4).retry_after(), Some(OVERLOADED_RETRY_AFTER_SECONDS));
+        assert_eq!(ApiError::DecodeTimeout(5).retry_after(), None);
     }
 
     #[test]
