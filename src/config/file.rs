@@ -134,7 +134,7 @@ pub struct Server {
     /// Deadline for a whole request body, ms
     /// ([`BODY_READ_TIMEOUT_MS`](super::defaults::BODY_READ_TIMEOUT_MS)).
     pub body_read_timeout_ms: Option<Field<i64>>,
-    /// Client requests served at once; past it 503 `overloaded` (0: no bound)
+    /// Client requests served at once; past it `overloaded` (zero: no bound)
     /// ([`MAX_IN_FLIGHT`](super::defaults::MAX_IN_FLIGHT)).
     pub max_in_flight: Option<Field<i64>>,
     /// A second client listener that speaks TLS (none: plain HTTP only).
