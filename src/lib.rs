@@ -101,8 +101,10 @@ pub struct App {
     pub cache: Arc<handoff::IdCache>,
     /// Set by the admin `/drain` (a preStop hook): `/readyz` answers 503 from then on.
     pub draining: Arc<std::sync::atomic::AtomicBool>,
-    /// Client-edge limits (header count and size, body read deadline).
+    /// Client-edge limits (requests in flight, header count and size, body read deadline).
     pub edge: proxy::edge::EdgeLimits,
+    /// The client requests being served (kept across reloads; the bound is in `edge`).
+    pub admission: Arc<proxy::edge::Admission>,
     /// The parity watch's workers (kept across reloads).
     pub watch: Arc<parity::Watch>,
 }
@@ -127,8 +129,22 @@ impl App {
             Arc::new(UpstreamClient::new(config.upstream().connect_timeout(), config.upstream().idle_timeout()));
         let cache = Arc::new(handoff::IdCache::new(config.cache().capacity_bytes(), config.cache().ttl()));
         let edge = proxy::edge::EdgeLimits::of(&config);
+        metrics.admission_limit().set(i64::try_from(edge.max_in_flight).unwrap_or(i64::MAX));
         let watch = Arc::new(parity::Watch::start(parity::WORKERS, parity::QUEUE)?);
-        Ok(Self { cache, draining: Arc::default(), edge, config, routes, pools, client, metrics, registry, watch })
+        let admission = Arc::default();
+        Ok(Self {
+            cache,
+            draining: Arc::default(),
+            edge,
+            admission,
+            config,
+            routes,
+            pools,
+            client,
+            metrics,
+            registry,
+            watch,
+        })
     }
 
     /// The state for a reloaded `config`: metrics, client and cache carry over, pools whose
@@ -163,6 +179,7 @@ impl App {
         let routes = RouteTable::new(&config, &pools, &self.metrics, Some(&self.routes))?;
         self.forget_removed(&pools, &routes);
         let edge = proxy::edge::EdgeLimits::of(&config);
+        self.metrics.admission_limit().set(i64::try_from(edge.max_in_flight).unwrap_or(i64::MAX));
         Ok(Self {
             config,
             routes,
@@ -173,6 +190,7 @@ impl App {
             cache: Arc::clone(&self.cache),
             draining: Arc::clone(&self.draining),
             edge,
+            admission: Arc::clone(&self.admission),
             watch: Arc::clone(&self.watch),
         })
     }

@@ -234,7 +234,7 @@ const ENGINE_503: &str =
 const GARBAGE: &[u8] = b"SSH-2.0-OpenSSH_9.6\r\n\x00\x01\x02 not http at all";
 /// Short deadlines, so timeouts are quick to meet.
 const SHORT_PREFILL: &str = "prefill_timeout_ms = 500\n";
-const SHORT_DECODE: &str = "decode_first_byte_timeout_ms = 500\n";
+const SHORT_DECODE: &str = "decode_first_byte_timeout_ms = 500\ndecode_whole_answer_timeout_ms = 500\n";
 const DECODE_ALONE: &str = "on_prefill_failure = \"decode_alone\"\n";
 const SHORT_IDLE: &str = "stream_idle_timeout_ms = 500\n";
 

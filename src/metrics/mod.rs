@@ -16,7 +16,7 @@ mod series;
 
 use labels::{api_label, API_LABELS};
 pub use labels::{
-    served_as, CacheLookup, ErrorKind, Eviction, FallbackReason, Leg, Outcome, ParityResult, Release, Reload,
+    served_as, CacheLookup, ErrorKind, Eviction, FallbackReason, Leg, Listener, Outcome, ParityResult, Release, Reload,
     SpanExport, Stage, TimeoutStage,
 };
 pub use series::{ParityMetrics, RouteMetrics};
@@ -68,6 +68,10 @@ struct Requests {
     kv_releases: IntCounterVec,
     /// Requests being served now.
     inflight: IntGauge,
+    /// Requests refused at admission (`server.max_in_flight` reached), by listener.
+    admission_rejected: IntCounterVec,
+    /// The bound on requests in flight (0: none).
+    admission_limit: IntGauge,
 }
 
 impl Requests {
@@ -110,6 +114,17 @@ impl Requests {
                 &["route", "result"],
             )?,
             inflight: gauge(registry, "tokenonce_inflight_requests", "Client requests being served now.")?,
+            admission_rejected: counter(
+                registry,
+                "tokenonce_admission_rejected_total",
+                "Client requests refused with 503 overloaded because server.max_in_flight were in flight, by listener.",
+                &["listener"],
+            )?,
+            admission_limit: gauge(
+                registry,
+                "tokenonce_admission_max_in_flight",
+                "The bound on client requests in flight (server.max_in_flight; 0: none).",
+            )?,
         })
     }
 }
@@ -365,6 +380,16 @@ impl Metrics {
         &self.requests.inflight
     }
 
+    /// Counts a request refused at admission on `listener`.
+    pub fn admission_rejected(&self, listener: Listener) {
+        self.requests.admission_rejected.with_label_values(&[listener.as_str()]).inc();
+    }
+
+    /// The bound on requests in flight, as configured (0: none).
+    pub fn admission_limit(&self) -> &IntGauge {
+        &self.requests.admission_limit
+    }
+
     /// 1 while every decode pool has a healthy endpoint (what `/readyz` reports).
     pub fn ready(&self) -> &IntGauge {
         &self.upstreams.ready
@@ -386,6 +411,9 @@ impl Metrics {
         }
         for result in Reload::ALL {
             self.reloads.config_reloads.with_label_values(&[result.as_str()]);
+        }
+        for listener in Listener::ALL {
+            self.requests.admission_rejected.with_label_values(&[listener.as_str()]);
         }
     }
 
@@ -644,6 +672,8 @@ mod tests {
             "tokenonce_upstream_retries_total",
             "tokenonce_retry_budget_exhausted_total",
             "tokenonce_inflight_requests",
+            "tokenonce_admission_rejected_total",
+            "tokenonce_admission_max_in_flight",
             "tokenonce_cache_entries",
             "tokenonce_cache_bytes",
             "tokenonce_cache_lookups_total",

@@ -57,10 +57,17 @@ pub enum ApiError {
     /// The decode stream broke after the response had started.
     #[error("decode engine stream failed: {0}")]
     DecodeStreamFailed(String),
+    /// `server.max_in_flight` requests are being served: this one is refused before any leg.
+    #[error("tokenonce is serving its limit of {0} requests; retry shortly")]
+    Overloaded(usize),
     /// A bug or an unclassified failure inside tokenonce.
     #[error("internal error: {0}")]
     Internal(String),
 }
+
+/// Seconds a client refused as [`ApiError::Overloaded`] is told to wait (`Retry-After`): a
+/// request slot frees as soon as any answer ends, so a short pause is enough.
+pub const OVERLOADED_RETRY_AFTER_SECONDS: u64 = 1;
 
 #[derive(Serialize)]
 struct Envelope<'a> {
@@ -117,6 +124,7 @@ impl ApiError {
             | Self::DecodeStreamFailed(_)
             | Self::StreamEventTooLarge(_) => 502,
             Self::PrefillTimeout(_) | Self::DecodeTimeout(_) | Self::StreamIdleTimeout(_) => 504,
+            Self::Overloaded(_) => 503,
             Self::Internal(_) => 500,
         }
     }
@@ -139,6 +147,7 @@ impl ApiError {
             Self::DecodeStreamFailed(_) => "decode_stream_failed",
             Self::StreamIdleTimeout(_) => "stream_idle_timeout",
             Self::StreamEventTooLarge(_) => "stream_event_too_large",
+            Self::Overloaded(_) => "overloaded",
             Self::Internal(_) => "internal_error",
         }
     }
@@ -149,12 +158,16 @@ impl ApiError {
             400 | 408 | 413 | 431 => "invalid_request_error",
             403 => "permission_error",
             500 => "internal_error",
+            503 => "server_error",
             _ => "upstream_error",
         }
     }
 
     /// Anthropic's `error.type` for this error (its SDK picks the exception by status).
     pub fn anthropic_kind(&self) -> &'static str {
+        if matches!(self, Self::Overloaded(_)) {
+            return "overloaded_error";
+        }
         match self.status() {
             413 => "request_too_large",
             400 | 408 | 431 => "invalid_request_error",
@@ -162,6 +175,11 @@ impl ApiError {
             504 => "timeout_error",
             _ => "api_error",
         }
+    }
+
+    /// Seconds the client should wait before retrying (`Retry-After`), for errors that say so.
+    pub fn retry_after(&self) -> Option<u64> {
+        matches!(self, Self::Overloaded(_)).then_some(OVERLOADED_RETRY_AFTER_SECONDS)
     }
 
     fn param(&self) -> Option<&'static str> {
@@ -238,7 +256,7 @@ mod tests {
 
     #[test]
     fn code_and_status_table() {
-        let table: [(ApiError, u16, &str); 16] = [
+        let table: [(ApiError, u16, &str); 17] = [
             (ApiError::StreamIdleTimeout(5), 504, "stream_idle_timeout"),
             (ApiError::StreamEventTooLarge(5), 502, "stream_event_too_large"),
             (ApiError::UntrustedPrefillerHeader, 403, "prefiller_header_untrusted"),
@@ -254,6 +272,7 @@ mod tests {
             (ApiError::DecodeUnavailable("x".into()), 502, "decode_unavailable"),
             (ApiError::DecodeTimeout(5), 504, "decode_timeout"),
             (ApiError::DecodeStreamFailed("x".into()), 502, "decode_stream_failed"),
+            (ApiError::Overloaded(4), 503, "overloaded"),
             (ApiError::Internal("x".into()), 500, "internal_error"),
         ];
         for (err, status, code) in table {
@@ -284,6 +303,7 @@ mod tests {
             (ApiError::DecodeTimeout(5), "timeout_error"),
             (ApiError::DecodeUnavailable("x".into()), "api_error"),
             (ApiError::Internal("x".into()), "api_error"),
+            (ApiError::Overloaded(4), "overloaded_error"),
         ];
         for (err, kind) in kinds {
             assert_eq!(err.anthropic_kind(), kind, "{err}");
@@ -305,6 +325,12 @@ mod tests {
         );
         assert_eq!(broke.sse_event_for(Some(Api::Chat), 7), broke.sse_event());
         assert_eq!(broke.sse_event_for(Some(Api::Completions), 7), broke.sse_event());
+    }
+
+    #[test]
+    fn only_overloaded_asks_for_a_retry_after() {
+        assert_eq!(ApiError::Overloaded(4).retry_after(), Some(OVERLOADED_RETRY_AFTER_SECONDS));
+        assert_eq!(ApiError::DecodeTimeout(5).retry_after(), None);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use pingora::proxy::Session;
 
-use super::respond::write_full;
+use super::respond::write_full_with;
 use super::{Record, RequestInfo};
 use crate::metrics::{ErrorKind, Leg, Outcome, TimeoutStage};
 use crate::openai::response::HandoffError;
@@ -196,7 +196,8 @@ pub async fn fail(session: &mut Session, info: &RequestInfo, rec: &mut Record, e
         rec.cut = true;
         return;
     }
-    write_full(session, info, rec, api.status(), Some("application/json"), Bytes::from(api.body_for(info.api))).await;
+    let head = (api.status(), Some("application/json"), api.retry_after());
+    write_full_with(session, info, rec, head, Bytes::from(api.body_for(info.api))).await;
 }
 
 #[cfg(test)]

@@ -47,6 +47,8 @@ pub struct Incoming<'a> {
     pub drop_header: Option<&'a str>,
     /// Leave the client's credentials out of this leg (a header-named prefiller).
     pub drop_credentials: bool,
+    /// The client asked for a streamed answer (`stream: true`); its decode keeps that.
+    pub streamed: bool,
 }
 
 impl Incoming<'_> {
@@ -87,6 +89,16 @@ pub async fn decode_version(app: &App, route: &Route, decode: &Endpoint) -> Deco
     match decode.version() {
         Some(v) => DecodeVersion::Known(v),
         None => learn_version(&app.client, decode).await.map_or(DecodeVersion::Unknown, DecodeVersion::Known),
+    }
+}
+
+/// How long a decode or passthrough leg may wait for its response head: a streamed answer's
+/// head comes before its first token (the route's first-byte timeout); a non-streamed one's
+/// only when generation is done (its whole-answer timeout).
+fn head_deadline(route: &Route, req: &Incoming<'_>) -> Duration {
+    match req.streamed {
+        true => route.decode_first_byte_timeout,
+        false => route.decode_whole_answer_timeout,
     }
 }
 
@@ -313,8 +325,8 @@ pub fn after_prefill(
     Ok(Prefilled::Step(plan.decode_alone()))
 }
 
-/// Sends the planned decode leg (response head within the route's first-byte timeout) and
-/// relays its answer.
+/// Sends the planned decode leg (response head within [`head_deadline`]) and relays its
+/// answer.
 ///
 /// # Errors
 /// [`ProxyError`] when the decode fails, times out, or the client leaves.
@@ -329,7 +341,7 @@ pub async fn decode(
     let route = &info.route;
     let started = Instant::now();
     rec.decode_sent_at = Some(started);
-    let timeout = Some(route.decode_first_byte_timeout);
+    let timeout = Some(head_deadline(route, req));
     rec.trace.leg_started(Leg::Decode);
     let out = Outgoing { req, leg: Leg::Decode, endpoint, body: step.body.clone() };
     let (sent, delivered) = send(session, info, rec, out, timeout).await;
@@ -420,8 +432,8 @@ async fn release(info: &RequestInfo, rec: &Record, req: &Incoming<'_>, endpoint:
 }
 
 /// Sends `body` to `endpoint` on `leg` and relays the answer unchanged (passthrough with a
-/// read body, decode-only, relay legs). The response head is awaited within the route's
-/// first-byte timeout (a relay prefill forwarded as is: its prefill timeout).
+/// read body, decode-only, relay legs). The response head is awaited within [`head_deadline`]
+/// (a relay prefill forwarded as is: its prefill timeout).
 ///
 /// # Errors
 /// [`ProxyError`] when the engine fails or the client leaves.
@@ -441,7 +453,7 @@ pub async fn forward(
     // A relayed prefill answers as a whole; anything else is bounded to its response head.
     let first_byte = match leg {
         Leg::Prefill => info.route.prefill_timeout,
-        Leg::Decode | Leg::Passthrough => info.route.decode_first_byte_timeout,
+        Leg::Decode | Leg::Passthrough => head_deadline(&info.route, req),
     };
     rec.trace.leg_started(leg);
     let sent = send(session, info, rec, Outgoing { req, leg, endpoint: &endpoint, body }, Some(first_byte)).await.0;

@@ -33,7 +33,7 @@ pub use admin::Admin;
 pub use error::ProxyError;
 
 use crate::config::Mode;
-use crate::metrics::{Leg, Outcome};
+use crate::metrics::{Leg, Listener, Outcome};
 use crate::openai::{Api, RawObject, RequestView};
 use crate::routes::{RequestFacts, Route};
 use crate::upstream::{Picked, UpstreamError};
@@ -90,6 +90,8 @@ pub struct Record {
     pub pass_endpoint: Option<Picked>,
     /// Whether `inflight_requests` was raised for this request.
     pub counted: bool,
+    /// This request's admission slot (freed when the context is dropped).
+    pub admitted: Option<edge::Admitted>,
     /// A body byte of the engine's answer reached tokenonce (a decode that streams has pulled
     /// the prefill's KV blocks).
     pub answer_started: bool,
@@ -131,6 +133,25 @@ impl ApiRequest<'_> {
     }
 }
 
+/// Admission: takes a slot for this request (counted in `inflight_requests`), or, with
+/// `server.max_in_flight` requests in flight, answers 503 `overloaded` with `Retry-After`
+/// before anything else is done (the body is not read, so the connection is closed after).
+async fn admit(session: &mut Session, ctx: &mut Ctx) -> bool {
+    let app = &ctx.info.app;
+    if let Some(slot) = app.admission.admit(app.edge.max_in_flight) {
+        ctx.rec.admitted = Some(slot);
+        ctx.rec.counted = true;
+        app.metrics.inflight().inc();
+        return true;
+    }
+    let tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
+    app.metrics.admission_rejected(if tls { Listener::Tls } else { Listener::Plain });
+    session.set_keepalive(None);
+    let limit = app.edge.max_in_flight;
+    error::fail(session, &ctx.info, &mut ctx.rec, crate::openai::ApiError::Overloaded(limit).into()).await;
+    false
+}
+
 /// The client-facing proxy.
 pub struct Proxy {
     /// The current state; replaced whole on reload.
@@ -159,22 +180,9 @@ impl ProxyHttp for Proxy {
 
     /// Routes the request; API calls that need their body are answered here (`Ok(true)`).
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
-        let app = &ctx.info.app;
         ctx.info.started = Instant::now();
-        ctx.rec.counted = true;
         ctx.info.client_ip = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
-        app.metrics.inflight().inc();
         session.as_downstream_mut().set_write_timeout(Some(ctx.info.route.client_write_timeout));
-        let header = session.req_header();
-        ctx.rec.trace =
-            crate::telemetry::RequestTrace::start(header.method.as_str(), header.uri.path(), &header.headers);
-        // Known before the head is checked, so even that error is in the API's format.
-        ctx.info.api = (header.method == http::Method::POST).then(|| Api::from_path(header.uri.path())).flatten();
-        if let Err(e) = edge::check_head(&header.headers, &app.edge) {
-            session.set_keepalive(None);
-            error::fail(session, &ctx.info, &mut ctx.rec, e.into()).await;
-            return Ok(true);
-        }
         let header = session.req_header();
         ctx.info.request_id = header
             .headers
@@ -182,6 +190,20 @@ impl ProxyHttp for Proxy {
             .and_then(|v| v.to_str().ok())
             .filter(|v| !v.is_empty())
             .map_or_else(|| uuid::Uuid::new_v4().simple().to_string(), str::to_owned);
+        ctx.rec.trace =
+            crate::telemetry::RequestTrace::start(header.method.as_str(), header.uri.path(), &header.headers);
+        // Known before admission and the head check, so even those errors are in the API's format.
+        ctx.info.api = (header.method == http::Method::POST).then(|| Api::from_path(header.uri.path())).flatten();
+        if !admit(session, ctx).await {
+            return Ok(true);
+        }
+        let app = &ctx.info.app;
+        if let Err(e) = edge::check_head(&session.req_header().headers, &app.edge) {
+            session.set_keepalive(None);
+            error::fail(session, &ctx.info, &mut ctx.rec, e.into()).await;
+            return Ok(true);
+        }
+        let header = session.req_header();
         let path = header.uri.path();
         // A route is chosen here unless it may depend on the body's model.
         let known = match ctx.info.api {
