@@ -411,7 +411,7 @@ async fn pools_on_one_engine_with_other_cas_never_share_connections() {
     assert_eq!(family_sum(&proxy, "tokenonce_upstream_retries_total").await, 0.0, "never re-sent");
 
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    // Each round polls `decode` first (leaving an idle connection), then `stranger`.
+    // The polls of `decode` keep leaving idle connections to the same address.
     while front.refused() < 3 {
         assert!(std::time::Instant::now() < deadline, "the stranger pool's polls never made their own handshakes");
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
