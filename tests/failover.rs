@@ -1,7 +1,8 @@
 //! Surviving a bad engine: a pool prefill that fails before any answer or answers 5xx moves
 //! to another endpoint of its pool (bounded), a 4xx does not, and an endpoint failing
 //! requests in a row is ejected from the pool's choice, then readmitted once it recovers;
-//! with `on_prefill_failure = "decode_alone"` a failed prefill leaves the decode to run alone.
+//! an engine that never answers is ejected by its timeouts alike; with
+//! `on_prefill_failure = "decode_alone"` a failed prefill leaves the decode to run alone.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -10,6 +11,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
+use support::fault_engine::{Fault, FaultEngine};
 use support::*;
 
 /// Two prefill fakes in one round-robin pool, one decode fake, route `pd`.
@@ -323,4 +325,50 @@ async fn by_default_a_failed_prefill_is_answered() {
     assert_eq!(chat(&proxy).await.0, 503);
     assert_eq!(d.posts().len(), 0);
     assert_eq!(proxy.metric(PREFILL_FAILED).await, 0.0);
+}
+
+/// An engine that accepts and reads every prefill but never answers (its `/health` stays
+/// 200): each request meeting it runs out of `prefill_timeout_ms` (504, no failover), and
+/// those timeouts count as failures, so after `eject_after_failures = 2` of them it is
+/// ejected and every request goes to the other engine.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_engine_that_never_answers_is_ejected_after_its_timeouts() {
+    let (a, b, d) = (
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+    );
+    let hung = FaultEngine::with(&a, Fault::HangBeforeHead).await;
+    let config = format!(
+        "[pools.prefill]\nendpoints = [\"{}\", \"{}\"]\n\n[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\nprefill_timeout_ms = 300\n[routes.match]\npaths = [\"/v1/chat/completions\"]\n",
+        hung.host_port(),
+        b.host_port(),
+        d.host_port()
+    );
+    let settings = Settings { upstream_extra: "eject_after_failures = 2\n".into(), ..Settings::default() };
+    let proxy = TokenOnce::start_with(&config, &settings).await;
+    let healthy = format!(r#"tokenonce_upstream_healthy{{endpoint="{}",pool="prefill"}}"#, hung.host_port());
+    assert_eq!(proxy.metric_reaches(&healthy, 1.0).await, 1.0, "its health polls pass");
+    wait_healthy(&proxy, &[&b]).await;
+    let mut timed_out = 0;
+    for _ in 0..12 {
+        if proxy.metric(EJECTIONS).await >= 1.0 {
+            break;
+        }
+        let (status, text) = chat(&proxy).await;
+        match status {
+            200 => {}
+            504 => timed_out += 1,
+            _ => panic!("{status}: {text}"),
+        }
+    }
+    assert_eq!(proxy.metric(EJECTIONS).await, 1.0, "never ejected after {timed_out} timeouts");
+    assert_eq!(timed_out, 2, "ejected at the second timeout");
+    assert_eq!(hung.posts().len(), 2);
+    assert_eq!(proxy.metric(r#"tokenonce_upstream_ejected{pool="prefill"}"#).await, 1.0);
+    for _ in 0..4 {
+        let (status, text) = chat(&proxy).await;
+        assert_eq!(status, 200, "{text}");
+    }
+    assert_eq!(hung.posts().len(), 2, "an ejected endpoint gets no request");
 }

@@ -592,3 +592,57 @@ async fn over_long_sse_event_ends_the_stream_with_an_error_event() {
     let series = r#"tokenonce_upstream_errors_total{kind="too_large",stage="decode"}"#;
     assert_eq!(proxy.metric_reaches(series, 1.0).await, 1.0);
 }
+
+/// Black-holed endpoints (they accept and never answer) in a pool: one health round polls
+/// every endpoint at once, so each hung poll has its connection before the first one gives
+/// up at its 1 s probe timeout, and k of them delay a round by one timeout, not k. Asserted
+/// on the order of what the endpoints saw, not on a clock.
+#[tokio::test(flavor = "multi_thread")]
+async fn health_polls_of_hung_endpoints_run_at_once() {
+    const HOLES: usize = 4;
+    // What the black holes saw, in order: (which, true: a connection came, false: it closed).
+    let seen: Arc<std::sync::Mutex<Vec<(usize, bool)>>> = Arc::default();
+    let mut addrs = Vec::new();
+    for i in 0..HOLES {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        addrs.push(listener.local_addr().unwrap().to_string());
+        let seen = Arc::clone(&seen);
+        tokio::spawn(async move {
+            for _ in 0..64 {
+                let Ok((mut sock, _)) = listener.accept().await else { return };
+                seen.lock().unwrap().push((i, true));
+                let seen = Arc::clone(&seen);
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4096];
+                    let hold = tokio::time::timeout(Duration::from_secs(20), async {
+                        while sock.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+                    });
+                    let _ = hold.await;
+                    seen.lock().unwrap().push((i, false));
+                });
+            }
+        });
+    }
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let endpoints: Vec<String> = addrs.iter().map(|a| format!("\"{a}\"")).collect();
+    let config = format!(
+        "[pools.decode]\nendpoints = [\"{}\"]\n\n[pools.holes]\nendpoints = [{}]\n\n[[routes]]\nname = \"holes\"\nmode = \"passthrough\"\ndecode_pool = \"holes\"\n[routes.match]\npaths = [\"/v1/chat/completions\"]\nheaders = {{ \"x-tenant\" = \"holes\" }}\n",
+        d.host_port(),
+        endpoints.join(", ")
+    );
+    let _proxy = TokenOnce::start(&config).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while seen.lock().unwrap().iter().filter(|(_, came)| !came).count() < HOLES {
+        assert!(Instant::now() < deadline, "the polls never gave up: {:?}", seen.lock().unwrap());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let seen = seen.lock().unwrap().clone();
+    let first_round: Vec<(usize, bool)> = seen.iter().copied().take(HOLES).collect();
+    let mut came: Vec<usize> = first_round.iter().filter(|(_, c)| *c).map(|(i, _)| *i).collect();
+    came.sort_unstable();
+    assert_eq!(
+        came,
+        (0..HOLES).collect::<Vec<_>>(),
+        "every hung endpoint was polled before any poll gave up: {seen:?}"
+    );
+}

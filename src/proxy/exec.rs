@@ -162,7 +162,10 @@ async fn send(
     let delivery = Delivery::default();
     let result = tokio::select! {
         r = within(first_byte_timeout, exchange(info, rec, &out, &delivery)) => {
-            r.unwrap_or_else(|after| Err(ProxyError::Timeout { leg, after }))
+            r.unwrap_or_else(|after| {
+                leg_client(info).timed_out(out.endpoint);
+                Err(ProxyError::Timeout { leg, after })
+            })
         }
         _ = client_gone(session) => Err(ProxyError::ClientGone),
     };
@@ -187,18 +190,19 @@ pub async fn prefill_leg(
     let route = &info.route;
     let started = Instant::now();
     rec.trace.leg_started(Leg::Prefill);
+    let deadline = tokio::time::Instant::now() + route.prefill_timeout;
     let answer = tokio::select! {
-        r = within(Some(route.prefill_timeout), prefill_attempts(info, rec, req, first, pool, body)) => r,
+        r = prefill_attempts(info, rec, req, first, pool, body, deadline) => r,
         _ = client_gone(session) => return Err(ProxyError::ClientGone),
     };
     rec.trace.leg_done(Leg::Prefill);
     rec.prefill_ms = Some(ms_since(started));
     route.metrics.stage(Stage::Prefill, started.elapsed());
     match answer {
-        Err(after) => Err(ProxyError::Timeout { leg: Leg::Prefill, after }),
-        Ok(PrefillTry::NoAnswer(e) | PrefillTry::Answered(Err(e))) => Err(e),
-        Ok(PrefillTry::Answered(Ok((None, _)))) => Err(HandoffError("no response header".into()).into()),
-        Ok(PrefillTry::Answered(Ok((Some(head), body)))) => Ok((head, body)),
+        PrefillTry::TimedOut => Err(ProxyError::Timeout { leg: Leg::Prefill, after: route.prefill_timeout }),
+        PrefillTry::NoAnswer(e) | PrefillTry::Answered(Err(e)) => Err(e),
+        PrefillTry::Answered(Ok((None, _))) => Err(HandoffError("no response header".into()).into()),
+        PrefillTry::Answered(Ok((Some(head), body))) => Ok((head, body)),
     }
 }
 
@@ -208,6 +212,8 @@ enum PrefillTry {
     NoAnswer(ProxyError),
     /// It answered: the head (if any) and the whole body, or a failure reading it.
     Answered(Result<(Option<ResponseHeader>, Bytes), ProxyError>),
+    /// The prefill's deadline passed during this attempt (counted against its endpoint).
+    TimedOut,
 }
 
 impl PrefillTry {
@@ -217,7 +223,7 @@ impl PrefillTry {
         match self {
             Self::NoAnswer(e) => matches!(e, ProxyError::Upstream { .. }),
             Self::Answered(Ok((Some(head), _))) => head.status.as_u16() >= 500,
-            Self::Answered(_) => false,
+            Self::Answered(_) | Self::TimedOut => false,
         }
     }
 }
@@ -233,10 +239,11 @@ async fn prefill_attempts(
     first: &Picked,
     pool: Option<&Pool>,
     body: Pieces,
+    deadline: tokio::time::Instant,
 ) -> PrefillTry {
     let attempts = pool.map_or(1, |p| info.route.prefill_attempts.min(p.endpoints.len()));
     let mut tried = vec![first.addr().to_owned()];
-    let mut result = prefill_once(info, rec, req, first, body.clone()).await;
+    let mut result = prefill_once(info, rec, req, first, body.clone(), deadline).await;
     for _ in 1..attempts {
         if !result.fails_over() {
             break;
@@ -250,13 +257,32 @@ async fn prefill_attempts(
         info.route.metrics.prefill_failover();
         tracing::info!(request_id = %info.request_id, route = %info.route.name, "prefill failed over to another endpoint");
         tried.push(next.addr().to_owned());
-        result = prefill_once(info, rec, req, &next, body.clone()).await;
+        result = prefill_once(info, rec, req, &next, body.clone(), deadline).await;
     }
     result
 }
 
-/// One prefill attempt on `endpoint`: send, then read the whole answer. A 5xx is counted here.
+/// One prefill attempt on `endpoint` before the prefill's `deadline`; one that passes it is
+/// a failure of the endpoint (for its ejection).
 async fn prefill_once(
+    info: &RequestInfo,
+    rec: &Record,
+    req: &Incoming<'_>,
+    endpoint: &Picked,
+    body: Pieces,
+    deadline: tokio::time::Instant,
+) -> PrefillTry {
+    match tokio::time::timeout_at(deadline, prefill_answer(info, rec, req, endpoint, body)).await {
+        Ok(result) => result,
+        Err(_) => {
+            leg_client(info).timed_out(endpoint);
+            PrefillTry::TimedOut
+        }
+    }
+}
+
+/// A prefill attempt's exchange: send, then read the whole answer. A 5xx is counted here.
+async fn prefill_answer(
     info: &RequestInfo,
     rec: &Record,
     req: &Incoming<'_>,
@@ -422,6 +448,7 @@ async fn release(info: &RequestInfo, rec: &Record, req: &Incoming<'_>, endpoint:
         Ok(Ok(false)) => (Release::Failed, "answered a non-2xx status".to_owned()),
         Ok(Err(e)) => (Release::Failed, e.to_string()),
         Err(_) => {
+            leg_client(info).timed_out(endpoint);
             route.metrics.timeout(TimeoutStage::Release);
             (Release::Timeout, format!("no answer within {} ms", route.release_timeout.as_millis()))
         }

@@ -88,6 +88,8 @@ pub struct Record {
     pub reuse_pending: Option<(usize, usize)>,
     /// Endpoint of a pipeline passthrough (held for in-flight counting).
     pub pass_endpoint: Option<Picked>,
+    /// Passthrough: pingora dialled a TLS connection for this request (none was reused).
+    pub pass_fresh_tls: bool,
     /// Whether `inflight_requests` was raised for this request.
     pub counted: bool,
     /// This request's admission slot (freed when the context is dropped).
@@ -267,6 +269,22 @@ impl ProxyHttp for Proxy {
         Ok(Box::new(passthrough::bounded_peer(peer, &ctx.info.route)))
     }
 
+    /// Passthrough: notes whether the connection was dialled for this request (a TLS refusal
+    /// after the handshake shows as a reset on its first write).
+    async fn connected_to_upstream(
+        &self,
+        _session: &mut Session,
+        reused: bool,
+        peer: &HttpPeer,
+        #[cfg(unix)] _fd: std::os::unix::io::RawFd,
+        #[cfg(windows)] _sock: std::os::windows::io::RawSocket,
+        _digest: Option<&pingora::protocols::Digest>,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        ctx.rec.pass_fresh_tls = !reused && peer.is_tls();
+        Ok(())
+    }
+
     /// Passthrough: the request's own `traceparent` goes to the engine (when tracing is on).
     async fn upstream_request_filter(
         &self,
@@ -310,7 +328,7 @@ impl ProxyHttp for Proxy {
                 | ErrorType::InvalidCert
                 | ErrorType::HandshakeError => ProxyError::upstream(Leg::Passthrough, UpstreamError::connect(&addr, e)),
                 _ if matches!(e.esource(), ErrorSource::Upstream) => {
-                    ProxyError::upstream(Leg::Passthrough, UpstreamError::io(&addr, e))
+                    ProxyError::upstream(Leg::Passthrough, UpstreamError::passthrough(&addr, e, ctx.rec.pass_fresh_tls))
                 }
                 _ if matches!(e.esource(), ErrorSource::Downstream) => ProxyError::ClientGone,
                 _ => ProxyError::Internal(e.to_string()),
