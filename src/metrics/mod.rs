@@ -630,7 +630,8 @@ mod tests {
         let text = String::from_utf8(Metrics::render(&registry)).unwrap();
         let count = |prefix: &str| text.lines().filter(|l| l.starts_with(prefix)).count();
         assert_eq!(count("tokenonce_requests_total{"), API_LABELS.len() * Outcome::ALL.len());
-        assert_eq!(count("tokenonce_token_reuse_total{"), 1 + FallbackReason::ALL.len());
+        // applied, decode_failed, and each fallback reason.
+        assert_eq!(count("tokenonce_token_reuse_total{"), 2 + FallbackReason::ALL.len());
         assert_eq!(count("tokenonce_upstream_errors_total{"), Leg::ALL.len() * ErrorKind::ALL.len());
         assert_eq!(count("tokenonce_stage_duration_seconds_count{"), Stage::ALL.len());
         assert_eq!(count("tokenonce_timeouts_total{"), TimeoutStage::ALL.len());
