@@ -387,6 +387,7 @@ impl UpstreamClient {
         body: &[Bytes],
         fresh: bool,
         delivery: &Delivery,
+        to_head: bool,
     ) -> Result<(Conn, Answer), SendFailure> {
         let addr = peer.to_string();
         let mut conn = self
@@ -398,7 +399,7 @@ impl UpstreamClient {
             .map_err(|e| SendFailure { error: UpstreamError::wire(&addr, &e), unstarted: true })?;
         delivery.mark();
         let answer = conn
-            .read_head()
+            .read_head(to_head)
             .await
             .map_err(|e| SendFailure { error: UpstreamError::wire(&addr, &e), unstarted: false })?;
         Ok((conn, answer))
@@ -448,7 +449,7 @@ impl UpstreamClient {
             unstarted: true,
         })?;
         let peer = self.peer(to).await.map_err(|error| SendFailure { error, unstarted: true })?;
-        let (conn, answer) = self.attempt(&peer, &wire, body, fresh, delivery).await.inspect_err(|f| {
+        let (conn, answer) = self.attempt(&peer, &wire, body, fresh, delivery, head.method == http::Method::HEAD).await.inspect_err(|f| {
             // The name may point somewhere else now: the next leg looks it up again.
             if matches!(f.error, UpstreamError::Connect { .. }) {
                 self.resolver.forget(to.addr);
