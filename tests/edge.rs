@@ -157,7 +157,8 @@ fn read_answer(s: &mut TcpStream, pending: &mut Vec<u8>) -> Option<String> {
         if head.starts_with("http/1.1 1") {
             return Some(head_end);
         }
-        let length = head.lines().find_map(|l| l.strip_prefix("content-length:")).map(|v| v.trim().parse::<usize>().unwrap());
+        let length =
+            head.lines().find_map(|l| l.strip_prefix("content-length:")).map(|v| v.trim().parse::<usize>().unwrap());
         match length {
             Some(n) => (raw.len() >= head_end + n).then_some(head_end + n),
             None => raw[head_end..].windows(5).position(|w| w == b"0\r\n\r\n").map(|p| head_end + p + 5),
@@ -185,10 +186,14 @@ async fn expect_100_continue_is_answered_on_every_mode() {
     let (p, d, _) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
     let orchestrate = support::pd_config(&p, &d, "");
     let relay = orchestrate.replace("mode = \"orchestrate\"", "mode = \"relay\"");
-    let forward = orchestrate.replace("mode = \"orchestrate\"", "mode = \"passthrough\"").replace("prefill = { pool = \"prefill\" }\n", "");
+    let forward = orchestrate
+        .replace("mode = \"orchestrate\"", "mode = \"passthrough\"")
+        .replace("prefill = { pool = \"prefill\" }\n", "");
     let passthrough = format!("{forward}model = \"*\"\n");
     let body = serde_json::to_string(&chat_body("expect", json!({}))).unwrap();
-    for (mode, config) in [("orchestrate", orchestrate), ("relay", relay), ("passthrough", passthrough), ("forward", forward)] {
+    for (mode, config) in
+        [("orchestrate", orchestrate), ("relay", relay), ("passthrough", passthrough), ("forward", forward)]
+    {
         let proxy = support::TokenOnce::start(&config).await;
         let addr = proxy.url.trim_start_matches("http://").to_owned();
         let body = body.clone();
@@ -210,7 +215,10 @@ async fn expect_100_continue_is_answered_on_every_mode() {
         .await
         .unwrap();
         let (interim, first, second) = answers;
-        assert!(interim.as_deref().is_some_and(|h| h.starts_with("HTTP/1.1 100")), "{mode}: no 100 Continue: {interim:?}");
+        assert!(
+            interim.as_deref().is_some_and(|h| h.starts_with("HTTP/1.1 100")),
+            "{mode}: no 100 Continue: {interim:?}"
+        );
         assert!(first.as_deref().is_some_and(|h| h.starts_with("HTTP/1.1 200")), "{mode}: {first:?}");
         assert!(second.as_deref().is_some_and(|h| h.starts_with("HTTP/1.1 200")), "{mode}: kept alive: {second:?}");
     }

@@ -444,7 +444,8 @@ fn response_head() -> impl Strategy<Value = Vec<u8>> {
         "Connection: keep-alive",
         "X-A: 1",
     ]);
-    let body = prop::sample::select(vec!["", "hello", "5\r\nhello\r\n0\r\n\r\n", "5;a=1\r\nhel", "0\r\nx: 1\r\n\r\nHTTP/1.1"]);
+    let body =
+        prop::sample::select(vec!["", "hello", "5\r\nhello\r\n0\r\n\r\n", "5;a=1\r\nhel", "0\r\nx: 1\r\n\r\nHTTP/1.1"]);
     (
         prop::sample::select(vec!["HTTP/1.1", "HTTP/1.0"]),
         prop::sample::select(vec![200u16, 204, 304, 101, 100, 404]),

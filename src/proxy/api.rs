@@ -120,9 +120,9 @@ mod tests {
     #[test]
     fn a_body_buffer_grows_with_the_bytes_not_the_declared_length() {
         // 60 MiB declared, 100 bytes sent: the buffer holds about what arrived.
-        let declared = Some(60 << 20);
-        let mut body = BytesMut::with_capacity(declared.unwrap_or(0).min(BODY_RESERVE));
-        append_within(&mut body, &[b'x'; 100], declared);
+        let declared: usize = 60 << 20;
+        let mut body = BytesMut::with_capacity(declared.min(BODY_RESERVE));
+        append_within(&mut body, &[b'x'; 100], Some(declared));
         assert!(body.capacity() <= BODY_RESERVE, "{} reserved", body.capacity());
         // A body that does arrive whole ends in a buffer of its declared length, not twice it.
         let declared = 1_000_000;

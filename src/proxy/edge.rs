@@ -57,27 +57,6 @@ pub fn check_head(headers: &HeaderMap, limits: &EdgeLimits) -> Result<(), ApiErr
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn heads_over_either_limit_are_431() {
-        let limits =
-            EdgeLimits { max_header_count: 3, max_header_bytes: 40, body_read_timeout: Duration::from_secs(1) };
-        let mut h = HeaderMap::new();
-        h.insert("a", "1".parse().unwrap());
-        h.insert("b", "2".parse().unwrap());
-        assert_eq!(check_head(&h, &limits), Ok(()));
-        h.insert("c", "x".repeat(40).parse().unwrap());
-        assert_eq!(check_head(&h, &limits).unwrap_err().status(), 431, "bytes");
-        h.insert("c", "3".parse().unwrap());
-        h.insert("d", "4".parse().unwrap());
-        let err = check_head(&h, &limits).unwrap_err();
-        assert_eq!((err.status(), err.code()), (431, "headers_too_large"));
-    }
-}
-
 /// True when the client waits for `100 Continue` before it sends the body (RFC 9110
 /// §10.1.1; HTTP/1.1 only, as pingora checks it before writing the interim answer).
 pub fn expects_continue(head: &RequestHeader) -> bool {
@@ -102,4 +81,25 @@ pub async fn continue_if_expected(session: &mut Session) -> pingora::Result<()> 
         written?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heads_over_either_limit_are_431() {
+        let limits =
+            EdgeLimits { max_header_count: 3, max_header_bytes: 40, body_read_timeout: Duration::from_secs(1) };
+        let mut h = HeaderMap::new();
+        h.insert("a", "1".parse().unwrap());
+        h.insert("b", "2".parse().unwrap());
+        assert_eq!(check_head(&h, &limits), Ok(()));
+        h.insert("c", "x".repeat(40).parse().unwrap());
+        assert_eq!(check_head(&h, &limits).unwrap_err().status(), 431, "bytes");
+        h.insert("c", "3".parse().unwrap());
+        h.insert("d", "4".parse().unwrap());
+        let err = check_head(&h, &limits).unwrap_err();
+        assert_eq!((err.status(), err.code()), (431, "headers_too_large"));
+    }
 }

@@ -449,12 +449,15 @@ impl UpstreamClient {
             unstarted: true,
         })?;
         let peer = self.peer(to).await.map_err(|error| SendFailure { error, unstarted: true })?;
-        let (conn, answer) = self.attempt(&peer, &wire, body, fresh, delivery, head.method == http::Method::HEAD).await.inspect_err(|f| {
-            // The name may point somewhere else now: the next leg looks it up again.
-            if matches!(f.error, UpstreamError::Connect { .. }) {
-                self.resolver.forget(to.addr);
-            }
-        })?;
+        let (conn, answer) = self
+            .attempt(&peer, &wire, body, fresh, delivery, head.method == http::Method::HEAD)
+            .await
+            .inspect_err(|f| {
+                // The name may point somewhere else now: the next leg looks it up again.
+                if matches!(f.error, UpstreamError::Connect { .. }) {
+                    self.resolver.forget(to.addr);
+                }
+            })?;
         Ok(Exchange { conn, answer, pool_key: peer.reuse_hash(), addr: to.addr.to_owned() })
     }
 

@@ -411,7 +411,9 @@ impl FramingHeaders {
         // Both framings at once is how responses are smuggled: TE wins, never reused.
         let keep_alive = http11
             && status != 101
-            && !self.close && framing != Framing::UntilClose && !(self.encoded && self.length.is_some());
+            && !self.close
+            && framing != Framing::UntilClose
+            && !(self.encoded && self.length.is_some());
         Ok((framing, keep_alive))
     }
 }

@@ -1059,7 +1059,12 @@ pub fn chunked_reference(input: &[u8]) -> (Vec<u8>, Ended) {
 /// RFC 9112 §6.3 as a table over a parsed head: the framing and whether the connection may
 /// be reused, or `None` where the framing is an error (invalid or differing lengths,
 /// `Transfer-Encoding` in HTTP/1.0).
-fn framing_reference(status: u16, http11: bool, headers: &[httparse::Header<'_>], to_head: bool) -> Option<(Framing, bool)> {
+fn framing_reference(
+    status: u16,
+    http11: bool,
+    headers: &[httparse::Header<'_>],
+    to_head: bool,
+) -> Option<(Framing, bool)> {
     let values = |name: &str| -> Vec<&[u8]> {
         headers.iter().filter(|h| h.name.eq_ignore_ascii_case(name)).map(|h| h.value).collect()
     };
@@ -1080,11 +1085,18 @@ fn framing_reference(status: u16, http11: bool, headers: &[httparse::Header<'_>]
         return None;
     }
     let last_coding = codings.last().map(|v| v.rsplit(|&b| b == b',').next().unwrap().trim_ascii());
-    let close = values("connection").iter().flat_map(|v| v.split(|&b| b == b',')).any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"));
+    let close = values("connection")
+        .iter()
+        .flat_map(|v| v.split(|&b| b == b','))
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"));
     let framing = if (100..200).contains(&status) || status == 204 || status == 304 || to_head {
         Framing::Done
     } else if let Some(last) = last_coding {
-        if last.eq_ignore_ascii_case(b"chunked") { Framing::Chunked(Chunk::Size) } else { Framing::UntilClose }
+        if last.eq_ignore_ascii_case(b"chunked") {
+            Framing::Chunked(Chunk::Size)
+        } else {
+            Framing::UntilClose
+        }
     } else {
         length.map_or(Framing::UntilClose, Framing::Length)
     };
@@ -1112,7 +1124,9 @@ pub fn check_h1_head(raw: &[u8], to_head: bool, cuts: &[usize]) {
         (Err(WireError::Malformed(_)), None) => return,
         // Names and values httparse passes but `http`'s types refuse.
         (Err(WireError::Malformed("bad header" | "bad header value" | "bad status")), _) => return,
-        (got, want) => panic!("{}: got {:?}, want {want:?}", String::from_utf8_lossy(raw), got.map(|g| g.map(|a| a.0.framing()))),
+        (got, want) => {
+            panic!("{}: got {:?}, want {want:?}", String::from_utf8_lossy(raw), got.map(|g| g.map(|a| a.0.framing())))
+        }
     };
     assert_eq!(got_len, len);
     let body = &raw[len..];

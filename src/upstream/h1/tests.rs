@@ -70,26 +70,41 @@ fn framing_of(raw: &str, to_head: bool) -> Result<(Framing, bool), &'static str>
     }
 }
 
+/// One framing case: the raw head, whether it answers a HEAD, and what it must give.
+type FramingCase = (String, bool, Result<(Framing, bool), &'static str>);
+
 /// RFC 9112 §6.3, one row per framing combination.
 #[test]
 fn framing_follows_rfc_9112_section_6_3() {
     let ok = "HTTP/1.1 200 OK\r\n";
-    let cases: [(String, bool, Result<(Framing, bool), &str>); 16] = [
+    let cases: [FramingCase; 16] = [
         (format!("{ok}content-length: 5\r\n\r\n"), true, Ok((Framing::Done, true))),
         ("HTTP/1.1 304 Not Modified\r\ntransfer-encoding: chunked\r\n\r\n".into(), false, Ok((Framing::Done, true))),
         ("HTTP/1.1 101 Switching Protocols\r\n\r\n".into(), false, Ok((Framing::Done, false))),
         (format!("{ok}transfer-encoding: gzip, chunked\r\n\r\n"), false, Ok((Framing::Chunked(Chunk::Size), true))),
-        (format!("{ok}transfer-encoding: gzip\r\ntransfer-encoding: Chunked\r\n\r\n"), false, Ok((Framing::Chunked(Chunk::Size), true))),
+        (
+            format!("{ok}transfer-encoding: gzip\r\ntransfer-encoding: Chunked\r\n\r\n"),
+            false,
+            Ok((Framing::Chunked(Chunk::Size), true)),
+        ),
         (format!("{ok}transfer-encoding: chunked, gzip\r\n\r\n"), false, Ok((Framing::UntilClose, false))),
         (format!("{ok}transfer-encoding: gzip\r\ncontent-length: 3\r\n\r\n"), false, Ok((Framing::UntilClose, false))),
-        (format!("{ok}content-length: 3\r\ntransfer-encoding: chunked\r\n\r\n"), false, Ok((Framing::Chunked(Chunk::Size), false))),
+        (
+            format!("{ok}content-length: 3\r\ntransfer-encoding: chunked\r\n\r\n"),
+            false,
+            Ok((Framing::Chunked(Chunk::Size), false)),
+        ),
         (format!("{ok}content-length: 3, 3\r\n\r\n"), false, Ok((Framing::Length(3), true))),
         (format!("{ok}content-length: 3, 4\r\n\r\n"), false, Err("conflicting content-length")),
         (format!("{ok}content-length: 3\r\ncontent-length: 4\r\n\r\n"), false, Err("conflicting content-length")),
         (format!("{ok}content-length: +3\r\n\r\n"), false, Err("bad content-length")),
         (format!("{ok}content-length: 3 3\r\n\r\n"), false, Err("bad content-length")),
         (format!("{ok}content-length: 99999999999999999999\r\n\r\n"), false, Err("bad content-length")),
-        ("HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n".into(), false, Err("transfer-encoding in an HTTP/1.0 answer")),
+        (
+            "HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n".into(),
+            false,
+            Err("transfer-encoding in an HTTP/1.0 answer"),
+        ),
         (format!("{ok}\r\n"), false, Ok((Framing::UntilClose, false))),
     ];
     for (raw, to_head, want) in cases {
@@ -175,7 +190,10 @@ fn chunk_lines_are_parsed_strictly() {
         assert!(size(bad).is_err(), "{}", String::from_utf8_lossy(bad));
     }
     let trailers = Chunk::Trailers { lines: 0, bytes: 0 };
-    assert_eq!(next_chunk_state(trailers, b"x-t: 1").unwrap(), Framing::Chunked(Chunk::Trailers { lines: 1, bytes: 8 }));
+    assert_eq!(
+        next_chunk_state(trailers, b"x-t: 1").unwrap(),
+        Framing::Chunked(Chunk::Trailers { lines: 1, bytes: 8 })
+    );
     assert_eq!(next_chunk_state(trailers, b"").unwrap(), Framing::Done);
     let mut data_end = Framing::Chunked(Chunk::DataEnd);
     assert!(body_step(&mut data_end, &mut BytesMut::from(&b"x\r\n"[..])).is_err(), "data past its declared size");
