@@ -22,6 +22,30 @@
 //! - `tls`: certificates from files, the TLS listener's certificate, pools' upstream TLS.
 
 pub mod config;
+
+/// What this binary is: its version and the build facts `build.rs` recorded, as
+/// `tokenonce --version` prints them and `tokenonce_build_info` labels them.
+pub mod build {
+    /// The crate version.
+    pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+    /// The git commit built (`unknown` outside a checkout).
+    pub const COMMIT: &str = env!("TOKENONCE_COMMIT");
+    /// The compiler's version.
+    pub const RUSTC: &str = env!("TOKENONCE_RUSTC");
+    /// The cargo profile (`release`, `debug`).
+    pub const PROFILE: &str = env!("TOKENONCE_PROFILE");
+    /// `--version`'s line after the name.
+    pub const LONG_VERSION: &str = concat!(
+        env!("CARGO_PKG_VERSION"),
+        " (commit ",
+        env!("TOKENONCE_COMMIT"),
+        ", rustc ",
+        env!("TOKENONCE_RUSTC"),
+        ", ",
+        env!("TOKENONCE_PROFILE"),
+        " profile)"
+    );
+}
 pub mod handoff;
 pub mod metrics;
 pub mod openai;
@@ -77,8 +101,10 @@ pub struct App {
     pub cache: Arc<handoff::IdCache>,
     /// Set by the admin `/drain` (a preStop hook): `/readyz` answers 503 from then on.
     pub draining: Arc<std::sync::atomic::AtomicBool>,
-    /// Client-edge limits (header count and size, body read deadline).
+    /// Client-edge limits (requests in flight, header count and size, body read deadline).
     pub edge: proxy::edge::EdgeLimits,
+    /// The client requests being served (kept across reloads; the bound is in `edge`).
+    pub admission: Arc<proxy::edge::Admission>,
     /// The parity watch's workers (kept across reloads).
     pub watch: Arc<parity::Watch>,
 }
@@ -103,8 +129,22 @@ impl App {
             Arc::new(UpstreamClient::new(config.upstream().connect_timeout(), config.upstream().idle_timeout()));
         let cache = Arc::new(handoff::IdCache::new(config.cache().capacity_bytes(), config.cache().ttl()));
         let edge = proxy::edge::EdgeLimits::of(&config);
+        metrics.admission_limit().set(i64::try_from(edge.max_in_flight).unwrap_or(i64::MAX));
         let watch = Arc::new(parity::Watch::start(parity::WORKERS, parity::QUEUE)?);
-        Ok(Self { cache, draining: Arc::default(), edge, config, routes, pools, client, metrics, registry, watch })
+        let admission = Arc::default();
+        Ok(Self {
+            cache,
+            draining: Arc::default(),
+            edge,
+            admission,
+            config,
+            routes,
+            pools,
+            client,
+            metrics,
+            registry,
+            watch,
+        })
     }
 
     /// The state for a reloaded `config`: metrics, client and cache carry over, pools whose
@@ -137,7 +177,9 @@ impl App {
             .collect();
         pools.iter().for_each(|p| self.metrics.pool(&p.name));
         let routes = RouteTable::new(&config, &pools, &self.metrics, Some(&self.routes))?;
+        self.forget_removed(&pools, &routes);
         let edge = proxy::edge::EdgeLimits::of(&config);
+        self.metrics.admission_limit().set(i64::try_from(edge.max_in_flight).unwrap_or(i64::MAX));
         Ok(Self {
             config,
             routes,
@@ -148,8 +190,38 @@ impl App {
             cache: Arc::clone(&self.cache),
             draining: Arc::clone(&self.draining),
             edge,
+            admission: Arc::clone(&self.admission),
             watch: Arc::clone(&self.watch),
         })
+    }
+
+    /// Removes the gauges of the endpoints, pools and routes this state has and `pools` and
+    /// `routes` (a reload's) do not.
+    fn forget_removed(&self, pools: &[Arc<Pool>], routes: &RouteTable) {
+        for old in &self.pools {
+            let Some(new) = pools.iter().find(|p| p.name == old.name) else {
+                self.metrics.forget_pool(&old.name);
+                old.endpoints.iter().for_each(|e| self.metrics.forget_endpoint(&old.name, &e.addr));
+                continue;
+            };
+            for e in old.endpoints.iter().filter(|e| !new.endpoints.iter().any(|n| n.addr == e.addr)) {
+                self.metrics.forget_endpoint(&old.name, &e.addr);
+            }
+        }
+        for old in self.routes.routes() {
+            if !routes.routes().iter().any(|r| r.name == old.name) {
+                self.metrics.forget_models_differ(&old.name);
+                self.metrics.forget_parity_hold(&old.name);
+            }
+        }
+    }
+
+    /// Sets the gauges read from state at a scrape and each health round: ejected endpoints
+    /// per pool, the relay cache (its expired entries dropped first).
+    pub fn refresh_gauges(&self) {
+        let now = std::time::Instant::now();
+        self.pools.iter().for_each(|p| self.metrics.upstream_ejected(&p.name, p.ejected(now)));
+        self.sweep_cache();
     }
 
     /// The pools that serve decodes (readiness needs each to have a healthy endpoint).

@@ -10,10 +10,31 @@ use tokenonce::config::{self, ConfigError};
 use tokenonce::server::{self, Listeners, Signals};
 
 #[derive(Parser)]
-#[command(name = "tokenonce", version, about = "P/D sidecar for vLLM that tokenizes each prompt once")]
+#[command(
+    name = "tokenonce",
+    version,
+    long_version = tokenonce::build::LONG_VERSION,
+    about = "P/D sidecar for vLLM that tokenizes each prompt once",
+    long_about = "P/D sidecar for vLLM that tokenizes each prompt once.\n\n\
+        With no subcommand, tokenonce serves: clients on server.listen (OpenAI and Anthropic \
+        APIs, proxied to the prefill and decode pools of the matching route), the admin \
+        listener on server.admin_listen (/metrics, /healthz, /readyz, /drain).",
+    after_long_help = "Signals:\n  \
+        SIGHUP   re-read --config; a valid file applies to new requests, an invalid one is \
+        rejected with every problem logged (settings fixed at start are named in a warning)\n  \
+        SIGTERM  graceful shutdown within server.grace_period_seconds and \
+        server.graceful_shutdown_timeout_seconds\n\n\
+        Environment:\n  \
+        TOKENONCE_LOG  log filter (tracing's EnvFilter syntax, e.g. info,tokenonce=debug); \
+        overrides server.log_level\n\n\
+        Exit status: 0 after a clean shutdown, 1 when the config is invalid or a listener \
+        cannot be bound.\n\n\
+        Run `tokenonce print-default` for the embedded config, `tokenonce check FILE` to \
+        validate one."
+)]
 struct Cli {
-    /// TOML config file (default: the embedded default).
-    #[arg(long, short)]
+    /// TOML config file (default: the embedded default, see `print-default`). Re-read on SIGHUP.
+    #[arg(long, short, value_name = "FILE")]
     config: Option<PathBuf>,
     #[command(subcommand)]
     command: Option<Command>,
@@ -22,11 +43,19 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Validate a config file and print every problem with its line and column.
+    ///
+    /// Also loads what the file names (TLS certificates and keys, tokenizers), as a start
+    /// would. Prints `FILE: ok (N pools, M routes)` and exits 0, or one line per problem as
+    /// `FILE:LINE:COL: KEY: MESSAGE` on stderr and exits 1. Starts nothing.
     Check {
-        /// The file to check.
+        /// The config file to check.
+        #[arg(value_name = "FILE")]
         file: PathBuf,
     },
-    /// Print the embedded default config.
+    /// Print the embedded default config (what runs without --config) to stdout.
+    ///
+    /// Its pools are 127.0.0.1:8100 (prefill) and 127.0.0.1:8200 (decode); a starting point
+    /// for a file of your own.
     PrintDefault,
 }
 

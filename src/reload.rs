@@ -58,22 +58,45 @@ impl Reloader {
     }
 }
 
-/// Listeners, threads and cache bounds are fixed at start (the TLS listener's certificate is
-/// not: it is read again); say so when a reload changes them.
+/// Says which settings of a reload keep their start values: listeners and threads, the
+/// shutdown timings, the log filter and format, the connection and health-poll timings of
+/// the upstream client, the cache bounds and `[tracing]` (the TLS listener's certificate is
+/// not fixed: it is read again). Everything else takes effect for new requests.
 fn warn_fixed_settings(old: &Config, new: &Config) {
-    if old.server().listen() != new.server().listen()
-        || old.server().admin_listen() != new.server().admin_listen()
-        || old.server().threads() != new.server().threads()
-        || old.server().tls().map(|t| t.listen()) != new.server().tls().map(|t| t.listen())
-    {
-        tracing::warn!("listeners and threads change only on restart; the new values are ignored until then");
+    let fixed = fixed_settings_changed(old, new);
+    if !fixed.is_empty() {
+        tracing::warn!(
+            settings = %fixed.join(", "),
+            "config reloaded, but these settings change only on restart: they keep their start values until then"
+        );
     }
-    if old.cache().capacity_bytes() != new.cache().capacity_bytes() || old.cache().ttl() != new.cache().ttl() {
-        tracing::warn!("cache bounds change only on restart");
-    }
-    if old.tracing() != new.tracing() {
-        tracing::warn!("[tracing] changes only on restart");
-    }
+}
+
+/// The settings that differ between `old` and `new` and a reload cannot change, by key path.
+fn fixed_settings_changed(old: &Config, new: &Config) -> Vec<&'static str> {
+    let (a, b) = (old.server(), new.server());
+    let (ua, ub) = (old.upstream(), new.upstream());
+    let checks = [
+        ("server.listen", a.listen() != b.listen()),
+        ("server.admin_listen", a.admin_listen() != b.admin_listen()),
+        ("server.threads", a.threads() != b.threads()),
+        ("server.work_stealing", a.work_stealing() != b.work_stealing()),
+        ("server.grace_period_seconds", a.grace_period_seconds() != b.grace_period_seconds()),
+        (
+            "server.graceful_shutdown_timeout_seconds",
+            a.graceful_shutdown_timeout_seconds() != b.graceful_shutdown_timeout_seconds(),
+        ),
+        ("server.log_level", a.log_level() != b.log_level()),
+        ("server.log_format", a.log_format() != b.log_format()),
+        ("server.tls.listen", a.tls().map(|t| t.listen()) != b.tls().map(|t| t.listen())),
+        ("upstream.connect_timeout_ms", ua.connect_timeout() != ub.connect_timeout()),
+        ("upstream.idle_timeout_ms", ua.idle_timeout() != ub.idle_timeout()),
+        ("upstream.health_interval_ms", ua.health_interval() != ub.health_interval()),
+        ("cache.capacity_bytes", old.cache().capacity_bytes() != new.cache().capacity_bytes()),
+        ("cache.ttl_ms", old.cache().ttl() != new.cache().ttl()),
+        ("tracing", old.tracing() != new.tracing()),
+    ];
+    checks.into_iter().filter(|(_, changed)| *changed).map(|(key, _)| key).collect()
 }
 
 #[async_trait]
@@ -95,5 +118,44 @@ impl BackgroundService for Reloader {
                 _ = shutdown.changed() => return,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parsed(text: &str) -> Config {
+        Config::from_toml(text, "test.toml").unwrap_or_else(|e| panic!("{:?}", e.problems))
+    }
+
+    const BASE: &str = "[pools.decode]\nendpoints = [\"127.0.0.1:1\"]\n\n[[routes]]\nname = \"r\"\nmode = \"passthrough\"\ndecode_pool = \"decode\"\n[routes.match]\npaths = [\"/v1/chat/completions\"]\n";
+
+    #[test]
+    fn every_fixed_setting_a_reload_changes_is_named() {
+        let old = parsed(BASE);
+        assert!(fixed_settings_changed(&old, &parsed(BASE)).is_empty());
+        let changed = format!(
+            "[server]\nlisten = \"127.0.0.1:7\"\nthreads = 3\nlog_level = \"debug\"\n[upstream]\nconnect_timeout_ms = 7\nidle_timeout_ms = 7\nhealth_interval_ms = 7\n[cache]\nttl_ms = 7\n{BASE}"
+        );
+        assert_eq!(
+            fixed_settings_changed(&old, &parsed(&changed)),
+            [
+                "server.listen",
+                "server.threads",
+                "server.log_level",
+                "upstream.connect_timeout_ms",
+                "upstream.idle_timeout_ms",
+                "upstream.health_interval_ms",
+                "cache.ttl_ms"
+            ]
+        );
+    }
+
+    #[test]
+    fn settings_a_reload_applies_are_not_named() {
+        let old = parsed(BASE);
+        let changed = format!("[server]\nmax_header_count = 50\n[upstream]\neject_after_failures = 9\n{BASE}");
+        assert!(fixed_settings_changed(&old, &parsed(&changed)).is_empty());
     }
 }

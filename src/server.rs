@@ -233,7 +233,7 @@ pub fn start(
     }
     server.add_service(client);
     server.add_service(PreBound::new(admin, listeners.admin, admin_addr));
-    let poller = HealthPoller { app: Arc::clone(&app), interval, on_tick: Box::new(App::sweep_cache) };
+    let poller = HealthPoller { app: Arc::clone(&app), interval, on_tick: Box::new(App::refresh_gauges) };
     server.add_service(background_service("health", poller));
     if signals == Signals::Process {
         server.add_service(background_service("reload", Reloader { path: path.clone(), app: Arc::clone(&app) }));

@@ -5,6 +5,7 @@
 //! Without `[tracing]` no layer is installed and no span is made ([`RequestTrace`] is empty).
 
 use std::collections::HashMap;
+use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -75,7 +76,11 @@ pub fn init(config: &Config) -> Result<Option<Telemetry>, TelemetryError> {
         LogFormat::Json => {
             tracing_subscriber::fmt::layer().json().with_writer(std::io::stderr).with_filter(filter).boxed()
         }
-        LogFormat::Text => tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(filter).boxed(),
+        LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_ansi(colour_logs())
+            .with_writer(std::io::stderr)
+            .with_filter(filter)
+            .boxed(),
     };
     let Some(settings) = config.tracing() else {
         tracing_subscriber::registry().with(log).init();
@@ -88,6 +93,12 @@ pub fn init(config: &Config) -> Result<Option<Telemetry>, TelemetryError> {
     tracing_subscriber::registry().with(log).with(otel).init();
     ENABLED.store(true, Ordering::Relaxed);
     Ok(Some(telemetry))
+}
+
+/// Text logs are coloured only on a terminal, and never under `NO_COLOR`: a file or a pipe
+/// (a log collector, `2> tokenonce.log`) would otherwise keep the ANSI escapes as text.
+fn colour_logs() -> bool {
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
 /// The OTLP exporter and tracer of `settings`, batching on a runtime of their own.

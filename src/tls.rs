@@ -4,6 +4,7 @@
 //! swaps it for new connections), and a pool's upstream TLS applied to the peers of its legs.
 
 use std::fmt;
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -102,13 +103,58 @@ pub struct UpstreamTls {
     client: Option<Arc<CertKey>>,
     /// Check the engine's certificate (chain and name).
     verify: bool,
-    /// The files' bytes and the names, to tell whether a reload changed anything.
-    source: Arc<[u8]>,
+    /// Every setting that decides whom a connection trusts and what it presents, to tell
+    /// whether a reload changed anything and to keep idle connections apart.
+    trust: TrustKey,
 }
 
 impl PartialEq for UpstreamTls {
     fn eq(&self, other: &Self) -> bool {
-        self.source == other.source
+        self.trust == other.trust
+    }
+}
+
+/// The trust settings of a pool's TLS as one value (CA certificates, server name, client
+/// certificate and key, verify), part of the key idle engine connections are kept under: a
+/// connection made under some settings is handed out only under equal ones. Equal exactly
+/// when the settings' bytes are; hashed by a digest of them.
+#[derive(Clone)]
+pub struct TrustKey {
+    digest: u64,
+    bytes: Arc<[u8]>,
+}
+
+impl TrustKey {
+    /// The key of `parts`, each length-prefixed (so no two lists of parts give the same bytes).
+    fn of(parts: &[&[u8]]) -> Self {
+        let mut bytes = Vec::new();
+        for part in parts {
+            bytes.extend_from_slice(&(part.len() as u64).to_le_bytes());
+            bytes.extend_from_slice(part);
+        }
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        bytes.hash(&mut hasher);
+        Self { digest: hasher.finish(), bytes: bytes.into() }
+    }
+}
+
+impl PartialEq for TrustKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.digest == other.digest && (Arc::ptr_eq(&self.bytes, &other.bytes) || self.bytes == other.bytes)
+    }
+}
+
+impl Eq for TrustKey {}
+
+impl Hash for TrustKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.digest.hash(state);
+    }
+}
+
+impl fmt::Debug for TrustKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "TrustKey({:016x})", self.digest)
     }
 }
 
@@ -126,20 +172,27 @@ impl fmt::Debug for UpstreamTls {
 impl UpstreamTls {
     /// Settings from their parts (the config checker has loaded the files).
     pub fn new(ca: Option<Vec<X509>>, server_name: Option<String>, client: Option<Identity>, verify: bool) -> Self {
-        let mut source = Vec::new();
-        for cert in ca.iter().flatten() {
-            source.extend(cert.to_der().unwrap_or_default());
-        }
-        source.extend(server_name.as_deref().unwrap_or("-").as_bytes());
-        source.extend(client.as_ref().map_or(&[][..], |c| &c.source[..]));
-        source.push(u8::from(verify));
+        let ca_der: Vec<Vec<u8>> = ca.iter().flatten().map(|c| c.to_der().unwrap_or_default()).collect();
+        let mut parts: Vec<&[u8]> = vec![
+            if ca.is_some() { b"ca" } else { b"system roots" },
+            server_name.as_deref().map_or(&b"\0endpoint host"[..], str::as_bytes),
+            client.as_ref().map_or(&[][..], |c| &c.source[..]),
+            if verify { b"verify" } else { b"no verify" },
+        ];
+        parts.extend(ca_der.iter().map(Vec::as_slice));
+        let trust = TrustKey::of(&parts);
         Self {
             ca: ca.map(|c| Arc::new(c.into_boxed_slice())),
             server_name,
             client: client.map(|c| Arc::new(c.cert_key())),
             verify,
-            source: source.into(),
+            trust,
         }
+    }
+
+    /// The key idle connections made with these settings are kept under (with the peer's).
+    pub fn trust_key(&self) -> &TrustKey {
+        &self.trust
     }
 
     /// The name checked against the engine's certificate when it is `host:port`.
@@ -155,6 +208,9 @@ impl UpstreamTls {
         peer.options.verify_hostname = self.verify;
         peer.options.ca.clone_from(&self.ca);
         peer.client_cert_key.clone_from(&self.client);
+        // pingora's connection pool (passthrough) keys by the peer's reuse hash, which leaves
+        // the CA bundle out: the group key puts every trust setting in it.
+        peer.group_key = self.trust.digest;
     }
 }
 

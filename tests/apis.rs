@@ -238,3 +238,98 @@ fn check_refuses_a_share_out_of_range() {
         }
     }
 }
+
+/// tokenonce's own errors on `/v1/messages` are Anthropic's `{"type":"error","error":{"type",
+/// "message"}}` with the right status (a body it refuses, one over `max_body_bytes`, a decode
+/// it cannot reach, streamed or not), and an engine's own error body is relayed unchanged.
+#[tokio::test(flavor = "multi_thread")]
+async fn messages_errors_from_tokenonce_are_anthropic_shaped() {
+    let (_p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "max_body_bytes = 100000").await;
+    let url = format!("{}/v1/messages", proxy.url);
+    let anthropic = |status: u16, text: &str, kind: &str| {
+        let v: Value = serde_json::from_str(text).unwrap_or_else(|_| panic!("not JSON: {text}"));
+        assert_eq!(v["type"], "error", "{status}: {text}");
+        assert_eq!(v["error"]["type"], kind, "{status}: {text}");
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{text}");
+        assert_eq!(v.as_object().unwrap().len(), 2, "{text}");
+        assert!(!text.contains("127.0.0.1"), "{text}");
+    };
+    let (status, _, text) = post_raw(&url, r#"{"model":"tiny-qwen3","messages":["#, &[]).await;
+    assert_eq!(status, 400);
+    anthropic(status, &text, "invalid_request_error");
+    let big = messages_body(json!({"messages": [{"role": "user", "content": "word ".repeat(30_000)}]}));
+    let (status, _, text) = post_json(&url, &big, &[]).await;
+    assert_eq!(status, 413);
+    anthropic(status, &text, "request_too_large");
+    // The engine's own error (vLLM writes Anthropic's shape there too) passes unchanged.
+    let (status, _, text) = post_json(&url, &messages_body(json!({"max_tokens": null})), &[]).await;
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("max_tokens is required"), "{text}");
+
+    // A decode pool whose engine refuses connections.
+    let refused = RefusedAddr::new();
+    let conf = pd_config(&d, &d, "").replace(
+        &format!("[pools.decode]\nendpoints = [\"{}\"]", d.host_port()),
+        &format!("[pools.decode]\nendpoints = [\"{}\"]", refused.addr),
+    );
+    let proxy = TokenOnce::start(&conf).await;
+    let url = format!("{}/v1/messages", proxy.url);
+    for stream in [false, true] {
+        let (status, _, text) = post_json(&url, &messages_body(json!({"stream": stream})), &[]).await;
+        assert_eq!(status, 502, "{text}");
+        anthropic(status, &text, "api_error");
+        assert!(text.contains("decode engine unavailable"), "{text}");
+    }
+}
+
+/// A Messages stream that breaks mid-way ends with Anthropic's `event: error` (no `[DONE]`,
+/// which Anthropic streams never carry) after the whole events before it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_broken_messages_stream_ends_with_an_anthropic_error_event() {
+    let decode = FakeConfig { break_stream_after: Some(3), ..FakeConfig::default() };
+    let (_p, _d, proxy) = pd_setup(FakeConfig::default(), decode, "").await;
+    let body = messages_body(json!({"stream": true}));
+    let (status, _, text) = post_json(&format!("{}/v1/messages", proxy.url), &body, &[]).await;
+    assert_eq!(status, 200, "{text}");
+    let events: Vec<&str> = text.split_terminator("\n\n").collect();
+    assert_eq!(events.len(), 4, "{text}");
+    assert!(events[..3].iter().all(|e| !e.contains("error")), "{text}");
+    let last = events[3].strip_prefix("event: error\ndata: ").unwrap_or_else(|| panic!("{text}"));
+    let v: Value = serde_json::from_str(last).unwrap();
+    assert_eq!(
+        v,
+        json!({"type": "error", "error": {"type": "api_error", "message": "decode engine stream failed: connection closed"}})
+    );
+    assert!(!text.contains("[DONE]") && text.ends_with("}\n\n"), "{text}");
+}
+
+/// tokenonce's own errors on `/v1/responses` are OpenAI's (the Responses API's own format);
+/// a Responses stream that breaks ends with the typed `event: error` of the Responses API,
+/// `{"type":"error","code","message","param","sequence_number"}`, numbered after the last
+/// event passed, without `[DONE]`.
+#[tokio::test(flavor = "multi_thread")]
+async fn responses_errors_take_the_responses_format() {
+    let decode = FakeConfig { break_stream_after: Some(3), ..FakeConfig::default() };
+    let (_p, _d, proxy) = pd_setup(FakeConfig::default(), decode, "").await;
+    let url = format!("{}/v1/responses", proxy.url);
+    let (status, _, text) = post_raw(&url, r#"{"model":"tiny-qwen3","input":["#, &[]).await;
+    assert_eq!(status, 400);
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        (v["error"]["code"].as_str(), v["error"]["type"].as_str()),
+        (Some("invalid_request"), Some("invalid_request_error"))
+    );
+
+    let (status, _, text) = post_json(&url, &responses_body(json!({"stream": true})), &[]).await;
+    assert_eq!(status, 200, "{text}");
+    let events: Vec<&str> = text.split_terminator("\n\n").collect();
+    assert_eq!(events.len(), 4, "{text}");
+    assert!(events[2].contains("\"sequence_number\":2"), "{text}");
+    let last = events[3].strip_prefix("event: error\ndata: ").unwrap_or_else(|| panic!("{text}"));
+    let v: Value = serde_json::from_str(last).unwrap();
+    assert_eq!(
+        v,
+        json!({"type": "error", "code": "decode_stream_failed", "message": "decode engine stream failed: connection closed", "param": null, "sequence_number": 3})
+    );
+    assert!(!text.contains("[DONE]"), "{text}");
+}

@@ -224,3 +224,98 @@ async fn expect_100_continue_is_answered_on_every_mode() {
     }
     assert!(d.posts().iter().all(|r| r.header("expect").is_none()), "the engine never sees the Expect");
 }
+
+/// A raw engine on loopback that counts the POSTs it reads and holds each one's answer (a
+/// small JSON completion) until `release` is sent; `GET`s (health) are answered at once.
+struct GatedEngine {
+    addr: String,
+    posts: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    release: tokio::sync::watch::Sender<bool>,
+}
+
+impl GatedEngine {
+    async fn start() -> Self {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tokio::io::AsyncWriteExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let posts = std::sync::Arc::new(AtomicUsize::new(0));
+        let (release, gate) = tokio::sync::watch::channel(false);
+        let seen = std::sync::Arc::clone(&posts);
+        tokio::spawn(async move {
+            for _ in 0..500 {
+                let Ok((mut sock, _)) = listener.accept().await else { return };
+                let (seen, mut gate) = (std::sync::Arc::clone(&seen), gate.clone());
+                tokio::spawn(async move {
+                    let Some(req) = support::fault_engine::read_request(&mut sock).await else { return };
+                    let body = if req.method == "POST" {
+                        seen.fetch_add(1, Ordering::SeqCst);
+                        let _ = tokio::time::timeout(Duration::from_secs(20), gate.wait_for(|open| *open)).await;
+                        r#"{"id":"x","object":"chat.completion","choices":[]}"#
+                    } else {
+                        "{}"
+                    };
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                        body.len()
+                    );
+                    let _ = sock.write_all(format!("{head}{body}").as_bytes()).await;
+                });
+            }
+        });
+        Self { addr, posts, release }
+    }
+
+    fn posts(&self) -> usize {
+        self.posts.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// With `server.max_in_flight = 2` and two requests held by the engine, a third is refused
+/// at once with 503 `overloaded` and `Retry-After`, reaching no engine, and counted; the
+/// admin listener still answers; once the two are answered a new request is served.
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_past_max_in_flight_are_503_before_any_leg() {
+    let engine = GatedEngine::start().await;
+    let config = format!(
+        "[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"pt\"\nmode = \"passthrough\"\ndecode_pool = \"decode\"\n[routes.match]\npaths = [\"/v1/chat/completions\"]\n",
+        engine.addr
+    );
+    let settings = support::Settings { server_extra: "max_in_flight = 2\n".into(), ..Default::default() };
+    let proxy = support::TokenOnce::start_with(&config, &settings).await;
+    let url = format!("{}/v1/chat/completions", proxy.url);
+    let body = serde_json::to_vec(&chat_body("hi", json!({}))).unwrap();
+    let held: Vec<_> = (0..2).map(|_| tokio::spawn(post_raw_owned(url.clone(), body.clone()))).collect();
+    for _ in 0..200 {
+        if engine.posts() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(engine.posts(), 2, "both held requests reached the engine");
+
+    let (status, headers, text) = post_raw(&url, body.clone(), &[]).await;
+    assert_eq!(status, 503, "{text}");
+    assert_eq!(headers.get("retry-after").and_then(|v| v.to_str().ok()), Some("1"));
+    let error: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error["error"]["code"], "overloaded", "{text}");
+    assert!(error["error"]["message"].is_string() && error["error"].as_object().unwrap().contains_key("param"));
+    assert_eq!(proxy.metric(r#"tokenonce_admission_rejected_total{listener="plain"}"#).await, 1.0);
+    assert_eq!(proxy.metric("tokenonce_inflight_requests").await, 2.0);
+    assert_eq!(proxy.metric("tokenonce_admission_max_in_flight").await, 2.0);
+    assert_eq!(engine.posts(), 2, "the refused request reached no engine");
+
+    engine.release.send(true).unwrap();
+    for h in held {
+        assert_eq!(h.await.unwrap(), 200);
+    }
+    let (status, _, text) = post_raw(&url, body, &[]).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(engine.posts(), 3);
+    assert_eq!(proxy.metric(r#"tokenonce_admission_rejected_total{listener="plain"}"#).await, 1.0);
+}
+
+/// [`post_raw`] on owned arguments (for `tokio::spawn`), returning the status.
+async fn post_raw_owned(url: String, body: Vec<u8>) -> u16 {
+    post_raw(&url, body, &[]).await.0
+}

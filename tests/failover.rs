@@ -1,7 +1,8 @@
 //! Surviving a bad engine: a pool prefill that fails before any answer or answers 5xx moves
 //! to another endpoint of its pool (bounded), a 4xx does not, and an endpoint failing
 //! requests in a row is ejected from the pool's choice, then readmitted once it recovers;
-//! with `on_prefill_failure = "decode_alone"` a failed prefill leaves the decode to run alone.
+//! an engine that never answers is ejected by its timeouts alike; with
+//! `on_prefill_failure = "decode_alone"` a failed prefill leaves the decode to run alone.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -10,6 +11,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
+use support::fault_engine::{Fault, FaultEngine};
 use support::*;
 
 /// Two prefill fakes in one round-robin pool, one decode fake, route `pd`.
@@ -178,6 +180,102 @@ async fn consecutive_failures_eject_an_endpoint_until_it_recovers() {
     assert_eq!(proxy.metric(EJECTIONS).await, 1.0);
 }
 
+/// `upstream_ejected` reads the pool's state when scraped: 1 right after an ejection and 0
+/// once the backoff ended (the endpoint readmitted), with no health round in between (the
+/// interval is 10 min here).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_ejected_gauge_is_the_pools_state_between_health_rounds() {
+    let (a, b, d) = (
+        FakeVllm::start(failing(503)).await,
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+    );
+    let settings = Settings {
+        health_interval_ms: 600_000,
+        upstream_extra: "eject_after_failures = 2\n".into(),
+        ..Settings::default()
+    };
+    let proxy = TokenOnce::start_with(&two_prefill_config(&a, &b, &d, ""), &settings).await;
+    wait_healthy(&proxy, &[&a, &b]).await;
+    let ejected = r#"tokenonce_upstream_ejected{pool="prefill"}"#;
+    assert_eq!(proxy.metric(ejected).await, 0.0);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while proxy.metric(EJECTIONS).await < 1.0 {
+        assert!(Instant::now() < deadline, "never ejected");
+        assert_eq!(chat(&proxy).await.0, 200);
+    }
+    assert_eq!(proxy.metric(ejected).await, 1.0);
+    // The backoff is 5 s: the endpoint is readmitted by itself, and the gauge says so.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while proxy.metric(ejected).await != 0.0 {
+        assert!(Instant::now() < deadline, "the gauge still reads an ejection that ended");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(proxy.metric(EJECTIONS).await, 1.0);
+}
+
+/// Ejections are the pool's state: a reload of the unchanged file keeps the ejected endpoint
+/// out (it gets no request) and the gauge at 1.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_keeps_an_ejection() {
+    let (a, b, d) = (
+        FakeVllm::start(failing(503)).await,
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+    );
+    let settings = Settings { upstream_extra: "eject_after_failures = 2\n".into(), ..Settings::default() };
+    let text = two_prefill_config(&a, &b, &d, "");
+    let proxy = TokenOnce::start_with(&text, &settings).await;
+    wait_healthy(&proxy, &[&a, &b]).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while proxy.metric(EJECTIONS).await < 1.0 {
+        assert!(Instant::now() < deadline, "never ejected");
+        assert_eq!(chat(&proxy).await.0, 200);
+    }
+    let seen = a.posts().len();
+    proxy.reconfigure(&text);
+    let reloaded = r#"tokenonce_config_reloads_total{result="success"}"#;
+    assert_eq!(proxy.metric_reaches(reloaded, 1.0).await, 1.0);
+    assert_eq!(proxy.metric(r#"tokenonce_upstream_ejected{pool="prefill"}"#).await, 1.0);
+    for _ in 0..4 {
+        assert_eq!(chat(&proxy).await.0, 200);
+    }
+    assert_eq!(a.posts().len(), seen, "still ejected after the reload");
+}
+
+/// A reload removes the gauges of what it took away: the health of an endpoint no longer in
+/// its pool, the pool-identity gauge of a route no longer configured (their alerts would
+/// otherwise fire forever on values nothing updates); what stays keeps reporting.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_removes_the_gauges_of_what_it_took_away() {
+    let (a, b, d) = (
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+    );
+    let proxy = TokenOnce::start(&two_prefill_config(&a, &b, &d, "")).await;
+    wait_healthy(&proxy, &[&a, &b]).await;
+    let healthy =
+        |e: &FakeVllm| format!(r#"tokenonce_upstream_healthy{{endpoint="{}",pool="prefill"}}"#, e.host_port());
+    let text = proxy.metrics().await;
+    assert!(text.contains(&healthy(&a)) && text.contains(r#"tokenonce_pool_models_differ{route="pd"}"#), "{text}");
+
+    let reloaded = r#"tokenonce_config_reloads_total{result="success"}"#;
+    let only_b = format!(
+        "[pools.prefill]\nendpoints = [\"{}\"]\n\n[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"pd2\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n\n[routes.match]\npaths = [\"/v1/chat/completions\"]\n",
+        b.host_port(),
+        d.host_port()
+    );
+    proxy.reconfigure(&only_b);
+    assert_eq!(proxy.metric_reaches(reloaded, 1.0).await, 1.0);
+    let text = proxy.metrics().await;
+    assert!(!text.contains(&healthy(&a)), "a removed endpoint's health stays: {text}");
+    assert!(text.contains(&healthy(&b)), "{text}");
+    assert!(!text.contains(r#"tokenonce_pool_models_differ{route="pd"}"#), "a removed route's gauge stays: {text}");
+    assert!(!text.contains(r#"tokenonce_parity_reuse_off{route="pd"}"#), "{text}");
+    assert!(text.contains(r#"tokenonce_pool_models_differ{route="pd2"} 0"#), "{text}");
+}
+
 const PREFILL_FAILED: &str = r#"tokenonce_token_reuse_total{reason="prefill_failed",result="fallback",route="pd"}"#;
 
 /// `on_prefill_failure = "decode_alone"`: a prefill answering 503 (and, in a second engine
@@ -227,4 +325,50 @@ async fn by_default_a_failed_prefill_is_answered() {
     assert_eq!(chat(&proxy).await.0, 503);
     assert_eq!(d.posts().len(), 0);
     assert_eq!(proxy.metric(PREFILL_FAILED).await, 0.0);
+}
+
+/// An engine that accepts and reads every prefill but never answers (its `/health` stays
+/// 200): each request meeting it runs out of `prefill_timeout_ms` (504, no failover), and
+/// those timeouts count as failures, so after `eject_after_failures = 2` of them it is
+/// ejected and every request goes to the other engine.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_engine_that_never_answers_is_ejected_after_its_timeouts() {
+    let (a, b, d) = (
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(FakeConfig::default()).await,
+    );
+    let hung = FaultEngine::with(&a, Fault::HangBeforeHead).await;
+    let config = format!(
+        "[pools.prefill]\nendpoints = [\"{}\", \"{}\"]\n\n[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\nprefill_timeout_ms = 300\n[routes.match]\npaths = [\"/v1/chat/completions\"]\n",
+        hung.host_port(),
+        b.host_port(),
+        d.host_port()
+    );
+    let settings = Settings { upstream_extra: "eject_after_failures = 2\n".into(), ..Settings::default() };
+    let proxy = TokenOnce::start_with(&config, &settings).await;
+    let healthy = format!(r#"tokenonce_upstream_healthy{{endpoint="{}",pool="prefill"}}"#, hung.host_port());
+    assert_eq!(proxy.metric_reaches(&healthy, 1.0).await, 1.0, "its health polls pass");
+    wait_healthy(&proxy, &[&b]).await;
+    let mut timed_out = 0;
+    for _ in 0..12 {
+        if proxy.metric(EJECTIONS).await >= 1.0 {
+            break;
+        }
+        let (status, text) = chat(&proxy).await;
+        match status {
+            200 => {}
+            504 => timed_out += 1,
+            _ => panic!("{status}: {text}"),
+        }
+    }
+    assert_eq!(proxy.metric(EJECTIONS).await, 1.0, "never ejected after {timed_out} timeouts");
+    assert_eq!(timed_out, 2, "ejected at the second timeout");
+    assert_eq!(hung.posts().len(), 2);
+    assert_eq!(proxy.metric(r#"tokenonce_upstream_ejected{pool="prefill"}"#).await, 1.0);
+    for _ in 0..4 {
+        let (status, text) = chat(&proxy).await;
+        assert_eq!(status, 200, "{text}");
+    }
+    assert_eq!(hung.posts().len(), 2, "an ejected endpoint gets no request");
 }

@@ -91,8 +91,11 @@ enum Count {
     Outcome(&'static str),
     /// `token_reuse_total{result="fallback", reason}`.
     Fallback(&'static str),
-    /// `token_reuse_total{result="applied"}`.
+    /// `token_reuse_total{result="applied"}`: the decode was sent the ids and answered 2xx.
     Applied,
+    /// `token_reuse_total{result="decode_failed"}`: the decode was sent the ids and gave no
+    /// 2xx answer head.
+    DecodeFailed,
     /// `upstream_retries_total{stage}`.
     Retry(&'static str),
     /// `timeouts_total{stage}` of the case's route.
@@ -116,6 +119,9 @@ impl Count {
             }
             Self::Applied => {
                 format!(r#"tokenonce_token_reuse_total{{reason="none",result="applied",route="{route}"}}"#)
+            }
+            Self::DecodeFailed => {
+                format!(r#"tokenonce_token_reuse_total{{reason="none",result="decode_failed",route="{route}"}}"#)
             }
             Self::Retry(stage) => format!(r#"tokenonce_upstream_retries_total{{stage="{stage}"}}"#),
             Self::Timeout(stage) => format!(r#"tokenonce_timeouts_total{{route="{route}",stage="{stage}"}}"#),
@@ -228,7 +234,7 @@ const ENGINE_503: &str =
 const GARBAGE: &[u8] = b"SSH-2.0-OpenSSH_9.6\r\n\x00\x01\x02 not http at all";
 /// Short deadlines, so timeouts are quick to meet.
 const SHORT_PREFILL: &str = "prefill_timeout_ms = 500\n";
-const SHORT_DECODE: &str = "decode_first_byte_timeout_ms = 500\n";
+const SHORT_DECODE: &str = "decode_first_byte_timeout_ms = 500\ndecode_whole_answer_timeout_ms = 500\n";
 const DECODE_ALONE: &str = "on_prefill_failure = \"decode_alone\"\n";
 const SHORT_IDLE: &str = "stream_idle_timeout_ms = 500\n";
 
@@ -404,13 +410,16 @@ fn whole_events(text: &str) -> Vec<Value> {
         .collect()
 }
 
+/// The sum of every sample of the counter `family`.
+async fn family_sum(proxy: &TokenOnce, family: &str) -> f64 {
+    let text = proxy.metrics().await;
+    let prefix = format!("{family}{{");
+    text.lines().filter(|l| l.starts_with(&prefix)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
+}
+
 /// The sum of every `upstream_errors_total` sample.
 async fn upstream_errors(proxy: &TokenOnce) -> f64 {
-    let text = proxy.metrics().await;
-    text.lines()
-        .filter(|l| l.starts_with("tokenonce_upstream_errors_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    family_sum(proxy, "tokenonce_upstream_errors_total").await
 }
 
 /// Waits (bounded: 5 s) until `got()` equals `want`, then asserts it.
@@ -437,6 +446,7 @@ async fn run(case: Case) {
         before.push(proxy.metric(s).await);
     }
     let errors_before = upstream_errors(&proxy).await;
+    let reuse_before = family_sum(&proxy, "tokenonce_token_reuse_total").await;
 
     let started = Instant::now();
     let prefiller = p.host_port();
@@ -469,6 +479,10 @@ async fn run(case: Case) {
     }
     let errors = case.counted.iter().filter(|c| matches!(c, Count::Err(..))).count() as f64;
     assert_eq!(upstream_errors(&proxy).await - errors_before, errors, "upstream_errors_total overall");
+    // Each decode's reuse is counted once, with its outcome: none that the row does not name.
+    let reuse = case.counted.iter().filter(|c| matches!(c, Applied | DecodeFailed | Fallback(_))).count() as f64;
+    let reuse_now = family_sum(&proxy, "tokenonce_token_reuse_total").await;
+    assert_eq!(reuse_now - reuse_before, reuse, "token_reuse_total overall");
 }
 
 /// One `#[tokio::test]` per row.
@@ -484,7 +498,7 @@ macro_rules! matrix {
     };
 }
 
-use Count::{Applied, Err as UpErr, Fallback, Outcome, Release, Retry, Timeout};
+use Count::{Applied, DecodeFailed, Err as UpErr, Fallback, Outcome, Release, Retry, Timeout};
 
 matrix! {
     // ---- baselines: the fault engines relay the fakes unchanged ----
@@ -598,36 +612,36 @@ matrix! {
     /// Decode down: retried once (never got it), then 502 after a good prefill.
     decode_down: Case {
         decode: Engine::Down, status: 502, answer: Answer::Error("decode_unavailable"),
-        counted: &[UpErr("decode", "connect"), Retry("decode"), Outcome("server_error")], saw: (1, 0), ..OK
+        counted: &[Fallback("decode_version_unknown"), UpErr("decode", "connect"), Retry("decode"), Outcome("server_error")], saw: (1, 0), ..OK
     };
     /// Decode never sends a head: 504 at `decode_first_byte_timeout_ms`, its connection closed.
     decode_hangs_before_headers: Case {
         decode: Engine::Up(Fault::HangBeforeHead), route: SHORT_DECODE, status: 504,
         answer: Answer::Error("decode_timeout"),
-        counted: &[UpErr("decode", "timeout"), Timeout("first_byte"), Outcome("server_error")],
+        counted: &[DecodeFailed, UpErr("decode", "timeout"), Timeout("first_byte"), Outcome("server_error")],
         closed: (0, 1), within_ms: 5_000, ..OK
     };
     /// Streamed decode never sends a head: the same 504.
     decode_stream_hangs_before_headers: Case {
         decode: Engine::Up(Fault::HangBeforeHead), route: SHORT_DECODE, api: Api::ChatStream, status: 504,
         answer: Answer::Error("decode_timeout"),
-        counted: &[UpErr("decode", "timeout"), Timeout("first_byte"), Outcome("server_error")],
+        counted: &[DecodeFailed, UpErr("decode", "timeout"), Timeout("first_byte"), Outcome("server_error")],
         closed: (0, 1), within_ms: 5_000, ..OK
     };
     /// Decode answers 503 with a body: the engine's answer relayed unchanged.
     decode_5xx_with_body: Case {
         decode: Engine::Up(Fault::Status(503, ENGINE_503)), status: 503, answer: Answer::Exactly(ENGINE_503),
-        counted: &[Applied, Outcome("server_error")], ..OK
+        counted: &[DecodeFailed, Outcome("server_error")], ..OK
     };
     /// Decode answers 502 with no body: relayed as is.
     decode_5xx_without_body: Case {
         decode: Engine::Up(Fault::Status(502, "")), status: 502, answer: Answer::Exactly(""),
-        counted: &[Applied, Outcome("server_error")], ..OK
+        counted: &[DecodeFailed, Outcome("server_error")], ..OK
     };
     /// Decode answers bytes that are not HTTP: 502, not re-sent.
     decode_garbage: Case {
         decode: Engine::Up(Fault::Garbage(GARBAGE)), status: 502, answer: Answer::Error("decode_unavailable"),
-        counted: &[UpErr("decode", "io"), Outcome("server_error")], ..OK
+        counted: &[DecodeFailed, UpErr("decode", "io"), Outcome("server_error")], ..OK
     };
     /// Decode answers 200 that is not JSON: the decode's answer is the client's, relayed as is.
     decode_non_json_200: Case {
@@ -694,7 +708,7 @@ matrix! {
     /// Decode reads the request and closes: 502, not re-sent (a decode must not run twice).
     decode_closes_after_reading: Case {
         decode: Engine::Up(Fault::CloseAfterRead), status: 502, answer: Answer::Error("decode_unavailable"),
-        counted: &[UpErr("decode", "io"), Outcome("server_error")], ..OK
+        counted: &[DecodeFailed, UpErr("decode", "io"), Outcome("server_error")], ..OK
     };
     /// Chat stream cut in the middle of its third event: the two whole events, the error
     /// event, `[DONE]`.
@@ -736,7 +750,7 @@ matrix! {
     /// connection is closed (vLLM aborts it).
     client_gone_during_handoff: Case {
         decode: Engine::Up(Fault::HangBeforeHead), client: Client::LeavesAfterMs(300), status: 0,
-        answer: Answer::Nothing, counted: &[Applied, Outcome("client_closed")], closed: (0, 1), within_ms: 5_000, ..OK
+        answer: Answer::Nothing, counted: &[DecodeFailed, Outcome("client_closed")], closed: (0, 1), within_ms: 5_000, ..OK
     };
     /// The client leaves after a prefill that handed over KV (`kv_transfer_params`), the
     /// decode holding its request unanswered: the decode is closed and owns the blocks (vLLM
@@ -746,14 +760,14 @@ matrix! {
     client_gone_after_the_decode_got_its_request: Case {
         prefill_fake: |c| c.connector = true, decode: Engine::UpThen(Fault::HangBeforeHead, Fault::Pass),
         client: Client::LeavesAfterMs(300), status: 0, answer: Answer::Nothing,
-        counted: &[Applied, Release("left_to_decode"), Outcome("client_closed")], saw: (1, 1), closed: (0, 1),
+        counted: &[DecodeFailed, Release("left_to_decode"), Outcome("client_closed")], saw: (1, 1), closed: (0, 1),
         within_ms: 5_000, ..OK
     };
     /// The same with `on_client_gone = "abandon"`: nothing more is sent either.
     client_gone_after_the_decode_got_its_request_abandon: Case {
         prefill_fake: |c| c.connector = true, decode: Engine::Up(Fault::HangBeforeHead),
         route: "on_client_gone = \"abandon\"\n", client: Client::LeavesAfterMs(300), status: 0, answer: Answer::Nothing,
-        counted: &[Applied, Release("left_to_decode"), Outcome("client_closed")], closed: (0, 1), within_ms: 5_000, ..OK
+        counted: &[DecodeFailed, Release("left_to_decode"), Outcome("client_closed")], closed: (0, 1), within_ms: 5_000, ..OK
     };
     /// A client that stops reading a long stream: once a write to it waits
     /// `client_write_timeout_ms` its connection is cut and the decode closed.
@@ -1133,16 +1147,22 @@ fn readme_failure_table_names_every_case() {
         .filter(|name| name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
         .collect();
     assert!(named.len() > 60, "the tables name the cases: {named:?}");
-    // The suites, and the leg client's unit tests (rows marked ◦).
-    let mut tests = std::fs::read_to_string(root.join("src/upstream/h1/tests.rs")).unwrap();
-    for file in std::fs::read_dir(root.join("tests")).unwrap() {
-        let path = file.unwrap().path();
-        if path.extension().is_some_and(|e| e == "rs") {
-            tests.push_str(&std::fs::read_to_string(&path).unwrap());
+    // The integration tests, and the unit tests under src/ (a row may name one, e.g. of reload.rs).
+    let mut tests = String::new();
+    let mut dirs = vec![root.join("tests"), root.join("src")];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() && dir.ends_with("src") || path.is_dir() && path.starts_with(root.join("src")) {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                tests.push_str(&std::fs::read_to_string(&path).unwrap());
+            }
         }
     }
     for name in &named {
-        let defined = tests.contains(&format!("fn {name}(")) || tests.contains(&format!("\n    {name}: "));
+        let test_fn = [format!("#[test]\nfn {name}("), format!("#[test]\n    fn {name}("), format!("async fn {name}(")];
+        let defined = test_fn.iter().any(|f| tests.contains(f.as_str())) || tests.contains(&format!("\n    {name}: "));
         assert!(defined, "README names case {name}, which no test defines");
     }
     let own = std::fs::read_to_string(root.join("tests/faults.rs")).unwrap();

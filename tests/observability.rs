@@ -936,3 +936,41 @@ fn k8s_sidecar_manifest_is_valid_and_stops_within_its_grace_period() {
         assert_eq!(&pod["metadata"]["labels"][k], v, "the Service selects the pod");
     }
 }
+
+/// Text logs written to a file (stderr not a terminal) carry no ANSI colour codes, even with
+/// `NO_COLOR` unset: a log collector or `2> tokenonce.log` would keep them as text.
+#[tokio::test]
+async fn text_logs_to_a_file_carry_no_colour_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("tokenonce.toml");
+    std::fs::write(
+        &config,
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nlog_format = \"text\"\n\n\
+         [pools.decode]\nendpoints = [\"127.0.0.1:9\"]\n\n[[routes]]\nname = \"d\"\nmode = \"passthrough\"\n\
+         decode_pool = \"decode\"\n",
+    )
+    .unwrap();
+    let log = dir.path().join("stderr.log");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tokenonce"))
+        .arg("--config")
+        .arg(&config)
+        .env_remove("NO_COLOR")
+        .env("TOKENONCE_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let text = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("tokenonce listening") || Instant::now() > deadline || child.try_wait().unwrap().is_some() {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(text.contains("tokenonce listening"), "no startup line within 15 s:\n{text}");
+    assert!(!text.contains("\u{1b}["), "ANSI escapes in a log file:\n{text:?}");
+}

@@ -30,6 +30,11 @@ const WORDS: &[&str] = &[
     "delta",
 ];
 
+/// Words a request sends (the fake hashes them as sent) and the text the ids decode to:
+/// what an NFC normalizer (Qwen3's) makes of decomposed accents, and one already composed.
+const NORMALIZED: &[(&str, &str)] =
+    &[("Cafe\u{301}", "Caf\u{e9}"), ("bru\u{302}le\u{301}e", "br\u{fb}l\u{e9}e"), ("cr\u{e8}me", "cr\u{e8}me")];
+
 /// A word-level tokenizer giving each word the fake engine's id for it (`shift` 0), or
 /// other ids (`shift` > 0: "another tokenizer"), written as `tokenizer.json` in `dir` in the
 /// library's own format (loaded back with it here, and by tokenonce).
@@ -40,9 +45,13 @@ fn write_tokenizer(dir: &Path, shift: u64) -> PathBuf {
         let id = if shift == 0 { fake } else { (fake + shift + i as u64) % 150_000 };
         vocab.insert((*w).to_owned(), json!(id));
     }
+    for (sent, read) in NORMALIZED {
+        vocab.insert((*read).to_owned(), json!(fake_tokenize(sent)[0]));
+    }
     vocab.insert("<unk>".into(), json!(150_000));
     let file = json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": {"type": "NFC"},
         "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
         "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": true},
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
@@ -285,4 +294,64 @@ async fn a_replaced_tokenizer_file_is_read_again_on_reload() {
     chat(&proxy, "charlie").await;
     assert_eq!(proxy.metric_reaches(&checks("match"), 1.0).await, 1.0);
     assert_eq!(proxy.metric(&checks("mismatch")).await, 1.0);
+}
+
+/// Honest ids of a request whose accents came decomposed (macOS input, Vietnamese, Korean)
+/// decode composed, as the tokenizer's normalizer made them: decomposed, composed and mixed
+/// text all match, and under `disable_reuse` reuse stays on.
+#[tokio::test(flavor = "multi_thread")]
+async fn decomposed_composed_and_mixed_accents_match() {
+    let extra = "on_parity_mismatch = \"disable_reuse\"\n";
+    let Stack { proxy, .. } = &stack(0, FakeConfig::default(), extra).await;
+    let texts =
+        ["alpha Cafe\u{301} bru\u{302}le\u{301}e", "cr\u{e8}me bravo", "Cafe\u{301} cr\u{e8}me bru\u{302}le\u{301}e"];
+    for (n, text) in texts.iter().enumerate() {
+        chat(proxy, text).await;
+        let done = (n + 1) as f64;
+        let seen = proxy.metric_reaches(&checks("match"), done).await + proxy.metric(&checks("mismatch")).await;
+        assert!(seen >= done, "check {n} not run");
+    }
+    assert_eq!(proxy.metric(&checks("mismatch")).await, 0.0, "honest ids read as a mismatch");
+    assert_eq!(proxy.metric(&checks("match")).await, 3.0);
+    assert_eq!(proxy.metric(REUSE_OFF).await, 0.0);
+    assert_eq!(proxy.metric(&reuse("none")).await, 3.0);
+}
+
+/// The real Qwen3 tokenizer (the e2e tier's tiny-qwen3, whose normalizer is NFC) encodes
+/// decomposed text to ids that decode composed; the parity check finds the request in them.
+/// Skipped when the file is absent (`TOKENONCE_QWEN3_TOKENIZER` names another).
+#[test]
+fn the_qwen3_tokenizer_composes_and_the_check_still_matches() {
+    let path = std::env::var_os("TOKENONCE_QWEN3_TOKENIZER").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+            .join(".cache/tokenonce-vllm-venv/models/tiny-qwen3/tokenizer.json")
+    });
+    if !path.is_file() {
+        eprintln!("skipped: no Qwen3 tokenizer at {}", path.display());
+        return;
+    }
+    let tk = Tokenizer::from_file(&path).unwrap();
+    let ours = tokenonce::parity::Tokenizer::load(&path).unwrap();
+    use tokenonce::parity::check::{check, expected_contents, Verdict};
+    for text in [
+        "Cafe\u{301} cre\u{300}me",
+        "Caf\u{e9} cr\u{e8}me",
+        "Cafe\u{301} cr\u{e8}me, Vi\u{1ec7}t",
+        "Vie\u{323}\u{302}t \u{1100}\u{1161}",
+    ] {
+        let rendered = format!("<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n");
+        let ids = tk.encode(rendered.as_str(), false).unwrap().get_ids().to_vec();
+        let decoded = ours.decode(&ids).unwrap();
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": text}]}).to_string();
+        let want = expected_contents(tokenonce::openai::Api::Chat, body.as_bytes()).unwrap();
+        assert_eq!(
+            check(&decoded, &want, ids.len(), Some(ids.len() as u64)),
+            Verdict::Match,
+            "{text:?} read {decoded:?}"
+        );
+    }
+    assert!(
+        ours.decode(tk.encode("Cafe\u{301}", false).unwrap().get_ids()).unwrap().contains('\u{e9}'),
+        "the tokenizer composes"
+    );
 }

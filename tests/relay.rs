@@ -109,6 +109,31 @@ async fn relayed_prefill_response_is_unchanged_for_the_orchestrator() {
     assert!(serde_json::from_str::<Value>(&via).unwrap()["prompt_token_ids"].is_array());
 }
 
+/// A prefill leg tokenonce forwards as is (streamed: it asks no ids) is timed as a prefill,
+/// not as a decode: `stage_duration{stage="decode_total"}` counts decode legs only.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_prefill_forwarded_as_is_is_no_decode_in_the_stage_timings() {
+    let prefill = FakeVllm::start(FakeConfig { connector: true, ..FakeConfig::default() }).await;
+    let decode = FakeVllm::start(FakeConfig::default()).await;
+    let proxy = TokenOnce::start(&relay_config(&prefill, &decode, "", "")).await;
+    let body = chat_body(
+        "p",
+        json!({"max_tokens": 1, "stream": true, "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}}),
+    );
+    let (status, _, _) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+    assert_eq!(status, 200);
+    assert_eq!(prefill.posts().len(), 1);
+    assert!(prefill.posts()[0].json().get("return_token_ids").is_none(), "forwarded as is");
+    assert_eq!(
+        proxy.metric(r#"tokenonce_stage_duration_seconds_count{route="relay",stage="decode_total"}"#).await,
+        0.0
+    );
+    assert_eq!(
+        proxy.metric(r#"tokenonce_requests_total{api="chat",mode="relay",outcome="success",route="relay"}"#).await,
+        1.0
+    );
+}
+
 /// Without a KV connector the prefill returns no kv params and the toy proxy copies none:
 /// the decode is found by X-Request-Id.
 #[tokio::test(flavor = "multi_thread")]

@@ -82,7 +82,7 @@ fn passthrough(addr: &str, paths: &str, extra: &str) -> String {
     )
 }
 
-const FAST: &str = "stream_idle_timeout_ms = 300\ndecode_first_byte_timeout_ms = 300\nclient_write_timeout_ms = 300\n";
+const FAST: &str = "stream_idle_timeout_ms = 300\ndecode_first_byte_timeout_ms = 300\ndecode_whole_answer_timeout_ms = 300\nclient_write_timeout_ms = 300\n";
 
 /// `data:` payloads of an SSE body.
 fn sse_data(text: &str) -> Vec<String> {
@@ -177,6 +177,75 @@ async fn rewritten_decode_stalled_mid_body_is_504() {
     assert_eq!(error["error"]["code"], "stream_idle_timeout", "{text}");
     assert_eq!(error["error"]["type"], "upstream_error");
     assert_eq!(proxy.metric_reaches(r#"tokenonce_timeouts_total{route="pd",stage="stream_idle"}"#, 1.0).await, 1.0);
+}
+
+/// A route whose streamed answers must start within 300 ms and whose non-streamed answers
+/// (their head comes when generation is done) must come within `answer_ms`.
+fn split_deadlines(answer_ms: u64) -> String {
+    format!("decode_first_byte_timeout_ms = 300\ndecode_whole_answer_timeout_ms = {answer_ms}\n")
+}
+
+/// Engines (each serving model `{route}-m`) answering after `delay`, behind the three ways a
+/// decode leg is sent with the client's `stream` kept: orchestrated (`pd`), relayed
+/// (`relay`), and a passthrough whose route needs the body (`pt`, a model glob).
+async fn decode_routes(delay: Duration, keys: &str) -> (Vec<FakeVllm>, TokenOnce) {
+    let fake = |model: &str, delay| FakeConfig { model: model.into(), delay, ..FakeConfig::default() };
+    let prefill = FakeVllm::start(fake("pd-m", Duration::ZERO)).await;
+    let mut config =
+        format!("[pools.prefill]\nendpoints = [\"{}\"]\n[defaults]\npassthrough_pool = \"pt\"\n", prefill.host_port());
+    let mut engines = vec![prefill];
+    for (route, mode) in [("pd", "orchestrate"), ("relay", "relay"), ("pt", "passthrough")] {
+        let engine = FakeVllm::start(fake(&format!("{route}-m"), delay)).await;
+        let prefill = if mode == "orchestrate" { "prefill = { pool = \"prefill\" }\n" } else { "" };
+        config = format!(
+            "[pools.{route}]\nendpoints = [\"{}\"]\n{config}\n[[routes]]\nname = \"{route}\"\nmode = \"{mode}\"\ndecode_pool = \"{route}\"\n{prefill}{keys}\n[routes.match]\npaths = [\"/v1/chat/completions\"]\nmodel = \"{route}-*\"\n",
+            engine.host_port()
+        );
+        engines.push(engine);
+    }
+    (engines, TokenOnce::start(&config).await)
+}
+
+/// Each route's chat request, streamed or not, as `(status, body)`.
+async fn chat_on(proxy: &TokenOnce, route: &str, stream: bool) -> (u16, String) {
+    let body = chat_body("hi", json!({"model": format!("{route}-m"), "stream": stream}));
+    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+    (status, text)
+}
+
+/// A non-streamed decode (orchestrated, relayed, passthrough) that answers after the
+/// first-byte deadline but within the whole-answer deadline is answered: vLLM sends such a
+/// head only when generation is done, so the first-byte deadline does not apply to it.
+#[tokio::test(flavor = "multi_thread")]
+async fn non_streamed_answer_past_the_first_byte_deadline_is_served() {
+    let (_engines, proxy) = decode_routes(Duration::from_millis(900), &split_deadlines(20_000)).await;
+    for route in ["pd", "relay", "pt"] {
+        let (status, text) = chat_on(&proxy, route, false).await;
+        assert_eq!(status, 200, "{route}: {text}");
+        assert!(text.contains("\"choices\""), "{route}: {text}");
+        let series = format!(r#"tokenonce_timeouts_total{{route="{route}",stage="first_byte"}}"#);
+        assert_eq!(proxy.metric(&series).await, 0.0, "{route}");
+    }
+}
+
+/// Past the whole-answer deadline a non-streamed decode is a 504 `decode_timeout` (counted at
+/// `first_byte`, the head that did not come); a streamed one is still bounded by the
+/// first-byte deadline, however long the whole-answer deadline.
+#[tokio::test(flavor = "multi_thread")]
+async fn whole_answer_and_first_byte_deadlines_each_bound_their_answers() {
+    let (_engines, whole) = decode_routes(Duration::from_secs(10), &split_deadlines(400)).await;
+    let (_slow, streamed) = decode_routes(Duration::from_secs(10), &split_deadlines(60_000)).await;
+    for route in ["pd", "relay", "pt"] {
+        for (proxy, stream) in [(&whole, false), (&streamed, true)] {
+            let started = Instant::now();
+            let (status, text) = chat_on(proxy, route, stream).await;
+            assert!(started.elapsed() < Duration::from_secs(5), "{route} stream={stream}: {:?}", started.elapsed());
+            assert_eq!(status, 504, "{route} stream={stream}: {text}");
+            assert!(text.contains("\"code\":\"decode_timeout\""), "{route}: {text}");
+            let series = format!(r#"tokenonce_timeouts_total{{route="{route}",stage="first_byte"}}"#);
+            assert_eq!(proxy.metric_reaches(&series, 1.0).await, 1.0, "{route} stream={stream}");
+        }
+    }
 }
 
 /// Passthrough through pingora's pipeline (a path no API handler takes): an engine with no
@@ -522,4 +591,58 @@ async fn over_long_sse_event_ends_the_stream_with_an_error_event() {
     assert_eq!(data[1], "[DONE]");
     let series = r#"tokenonce_upstream_errors_total{kind="too_large",stage="decode"}"#;
     assert_eq!(proxy.metric_reaches(series, 1.0).await, 1.0);
+}
+
+/// Black-holed endpoints (they accept and never answer) in a pool: one health round polls
+/// every endpoint at once, so each hung poll has its connection before the first one gives
+/// up at its 1 s probe timeout, and k of them delay a round by one timeout, not k. Asserted
+/// on the order of what the endpoints saw, not on a clock.
+#[tokio::test(flavor = "multi_thread")]
+async fn health_polls_of_hung_endpoints_run_at_once() {
+    const HOLES: usize = 4;
+    // What the black holes saw, in order: (which, true: a connection came, false: it closed).
+    let seen: Arc<std::sync::Mutex<Vec<(usize, bool)>>> = Arc::default();
+    let mut addrs = Vec::new();
+    for i in 0..HOLES {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        addrs.push(listener.local_addr().unwrap().to_string());
+        let seen = Arc::clone(&seen);
+        tokio::spawn(async move {
+            for _ in 0..64 {
+                let Ok((mut sock, _)) = listener.accept().await else { return };
+                seen.lock().unwrap().push((i, true));
+                let seen = Arc::clone(&seen);
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4096];
+                    let hold = tokio::time::timeout(Duration::from_secs(20), async {
+                        while sock.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+                    });
+                    let _ = hold.await;
+                    seen.lock().unwrap().push((i, false));
+                });
+            }
+        });
+    }
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let endpoints: Vec<String> = addrs.iter().map(|a| format!("\"{a}\"")).collect();
+    let config = format!(
+        "[pools.decode]\nendpoints = [\"{}\"]\n\n[pools.holes]\nendpoints = [{}]\n\n[[routes]]\nname = \"holes\"\nmode = \"passthrough\"\ndecode_pool = \"holes\"\n[routes.match]\npaths = [\"/v1/chat/completions\"]\nheaders = {{ \"x-tenant\" = \"holes\" }}\n",
+        d.host_port(),
+        endpoints.join(", ")
+    );
+    let _proxy = TokenOnce::start(&config).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while seen.lock().unwrap().iter().filter(|(_, came)| !came).count() < HOLES {
+        assert!(Instant::now() < deadline, "the polls never gave up: {:?}", seen.lock().unwrap());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let seen = seen.lock().unwrap().clone();
+    let first_round: Vec<(usize, bool)> = seen.iter().copied().take(HOLES).collect();
+    let mut came: Vec<usize> = first_round.iter().filter(|(_, c)| *c).map(|(i, _)| *i).collect();
+    came.sort_unstable();
+    assert_eq!(
+        came,
+        (0..HOLES).collect::<Vec<_>>(),
+        "every hung endpoint was polled before any poll gave up: {seen:?}"
+    );
 }

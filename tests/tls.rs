@@ -346,3 +346,153 @@ sampling_ratio = -0.5
         assert!(found, "no `{key}` problem at line {line} mentioning {words:?} in:\n{err}");
     }
 }
+
+/// `[pools.NAME]` with one endpoint `addr` behind TLS trusting `ca` for `engine.test`.
+fn tls_pool(name: &str, addr: SocketAddr, ca: &Path) -> String {
+    format!("[pools.{name}]\nendpoints = [\"{addr}\"]\n[pools.{name}.tls]\n{}\n", ca_line(ca, "engine.test"))
+}
+
+/// The sum of every sample of `family` (all label sets).
+async fn family_sum(proxy: &TokenOnce, family: &str) -> f64 {
+    let text = proxy.metrics().await;
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{family}{{")))
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+        .sum()
+}
+
+/// A passthrough chat to `proxy`, with `x-tenant: tenant` when given.
+async fn tenant_chat(proxy: &TokenOnce, tenant: Option<&str>) -> (u16, String) {
+    let headers: Vec<(&str, &str)> = tenant.map(|t| ("x-tenant", t)).into_iter().collect();
+    let (status, _, text) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("trust", json!({})), &headers).await;
+    (status, text)
+}
+
+/// Asserts a passthrough answer is the typed 502 of an untrusted engine certificate.
+fn assert_untrusted(status: u16, text: &str, front: &TlsFront) {
+    assert_eq!(status, 502, "{text}");
+    let body: Value = serde_json::from_str(text).unwrap();
+    assert_eq!(body["error"]["code"], "decode_unavailable", "{text}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("engine certificate not trusted"), "{text}");
+    assert!(!text.contains("127.0.0.1") && !text.contains(&front.addr.port().to_string()), "{text}");
+}
+
+const TLS_ERRORS: &str = r#"tokenonce_upstream_errors_total{kind="tls",stage="passthrough"}"#;
+
+/// Two pools name one engine address: `decode` trusts the engine's CA, `stranger` another.
+/// After `decode` used the engine (its requests and health polls leave idle connections), a
+/// request on `stranger` is still refused (the idle connections were verified under another
+/// CA and are never handed to it), counted `tls`, and `stranger`'s health polls see it
+/// unhealthy.
+#[tokio::test(flavor = "multi_thread")]
+async fn pools_on_one_engine_with_other_cas_never_share_connections() {
+    let (pki, other) = (Pki::new("cluster"), Pki::new("other"));
+    let id = pki.issue("engine", &["engine.test"]);
+    let engine = FakeVllm::start(FakeConfig::default()).await;
+    let front = TlsFront::start(engine.addr, &id, None).await;
+    let config = format!(
+        "{}{}\n[[routes]]\nname = \"b\"\nmode = \"passthrough\"\ndecode_pool = \"stranger\"\n[routes.match]\npaths = [\"/v1/chat/completions\"]\nheaders = {{ \"x-tenant\" = \"b\" }}\n",
+        tls_pool("decode", front.addr, &pki.ca_file()),
+        tls_pool("stranger", front.addr, &other.ca_file())
+    );
+    let proxy = TokenOnce::start(&config).await;
+    let healthy = |pool: &str| format!(r#"tokenonce_upstream_healthy{{endpoint="{}",pool="{pool}"}}"#, front.addr);
+    assert_eq!(proxy.metric_reaches(&healthy("decode"), 1.0).await, 1.0);
+    for _ in 0..2 {
+        let (status, text) = tenant_chat(&proxy, None).await;
+        assert_eq!(status, 200, "the trusting pool is served: {text}");
+    }
+    let served = engine.posts().len();
+    let (status, text) = tenant_chat(&proxy, Some("b")).await;
+    assert_untrusted(status, &text, &front);
+    assert_eq!(engine.posts().len(), served, "nothing reached the engine from the other pool");
+    assert_eq!(proxy.metric(TLS_ERRORS).await, 1.0);
+    assert_eq!(family_sum(&proxy, "tokenonce_upstream_retries_total").await, 0.0, "never re-sent");
+
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    // The polls of `decode` keep leaving idle connections to the same address.
+    while front.refused() < 3 {
+        assert!(std::time::Instant::now() < deadline, "the stranger pool's polls never made their own handshakes");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(proxy.metric(&healthy("decode")).await, 1.0);
+    assert_eq!(proxy.metric(&healthy("stranger")).await, 0.0, "the other pool's polls do not trust the engine");
+}
+
+/// A reload (SIGHUP's code path) that changes a pool's `ca_file` to a CA that did not sign
+/// the engine's certificate: the next request is refused, not sent on a connection verified
+/// under the old CA; changing it back serves again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reload_that_changes_the_ca_never_reuses_old_connections() {
+    let (pki, other) = (Pki::new("cluster"), Pki::new("other"));
+    let id = pki.issue("engine", &["engine.test"]);
+    let engine = FakeVllm::start(FakeConfig::default()).await;
+    let front = TlsFront::start(engine.addr, &id, None).await;
+    let trusting = tls_pool("decode", front.addr, &pki.ca_file());
+    let proxy = TokenOnce::start(&trusting).await;
+    proxy.wait_ready(200).await;
+    let (status, text) = tenant_chat(&proxy, None).await;
+    assert_eq!(status, 200, "{text}");
+
+    proxy.reconfigure(&tls_pool("decode", front.addr, &other.ca_file()));
+    assert_eq!(proxy.metric(r#"tokenonce_config_reloads_total{result="success"}"#).await, 1.0);
+    let served = engine.posts().len();
+    let (status, text) = tenant_chat(&proxy, None).await;
+    assert_untrusted(status, &text, &front);
+    assert_eq!(engine.posts().len(), served, "the old connection was not used");
+    assert_eq!(proxy.metric(TLS_ERRORS).await, 1.0);
+
+    proxy.reconfigure(&trusting);
+    assert_eq!(proxy.metric(r#"tokenonce_config_reloads_total{result="success"}"#).await, 2.0);
+    let (status, text) = tenant_chat(&proxy, None).await;
+    assert_eq!(status, 200, "{text}");
+}
+
+/// An engine requiring a client certificate that the pool does not send, under TLS 1.2 (the
+/// engine refuses inside the handshake) and TLS 1.3 (the client's handshake is done; the
+/// refusal is an alert on the first read): each request is a 502 counted `kind="tls"`,
+/// never re-sent, and nothing reaches the engine.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_mtls_refusal_is_tls_and_never_resent_under_tls_1_2_and_1_3() {
+    use pingora::tls::ssl::SslVersion;
+    let pki = Pki::new("cluster");
+    let id = pki.issue("engine", &["engine.test"]);
+    for version in [SslVersion::TLS1_2, SslVersion::TLS1_3] {
+        let engine = FakeVllm::start(FakeConfig::default()).await;
+        let front = TlsFront::start_on(engine.addr, &id, Some(&pki.ca_file()), Some(version)).await;
+        let proxy = TokenOnce::start(&tls_pool("decode", front.addr, &pki.ca_file())).await;
+        // The harness's start-up probe went there too.
+        let before = (proxy.metric(TLS_ERRORS).await, front.refused());
+        for _ in 0..3 {
+            let (status, text) = tenant_chat(&proxy, None).await;
+            assert_eq!(status, 502, "{version:?}: {text}");
+            let body: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(body["error"]["code"], "decode_unavailable", "{version:?}: {text}");
+            assert!(!text.contains("127.0.0.1"), "{text}");
+        }
+        assert_eq!(proxy.metric(TLS_ERRORS).await - before.0, 3.0, "{version:?}: {}", proxy.metrics().await);
+        assert_eq!(proxy.metric(r#"tokenonce_upstream_errors_total{kind="io",stage="passthrough"}"#).await, 0.0);
+        assert_eq!(family_sum(&proxy, "tokenonce_upstream_retries_total").await, 0.0, "{version:?}: never re-sent");
+        assert!(engine.posts().is_empty(), "{version:?}");
+        assert!(front.refused() - before.1 >= 3, "{version:?}: the engine refused each handshake");
+        drop(proxy);
+
+        // Orchestrated legs go through tokenonce's own client: the same.
+        let config = format!(
+            "{}{}\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n[routes.match]\npaths = [\"/v1/chat/completions\"]\n",
+            tls_pool("prefill", front.addr, &pki.ca_file()),
+            tls_pool("decode", front.addr, &pki.ca_file())
+        );
+        let proxy = TokenOnce::start(&config).await;
+        for _ in 0..3 {
+            let (status, text) = tenant_chat(&proxy, None).await;
+            assert_eq!(status, 502, "{version:?}: {text}");
+            assert!(text.contains("prefill_unavailable") && !text.contains("127.0.0.1"), "{version:?}: {text}");
+        }
+        let prefill_tls = r#"tokenonce_upstream_errors_total{kind="tls",stage="prefill"}"#;
+        assert_eq!(proxy.metric(prefill_tls).await, 3.0, "{version:?}: {}", proxy.metrics().await);
+        assert_eq!(family_sum(&proxy, "tokenonce_upstream_retries_total").await, 0.0, "{version:?}: never re-sent");
+        assert!(engine.posts().is_empty(), "{version:?}");
+    }
+}

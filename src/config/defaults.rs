@@ -42,6 +42,15 @@ pub const TOKEN_REUSE: bool = true;
 pub const PREFILL_TIMEOUT_MS: u64 = 30_000;
 /// Decode response header, ms: a queued decode may wait behind long prefills.
 pub const DECODE_FIRST_BYTE_TIMEOUT_MS: u64 = 60_000;
+/// A non-streamed answer, ms: vLLM sends its head only when generation is done, and a
+/// reasoning model's or an evaluation job's long output (tens of thousands of tokens at
+/// tens per second, slower under load) takes many minutes; 30 min covers those and still
+/// ends a decode that never answers.
+pub const DECODE_WHOLE_ANSWER_TIMEOUT_MS: u64 = 1_800_000;
+/// Client requests served at once, per client listener service (plain and TLS together):
+/// with README's worst case of ~224 MiB per request the bound is far past any memory, but a
+/// typical request holds about 1 MB, and past a thousand in flight the engines queue anyway.
+pub const MAX_IN_FLIGHT: u64 = 1024;
 /// Silence allowed between two body chunks (SSE events) of an engine answer being relayed,
 /// ms: vLLM streams a token every few tens of ms and a preempted or recomputing decode resumes
 /// within seconds; a minute of nothing is a stuck engine.

@@ -134,6 +134,9 @@ pub struct Server {
     /// Deadline for a whole request body, ms
     /// ([`BODY_READ_TIMEOUT_MS`](super::defaults::BODY_READ_TIMEOUT_MS)).
     pub body_read_timeout_ms: Option<Field<i64>>,
+    /// Client requests served at once; past it `overloaded` (zero: no bound)
+    /// ([`MAX_IN_FLIGHT`](super::defaults::MAX_IN_FLIGHT)).
+    pub max_in_flight: Option<Field<i64>>,
     /// A second client listener that speaks TLS (none: plain HTTP only).
     pub tls: Option<Spanned<ServerTls>>,
     /// Unknown keys.
@@ -248,6 +251,9 @@ pub struct Route {
     /// Decode response-header deadline, ms
     /// ([`DECODE_FIRST_BYTE_TIMEOUT_MS`](super::defaults::DECODE_FIRST_BYTE_TIMEOUT_MS)).
     pub decode_first_byte_timeout_ms: Option<Field<i64>>,
+    /// A non-streamed answer's deadline (vLLM sends its head when generation is done), ms
+    /// ([`DECODE_WHOLE_ANSWER_TIMEOUT_MS`](super::defaults::DECODE_WHOLE_ANSWER_TIMEOUT_MS)).
+    pub decode_whole_answer_timeout_ms: Option<Field<i64>>,
     /// Silence allowed between body chunks or SSE events of a relayed answer, ms
     /// ([`STREAM_IDLE_TIMEOUT_MS`](super::defaults::STREAM_IDLE_TIMEOUT_MS)).
     pub stream_idle_timeout_ms: Option<Field<i64>>,

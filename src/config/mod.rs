@@ -297,6 +297,7 @@ pathz = ["/x"]
                 max_header_count,
                 max_header_bytes,
                 body_read_timeout_ms,
+                max_in_flight,
                 tls,
             }
         ));
@@ -313,7 +314,7 @@ pathz = ["/x"]
         all.extend(keys!("defaults.", Defaults { passthrough_pool }));
         let route = keys!("routes.", Route {
             name, matcher as "match", mode, relay_handoff, prefill, decode_pool, token_reuse, prefill_timeout_ms,
-            decode_first_byte_timeout_ms, max_body_bytes, client_kv_transfer_params, retry_budget_percent,
+            decode_first_byte_timeout_ms, decode_whole_answer_timeout_ms, max_body_bytes, client_kv_transfer_params, retry_budget_percent,
             retry_budget_min_per_second, prefill_attempts, on_prefill_failure, stream_idle_timeout_ms,
             client_write_timeout_ms, on_client_gone, release_timeout_ms, max_sse_event_bytes, parity_sample,
             on_parity_mismatch, parity_cooldown_ms,
@@ -384,6 +385,7 @@ pathz = ["/x"]
             ("server.max_header_count", defaults::MAX_HEADER_COUNT.to_string()),
             ("server.max_header_bytes", defaults::MAX_HEADER_BYTES.to_string()),
             ("server.body_read_timeout_ms", defaults::BODY_READ_TIMEOUT_MS.to_string()),
+            ("server.max_in_flight", defaults::MAX_IN_FLIGHT.to_string()),
             ("upstream.connect_timeout_ms", defaults::CONNECT_TIMEOUT_MS.to_string()),
             ("upstream.idle_timeout_ms", defaults::IDLE_TIMEOUT_MS.to_string()),
             ("upstream.health_interval_ms", defaults::HEALTH_INTERVAL_MS.to_string()),
@@ -395,6 +397,7 @@ pathz = ["/x"]
             ("routes.token_reuse", defaults::TOKEN_REUSE.to_string()),
             ("routes.prefill_timeout_ms", defaults::PREFILL_TIMEOUT_MS.to_string()),
             ("routes.decode_first_byte_timeout_ms", defaults::DECODE_FIRST_BYTE_TIMEOUT_MS.to_string()),
+            ("routes.decode_whole_answer_timeout_ms", defaults::DECODE_WHOLE_ANSWER_TIMEOUT_MS.to_string()),
             ("routes.max_body_bytes", defaults::MAX_BODY_BYTES.to_string()),
             ("routes.client_kv_transfer_params", code(defaults::CLIENT_KV_TRANSFER_PARAMS.name())),
             ("routes.retry_budget_percent", defaults::RETRY_BUDGET_PERCENT.to_string()),

@@ -482,6 +482,7 @@ pub struct RouteOptions {
     token_reuse: ReuseShare,
     prefill_timeout: Duration,
     decode_first_byte_timeout: Duration,
+    decode_whole_answer_timeout: Duration,
     max_body_bytes: usize,
     relay_handoff: RelayHandoff,
     client_handoff: ClientHandoff,
@@ -513,6 +514,11 @@ impl RouteOptions {
     /// Decode response-header deadline (positive).
     pub fn decode_first_byte_timeout(&self) -> Duration {
         self.decode_first_byte_timeout
+    }
+
+    /// A non-streamed answer's deadline (positive).
+    pub fn decode_whole_answer_timeout(&self) -> Duration {
+        self.decode_whole_answer_timeout
     }
 
     /// Largest accepted body (positive).
@@ -683,6 +689,7 @@ pub struct ServerSettings {
     max_header_count: usize,
     max_header_bytes: usize,
     body_read_timeout: Duration,
+    max_in_flight: usize,
     tls: Option<ServerTls>,
 }
 
@@ -782,6 +789,11 @@ impl ServerSettings {
     /// Deadline for a whole request body to arrive.
     pub fn body_read_timeout(&self) -> Duration {
         self.body_read_timeout
+    }
+
+    /// Client requests served at once (0: no bound).
+    pub fn max_in_flight(&self) -> usize {
+        self.max_in_flight
     }
 
     /// Log format.

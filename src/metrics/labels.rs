@@ -49,6 +49,16 @@ label_enum! {
 }
 
 label_enum! {
+    /// Which client listener a request came in on (`admission_rejected_total{listener}`).
+    Listener {
+        /// The plain HTTP listener (`server.listen`).
+        Plain => "plain",
+        /// The TLS listener (`server.tls.listen`).
+        Tls => "tls",
+    }
+}
+
+label_enum! {
     /// Which leg an upstream error or retry happened on (`upstream_errors_total{stage}`).
     Leg {
         /// The prefill leg.
@@ -89,7 +99,8 @@ label_enum! {
         Connect => "connect",
         /// The whole prefill leg (`prefill_timeout_ms`).
         Prefill => "prefill",
-        /// An engine's response header (`decode_first_byte_timeout_ms`).
+        /// An engine's response header (`decode_first_byte_timeout_ms`; a non-streamed answer:
+        /// `decode_whole_answer_timeout_ms`).
         FirstByte => "first_byte",
         /// Silence between body chunks of an answer being relayed (`stream_idle_timeout_ms`).
         StreamIdle => "stream_idle",

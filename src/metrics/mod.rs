@@ -16,7 +16,7 @@ mod series;
 
 use labels::{api_label, API_LABELS};
 pub use labels::{
-    served_as, CacheLookup, ErrorKind, Eviction, FallbackReason, Leg, Outcome, ParityResult, Release, Reload,
+    served_as, CacheLookup, ErrorKind, Eviction, FallbackReason, Leg, Listener, Outcome, ParityResult, Release, Reload,
     SpanExport, Stage, TimeoutStage,
 };
 pub use series::{ParityMetrics, RouteMetrics};
@@ -68,6 +68,10 @@ struct Requests {
     kv_releases: IntCounterVec,
     /// Requests being served now.
     inflight: IntGauge,
+    /// Requests refused at admission (`server.max_in_flight` reached), by listener.
+    admission_rejected: IntCounterVec,
+    /// The bound on requests in flight (0: none).
+    admission_limit: IntGauge,
 }
 
 impl Requests {
@@ -110,6 +114,17 @@ impl Requests {
                 &["route", "result"],
             )?,
             inflight: gauge(registry, "tokenonce_inflight_requests", "Client requests being served now.")?,
+            admission_rejected: counter(
+                registry,
+                "tokenonce_admission_rejected_total",
+                "Client requests refused with 503 overloaded because server.max_in_flight were in flight, by listener.",
+                &["listener"],
+            )?,
+            admission_limit: gauge(
+                registry,
+                "tokenonce_admission_max_in_flight",
+                "The bound on client requests in flight (server.max_in_flight; 0: none).",
+            )?,
         })
     }
 }
@@ -198,7 +213,7 @@ impl Upstreams {
             upstream_ejected: gauge_vec(
                 registry,
                 "tokenonce_upstream_ejected",
-                "Endpoints of the pool ejected now (updated on ejection and every health interval).",
+                "Endpoints of the pool ejected now (read from the pool when scraped).",
                 &["pool"],
             )?,
             upstream_healthy: gauge_vec(
@@ -332,9 +347,20 @@ impl Metrics {
     /// # Errors
     /// When a name is registered twice in the same registry.
     pub fn register(registry: &Registry) -> prometheus::Result<Self> {
-        let build_info =
-            gauge_vec(registry, "tokenonce_build_info", "Always 1; labelled with the build.", &["version"])?;
-        build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        let build_info = gauge_vec(
+            registry,
+            "tokenonce_build_info",
+            "Always 1; labelled with the build (what tokenonce --version prints).",
+            &["version", "commit", "rustc", "profile"],
+        )?;
+        build_info
+            .with_label_values(&[
+                crate::build::VERSION,
+                crate::build::COMMIT,
+                crate::build::RUSTC,
+                crate::build::PROFILE,
+            ])
+            .set(1);
         let spans = trace_spans().as_ref().map_err(|e| prometheus::Error::Msg(e.to_string()))?;
         registered(registry, spans.clone())?;
         let metrics = Self {
@@ -352,6 +378,16 @@ impl Metrics {
     /// Client requests being served now.
     pub fn inflight(&self) -> &IntGauge {
         &self.requests.inflight
+    }
+
+    /// Counts a request refused at admission on `listener`.
+    pub fn admission_rejected(&self, listener: Listener) {
+        self.requests.admission_rejected.with_label_values(&[listener.as_str()]).inc();
+    }
+
+    /// The bound on requests in flight, as configured (0: none).
+    pub fn admission_limit(&self) -> &IntGauge {
+        &self.requests.admission_limit
     }
 
     /// 1 while every decode pool has a healthy endpoint (what `/readyz` reports).
@@ -375,6 +411,9 @@ impl Metrics {
         }
         for result in Reload::ALL {
             self.reloads.config_reloads.with_label_values(&[result.as_str()]);
+        }
+        for listener in Listener::ALL {
+            self.requests.admission_rejected.with_label_values(&[listener.as_str()]);
         }
     }
 
@@ -421,6 +460,7 @@ impl Metrics {
                 .map(|s| self.requests.stage_duration.with_label_values(&[route, s.as_str()]))
                 .collect(),
             reuse_applied: reuse("applied", "none"),
+            reuse_decode_failed: reuse("decode_failed", "none"),
             reuse_fallback: FallbackReason::ALL.iter().map(|r| reuse("fallback", r.as_str())).collect(),
             reused_prompt_tokens: if counts_reuse {
                 self.reuse.reused_prompt_tokens.with_label_values(&[route])
@@ -470,10 +510,31 @@ impl Metrics {
         self.upstreams.upstream_ejected.with_label_values(&[pool]);
     }
 
-    /// Counts one endpoint of `pool` ejected.
+    /// Counts one endpoint of `pool` ejected (the `upstream_ejected` gauge is set from the
+    /// pool's state when scraped: an ejection also ends by itself).
     pub fn upstream_ejection(&self, pool: &str) {
         self.upstreams.upstream_ejections.with_label_values(&[pool]).inc();
-        self.upstreams.upstream_ejected.with_label_values(&[pool]).inc();
+    }
+
+    /// Removes the gauges of what a reload took away, so no alert fires on a series that no
+    /// longer reports anything: an endpoint no longer in `pool`'s list.
+    pub fn forget_endpoint(&self, pool: &str, endpoint: &str) {
+        let _ = self.upstreams.upstream_healthy.remove_label_values(&[pool, endpoint]);
+    }
+
+    /// Removes a pool's gauges after a reload removed the pool.
+    pub fn forget_pool(&self, pool: &str) {
+        let _ = self.upstreams.upstream_ejected.remove_label_values(&[pool]);
+    }
+
+    /// Removes a route's model-identity gauge (the route is gone, or has no prefill pool now).
+    pub fn forget_models_differ(&self, route: &str) {
+        let _ = self.parity.models_differ.remove_label_values(&[route]);
+    }
+
+    /// Removes a route's parity-hold gauge (the route is gone, or is passthrough now).
+    pub fn forget_parity_hold(&self, route: &str) {
+        let _ = self.parity.parity_reuse_off.remove_label_values(&[route]);
     }
 
     /// Sets how many endpoints of `pool` are ejected now.
@@ -611,6 +672,8 @@ mod tests {
             "tokenonce_upstream_retries_total",
             "tokenonce_retry_budget_exhausted_total",
             "tokenonce_inflight_requests",
+            "tokenonce_admission_rejected_total",
+            "tokenonce_admission_max_in_flight",
             "tokenonce_cache_entries",
             "tokenonce_cache_bytes",
             "tokenonce_cache_lookups_total",

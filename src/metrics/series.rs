@@ -55,6 +55,7 @@ pub struct RouteMetrics {
     /// By [`Stage`].
     pub(super) stages: Vec<Histogram>,
     pub(super) reuse_applied: IntCounter,
+    pub(super) reuse_decode_failed: IntCounter,
     /// By [`FallbackReason`].
     pub(super) reuse_fallback: Vec<IntCounter>,
     pub(super) reused_prompt_tokens: IntCounter,
@@ -94,6 +95,12 @@ impl RouteMetrics {
         self.reuse_applied.inc();
         self.reused_prompt_tokens.inc_by(tokens as u64);
         self.relayed_id_bytes.inc_by(id_bytes as u64);
+    }
+
+    /// Counts a decode that was sent prompt ids and failed before answering 2xx (no head, a
+    /// timeout, the client gone, or an error status): the ids were sent, not used.
+    pub fn reuse_decode_failed(&self) {
+        self.reuse_decode_failed.inc();
     }
 
     /// Counts a retry the budget refused.

@@ -1,8 +1,13 @@
-//! tokenonce's own errors in OpenAI's shape, `{"error":{"message","type","param","code"}}`,
-//! each with its HTTP status and a stable `code` string (README "Errors" lists them). Upstream errors are
-//! never re-wrapped here: an engine's own 4xx body is relayed unchanged.
+//! tokenonce's own errors, each with its HTTP status and a stable `code` string (README
+//! "Errors" lists them), written in the format of the API asked: OpenAI's
+//! `{"error":{"message","type","param","code"}}` (chat, completions, responses, any other
+//! path), Anthropic's `{"type":"error","error":{"type","message"}}` on `/v1/messages`; in a
+//! stream that already began, the API's own error event. Upstream errors are never re-wrapped
+//! here: an engine's own 4xx body is relayed unchanged.
 
 use serde::Serialize;
+
+use super::request::Api;
 
 /// An error tokenonce answers by itself.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -52,10 +57,17 @@ pub enum ApiError {
     /// The decode stream broke after the response had started.
     #[error("decode engine stream failed: {0}")]
     DecodeStreamFailed(String),
+    /// `server.max_in_flight` requests are being served: this one is refused before any leg.
+    #[error("tokenonce is serving its limit of {0} requests; retry shortly")]
+    Overloaded(usize),
     /// A bug or an unclassified failure inside tokenonce.
     #[error("internal error: {0}")]
     Internal(String),
 }
+
+/// Seconds a client refused as [`ApiError::Overloaded`] is told to wait (`Retry-After`): a
+/// request slot frees as soon as any answer ends, so a short pause is enough.
+pub const OVERLOADED_RETRY_AFTER_SECONDS: u64 = 1;
 
 #[derive(Serialize)]
 struct Envelope<'a> {
@@ -69,6 +81,32 @@ struct Body<'a> {
     kind: &'a str,
     param: Option<&'a str>,
     code: &'a str,
+}
+
+/// Anthropic's error envelope (what vLLM writes on `/v1/messages`).
+#[derive(Serialize)]
+struct AnthropicEnvelope<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    error: AnthropicBody<'a>,
+}
+
+#[derive(Serialize)]
+struct AnthropicBody<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    message: String,
+}
+
+/// The Responses API's stream error event (`ResponseErrorEvent` of the OpenAI SDK).
+#[derive(Serialize)]
+struct ResponsesErrorEvent<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    code: &'a str,
+    message: String,
+    param: Option<&'a str>,
+    sequence_number: u64,
 }
 
 impl ApiError {
@@ -86,6 +124,7 @@ impl ApiError {
             | Self::DecodeStreamFailed(_)
             | Self::StreamEventTooLarge(_) => 502,
             Self::PrefillTimeout(_) | Self::DecodeTimeout(_) | Self::StreamIdleTimeout(_) => 504,
+            Self::Overloaded(_) => 503,
             Self::Internal(_) => 500,
         }
     }
@@ -108,6 +147,7 @@ impl ApiError {
             Self::DecodeStreamFailed(_) => "decode_stream_failed",
             Self::StreamIdleTimeout(_) => "stream_idle_timeout",
             Self::StreamEventTooLarge(_) => "stream_event_too_large",
+            Self::Overloaded(_) => "overloaded",
             Self::Internal(_) => "internal_error",
         }
     }
@@ -118,8 +158,28 @@ impl ApiError {
             400 | 408 | 413 | 431 => "invalid_request_error",
             403 => "permission_error",
             500 => "internal_error",
+            503 => "server_error",
             _ => "upstream_error",
         }
+    }
+
+    /// Anthropic's `error.type` for this error (its SDK picks the exception by status).
+    pub fn anthropic_kind(&self) -> &'static str {
+        if matches!(self, Self::Overloaded(_)) {
+            return "overloaded_error";
+        }
+        match self.status() {
+            413 => "request_too_large",
+            400 | 408 | 431 => "invalid_request_error",
+            403 => "permission_error",
+            504 => "timeout_error",
+            _ => "api_error",
+        }
+    }
+
+    /// Seconds the client should wait before retrying (`Retry-After`), for errors that say so.
+    pub fn retry_after(&self) -> Option<u64> {
+        matches!(self, Self::Overloaded(_)).then_some(OVERLOADED_RETRY_AFTER_SECONDS)
     }
 
     fn param(&self) -> Option<&'static str> {
@@ -140,11 +200,47 @@ impl ApiError {
         serde_json::to_vec(&envelope).unwrap_or_else(|_| b"{\"error\":{}}".to_vec())
     }
 
-    /// The same error as one SSE event followed by `[DONE]`, for a stream that already began.
+    /// The JSON body in the format of `api` (OpenAI's for any but Messages, and for `None`).
+    pub fn body_for(&self, api: Option<Api>) -> Vec<u8> {
+        if api != Some(Api::Messages) {
+            return self.body();
+        }
+        let envelope = AnthropicEnvelope {
+            kind: "error",
+            error: AnthropicBody { kind: self.anthropic_kind(), message: self.to_string() },
+        };
+        serde_json::to_vec(&envelope).unwrap_or_else(|_| b"{\"type\":\"error\"}".to_vec())
+    }
+
+    /// The same error as one SSE event followed by `[DONE]`, for a chat or completions stream
+    /// that already began.
     pub fn sse_event(&self) -> Vec<u8> {
         let mut out = b"data: ".to_vec();
         out.extend_from_slice(&self.body());
         out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+        out
+    }
+
+    /// The error event ending a stream of `api` that already began: chat and completions as
+    /// [`Self::sse_event`]; Responses `event: error` with `{"type":"error","code","message",
+    /// "param","sequence_number"}` (`sequence_number` the stream's next); Messages
+    /// `event: error` with Anthropic's body. Neither of the last two has a `[DONE]`.
+    pub fn sse_event_for(&self, api: Option<Api>, sequence_number: u64) -> Vec<u8> {
+        let data = match api {
+            Some(Api::Responses) => serde_json::to_vec(&ResponsesErrorEvent {
+                kind: "error",
+                code: self.code(),
+                message: self.to_string(),
+                param: self.param(),
+                sequence_number,
+            })
+            .unwrap_or_default(),
+            Some(Api::Messages) => self.body_for(api),
+            Some(Api::Chat | Api::Completions) | None => return self.sse_event(),
+        };
+        let mut out = b"event: error\ndata: ".to_vec();
+        out.extend_from_slice(&data);
+        out.extend_from_slice(b"\n\n");
         out
     }
 
@@ -160,7 +256,7 @@ mod tests {
 
     #[test]
     fn code_and_status_table() {
-        let table: [(ApiError, u16, &str); 16] = [
+        let table: [(ApiError, u16, &str); 17] = [
             (ApiError::StreamIdleTimeout(5), 504, "stream_idle_timeout"),
             (ApiError::StreamEventTooLarge(5), 502, "stream_event_too_large"),
             (ApiError::UntrustedPrefillerHeader, 403, "prefiller_header_untrusted"),
@@ -176,6 +272,7 @@ mod tests {
             (ApiError::DecodeUnavailable("x".into()), 502, "decode_unavailable"),
             (ApiError::DecodeTimeout(5), 504, "decode_timeout"),
             (ApiError::DecodeStreamFailed("x".into()), 502, "decode_stream_failed"),
+            (ApiError::Overloaded(4), 503, "overloaded"),
             (ApiError::Internal("x".into()), 500, "internal_error"),
         ];
         for (err, status, code) in table {
@@ -188,6 +285,52 @@ mod tests {
             assert!(e["type"].is_string());
             assert!(e.as_object().unwrap().contains_key("param"));
         }
+    }
+
+    #[test]
+    fn messages_and_responses_errors_take_their_own_format() {
+        let err = ApiError::invalid("bad field", Some("max_tokens"));
+        let body: serde_json::Value = serde_json::from_slice(&err.body_for(Some(Api::Messages))).unwrap();
+        assert_eq!(
+            body,
+            serde_json::json!({"type": "error", "error": {"type": "invalid_request_error", "message": "invalid request: bad field"}})
+        );
+        assert_eq!(err.body_for(Some(Api::Responses)), err.body(), "Responses errors are OpenAI's");
+        assert_eq!(err.body_for(None), err.body());
+        let kinds = [
+            (ApiError::BodyTooLarge { limit: 1 }, "request_too_large"),
+            (ApiError::PrefillerNotAllowed("x".into()), "permission_error"),
+            (ApiError::DecodeTimeout(5), "timeout_error"),
+            (ApiError::DecodeUnavailable("x".into()), "api_error"),
+            (ApiError::Internal("x".into()), "api_error"),
+            (ApiError::Overloaded(4), "overloaded_error"),
+        ];
+        for (err, kind) in kinds {
+            assert_eq!(err.anthropic_kind(), kind, "{err}");
+        }
+
+        let broke = ApiError::DecodeStreamFailed("connection reset".into());
+        let events = crate::sse::SseDecoder::new().feed(&broke.sse_event_for(Some(Api::Responses), 7));
+        assert_eq!(events.len(), 1);
+        assert_eq!(events[0].other_lines().collect::<Vec<_>>(), vec![&b"event: error"[..]]);
+        let data: serde_json::Value = serde_json::from_slice(&events[0].data().unwrap()).unwrap();
+        assert_eq!(
+            data,
+            serde_json::json!({"type": "error", "code": "decode_stream_failed", "message": "decode engine stream failed: connection reset", "param": null, "sequence_number": 7})
+        );
+        let text = String::from_utf8(broke.sse_event_for(Some(Api::Messages), 7)).unwrap();
+        assert_eq!(
+            text,
+            "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"api_error\",\"message\":\"decode engine stream failed: connection reset\"}}\n\n"
+        );
+        assert_eq!(broke.sse_event_for(Some(Api::Chat), 7), broke.sse_event());
+        assert_eq!(broke.sse_event_for(Some(Api::Completions), 7), broke.sse_event());
+    }
+
+    #[test]
+    fn only_overloaded_asks_for_a_retry_after() {
+        assert_eq!(ApiError::Overloaded(4).retry_after(), Some(OVERLOADED_RETRY_AFTER_SECONDS));
+        assert_eq!(ApiError::DecodeTimeout(5).retry_after(), None);
     }
 
     #[test]

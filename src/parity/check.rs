@@ -2,10 +2,13 @@
 //! contents, in order? Only what chat templates are known to keep is compared: each text
 //! content with all whitespace removed (templates trim and re-space), an assistant turn only
 //! after its last `</think>` (Qwen3 drops earlier turns' reasoning); tool definitions,
-//! tool-call arguments and names are not compared (templates re-serialize them).
+//! tool-call arguments and names are not compared (templates re-serialize them). Both sides
+//! are compared in one Unicode normal form (NFKC): a tokenizer's normalizer may compose
+//! accents a request sent decomposed.
 
 use serde::Deserialize;
 use serde_json::Value;
+use unicode_normalization::UnicodeNormalization;
 
 use crate::openai::Api;
 
@@ -103,9 +106,15 @@ fn after_reasoning(text: &str) -> &str {
     text.rsplit_once("</think>").map_or(text, |(_, after)| after)
 }
 
-/// `text` without any whitespace.
+/// `text` in Unicode compatibility composition (NFKC), without any whitespace.
+///
+/// A tokenizer's normalizer rewrites the text before it becomes ids (Qwen3's composes it,
+/// NFC), so honest ids can decode to `Café` for a request that reads `Cafe\u{301}`. Both
+/// sides are compared in NFKC, which is the same text whichever Unicode form (or none) the
+/// pool's tokenizer applies; the tokenizer's own normalizer is not used, since some also
+/// rewrite spaces (SentencePiece's `▁`) that its decoder turns back.
 fn squeeze(text: &str) -> String {
-    text.chars().filter(|c| !c.is_whitespace()).collect()
+    text.nfkc().filter(|c| !c.is_whitespace()).collect()
 }
 
 /// Checks `decoded` (the ids' text) against `expected` (from [`expected_contents`]) and the
@@ -196,6 +205,25 @@ mod tests {
         let Verdict::Mismatch(m) = check("x", &["x".to_owned()], 3, Some(4)) else { panic!("count") };
         assert_eq!((m.content, m.expected.as_str(), m.found.as_str()), (None, "4 prompt tokens", "3 ids"));
         assert_eq!(check("x", &[], 1, Some(1)), Verdict::Skipped("no text content"));
+    }
+
+    #[test]
+    fn decomposed_composed_and_mixed_accents_compare_equal() {
+        // What Qwen3's NFC normalizer makes of a decomposed request: the ids read composed.
+        let decoded = "<|im_start|>user\nCaf\u{e9} cr\u{e8}me br\u{fb}l\u{e9}e<|im_end|>\n";
+        for text in [
+            "Cafe\u{301} cre\u{300}me bru\u{302}le\u{301}e",
+            "Caf\u{e9} cr\u{e8}me br\u{fb}l\u{e9}e",
+            "Cafe\u{301} cr\u{e8}me bru\u{302}l\u{e9}e",
+        ] {
+            let want = chat(&serde_json::json!([{"role": "user", "content": text}]).to_string());
+            assert_eq!(check(decoded, &want, 9, None), Verdict::Match, "{text:?}");
+        }
+        // Decoded text in another form (a tokenizer with no normalizer) matches too, and a
+        // different letter is still a mismatch.
+        let want = chat(r#"[{"role":"user","content":"Caf\u00e9"}]"#);
+        assert_eq!(check("Cafe\u{301}", &want, 1, None), Verdict::Match);
+        assert!(matches!(check("Cafe\u{300}", &want, 1, None), Verdict::Mismatch(_)));
     }
 
     #[test]

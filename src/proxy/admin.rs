@@ -51,7 +51,7 @@ impl ProxyHttp for Admin {
         let app = self.app.load_full();
         let (status, content_type, body): (u16, &str, Vec<u8>) = match session.req_header().uri.path() {
             "/metrics" => {
-                app.sweep_cache();
+                app.refresh_gauges();
                 (200, "text/plain; version=0.0.4", Metrics::render(&app.registry))
             }
             "/healthz" => (200, "text/plain", b"ok\n".to_vec()),

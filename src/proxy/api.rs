@@ -97,6 +97,8 @@ pub async fn handle(session: &mut Session, ctx: &mut Ctx, api: Api) -> Result<()
         body: &body,
         drop_header: route.prefiller_header(),
         drop_credentials: false,
+        // Unknown (a body that is not a request): not streamed, as vLLM would answer it.
+        streamed: view.as_ref().and_then(|v| v.as_ref().ok()).is_some_and(|v| v.stream),
     };
 
     if route.mode == Mode::Passthrough {

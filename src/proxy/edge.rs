@@ -1,8 +1,11 @@
-//! Limits at the client edge, checked before any leg: how many header fields and bytes a
-//! request head may carry, and how long its body may take to arrive (a slowloris body).
+//! Limits at the client edge, checked before any leg: how many requests are served at once
+//! (admission), how many header fields and bytes a request head may carry, and how long its
+//! body may take to arrive (a slowloris body).
 //! pingora itself caps a head at 256 fields and 1 MiB and waits at most 60 s per read.
 //! And the one interim answer tokenonce writes itself: `100 Continue`.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::HeaderMap;
@@ -21,6 +24,8 @@ pub struct EdgeLimits {
     pub max_header_bytes: usize,
     /// The whole request body must arrive within this.
     pub body_read_timeout: Duration,
+    /// Most client requests served at once (0: no bound).
+    pub max_in_flight: usize,
 }
 
 impl EdgeLimits {
@@ -31,7 +36,41 @@ impl EdgeLimits {
             max_header_count: server.max_header_count(),
             max_header_bytes: server.max_header_bytes(),
             body_read_timeout: server.body_read_timeout(),
+            max_in_flight: server.max_in_flight(),
         }
+    }
+}
+
+/// The client requests being served, counted across config reloads (the bound itself is
+/// read from each request's config, so a reload changes it for the next request).
+#[derive(Debug, Default)]
+pub struct Admission {
+    in_flight: AtomicUsize,
+}
+
+/// One admitted request; its slot frees when this is dropped (with the request's context,
+/// whatever path it ended on).
+#[derive(Debug)]
+pub struct Admitted(Arc<Admission>);
+
+impl Admission {
+    /// A slot when fewer than `limit` requests are in flight (0: always), else `None`.
+    pub fn admit(self: &Arc<Self>, limit: usize) -> Option<Admitted> {
+        self.in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (limit == 0 || n < limit).then_some(n + 1))
+            .ok()
+            .map(|_| Admitted(Arc::clone(self)))
+    }
+
+    /// Requests admitted and not yet finished.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -88,9 +127,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn admission_refuses_past_the_limit_and_frees_a_slot_on_drop() {
+        let admission = Arc::new(Admission::default());
+        let first = admission.admit(2).unwrap();
+        let second = admission.admit(2).unwrap();
+        assert!(admission.admit(2).is_none(), "a third is refused");
+        assert_eq!(admission.in_flight(), 2);
+        drop(first);
+        let third = admission.admit(2).unwrap();
+        assert!(admission.admit(1).is_none(), "a lower limit (a reload) applies at once");
+        drop((second, third));
+        assert_eq!(admission.in_flight(), 0);
+        let unbounded: Vec<Admitted> = (0..5).filter_map(|_| admission.admit(0)).collect();
+        assert_eq!(unbounded.len(), 5, "0: no bound");
+    }
+
+    #[test]
     fn heads_over_either_limit_are_431() {
-        let limits =
-            EdgeLimits { max_header_count: 3, max_header_bytes: 40, body_read_timeout: Duration::from_secs(1) };
+        let limits = EdgeLimits {
+            max_header_count: 3,
+            max_header_bytes: 40,
+            body_read_timeout: Duration::from_secs(1),
+            max_in_flight: 0,
+        };
         let mut h = HeaderMap::new();
         h.insert("a", "1".parse().unwrap());
         h.insert("b", "2".parse().unwrap());

@@ -1,5 +1,5 @@
 //! The one error exit. Every handler returns `Result<(), ProxyError>`; [`fail`] is the only
-//! place that turns an error into the client's answer (status, OpenAI code, a message that
+//! place that turns an error into the client's answer (status, code, the API's format, a message that
 //! names no upstream address and carries no internal error chain), the log line (full detail
 //! with the request id) and the `upstream_errors_total` count.
 
@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use pingora::proxy::Session;
 
-use super::respond::write_full;
+use super::respond::write_full_with;
 use super::{Record, RequestInfo};
 use crate::metrics::{ErrorKind, Leg, Outcome, TimeoutStage};
 use crate::openai::response::HandoffError;
@@ -162,9 +162,9 @@ pub fn count(info: &RequestInfo, err: &ProxyError) {
     }
 }
 
-/// Ends a request that failed: counts it, logs the full detail, and answers the client
-/// (a JSON error before the response began; an SSE error event and `[DONE]` after the head
-/// of a stream went out; nothing when the client is gone; a cut connection when a non-SSE
+/// Ends a request that failed: counts it, logs the full detail, and answers the client in
+/// its API's format (a JSON error before the response began; the API's SSE error event after
+/// the head of a stream went out, see [`ApiError::sse_event_for`]; nothing when the client is gone; a cut connection when a non-SSE
 /// body was under way or the client stopped reading, see [`Ctx::cut`]).
 pub async fn fail(session: &mut Session, info: &RequestInfo, rec: &mut Record, err: ProxyError) {
     if let ProxyError::ClientGone = err {
@@ -182,7 +182,8 @@ pub async fn fail(session: &mut Session, info: &RequestInfo, rec: &mut Record, e
     rec.trace.error(api.code());
     if rec.streaming {
         tracing::warn!(request_id = %info.request_id, code = api.code(), error = %err, "decode stream broke");
-        let _ = session.write_response_body(Some(Bytes::from(api.sse_event())), true).await;
+        let event = api.sse_event_for(info.api, rec.next_sequence);
+        let _ = session.write_response_body(Some(Bytes::from(event)), true).await;
         rec.outcome = Some(Outcome::ServerError);
         return;
     }
@@ -195,7 +196,8 @@ pub async fn fail(session: &mut Session, info: &RequestInfo, rec: &mut Record, e
         rec.cut = true;
         return;
     }
-    write_full(session, info, rec, api.status(), Some("application/json"), Bytes::from(api.body())).await;
+    let head = (api.status(), Some("application/json"), api.retry_after());
+    write_full_with(session, info, rec, head, Bytes::from(api.body_for(info.api))).await;
 }
 
 #[cfg(test)]

@@ -47,6 +47,8 @@ pub struct Incoming<'a> {
     pub drop_header: Option<&'a str>,
     /// Leave the client's credentials out of this leg (a header-named prefiller).
     pub drop_credentials: bool,
+    /// The client asked for a streamed answer (`stream: true`); its decode keeps that.
+    pub streamed: bool,
 }
 
 impl Incoming<'_> {
@@ -87,6 +89,16 @@ pub async fn decode_version(app: &App, route: &Route, decode: &Endpoint) -> Deco
     match decode.version() {
         Some(v) => DecodeVersion::Known(v),
         None => learn_version(&app.client, decode).await.map_or(DecodeVersion::Unknown, DecodeVersion::Known),
+    }
+}
+
+/// How long a decode or passthrough leg may wait for its response head: a streamed answer's
+/// head comes before its first token (the route's first-byte timeout); a non-streamed one's
+/// only when generation is done (its whole-answer timeout).
+fn head_deadline(route: &Route, req: &Incoming<'_>) -> Duration {
+    match req.streamed {
+        true => route.decode_first_byte_timeout,
+        false => route.decode_whole_answer_timeout,
     }
 }
 
@@ -150,7 +162,10 @@ async fn send(
     let delivery = Delivery::default();
     let result = tokio::select! {
         r = within(first_byte_timeout, exchange(info, rec, &out, &delivery)) => {
-            r.unwrap_or_else(|after| Err(ProxyError::Timeout { leg, after }))
+            r.unwrap_or_else(|after| {
+                leg_client(info).timed_out(out.endpoint);
+                Err(ProxyError::Timeout { leg, after })
+            })
         }
         _ = client_gone(session) => Err(ProxyError::ClientGone),
     };
@@ -175,18 +190,19 @@ pub async fn prefill_leg(
     let route = &info.route;
     let started = Instant::now();
     rec.trace.leg_started(Leg::Prefill);
+    let deadline = tokio::time::Instant::now() + route.prefill_timeout;
     let answer = tokio::select! {
-        r = within(Some(route.prefill_timeout), prefill_attempts(info, rec, req, first, pool, body)) => r,
+        r = prefill_attempts(info, rec, req, first, pool, body, deadline) => r,
         _ = client_gone(session) => return Err(ProxyError::ClientGone),
     };
     rec.trace.leg_done(Leg::Prefill);
     rec.prefill_ms = Some(ms_since(started));
     route.metrics.stage(Stage::Prefill, started.elapsed());
     match answer {
-        Err(after) => Err(ProxyError::Timeout { leg: Leg::Prefill, after }),
-        Ok(PrefillTry::NoAnswer(e) | PrefillTry::Answered(Err(e))) => Err(e),
-        Ok(PrefillTry::Answered(Ok((None, _)))) => Err(HandoffError("no response header".into()).into()),
-        Ok(PrefillTry::Answered(Ok((Some(head), body)))) => Ok((head, body)),
+        PrefillTry::TimedOut => Err(ProxyError::Timeout { leg: Leg::Prefill, after: route.prefill_timeout }),
+        PrefillTry::NoAnswer(e) | PrefillTry::Answered(Err(e)) => Err(e),
+        PrefillTry::Answered(Ok((None, _))) => Err(HandoffError("no response header".into()).into()),
+        PrefillTry::Answered(Ok((Some(head), body))) => Ok((head, body)),
     }
 }
 
@@ -196,6 +212,8 @@ enum PrefillTry {
     NoAnswer(ProxyError),
     /// It answered: the head (if any) and the whole body, or a failure reading it.
     Answered(Result<(Option<ResponseHeader>, Bytes), ProxyError>),
+    /// The prefill's deadline passed during this attempt (counted against its endpoint).
+    TimedOut,
 }
 
 impl PrefillTry {
@@ -205,7 +223,7 @@ impl PrefillTry {
         match self {
             Self::NoAnswer(e) => matches!(e, ProxyError::Upstream { .. }),
             Self::Answered(Ok((Some(head), _))) => head.status.as_u16() >= 500,
-            Self::Answered(_) => false,
+            Self::Answered(_) | Self::TimedOut => false,
         }
     }
 }
@@ -221,10 +239,11 @@ async fn prefill_attempts(
     first: &Picked,
     pool: Option<&Pool>,
     body: Pieces,
+    deadline: tokio::time::Instant,
 ) -> PrefillTry {
     let attempts = pool.map_or(1, |p| info.route.prefill_attempts.min(p.endpoints.len()));
     let mut tried = vec![first.addr().to_owned()];
-    let mut result = prefill_once(info, rec, req, first, body.clone()).await;
+    let mut result = prefill_once(info, rec, req, first, body.clone(), deadline).await;
     for _ in 1..attempts {
         if !result.fails_over() {
             break;
@@ -238,13 +257,32 @@ async fn prefill_attempts(
         info.route.metrics.prefill_failover();
         tracing::info!(request_id = %info.request_id, route = %info.route.name, "prefill failed over to another endpoint");
         tried.push(next.addr().to_owned());
-        result = prefill_once(info, rec, req, &next, body.clone()).await;
+        result = prefill_once(info, rec, req, &next, body.clone(), deadline).await;
     }
     result
 }
 
-/// One prefill attempt on `endpoint`: send, then read the whole answer. A 5xx is counted here.
+/// One prefill attempt on `endpoint` before the prefill's `deadline`; one that passes it is
+/// a failure of the endpoint (for its ejection).
 async fn prefill_once(
+    info: &RequestInfo,
+    rec: &Record,
+    req: &Incoming<'_>,
+    endpoint: &Picked,
+    body: Pieces,
+    deadline: tokio::time::Instant,
+) -> PrefillTry {
+    match tokio::time::timeout_at(deadline, prefill_answer(info, rec, req, endpoint, body)).await {
+        Ok(result) => result,
+        Err(_) => {
+            leg_client(info).timed_out(endpoint);
+            PrefillTry::TimedOut
+        }
+    }
+}
+
+/// A prefill attempt's exchange: send, then read the whole answer. A 5xx is counted here.
+async fn prefill_answer(
     info: &RequestInfo,
     rec: &Record,
     req: &Incoming<'_>,
@@ -313,8 +351,8 @@ pub fn after_prefill(
     Ok(Prefilled::Step(plan.decode_alone()))
 }
 
-/// Sends the planned decode leg (response head within the route's first-byte timeout) and
-/// relays its answer.
+/// Sends the planned decode leg (response head within [`head_deadline`]) and relays its
+/// answer.
 ///
 /// # Errors
 /// [`ProxyError`] when the decode fails, times out, or the client leaves.
@@ -329,10 +367,11 @@ pub async fn decode(
     let route = &info.route;
     let started = Instant::now();
     rec.decode_sent_at = Some(started);
-    let timeout = Some(route.decode_first_byte_timeout);
+    let timeout = Some(head_deadline(route, req));
     rec.trace.leg_started(Leg::Decode);
     let out = Outgoing { req, leg: Leg::Decode, endpoint, body: step.body.clone() };
     let (sent, delivered) = send(session, info, rec, out, timeout).await;
+    settle_reuse(info, rec, sent.as_ref().ok().map(Exchange::status));
     let result = match sent {
         Ok(exchange) => {
             rec.trace.first_byte();
@@ -409,6 +448,7 @@ async fn release(info: &RequestInfo, rec: &Record, req: &Incoming<'_>, endpoint:
         Ok(Ok(false)) => (Release::Failed, "answered a non-2xx status".to_owned()),
         Ok(Err(e)) => (Release::Failed, e.to_string()),
         Err(_) => {
+            leg_client(info).timed_out(endpoint);
             route.metrics.timeout(TimeoutStage::Release);
             (Release::Timeout, format!("no answer within {} ms", route.release_timeout.as_millis()))
         }
@@ -419,8 +459,8 @@ async fn release(info: &RequestInfo, rec: &Record, req: &Incoming<'_>, endpoint:
 }
 
 /// Sends `body` to `endpoint` on `leg` and relays the answer unchanged (passthrough with a
-/// read body, decode-only, relay legs). The response head is awaited within the route's
-/// first-byte timeout (a relay prefill forwarded as is: its prefill timeout).
+/// read body, decode-only, relay legs). The response head is awaited within [`head_deadline`]
+/// (a relay prefill forwarded as is: its prefill timeout).
 ///
 /// # Errors
 /// [`ProxyError`] when the engine fails or the client leaves.
@@ -433,15 +473,19 @@ pub async fn forward(
     endpoint: Picked,
     body: Pieces,
 ) -> Result<(), ProxyError> {
-    rec.decode_sent_at = Some(Instant::now());
+    // The decode stage's duration is the decode's: a relayed prefill forwarded as is has none.
+    if leg == Leg::Decode {
+        rec.decode_sent_at = Some(Instant::now());
+    }
     // A relayed prefill answers as a whole; anything else is bounded to its response head.
     let first_byte = match leg {
         Leg::Prefill => info.route.prefill_timeout,
-        Leg::Decode | Leg::Passthrough => info.route.decode_first_byte_timeout,
+        Leg::Decode | Leg::Passthrough => head_deadline(&info.route, req),
     };
     rec.trace.leg_started(leg);
-    let exchange =
-        send(session, info, rec, Outgoing { req, leg, endpoint: &endpoint, body }, Some(first_byte)).await.0?;
+    let sent = send(session, info, rec, Outgoing { req, leg, endpoint: &endpoint, body }, Some(first_byte)).await.0;
+    settle_reuse(info, rec, sent.as_ref().ok().map(Exchange::status));
+    let exchange = sent?;
     rec.trace.first_byte();
     let relayed = relay(session, info, rec, exchange, None, leg).await;
     rec.trace.leg_done(leg);
@@ -468,18 +512,14 @@ pub fn watch_parity(
     });
 }
 
-/// Counts how the decode was sent and notes it for the access log.
+/// Counts how the decode was sent and notes it for the access log; a decode sent ids is
+/// counted when it answers ([`settle_reuse`]).
 pub fn record_reuse(info: &RequestInfo, rec: &mut Record, reuse: Reuse, refused: Option<&IdsError>) {
     if let Some(e) = refused {
         tracing::info!(request_id = %info.request_id, error = %e, "prompt ids refused");
     }
     match reuse {
-        Reuse::Applied { tokens, id_bytes } => {
-            info.route.metrics.reuse_applied(tokens, id_bytes);
-            rec.trace.attribute("tokenonce.reuse.result", "applied");
-            rec.trace.attribute("tokenonce.reuse.reason", "none");
-            rec.trace.attribute("tokenonce.reused_prompt_tokens", i64::try_from(tokens).unwrap_or(i64::MAX));
-        }
+        Reuse::Applied { tokens, id_bytes } => rec.reuse_pending = Some((tokens, id_bytes)),
         Reuse::Fallback(reason) => {
             rec.trace.attribute("tokenonce.reuse.result", "fallback");
             rec.trace.attribute("tokenonce.reuse.reason", reason.as_str());
@@ -489,4 +529,20 @@ pub fn record_reuse(info: &RequestInfo, rec: &mut Record, reuse: Reuse, refused:
         Reuse::NotCounted => {}
     }
     rec.reuse = reuse.log_value().or(rec.reuse);
+}
+
+/// Counts the reuse of a decode that was sent ids, now that its leg ended in `answered`
+/// (a 2xx head: `applied`; anything else: `decode_failed`, the ids sent but not used).
+fn settle_reuse(info: &RequestInfo, rec: &mut Record, answered: Option<u16>) {
+    let Some((tokens, id_bytes)) = rec.reuse_pending.take() else { return };
+    if answered.is_some_and(|status| (200..300).contains(&status)) {
+        info.route.metrics.reuse_applied(tokens, id_bytes);
+        rec.trace.attribute("tokenonce.reuse.result", "applied");
+        rec.trace.attribute("tokenonce.reused_prompt_tokens", i64::try_from(tokens).unwrap_or(i64::MAX));
+    } else {
+        info.route.metrics.reuse_decode_failed();
+        rec.trace.attribute("tokenonce.reuse.result", "decode_failed");
+        rec.reuse = Some("decode_failed");
+    }
+    rec.trace.attribute("tokenonce.reuse.reason", "none");
 }

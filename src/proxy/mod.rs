@@ -33,7 +33,7 @@ pub use admin::Admin;
 pub use error::ProxyError;
 
 use crate::config::Mode;
-use crate::metrics::{Leg, Outcome};
+use crate::metrics::{Leg, Listener, Outcome};
 use crate::openai::{Api, RawObject, RequestView};
 use crate::routes::{RequestFacts, Route};
 use crate::upstream::{Picked, UpstreamError};
@@ -77,14 +77,23 @@ pub struct Record {
     pub first_byte: Option<Duration>,
     /// True once an SSE response head went out: errors then end the stream instead.
     pub streaming: bool,
+    /// The `sequence_number` an error event ending a Responses stream takes.
+    pub next_sequence: u64,
     /// When the decode leg was sent.
     pub decode_sent_at: Option<Instant>,
     /// Token reuse result or fallback reason, for the access log.
     pub reuse: Option<&'static str>,
+    /// Ids sent to the decode (tokens, JSON bytes), counted `applied` only once the decode
+    /// answers 2xx and `decode_failed` otherwise (see `exec::settle_reuse`).
+    pub reuse_pending: Option<(usize, usize)>,
     /// Endpoint of a pipeline passthrough (held for in-flight counting).
     pub pass_endpoint: Option<Picked>,
+    /// Passthrough: pingora dialled a TLS connection for this request (none was reused).
+    pub pass_fresh_tls: bool,
     /// Whether `inflight_requests` was raised for this request.
     pub counted: bool,
+    /// This request's admission slot (freed when the context is dropped).
+    pub admitted: Option<edge::Admitted>,
     /// A body byte of the engine's answer reached tokenonce (a decode that streams has pulled
     /// the prefill's KV blocks).
     pub answer_started: bool,
@@ -126,6 +135,25 @@ impl ApiRequest<'_> {
     }
 }
 
+/// Admission: takes a slot for this request (counted in `inflight_requests`), or, with
+/// `server.max_in_flight` requests in flight, answers 503 `overloaded` with `Retry-After`
+/// before anything else is done (the body is not read, so the connection is closed after).
+async fn admit(session: &mut Session, ctx: &mut Ctx) -> bool {
+    let app = &ctx.info.app;
+    if let Some(slot) = app.admission.admit(app.edge.max_in_flight) {
+        ctx.rec.admitted = Some(slot);
+        ctx.rec.counted = true;
+        app.metrics.inflight().inc();
+        return true;
+    }
+    let tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
+    app.metrics.admission_rejected(if tls { Listener::Tls } else { Listener::Plain });
+    session.set_keepalive(None);
+    let limit = app.edge.max_in_flight;
+    error::fail(session, &ctx.info, &mut ctx.rec, crate::openai::ApiError::Overloaded(limit).into()).await;
+    false
+}
+
 /// The client-facing proxy.
 pub struct Proxy {
     /// The current state; replaced whole on reload.
@@ -154,20 +182,9 @@ impl ProxyHttp for Proxy {
 
     /// Routes the request; API calls that need their body are answered here (`Ok(true)`).
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
-        let app = &ctx.info.app;
         ctx.info.started = Instant::now();
-        ctx.rec.counted = true;
         ctx.info.client_ip = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
-        app.metrics.inflight().inc();
         session.as_downstream_mut().set_write_timeout(Some(ctx.info.route.client_write_timeout));
-        let header = session.req_header();
-        ctx.rec.trace =
-            crate::telemetry::RequestTrace::start(header.method.as_str(), header.uri.path(), &header.headers);
-        if let Err(e) = edge::check_head(&header.headers, &app.edge) {
-            session.set_keepalive(None);
-            error::fail(session, &ctx.info, &mut ctx.rec, e.into()).await;
-            return Ok(true);
-        }
         let header = session.req_header();
         ctx.info.request_id = header
             .headers
@@ -175,8 +192,21 @@ impl ProxyHttp for Proxy {
             .and_then(|v| v.to_str().ok())
             .filter(|v| !v.is_empty())
             .map_or_else(|| uuid::Uuid::new_v4().simple().to_string(), str::to_owned);
+        ctx.rec.trace =
+            crate::telemetry::RequestTrace::start(header.method.as_str(), header.uri.path(), &header.headers);
+        // Known before admission and the head check, so even those errors are in the API's format.
+        ctx.info.api = (header.method == http::Method::POST).then(|| Api::from_path(header.uri.path())).flatten();
+        if !admit(session, ctx).await {
+            return Ok(true);
+        }
+        let app = &ctx.info.app;
+        if let Err(e) = edge::check_head(&session.req_header().headers, &app.edge) {
+            session.set_keepalive(None);
+            error::fail(session, &ctx.info, &mut ctx.rec, e.into()).await;
+            return Ok(true);
+        }
+        let header = session.req_header();
         let path = header.uri.path();
-        ctx.info.api = (header.method == http::Method::POST).then(|| Api::from_path(path)).flatten();
         // A route is chosen here unless it may depend on the body's model.
         let known = match ctx.info.api {
             Some(_) if app.routes.needs_model(path) => None,
@@ -244,6 +274,22 @@ impl ProxyHttp for Proxy {
         Ok(Box::new(passthrough::bounded_peer(peer, &ctx.info.route)))
     }
 
+    /// Passthrough: notes whether the connection was dialled for this request (a TLS refusal
+    /// after the handshake shows as a reset on its first write).
+    async fn connected_to_upstream(
+        &self,
+        _session: &mut Session,
+        reused: bool,
+        peer: &HttpPeer,
+        #[cfg(unix)] _fd: std::os::unix::io::RawFd,
+        #[cfg(windows)] _sock: std::os::windows::io::RawSocket,
+        _digest: Option<&pingora::protocols::Digest>,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        ctx.rec.pass_fresh_tls = !reused && peer.is_tls();
+        Ok(())
+    }
+
     /// Passthrough: the request's own `traceparent` goes to the engine (when tracing is on).
     async fn upstream_request_filter(
         &self,
@@ -289,7 +335,7 @@ impl ProxyHttp for Proxy {
                 | ErrorType::InvalidCert
                 | ErrorType::HandshakeError => ProxyError::upstream(Leg::Passthrough, UpstreamError::connect(&addr, e)),
                 _ if matches!(e.esource(), ErrorSource::Upstream) => {
-                    ProxyError::upstream(Leg::Passthrough, UpstreamError::io(&addr, e))
+                    ProxyError::upstream(Leg::Passthrough, UpstreamError::passthrough(&addr, e, ctx.rec.pass_fresh_tls))
                 }
                 _ if matches!(e.esource(), ErrorSource::Downstream) => ProxyError::ClientGone,
                 _ => ProxyError::Internal(e.to_string()),

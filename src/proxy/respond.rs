@@ -32,11 +32,23 @@ pub async fn write_full(
     content_type: Option<&str>,
     body: Bytes,
 ) {
-    let Ok(mut head) = ResponseHeader::build(status, Some(4)) else {
+    write_full_with(session, info, rec, (status, content_type, None), body).await;
+}
+
+/// [`write_full`] with a status, a content type and a `Retry-After` (seconds), when given.
+pub async fn write_full_with(
+    session: &mut Session,
+    info: &RequestInfo,
+    rec: &mut Record,
+    (status, content_type, retry_after): (u16, Option<&str>, Option<u64>),
+    body: Bytes,
+) {
+    let Ok(mut head) = ResponseHeader::build(status, Some(5)) else {
         rec.outcome.get_or_insert(Outcome::ServerError);
         return;
     };
     let built = content_type.is_none_or(|ct| head.insert_header("content-type", ct).is_ok())
+        && retry_after.is_none_or(|s| head.insert_header("retry-after", s.to_string()).is_ok())
         && head.insert_header("x-request-id", info.request_id.as_str()).is_ok();
     if !built {
         rec.outcome.get_or_insert(Outcome::ServerError);
@@ -324,6 +336,7 @@ async fn relay_stream(
             return Ok(());
         };
         let out = framing.feed(&chunk);
+        rec.next_sequence = framing.next_sequence();
         rec.trace.usage(&out);
         if !out.is_empty() {
             write_body(session, info, Bytes::from(out), false).await?;

@@ -56,8 +56,10 @@ pub struct Route {
     pub client_handoff: ClientHandoff,
     /// Whole prefill leg deadline.
     pub prefill_timeout: Duration,
-    /// Decode response-header deadline.
+    /// Decode response-header deadline (of a streamed answer).
     pub decode_first_byte_timeout: Duration,
+    /// A non-streamed answer's deadline (its head comes when generation is done).
+    pub decode_whole_answer_timeout: Duration,
     /// Largest accepted body.
     pub max_body_bytes: usize,
     /// Pool prefill: endpoints tried (at least 1; at most the pool's size at run time).
@@ -244,6 +246,7 @@ impl Built<'_> {
             client_handoff: o.client_handoff(),
             prefill_timeout: o.prefill_timeout(),
             decode_first_byte_timeout: o.decode_first_byte_timeout(),
+            decode_whole_answer_timeout: o.decode_whole_answer_timeout(),
             max_body_bytes: o.max_body_bytes(),
             prefill_attempts: o.prefill_attempts(),
             on_prefill_failure: o.on_prefill_failure(),
@@ -281,6 +284,7 @@ impl Built<'_> {
             client_handoff: ClientHandoff::Strip,
             prefill_timeout: Duration::from_millis(defaults::PREFILL_TIMEOUT_MS),
             decode_first_byte_timeout: Duration::from_millis(defaults::DECODE_FIRST_BYTE_TIMEOUT_MS),
+            decode_whole_answer_timeout: Duration::from_millis(defaults::DECODE_WHOLE_ANSWER_TIMEOUT_MS),
             max_body_bytes: largest_body,
             prefill_attempts: 1,
             on_prefill_failure: crate::config::OnPrefillFailure::Error,
@@ -318,9 +322,13 @@ fn route_parity(
 ) -> Option<Arc<RouteParity>> {
     if spec.prefill_pool().is_some() {
         metrics.models_differ(spec.name(), state.models_differ());
+    } else {
+        metrics.forget_models_differ(spec.name());
     }
     if spec.mode() != Mode::Passthrough {
         metrics.parity(spec.name()).show_hold(state.parity_hold().is_held());
+    } else {
+        metrics.forget_parity_hold(spec.name());
     }
     let o = spec.options();
     tokenizer.map(|t| {

@@ -18,7 +18,7 @@ use pingora::upstreams::peer::{HttpPeer, Peer};
 use super::h1::{encode_head, Answer, Conn, WireError};
 use super::resolve::Resolver;
 use crate::metrics::ErrorKind;
-use crate::tls::UpstreamTls;
+use crate::tls::{TrustKey, UpstreamTls};
 
 /// Where a leg goes: `host:port`, and its pool's TLS (`None`: plain HTTP).
 #[derive(Debug, Clone, Copy)]
@@ -89,15 +89,73 @@ impl UpstreamError {
         }
     }
 
-    /// A send or read failure with `addr`.
+    /// A send or read failure with `addr`; a TLS alert or protocol error from the engine is
+    /// a TLS one.
     pub fn io(addr: &str, e: &pingora::Error) -> Self {
-        Self::Io { addr: addr.to_owned(), cause: cause_of(e), detail: e.to_string() }
+        let (addr, detail) = (addr.to_owned(), e.to_string());
+        match tls_alert(e) {
+            Some(cause) => Self::Tls { addr, cause, detail },
+            None => Self::Io { addr, cause: cause_of(e), detail },
+        }
     }
 
-    /// A failure on the wire with `addr` (writing, reading, or a malformed answer).
-    pub fn wire(addr: &str, e: &WireError) -> Self {
-        Self::Io { addr: addr.to_owned(), cause: e.cause(), detail: e.to_string() }
+    /// [`Self::io`] for pingora's own connection to `addr` (passthrough); `fresh_tls`: a TLS
+    /// connection dialled for this request, so a reset met by writing the request is the
+    /// engine's TLS refusal (as in [`UpstreamClient`]'s own sends).
+    pub fn passthrough(addr: &str, e: &pingora::Error, fresh_tls: bool) -> Self {
+        use std::io::ErrorKind as K;
+        let reset = e.root_cause().downcast_ref::<std::io::Error>().is_some_and(|io| {
+            matches!(io.kind(), K::ConnectionReset | K::BrokenPipe | K::ConnectionAborted | K::UnexpectedEof)
+        });
+        if fresh_tls && e.etype() == &pingora::ErrorType::WriteError && reset {
+            let detail = format!("the engine reset the connection right after the TLS handshake: {e}");
+            return Self::Tls { addr: addr.to_owned(), cause: "TLS handshake failed", detail };
+        }
+        Self::io(addr, e)
     }
+
+    /// A failure on the wire with `addr` (writing, reading, or a malformed answer); a TLS
+    /// alert or protocol error from the engine is a TLS one.
+    pub fn wire(addr: &str, e: &WireError) -> Self {
+        let detail = e.to_string();
+        match e.io().and_then(|io| tls_alert(io)) {
+            Some(cause) => Self::Tls { addr: addr.to_owned(), cause, detail },
+            None => Self::Io { addr: addr.to_owned(), cause: e.cause(), detail },
+        }
+    }
+
+    /// The engine's TLS refusal seen after the client's side of the handshake was done (TLS
+    /// 1.3 refuses a missing or unwanted client certificate that way): an alert on the first
+    /// read, or, when it also reset the connection already, the first write meeting that reset.
+    fn refused_after_handshake(addr: &str, e: &WireError) -> Self {
+        let detail = format!("the engine reset the connection right after the TLS handshake: {e}");
+        Self::Tls { addr: addr.to_owned(), cause: "TLS handshake failed", detail }
+    }
+}
+
+/// The client-safe words for an engine's TLS refusal found in `e` or its causes: a TLS alert
+/// or protocol error (not a plain reset or close, which says nothing about TLS).
+pub fn tls_alert(e: &(dyn std::error::Error + 'static)) -> Option<&'static str> {
+    use pingora::tls::ssl::{Error as SslError, ErrorCode};
+    let mut next = Some(e);
+    // Bounded: a cause chain is short, and a cycle would be a bug elsewhere.
+    for _ in 0..16 {
+        let err = next?;
+        if let Some(ssl) = err.downcast_ref::<SslError>() {
+            return (ssl.code() == ErrorCode::SSL).then_some("TLS handshake failed");
+        }
+        next = if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            io.get_ref().map(|inner| inner as &(dyn std::error::Error + 'static))
+        } else if let Some(pe) = err.downcast_ref::<pingora::Error>() {
+            pe.cause.as_deref().map(|inner| inner as &(dyn std::error::Error + 'static))
+        } else if let Some(pe) = err.downcast_ref::<pingora::BError>() {
+            // A pingora error as another's cause is boxed once more.
+            pe.cause.as_deref().map(|inner| inner as &(dyn std::error::Error + 'static))
+        } else {
+            err.source()
+        };
+    }
+    None
 }
 
 /// True for a failed TLS handshake (either side refused, or it timed out).
@@ -168,7 +226,7 @@ pub struct Exchange {
     conn: Conn,
     answer: Answer,
     /// The idle pool's key for the connection (its peer's address and TLS settings).
-    pool_key: u64,
+    pool_key: PoolKey,
     /// `host:port`, for errors.
     addr: String,
 }
@@ -198,12 +256,29 @@ impl Exchange {
     }
 }
 
+/// What an idle connection is kept under: pingora's reuse hash of its peer (address, scheme,
+/// SNI, client certificate serials, verify flags) and the pool's whole trust settings, which
+/// that hash leaves out (the CA bundle above all). A connection is handed out only to a leg
+/// or health poll whose settings are equal, so a pool that trusts another CA, or a reload
+/// that changed a pool's TLS, never gets a connection verified under other settings.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct PoolKey {
+    peer: u64,
+    trust: Option<TrustKey>,
+}
+
+impl PoolKey {
+    fn of(peer: &HttpPeer, to: Target<'_>) -> Self {
+        Self { peer: peer.reuse_hash(), trust: to.tls.map(|t| t.trust_key().clone()) }
+    }
+}
+
 /// Idle connections by peer, most recently used last. No task watches them: a connection
 /// is checked for a close or stray bytes when it is taken, and those idle past the pool's
 /// limit are dropped whenever the pool is used.
 #[derive(Default)]
 struct IdlePool {
-    by_peer: Mutex<HashMap<u64, VecDeque<Conn>>>,
+    by_peer: Mutex<HashMap<PoolKey, VecDeque<Conn>>>,
 }
 
 /// Most idle connections kept per peer (a burst of up to 512 concurrent legs to one engine
@@ -212,11 +287,11 @@ const MAX_IDLE_PER_PEER: usize = 512;
 
 impl IdlePool {
     /// The most recent live connection to `key`, if any (stale ones are closed).
-    fn take(&self, key: u64, idle_timeout: Duration) -> Option<Conn> {
+    fn take(&self, key: &PoolKey, idle_timeout: Duration) -> Option<Conn> {
         let mut stale = Vec::new();
         let found = {
             let mut by_peer = self.by_peer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let idle = by_peer.get_mut(&key)?;
+            let idle = by_peer.get_mut(key)?;
             let mut found = None;
             while let Some(conn) = idle.pop_back() {
                 if conn.idle_since.elapsed() < idle_timeout && conn.is_quiet() {
@@ -253,7 +328,7 @@ impl IdlePool {
     }
 
     /// Keeps `conn` for reuse, dropping connections to `key` idle past `idle_timeout`.
-    fn put(&self, key: u64, mut conn: Conn, idle_timeout: Duration) {
+    fn put(&self, key: PoolKey, mut conn: Conn, idle_timeout: Duration) {
         conn.idle_since = Instant::now();
         let mut stale = Vec::new();
         {
@@ -357,12 +432,13 @@ impl UpstreamClient {
         Ok(head)
     }
 
-    /// A connection to `peer`: a live idle one, unless `fresh`, else a new one.
-    async fn connection(&self, peer: &HttpPeer, key: u64, fresh: bool) -> Result<Conn, pingora::BError> {
+    /// A connection to `peer`: a live idle one, unless `fresh`, else a new one; and whether
+    /// it was taken from the pool.
+    async fn connection(&self, peer: &HttpPeer, key: &PoolKey, fresh: bool) -> Result<(Conn, bool), pingora::BError> {
         if let Some(conn) = (!fresh).then(|| self.idle.take(key, self.idle_timeout)).flatten() {
-            return Ok(conn);
+            return Ok((conn, true));
         }
-        self.connector.new_stream(peer).await.map(Conn::new)
+        self.connector.new_stream(peer).await.map(|io| (Conn::new(io), false))
     }
 
     /// One attempt: connect (or take a pooled connection), write the request, read the
@@ -383,6 +459,7 @@ impl UpstreamClient {
     async fn attempt(
         &self,
         peer: &HttpPeer,
+        key: &PoolKey,
         head: &[u8],
         body: &[Bytes],
         fresh: bool,
@@ -390,13 +467,19 @@ impl UpstreamClient {
         to_head: bool,
     ) -> Result<(Conn, Answer), SendFailure> {
         let addr = peer.to_string();
-        let mut conn = self
-            .connection(peer, peer.reuse_hash(), fresh)
+        let (mut conn, reused) = self
+            .connection(peer, key, fresh)
             .await
             .map_err(|e| SendFailure { error: UpstreamError::connect(&addr, &e), unstarted: true })?;
-        conn.write_request(head, body)
-            .await
-            .map_err(|e| SendFailure { error: UpstreamError::wire(&addr, &e), unstarted: true })?;
+        conn.write_request(head, body).await.map_err(|e| {
+            // A connection just handshaken that the engine already reset: its TLS refusal.
+            let error = if key.trust.is_some() && !reused && e.is_write_reset() {
+                UpstreamError::refused_after_handshake(&addr, &e)
+            } else {
+                UpstreamError::wire(&addr, &e)
+            };
+            SendFailure { error, unstarted: true }
+        })?;
         delivery.mark();
         let answer = conn
             .read_head(to_head)
@@ -449,16 +532,16 @@ impl UpstreamClient {
             unstarted: true,
         })?;
         let peer = self.peer(to).await.map_err(|error| SendFailure { error, unstarted: true })?;
-        let (conn, answer) = self
-            .attempt(&peer, &wire, body, fresh, delivery, head.method == http::Method::HEAD)
-            .await
-            .inspect_err(|f| {
+        let pool_key = PoolKey::of(&peer, to);
+        let to_head = head.method == http::Method::HEAD;
+        let (conn, answer) =
+            self.attempt(&peer, &pool_key, &wire, body, fresh, delivery, to_head).await.inspect_err(|f| {
                 // The name may point somewhere else now: the next leg looks it up again.
                 if matches!(f.error, UpstreamError::Connect { .. }) {
                     self.resolver.forget(to.addr);
                 }
             })?;
-        Ok(Exchange { conn, answer, pool_key: peer.reuse_hash(), addr: to.addr.to_owned() })
+        Ok(Exchange { conn, answer, pool_key, addr: to.addr.to_owned() })
     }
 
     /// Reads the rest of the body (at most `limit` bytes) and returns the connection to the pool.
@@ -535,22 +618,44 @@ mod tests {
         (Conn::new(Box::new(pingora::protocols::l4::stream::Stream::from(client))), engine)
     }
 
+    fn key(peer: u64) -> PoolKey {
+        PoolKey { peer, trust: None }
+    }
+
+    /// A connection kept under one pool's trust settings is never handed out under others
+    /// for the same peer (pingora's reuse hash leaves the CA bundle out).
+    #[tokio::test]
+    async fn idle_connections_are_kept_apart_by_trust_settings() {
+        let pool = IdlePool::default();
+        let long = Duration::from_secs(60);
+        let tls = |verify| UpstreamTls::new(None, Some("engine.test".into()), None, verify);
+        let (first, second) = (tls(true), tls(false));
+        assert_eq!(first.trust_key(), tls(true).trust_key(), "equal settings, equal keys");
+        assert_ne!(first.trust_key(), second.trust_key());
+        let under = |t: &UpstreamTls| PoolKey { peer: 7, trust: Some(t.trust_key().clone()) };
+        let (a, _engine) = conn().await;
+        pool.put(under(&first), a, long);
+        assert!(pool.take(&under(&second), long).is_none(), "other settings: no connection");
+        assert!(pool.take(&key(7), long).is_none(), "plain HTTP: no connection");
+        assert!(pool.take(&under(&tls(true)), long).is_some(), "equal settings reuse it");
+    }
+
     #[tokio::test]
     async fn the_pool_returns_live_connections_and_closes_expired_ones() {
         let pool = IdlePool::default();
         let long = Duration::from_secs(60);
         let (a, _engine_a) = conn().await;
         let (b, engine_b) = conn().await;
-        pool.put(1, a, long);
-        pool.put(2, b, long);
+        pool.put(key(1), a, long);
+        pool.put(key(2), b, long);
         assert_eq!(pool.len(), 2);
         // An engine that closed its side: the peek sees the FIN and the pool dials anew.
         drop(engine_b);
         tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(pool.take(2, long).is_none(), "a closed connection is not handed out");
+        assert!(pool.take(&key(2), long).is_none(), "a closed connection is not handed out");
         assert_eq!(pool.len(), 1);
-        let a = pool.take(1, long).expect("a live connection");
-        pool.put(1, a, long);
+        let a = pool.take(&key(1), long).expect("a live connection");
+        pool.put(key(1), a, long);
         // Past the idle limit: closed by the sweep, whichever peer it belongs to.
         tokio::time::sleep(Duration::from_millis(20)).await;
         pool.close_expired(Duration::from_millis(10));

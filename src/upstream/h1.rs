@@ -57,6 +57,21 @@ impl WireError {
     }
 }
 
+impl WireError {
+    /// The I/O error under it, if any.
+    pub fn io(&self) -> Option<&io::Error> {
+        match self {
+            Self::Write(e) | Self::Read(e) => Some(e),
+            Self::Closed | Self::Malformed(_) => None,
+        }
+    }
+
+    /// True for a write the engine had reset or closed the connection under.
+    pub fn is_write_reset(&self) -> bool {
+        matches!(self, Self::Write(e) if is_reset(e))
+    }
+}
+
 fn is_reset(e: &io::Error) -> bool {
     use io::ErrorKind as K;
     matches!(e.kind(), K::ConnectionReset | K::BrokenPipe | K::ConnectionAborted | K::UnexpectedEof)

@@ -1,9 +1,10 @@
-//! Background poller: every interval, each endpoint's `GET /health` (for `/readyz` and
+//! Background poller: every interval, all endpoints at once, each endpoint's `GET /health` (for `/readyz` and
 //! endpoint choice), its `GET /version` (for the token-reuse gate): until known, again
 //! whenever the endpoint turns healthy after being unhealthy (a restart may bring another
 //! vLLM), and on a slow timer; and its `GET /v1/models` (once per healthy spell), from which
 //! each route learns whether its prefill and decode pools serve the same model.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -16,6 +17,10 @@ use crate::config::Version;
 
 /// Deadline of one health or version probe.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Longest one endpoint's poll of a round takes (its `/health`, `/version` and `/v1/models`,
+/// each within [`PROBE_TIMEOUT`]).
+pub const ENDPOINT_POLL_LIMIT: Duration = Duration::from_secs(3);
 
 /// A known version is asked again this often, for an engine replaced between two polls.
 pub const VERSION_REFRESH: Duration = Duration::from_secs(300);
@@ -111,13 +116,24 @@ pub struct HealthPoller {
 }
 
 impl HealthPoller {
-    /// One round over every endpoint.
+    /// One round over every endpoint, all at once (each bounded by [`ENDPOINT_POLL_LIMIT`]),
+    /// so hung endpoints delay a round by one limit, not one each.
     pub async fn poll_once(&self) {
         let app = self.app.load_full();
+        let mut polls = tokio::task::JoinSet::new();
         for pool in &app.pools {
             for endpoint in &pool.endpoints {
-                poll_endpoint(&app, pool, endpoint).await;
+                let (app, pool, endpoint) = (Arc::clone(&app), Arc::clone(pool), Arc::clone(endpoint));
+                polls.spawn(async move {
+                    let poll = poll_endpoint(&app, &pool, &endpoint);
+                    if tokio::time::timeout(ENDPOINT_POLL_LIMIT, poll).await.is_err() {
+                        tracing::debug!(pool = %pool.name, endpoint = %endpoint.addr, "health poll cut at its limit");
+                    }
+                });
             }
+        }
+        while polls.join_next().await.is_some() {}
+        for pool in &app.pools {
             app.metrics.upstream_ejected(&pool.name, pool.ejected(std::time::Instant::now()));
         }
         compare_models(&app);

@@ -2,7 +2,8 @@
 //! legs, the release leg, passthrough with a read body): send, re-send once only when the
 //! engine provably never got it and the route's budget allows, feed the outcome to the
 //! endpoint's ejection, count retries, refusals and ejections. Deadlines and the client going
-//! away race this future in the caller; a timeout drops it and counts as neither outcome.
+//! away race this future in the caller; a deadline that passes is reported back here as a
+//! failure (`timed_out`), the client leaving counts as neither outcome.
 
 use std::time::Instant;
 
@@ -39,7 +40,7 @@ impl LegClient<'_> {
     /// re-sent: a decode must not run twice.
     ///
     /// The outcome feeds the endpoint's passive ejection: no answer or a 5xx head is a
-    /// failure, any other head a success. `delivery` is marked once the request is written whole.
+    /// failure, any other head a success (a deadline the caller lets pass: [`Self::timed_out`]). `delivery` is marked once the request is written whole.
     ///
     /// # Errors
     /// [`UpstreamError`] when the engine gave no answer head.
@@ -53,15 +54,28 @@ impl LegClient<'_> {
     ) -> Result<Exchange, UpstreamError> {
         let result = self.send_and_resend(leg, endpoint, head, body, delivery).await;
         let failed = result.as_ref().map_or(true, |exchange| exchange.status() >= 500);
-        if !failed {
+        if failed {
+            self.failed(endpoint);
+        } else {
             endpoint.endpoint().request_succeeded();
-        } else if let Some(pool) = endpoint.ejection() {
-            if endpoint.endpoint().request_failed(Instant::now(), pool.eject_after) {
-                self.metrics.upstream_ejection(&pool.name);
-                tracing::warn!(pool = %pool.name, endpoint = %endpoint.addr(), "endpoint ejected after consecutive failures");
-            }
         }
         result
+    }
+
+    /// Records that `endpoint` let a leg's deadline pass (the caller dropped the exchange): a
+    /// failure for its ejection, as no answer is, so an engine that accepts and never answers
+    /// is ejected like one that refuses.
+    pub fn timed_out(&self, endpoint: &Picked) {
+        self.failed(endpoint);
+    }
+
+    /// One failure of `endpoint` for its pool's ejection rule (counted and logged when it ejects).
+    fn failed(&self, endpoint: &Picked) {
+        let Some(pool) = endpoint.ejection() else { return };
+        if endpoint.endpoint().request_failed(Instant::now(), pool.eject_after) {
+            self.metrics.upstream_ejection(&pool.name);
+            tracing::warn!(pool = %pool.name, endpoint = %endpoint.addr(), "endpoint ejected after consecutive failures");
+        }
     }
 
     /// [`Self::exchange`] without the ejection bookkeeping: the send and its one re-send.

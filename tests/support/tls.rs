@@ -8,7 +8,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use pingora::tls::ssl::{SslAcceptor, SslFiletype, SslMethod, SslVerifyMode};
+use pingora::tls::ssl::{SslAcceptor, SslFiletype, SslMethod, SslVerifyMode, SslVersion};
 use pingora::tls::tokio_ssl::SslStream;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose};
 use tokio::net::{TcpListener, TcpStream};
@@ -85,7 +85,23 @@ impl TlsFront {
     /// Serves `identity` in front of `backend`; with `client_ca`, a client certificate signed
     /// by that CA is required.
     pub async fn start(backend: SocketAddr, identity: &Issued, client_ca: Option<&Path>) -> Self {
+        Self::start_on(backend, identity, client_ca, None).await
+    }
+
+    /// [`Self::start`] speaking only TLS `version` (e.g. 1.2, where a missing client
+    /// certificate is refused inside the handshake, or 1.3, where the client learns it from an
+    /// alert after its side of the handshake is done).
+    pub async fn start_on(
+        backend: SocketAddr,
+        identity: &Issued,
+        client_ca: Option<&Path>,
+        version: Option<SslVersion>,
+    ) -> Self {
         let mut builder = SslAcceptor::mozilla_intermediate_v5(SslMethod::tls()).unwrap();
+        if let Some(version) = version {
+            builder.set_min_proto_version(Some(version)).unwrap();
+            builder.set_max_proto_version(Some(version)).unwrap();
+        }
         builder.set_certificate_chain_file(&identity.cert).unwrap();
         builder.set_private_key_file(&identity.key, SslFiletype::PEM).unwrap();
         if let Some(ca) = client_ca {

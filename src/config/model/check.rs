@@ -30,6 +30,9 @@ const MAX_CONNECT_MS: u64 = 600_000;
 /// vLLM closes idle keep-alive connections after 5 s; ours must close first.
 const MAX_IDLE_MS: u64 = 4999;
 const MAX_LEG_MS: u64 = 3_600_000;
+/// A non-streamed answer may be a very long generation.
+const MAX_ANSWER_MS: u64 = 6 * 3_600_000;
+const MAX_IN_FLIGHT: u64 = 1 << 20;
 const MAX_BODY_BYTES: u64 = 1 << 30;
 /// An SSE event limit below this would cut ordinary token events (a few KB with logprobs).
 const MIN_SSE_EVENT_BYTES: u64 = 64 * 1024;
@@ -343,6 +346,7 @@ fn check_server(ck: &mut Checker<'_>, server: file::Server) -> ServerSettings {
         max_header_count,
         max_header_bytes,
         body_read_timeout_ms,
+        max_in_flight,
         tls,
         unknown,
     } = server;
@@ -401,6 +405,8 @@ fn check_server(ck: &mut Checker<'_>, server: file::Server) -> ServerSettings {
             defaults::BODY_READ_TIMEOUT_MS,
             MAX_LEG_MS,
         ),
+        max_in_flight: ck.bounded(&max_in_flight, "server.max_in_flight", defaults::MAX_IN_FLIGHT, 0..=MAX_IN_FLIGHT)
+            as usize,
     }
 }
 
@@ -614,7 +620,7 @@ fn check_route(
     #[rustfmt::skip]
     let file::Route {
         name, matcher, mode, prefill, decode_pool, unknown,
-        relay_handoff: _, token_reuse: _, prefill_timeout_ms: _, decode_first_byte_timeout_ms: _,
+        relay_handoff: _, token_reuse: _, prefill_timeout_ms: _, decode_first_byte_timeout_ms: _, decode_whole_answer_timeout_ms: _,
         max_body_bytes: _, client_kv_transfer_params: _, retry_budget_percent: _, retry_budget_min_per_second: _,
         prefill_attempts: _, on_prefill_failure: _, stream_idle_timeout_ms: _, client_write_timeout_ms: _,
         on_client_gone: _, release_timeout_ms: _, max_sse_event_bytes: _, parity_sample: _, on_parity_mismatch: _,
@@ -691,7 +697,7 @@ fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> 
         token_reuse, prefill_timeout_ms, decode_first_byte_timeout_ms, max_body_bytes, relay_handoff,
         client_kv_transfer_params, retry_budget_percent, retry_budget_min_per_second, prefill_attempts,
         on_prefill_failure, parity_sample, on_parity_mismatch, parity_cooldown_ms, stream_idle_timeout_ms: _,
-        client_write_timeout_ms: _, on_client_gone: _, release_timeout_ms: _, max_sse_event_bytes: _, name: _,
+        client_write_timeout_ms: _, on_client_gone: _, release_timeout_ms: _, max_sse_event_bytes: _, name: _, decode_whole_answer_timeout_ms: _,
         matcher: _, mode: _, prefill: _, decode_pool: _, unknown: _,
     } = route;
     let waits = check_route_waits(ck, key, route);
@@ -744,6 +750,7 @@ fn check_route_options(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> 
             &format!("{key}.on_prefill_failure"),
             defaults::ON_PREFILL_FAILURE,
         ),
+        decode_whole_answer_timeout: waits.decode_whole_answer_timeout,
         stream_idle_timeout: waits.stream_idle_timeout,
         client_write_timeout: waits.client_write_timeout,
         on_client_gone: waits.on_client_gone,
@@ -778,6 +785,7 @@ fn check_share(ck: &mut Checker<'_>, field: &Option<Field<f64>>, key: &str) -> f
 
 /// A route's bounds on waits and on relayed events (part of its [`RouteOptions`]).
 struct RouteWaits {
+    decode_whole_answer_timeout: Duration,
     stream_idle_timeout: Duration,
     client_write_timeout: Duration,
     on_client_gone: OnClientGone,
@@ -787,6 +795,7 @@ struct RouteWaits {
 
 fn check_route_waits(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> RouteWaits {
     let file::Route {
+        decode_whole_answer_timeout_ms,
         stream_idle_timeout_ms,
         client_write_timeout_ms,
         on_client_gone,
@@ -795,6 +804,12 @@ fn check_route_waits(ck: &mut Checker<'_>, key: &str, route: &file::Route) -> Ro
         ..
     } = route;
     RouteWaits {
+        decode_whole_answer_timeout: ck.millis(
+            decode_whole_answer_timeout_ms,
+            &format!("{key}.decode_whole_answer_timeout_ms"),
+            defaults::DECODE_WHOLE_ANSWER_TIMEOUT_MS,
+            MAX_ANSWER_MS,
+        ),
         stream_idle_timeout: ck.millis(
             stream_idle_timeout_ms,
             &format!("{key}.stream_idle_timeout_ms"),

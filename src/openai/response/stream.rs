@@ -74,6 +74,16 @@ fn emit(event: &Event, rewrite: &mut impl FnMut(&str) -> Option<Vec<u8>>, out: &
     }
 }
 
+/// The `sequence_number` of a Responses event (`raw`, its bytes): the value after the last
+/// `"sequence_number":` key (vLLM writes it last, after the nested response).
+fn sequence_number(raw: &[u8]) -> Option<u64> {
+    const KEY: &[u8] = b"\"sequence_number\":";
+    let at = memchr::memmem::rfind(raw, KEY)? + KEY.len();
+    let rest = raw.get(at..)?;
+    let digits: Vec<u8> = rest.iter().copied().skip_while(|b| *b == b' ').take_while(u8::is_ascii_digit).collect();
+    std::str::from_utf8(&digits).ok()?.parse().ok()
+}
+
 /// The framing of a relayed decode stream: only complete events go to the client, each as
 /// soon as its blank line arrives, with their exact bytes (or, given `cached_tokens`, with
 /// `usage.prompt_tokens_details.cached_tokens` set). An event the engine cut by breaking the
@@ -86,6 +96,9 @@ pub struct StreamFraming {
     max_event: usize,
     /// A complete event over `max_event` was seen (and it and all after it dropped).
     overlong: bool,
+    /// The `sequence_number` an event tokenonce adds to a Responses stream takes: one past
+    /// the last passed event's.
+    next_sequence: u64,
 }
 
 impl StreamFraming {
@@ -97,7 +110,14 @@ impl StreamFraming {
 
     /// Framing for one stream of `api` (whose usage shape the rewrite follows).
     pub fn for_api(api: Api, cached_tokens: Option<u64>) -> Self {
-        Self { decoder: SseDecoder::new(), cached_tokens, api, max_event: usize::MAX, overlong: false }
+        Self {
+            decoder: SseDecoder::new(),
+            cached_tokens,
+            api,
+            max_event: usize::MAX,
+            overlong: false,
+            next_sequence: 0,
+        }
     }
 
     /// The same framing, with [`Self::too_long`] true once an event (complete, or still
@@ -126,8 +146,17 @@ impl StreamFraming {
                 Some(n) => emit(event, &mut |d: &str| rewrite_usage_cached(self.api, d, n), &mut out),
                 None => out.extend_from_slice(event.raw()),
             }
+            if self.api == Api::Responses {
+                self.next_sequence = sequence_number(event.raw()).map_or(self.next_sequence + 1, |n| n + 1);
+            }
         }
         out
+    }
+
+    /// For a Responses stream, the `sequence_number` of an event added after those passed
+    /// (an error event): one past the last one's, or the count of events when they had none.
+    pub fn next_sequence(&self) -> u64 {
+        self.next_sequence
     }
 
     /// The stream ended cleanly: whatever followed the last event (a last event without its
@@ -191,6 +220,21 @@ mod tests {
             "stops at the long one"
         );
         assert!(f.too_long(), "a whole event over the limit counts too");
+    }
+
+    #[test]
+    fn a_responses_stream_gives_the_next_sequence_number() {
+        let mut f = StreamFraming::for_api(Api::Responses, None);
+        assert_eq!(f.next_sequence(), 0, "nothing passed yet");
+        f.feed(b"event: response.created\ndata: {\"response\":{\"sequence_number\":99},\"sequence_number\":0,\"type\":\"response.created\"}\n\n");
+        assert_eq!(f.next_sequence(), 1);
+        f.feed(b"event: response.output_text.delta\ndata: {\"delta\":\"x\",\"sequence_number\": 5}\n\nevent: x\ndata: {\"sequence_");
+        assert_eq!(f.next_sequence(), 6, "a cut event does not count");
+        f.feed(b"number\":6}\n\nevent: odd\ndata: {}\n\n");
+        assert_eq!(f.next_sequence(), 8, "an event without one counts as the next");
+        let mut chat = StreamFraming::new(None);
+        chat.feed(b"data: {\"sequence_number\":4}\n\n");
+        assert_eq!(chat.next_sequence(), 0, "only Responses streams number their events");
     }
 
     #[test]
