@@ -116,6 +116,29 @@ def main():
     ]
     write("config", configs)
 
+    # h1: flags (bit 0 raw, bit 1 HEAD, bit 2 raw chunked body), cut/encoding seed, data.
+    uvicorn = "HTTP/1.1 200 OK\r\ndate: Wed, 02 Dec 2026 03:00:00 GMT\r\nserver: uvicorn\r\n"
+    h1 = [bytes([0, i * 37 % 256]) + resp.encode() for i, (_, _, resp) in enumerate(bodies[:4]) if resp]
+    h1 += [bytes([0, 0xE5]) + b"", bytes([0, 0x41]) + b"x" * 700]
+    h1 += [
+        bytes([1, 3]) + (uvicorn + "content-length: 11\r\ncontent-type: application/json\r\n\r\n{\"a\":true}HTTP/1.1").encode(),
+        bytes([1, 9]) + (uvicorn + "transfer-encoding: chunked\r\ncontent-type: text/event-stream\r\n\r\n"
+                         "1c\r\ndata: {\"choices\":[]}\n\n\r\n0\r\n\r\n").encode(),
+        bytes([1, 0]) + b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nContent-Length: 3\r\n\r\nabcdef",
+        bytes([1, 1]) + b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        bytes([1, 2]) + b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabc",
+        bytes([1, 5]) + b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n",
+        bytes([3, 5]) + b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n",
+        bytes([1, 7]) + b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n\r\n",
+        bytes([1, 8]) + b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+        bytes([1, 4]) + b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\ncontent-length: +2\r\n\r\nno",
+        bytes([5, 6]) + b"5;a=1\r\nhello\r\n0\r\nx-t: 1\r\nx-u: 2\r\n\r\nrest",
+        bytes([5, 2]) + b"+5\r\nhello\r\n0\r\n\r\n",
+        bytes([5, 3]) + b"5\r\nhelloXX0\r\n\r\n",
+        bytes([5, 4]) + b"0\r\n" + b"x: 1\r\n" * 40 + b"\r\n",
+    ]
+    write("h1", h1)
+
 
 if __name__ == "__main__":
     main()

@@ -147,6 +147,84 @@ async fn a_stalled_body_is_408_at_the_deadline() {
     assert!(p.posts().is_empty() && d.posts().is_empty());
 }
 
+/// Reads one answer (head, then a body framed by its length or chunked) from `s`, skipping
+/// nothing: an interim `100` head is returned as it is. `None` if it does not come in 5 s.
+fn read_answer(s: &mut TcpStream, pending: &mut Vec<u8>) -> Option<String> {
+    let mut buf = [0u8; 8192];
+    let complete = |raw: &[u8]| -> Option<usize> {
+        let head_end = raw.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+        let head = String::from_utf8_lossy(&raw[..head_end]).to_ascii_lowercase();
+        if head.starts_with("http/1.1 1") {
+            return Some(head_end);
+        }
+        let length =
+            head.lines().find_map(|l| l.strip_prefix("content-length:")).map(|v| v.trim().parse::<usize>().unwrap());
+        match length {
+            Some(n) => (raw.len() >= head_end + n).then_some(head_end + n),
+            None => raw[head_end..].windows(5).position(|w| w == b"0\r\n\r\n").map(|p| head_end + p + 5),
+        }
+    };
+    for _ in 0..1000 {
+        if let Some(end) = complete(pending) {
+            let answer = String::from_utf8_lossy(&pending[..end]).into_owned();
+            pending.drain(..end);
+            return Some(answer);
+        }
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => pending.extend_from_slice(&buf[..n]),
+        }
+    }
+    None
+}
+
+/// `Expect: 100-continue`: tokenonce answers `100 Continue` before the body is sent, on
+/// every mode (it reads the body itself, or pingora streams it to the engine), then the
+/// request is served and the connection stays open for the next one.
+#[tokio::test(flavor = "multi_thread")]
+async fn expect_100_continue_is_answered_on_every_mode() {
+    let (p, d, _) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    let orchestrate = support::pd_config(&p, &d, "");
+    let relay = orchestrate.replace("mode = \"orchestrate\"", "mode = \"relay\"");
+    let forward = orchestrate
+        .replace("mode = \"orchestrate\"", "mode = \"passthrough\"")
+        .replace("prefill = { pool = \"prefill\" }\n", "");
+    let passthrough = format!("{forward}model = \"*\"\n");
+    let body = serde_json::to_string(&chat_body("expect", json!({}))).unwrap();
+    for (mode, config) in
+        [("orchestrate", orchestrate), ("relay", relay), ("passthrough", passthrough), ("forward", forward)]
+    {
+        let proxy = support::TokenOnce::start(&config).await;
+        let addr = proxy.url.trim_start_matches("http://").to_owned();
+        let body = body.clone();
+        let answers = tokio::task::spawn_blocking(move || {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let head = |expect: &str| {
+                format!("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{expect}Content-Length: {}\r\n\r\n", body.len())
+            };
+            s.write_all(head("Expect: 100-continue\r\n").as_bytes()).unwrap();
+            let mut pending = Vec::new();
+            // Bounded wait for the interim answer; only then the body (as curl does).
+            let interim = read_answer(&mut s, &mut pending);
+            s.write_all(body.as_bytes()).unwrap();
+            let first = read_answer(&mut s, &mut pending);
+            s.write_all(format!("{}{body}", head("")).as_bytes()).unwrap();
+            (interim, first, read_answer(&mut s, &mut pending))
+        })
+        .await
+        .unwrap();
+        let (interim, first, second) = answers;
+        assert!(
+            interim.as_deref().is_some_and(|h| h.starts_with("HTTP/1.1 100")),
+            "{mode}: no 100 Continue: {interim:?}"
+        );
+        assert!(first.as_deref().is_some_and(|h| h.starts_with("HTTP/1.1 200")), "{mode}: {first:?}");
+        assert!(second.as_deref().is_some_and(|h| h.starts_with("HTTP/1.1 200")), "{mode}: kept alive: {second:?}");
+    }
+    assert!(d.posts().iter().all(|r| r.header("expect").is_none()), "the engine never sees the Expect");
+}
+
 /// A raw engine on loopback that counts the POSTs it reads and holds each one's answer (a
 /// small JSON completion) until `release` is sent; `GET`s (health) are answered at once.
 struct GatedEngine {

@@ -427,11 +427,71 @@ proptest! {
     }
 }
 
+/// A response head from the framing headers that matter, and some body bytes after it.
+fn response_head() -> impl Strategy<Value = Vec<u8>> {
+    let header = prop::sample::select(vec![
+        "Content-Length: 5",
+        "content-length: 5, 5",
+        "Content-Length: 7",
+        "Content-Length: +5",
+        "Content-Length: 99999999999999999999",
+        "Transfer-Encoding: chunked",
+        "transfer-encoding: gzip",
+        "Transfer-Encoding: gzip, chunked",
+        "Transfer-Encoding: chunked, gzip",
+        "Transfer-Encoding: ",
+        "Connection: close",
+        "Connection: keep-alive",
+        "X-A: 1",
+    ]);
+    let body =
+        prop::sample::select(vec!["", "hello", "5\r\nhello\r\n0\r\n\r\n", "5;a=1\r\nhel", "0\r\nx: 1\r\n\r\nHTTP/1.1"]);
+    (
+        prop::sample::select(vec!["HTTP/1.1", "HTTP/1.0"]),
+        prop::sample::select(vec![200u16, 204, 304, 101, 100, 404]),
+        prop::collection::vec(header, 0..4),
+        body,
+    )
+        .prop_map(|(version, status, headers, body)| {
+            let mut raw = format!("{version} {status} X\r\n");
+            for h in headers {
+                raw += h;
+                raw += "\r\n";
+            }
+            format!("{raw}\r\n{body}").into_bytes()
+        })
+}
+
+proptest! {
+    #![proptest_config(config(512))]
+
+    /// A chunk-encoded body (random sizes, extensions, trailers) reads back exactly.
+    #[test]
+    fn chunked_bodies_read_back_exactly(body in prop::collection::vec(any::<u8>(), 0..2000), seed in any::<u8>(), cuts in prop::collection::vec(0usize..2500, 0..12)) {
+        oracles::check_h1_chunked(&body, seed, &cuts);
+    }
+
+    /// Response heads frame their bodies by RFC 9112 §6.3.
+    #[test]
+    fn response_heads_follow_the_framing_table(raw in response_head(), to_head in any::<bool>(), cuts in prop::collection::vec(0usize..200, 0..8)) {
+        oracles::check_h1_head(&raw, to_head, &cuts);
+    }
+
+    /// Random bytes as a chunked body: never a panic, the same result whatever the cuts,
+    /// equal to the one-pass reference.
+    #[test]
+    fn random_chunked_bytes_match_the_reference(raw in prop::collection::vec(prop::sample::select(b"0123456789abcdefABCDEF;= \t\r\nx:".to_vec()), 0..300), seed in any::<u8>()) {
+        let mut data = vec![5u8, seed];
+        data.extend_from_slice(&raw);
+        oracles::fuzz_h1(&data);
+    }
+}
+
 /// Every committed seed passes its target's oracle (the corpora double as regression cases).
 #[test]
 fn every_fuzz_seed_passes_its_oracle() {
     type Target = (&'static str, fn(&[u8]));
-    let targets: [Target; 7] = [
+    let targets: [Target; 8] = [
         ("sse_decoder", oracles::fuzz_sse),
         ("json_splice", oracles::fuzz_raw_object),
         ("prompt_ids", oracles::fuzz_prompt_ids),
@@ -439,6 +499,7 @@ fn every_fuzz_seed_passes_its_oracle() {
         ("rewrites", oracles::fuzz_rewrites),
         ("handoff", oracles::fuzz_handoff),
         ("config", oracles::fuzz_config),
+        ("h1", oracles::fuzz_h1),
     ];
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
     for (target, check) in targets {

@@ -28,17 +28,35 @@ async fn read_body_unbounded(session: &mut Session, limit: usize) -> Result<Byte
     if declared.is_some_and(|len: usize| len > limit) {
         return Err(ApiError::BodyTooLarge { limit });
     }
-    // Sized from the declared length, so a body read whole holds its length once (growing
-    // by doubling would leave up to twice the limit allocated).
-    let mut body = BytesMut::with_capacity(declared.unwrap_or(0));
+    super::edge::continue_if_expected(session)
+        .await
+        .map_err(|e| ApiError::invalid(format!("reading the body failed: {}", e.etype().as_str()), None))?;
+    let mut body = BytesMut::with_capacity(declared.unwrap_or(0).min(BODY_RESERVE));
     loop {
         match session.read_request_body().await {
             Ok(Some(chunk)) if body.len() + chunk.len() > limit => return Err(ApiError::BodyTooLarge { limit }),
-            Ok(Some(chunk)) => body.extend_from_slice(&chunk),
+            Ok(Some(chunk)) => append_within(&mut body, &chunk, declared),
             Ok(None) => return Ok(body.freeze()),
             Err(e) => return Err(ApiError::invalid(format!("reading the body failed: {}", e.etype().as_str()), None)),
         }
     }
+}
+
+/// Most bytes reserved for a body before any arrives (a declared length is only a claim).
+const BODY_RESERVE: usize = 64 * 1024;
+
+/// Appends `chunk` to `body`, growing it by doubling as bytes arrive but never past the
+/// declared length while the body fits it (a body read whole holds its length about once).
+fn append_within(body: &mut BytesMut, chunk: &[u8], declared: Option<usize>) {
+    let need = body.len() + chunk.len();
+    if need > body.capacity() {
+        let doubled = body.capacity().saturating_mul(2).max(need);
+        let target = declared.filter(|&d| d >= need).map_or(doubled, |d| doubled.min(d));
+        let mut grown = BytesMut::with_capacity(target);
+        grown.extend_from_slice(body);
+        *body = grown;
+    }
+    body.extend_from_slice(chunk);
 }
 
 /// Serves one API request to the end; sets the request's route (the last of what it is)
@@ -94,5 +112,31 @@ pub async fn handle(session: &mut Session, ctx: &mut Ctx, api: Api) -> Result<()
     match route.mode {
         Mode::Relay => relay::handle(session, info, rec, &req).await,
         _ => orchestrate::run(session, info, rec, &req).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_body_buffer_grows_with_the_bytes_not_the_declared_length() {
+        // 60 MiB declared, 100 bytes sent: the buffer holds about what arrived.
+        let declared: usize = 60 << 20;
+        let mut body = BytesMut::with_capacity(declared.min(BODY_RESERVE));
+        append_within(&mut body, &[b'x'; 100], Some(declared));
+        assert!(body.capacity() <= BODY_RESERVE, "{} reserved", body.capacity());
+        // A body that does arrive whole ends in a buffer of its declared length, not twice it.
+        let declared = 1_000_000;
+        let mut body = BytesMut::with_capacity(BODY_RESERVE);
+        for _ in 0..1000 {
+            append_within(&mut body, &[b'y'; 1000], Some(declared));
+        }
+        assert_eq!((body.len(), body.capacity()), (declared, declared));
+        // No declared length (chunked): doubling.
+        let mut body = BytesMut::new();
+        append_within(&mut body, &[b'z'; 10], None);
+        append_within(&mut body, &[b'z'; 10], None);
+        assert_eq!(body.len(), 20);
     }
 }

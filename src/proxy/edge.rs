@@ -2,12 +2,15 @@
 //! (admission), how many header fields and bytes a request head may carry, and how long its
 //! body may take to arrive (a slowloris body).
 //! pingora itself caps a head at 256 fields and 1 MiB and waits at most 60 s per read.
+//! And the one interim answer tokenonce writes itself: `100 Continue`.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use http::HeaderMap;
+use pingora::http::RequestHeader;
+use pingora::proxy::Session;
 
 use crate::config::Config;
 use crate::openai::ApiError;
@@ -89,6 +92,32 @@ pub fn check_head(headers: &HeaderMap, limits: &EdgeLimits) -> Result<(), ApiErr
             "{bytes} bytes of headers, at most {}",
             limits.max_header_bytes
         )));
+    }
+    Ok(())
+}
+
+/// True when the client waits for `100 Continue` before it sends the body (RFC 9110
+/// §10.1.1; HTTP/1.1 only, as pingora checks it before writing the interim answer).
+pub fn expects_continue(head: &RequestHeader) -> bool {
+    head.version == http::Version::HTTP_11
+        && head.headers.get(http::header::EXPECT).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
+}
+
+/// Writes `100 Continue` when the client waits for it; call it once the head is accepted and
+/// the body is about to be read. Without it the client waits out its own timer (curl: 1 s)
+/// before sending the body.
+///
+/// # Errors
+/// Writing to the client failed.
+pub async fn continue_if_expected(session: &mut Session) -> pingora::Result<()> {
+    if expects_continue(session.req_header()) {
+        let downstream = session.as_downstream_mut();
+        // pingora closes a connection whose answer starts before the body is read; an
+        // interim answer is not that, so the client's keep-alive survives it.
+        downstream.set_close_on_response_before_downstream_finish(false);
+        let written = downstream.write_continue_response().await;
+        downstream.set_close_on_response_before_downstream_finish(true);
+        written?;
     }
     Ok(())
 }

@@ -188,7 +188,7 @@ pub async fn fail(session: &mut Session, info: &RequestInfo, rec: &mut Record, e
         return;
     }
     tracing::info!(request_id = %info.request_id, code = api.code(), error = %err, "request failed");
-    if session.response_written().is_some() {
+    if session.response_written().is_some_and(|h| !h.status.is_informational()) {
         // A non-SSE answer was already on its way: nothing more can be said, and ending
         // its body would pass the cut answer off as whole, so the connection is cut.
         tracing::warn!(request_id = %info.request_id, code = api.code(), "answer cut mid-body");

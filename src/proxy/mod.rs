@@ -228,7 +228,12 @@ impl ProxyHttp for Proxy {
                     ctx.info.route = Arc::clone(route);
                 }
                 session.as_downstream_mut().set_write_timeout(Some(ctx.info.route.client_write_timeout));
-                passthrough::check_declared_length(session, &ctx.info, &mut ctx.rec).await
+                let answered = passthrough::check_declared_length(session, &ctx.info, &mut ctx.rec).await?;
+                if !answered {
+                    // pingora streams the body to the engine; the client waits for our go.
+                    edge::continue_if_expected(session).await?;
+                }
+                Ok(answered)
             }
         }
     }
@@ -295,6 +300,8 @@ impl ProxyHttp for Proxy {
         for (name, value) in ctx.rec.trace.headers_for(Leg::Passthrough) {
             upstream.insert_header(name, value)?;
         }
+        // `100 Continue` was answered here already (`request_filter`).
+        upstream.remove_header(&http::header::EXPECT);
         Ok(())
     }
 
@@ -350,7 +357,7 @@ impl ProxyHttp for Proxy {
         let status = if ctx.rec.status != 0 {
             ctx.rec.status
         } else {
-            session.response_written().map_or(0, |h| h.status.as_u16())
+            session.response_written().filter(|h| !h.status.is_informational()).map_or(0, |h| h.status.as_u16())
         };
         let outcome =
             ctx.rec.outcome.unwrap_or(if status == 0 { Outcome::ClientClosed } else { Outcome::from_status(status) });

@@ -63,7 +63,9 @@ pub fn classify(session: &Session, e: &Error, info: &RequestInfo) -> Option<Prox
     let upstream = matches!(e.esource(), ErrorSource::Upstream);
     match e.etype() {
         ErrorType::HTTPStatus(413) => Some(ApiError::BodyTooLarge { limit: route.max_body_bytes }.into()),
-        ErrorType::ReadTimedout if upstream && session.response_written().is_some() => {
+        ErrorType::ReadTimedout
+            if upstream && session.response_written().is_some_and(|h| !h.status.is_informational()) =>
+        {
             Some(ProxyError::StreamIdle { leg: Leg::Passthrough, after: read_timeout(route) })
         }
         ErrorType::ReadTimedout | ErrorType::WriteTimedout if upstream => {

@@ -464,6 +464,7 @@ impl UpstreamClient {
         body: &[Bytes],
         fresh: bool,
         delivery: &Delivery,
+        to_head: bool,
     ) -> Result<(Conn, Answer), SendFailure> {
         let addr = peer.to_string();
         let (mut conn, reused) = self
@@ -481,7 +482,7 @@ impl UpstreamClient {
         })?;
         delivery.mark();
         let answer = conn
-            .read_head()
+            .read_head(to_head)
             .await
             .map_err(|e| SendFailure { error: UpstreamError::wire(&addr, &e), unstarted: false })?;
         Ok((conn, answer))
@@ -532,12 +533,14 @@ impl UpstreamClient {
         })?;
         let peer = self.peer(to).await.map_err(|error| SendFailure { error, unstarted: true })?;
         let pool_key = PoolKey::of(&peer, to);
-        let (conn, answer) = self.attempt(&peer, &pool_key, &wire, body, fresh, delivery).await.inspect_err(|f| {
-            // The name may point somewhere else now: the next leg looks it up again.
-            if matches!(f.error, UpstreamError::Connect { .. }) {
-                self.resolver.forget(to.addr);
-            }
-        })?;
+        let to_head = head.method == http::Method::HEAD;
+        let (conn, answer) =
+            self.attempt(&peer, &pool_key, &wire, body, fresh, delivery, to_head).await.inspect_err(|f| {
+                // The name may point somewhere else now: the next leg looks it up again.
+                if matches!(f.error, UpstreamError::Connect { .. }) {
+                    self.resolver.forget(to.addr);
+                }
+            })?;
         Ok(Exchange { conn, answer, pool_key, addr: to.addr.to_owned() })
     }
 

@@ -5,7 +5,7 @@
 
 pub mod budget;
 pub mod client;
-mod h1;
+pub mod h1;
 pub mod health;
 pub mod leg;
 pub mod pool;

@@ -8,6 +8,8 @@
 use std::collections::HashSet;
 use std::fmt;
 
+use bytes::BytesMut;
+
 use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 use serde_json::Value;
@@ -19,6 +21,9 @@ use tokenonce::openai::request::{
 use tokenonce::openai::response::{extract_handoff, hide_token_ids, rewrite_cached_tokens, IdsFault, SseRewriter};
 use tokenonce::openai::{Api, FallbackReason, PromptIds, RawObject, RequestView};
 use tokenonce::sse::{Event, SseDecoder, Unterminated};
+use tokenonce::upstream::h1::{
+    body_step, parse_head, Chunk, Framing, Step, WireError, LINE_LIMIT, MAX_TRAILERS, TRAILER_BYTES_LIMIT,
+};
 
 // === input plumbing ===
 
@@ -925,5 +930,272 @@ pub fn check_config(text: &str) {
 pub fn fuzz_config(data: &[u8]) {
     if let Ok(text) = std::str::from_utf8(data) {
         check_config(text);
+    }
+}
+
+// === HTTP/1.1 response framing (the leg client) ===
+
+/// How a body decode ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Ended {
+    /// The body ended; these bytes followed it.
+    Done(Vec<u8>),
+    /// The framing is malformed.
+    Error,
+    /// More bytes were needed.
+    Incomplete,
+}
+
+/// Decodes `input` from `framing` fed in the pieces between `cuts`: the body and how it ended.
+/// Checks on the way that each piece is non-empty and that a need for more bytes holds at
+/// most one line's worth (the reader's memory is bounded whatever the input).
+pub fn h1_decode(framing: Framing, input: &[u8], cuts: &[usize]) -> (Vec<u8>, Ended) {
+    let (mut framing, mut buf, mut body, mut last) = (framing, BytesMut::new(), Vec::new(), 0);
+    for &cut in cuts.iter().chain(std::iter::once(&input.len())) {
+        let cut = cut.clamp(last, input.len());
+        buf.extend_from_slice(&input[last..cut]);
+        last = cut;
+        loop {
+            match body_step(&mut framing, &mut buf) {
+                Ok(Step::Piece(piece)) => {
+                    assert!(!piece.is_empty(), "empty piece at {framing:?}");
+                    body.extend_from_slice(&piece);
+                }
+                Ok(Step::More) => {
+                    let held = match framing {
+                        Framing::Chunked(Chunk::Size | Chunk::Trailers { .. }) => LINE_LIMIT + 1,
+                        Framing::Chunked(Chunk::DataEnd) => 1,
+                        _ => 0,
+                    };
+                    assert!(buf.len() <= held, "{} bytes held at {framing:?}", buf.len());
+                    break;
+                }
+                Ok(Step::End) => {
+                    assert_eq!(framing, Framing::Done);
+                    let mut rest = buf.to_vec();
+                    rest.extend_from_slice(&input[last..]);
+                    return (body, Ended::Done(rest));
+                }
+                Err(_) => return (body, Ended::Error),
+            }
+        }
+    }
+    (body, Ended::Incomplete)
+}
+
+/// One CRLF-ended line of at most `LINE_LIMIT` bytes from `at`, without CR, LF or NUL inside:
+/// `Ok(None)` when it may still come, `Err` when it cannot be a line.
+fn ref_line(input: &[u8], at: usize) -> Result<Option<(&[u8], usize)>, ()> {
+    let rest = &input[at..];
+    match rest.windows(2).position(|w| w == b"\r\n") {
+        Some(end) if end > LINE_LIMIT => Err(()),
+        Some(end) if rest[..end].iter().any(|b| matches!(b, b'\r' | b'\n' | 0)) => Err(()),
+        Some(end) => Ok(Some((&rest[..end], at + end + 2))),
+        None if rest.len() > LINE_LIMIT + 1 => Err(()),
+        None => Ok(None),
+    }
+}
+
+/// A chunk-size line per RFC 9112 §7.1: hex digits (1 to 15), optional spaces or tabs, then
+/// nothing or `;` and an extension.
+fn ref_chunk_size(line: &[u8]) -> Option<u64> {
+    let n = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+    let after: Vec<u8> = line[n..].iter().copied().skip_while(|&b| b == b' ' || b == b'\t').collect();
+    if n == 0 || n > 15 || !(after.is_empty() || after[0] == b';') {
+        return None;
+    }
+    u64::from_str_radix(std::str::from_utf8(&line[..n]).unwrap(), 16).ok()
+}
+
+/// The chunked grammar read in one pass over the whole input, with the reader's limits.
+pub fn chunked_reference(input: &[u8]) -> (Vec<u8>, Ended) {
+    let mut body = Vec::new();
+    let mut at = 0;
+    macro_rules! line {
+        () => {
+            match ref_line(input, at) {
+                Err(()) => return (body, Ended::Error),
+                Ok(None) => return (body, Ended::Incomplete),
+                Ok(Some((line, next))) => {
+                    at = next;
+                    line
+                }
+            }
+        };
+    }
+    loop {
+        let Some(size) = ref_chunk_size(line!()) else { return (body, Ended::Error) };
+        if size == 0 {
+            break;
+        }
+        let left = input.len() - at;
+        if size > left as u64 {
+            body.extend_from_slice(&input[at..]);
+            return (body, Ended::Incomplete);
+        }
+        let end = at + usize::try_from(size).unwrap();
+        body.extend_from_slice(&input[at..end]);
+        at = end;
+        let tail = &input[at..input.len().min(at + 2)];
+        if tail != b"\r\n" {
+            return (body, if tail.len() < 2 && b"\r\n".starts_with(tail) { Ended::Incomplete } else { Ended::Error });
+        }
+        at += 2;
+    }
+    let (mut lines, mut bytes) = (0, 0);
+    loop {
+        let line = line!();
+        if line.is_empty() {
+            return (body, Ended::Done(input[at..].to_vec()));
+        }
+        lines += 1;
+        bytes += line.len() + 2;
+        if lines > MAX_TRAILERS || bytes > TRAILER_BYTES_LIMIT {
+            return (body, Ended::Error);
+        }
+    }
+}
+
+/// RFC 9112 §6.3 as a table over a parsed head: the framing and whether the connection may
+/// be reused, or `None` where the framing is an error (invalid or differing lengths,
+/// `Transfer-Encoding` in HTTP/1.0).
+fn framing_reference(
+    status: u16,
+    http11: bool,
+    headers: &[httparse::Header<'_>],
+    to_head: bool,
+) -> Option<(Framing, bool)> {
+    let values = |name: &str| -> Vec<&[u8]> {
+        headers.iter().filter(|h| h.name.eq_ignore_ascii_case(name)).map(|h| h.value).collect()
+    };
+    let mut lengths = HashSet::new();
+    for item in values("content-length").iter().flat_map(|v| v.split(|&b| b == b',')) {
+        let item = item.trim_ascii();
+        if item.is_empty() || !item.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        lengths.insert(std::str::from_utf8(item).unwrap().parse::<u64>().ok()?);
+    }
+    if lengths.len() > 1 {
+        return None;
+    }
+    let length = lengths.into_iter().next();
+    let codings = values("transfer-encoding");
+    if !codings.is_empty() && !http11 {
+        return None;
+    }
+    let last_coding = codings.last().map(|v| v.rsplit(|&b| b == b',').next().unwrap().trim_ascii());
+    let close = values("connection")
+        .iter()
+        .flat_map(|v| v.split(|&b| b == b','))
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"));
+    let framing = if (100..200).contains(&status) || status == 204 || status == 304 || to_head {
+        Framing::Done
+    } else if let Some(last) = last_coding {
+        if last.eq_ignore_ascii_case(b"chunked") {
+            Framing::Chunked(Chunk::Size)
+        } else {
+            Framing::UntilClose
+        }
+    } else {
+        length.map_or(Framing::UntilClose, Framing::Length)
+    };
+    let both = !codings.is_empty() && length.is_some();
+    Some((framing, http11 && status != 101 && !close && !both && framing != Framing::UntilClose))
+}
+
+/// A response head is parsed to the framing of the §6.3 table and never past its bytes; the
+/// body after it decodes the same whatever the cuts, and (chunked) as the one-pass reference.
+pub fn check_h1_head(raw: &[u8], to_head: bool, cuts: &[usize]) {
+    let mut headers = [httparse::EMPTY_HEADER; 128];
+    let mut reference = httparse::Response::new(&mut headers);
+    let parsed = reference.parse(raw);
+    let got = parse_head(raw, to_head);
+    let Ok(httparse::Status::Complete(len)) = parsed else {
+        assert!(!matches!(got, Ok(Some(_))), "httparse sees no complete head");
+        return;
+    };
+    let want = framing_reference(reference.code.unwrap(), reference.version == Some(1), reference.headers, to_head);
+    let (answer, got_len) = match (got, want) {
+        (Ok(Some(got)), Some(want)) => {
+            assert_eq!((got.0.framing(), got.0.keep_alive()), want, "{}", String::from_utf8_lossy(raw));
+            got
+        }
+        (Err(WireError::Malformed(_)), None) => return,
+        // Names and values httparse passes but `http`'s types refuse.
+        (Err(WireError::Malformed("bad header" | "bad header value" | "bad status")), _) => return,
+        (got, want) => {
+            panic!("{}: got {:?}, want {want:?}", String::from_utf8_lossy(raw), got.map(|g| g.map(|a| a.0.framing())))
+        }
+    };
+    assert_eq!(got_len, len);
+    let body = &raw[len..];
+    let whole = h1_decode(answer.framing(), body, &[]);
+    assert_eq!(h1_decode(answer.framing(), body, cuts), whole, "cut-dependent");
+    let bytewise: Vec<usize> = (1..body.len()).collect();
+    assert_eq!(h1_decode(answer.framing(), body, &bytewise), whole, "byte-by-byte differs");
+    match answer.framing() {
+        Framing::Chunked(_) => assert_eq!(whole, chunked_reference(body)),
+        Framing::Length(n) => {
+            let n = usize::try_from(n).unwrap_or(usize::MAX);
+            let want = if n <= body.len() { Ended::Done(body[n..].to_vec()) } else { Ended::Incomplete };
+            assert_eq!(whole, (body[..n.min(body.len())].to_vec(), want));
+        }
+        Framing::UntilClose => assert_eq!(whole, (body.to_vec(), Ended::Incomplete)),
+        Framing::Done => assert_eq!(whole, (Vec::new(), Ended::Done(body.to_vec()))),
+    }
+}
+
+/// Chunk extensions and trailers the encoder picks from.
+const EXTENSIONS: [&str; 5] = ["", ";a=1", " ;name=\"q;v\"", "\t;x", ";a;b=2"];
+const TRAILERS: [&str; 3] = ["x-t: 1\r\n", "Server-Timing: a;dur=1\r\n", "x-e:\r\n"];
+
+/// `body` chunk-encoded with chunk sizes, extensions and trailers drawn from `seed`, then the
+/// next answer's first bytes: the reader gives back the body exactly, ends at the last CRLF,
+/// whatever the cuts; a length-framed copy reads the same.
+pub fn check_h1_chunked(body: &[u8], seed: u8, cuts: &[usize]) {
+    let mut raw = Vec::new();
+    let mut at = 0;
+    let mut x = u32::from(seed) | 0x100;
+    while at < body.len() {
+        x = x.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+        let size = ((x >> 8) as usize % 300 + 1).min(body.len() - at);
+        let hex = if x & 1 == 0 { format!("{size:x}") } else { format!("{size:X}") };
+        let pad = if x & 2 == 0 { "" } else { "000" };
+        raw.extend_from_slice(format!("{pad}{hex}{}\r\n", EXTENSIONS[(x >> 4) as usize % EXTENSIONS.len()]).as_bytes());
+        raw.extend_from_slice(&body[at..at + size]);
+        raw.extend_from_slice(b"\r\n");
+        at += size;
+    }
+    raw.extend_from_slice(format!("0{}\r\n", EXTENSIONS[usize::from(seed) % EXTENSIONS.len()]).as_bytes());
+    for t in 0..usize::from(seed >> 5) {
+        raw.extend_from_slice(TRAILERS[t % TRAILERS.len()].as_bytes());
+    }
+    raw.extend_from_slice(b"\r\n");
+    let next = b"HTTP/1.1 200 OK\r\n";
+    raw.extend_from_slice(next);
+    let want = (body.to_vec(), Ended::Done(next.to_vec()));
+    assert_eq!(h1_decode(Framing::Chunked(Chunk::Size), &raw, cuts), want);
+    assert_eq!(h1_decode(Framing::Chunked(Chunk::Size), &raw, &[]), want);
+    assert_eq!(chunked_reference(&raw), want);
+    let mut framed = body.to_vec();
+    framed.extend_from_slice(next);
+    assert_eq!(h1_decode(Framing::Length(body.len() as u64), &framed, cuts), want);
+}
+
+/// Fuzz input: byte 0 = flags (bit 0: raw bytes, else a body to encode; bit 1: the request
+/// was a `HEAD`; bit 2: raw bytes are a chunked body, not a head), byte 1 seeds the cuts and
+/// the encoding, the rest is the data.
+pub fn fuzz_h1(data: &[u8]) {
+    let [flags, seed, rest @ ..] = data else { return };
+    let cuts = cuts_from_seed(*seed, rest.len() + 64);
+    match (flags & 1 == 1, flags & 4 == 4) {
+        (false, _) => check_h1_chunked(rest, *seed, &cuts),
+        (true, false) => check_h1_head(rest, flags & 2 == 2, &cuts),
+        (true, true) => {
+            let whole = h1_decode(Framing::Chunked(Chunk::Size), rest, &[]);
+            assert_eq!(h1_decode(Framing::Chunked(Chunk::Size), rest, &cuts), whole, "cut-dependent");
+            assert_eq!(whole, chunked_reference(rest));
+        }
     }
 }

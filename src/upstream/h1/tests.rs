@@ -29,7 +29,7 @@ async fn send_in_pieces(engine: &mut TcpStream, pieces: &[&[u8]]) {
 
 /// Reads the head and the body piece by piece; returns the body and whether it is reusable.
 async fn read_all(conn: &mut Conn) -> Result<(u16, Vec<u8>, bool), WireError> {
-    let mut answer = conn.read_head().await?;
+    let mut answer = conn.read_head(false).await?;
     let mut body = Vec::new();
     while let Some(piece) = conn.read_body(&mut answer).await? {
         body.extend_from_slice(&piece);
@@ -38,7 +38,7 @@ async fn read_all(conn: &mut Conn) -> Result<(u16, Vec<u8>, bool), WireError> {
 }
 
 fn head_of(raw: &[u8]) -> Answer {
-    parse_head(raw).unwrap().expect("complete").0
+    parse_head(raw, false).unwrap().expect("complete").0
 }
 
 #[test]
@@ -60,6 +60,102 @@ fn framing_follows_the_head() {
     assert!(head_of(b"HTTP/1.1 100 Continue\r\n\r\n").informational);
 }
 
+/// The framing and reuse of `raw`'s head (`to_head`: answering a HEAD), or its error.
+fn framing_of(raw: &str, to_head: bool) -> Result<(Framing, bool), &'static str> {
+    match parse_head(raw.as_bytes(), to_head) {
+        Ok(Some((answer, _))) => Ok((answer.framing, answer.keep_alive)),
+        Ok(None) => Err("incomplete"),
+        Err(WireError::Malformed(why)) => Err(why),
+        Err(_) => Err("other"),
+    }
+}
+
+/// One framing case: the raw head, whether it answers a HEAD, and what it must give.
+type FramingCase = (String, bool, Result<(Framing, bool), &'static str>);
+
+/// RFC 9112 §6.3, one row per framing combination.
+#[test]
+fn framing_follows_rfc_9112_section_6_3() {
+    let ok = "HTTP/1.1 200 OK\r\n";
+    let cases: [FramingCase; 16] = [
+        (format!("{ok}content-length: 5\r\n\r\n"), true, Ok((Framing::Done, true))),
+        ("HTTP/1.1 304 Not Modified\r\ntransfer-encoding: chunked\r\n\r\n".into(), false, Ok((Framing::Done, true))),
+        ("HTTP/1.1 101 Switching Protocols\r\n\r\n".into(), false, Ok((Framing::Done, false))),
+        (format!("{ok}transfer-encoding: gzip, chunked\r\n\r\n"), false, Ok((Framing::Chunked(Chunk::Size), true))),
+        (
+            format!("{ok}transfer-encoding: gzip\r\ntransfer-encoding: Chunked\r\n\r\n"),
+            false,
+            Ok((Framing::Chunked(Chunk::Size), true)),
+        ),
+        (format!("{ok}transfer-encoding: chunked, gzip\r\n\r\n"), false, Ok((Framing::UntilClose, false))),
+        (format!("{ok}transfer-encoding: gzip\r\ncontent-length: 3\r\n\r\n"), false, Ok((Framing::UntilClose, false))),
+        (
+            format!("{ok}content-length: 3\r\ntransfer-encoding: chunked\r\n\r\n"),
+            false,
+            Ok((Framing::Chunked(Chunk::Size), false)),
+        ),
+        (format!("{ok}content-length: 3, 3\r\n\r\n"), false, Ok((Framing::Length(3), true))),
+        (format!("{ok}content-length: 3, 4\r\n\r\n"), false, Err("conflicting content-length")),
+        (format!("{ok}content-length: 3\r\ncontent-length: 4\r\n\r\n"), false, Err("conflicting content-length")),
+        (format!("{ok}content-length: +3\r\n\r\n"), false, Err("bad content-length")),
+        (format!("{ok}content-length: 3 3\r\n\r\n"), false, Err("bad content-length")),
+        (format!("{ok}content-length: 99999999999999999999\r\n\r\n"), false, Err("bad content-length")),
+        (
+            "HTTP/1.0 200 OK\r\ntransfer-encoding: chunked\r\n\r\n".into(),
+            false,
+            Err("transfer-encoding in an HTTP/1.0 answer"),
+        ),
+        (format!("{ok}\r\n"), false, Ok((Framing::UntilClose, false))),
+    ];
+    for (raw, to_head, want) in cases {
+        assert_eq!(framing_of(&raw, to_head), want, "{raw:?} (HEAD: {to_head})");
+    }
+}
+
+#[tokio::test]
+async fn a_coding_other_than_chunked_last_is_read_until_close_whatever_the_length() {
+    let (mut conn, mut engine) = pair().await;
+    engine.write_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\ncontent-length: 3\r\n\r\nabcdef").await.unwrap();
+    drop(engine);
+    let (_, body, reusable) = read_all(&mut conn).await.unwrap();
+    assert_eq!((body.as_slice(), reusable), (&b"abcdef"[..], false), "read to the close, never reused");
+}
+
+#[tokio::test]
+async fn trailers_are_capped_in_count_and_bytes() {
+    let head = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n0\r\n";
+    let many = format!("{head}{}\r\n", "x-t: 1\r\n".repeat(MAX_TRAILERS + 1));
+    let big = format!("{head}{}\r\n", format!("x-t: {}\r\n", "v".repeat(4000)).repeat(5));
+    let fine = format!("{head}{}\r\n", "x-t: 1\r\n".repeat(MAX_TRAILERS));
+    for (raw, ok) in [(many, false), (big, false), (fine, true)] {
+        let (mut conn, mut engine) = pair().await;
+        engine.write_all(raw.as_bytes()).await.unwrap();
+        let result = read_all(&mut conn).await;
+        assert_eq!(result.is_ok(), ok, "{} bytes: {:?}", raw.len(), result.err());
+    }
+}
+
+#[tokio::test]
+async fn a_declared_length_reserves_nothing_before_the_bytes_arrive() {
+    // 60 MiB announced (under the 64 MiB limit), 100 bytes sent.
+    let raw = b"HTTP/1.1 200 OK\r\ncontent-length: 62914560\r\n\r\n";
+    for whole in [true, false] {
+        let (mut conn, mut engine) = pair().await;
+        engine.write_all(raw).await.unwrap();
+        engine.write_all(&[b'x'; 100]).await.unwrap();
+        drop(engine);
+        let mut answer = conn.read_head(false).await.unwrap();
+        let read = if whole {
+            conn.read_to_end(&mut answer, 64 << 20).await.map(|_| ())
+        } else {
+            while conn.read_body(&mut answer).await.is_ok_and(|p| p.is_some()) {}
+            Ok(())
+        };
+        assert!(!whole || matches!(read, Err(WireError::Closed)));
+        assert!(conn.buf.capacity() <= 4 * READ_SIZE, "whole: {whole}: {} bytes reserved", conn.buf.capacity());
+    }
+}
+
 #[test]
 fn the_head_keeps_status_and_headers() {
     let answer =
@@ -71,13 +167,13 @@ fn the_head_keeps_status_and_headers() {
 
 #[test]
 fn bad_heads_are_malformed_and_partial_ones_wait() {
-    assert!(parse_head(b"HTTP/1.1 200 OK\r\ncontent-le").unwrap().is_none());
+    assert!(parse_head(b"HTTP/1.1 200 OK\r\ncontent-le", false).unwrap().is_none());
     for bad in [
         &b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n"[..],
         b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
         b"SMTP ready\r\n\r\n",
     ] {
-        assert!(matches!(parse_head(bad), Err(WireError::Malformed(_))), "{}", String::from_utf8_lossy(bad));
+        assert!(matches!(parse_head(bad, false), Err(WireError::Malformed(_))), "{}", String::from_utf8_lossy(bad));
     }
     let repeated = "HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 2\r\n\r\n";
     assert_eq!(head_of(repeated.as_bytes()).framing, Framing::Length(2), "equal repeats agree");
@@ -88,13 +184,19 @@ fn chunk_lines_are_parsed_strictly() {
     let size = |line: &[u8]| next_chunk_state(Chunk::Size, line);
     assert_eq!(size(b"1a").unwrap(), Framing::Chunked(Chunk::Data(26)));
     assert_eq!(size(b"A;name=value").unwrap(), Framing::Chunked(Chunk::Data(10)));
-    assert_eq!(size(b"0").unwrap(), Framing::Chunked(Chunk::Trailers));
-    for bad in [&b""[..], b"zz", b"-1", b"1234567890abcdef0"] {
+    assert_eq!(size(b"0").unwrap(), Framing::Chunked(Chunk::Trailers { lines: 0, bytes: 0 }));
+    assert_eq!(size(b"a \t;x").unwrap(), Framing::Chunked(Chunk::Data(10)), "BWS before an extension");
+    for bad in [&b""[..], b"zz", b"-1", b"+a", b" a", b"a b", b"1234567890abcdef0", b"5\nx", b"5;a\rb"] {
         assert!(size(bad).is_err(), "{}", String::from_utf8_lossy(bad));
     }
-    assert!(next_chunk_state(Chunk::DataEnd, b"x").is_err(), "data past its declared size");
-    assert_eq!(next_chunk_state(Chunk::Trailers, b"x-t: 1").unwrap(), Framing::Chunked(Chunk::Trailers));
-    assert_eq!(next_chunk_state(Chunk::Trailers, b"").unwrap(), Framing::Done);
+    let trailers = Chunk::Trailers { lines: 0, bytes: 0 };
+    assert_eq!(
+        next_chunk_state(trailers, b"x-t: 1").unwrap(),
+        Framing::Chunked(Chunk::Trailers { lines: 1, bytes: 8 })
+    );
+    assert_eq!(next_chunk_state(trailers, b"").unwrap(), Framing::Done);
+    let mut data_end = Framing::Chunked(Chunk::DataEnd);
+    assert!(body_step(&mut data_end, &mut BytesMut::from(&b"x\r\n"[..])).is_err(), "data past its declared size");
 }
 
 #[test]
@@ -147,7 +249,7 @@ async fn a_length_body_split_across_reads_is_whole_and_reusable() {
 async fn read_to_end_refuses_a_declared_length_over_the_limit() {
     let (mut conn, mut engine) = pair().await;
     engine.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n").await.unwrap();
-    let mut answer = conn.read_head().await.unwrap();
+    let mut answer = conn.read_head(false).await.unwrap();
     assert!(conn.read_to_end(&mut answer, 99).await.unwrap().is_none());
     assert!(!conn.reusable_after(&answer), "an unread body leaves the connection unusable");
 }
@@ -156,7 +258,7 @@ async fn read_to_end_refuses_a_declared_length_over_the_limit() {
 async fn whole_within(raw: &[u8], limit: usize) -> (Option<Bytes>, bool) {
     let (mut conn, mut engine) = pair().await;
     engine.write_all(raw).await.unwrap();
-    let mut answer = conn.read_head().await.unwrap();
+    let mut answer = conn.read_head(false).await.unwrap();
     let body = conn.read_to_end(&mut answer, limit).await.unwrap();
     (body, conn.reusable_after(&answer))
 }
