@@ -464,8 +464,9 @@ impl UpstreamClient {
         body: &[Bytes],
         fresh: bool,
         delivery: &Delivery,
-        to_head: bool,
     ) -> Result<(Conn, Answer), SendFailure> {
+        // The answer to a HEAD has no body whatever its head says (RFC 9112 §6.3).
+        let to_head = head.starts_with(b"HEAD ");
         let addr = peer.to_string();
         let (mut conn, reused) = self
             .connection(peer, key, fresh)
@@ -533,14 +534,12 @@ impl UpstreamClient {
         })?;
         let peer = self.peer(to).await.map_err(|error| SendFailure { error, unstarted: true })?;
         let pool_key = PoolKey::of(&peer, to);
-        let to_head = head.method == http::Method::HEAD;
-        let (conn, answer) =
-            self.attempt(&peer, &pool_key, &wire, body, fresh, delivery, to_head).await.inspect_err(|f| {
-                // The name may point somewhere else now: the next leg looks it up again.
-                if matches!(f.error, UpstreamError::Connect { .. }) {
-                    self.resolver.forget(to.addr);
-                }
-            })?;
+        let (conn, answer) = self.attempt(&peer, &pool_key, &wire, body, fresh, delivery).await.inspect_err(|f| {
+            // The name may point somewhere else now: the next leg looks it up again.
+            if matches!(f.error, UpstreamError::Connect { .. }) {
+                self.resolver.forget(to.addr);
+            }
+        })?;
         Ok(Exchange { conn, answer, pool_key, addr: to.addr.to_owned() })
     }
 
