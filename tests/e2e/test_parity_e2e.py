@@ -6,6 +6,8 @@ every reused request (parity_sample = 1.0) on the default route and on the relay
 tests/e2e/wrong_tokenizer.py) under on_parity_mismatch = "disable_reuse".
 
 - the wrong tokenizer produces mismatches, and reuse turns off for that route (counted once);
+- honest text with decomposed accents (NFD: macOS input, Vietnamese, Korean jamo), which the
+  Qwen3 tokenizer composes (NFC) so its ids decode composed, matches;
 - every check of the earlier tests' real traffic (single and multi-turn chat, system prompts,
   tools with a tool call in the history, thinking on and off, completions, streamed or not,
   relay mode) matched: a correct request never reads as a mismatch.
@@ -20,7 +22,7 @@ import openai
 
 from engine_metrics import DecodePull
 
-from test_e2e import ADMIN_PORT, HOST, MODEL, TIMEOUT_S, TOKENONCE_PORT, ROUTE_HEADER, metric, scrape
+from test_e2e import ADMIN_PORT, HOST, MODEL, TIMEOUT_S, TOKENONCE_PORT, ROUTE_HEADER, client, metric, salted, scrape
 
 WRONG = "e2e-wrongtok"
 CHECKED_ROUTES = ("e2e-reuse", "e2e-relay")
@@ -70,6 +72,25 @@ def test_a_wrong_tokenizer_mismatches_and_disable_reuse_turns_reuse_off():
                          reason="parity_reuse_off") >= 1, snap
     assert metric(snap, "tokenonce_parity_reuse_disabled_total", route=WRONG) == 1, "logged and counted once"
     assert checks(snap, WRONG, "mismatch") - checks(before, WRONG, "mismatch") >= 2
+
+
+def test_decomposed_accents_of_honest_traffic_match():
+    """vLLM's real Qwen3 tokenizer composes NFD text, so the prefill's honest ids decode to
+    `Café` while the request reads `Cafe\u0301`: the watch compares both normalized and
+    counts a match (on main before issue 20 these were mismatches)."""
+    before = settled()
+    c = client(TOKENONCE_PORT)
+    texts = ["Cafe\u0301 cre\u0300me bru\u0302le\u0301e", "Vie\u0323\u0302t Nam and Caf\u00e9 cre\u0300me",
+             "\u1100\u1161\u11a8 \u1102\u1165"]
+    for i, text in enumerate(texts):
+        with DecodePull() as pull:
+            r = c.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": text}],
+                                          extra_body=salted(f"nfd-{i}"))
+        pull.assert_pulled(r.usage.prompt_tokens)
+    snap = settled()
+    assert checks(snap, "e2e-reuse", "mismatch") == checks(before, "e2e-reuse", "mismatch"), snap
+    assert checks(snap, "e2e-reuse", "match") - checks(before, "e2e-reuse", "match") == len(texts), snap
 
 
 def test_every_check_of_real_traffic_matched():
