@@ -248,6 +248,29 @@ async fn whole_answer_and_first_byte_deadlines_each_bound_their_answers() {
     }
 }
 
+/// A passthrough route chosen from the head alone (no model glob) still reads an API body,
+/// so a non-streamed answer gets the whole-answer deadline there too: served after the
+/// first-byte and idle deadlines (300 ms each) passed; past the whole-answer deadline, 504.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_plain_passthrough_route_gives_non_streamed_answers_the_whole_answer_deadline() {
+    let engine = FakeVllm::start(FakeConfig { delay: Duration::from_millis(900), ..FakeConfig::default() }).await;
+    let keys = format!("stream_idle_timeout_ms = 300\n{}", split_deadlines(20_000));
+    let proxy = TokenOnce::start(&passthrough(&engine.host_port(), "\"/v1/chat/completions\"", &keys)).await;
+    let url = format!("{}/v1/chat/completions", proxy.url);
+    let (status, _, text) = post_json(&url, &chat_body("hi", json!({"stream": false})), &[]).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(proxy.metric(r#"tokenonce_timeouts_total{route="pt",stage="first_byte"}"#).await, 0.0);
+    let (status, _, text) = post_json(&url, &chat_body("hi", json!({"stream": true})), &[]).await;
+    assert_eq!(status, 504, "streamed: the first-byte deadline: {text}");
+
+    let short = format!("stream_idle_timeout_ms = 300\n{}", split_deadlines(500));
+    let bounded = TokenOnce::start(&passthrough(&engine.host_port(), "\"/v1/chat/completions\"", &short)).await;
+    let url = format!("{}/v1/chat/completions", bounded.url);
+    let (status, _, text) = post_json(&url, &chat_body("hi", json!({})), &[]).await;
+    assert_eq!(status, 504, "{text}");
+    assert!(text.contains("\"code\":\"decode_timeout\""), "{text}");
+}
+
 /// Passthrough through pingora's pipeline (a path no API handler takes): an engine with no
 /// head is a 504; one that stalls mid-body has its client connection cut. Both counted.
 #[tokio::test(flavor = "multi_thread")]

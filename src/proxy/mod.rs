@@ -32,7 +32,6 @@ use pingora::upstreams::peer::HttpPeer;
 pub use admin::Admin;
 pub use error::ProxyError;
 
-use crate::config::Mode;
 use crate::metrics::{Leg, Listener, Outcome};
 use crate::openai::{Api, RawObject, RequestView};
 use crate::routes::{RequestFacts, Route};
@@ -205,37 +204,29 @@ impl ProxyHttp for Proxy {
             error::fail(session, &ctx.info, &mut ctx.rec, e.into()).await;
             return Ok(true);
         }
-        let header = session.req_header();
-        let path = header.uri.path();
-        // A route is chosen here unless it may depend on the body's model.
-        let known = match ctx.info.api {
-            Some(_) if app.routes.needs_model(path) => None,
-            _ => Some(app.routes.select(&RequestFacts { path, model: None, headers: &header.headers })),
-        };
-        match (ctx.info.api, known) {
-            (Some(api), known) if known.is_none_or(|r| r.mode != Mode::Passthrough) => {
-                if let Err(e) = api::handle(session, ctx, api).await {
-                    error::fail(session, &ctx.info, &mut ctx.rec, e).await;
-                }
-                if ctx.rec.cut {
-                    // An error here makes pingora drop the connection without ending the body.
-                    return Err(Error::explain(ErrorType::WriteError, "response cut"));
-                }
-                Ok(true)
+        // Every API request is read and sent by tokenonce, on passthrough routes too: only a
+        // read body says whether the answer streams (a non-streamed one gets the whole-answer
+        // deadline), and only our leg client feeds outcomes, timeouts too, to ejection.
+        if let Some(api) = ctx.info.api {
+            if let Err(e) = api::handle(session, ctx, api).await {
+                error::fail(session, &ctx.info, &mut ctx.rec, e).await;
             }
-            (_, known) => {
-                if let Some(route) = known {
-                    ctx.info.route = Arc::clone(route);
-                }
-                session.as_downstream_mut().set_write_timeout(Some(ctx.info.route.client_write_timeout));
-                let answered = passthrough::check_declared_length(session, &ctx.info, &mut ctx.rec).await?;
-                if !answered {
-                    // pingora streams the body to the engine; the client waits for our go.
-                    edge::continue_if_expected(session).await?;
-                }
-                Ok(answered)
+            if ctx.rec.cut {
+                // An error here makes pingora drop the connection without ending the body.
+                return Err(Error::explain(ErrorType::WriteError, "response cut"));
             }
+            return Ok(true);
         }
+        let header = session.req_header();
+        let facts = RequestFacts { path: header.uri.path(), model: None, headers: &header.headers };
+        ctx.info.route = Arc::clone(app.routes.select(&facts));
+        session.as_downstream_mut().set_write_timeout(Some(ctx.info.route.client_write_timeout));
+        let answered = passthrough::check_declared_length(session, &ctx.info, &mut ctx.rec).await?;
+        if !answered {
+            // pingora streams the body to the engine; the client waits for our go.
+            edge::continue_if_expected(session).await?;
+        }
+        Ok(answered)
     }
 
     /// Passthrough only: counts the streamed request body against the route's

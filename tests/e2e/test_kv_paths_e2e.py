@@ -237,7 +237,7 @@ def test_prefill_gone_or_restarted_between_the_legs_of_a_relayed_request():
     prefill crashes. What vLLM 0.32 does with the first decode leg, the prefill still gone: the
     decode's NIXL handshake with it times out, it counts a failed transfer, computes nothing
     and answers 500 "Internal server error"; tokenonce relays that answer as is (an engine's
-    own answer) and counts the request a server error. The prefill is then started again (a
+    own answer) and counts the request a server error, its reuse `decode_failed` (ids sent, no 2xx). The prefill is then started again (a
     new engine id, none of the old blocks) and the second decode leg arrives with its old
     handoff: the same, failed transfers (2 seen) and vLLM's 500. The decode's log says why:
     "Failing 1 request(s) due to KV load failure (failure_policy=fail, ...)", vLLM 0.32's
@@ -257,7 +257,9 @@ def test_prefill_gone_or_restarted_between_the_legs_of_a_relayed_request():
     assert r.status_code == 500, (r.status_code, r.text[:300])
     assert r.json() == {"error": {"message": "Internal server error", "type": "InternalServerError",
                                   "param": None, "code": 500}}, r.text[:300]
-    assert delta("tokenonce_token_reuse_total", result="applied") == 1, "the ids were handed over"
+    # The ids were handed over and the decode answered 500: counted by that outcome.
+    assert delta("tokenonce_token_reuse_total", result="decode_failed") == 1, "the ids were handed over"
+    assert delta("tokenonce_token_reuse_total", result="applied") == 0
     assert delta("tokenonce_requests_total", outcome="server_error") == 1
 
     subprocess.run(["bash", os.path.join(HERE, "stack.sh"), "start-prefill"], check=True, timeout=400)
@@ -266,7 +268,8 @@ def test_prefill_gone_or_restarted_between_the_legs_of_a_relayed_request():
     assert r.status_code == 500 and r.json()["error"]["message"] == "Internal server error", r.text[:300]
     # The relay kept the ids for the cache's TTL (30 s): a restart that took longer finds
     # them gone (cache_miss, a text decode with the old handoff); either way one decision.
-    applied = delta("tokenonce_token_reuse_total", result="applied")
+    handed = delta("tokenonce_token_reuse_total", result="decode_failed")
     missed = delta("tokenonce_token_reuse_total", result="fallback", reason="cache_miss")
-    assert (applied, missed) in ((1, 0), (0, 1)), (applied, missed)
+    assert (handed, missed) in ((1, 0), (0, 1)), (handed, missed)
+    assert delta("tokenonce_token_reuse_total", result="applied") == 0
     assert delta("tokenonce_requests_total", outcome="server_error") == 1
