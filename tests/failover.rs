@@ -46,6 +46,40 @@ async fn wait_healthy(proxy: &TokenOnce, engines: &[&FakeVllm]) {
     }
 }
 
+/// Prefill `a` failing with 503 and `b` healthy in one pool (`eject_after_failures = 2`),
+/// decode `d`, at `health_interval_ms`; `text` is the config it runs.
+struct Ejecting {
+    a: FakeVllm,
+    proxy: TokenOnce,
+    text: String,
+    _engines: (FakeVllm, FakeVllm),
+}
+
+impl Ejecting {
+    async fn start(health_interval_ms: u64) -> Self {
+        let (a, b, d) = (
+            FakeVllm::start(failing(503)).await,
+            FakeVllm::start(FakeConfig::default()).await,
+            FakeVllm::start(FakeConfig::default()).await,
+        );
+        let settings =
+            Settings { health_interval_ms, upstream_extra: "eject_after_failures = 2\n".into(), ..Settings::default() };
+        let text = two_prefill_config(&a, &b, &d, "");
+        let proxy = TokenOnce::start_with(&text, &settings).await;
+        wait_healthy(&proxy, &[&a, &b]).await;
+        Self { a, proxy, text, _engines: (b, d) }
+    }
+
+    /// Sends chats (bounded: 5 s) until `a` is ejected.
+    async fn eject_a(&self) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.proxy.metric(EJECTIONS).await < 1.0 {
+            assert!(Instant::now() < deadline, "never ejected");
+            assert_eq!(chat(&self.proxy).await.0, 200);
+        }
+    }
+}
+
 const FAILOVERS: &str = r#"tokenonce_prefill_failovers_total{route="pd"}"#;
 const EJECTIONS: &str = r#"tokenonce_upstream_ejections_total{pool="prefill"}"#;
 
@@ -185,25 +219,11 @@ async fn consecutive_failures_eject_an_endpoint_until_it_recovers() {
 /// interval is 10 min here).
 #[tokio::test(flavor = "multi_thread")]
 async fn the_ejected_gauge_is_the_pools_state_between_health_rounds() {
-    let (a, b, d) = (
-        FakeVllm::start(failing(503)).await,
-        FakeVllm::start(FakeConfig::default()).await,
-        FakeVllm::start(FakeConfig::default()).await,
-    );
-    let settings = Settings {
-        health_interval_ms: 600_000,
-        upstream_extra: "eject_after_failures = 2\n".into(),
-        ..Settings::default()
-    };
-    let proxy = TokenOnce::start_with(&two_prefill_config(&a, &b, &d, ""), &settings).await;
-    wait_healthy(&proxy, &[&a, &b]).await;
+    let setup = Ejecting::start(600_000).await;
+    let proxy = &setup.proxy;
     let ejected = r#"tokenonce_upstream_ejected{pool="prefill"}"#;
     assert_eq!(proxy.metric(ejected).await, 0.0);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while proxy.metric(EJECTIONS).await < 1.0 {
-        assert!(Instant::now() < deadline, "never ejected");
-        assert_eq!(chat(&proxy).await.0, 200);
-    }
+    setup.eject_a().await;
     assert_eq!(proxy.metric(ejected).await, 1.0);
     // The backoff is 5 s: the endpoint is readmitted by itself, and the gauge says so.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -218,29 +238,17 @@ async fn the_ejected_gauge_is_the_pools_state_between_health_rounds() {
 /// out (it gets no request) and the gauge at 1.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reload_keeps_an_ejection() {
-    let (a, b, d) = (
-        FakeVllm::start(failing(503)).await,
-        FakeVllm::start(FakeConfig::default()).await,
-        FakeVllm::start(FakeConfig::default()).await,
-    );
-    let settings = Settings { upstream_extra: "eject_after_failures = 2\n".into(), ..Settings::default() };
-    let text = two_prefill_config(&a, &b, &d, "");
-    let proxy = TokenOnce::start_with(&text, &settings).await;
-    wait_healthy(&proxy, &[&a, &b]).await;
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while proxy.metric(EJECTIONS).await < 1.0 {
-        assert!(Instant::now() < deadline, "never ejected");
-        assert_eq!(chat(&proxy).await.0, 200);
-    }
-    let seen = a.posts().len();
-    proxy.reconfigure(&text);
+    let setup = Ejecting::start(Settings::default().health_interval_ms).await;
+    setup.eject_a().await;
+    let (proxy, seen) = (&setup.proxy, setup.a.posts().len());
+    proxy.reconfigure(&setup.text);
     let reloaded = r#"tokenonce_config_reloads_total{result="success"}"#;
     assert_eq!(proxy.metric_reaches(reloaded, 1.0).await, 1.0);
     assert_eq!(proxy.metric(r#"tokenonce_upstream_ejected{pool="prefill"}"#).await, 1.0);
     for _ in 0..4 {
-        assert_eq!(chat(&proxy).await.0, 200);
+        assert_eq!(chat(proxy).await.0, 200);
     }
-    assert_eq!(a.posts().len(), seen, "still ejected after the reload");
+    assert_eq!(setup.a.posts().len(), seen, "still ejected after the reload");
 }
 
 /// A reload removes the gauges of what it took away: the health of an endpoint no longer in
