@@ -191,12 +191,6 @@ impl RouteTable {
         self.routes.iter().find(|r| r.matches(facts)).unwrap_or(&self.default)
     }
 
-    /// True when some route could match `path` once the model is known, i.e. the body
-    /// must be read before choosing.
-    pub fn needs_model(&self, path: &str) -> bool {
-        self.routes.iter().any(|r| r.matcher.as_ref().is_some_and(|m| m.model().is_some()) && r.path_matches(path))
-    }
-
     /// Largest body any route accepts (bounds the read before a route is chosen).
     pub fn max_body_bytes(&self) -> usize {
         self.default.max_body_bytes
@@ -424,12 +418,5 @@ decode_pool = "decode"
         assert!(none.name == "rest", "the catch-all route takes it");
         assert_eq!(table.default_route().mode, Mode::Passthrough);
         assert_eq!(table.default_route().decode_pool.name, "decode");
-    }
-
-    #[test]
-    fn needs_model_only_where_a_glob_applies() {
-        let table = table();
-        assert!(table.needs_model("/v1/completions"));
-        assert!(!table.needs_model("/v1/models"));
     }
 }

@@ -111,7 +111,8 @@ pub struct HealthPoller {
     pub app: crate::SharedApp,
     /// Poll period.
     pub interval: Duration,
-    /// Other periodic upkeep run after each round (the relay cache sweep).
+    /// Other periodic upkeep run after each round (`App::refresh_gauges`: the ejected
+    /// gauges, the relay cache sweep).
     pub on_tick: Box<dyn Fn(&crate::App) + Send + Sync>,
 }
 
@@ -133,9 +134,6 @@ impl HealthPoller {
             }
         }
         while polls.join_next().await.is_some() {}
-        for pool in &app.pools {
-            app.metrics.upstream_ejected(&pool.name, pool.ejected(std::time::Instant::now()));
-        }
         compare_models(&app);
         // Idle engine connections of endpoints no longer used (or removed by a reload) close
         // within one interval past their idle limit.
