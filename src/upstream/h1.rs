@@ -343,7 +343,8 @@ fn next_chunk_state(at: Chunk, line: &[u8]) -> Result<Framing, WireError> {
 fn chunk_size(line: &[u8]) -> Option<u64> {
     let digits_end = line.iter().position(|b| !b.is_ascii_hexdigit()).unwrap_or(line.len());
     let (digits, rest) = line.split_at(digits_end);
-    let rest = rest.trim_ascii_start();
+    // BWS is spaces and tabs only (`trim_ascii_start` would also take a form feed).
+    let rest = &rest[rest.iter().take_while(|&&b| b == b' ' || b == b'\t').count()..];
     if digits.is_empty() || digits.len() > 15 || !(rest.is_empty() || rest.starts_with(b";")) {
         return None;
     }

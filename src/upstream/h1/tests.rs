@@ -186,7 +186,19 @@ fn chunk_lines_are_parsed_strictly() {
     assert_eq!(size(b"A;name=value").unwrap(), Framing::Chunked(Chunk::Data(10)));
     assert_eq!(size(b"0").unwrap(), Framing::Chunked(Chunk::Trailers { lines: 0, bytes: 0 }));
     assert_eq!(size(b"a \t;x").unwrap(), Framing::Chunked(Chunk::Data(10)), "BWS before an extension");
-    for bad in [&b""[..], b"zz", b"-1", b"+a", b" a", b"a b", b"1234567890abcdef0", b"5\nx", b"5;a\rb"] {
+    for bad in [
+        &b""[..],
+        b"zz",
+        b"-1",
+        b"+a",
+        b" a",
+        b"a b",
+        b"1234567890abcdef0",
+        b"5\nx",
+        b"5;a\rb",
+        b"0\x0c;ext=1",
+        b"0\x0b",
+    ] {
         assert!(size(bad).is_err(), "{}", String::from_utf8_lossy(bad));
     }
     let trailers = Chunk::Trailers { lines: 0, bytes: 0 };
