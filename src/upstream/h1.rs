@@ -344,7 +344,8 @@ fn chunk_size(line: &[u8]) -> Option<u64> {
     let digits_end = line.iter().position(|b| !b.is_ascii_hexdigit()).unwrap_or(line.len());
     let (digits, rest) = line.split_at(digits_end);
     // BWS is spaces and tabs only (`trim_ascii_start` would also take a form feed).
-    let rest = &rest[rest.iter().take_while(|&&b| b == b' ' || b == b'\t').count()..];
+    let bws = rest.iter().take_while(|&&b| b == b' ' || b == b'\t').count();
+    let rest = rest.get(bws..).unwrap_or_default();
     if digits.is_empty() || digits.len() > 15 || !(rest.is_empty() || rest.starts_with(b";")) {
         return None;
     }
