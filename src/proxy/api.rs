@@ -14,6 +14,7 @@ use crate::config::Mode;
 use crate::metrics::Leg;
 use crate::openai::{Api, ApiError, RawObject, RequestView};
 use crate::routes::RequestFacts;
+use crate::upstream;
 
 /// Reads the whole request body within `deadline`, refusing more than `limit` bytes.
 async fn read_body(session: &mut Session, limit: usize, deadline: Duration) -> Result<Bytes, ApiError> {
@@ -103,7 +104,7 @@ pub async fn handle(session: &mut Session, ctx: &mut Ctx, api: Api) -> Result<()
 
     if route.mode == Mode::Passthrough {
         // The body was read to choose the route: forward it unchanged ourselves.
-        let endpoint = exec::pick(&route.decode_pool, Leg::Passthrough)?;
+        let endpoint = upstream::pick(&route.decode_pool, Leg::Passthrough)?;
         return exec::forward(session, info, rec, &incoming, Leg::Passthrough, endpoint, body.clone().into()).await;
     }
     let obj = parsed.map_err(|e| ApiError::invalid(format!("body is not a JSON object: {e}"), None))?;

@@ -13,7 +13,7 @@ use super::{Record, RequestInfo};
 use crate::metrics::{ErrorKind, Leg, Outcome, TimeoutStage};
 use crate::openai::response::HandoffError;
 use crate::openai::ApiError;
-use crate::upstream::UpstreamError;
+use crate::upstream::{LegError, UpstreamError};
 
 /// Why a request could not be served as planned.
 #[derive(Debug, thiserror::Error)]
@@ -80,6 +80,16 @@ pub enum ProxyError {
     /// A bug or an unclassified failure inside tokenonce.
     #[error("internal: {0}")]
     Internal(String),
+}
+
+impl From<LegError> for ProxyError {
+    fn from(e: LegError) -> Self {
+        match e {
+            LegError::NoEndpoint(leg) => Self::NoEndpoint(leg),
+            LegError::Upstream { leg, source } => Self::upstream(leg, source),
+            LegError::Timeout { leg, after } => Self::Timeout { leg, after },
+        }
+    }
 }
 
 impl ProxyError {

@@ -5,7 +5,6 @@
 //! timings and the reuse outcome. Every failure is returned as a [`ProxyError`] for the one
 //! error exit.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,7 +27,7 @@ use crate::plan::{DecodeStep, DecodeVersion, Orchestration, Reuse};
 use crate::routes::Route;
 use crate::upstream::client::CREDENTIAL_HEADERS;
 use crate::upstream::health::learn_version;
-use crate::upstream::{Delivery, Endpoint, Exchange, LegClient, Picked, Pool, UpstreamClient};
+use crate::upstream::{Delivery, Endpoint, Exchange, Failover, LegClient, Picked, Pool, UpstreamClient};
 use crate::App;
 
 /// Largest prefill response accepted (a 128k-token prompt echoed is about 1 MB).
@@ -64,19 +63,6 @@ impl Incoming<'_> {
     }
 }
 
-/// An endpoint of `pool` for `leg`, counted in flight until dropped.
-///
-/// # Errors
-/// [`ProxyError::NoEndpoint`] when the pool is empty.
-pub fn pick(pool: &Pool, leg: Leg) -> Result<Picked, ProxyError> {
-    pool.pick().ok_or(ProxyError::NoEndpoint(leg))
-}
-
-/// A header-named prefiller, as a one-off endpoint (not in any pool).
-pub fn named_endpoint(addr: String) -> Picked {
-    Picked::new(Arc::new(Endpoint::new(addr)))
-}
-
 /// What is known of the decode engine's vLLM: the pool's pinned version, else the learned
 /// one, else asked now. Concurrent requests wait for one ask (a burst of first requests
 /// would otherwise each ask, and one slow answer would send its request down the text
@@ -102,14 +88,6 @@ fn head_deadline(route: &Route, req: &Incoming<'_>) -> Duration {
     }
 }
 
-/// Runs `work` within `limit` (none: unbounded); `Err` carries the limit that passed.
-async fn within<F: Future>(limit: Option<Duration>, work: F) -> Result<F::Output, Duration> {
-    match limit {
-        Some(limit) => tokio::time::timeout(limit, work).await.map_err(|_| limit),
-        None => Ok(work.await),
-    }
-}
-
 /// One leg to send: its request, label, endpoint and body.
 struct Outgoing<'r, 'a> {
     req: &'r Incoming<'a>,
@@ -131,22 +109,21 @@ fn leg_client(info: &RequestInfo) -> LegClient<'_> {
 }
 
 /// Sends one leg (its head built from the request, with the trace context) through the
-/// [`LegClient`], the one sender of every leg: retry, budget and ejection rules live there.
-/// `delivery` is marked once the request is written whole (see [`decode`]).
+/// [`LegClient`], the one sender of every leg: deadline, retry, budget and ejection rules
+/// live there. The answer head must come within `limit`; `delivery` is marked once the
+/// request is written whole (see [`decode`]).
 async fn exchange(
     info: &RequestInfo,
     rec: &Record,
     out: &Outgoing<'_, '_>,
     delivery: &Delivery,
+    limit: Option<Duration>,
 ) -> Result<Exchange, ProxyError> {
     let mut head = out.req.head(out.endpoint.addr(), &info.request_id, out.body.len())?;
     for (name, value) in rec.trace.headers_for(out.leg) {
         head.insert_header(name, value).map_err(|e| ProxyError::Internal(format!("trace header: {e}")))?;
     }
-    leg_client(info)
-        .exchange(out.leg, out.endpoint, &head, out.body.parts(), delivery)
-        .await
-        .map_err(|e| ProxyError::upstream(out.leg, e))
+    Ok(leg_client(info).send(out.leg, out.endpoint, &head, out.body.parts(), delivery, limit).await?)
 }
 
 /// [`exchange`] within `first_byte_timeout`, racing the client going away; with the result,
@@ -158,15 +135,9 @@ async fn send(
     out: Outgoing<'_, '_>,
     first_byte_timeout: Option<Duration>,
 ) -> (Result<Exchange, ProxyError>, bool) {
-    let leg = out.leg;
     let delivery = Delivery::default();
     let result = tokio::select! {
-        r = within(first_byte_timeout, exchange(info, rec, &out, &delivery)) => {
-            r.unwrap_or_else(|after| {
-                leg_client(info).timed_out(out.endpoint);
-                Err(ProxyError::Timeout { leg, after })
-            })
-        }
+        r = exchange(info, rec, &out, &delivery, first_byte_timeout) => r,
         _ = client_gone(session) => Err(ProxyError::ClientGone),
     };
     (result, delivery.delivered())
@@ -241,22 +212,13 @@ async fn prefill_attempts(
     body: Pieces,
     deadline: tokio::time::Instant,
 ) -> PrefillTry {
-    let attempts = pool.map_or(1, |p| info.route.prefill_attempts.min(p.endpoints.len()));
-    let mut tried = vec![first.addr().to_owned()];
+    let mut failover = Failover::new(pool, first, info.route.prefill_attempts);
     let mut result = prefill_once(info, rec, req, first, body.clone(), deadline).await;
-    for _ in 1..attempts {
-        if !result.fails_over() {
-            break;
-        }
-        let tried_now: Vec<&str> = tried.iter().map(String::as_str).collect();
-        let next = pool.and_then(|p| p.pick_at(Instant::now(), &tried_now)).filter(|n| !tried_now.contains(&n.addr()));
-        let Some(next) = next else { break };
+    while result.fails_over() {
+        let Some(next) = leg_client(info).fail_over(&mut failover) else { break };
         if let PrefillTry::NoAnswer(e) = &result {
             super::error::count(info, e);
         }
-        info.route.metrics.prefill_failover();
-        tracing::info!(request_id = %info.request_id, route = %info.route.name, "prefill failed over to another endpoint");
-        tried.push(next.addr().to_owned());
         result = prefill_once(info, rec, req, &next, body.clone(), deadline).await;
     }
     result
@@ -272,13 +234,10 @@ async fn prefill_once(
     body: Pieces,
     deadline: tokio::time::Instant,
 ) -> PrefillTry {
-    match tokio::time::timeout_at(deadline, prefill_answer(info, rec, req, endpoint, body)).await {
-        Ok(result) => result,
-        Err(_) => {
-            leg_client(info).timed_out(endpoint);
-            PrefillTry::TimedOut
-        }
-    }
+    leg_client(info)
+        .before(endpoint, deadline, prefill_answer(info, rec, req, endpoint, body))
+        .await
+        .unwrap_or(PrefillTry::TimedOut)
 }
 
 /// A prefill attempt's exchange: send, then read the whole answer. A 5xx is counted here.
@@ -289,11 +248,11 @@ async fn prefill_answer(
     endpoint: &Picked,
     body: Pieces,
 ) -> PrefillTry {
-    let exchange =
-        match exchange(info, rec, &Outgoing { req, leg: Leg::Prefill, endpoint, body }, &Delivery::default()).await {
-            Ok(exchange) => exchange,
-            Err(e) => return PrefillTry::NoAnswer(e),
-        };
+    let out = Outgoing { req, leg: Leg::Prefill, endpoint, body };
+    let exchange = match exchange(info, rec, &out, &Delivery::default(), None).await {
+        Ok(exchange) => exchange,
+        Err(e) => return PrefillTry::NoAnswer(e),
+    };
     let head = Some(exchange.head().clone());
     if head.as_ref().is_some_and(|h| h.status.as_u16() >= 500) {
         info.app.metrics.upstream_error(Leg::Prefill, ErrorKind::Status5xx);
@@ -434,7 +393,7 @@ async fn release(info: &RequestInfo, rec: &Record, req: &Incoming<'_>, endpoint:
     let span = rec.trace.release();
     let work = async {
         let out = Outgoing { req, leg: Leg::Decode, endpoint, body: body.into() };
-        let exchange = exchange(info, rec, &out, &Delivery::default()).await?;
+        let exchange = exchange(info, rec, &out, &Delivery::default(), None).await?;
         let ok = (200..300).contains(&exchange.status());
         info.app
             .client
@@ -443,12 +402,12 @@ async fn release(info: &RequestInfo, rec: &Record, req: &Incoming<'_>, endpoint:
             .map_err(|e| ProxyError::upstream(Leg::Decode, e))?;
         Ok::<bool, ProxyError>(ok)
     };
-    let (result, error) = match tokio::time::timeout(route.release_timeout, work.instrument(span.clone())).await {
-        Ok(Ok(true)) => (Release::Released, String::new()),
-        Ok(Ok(false)) => (Release::Failed, "answered a non-2xx status".to_owned()),
-        Ok(Err(e)) => (Release::Failed, e.to_string()),
-        Err(_) => {
-            leg_client(info).timed_out(endpoint);
+    let deadline = tokio::time::Instant::now() + route.release_timeout;
+    let (result, error) = match leg_client(info).before(endpoint, deadline, work.instrument(span.clone())).await {
+        Some(Ok(true)) => (Release::Released, String::new()),
+        Some(Ok(false)) => (Release::Failed, "answered a non-2xx status".to_owned()),
+        Some(Err(e)) => (Release::Failed, e.to_string()),
+        None => {
             route.metrics.timeout(TimeoutStage::Release);
             (Release::Timeout, format!("no answer within {} ms", route.release_timeout.as_millis()))
         }

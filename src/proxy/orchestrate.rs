@@ -18,7 +18,7 @@ use crate::openai::json::Pieces;
 use crate::openai::response::HandoffError;
 use crate::plan::{self, prefiller_from_header, DecodeVersion};
 use crate::routes::{PrefillTarget, Route};
-use crate::upstream::Picked;
+use crate::upstream::{self, Picked};
 
 /// Runs one request of an orchestrate route.
 ///
@@ -34,7 +34,7 @@ pub async fn run(
     // The handoff is ours: a client's own kv_transfer_params never reach an engine.
     let cleaned = plan::without_client_handoff(&req.obj, route.client_handoff)?;
     let obj = cleaned.as_ref().unwrap_or(&req.obj);
-    let decode = exec::pick(&route.decode_pool, Leg::Decode)?;
+    let decode = upstream::pick(&route.decode_pool, Leg::Decode)?;
     let Some(prefiller) = prefiller(route, req.incoming.headers, info.client_ip)? else {
         // Header mode without the header: the picker chose decode-only; send it as is.
         let body = cleaned
@@ -93,10 +93,10 @@ struct Prefiller {
 fn prefiller(route: &Route, headers: &HeaderMap, peer: Option<IpAddr>) -> Result<Option<Prefiller>, ProxyError> {
     match &route.prefill {
         Some(PrefillTarget::Pool(pool)) => {
-            Ok(Some(Prefiller { endpoint: exec::pick(pool, Leg::Prefill)?, named: false }))
+            Ok(Some(Prefiller { endpoint: upstream::pick(pool, Leg::Prefill)?, named: false }))
         }
         Some(PrefillTarget::Header(rule)) => Ok(prefiller_from_header(headers, rule, peer)?
-            .map(|addr| Prefiller { endpoint: exec::named_endpoint(addr), named: true })),
+            .map(|addr| Prefiller { endpoint: upstream::named_endpoint(addr), named: true })),
         None => Ok(None),
     }
 }

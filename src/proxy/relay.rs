@@ -17,6 +17,7 @@ use crate::openai::PromptIds;
 use crate::plan::relay::{Found, RelayDecode, RelayPlan, RelayPrefill, Search};
 use crate::plan::DecodeVersion;
 use crate::routes::PrefillTarget;
+use crate::upstream;
 use crate::App;
 
 /// Runs one request of a relay route.
@@ -52,7 +53,7 @@ async fn annotated_prefill(
         Some(PrefillTarget::Pool(pool)) => pool,
         _ => &route.decode_pool,
     };
-    let endpoint = exec::pick(pool, Leg::Prefill)?;
+    let endpoint = upstream::pick(pool, Leg::Prefill)?;
     let Some(body) = plan.body() else {
         return exec::forward(
             session,
@@ -90,7 +91,7 @@ async fn completed_decode(
     plan: &RelayDecode<'_, '_>,
 ) -> Result<(), ProxyError> {
     let (app, route) = (&info.app, &info.route);
-    let endpoint = exec::pick(&route.decode_pool, Leg::Decode)?;
+    let endpoint = upstream::pick(&route.decode_pool, Leg::Decode)?;
     let version = if plan.needs_decode_version(app.cache.is_empty()) {
         exec::decode_version(app, route, endpoint.endpoint()).await
     } else {

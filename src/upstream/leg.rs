@@ -1,17 +1,69 @@
 //! One leg to an engine as the request path sends it (orchestrated prefill and decode, relay
-//! legs, the release leg, passthrough with a read body): send, re-send once only when the
-//! engine provably never got it and the route's budget allows, feed the outcome to the
-//! endpoint's ejection, count retries, refusals and ejections. Deadlines and the client going
-//! away race this future in the caller; a deadline that passes is reported back here as a
-//! failure (`timed_out`), the client leaving counts as neither outcome.
+//! legs, the release leg, passthrough with a read body): pick its endpoint, send within its
+//! deadline, re-send once only when the engine provably never got it and the route's budget
+//! allows, fail a pool leg over to another endpoint, feed every outcome (a deadline that
+//! passed included) to the endpoint's ejection, count retries, refusals, failovers and
+//! ejections. The client going away races this in the caller and counts as neither outcome.
 
-use std::time::Instant;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use pingora::http::RequestHeader;
 
-use super::{Delivery, Exchange, Picked, RetryBudget, UpstreamClient, UpstreamError};
+use super::{Delivery, Endpoint, Exchange, Picked, Pool, RetryBudget, UpstreamClient, UpstreamError};
 use crate::metrics::{ErrorKind, Leg, Metrics, RouteMetrics};
+
+/// Why a leg has no answer head.
+#[derive(Debug)]
+pub enum LegError {
+    /// The leg's pool has no endpoint.
+    NoEndpoint(Leg),
+    /// The engine could not be reached or gave no answer head.
+    Upstream {
+        /// Which leg.
+        leg: Leg,
+        /// The failure, with the address (for the log only).
+        source: UpstreamError,
+    },
+    /// The leg's deadline passed first.
+    Timeout {
+        /// Which leg.
+        leg: Leg,
+        /// The deadline that passed.
+        after: Duration,
+    },
+}
+
+/// An endpoint of `pool` for `leg`, counted in flight until dropped.
+///
+/// # Errors
+/// [`LegError::NoEndpoint`] when the pool is empty.
+pub fn pick(pool: &Pool, leg: Leg) -> Result<Picked, LegError> {
+    pool.pick().ok_or(LegError::NoEndpoint(leg))
+}
+
+/// A header-named engine, as a one-off endpoint (not in any pool, never ejected).
+pub fn named_endpoint(addr: String) -> Picked {
+    Picked::new(Arc::new(Endpoint::new(addr)))
+}
+
+/// The endpoints a pool leg may fail over to: others of its pool, not tried yet, while its
+/// attempts last (at most the pool's size; a one-off endpoint has no other).
+pub struct Failover<'p> {
+    pool: Option<&'p Pool>,
+    tried: Vec<String>,
+    left: usize,
+}
+
+impl<'p> Failover<'p> {
+    /// After a first attempt on `first`, `attempts` in all.
+    pub fn new(pool: Option<&'p Pool>, first: &Picked, attempts: usize) -> Self {
+        let attempts = pool.map_or(1, |p| attempts.min(p.endpoints.len()));
+        Self { pool, tried: vec![first.addr().to_owned()], left: attempts.saturating_sub(1) }
+    }
+}
 
 /// What sending a leg needs of its request: the connections, the route's retry budget, and
 /// where its outcomes are counted and logged.
@@ -40,7 +92,8 @@ impl LegClient<'_> {
     /// re-sent: a decode must not run twice.
     ///
     /// The outcome feeds the endpoint's passive ejection: no answer or a 5xx head is a
-    /// failure, any other head a success (a deadline the caller lets pass: [`Self::timed_out`]). `delivery` is marked once the request is written whole.
+    /// failure, any other head a success (a deadline that passes: [`Self::before`]).
+    /// `delivery` is marked once the request is written whole.
     ///
     /// # Errors
     /// [`UpstreamError`] when the engine gave no answer head.
@@ -62,11 +115,62 @@ impl LegClient<'_> {
         result
     }
 
-    /// Records that `endpoint` let a leg's deadline pass (the caller dropped the exchange): a
-    /// failure for its ejection, as no answer is, so an engine that accepts and never answers
-    /// is ejected like one that refuses.
-    pub fn timed_out(&self, endpoint: &Picked) {
-        self.failed(endpoint);
+    /// [`Self::exchange`] within `limit` (none: unbounded).
+    ///
+    /// # Errors
+    /// [`LegError::Upstream`] when the engine gave no answer head, [`LegError::Timeout`] when
+    /// `limit` passed first (a failure of `endpoint`, see [`Self::before`]).
+    pub async fn send(
+        &self,
+        leg: Leg,
+        endpoint: &Picked,
+        head: &RequestHeader,
+        body: &[Bytes],
+        delivery: &Delivery,
+        limit: Option<Duration>,
+    ) -> Result<Exchange, LegError> {
+        let exchange = async {
+            self.exchange(leg, endpoint, head, body, delivery)
+                .await
+                .map_err(|source| LegError::Upstream { leg, source })
+        };
+        let Some(limit) = limit else { return exchange.await };
+        match self.before(endpoint, tokio::time::Instant::now() + limit, exchange).await {
+            Some(result) => result,
+            None => Err(LegError::Timeout { leg, after: limit }),
+        }
+    }
+
+    /// Runs `work` on `endpoint` (an exchange, and reading its answer) until `deadline`;
+    /// `None` when the deadline passed first, a failure of `endpoint` for its ejection, as
+    /// no answer is: an engine that accepts and never answers is ejected like one that refuses.
+    pub async fn before<T>(
+        &self,
+        endpoint: &Picked,
+        deadline: tokio::time::Instant,
+        work: impl Future<Output = T>,
+    ) -> Option<T> {
+        let result = tokio::time::timeout_at(deadline, work).await.ok();
+        if result.is_none() {
+            self.failed(endpoint);
+        }
+        result
+    }
+
+    /// The next endpoint `failover` allows, counted and logged as a prefill failover; `None`
+    /// when its attempts are spent or every endpoint of the pool was tried.
+    pub fn fail_over(&self, failover: &mut Failover<'_>) -> Option<Picked> {
+        if failover.left == 0 {
+            return None;
+        }
+        let tried: Vec<&str> = failover.tried.iter().map(String::as_str).collect();
+        let next =
+            failover.pool.and_then(|p| p.pick_at(Instant::now(), &tried)).filter(|n| !tried.contains(&n.addr()))?;
+        failover.left -= 1;
+        failover.tried.push(next.addr().to_owned());
+        self.route_metrics.prefill_failover();
+        tracing::info!(request_id = %self.request_id, route = %self.route, "prefill failed over to another endpoint");
+        Some(next)
     }
 
     /// One failure of `endpoint` for its pool's ejection rule (counted and logged when it ejects).

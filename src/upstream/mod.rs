@@ -1,6 +1,6 @@
 //! Upstream engines: pools and endpoint choice (`pool`), the HTTP client for the legs
 //! tokenonce sends itself (`client`, speaking HTTP/1.1 in `h1`) and its name cache (`resolve`),
-//! one leg sent under the retry and ejection rules (`leg`), the background health, version and
+//! one leg sent under the deadline, retry, failover and ejection rules (`leg`), the background health, version and
 //! model poller (`health`), and the per-route retry budget (`budget`).
 
 pub mod budget;
@@ -13,5 +13,5 @@ pub mod resolve;
 
 pub use budget::RetryBudget;
 pub use client::{Delivery, Exchange, SendFailure, UpstreamClient, UpstreamError};
-pub use leg::LegClient;
+pub use leg::{named_endpoint, pick, Failover, LegClient, LegError};
 pub use pool::{Endpoint, ModelIdentity, Picked, Pool};
