@@ -51,7 +51,9 @@ mkdir -p "$OUT/debs"
 candidates() { apt-cache show --no-all-versions "${PKGS[@]}" 2>/dev/null | sed -n 's/^Package: //p; s/^Version: //p' | paste - -; }
 list=$(candidates)
 [ "$(echo "$list" | grep -c .)" = ${#PKGS[@]} ] || { apt-get update -qq >/dev/null; list=$(candidates); }
-deb_of() { ls "$OUT/debs/${1}_${2//:/%3a}_"*.deb 2>/dev/null | head -n 1; }
+# The first existing path of a glob's matches, or nothing.
+first() { [ -e "$1" ] && echo "$1"; }
+deb_of() { first "$OUT/debs/${1}_${2//:/%3a}_"*.deb; }
 fetch=() versions=()
 while read -r pkg ver; do
   [ -n "$(deb_of "$pkg" "$ver")" ] || fetch+=("$pkg=$ver")
@@ -106,8 +108,8 @@ for pv in "${versions[@]}"; do
   if [ -L "$doc" ]; then
     # A doc folder linked to its source package's (libgcc-s1 -> gcc-12-base): that one has it.
     src_pkg=$(basename "$(readlink "$doc")")
-    ls "$OUT/debs/${src_pkg}_"*.deb >/dev/null 2>&1 || (cd "$OUT/debs" && apt-get download -qq "$src_pkg" 2>/dev/null)
-    dpkg-deb -x "$(ls "$OUT/debs/${src_pkg}_"*.deb | head -n 1)" "$OUT/debroot"
+    first "$OUT/debs/${src_pkg}_"*.deb >/dev/null || (cd "$OUT/debs" && apt-get download -qq "$src_pkg" 2>/dev/null)
+    dpkg-deb -x "$(first "$OUT/debs/${src_pkg}_"*.deb)" "$OUT/debroot"
   fi
   cp "$doc/copyright" "$R/usr/share/doc/$pkg/"
   dpkg-deb -f "$(deb_of "$pkg" "$ver")" >"$R/var/lib/dpkg/status.d/$pkg"
@@ -149,6 +151,7 @@ buildah push --quiet "$TAG" "oci-archive:$OUT/tokenonce.oci.tar:$TAG" >/dev/null
 # Inspect: what a runtime will do with it, and fail on anything unexpected.
 fmt='{{.OCIv1.Config.Entrypoint}} {{.OCIv1.Config.User}} {{len .OCIv1.RootFS.DiffIDs}}'
 read -r entry user layers <<<"$(buildah inspect --type image --format "$fmt" "$TAG")"
+# shellcheck disable=SC2016  # a Go template, not a shell expansion
 ports=$(buildah inspect --type image --format '{{range $p, $_ := .OCIv1.Config.ExposedPorts}}{{$p}} {{end}}' "$TAG")
 [ "$entry" = '[/usr/local/bin/tokenonce]' ] || die "entrypoint is $entry"
 [ "$user" = "$UID_GID:$UID_GID" ] || die "user is $user"
