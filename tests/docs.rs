@@ -121,7 +121,8 @@ fn configuration_reference_is_generated_from_the_code() {
 }
 
 /// The pools every probe config has.
-const POOLS: &str = "[pools.prefill]\nendpoints = [\"127.0.0.1:8100\"]\n[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n";
+const POOLS: &str =
+    "[pools.prefill]\nendpoints = [\"127.0.0.1:8100\"]\n[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n";
 /// A route with its tables still open for keys.
 const ROUTE: &str = "[[routes]]\nname = \"r\"\ndecode_pool = \"decode\"\n";
 
@@ -186,10 +187,17 @@ fn every_documented_default_is_the_loaded_default() {
                 let explicit = load(&format!("{base}{name} = {default}\n"));
                 let other = load(&format!("{base}{name} = {}\n", other_value(default)));
                 let holds = omitted.is_ok() && explicit == omitted && other != omitted;
-                tried.push(format!("{base}{name} = {default}\n  omitted: {omitted:?}\n  explicit: {explicit:?}\n  other: {other:?}"));
+                tried.push(format!(
+                    "{base}{name} = {default}\n  omitted: {omitted:?}\n  explicit: {explicit:?}\n  other: {other:?}"
+                ));
                 holds
             });
-            assert!(holds, "`{}`: the documented default `{default}` is not what loads:\n{}", key.path, tried.join("\n"));
+            assert!(
+                holds,
+                "`{}`: the documented default `{default}` is not what loads:\n{}",
+                key.path,
+                tried.join("\n")
+            );
             checked += 1;
         }
     }
@@ -217,7 +225,19 @@ fn every_documented_key_is_a_key_the_parser_knows() {
     let paths: Vec<&str> = sections.iter().map(|s| s.path.as_str()).collect();
     assert_eq!(
         paths,
-        ["server", "server.tls", "upstream", "pools.NAME", "pools.NAME.tls", "defaults", "routes", "routes.match", "routes.prefill", "cache", "tracing"]
+        [
+            "server",
+            "server.tls",
+            "upstream",
+            "pools.NAME",
+            "pools.NAME.tls",
+            "defaults",
+            "routes",
+            "routes.match",
+            "routes.prefill",
+            "cache",
+            "tracing"
+        ]
     );
     let unknown = load(&format!("{POOLS}[server]\nno_such_key = 1\n")).unwrap_err();
     assert!(unknown.contains("unknown key"), "{unknown}");
@@ -256,4 +276,19 @@ fn keys_fixed_at_start_are_the_ones_a_reload_names() {
     marked.sort();
     assert!(named.len() >= 10, "{named:?}");
     assert_eq!(marked, named, "keys marked `Fixed at start` vs src/reload.rs");
+}
+
+/// The fallback table (docs/concepts.md) has a row for every reason tokenonce counts, and no
+/// other.
+#[test]
+fn fallback_table_lists_every_reason() {
+    let concepts = read("docs/concepts.md");
+    let table = concepts.split("\n## When tokenonce falls back to the text decode\n").nth(1).unwrap();
+    let table = table.split("\n## ").next().unwrap();
+    let mut rows: Vec<&str> = table.lines().filter_map(|l| l.strip_prefix("| `")?.split('`').next()).collect();
+    let mut reasons: Vec<&str> = tokenonce::metrics::FallbackReason::ALL.iter().map(|r| r.as_str()).collect();
+    rows.sort_unstable();
+    reasons.sort_unstable();
+    assert!(reasons.len() > 10, "{reasons:?}");
+    assert_eq!(rows, reasons, "docs/concepts.md fallback table vs metrics::FallbackReason");
 }

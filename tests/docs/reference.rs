@@ -101,7 +101,8 @@ fn walk(
         // The struct's doc opens with the table's header, which the section's title shows.
         let own = plain(&doc_lines(&item.attrs).join(" "));
         let own = own.strip_prefix(&format!("`{header}`")).unwrap_or(&own).trim_start_matches(':').trim();
-        let intro: Vec<String> = [plain(&field_doc), own.to_owned()].into_iter().filter(|t| !t.is_empty()).map(capitalized).collect();
+        let intro: Vec<String> =
+            [plain(&field_doc), own.to_owned()].into_iter().filter(|t| !t.is_empty()).map(capitalized).collect();
         out.push(Section { path: path.to_owned(), header, intro: intro.join(" "), keys });
     }
     for (s, p, h, doc) in tables {
@@ -124,7 +125,7 @@ fn entry(path: String, kind: String, doc: &[String], reasons: &HashMap<String, S
     if let Some(line) = defaults.first() {
         let value = line.split('`').nth(1).unwrap_or_else(|| panic!("{path}: `Default: `VALUE`` ({line})"));
         default = Some(value.to_owned());
-        let constant = line.split("super::defaults::").nth(1).map(|c| c.trim_end_matches(|c| c == ')' || c == '.'));
+        let constant = line.split("super::defaults::").nth(1).map(|c| c.trim_end_matches([')', '.']));
         let constant = constant.unwrap_or_else(|| panic!("{path}: the Default line links its constant ({line})"));
         why = Some(reasons.get(constant).unwrap_or_else(|| panic!("{path}: no constant {constant}")).clone());
     }
@@ -139,7 +140,8 @@ fn doc_lines(attrs: &[syn::Attribute]) -> Vec<String> {
         .filter(|a| a.path().is_ident("doc"))
         .filter_map(|a| match &a.meta {
             syn::Meta::NameValue(syn::MetaNameValue {
-                value: syn::Expr::Lit(syn::ExprLit { lit: syn::Lit::Str(s), .. }), ..
+                value: syn::Expr::Lit(syn::ExprLit { lit: syn::Lit::Str(s), .. }),
+                ..
             }) => Some(s.value().strip_prefix(' ').map(str::to_owned).unwrap_or_else(|| s.value())),
             _ => None,
         })
@@ -255,11 +257,7 @@ pub fn render(sections: &[Section], default_toml: &str) -> String {
 
 /// GitHub's heading anchor of `` `[pools.NAME]` ``: lower case, punctuation but `-` and `_` dropped.
 fn anchor(header: &str) -> String {
-    header
-        .to_lowercase()
-        .chars()
-        .filter(|c| c.is_alphanumeric() || *c == '-' || *c == '_')
-        .collect()
+    header.to_lowercase().chars().filter(|c| c.is_alphanumeric() || *c == '-' || *c == '_').collect()
 }
 
 const HEADER: &str = "\
