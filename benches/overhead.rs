@@ -162,7 +162,7 @@ impl Prompt {
         Self {
             plain: body(json!({})),
             plain_stream: body(json!({"stream": true})),
-            // The prefill leg as tokenonce shapes it (README "How a request flows", step 1).
+            // The prefill leg as tokenonce shapes it (docs/concepts.md "How a request flows", step 1).
             prefill: body(json!({
                 "max_tokens": 1,
                 "stream": false,

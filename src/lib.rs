@@ -1,7 +1,7 @@
 //! tokenonce: a sidecar reverse proxy for vLLM prefill/decode disaggregation that sends the
 //! prefill's prompt token ids to the decode, so the prompt is rendered and tokenized once.
 //!
-//! Layout (formats → model → plan → execution); README "Architecture" walks the request path:
+//! Layout (formats → model → plan → execution); docs/contributing.md walks the request path:
 //! - `config`: TOML file format → validated model; the embedded default.
 //! - `routes`: the runtime route table (routes holding their pools, policy, metric handles)
 //!   and what each route learns at run time (`RouteState`, kept across reloads).

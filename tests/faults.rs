@@ -1,8 +1,8 @@
 //! The fault matrix (issue 8 point 9): tokenonce between fault-injecting engines
 //! (`tests/support/fault_engine.rs`, each a raw HTTP front on a fake vLLM) whose behaviour
 //! each case selects, over the prefill leg, the decode leg, the client and the config. Every
-//! case asserts what README's "Failure behaviour" table documents: the client's status and
-//! answer (error code), the metric deltas, what each engine read and which exchanges
+//! case asserts what the book's failure tables (docs/failures.md) document: the client's
+//! status and answer (error code), the metric deltas, what each engine read and which exchanges
 //! tokenonce closed, and a generous time bound. Table rows are [`Case`]s; scenarios that need
 //! several steps (reloads, restarts, failover, ejection) are functions below the table.
 
@@ -1132,13 +1132,14 @@ async fn ejection_and_readmission() {
     assert_eq!(proxy.metric(ejections).await, 1.0);
 }
 
-/// README's "Failure behaviour" tables and this matrix agree: every case a row names is a
-/// test of this crate's suites, and every case of this file (but the baselines) is named by a row.
+/// The book's failure tables (docs/failures.md, "The failure tables") and this matrix agree:
+/// every case a row names is a test of this crate's suites, and every case of this file (but
+/// the baselines) is named by a row.
 #[test]
-fn readme_failure_table_names_every_case() {
+fn failure_tables_name_every_case() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
-    let table = readme.split("### Failure behaviour").nth(1).unwrap().split("\n## ").next().unwrap();
+    let chapter = std::fs::read_to_string(root.join("docs/failures.md")).unwrap();
+    let table = chapter.split("\n## The failure tables\n").nth(1).unwrap().split("\n## ").next().unwrap();
     let named: Vec<&str> = table
         .lines()
         .filter(|l| l.starts_with('|') && !l.starts_with("|---"))
@@ -1163,7 +1164,7 @@ fn readme_failure_table_names_every_case() {
     for name in &named {
         let test_fn = [format!("#[test]\nfn {name}("), format!("#[test]\n    fn {name}("), format!("async fn {name}(")];
         let defined = test_fn.iter().any(|f| tests.contains(f.as_str())) || tests.contains(&format!("\n    {name}: "));
-        assert!(defined, "README names case {name}, which no test defines");
+        assert!(defined, "docs/failures.md names case {name}, which no test defines");
     }
     let own = std::fs::read_to_string(root.join("tests/faults.rs")).unwrap();
     let ident = |n: &&str| n.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
@@ -1178,6 +1179,6 @@ fn readme_failure_table_names_every_case() {
         .collect();
     // Baselines are no fault: they show the engines pass the fakes' answers unchanged.
     for name in rows.chain(scenarios.filter(|n| tested.contains(n))).filter(|n| !n.contains("baseline")) {
-        assert!(named.contains(&name), "case {name} has no row in README's failure tables");
+        assert!(named.contains(&name), "case {name} has no row in docs/failures.md's failure tables");
     }
 }

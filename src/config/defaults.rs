@@ -1,6 +1,7 @@
 //! Every default of the config file, in the file's own units, each with its reason. The
-//! validator applies these, `file.rs` links here instead of restating numbers, and a test
-//! checks README's configuration table against them.
+//! validator applies these; each key's doc in `file.rs` states its default and links here, and
+//! `tests/docs.rs` checks that stated value loads as this one and copies the reason into
+//! `docs/configuration.md`, so a reason here is written for operators.
 
 use super::model::{
     Balance, ClientHandoff, LogFormat, OnClientGone, OnPrefillFailure, OtlpProtocol, ParityPolicy, RelayHandoff,
@@ -48,8 +49,9 @@ pub const DECODE_FIRST_BYTE_TIMEOUT_MS: u64 = 60_000;
 /// ends a decode that never answers.
 pub const DECODE_WHOLE_ANSWER_TIMEOUT_MS: u64 = 1_800_000;
 /// Client requests served at once, per client listener service (plain and TLS together):
-/// with README's worst case of ~224 MiB per request the bound is far past any memory, but a
-/// typical request holds about 1 MB, and past a thousand in flight the engines queue anyway.
+/// with the worst case of ~224 MiB per request (docs/failures.md, "Memory per request") the
+/// bound is far past any memory, but a typical request holds about 1 MB, and past a thousand
+/// in flight the engines queue anyway.
 pub const MAX_IN_FLIGHT: u64 = 1024;
 /// Silence allowed between two body chunks (SSE events) of an engine answer being relayed,
 /// ms: vLLM streams a token every few tens of ms and a preempted or recomputing decode resumes

@@ -1,5 +1,5 @@
-//! tokenonce's own errors, each with its HTTP status and a stable `code` string (README
-//! "Errors" lists them), written in the format of the API asked: OpenAI's
+//! tokenonce's own errors, each with its HTTP status and a stable `code` string
+//! (docs/failures.md "Errors" lists them), written in the format of the API asked: OpenAI's
 //! `{"error":{"message","type","param","code"}}` (chat, completions, responses, any other
 //! path), Anthropic's `{"type":"error","error":{"type","message"}}` on `/v1/messages`; in a
 //! stream that already began, the API's own error event. Upstream errors are never re-wrapped

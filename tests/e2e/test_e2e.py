@@ -492,7 +492,7 @@ def test_vllm_error_reaches_client_unchanged(case, stream):
         if direct_stream.status_code == 200:
             # vLLM validates token ids only once the stream has started: it answers 200 with
             # one SSE event {"error": {...}} and [DONE]. Through tokenonce the client gets
-            # the same error object as a proper 400 (see README "surprises").
+            # the same error object as a proper 400 (docs/failures.md, "Errors").
             assert case == "completions_oov_id", (case, direct_stream.text[:300])
             assert sse_error(direct_stream) == json.loads(direct.content), direct_stream.text[:300]
         else:
