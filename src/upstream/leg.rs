@@ -83,7 +83,8 @@ pub struct LegClient<'a> {
 }
 
 impl LegClient<'_> {
-    /// Sends `head` and `body` to `endpoint` on `leg` and returns the engine's answer head.
+    /// Sends `head` and `body` to `endpoint` on `leg` and returns the engine's answer head,
+    /// which must come within `limit` (none: unbounded).
     ///
     /// Retry rule: a leg is re-sent once, to the same endpoint on a new connection, only when
     /// the engine provably never got it (connect failed, or the request could not be written
@@ -91,35 +92,13 @@ impl LegClient<'_> {
     /// the route's retry budget has a retry. A failure after the request was written is never
     /// re-sent: a decode must not run twice.
     ///
-    /// The outcome feeds the endpoint's passive ejection: no answer or a 5xx head is a
-    /// failure, any other head a success (a deadline that passes: [`Self::before`]).
-    /// `delivery` is marked once the request is written whole.
-    ///
-    /// # Errors
-    /// [`UpstreamError`] when the engine gave no answer head.
-    pub async fn exchange(
-        &self,
-        leg: Leg,
-        endpoint: &Picked,
-        head: &RequestHeader,
-        body: &[Bytes],
-        delivery: &Delivery,
-    ) -> Result<Exchange, UpstreamError> {
-        let result = self.send_and_resend(leg, endpoint, head, body, delivery).await;
-        let failed = result.as_ref().map_or(true, |exchange| exchange.status() >= 500);
-        if failed {
-            self.failed(endpoint);
-        } else {
-            endpoint.endpoint().request_succeeded();
-        }
-        result
-    }
-
-    /// [`Self::exchange`] within `limit` (none: unbounded).
+    /// The outcome feeds the endpoint's passive ejection: no answer, a 5xx head or `limit`
+    /// passing is a failure, any other head a success. `delivery` is marked once the request
+    /// is written whole.
     ///
     /// # Errors
     /// [`LegError::Upstream`] when the engine gave no answer head, [`LegError::Timeout`] when
-    /// `limit` passed first (a failure of `endpoint`, see [`Self::before`]).
+    /// `limit` passed first.
     pub async fn send(
         &self,
         leg: Leg,
@@ -130,9 +109,13 @@ impl LegClient<'_> {
         limit: Option<Duration>,
     ) -> Result<Exchange, LegError> {
         let exchange = async {
-            self.exchange(leg, endpoint, head, body, delivery)
-                .await
-                .map_err(|source| LegError::Upstream { leg, source })
+            let result = self.send_and_resend(leg, endpoint, head, body, delivery).await;
+            if result.as_ref().map_or(true, |exchange| exchange.status() >= 500) {
+                self.failed(endpoint);
+            } else {
+                endpoint.endpoint().request_succeeded();
+            }
+            result.map_err(|source| LegError::Upstream { leg, source })
         };
         let Some(limit) = limit else { return exchange.await };
         match self.before(endpoint, tokio::time::Instant::now() + limit, exchange).await {
@@ -182,7 +165,8 @@ impl LegClient<'_> {
         }
     }
 
-    /// [`Self::exchange`] without the ejection bookkeeping: the send and its one re-send.
+    /// [`Self::send`] without the deadline and the ejection bookkeeping: the send and its one
+    /// re-send.
     async fn send_and_resend(
         &self,
         leg: Leg,
