@@ -2,7 +2,7 @@
 //! prefill's prompt token ids to the decode, so the prompt is rendered and tokenized once.
 //!
 //! Layout (formats → model → plan → execution); docs/contributing.md walks the request path:
-//! - `config`: TOML file format → validated model; the embedded default.
+//! - `config`: the TOML file as typed data, checked, with what it names loaded; the embedded default.
 //! - `routes`: the runtime route table (routes holding their pools, policy, metric handles)
 //!   and what each route learns at run time (`RouteState`, kept across reloads).
 //! - `plan`: pure decisions per request: legs, reuse gate, prefill and decode bodies.
@@ -64,7 +64,7 @@ use std::sync::Arc;
 
 use prometheus::Registry;
 
-use crate::config::Config;
+use crate::config::{Config, Loaded, Resources};
 use crate::metrics::Metrics;
 use crate::routes::{DanglingPool, RouteTable};
 use crate::upstream::{Pool, UpstreamClient};
@@ -87,6 +87,8 @@ pub enum AppError {
 pub struct App {
     /// The validated config.
     pub config: Config,
+    /// What its paths name (admin token, certificates, tokenizers), as loaded with it.
+    pub resources: Resources,
     /// Routes in order, each holding its pools.
     pub routes: RouteTable,
     /// Every pool, in config order (the health poller walks them).
@@ -109,6 +111,13 @@ pub struct App {
     pub watch: Arc<parity::Watch>,
 }
 
+/// The pool `name` of `config`, with its loaded TLS and the config's ejection rule.
+fn new_pool(config: &Config, resources: &Resources, name: &str) -> Pool {
+    let spec = config.pools.get(name).cloned().unwrap_or_default();
+    let loaded = resources.pools.get(name).cloned().unwrap_or_default();
+    Pool::new(name, &spec, &loaded, config.upstream.eject_after_failures)
+}
+
 /// The current [`App`], swapped whole when the config is reloaded; each request takes one
 /// snapshot and keeps it to the end.
 pub type SharedApp = Arc<arc_swap::ArcSwap<App>>;
@@ -118,16 +127,16 @@ impl App {
     ///
     /// # Errors
     /// When metrics cannot be registered.
-    pub fn new(config: Config) -> Result<Self, AppError> {
+    pub fn new(Loaded { config, resources }: Loaded) -> Result<Self, AppError> {
         let registry = Registry::new();
         let metrics = Metrics::register(&registry)?;
-        let eject_after = config.upstream().eject_after_failures();
-        let pools: Vec<Arc<Pool>> = config.pools().iter().map(|spec| Arc::new(Pool::new(spec, eject_after))).collect();
+        let pools: Vec<Arc<Pool>> =
+            config.pools.keys().map(|name| Arc::new(new_pool(&config, &resources, name))).collect();
         pools.iter().for_each(|p| metrics.pool(&p.name));
-        let routes = RouteTable::new(&config, &pools, &metrics, None)?;
-        let client =
-            Arc::new(UpstreamClient::new(config.upstream().connect_timeout(), config.upstream().idle_timeout()));
-        let cache = Arc::new(handoff::IdCache::new(config.cache().capacity_bytes(), config.cache().ttl()));
+        let routes = RouteTable::new(&config, &resources, &pools, &metrics, None)?;
+        let upstream = &config.upstream;
+        let client = Arc::new(UpstreamClient::new(upstream.connect_timeout_ms, upstream.idle_timeout_ms));
+        let cache = Arc::new(handoff::IdCache::new(config.cache.capacity_bytes, config.cache.ttl_ms));
         let edge = proxy::edge::EdgeLimits::of(&config);
         metrics.admission_limit().set(i64::try_from(edge.max_in_flight).unwrap_or(i64::MAX));
         let watch = Arc::new(parity::Watch::start(parity::WORKERS, parity::QUEUE)?);
@@ -138,6 +147,7 @@ impl App {
             edge,
             admission,
             config,
+            resources,
             routes,
             pools,
             client,
@@ -154,34 +164,34 @@ impl App {
     ///
     /// # Errors
     /// [`AppError::Routes`] if a route names a missing pool (validation prevents it).
-    pub fn reload(&self, config: Config) -> Result<Self, AppError> {
-        let eject_after = config.upstream().eject_after_failures();
+    pub fn reload(&self, Loaded { config, resources }: Loaded) -> Result<Self, AppError> {
+        let eject_after = config.upstream.eject_after_failures;
         let pools: Vec<Arc<Pool>> = config
-            .pools()
+            .pools
             .iter()
-            .map(|spec| {
-                self.config
-                    .pools()
+            .map(|(name, spec)| {
+                let tls = |r: &Resources| r.pools.get(name).and_then(|p| p.tls.clone());
+                let unchanged = self.config.pools.get(name).is_some_and(|old| {
+                    old.endpoints == spec.endpoints
+                        && old.balance == spec.balance
+                        && old.vllm_version == spec.vllm_version
+                        && tls(&self.resources) == tls(&resources)
+                });
+                self.pools
                     .iter()
-                    .position(|old| {
-                        old.name() == spec.name()
-                            && old.endpoints() == spec.endpoints()
-                            && old.balance() == spec.balance()
-                            && old.vllm_version() == spec.vllm_version()
-                            && old.tls() == spec.tls()
-                    })
-                    .and_then(|i| self.pools.get(i).cloned())
-                    .filter(|p| p.eject_after() == eject_after)
-                    .unwrap_or_else(|| Arc::new(Pool::new(spec, eject_after)))
+                    .find(|p| unchanged && &p.name == name && p.eject_after() == eject_after)
+                    .cloned()
+                    .unwrap_or_else(|| Arc::new(new_pool(&config, &resources, name)))
             })
             .collect();
         pools.iter().for_each(|p| self.metrics.pool(&p.name));
-        let routes = RouteTable::new(&config, &pools, &self.metrics, Some(&self.routes))?;
+        let routes = RouteTable::new(&config, &resources, &pools, &self.metrics, Some(&self.routes))?;
         self.forget_removed(&pools, &routes);
         let edge = proxy::edge::EdgeLimits::of(&config);
         self.metrics.admission_limit().set(i64::try_from(edge.max_in_flight).unwrap_or(i64::MAX));
         Ok(Self {
             config,
+            resources,
             routes,
             pools,
             client: Arc::clone(&self.client),

@@ -77,8 +77,9 @@ fn main() -> ExitCode {
     match cli.command {
         Some(Command::Check { file }) => {
             return match config::load(&file) {
-                Ok(c) => {
-                    println!("{}: ok ({} pools, {} routes)", file.display(), c.pools().len(), c.routes().len());
+                Ok(loaded) => {
+                    let c = &loaded.config;
+                    println!("{}: ok ({} pools, {} routes)", file.display(), c.pools.len(), c.routes.len());
                     ExitCode::SUCCESS
                 }
                 Err(e) => {
@@ -97,25 +98,26 @@ fn main() -> ExitCode {
         Some(path) => config::load(path),
         None => config::embedded_default(),
     };
-    let config = match loaded {
-        Ok(c) => c,
+    let loaded = match loaded {
+        Ok(loaded) => loaded,
         Err(e) => {
             report(&e);
             return ExitCode::FAILURE;
         }
     };
-    let telemetry = match tokenonce::telemetry::init(&config) {
+    let telemetry = match tokenonce::telemetry::init(&loaded.config) {
         Ok(telemetry) => telemetry,
         Err(e) => {
             eprintln!("tokenonce: {e}");
             return ExitCode::FAILURE;
         }
     };
-    tracing::info!(listen = %config.server().listen(), admin = %config.server().admin_listen(), routes = config.routes().len(), "tokenonce starting");
-    let tls_listen = config.server().tls().map(|t| t.listen().to_owned());
-    let started = Listeners::bind(config.server().listen(), config.server().admin_listen())
+    let server = &loaded.config.server;
+    tracing::info!(listen = %server.listen, admin = %server.admin_listen, routes = loaded.config.routes.len(), "tokenonce starting");
+    let tls_listen = server.tls.as_ref().map(|t| t.listen.clone());
+    let started = Listeners::bind(&server.listen, &server.admin_listen)
         .and_then(|listeners| listeners.with_tls(tls_listen.as_deref()))
-        .and_then(|listeners| server::start(config, cli.config.clone(), listeners, Signals::Process));
+        .and_then(|listeners| server::start(loaded, cli.config.clone(), listeners, Signals::Process));
     let running = match started {
         Ok(running) => running,
         Err(e) => {

@@ -32,7 +32,7 @@ impl Reloader {
         };
         match config::load(path) {
             Ok(new) => {
-                warn_fixed_settings(&current.config, &new);
+                warn_fixed_settings(&current.config, &new.config);
                 match current.reload(new) {
                     Ok(next) => {
                         self.app.store(Arc::new(next));
@@ -74,27 +74,27 @@ fn warn_fixed_settings(old: &Config, new: &Config) {
 
 /// The settings that differ between `old` and `new` and a reload cannot change, by key path.
 fn fixed_settings_changed(old: &Config, new: &Config) -> Vec<&'static str> {
-    let (a, b) = (old.server(), new.server());
-    let (ua, ub) = (old.upstream(), new.upstream());
+    let (a, b) = (&old.server, &new.server);
+    let (ua, ub) = (&old.upstream, &new.upstream);
     let checks = [
-        ("server.listen", a.listen() != b.listen()),
-        ("server.admin_listen", a.admin_listen() != b.admin_listen()),
-        ("server.threads", a.threads() != b.threads()),
-        ("server.work_stealing", a.work_stealing() != b.work_stealing()),
-        ("server.grace_period_seconds", a.grace_period_seconds() != b.grace_period_seconds()),
+        ("server.listen", a.listen != b.listen),
+        ("server.admin_listen", a.admin_listen != b.admin_listen),
+        ("server.threads", a.threads != b.threads),
+        ("server.work_stealing", a.work_stealing != b.work_stealing),
+        ("server.grace_period_seconds", a.grace_period_seconds != b.grace_period_seconds),
         (
             "server.graceful_shutdown_timeout_seconds",
-            a.graceful_shutdown_timeout_seconds() != b.graceful_shutdown_timeout_seconds(),
+            a.graceful_shutdown_timeout_seconds != b.graceful_shutdown_timeout_seconds,
         ),
-        ("server.log_level", a.log_level() != b.log_level()),
-        ("server.log_format", a.log_format() != b.log_format()),
-        ("server.tls.listen", a.tls().map(|t| t.listen()) != b.tls().map(|t| t.listen())),
-        ("upstream.connect_timeout_ms", ua.connect_timeout() != ub.connect_timeout()),
-        ("upstream.idle_timeout_ms", ua.idle_timeout() != ub.idle_timeout()),
-        ("upstream.health_interval_ms", ua.health_interval() != ub.health_interval()),
-        ("cache.capacity_bytes", old.cache().capacity_bytes() != new.cache().capacity_bytes()),
-        ("cache.ttl_ms", old.cache().ttl() != new.cache().ttl()),
-        ("tracing", old.tracing() != new.tracing()),
+        ("server.log_level", a.log_level != b.log_level),
+        ("server.log_format", a.log_format != b.log_format),
+        ("server.tls.listen", a.tls.as_ref().map(|t| &t.listen) != b.tls.as_ref().map(|t| &t.listen)),
+        ("upstream.connect_timeout_ms", ua.connect_timeout_ms != ub.connect_timeout_ms),
+        ("upstream.idle_timeout_ms", ua.idle_timeout_ms != ub.idle_timeout_ms),
+        ("upstream.health_interval_ms", ua.health_interval_ms != ub.health_interval_ms),
+        ("cache.capacity_bytes", old.cache.capacity_bytes != new.cache.capacity_bytes),
+        ("cache.ttl_ms", old.cache.ttl_ms != new.cache.ttl_ms),
+        ("tracing", old.tracing != new.tracing),
     ];
     checks.into_iter().filter(|(_, changed)| *changed).map(|(key, _)| key).collect()
 }

@@ -27,7 +27,7 @@ use pingora::services::background::background_service;
 use pingora::services::listening::Service as Listening;
 use pingora::services::Service;
 
-use crate::config::Config;
+use crate::config::Loaded;
 use crate::proxy::{Admin, Proxy};
 use crate::reload::Reloader;
 use crate::tls::ListenerCert;
@@ -195,7 +195,7 @@ impl Drop for Running {
 /// # Errors
 /// [`StartError`] when metrics, pingora's configuration, the sockets or the thread fail.
 pub fn start(
-    config: Config,
+    loaded: Loaded,
     path: Option<PathBuf>,
     listeners: Listeners,
     signals: Signals,
@@ -209,17 +209,18 @@ pub fn start(
     }
 
     let mut conf = ServerConf::new().ok_or_else(|| StartError::Conf("default ServerConf".into()))?;
-    conf.threads = config.server().threads();
-    conf.work_stealing = config.server().work_stealing();
-    conf.grace_period_seconds = Some(config.server().grace_period_seconds());
-    conf.graceful_shutdown_timeout_seconds = Some(config.server().graceful_shutdown_timeout_seconds());
+    let settings = &loaded.config.server;
+    conf.threads = settings.threads;
+    conf.work_stealing = settings.work_stealing;
+    conf.grace_period_seconds = Some(settings.grace_period_seconds);
+    conf.graceful_shutdown_timeout_seconds = Some(settings.graceful_shutdown_timeout_seconds);
     conf.upgrade_sock = format!("/tmp/tokenonce-upgrade-{}.sock", std::process::id());
     conf.pid_file = format!("/tmp/tokenonce-{}.pid", std::process::id());
     let mut server = Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
 
-    let interval = config.upstream().health_interval();
-    let app: SharedApp = Arc::new(ArcSwap::from_pointee(App::new(config)?));
+    let interval = loaded.config.upstream.health_interval_ms;
+    let app: SharedApp = Arc::new(ArcSwap::from_pointee(App::new(loaded)?));
 
     let proxy = http_proxy_service_with_name(&server.configuration, Proxy { app: Arc::clone(&app) }, "tokenonce");
     let mut admin =

@@ -24,7 +24,7 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
-use crate::config::{defaults, Config, LogFormat, OtlpProtocol, TracingSettings};
+use crate::config::{Config, LogFormat, OtlpProtocol, Tracing};
 use crate::metrics::{Leg, SpanExport};
 
 /// Target of the exported spans (the log layer never sees it).
@@ -68,11 +68,11 @@ pub struct TelemetryError(String);
 /// # Errors
 /// [`TelemetryError`] when the exporter cannot be built.
 pub fn init(config: &Config) -> Result<Option<Telemetry>, TelemetryError> {
-    let filter = std::env::var("TOKENONCE_LOG").unwrap_or_else(|_| config.server().log_level().to_owned());
-    let filter = EnvFilter::try_new(&filter).unwrap_or_else(|_| EnvFilter::new(defaults::LOG_LEVEL));
+    let filter = std::env::var("TOKENONCE_LOG").unwrap_or_else(|_| config.server.log_level.clone());
+    let filter = EnvFilter::try_new(&filter).unwrap_or_else(|_| EnvFilter::new("info"));
     // The exported spans are not log lines.
     let filter = filter.add_directive(format!("{TARGET}=off").parse().map_err(|e| TelemetryError(format!("{e}")))?);
-    let log = match config.server().log_format() {
+    let log = match config.server.log_format {
         LogFormat::Json => {
             tracing_subscriber::fmt::layer().json().with_writer(std::io::stderr).with_filter(filter).boxed()
         }
@@ -82,7 +82,7 @@ pub fn init(config: &Config) -> Result<Option<Telemetry>, TelemetryError> {
             .with_filter(filter)
             .boxed(),
     };
-    let Some(settings) = config.tracing() else {
+    let Some(settings) = config.tracing.as_ref() else {
         tracing_subscriber::registry().with(log).init();
         return Ok(None);
     };
@@ -102,7 +102,7 @@ fn colour_logs() -> bool {
 }
 
 /// The OTLP exporter and tracer of `settings`, batching on a runtime of their own.
-fn exporter(settings: &TracingSettings) -> Result<(Telemetry, opentelemetry_sdk::trace::Tracer), TelemetryError> {
+fn exporter(settings: &Tracing) -> Result<(Telemetry, opentelemetry_sdk::trace::Tracer), TelemetryError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name("tokenonce-otel")
@@ -111,23 +111,23 @@ fn exporter(settings: &TracingSettings) -> Result<(Telemetry, opentelemetry_sdk:
         .map_err(|e| TelemetryError(format!("runtime: {e}")))?;
     // The exporter and the batch task are made inside the runtime they run on.
     let _entered = runtime.enter();
-    let built = match settings.protocol() {
+    let built = match settings.protocol {
         OtlpProtocol::Http => SpanExporter::builder()
             .with_http()
             .with_protocol(Protocol::HttpBinary)
-            .with_endpoint(settings.endpoint())
+            .with_endpoint(&settings.endpoint)
             .build(),
-        OtlpProtocol::Grpc => SpanExporter::builder().with_tonic().with_endpoint(settings.endpoint()).build(),
+        OtlpProtocol::Grpc => SpanExporter::builder().with_tonic().with_endpoint(&settings.endpoint).build(),
     };
     let exporter = Counted(built.map_err(|e| TelemetryError(format!("exporter: {e}")))?);
     let batch = BatchConfigBuilder::default().with_scheduled_delay(EXPORT_DELAY).build();
     let processor =
         BatchSpanProcessor::builder(exporter, opentelemetry_sdk::runtime::Tokio).with_batch_config(batch).build();
-    let sampler = Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(settings.sampling_ratio())));
+    let sampler = Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(settings.sampling_ratio)));
     let provider = SdkTracerProvider::builder()
         .with_span_processor(processor)
         .with_sampler(sampler)
-        .with_resource(Resource::builder().with_service_name(settings.service_name().to_owned()).build())
+        .with_resource(Resource::builder().with_service_name(settings.service_name.clone()).build())
         .build();
     let tracer = provider.tracer("tokenonce");
     drop(_entered);

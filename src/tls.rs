@@ -230,12 +230,12 @@ pub struct ListenerCert {
 impl TlsAccept for ListenerCert {
     async fn certificate_callback(&self, ssl: &mut TlsRef) {
         let app = self.app.load();
-        let Some(tls) = app.config.server().tls() else {
+        let Some(identity) = &app.resources.server_identity else {
             // The reloaded config has no `[server.tls]`: the handshake fails without a certificate.
             tracing::warn!("TLS handshake refused: the config has no [server.tls] any more");
             return;
         };
-        if let Err(e) = tls.identity().apply(ssl) {
+        if let Err(e) = identity.apply(ssl) {
             tracing::warn!(error = %e, "TLS handshake: the certificate could not be used");
         }
     }

@@ -212,7 +212,7 @@ async fn graceful_stop_closes_listeners_and_finishes_in_flight_streams() {
         "[server]\ngrace_period_seconds = 1\ngraceful_shutdown_timeout_seconds = 1\n\n{}",
         pd_config(&p, &d, "")
     );
-    let config = tokenonce::config::Config::from_toml(&text, "test").unwrap();
+    let config = tokenonce::config::from_toml(&text, "test").unwrap();
     let running =
         server::start(config, None, Listeners::bind("127.0.0.1:0", "127.0.0.1:0").unwrap(), Signals::HandleOnly)
             .unwrap();

@@ -289,7 +289,7 @@ cert_file = "{cert}"
         cert = id.cert.display(),
         other_key = other.key.display()
     );
-    let err = tokenonce::config::Config::from_toml(&text, "t.toml").unwrap_err();
+    let err = tokenonce::config::from_toml(&text, "t.toml").unwrap_err();
     let got: Vec<(String, String)> = err.problems.iter().map(|p| (p.key.clone(), p.message.clone())).collect();
     let has = |key: &str, words: &str| got.iter().any(|(k, m)| k == key && m.contains(words));
     assert!(has("server.tls.cert_file", "does not belong"), "{got:#?}");
@@ -299,7 +299,7 @@ cert_file = "{cert}"
     assert!(err.problems.iter().all(|p| p.line > 0), "each at its place: {got:#?}");
 
     let missing = "[server.tls]\nlisten = \"127.0.0.1:8443\"\n[pools.decode]\nendpoints = [\"e:1\"]\n";
-    let err = tokenonce::config::Config::from_toml(missing, "t.toml").unwrap_err();
+    let err = tokenonce::config::from_toml(missing, "t.toml").unwrap_err();
     let keys: Vec<&str> = err.problems.iter().map(|p| p.key.as_str()).collect();
     assert_eq!(keys, ["server.tls.cert_file", "server.tls.key_file"], "{:?}", err.problems);
 }

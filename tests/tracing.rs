@@ -249,8 +249,8 @@ fn check_reports_bad_tracing_keys() {
     assert_eq!(missing.problems[0].key, "tracing.endpoint");
     let ok = "[pools.decode]\nendpoints = [\"e:1\"]\n[tracing]\nendpoint = \"http://127.0.0.1:4317\"\nprotocol = \"grpc\"\nsampling_ratio = 0\n";
     let config = tokenonce::config::Config::from_toml(ok, "t").unwrap();
-    let tracing = config.tracing().unwrap();
-    assert_eq!((tracing.sampling_ratio(), tracing.service_name()), (0.0, "tokenonce"));
+    let tracing = config.tracing.unwrap();
+    assert_eq!((tracing.sampling_ratio, tracing.service_name.as_str()), (0.0, "tokenonce"));
 }
 
 /// A collector that is down costs the spans, never a request.

@@ -1,467 +1,483 @@
-//! The TOML file format: serde structs only, mirroring what operators write. Every key is
-//! optional here, scalars keep their span and their type error ([`Field`]) and each table
-//! keeps the keys it does not know (`unknown`), so `model.rs` can report a missing key, a
-//! wrong type and a typo next to every other problem. Defaults: [`super::defaults`].
+//! The config file as typed data: one serde struct per TOML table, every default at its field
+//! (`#[default(..)]`), durations typed. `parse.rs` fills these from the text, reporting every
+//! problem; `check.rs` then checks what spans fields. Nothing here reads a file.
 //!
 //! Each field's doc is its entry in `docs/configuration.md`, which `tests/docs.rs` generates
 //! from this file (`TOKENONCE_BLESS=1 cargo test --test docs` rewrites it): what the key
 //! means, then a `Default:` line whose backticked value is written as in TOML (the test loads
-//! it and checks it changes nothing) and links the constant whose doc gives the reason.
+//! it and checks it is what `#[default]` gives), then why that default.
 
 use std::collections::BTreeMap;
-use std::ops::Range;
+use std::time::Duration;
 
-use serde::de::{DeserializeOwned, Deserializer};
 use serde::Deserialize;
-use toml::Spanned;
+use smart_default::SmartDefault;
 
-/// Keys of a table that no field takes (reported by the validator, with their place).
-pub type Unknown = BTreeMap<String, toml::Value>;
+use super::values::{
+    AllowEntry, Balance, ClientHandoff, LogFormat, Mode, ModelGlob, Net, OnClientGone, OnPrefillFailure, OtlpProtocol,
+    ParityPolicy, RelayHandoff, ReuseShare, Version,
+};
 
-/// A scalar as written: where it is, and its value or why it has the wrong type.
-#[derive(Debug, Clone)]
-pub struct Field<T> {
-    span: Range<usize>,
-    value: Result<T, String>,
-}
+/// Milliseconds in the file, a [`Duration`] in the program.
+mod millis {
+    use std::time::Duration;
 
-impl<T> Field<T> {
-    /// Byte range of the value in the file.
-    pub fn span(&self) -> Range<usize> {
-        self.span.clone()
-    }
+    use serde::{Deserialize, Deserializer};
 
-    /// The value, or the type error (e.g. `invalid type: string "two", expected i64`).
-    ///
-    /// # Errors
-    /// When the value has the wrong type.
-    pub fn value(&self) -> Result<&T, &str> {
-        self.value.as_ref().map_err(String::as_str)
-    }
-}
-
-impl<'de, T: DeserializeOwned> Deserialize<'de> for Field<T> {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        // Any value is accepted here; the type is checked second, so a wrong one is a problem
-        // of this key instead of the end of the parse.
-        let raw = Spanned::<toml::Value>::deserialize(deserializer)?;
-        let span = raw.span();
-        let value = T::deserialize(raw.into_inner()).map_err(|e| e.message().to_owned());
-        Ok(Self { span, value })
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
+        u64::deserialize(deserializer).map(Duration::from_millis)
     }
 }
 
 /// The whole file.
-#[derive(Debug, Deserialize, Default)]
-pub struct File {
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default)]
+pub struct Config {
     /// The client and admin listeners, threads, shutdown, logging and the client edge's limits.
-    #[serde(default)]
     pub server: Server,
     /// Settings shared by every connection to an engine.
-    #[serde(default)]
     pub upstream: Upstream,
     /// Named pools of engine endpoints; routes name them.
-    #[serde(default)]
-    pub pools: BTreeMap<String, Spanned<Pool>>,
+    pub pools: BTreeMap<String, Pool>,
     /// Where requests no route matches go: every other path too (`/v1/models`, `/health`,
     /// `/tokenize`, the engine's `/metrics`, ...), proxied byte for byte.
-    #[serde(default)]
     pub defaults: Defaults,
     /// Ordered routing rules; the first match wins.
-    #[serde(default)]
-    pub routes: Vec<Spanned<Route>>,
+    pub routes: Vec<Route>,
     /// The relay-mode id cache.
-    #[serde(default)]
     pub cache: Cache,
     /// OpenTelemetry trace export.
-    pub tracing: Option<Spanned<Tracing>>,
-    /// Unknown top-level keys.
-    #[serde(flatten)]
-    pub unknown: Unknown,
-}
-
-/// `[tracing]`: spans of each request and its legs, exported over OTLP. Without this table
-/// tracing is off (no layer installed, no span made, a client's `traceparent`
-/// reaches the engines unchanged). Fixed at start.
-#[derive(Debug, Deserialize, Default)]
-pub struct Tracing {
-    /// The collector's URL (required): `http://host:4318/v1/traces` for `http`,
-    /// `http://host:4317` for `grpc` (plain HTTP: run a collector beside tokenonce).
-    pub endpoint: Option<Field<String>>,
-    /// OTLP transport: `http` (protobuf) or `grpc`.
-    /// Default: `"http"` ([`TRACING_PROTOCOL`](super::defaults::TRACING_PROTOCOL)).
-    pub protocol: Option<Field<String>>,
-    /// Share (from none to all, a float) of the traces started here that are sampled; a
-    /// client's `traceparent` decides for its own trace (parent-based sampling).
-    /// Default: `1.0` ([`TRACING_SAMPLING_RATIO`](super::defaults::TRACING_SAMPLING_RATIO)).
-    pub sampling_ratio: Option<Field<f64>>,
-    /// `service.name` of the spans.
-    /// Default: `"tokenonce"` ([`TRACING_SERVICE_NAME`](super::defaults::TRACING_SERVICE_NAME)).
-    pub service_name: Option<Field<String>>,
-    /// Unknown keys.
-    #[serde(flatten)]
-    pub unknown: Unknown,
-}
-
-/// `[cache]`: shared by every relay route with `relay_handoff = "cache"`; ids are stored as
-/// 4-byte integers and the oldest entries are evicted first. Fixed at start.
-#[derive(Debug, Deserialize, Default)]
-pub struct Cache {
-    /// Largest total size of the cached ids, bytes.
-    /// Default: `268435456` ([`CACHE_CAPACITY_BYTES`](super::defaults::CACHE_CAPACITY_BYTES)).
-    pub capacity_bytes: Option<Field<i64>>,
-    /// How long ids wait for their decode, ms; an entry also leaves when used.
-    /// Default: `30000` ([`CACHE_TTL_MS`](super::defaults::CACHE_TTL_MS)).
-    pub ttl_ms: Option<Field<i64>>,
-    /// Unknown keys.
-    #[serde(flatten)]
-    pub unknown: Unknown,
+    pub tracing: Option<Tracing>,
 }
 
 /// `[server]`
-#[derive(Debug, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, SmartDefault, Deserialize)]
+#[serde(default)]
 pub struct Server {
     /// Client listener, `ip:port` (port 0: any free port; the `tokenonce listening` log line
     /// names the bound addresses). Fixed at start.
-    /// Default: `"0.0.0.0:8000"` ([`LISTEN`](super::defaults::LISTEN)).
-    pub listen: Option<Field<String>>,
+    /// Default: `"0.0.0.0:8000"`.
+    /// All interfaces, on vLLM's own default port, so clients need no change.
+    #[default("0.0.0.0:8000".into())]
+    pub listen: String,
     /// Admin listener for `/metrics`, `/healthz`, `/readyz` and `/drain`. Fixed at start.
-    /// Default: `"127.0.0.1:9000"` ([`ADMIN_LISTEN`](super::defaults::ADMIN_LISTEN)).
-    pub admin_listen: Option<Field<String>>,
-    /// Worker threads of the proxy service. Fixed at start.
-    /// Default: `2` ([`THREADS`](super::defaults::THREADS)).
-    pub threads: Option<Field<i64>>,
+    /// Default: `"127.0.0.1:9000"`.
+    /// Loopback only; metrics and probes are for the pod, not for clients.
+    #[default("127.0.0.1:9000".into())]
+    pub admin_listen: String,
+    /// Worker threads of the proxy service (at most 256). Fixed at start.
+    /// Default: `2`.
+    /// A sidecar shares its pod's CPUs with the engine's API server.
+    #[default(2)]
+    pub threads: usize,
     /// `true`: one runtime whose idle threads steal queued tasks (pingora's default); `false`:
     /// each thread runs its own runtime and keeps the connections it accepted, with no
     /// cross-thread wake-ups (CPU per request within noise of the default, see the
     /// performance chapter) and a less even balance when a few connections carry most of
     /// the load. Fixed at start.
-    /// Default: `true` ([`WORK_STEALING`](super::defaults::WORK_STEALING)).
-    pub work_stealing: Option<Field<bool>>,
-    /// Seconds in-flight streams may finish after SIGTERM. Fixed at start.
-    /// Default: `5` ([`GRACE_PERIOD_SECONDS`](super::defaults::GRACE_PERIOD_SECONDS)).
-    pub grace_period_seconds: Option<Field<i64>>,
-    /// Seconds services then get to stop. Fixed at start.
-    /// Default: `5` ([`GRACEFUL_SHUTDOWN_TIMEOUT_SECONDS`](super::defaults::GRACEFUL_SHUTDOWN_TIMEOUT_SECONDS)).
-    pub graceful_shutdown_timeout_seconds: Option<Field<i64>>,
+    /// Default: `true`.
+    /// One multi-threaded runtime whose idle threads take queued tasks (pingora's default).
+    /// Off, each thread runs its own runtime and keeps the connections it was handed, with no
+    /// cross-thread wake-ups (measured within noise of on), less even under uneven load.
+    #[default(true)]
+    pub work_stealing: bool,
+    /// Seconds in-flight streams may finish after SIGTERM (at most 3600). Fixed at start.
+    /// Default: `5`.
+    /// Short decodes end well within it.
+    #[default(5)]
+    pub grace_period_seconds: u64,
+    /// Seconds services then get to stop (at most 3600). Fixed at start.
+    /// Default: `5`.
+    /// Seconds services get to stop after the grace period.
+    #[default(5)]
+    pub graceful_shutdown_timeout_seconds: u64,
     /// Log filter in tracing's `EnvFilter` syntax (`warn,tokenonce=debug`; a bare word must be
     /// a level); the `TOKENONCE_LOG` environment variable overrides it. Fixed at start.
-    /// Default: `"info"` ([`LOG_LEVEL`](super::defaults::LOG_LEVEL)).
-    pub log_level: Option<Field<String>>,
+    /// Default: `"info"`.
+    /// One line per request and every fallback, no per-chunk noise.
+    #[default("info".into())]
+    pub log_level: String,
     /// Log format, `text` or `json`. Fixed at start.
-    /// Default: `"text"` ([`LOG_FORMAT`](super::defaults::LOG_FORMAT)).
-    pub log_format: Option<Field<String>>,
+    /// Default: `"text"`.
+    /// Text for people; `json` is opt-in for log pipelines.
+    pub log_format: LogFormat,
     /// File holding the token (at least sixteen printable characters) that `/drain` requires
     /// as `Authorization: Bearer <token>`; without it `/drain` answers 403.
-    pub admin_token_file: Option<Field<String>>,
-    /// Most header fields per request head (431 `headers_too_large` above).
-    /// Default: `100` ([`MAX_HEADER_COUNT`](super::defaults::MAX_HEADER_COUNT)).
-    pub max_header_count: Option<Field<i64>>,
-    /// Most header bytes per request head (431 `headers_too_large` above).
-    /// Default: `65536` ([`MAX_HEADER_BYTES`](super::defaults::MAX_HEADER_BYTES)).
-    pub max_header_bytes: Option<Field<i64>>,
+    pub admin_token_file: Option<String>,
+    /// Most header fields per request head (431 `headers_too_large` above; at most 256).
+    /// Default: `100`.
+    /// Several times what OpenAI SDKs and gateways send.
+    #[default(100)]
+    pub max_header_count: usize,
+    /// Most header bytes per request head (431 `headers_too_large` above; at most 1 MiB).
+    /// Default: `65536`.
+    /// Room for long tokens and tracing headers.
+    #[default(65536)]
+    pub max_header_bytes: usize,
     /// Deadline for a whole request body, ms (408 `request_timeout` after: slow or stalled
     /// clients).
-    /// Default: `60000` ([`BODY_READ_TIMEOUT_MS`](super::defaults::BODY_READ_TIMEOUT_MS)).
-    pub body_read_timeout_ms: Option<Field<i64>>,
+    /// Default: `60000`.
+    /// A slow or stalled client (slowloris) is cut after a minute.
+    #[serde(with = "millis")]
+    #[default(Duration::from_millis(60_000))]
+    pub body_read_timeout_ms: Duration,
     /// Most client requests served at once, plain and TLS listeners together; past it 503
     /// `overloaded` with `Retry-After: 1`, before any leg (zero: no bound). A reload applies it
     /// to the next request.
-    /// Default: `1024` ([`MAX_IN_FLIGHT`](super::defaults::MAX_IN_FLIGHT)).
-    pub max_in_flight: Option<Field<i64>>,
+    /// Default: `1024`.
+    /// With the worst case of ~224 MiB per request (docs/failures.md, "Memory per request") the
+    /// bound is far past any memory, but a typical request holds about 1 MB, and past a
+    /// thousand in flight the engines queue anyway.
+    #[default(1024)]
+    pub max_in_flight: usize,
     /// A second client listener that speaks TLS (none: plain HTTP only).
-    pub tls: Option<Spanned<ServerTls>>,
-    /// Unknown keys.
-    #[serde(flatten)]
-    pub unknown: Unknown,
+    pub tls: Option<ServerTls>,
 }
 
 /// `[server.tls]`: it speaks HTTP/1.1 and serves the same routes as the plain `server.listen`,
 /// which keeps running beside it; its certificate is read again on SIGHUP (new handshakes get
 /// the new certificate; files that do not load keep the old config).
-#[derive(Debug, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(default)]
 pub struct ServerTls {
     /// `ip:port` it listens on (required); must differ from both plain listeners. Fixed at start.
-    pub listen: Option<Field<String>>,
+    pub listen: String,
     /// PEM certificate chain, leaf first (required).
-    pub cert_file: Option<Field<String>>,
+    pub cert_file: String,
     /// PEM private key of the leaf certificate (required; it must belong to the certificate).
-    pub key_file: Option<Field<String>>,
-    /// Unknown keys.
-    #[serde(flatten)]
-    pub unknown: Unknown,
+    pub key_file: String,
 }
 
 /// `[upstream]`
-#[derive(Debug, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, SmartDefault, Deserialize)]
+#[serde(default)]
 pub struct Upstream {
     /// TCP connect deadline, ms. Fixed at start.
-    /// Default: `2000` ([`CONNECT_TIMEOUT_MS`](super::defaults::CONNECT_TIMEOUT_MS)).
-    pub connect_timeout_ms: Option<Field<i64>>,
+    /// Default: `2000`.
+    /// Engines are on loopback or in the cluster.
+    #[serde(with = "millis")]
+    #[default(Duration::from_millis(2000))]
+    pub connect_timeout_ms: Duration,
     /// How long an idle pooled connection is kept, ms; must stay below vLLM's keep-alive
     /// (under five seconds). Fixed at start.
-    /// Default: `4000` ([`IDLE_TIMEOUT_MS`](super::defaults::IDLE_TIMEOUT_MS)).
-    pub idle_timeout_ms: Option<Field<i64>>,
+    /// Default: `4000`.
+    /// Below vLLM's 5 s keep-alive, so no socket goes stale.
+    #[serde(with = "millis")]
+    #[default(Duration::from_millis(4000))]
+    pub idle_timeout_ms: Duration,
     /// How often each endpoint's `/health` is polled, ms (all endpoints at once, each within a
     /// second). Fixed at start.
-    /// Default: `2000` ([`HEALTH_INTERVAL_MS`](super::defaults::HEALTH_INTERVAL_MS)).
-    pub health_interval_ms: Option<Field<i64>>,
+    /// Default: `2000`.
+    /// Readiness follows the engine within 2 s.
+    #[serde(with = "millis")]
+    #[default(Duration::from_millis(2000))]
+    pub health_interval_ms: Duration,
     /// Consecutive request failures (no answer, a 5xx, or a deadline that passed while the
     /// endpoint held the leg) that eject an endpoint from its pool's choice for five seconds,
     /// doubling while it keeps failing (at most two minutes); one answer below 500 resets it,
     /// and a healthy `/health` does not readmit it early (an engine can answer `/health` and
     /// fail every request). Zero: never eject (a failing endpoint then keeps its share of
     /// first picks; a pool prefill still fails over from it).
-    /// Default: `3` ([`EJECT_AFTER_FAILURES`](super::defaults::EJECT_AFTER_FAILURES)).
-    pub eject_after_failures: Option<Field<i64>>,
-    /// Unknown keys.
-    #[serde(flatten)]
-    pub unknown: Unknown,
+    /// Default: `3`.
+    /// One or two failures are the keep-alive race or a single bad request, three in a row is
+    /// the engine.
+    #[default(3)]
+    pub eject_after_failures: u32,
 }
 
 /// `[pools.NAME]`
-#[derive(Debug, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(default)]
 pub struct Pool {
     /// `host:port` of each engine (required).
-    pub endpoints: Option<Spanned<Vec<Field<String>>>>,
+    pub endpoints: Vec<String>,
     /// `round_robin` or `least_in_flight`; unhealthy endpoints are skipped while a healthy one
     /// exists.
-    /// Default: `"round_robin"` ([`BALANCE`](super::defaults::BALANCE)).
-    pub balance: Option<Field<String>>,
+    /// Default: `"round_robin"`.
+    /// Round robin needs no state beyond a counter.
+    pub balance: Balance,
     /// Pin the engines' vLLM version instead of asking `GET /version`.
-    pub vllm_version: Option<Field<String>>,
+    pub vllm_version: Option<Version>,
     /// The engines' `tokenizer.json`, or the model folder holding it; loaded at start and on
     /// SIGHUP (`tokenonce check` loads it too). A route uses its decode pool's, else its
     /// prefill pool's: relayed ids at or past its vocabulary (added tokens included) fall back
     /// (`ids_out_of_vocab`), and the parity watch samples the route (none: neither).
-    pub tokenizer: Option<Field<String>>,
+    pub tokenizer: Option<String>,
     /// TLS to the pool's engines (none: plain HTTP).
-    pub tls: Option<Spanned<PoolTls>>,
-    /// Unknown keys.
-    #[serde(flatten)]
-    pub unknown: Unknown,
+    pub tls: Option<PoolTls>,
 }
 
 /// `[pools.NAME.tls]`: every connection to the pool's engines is then TLS (the prefill and
 /// decode legs, passthrough, health and version polls).
-#[derive(Debug, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, SmartDefault, Deserialize)]
+#[serde(default)]
 pub struct PoolTls {
     /// PEM bundle of the CAs trusted for the engines' certificates (none: the system's store).
-    pub ca_file: Option<Field<String>>,
+    pub ca_file: Option<String>,
     /// Name sent as SNI and checked against the engines' certificates (none: each endpoint's
     /// host; required with verification when an endpoint is an IP address).
-    pub server_name: Option<Field<String>>,
+    pub server_name: Option<String>,
     /// PEM client certificate chain, for engines that require mTLS (with `key_file`).
-    pub cert_file: Option<Field<String>>,
+    pub cert_file: Option<String>,
     /// PEM private key of `cert_file`.
-    pub key_file: Option<Field<String>>,
+    pub key_file: Option<String>,
     /// Check the engine's certificate chain and name; `false` accepts any certificate
     /// (encryption without authentication).
-    /// Default: `true` ([`UPSTREAM_TLS_VERIFY`](super::defaults::UPSTREAM_TLS_VERIFY)).
-    pub verify: Option<Field<bool>>,
-    /// Unknown keys.
-    #[serde(flatten)]
-    pub unknown: Unknown,
+    /// Default: `true`.
+    /// A pool that crosses pods must not accept whoever answers on the address.
+    #[default(true)]
+    pub verify: bool,
 }
 
 /// `[defaults]`
-#[derive(Debug, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, SmartDefault, Deserialize)]
+#[serde(default)]
 pub struct Defaults {
     /// Pool that receives every request no route matches.
-    /// Default: `"decode"` ([`PASSTHROUGH_POOL`](super::defaults::PASSTHROUGH_POOL)).
-    pub passthrough_pool: Option<Field<String>>,
-    /// Unknown keys.
-    #[serde(flatten)]
-    pub unknown: Unknown,
+    /// Default: `"decode"`.
+    /// The decode engine serves `/v1/models` and the rest.
+    #[default("decode".into())]
+    pub passthrough_pool: String,
 }
 
 /// `[[routes]]`
-#[derive(Debug, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, SmartDefault, Deserialize)]
+#[serde(default)]
 pub struct Route {
-    /// Name used in metrics and logs (required).
-    pub name: Option<Field<String>>,
+    /// Name used in metrics and logs, unique, `[A-Za-z0-9._-]` (required).
+    pub name: String,
     /// What requests this route takes (none: every request).
-    #[serde(default, rename = "match")]
+    #[serde(rename = "match")]
     pub matcher: Match,
     /// `orchestrate` (POST `/v1/chat/completions`, `/v1/completions`, `/v1/responses`,
     /// `/v1/messages`: tokenonce sends both legs), `relay` (an orchestrator sends both legs
     /// through tokenonce) or `passthrough` (bytes to the decode pool unchanged) (required).
-    pub mode: Option<Field<String>>,
+    pub mode: Mode,
     /// Relay only: `cache` (ids kept here until the decode) or `stateless` (ids ride in the
     /// prefill response's `kv_transfer_params`, which the orchestrator copies to the decode).
-    /// Default: `"cache"` ([`RELAY_HANDOFF`](super::defaults::RELAY_HANDOFF)).
-    pub relay_handoff: Option<Field<String>>,
+    /// Default: `"cache"`.
+    /// The cache keeps the ids off the orchestrator's wire.
+    pub relay_handoff: RelayHandoff,
     /// Where the prefill leg goes: a pool, or the prefiller a request header names (required
     /// for orchestrate).
-    pub prefill: Option<Spanned<Prefill>>,
+    pub prefill: Option<Prefill>,
     /// Pool of the decode leg, and of passthrough (required).
-    pub decode_pool: Option<Field<String>>,
+    pub decode_pool: String,
     /// Reuse the prefill's prompt ids on the decode: `true`, `false`, or the share of requests
     /// (a fraction from zero to one) that reuse them, a canary decided by a hash of the request
     /// id (the rest counted as `reason="canary"`).
-    /// Default: `true` ([`TOKEN_REUSE`](super::defaults::TOKEN_REUSE)).
-    pub token_reuse: Option<Field<TokenReuse>>,
+    /// Default: `true`.
+    /// Token reuse is what tokenonce is for.
+    #[default(ReuseShare::ON)]
+    pub token_reuse: ReuseShare,
     /// Deadline of the whole prefill leg, ms (the prefill's KV lease is thirty seconds by
     /// default).
-    /// Default: `30000` ([`PREFILL_TIMEOUT_MS`](super::defaults::PREFILL_TIMEOUT_MS)).
-    pub prefill_timeout_ms: Option<Field<i64>>,
+    /// Default: `30000`.
+    /// vLLM holds the prefill's KV for the decode 30 s by default.
+    #[serde(with = "millis")]
+    #[default(Duration::from_millis(30_000))]
+    pub prefill_timeout_ms: Duration,
     /// Deadline of the decode's response head for a streamed request (`stream: true`), ms;
     /// for non-API paths through pingora's pipeline, of every engine read (with the idle
     /// timeout).
-    /// Default: `60000` ([`DECODE_FIRST_BYTE_TIMEOUT_MS`](super::defaults::DECODE_FIRST_BYTE_TIMEOUT_MS)).
-    pub decode_first_byte_timeout_ms: Option<Field<i64>>,
+    /// Default: `60000`.
+    /// A queued decode may wait behind long prefills.
+    #[serde(with = "millis")]
+    #[default(Duration::from_millis(60_000))]
+    pub decode_first_byte_timeout_ms: Duration,
     /// Deadline of the decode's response head for a request not streamed, which vLLM sends only
     /// once generation is done, ms (at most six hours).
-    /// Default: `1800000` ([`DECODE_WHOLE_ANSWER_TIMEOUT_MS`](super::defaults::DECODE_WHOLE_ANSWER_TIMEOUT_MS)).
-    pub decode_whole_answer_timeout_ms: Option<Field<i64>>,
+    /// Default: `1800000`.
+    /// A reasoning model's or an evaluation job's long output (tens of thousands of tokens at
+    /// tens per second, slower under load) takes many minutes; 30 min covers those and still
+    /// ends a decode that never answers.
+    #[serde(with = "millis")]
+    #[default(Duration::from_millis(1_800_000))]
+    pub decode_whole_answer_timeout_ms: Duration,
     /// Silence allowed between two body chunks (SSE events) of an engine answer being relayed,
     /// on every mode, ms; past it: 504 `stream_idle_timeout` before the client got a byte, else
     /// an SSE error event and `[DONE]` (not SSE: the connection is cut).
-    /// Default: `60000` ([`STREAM_IDLE_TIMEOUT_MS`](super::defaults::STREAM_IDLE_TIMEOUT_MS)).
-    pub stream_idle_timeout_ms: Option<Field<i64>>,
+    /// Default: `60000`.
+    /// vLLM streams a token every few tens of ms and a preempted or recomputing decode resumes
+    /// within seconds; a minute of nothing is a stuck engine.
+    #[serde(with = "millis")]
+    #[default(Duration::from_millis(60_000))]
+    pub stream_idle_timeout_ms: Duration,
     /// How long one write to the client may wait for it to read, ms; past it the client
     /// connection is cut and the engine leg closed.
-    /// Default: `30000` ([`CLIENT_WRITE_TIMEOUT_MS`](super::defaults::CLIENT_WRITE_TIMEOUT_MS)).
-    pub client_write_timeout_ms: Option<Field<i64>>,
+    /// Default: `30000`.
+    /// A client that has not read for 30 s while every socket buffer is full has stalled, and
+    /// its decode is freed.
+    #[serde(with = "millis")]
+    #[default(Duration::from_millis(30_000))]
+    pub client_write_timeout_ms: Duration,
     /// Orchestrate: the client left after a prefill that returned `kv_transfer_params`, before
     /// the decode leg reached the engine whole. `release` sends the decode with `max_tokens`
     /// (and `max_completion_tokens`) one, `stream: false`, and discards the answer, so the
     /// decode pulls the KV blocks and the prefill frees them now; `abandon` sends nothing (the
     /// prefill holds them until its KV lease ends). Once the decode had its request, nothing
     /// is sent under either (`left_to_decode`).
-    /// Default: `"release"` ([`ON_CLIENT_GONE`](super::defaults::ON_CLIENT_GONE)).
-    pub on_client_gone: Option<Field<String>>,
+    /// Default: `"release"`.
+    /// The decode pulls the blocks and the prefill frees them now, not when its lease runs out
+    /// (vLLM #50425: stranded blocks exhaust KV under load).
+    pub on_client_gone: OnClientGone,
     /// Deadline of that release leg, ms.
-    /// Default: `30000` ([`RELEASE_TIMEOUT_MS`](super::defaults::RELEASE_TIMEOUT_MS)).
-    pub release_timeout_ms: Option<Field<i64>>,
+    /// Default: `30000`.
+    /// Past vLLM's 30 s KV lease the prefill has freed the blocks anyway.
+    #[serde(with = "millis")]
+    #[default(Duration::from_millis(30_000))]
+    pub release_timeout_ms: Duration,
     /// Longest SSE event relayed, bytes (at least 64 KiB); a longer one ends the stream with an
     /// error event and `[DONE]`.
-    /// Default: `16777216` ([`MAX_SSE_EVENT_BYTES`](super::defaults::MAX_SSE_EVENT_BYTES)).
-    pub max_sse_event_bytes: Option<Field<i64>>,
+    /// Default: `16777216`.
+    /// A token event with 20 top logprobs is a few KB, but a first event echoing the prompt ids
+    /// (`return_token_ids`) or carrying prompt logprobs grows with the prompt: ~7 bytes per id,
+    /// so 16 MiB holds the echo of a 2M-token prompt.
+    #[default(16 * 1024 * 1024)]
+    pub max_sse_event_bytes: usize,
     /// Largest accepted request body, bytes, passthrough routes too: a `Content-Length` over
     /// it, or a chunked body growing past it, is 413 `body_too_large`.
-    /// Default: `33554432` ([`MAX_BODY_BYTES`](super::defaults::MAX_BODY_BYTES)).
-    pub max_body_bytes: Option<Field<i64>>,
+    /// Default: `33554432`.
+    /// A 128k-token chat is a few MB of JSON.
+    #[default(32 * 1024 * 1024)]
+    pub max_body_bytes: usize,
     /// A leg the engine provably never got (the connect failed, or the request could not be
     /// written whole: the keep-alive race) is re-sent once, within a budget: each leg sent
     /// earns this share of a retry, percent.
-    /// Default: `20` ([`RETRY_BUDGET_PERCENT`](super::defaults::RETRY_BUDGET_PERCENT)).
-    pub retry_budget_percent: Option<Field<i64>>,
+    /// Default: `20`.
+    /// A failing engine sees at most 1.2× the load, while the rare keep-alive race is still
+    /// retried.
+    #[default(20)]
+    pub retry_budget_percent: u32,
     /// Retries the budget earns per second whatever the traffic (so a quiet route can retry);
     /// it saves at most ten seconds of this (at least ten retries) and a retry spends one.
-    /// Default: `3` ([`RETRY_BUDGET_MIN_PER_SECOND`](super::defaults::RETRY_BUDGET_MIN_PER_SECOND)).
-    pub retry_budget_min_per_second: Option<Field<i64>>,
+    /// Default: `3`.
+    /// A quiet route can still retry.
+    #[default(3)]
+    pub retry_budget_min_per_second: u32,
     /// Pool prefill: endpoints tried, at most the pool's size; a prefill that fails before any
     /// answer (connect, reset, closed) or answers 5xx moves to another endpoint of the pool,
     /// all within `prefill_timeout_ms`; a 4xx is the client's and returned as is; a
     /// header-named prefiller gets one attempt.
-    /// Default: `2` ([`PREFILL_ATTEMPTS`](super::defaults::PREFILL_ATTEMPTS)).
-    pub prefill_attempts: Option<Field<i64>>,
+    /// Default: `2`.
+    /// One failover rides out one bad engine without doubling the load of a pool that is
+    /// failing as a whole.
+    #[default(2)]
+    pub prefill_attempts: usize,
     /// Orchestrate: when the prefill leg fails (unreachable after failover, a 5xx, timed out,
     /// or a 2xx that is not a completion; never a 4xx), `error` answers it; `decode_alone`
     /// sends the client's request to the decode alone (text path, no KV handoff), counted as
     /// `token_reuse_total{reason="prefill_failed"}`.
-    /// Default: `"error"` ([`ON_PREFILL_FAILURE`](super::defaults::ON_PREFILL_FAILURE)).
-    pub on_prefill_failure: Option<Field<String>>,
+    /// Default: `"error"`.
+    /// A decode alone would run the whole prompt on the decode engine, which a route must opt
+    /// into.
+    pub on_prefill_failure: OnPrefillFailure,
     /// Orchestrate: a client's own `kv_transfer_params` (and `ec_transfer_params`, and those
     /// keys inside `vllm_xargs`) are removed before any leg (`strip`), or answered 400
     /// (`reject`).
-    /// Default: `"strip"` ([`CLIENT_KV_TRANSFER_PARAMS`](super::defaults::CLIENT_KV_TRANSFER_PARAMS)).
-    pub client_kv_transfer_params: Option<Field<String>>,
+    /// Default: `"strip"`.
+    /// Clients that copy a whole vLLM request keep working while never steering the handoff.
+    pub client_kv_transfer_params: ClientHandoff,
     /// Share of reused requests (from none to all, written as a float: `1.0`) whose ids the
     /// parity watch decodes and checks against the request; needs a `tokenizer` on the
     /// route's pools.
-    /// Default: `0.01` ([`PARITY_SAMPLE`](super::defaults::PARITY_SAMPLE)).
-    pub parity_sample: Option<Field<f64>>,
+    /// Default: `0.01`.
+    /// 1 % keeps its cost (a few ms of one worker per sample at 37k tokens) far below the
+    /// proxy's, and still catches a bad rollout within a few hundred requests.
+    #[default(0.01)]
+    pub parity_sample: f64,
     /// `alert` counts and logs a parity mismatch; `disable_reuse` also sends the route's
     /// decodes as text (`parity_reuse_off`) for at least `parity_cooldown_ms`, checking every
     /// request's ids meanwhile, and turns reuse back on at the first match after it.
-    /// Default: `"alert"` ([`ON_PARITY_MISMATCH`](super::defaults::ON_PARITY_MISMATCH)).
-    pub on_parity_mismatch: Option<Field<String>>,
+    /// Default: `"alert"`.
+    /// A mismatch alerts (counted, logged); turning reuse off is a route's choice.
+    pub on_parity_mismatch: ParityPolicy,
     /// Least time `disable_reuse` keeps reuse off after a mismatch, ms (each further mismatch
     /// restarts it).
-    /// Default: `60000` ([`PARITY_COOLDOWN_MS`](super::defaults::PARITY_COOLDOWN_MS)).
-    pub parity_cooldown_ms: Option<Field<i64>>,
-    /// Unknown keys.
-    #[serde(flatten)]
-    pub unknown: Unknown,
-}
-
-/// `token_reuse` as written: a switch, or a share of requests (range checked by the validator).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum TokenReuse {
-    /// `true` / `false`.
-    Switch(bool),
-    /// A number, meant to be a fraction from zero to one (integers are numbers too).
-    Share(f64),
-}
-
-impl<'de> Deserialize<'de> for TokenReuse {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Visitor;
-        impl serde::de::Visitor<'_> for Visitor {
-            type Value = TokenReuse;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a boolean or a fraction between 0.0 and 1.0")
-            }
-            fn visit_bool<E>(self, v: bool) -> Result<TokenReuse, E> {
-                Ok(TokenReuse::Switch(v))
-            }
-            fn visit_f64<E>(self, v: f64) -> Result<TokenReuse, E> {
-                Ok(TokenReuse::Share(v))
-            }
-            #[expect(clippy::cast_precision_loss, reason = "range-checked by the validator; 0 and 1 are exact")]
-            fn visit_i64<E>(self, v: i64) -> Result<TokenReuse, E> {
-                Ok(TokenReuse::Share(v as f64))
-            }
-            #[expect(clippy::cast_precision_loss, reason = "range-checked by the validator; 0 and 1 are exact")]
-            fn visit_u64<E>(self, v: u64) -> Result<TokenReuse, E> {
-                Ok(TokenReuse::Share(v as f64))
-            }
-        }
-        deserializer.deserialize_any(Visitor)
-    }
+    /// Default: `60000`.
+    /// A rollout or a bad engine is not fixed in less.
+    #[serde(with = "millis")]
+    #[default(Duration::from_millis(60_000))]
+    pub parity_cooldown_ms: Duration,
 }
 
 /// `[routes.match]`: every condition given must hold.
-#[derive(Debug, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(default)]
 pub struct Match {
     /// Exact paths (none: any path).
-    #[serde(default)]
-    pub paths: Vec<Field<String>>,
+    pub paths: Vec<String>,
     /// Glob on the body's `model`, e.g. `Qwen/*` (none: any model, including none).
-    pub model: Option<Field<String>>,
+    pub model: Option<ModelGlob>,
     /// Header name → exact value, all required, e.g. `{ "x-tenant" = "b" }`.
-    #[serde(default)]
-    pub headers: BTreeMap<String, Field<String>>,
-    /// Unknown keys.
-    #[serde(flatten)]
-    pub unknown: Unknown,
+    pub headers: BTreeMap<String, String>,
 }
 
 /// `[routes.prefill]`: written inline too, `prefill = { pool = "prefill" }`. A header is how
 /// llm-d's endpoint picker names the prefiller; it is removed before forwarding, and a request
 /// without it goes to the decode alone.
-#[derive(Debug, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(default)]
 pub struct Prefill {
     /// Name of a pool.
-    pub pool: Option<Field<String>>,
+    pub pool: Option<String>,
     /// Header carrying one `host:port`, e.g. `x-prefiller-host-port`.
-    pub header: Option<Field<String>>,
+    pub header: Option<String>,
     /// Hosts or CIDRs the header may name, each optionally with `:port` or `:port-port`
     /// (`10.0.0.0/8:8000`, `prefill.svc:8000-8009`; IPv6 in brackets, `[fd00::/8]:8000`)
     /// (required with `header`).
-    #[serde(default)]
-    pub allow: Vec<Field<String>>,
+    pub allow: Vec<AllowEntry>,
     /// CIDRs of the peers (the gateway) whose header is believed; others get 403
     /// `prefiller_header_untrusted` (none: any peer).
-    #[serde(default)]
-    pub trusted_sources: Vec<Field<String>>,
+    pub trusted_sources: Vec<Net>,
     /// Header only: send the client's `Authorization`, `Proxy-Authorization`, `Cookie`,
     /// `X-Api-Key` and `Api-Key` to the named prefiller too.
-    /// Default: `false` ([`FORWARD_CREDENTIALS`](super::defaults::FORWARD_CREDENTIALS)).
-    pub forward_credentials: Option<Field<bool>>,
-    /// Unknown keys.
-    #[serde(flatten)]
-    pub unknown: Unknown,
+    /// Default: `false`.
+    /// That host is less trusted than a configured pool.
+    pub forward_credentials: bool,
+}
+
+/// `[cache]`: shared by every relay route with `relay_handoff = "cache"`; ids are stored as
+/// 4-byte integers and the oldest entries are evicted first. Fixed at start.
+#[derive(Debug, Clone, PartialEq, SmartDefault, Deserialize)]
+#[serde(default)]
+pub struct Cache {
+    /// Largest total size of the cached ids, bytes.
+    /// Default: `268435456`.
+    /// 256 MiB: ~64M ids at 4 bytes each.
+    #[default(256 * 1024 * 1024)]
+    pub capacity_bytes: usize,
+    /// How long ids wait for their decode, ms; an entry also leaves when used.
+    /// Default: `30000`.
+    /// vLLM's KV hold on the prefill, after which ids are useless.
+    #[serde(with = "millis")]
+    #[default(Duration::from_millis(30_000))]
+    pub ttl_ms: Duration,
+}
+
+/// `[tracing]`: spans of each request and its legs, exported over OTLP. Without this table
+/// tracing is off (no layer installed, no span made, a client's `traceparent`
+/// reaches the engines unchanged). Fixed at start.
+#[derive(Debug, Clone, PartialEq, SmartDefault, Deserialize)]
+#[serde(default)]
+pub struct Tracing {
+    /// The collector's URL (required): `http://host:4318/v1/traces` for `http`,
+    /// `http://host:4317` for `grpc` (plain HTTP: run a collector beside tokenonce).
+    pub endpoint: String,
+    /// OTLP transport: `http` (protobuf) or `grpc`.
+    /// Default: `"http"`.
+    /// HTTP with protobuf, the OpenTelemetry SDKs' default, which every collector takes.
+    pub protocol: OtlpProtocol,
+    /// Share (from none to all, a float) of the traces started here that are sampled; a
+    /// client's `traceparent` decides for its own trace (parent-based sampling).
+    /// Default: `1.0`.
+    /// A sidecar sees its pod's traffic only, and a client's `traceparent` still decides for
+    /// its own traces.
+    #[default(1.0)]
+    pub sampling_ratio: f64,
+    /// `service.name` of the spans.
+    /// Default: `"tokenonce"`.
+    /// `service.name` of tokenonce's spans.
+    #[default("tokenonce".into())]
+    pub service_name: String,
 }

@@ -458,7 +458,7 @@ fn relay_decode_asks_the_version_only_when_ids_could_apply() {
 
 #[test]
 fn the_prefiller_header_is_planned_before_any_leg() {
-    use crate::config::model::parse_allow;
+    use crate::config::parse_allow;
     let rule = HeaderRule {
         name: "x-prefiller-host-port".into(),
         allow: vec![parse_allow("127.0.0.0/8").unwrap()],

@@ -27,7 +27,7 @@ fn drain_wait(query: Option<&str>) -> Duration {
 /// True when the request carries the configured admin token as `Authorization: Bearer`;
 /// with no token configured, state-changing endpoints are off.
 fn drain_authorized(app: &App, head: &RequestHeader) -> bool {
-    let Some(token) = app.config.server().admin_token() else { return false };
+    let Some(token) = app.resources.admin_token.as_ref() else { return false };
     head.headers
         .get("authorization")
         .and_then(|v| v.to_str().ok())

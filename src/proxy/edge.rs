@@ -31,12 +31,12 @@ pub struct EdgeLimits {
 impl EdgeLimits {
     /// The limits `config` sets.
     pub fn of(config: &Config) -> Self {
-        let server = config.server();
+        let server = &config.server;
         Self {
-            max_header_count: server.max_header_count(),
-            max_header_bytes: server.max_header_bytes(),
-            body_read_timeout: server.body_read_timeout(),
-            max_in_flight: server.max_in_flight(),
+            max_header_count: server.max_header_count,
+            max_header_bytes: server.max_header_bytes,
+            body_read_timeout: server.body_read_timeout_ms,
+            max_in_flight: server.max_in_flight,
         }
     }
 }

@@ -13,7 +13,7 @@ use http::HeaderMap;
 
 pub use state::{BudgetRule, RouteState};
 
-use crate::config::{defaults, Config, Mode, ParityPolicy, PrefillSource, RouteMatch, RouteSpec};
+use crate::config::{Config, Match, Mode, ParityPolicy, Resources, Route as RouteSpec};
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::parity::RouteParity;
 use crate::plan::{ClientHandoff, HeaderRule, ReusePolicy};
@@ -45,7 +45,7 @@ pub struct Route {
     pub name: String,
     /// What it does.
     pub mode: Mode,
-    matcher: Option<RouteMatch>,
+    matcher: Option<Match>,
     /// The decode leg's pool (and a passthrough's).
     pub decode_pool: Arc<Pool>,
     /// The prefill leg's destination (orchestrate; relay: the pool for prefills).
@@ -129,14 +129,14 @@ impl Route {
     }
 
     fn path_matches(&self, path: &str) -> bool {
-        self.matcher.as_ref().is_some_and(|m| m.paths().is_empty() || m.paths().iter().any(|p| p == path))
+        self.matcher.as_ref().is_some_and(|m| m.paths.is_empty() || m.paths.iter().any(|p| p == path))
     }
 
     fn matches(&self, facts: &RequestFacts<'_>) -> bool {
         let Some(m) = &self.matcher else { return false };
         self.path_matches(facts.path)
-            && m.model().is_none_or(|glob| facts.model.is_some_and(|model| glob.is_match(model)))
-            && m.headers().iter().all(|(name, value)| {
+            && m.model.as_ref().is_none_or(|glob| facts.model.is_some_and(|model| glob.0.is_match(model)))
+            && m.headers.iter().all(|(name, value)| {
                 facts.headers.get(name.as_str()).and_then(|v| v.to_str().ok()).is_some_and(|v| v == value)
             })
     }
@@ -161,16 +161,16 @@ impl RouteTable {
     /// (the table before a reload) holds unchanged keeps its [`RouteState`].
     ///
     /// # Errors
-    /// [`DanglingPool`] if a pool index is out of range (validation prevents it).
+    /// [`DanglingPool`] if a route names a pool not in `pools` (validation prevents it).
     pub fn new(
         config: &Config,
+        resources: &Resources,
         pools: &[Arc<Pool>],
         metrics: &Metrics,
         previous: Option<&RouteTable>,
     ) -> Result<Self, DanglingPool> {
-        let built = Built { config, pools, metrics, previous, now: Instant::now() };
-        let routes =
-            config.routes().iter().map(|spec| built.route(spec).map(Arc::new)).collect::<Result<Vec<_>, _>>()?;
+        let built = Built { config, resources, pools, metrics, previous, now: Instant::now() };
+        let routes = config.routes.iter().map(|spec| built.route(spec).map(Arc::new)).collect::<Result<Vec<_>, _>>()?;
         let largest_body = routes.iter().map(|r| r.max_body_bytes).max().unwrap_or(DEFAULT_ROUTE_BODY_LIMIT);
         let default = built.default_route(largest_body)?;
         Ok(Self { routes, default: Arc::new(default) })
@@ -200,6 +200,7 @@ impl RouteTable {
 /// What every route of one table is built from.
 struct Built<'a> {
     config: &'a Config,
+    resources: &'a Resources,
     pools: &'a [Arc<Pool>],
     metrics: &'a Metrics,
     /// The table before a reload: unchanged routes keep their state.
@@ -208,52 +209,55 @@ struct Built<'a> {
 }
 
 impl Built<'_> {
-    /// Pool `i` of the config, for route `route`.
-    fn pool(&self, i: usize, route: &str) -> Result<Arc<Pool>, DanglingPool> {
-        self.pools.get(i).cloned().ok_or(DanglingPool { route: route.to_owned() })
+    /// The pool named `name`, for route `route`.
+    fn pool(&self, name: &str, route: &str) -> Result<Arc<Pool>, DanglingPool> {
+        self.pools.iter().find(|p| p.name == name).cloned().ok_or(DanglingPool { route: route.to_owned() })
     }
 
     /// One configured route, with its state carried over when `previous` holds it unchanged.
     fn route(&self, spec: &RouteSpec) -> Result<Route, DanglingPool> {
-        let prefill = match spec.prefill() {
-            Some(PrefillSource::Pool(i)) => Some(PrefillTarget::Pool(self.pool(*i, spec.name())?)),
-            Some(PrefillSource::Header { name, allow, trusted_sources, forward_credentials }) => {
-                Some(PrefillTarget::Header(HeaderRule {
-                    name: name.clone(),
-                    allow: allow.clone(),
-                    trusted_sources: trusted_sources.clone(),
-                    forward_credentials: *forward_credentials,
-                }))
-            }
+        let o = spec;
+        let prefill = match &spec.prefill {
+            Some(p) => match (&p.pool, &p.header) {
+                (Some(pool), _) => Some(PrefillTarget::Pool(self.pool(pool, &spec.name)?)),
+                (None, Some(header)) => Some(PrefillTarget::Header(HeaderRule {
+                    name: header.to_ascii_lowercase(),
+                    allow: p.allow.clone(),
+                    trusted_sources: p.trusted_sources.iter().map(|n| n.0).collect(),
+                    forward_credentials: p.forward_credentials,
+                })),
+                (None, None) => None,
+            },
             None => None,
         };
-        let o = &spec.options();
-        let tokenizer = route_tokenizer(self.config, spec);
-        let budget = BudgetRule { percent: o.retry_budget_percent(), min_per_second: o.retry_budget_min_per_second() };
+        let tokenizer = route_tokenizer(self.resources, spec);
+        let budget = BudgetRule { percent: o.retry_budget_percent, min_per_second: o.retry_budget_min_per_second };
+        let mut matcher = spec.matcher.clone();
+        matcher.headers = matcher.headers.into_iter().map(|(k, v)| (k.to_ascii_lowercase(), v)).collect();
         let mut route = Route {
-            name: spec.name().to_owned(),
-            mode: spec.mode(),
-            matcher: Some(spec.matcher().clone()),
-            decode_pool: self.pool(spec.decode_pool(), spec.name())?,
+            name: spec.name.clone(),
+            mode: spec.mode,
+            matcher: Some(matcher),
+            decode_pool: self.pool(&spec.decode_pool, &spec.name)?,
             prefill,
-            policy: ReusePolicy::new(o.token_reuse(), o.relay_handoff(), tokenizer.as_ref().map(|t| t.vocab_bound())),
-            client_handoff: o.client_handoff(),
-            prefill_timeout: o.prefill_timeout(),
-            decode_first_byte_timeout: o.decode_first_byte_timeout(),
-            decode_whole_answer_timeout: o.decode_whole_answer_timeout(),
-            max_body_bytes: o.max_body_bytes(),
-            prefill_attempts: o.prefill_attempts(),
-            on_prefill_failure: o.on_prefill_failure(),
-            stream_idle_timeout: o.stream_idle_timeout(),
-            client_write_timeout: o.client_write_timeout(),
-            on_client_gone: o.on_client_gone(),
-            release_timeout: o.release_timeout(),
-            max_sse_event_bytes: o.max_sse_event_bytes(),
-            metrics: self.metrics.route(spec.name(), spec.mode()),
+            policy: ReusePolicy::new(o.token_reuse, o.relay_handoff, tokenizer.as_ref().map(|t| t.vocab_bound())),
+            client_handoff: o.client_kv_transfer_params,
+            prefill_timeout: o.prefill_timeout_ms,
+            decode_first_byte_timeout: o.decode_first_byte_timeout_ms,
+            decode_whole_answer_timeout: o.decode_whole_answer_timeout_ms,
+            max_body_bytes: o.max_body_bytes,
+            prefill_attempts: o.prefill_attempts,
+            on_prefill_failure: o.on_prefill_failure,
+            stream_idle_timeout: o.stream_idle_timeout_ms,
+            client_write_timeout: o.client_write_timeout_ms,
+            on_client_gone: o.on_client_gone,
+            release_timeout: o.release_timeout_ms,
+            max_sse_event_bytes: o.max_sse_event_bytes,
+            metrics: self.metrics.route(&spec.name, spec.mode),
             parity: None,
             state: RouteState::new(budget, self.now),
         };
-        let holds = tokenizer.is_some() && o.on_parity_mismatch() == ParityPolicy::DisableReuse;
+        let holds = tokenizer.is_some() && o.on_parity_mismatch == ParityPolicy::DisableReuse;
         if let Some(old) = self.previous.and_then(|t| t.routes.iter().find(|old| route.same_as(old))) {
             route.state = RouteState::carried(&old.state, budget, holds, self.now);
         }
@@ -264,29 +268,27 @@ impl Built<'_> {
     /// The route of unmatched requests: passthrough to `defaults.passthrough_pool`, taking
     /// bodies up to `largest_body` (the most any route accepts).
     fn default_route(&self, largest_body: usize) -> Result<Route, DanglingPool> {
-        let budget = BudgetRule {
-            percent: defaults::RETRY_BUDGET_PERCENT as u32,
-            min_per_second: defaults::RETRY_BUDGET_MIN_PER_SECOND as u32,
-        };
+        let d = RouteSpec::default();
+        let budget = BudgetRule { percent: d.retry_budget_percent, min_per_second: d.retry_budget_min_per_second };
         let mut default = Route {
             name: DEFAULT_ROUTE.to_owned(),
             mode: Mode::Passthrough,
             matcher: None,
-            decode_pool: self.pool(self.config.passthrough_pool(), DEFAULT_ROUTE)?,
+            decode_pool: self.pool(&self.config.defaults.passthrough_pool, DEFAULT_ROUTE)?,
             prefill: None,
             policy: ReusePolicy::new(crate::config::ReuseShare::OFF, crate::config::RelayHandoff::Cache, None),
             client_handoff: ClientHandoff::Strip,
-            prefill_timeout: Duration::from_millis(defaults::PREFILL_TIMEOUT_MS),
-            decode_first_byte_timeout: Duration::from_millis(defaults::DECODE_FIRST_BYTE_TIMEOUT_MS),
-            decode_whole_answer_timeout: Duration::from_millis(defaults::DECODE_WHOLE_ANSWER_TIMEOUT_MS),
+            prefill_timeout: d.prefill_timeout_ms,
+            decode_first_byte_timeout: d.decode_first_byte_timeout_ms,
+            decode_whole_answer_timeout: d.decode_whole_answer_timeout_ms,
             max_body_bytes: largest_body,
             prefill_attempts: 1,
             on_prefill_failure: crate::config::OnPrefillFailure::Error,
-            stream_idle_timeout: Duration::from_millis(defaults::STREAM_IDLE_TIMEOUT_MS),
-            client_write_timeout: Duration::from_millis(defaults::CLIENT_WRITE_TIMEOUT_MS),
-            on_client_gone: defaults::ON_CLIENT_GONE,
-            release_timeout: Duration::from_millis(defaults::RELEASE_TIMEOUT_MS),
-            max_sse_event_bytes: defaults::MAX_SSE_EVENT_BYTES as usize,
+            stream_idle_timeout: d.stream_idle_timeout_ms,
+            client_write_timeout: d.client_write_timeout_ms,
+            on_client_gone: d.on_client_gone,
+            release_timeout: d.release_timeout_ms,
+            max_sse_event_bytes: d.max_sse_event_bytes,
             metrics: self.metrics.default_route(DEFAULT_ROUTE),
             parity: None,
             state: RouteState::new(budget, self.now),
@@ -300,9 +302,14 @@ impl Built<'_> {
 
 /// A route's tokenizer: its decode pool's (the engine that reads the ids), else its prefill
 /// pool's.
-fn route_tokenizer(config: &Config, spec: &RouteSpec) -> Option<Arc<crate::parity::Tokenizer>> {
-    let of = |i: usize| config.pools().get(i).and_then(|p| p.tokenizer().cloned());
-    of(spec.decode_pool()).or_else(|| spec.prefill_pool().and_then(of))
+fn route_tokenizer(resources: &Resources, spec: &RouteSpec) -> Option<Arc<crate::parity::Tokenizer>> {
+    let of = |name: &str| resources.pools.get(name).and_then(|p| p.tokenizer.clone());
+    of(&spec.decode_pool).or_else(|| prefill_pool(spec).and_then(of))
+}
+
+/// The pool a route's prefill goes to, when it goes to a pool.
+fn prefill_pool(spec: &RouteSpec) -> Option<&str> {
+    spec.prefill.as_ref().and_then(|p| p.pool.as_deref())
 }
 
 /// A route's parity watch (with a tokenizer) holding reuse in `state`, and its parity and
@@ -314,25 +321,25 @@ fn route_parity(
     metrics: &Metrics,
     state: &RouteState,
 ) -> Option<Arc<RouteParity>> {
-    if spec.prefill_pool().is_some() {
-        metrics.models_differ(spec.name(), state.models_differ());
+    let name = &spec.name;
+    if prefill_pool(spec).is_some() {
+        metrics.models_differ(name, state.models_differ());
     } else {
-        metrics.forget_models_differ(spec.name());
+        metrics.forget_models_differ(name);
     }
-    if spec.mode() != Mode::Passthrough {
-        metrics.parity(spec.name()).show_hold(state.parity_hold().is_held());
+    if spec.mode != Mode::Passthrough {
+        metrics.parity(name).show_hold(state.parity_hold().is_held());
     } else {
-        metrics.forget_parity_hold(spec.name());
+        metrics.forget_parity_hold(name);
     }
-    let o = spec.options();
     tokenizer.map(|t| {
         Arc::new(RouteParity::new(
-            spec.name(),
+            name,
             t,
-            o.parity_sample(),
-            o.on_parity_mismatch(),
-            o.parity_cooldown(),
-            metrics.parity(spec.name()),
+            spec.parity_sample,
+            spec.on_parity_mismatch,
+            spec.parity_cooldown_ms,
+            metrics.parity(name),
             Arc::clone(state.parity_hold()),
         ))
     })
@@ -376,8 +383,11 @@ decode_pool = "decode"
 
     fn table() -> RouteTable {
         let config = Config::from_toml(CONF, "t").unwrap();
-        let pools: Vec<Arc<Pool>> = config.pools().iter().map(|p| Arc::new(Pool::new(p, 3))).collect();
-        RouteTable::new(&config, &pools, &Metrics::register(&prometheus::Registry::new()).unwrap(), None).unwrap()
+        let none = Resources::default();
+        let pools: Vec<Arc<Pool>> =
+            config.pools.iter().map(|(name, p)| Arc::new(Pool::new(name, p, &Default::default(), 3))).collect();
+        let metrics = Metrics::register(&prometheus::Registry::new()).unwrap();
+        RouteTable::new(&config, &none, &pools, &metrics, None).unwrap()
     }
 
     fn pick(path: &str, model: Option<&str>, headers: &[(&'static str, &'static str)]) -> Option<String> {

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use crate::config::{Balance, PoolSpec, Version};
+use crate::config::{Balance, PoolResources, Version};
 
 /// One engine endpoint and what tokenonce knows about it.
 #[derive(Debug)]
@@ -273,19 +273,20 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// A pool from its spec; `eject_after` consecutive failures eject an endpoint (0: never).
-    pub fn new(spec: &PoolSpec, eject_after: u32) -> Self {
+    /// The pool `name` as configured, with its loaded TLS; `eject_after` consecutive failures
+    /// eject an endpoint (0: never).
+    pub fn new(name: &str, spec: &crate::config::Pool, loaded: &PoolResources, eject_after: u32) -> Self {
         Self {
-            name: spec.name().to_owned(),
+            name: name.to_owned(),
             endpoints: spec
-                .endpoints()
+                .endpoints
                 .iter()
-                .map(|a| Arc::new(Endpoint::with_tls(a.clone(), spec.tls().cloned())))
+                .map(|a| Arc::new(Endpoint::with_tls(a.clone(), loaded.tls.clone())))
                 .collect(),
-            balance: spec.balance(),
-            pinned_version: spec.vllm_version(),
+            balance: spec.balance,
+            pinned_version: spec.vllm_version,
             next: AtomicUsize::new(0),
-            ejection: Arc::new(PoolEjection { name: spec.name().to_owned(), eject_after }),
+            ejection: Arc::new(PoolEjection { name: name.to_owned(), eject_after }),
         }
     }
 
@@ -360,7 +361,8 @@ mod tests {
             "[pools.p]\nendpoints = [{}]\nbalance = \"{balance}\"\n[defaults]\npassthrough_pool = \"p\"\n",
             endpoints.join(", ")
         );
-        Pool::new(&crate::config::Config::from_toml(&text, "t").unwrap().pools()[0], 3)
+        let config = crate::config::Config::from_toml(&text, "t").unwrap();
+        Pool::new("p", &config.pools["p"], &PoolResources::default(), 3)
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The configuration reference, generated: walks the serde structs of `src/config/file.rs`
-//! (parsed with `syn`) from `File` down, one section per TOML table and a row per key with its
-//! type, default and meaning, all taken from the field's doc comment; the reason for a default
-//! is the doc of the `defaults.rs` constant that the `Default:` line links.
+//! (parsed with `syn`) from `Config` down, one section per TOML table and a row per key with
+//! its type, default and meaning, all taken from the field's doc comment: the meaning, then a
+//! `Default:` line with the value as written in TOML, then the reason for that default.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -16,7 +16,7 @@ pub struct Key {
     pub default: Option<String>,
     /// What it means (the field's doc, less its `Default:` line).
     pub meaning: String,
-    /// Why the default is what it is (the linked constant's doc).
+    /// Why the default is what it is (the doc lines after the `Default:` line).
     pub why: Option<String>,
 }
 
@@ -45,7 +45,7 @@ enum Shape {
 }
 
 /// Sections of the whole format, in the order of `File`'s fields.
-pub fn sections(file_rs: &str, defaults_rs: &str) -> Vec<Section> {
+pub fn sections(file_rs: &str) -> Vec<Section> {
     let file = syn::parse_file(file_rs).expect("src/config/file.rs parses");
     let structs: HashMap<String, &syn::ItemStruct> = file
         .items
@@ -55,17 +55,8 @@ pub fn sections(file_rs: &str, defaults_rs: &str) -> Vec<Section> {
             _ => None,
         })
         .collect();
-    let defaults = syn::parse_file(defaults_rs).expect("src/config/defaults.rs parses");
-    let reasons: HashMap<String, String> = defaults
-        .items
-        .iter()
-        .filter_map(|item| match item {
-            syn::Item::Const(c) => Some((c.ident.to_string(), doc_lines(&c.attrs).join(" "))),
-            _ => None,
-        })
-        .collect();
     let mut out = Vec::new();
-    walk(&structs, &reasons, ("File", "", String::new(), String::new()), &mut out);
+    walk(&structs, ("Config", "", String::new(), String::new()), &mut out);
     out
 }
 
@@ -74,7 +65,6 @@ pub fn sections(file_rs: &str, defaults_rs: &str) -> Vec<Section> {
 /// sub-tables.
 fn walk(
     structs: &HashMap<String, &syn::ItemStruct>,
-    reasons: &HashMap<String, String>,
     (name, path, header, field_doc): (&str, &str, String, String),
     out: &mut Vec<Section>,
 ) {
@@ -91,7 +81,7 @@ fn walk(
         let key_path = if path.is_empty() { key } else { format!("{path}.{key}") };
         let doc = doc_lines(&field.attrs);
         match shape(&field.ty, structs) {
-            Shape::Value(kind) => keys.push(entry(key_path, kind, &doc, reasons)),
+            Shape::Value(kind) => keys.push(entry(key_path, kind, &doc)),
             Shape::Table(s) => tables.push((s, key_path.clone(), format!("[{key_path}]"), doc)),
             Shape::Tables(s) => tables.push((s, key_path.clone(), format!("[[{key_path}]]"), doc)),
             Shape::Named(s) => tables.push((s, format!("{key_path}.NAME"), format!("[{key_path}.NAME]"), doc)),
@@ -106,7 +96,7 @@ fn walk(
         out.push(Section { path: path.to_owned(), header, intro: intro.join(" "), keys });
     }
     for (s, p, h, doc) in tables {
-        walk(structs, reasons, (&s, &p, h, doc.join(" ")), out);
+        walk(structs, (&s, &p, h, doc.join(" ")), out);
     }
 }
 
@@ -116,20 +106,22 @@ fn capitalized(text: String) -> String {
     chars.next().map_or_else(String::new, |c| c.to_uppercase().chain(chars).collect())
 }
 
-/// A key's row from its doc lines: the `Default:` line gives the value and the constant.
-fn entry(path: String, kind: String, doc: &[String], reasons: &HashMap<String, String>) -> Key {
-    let (defaults, meaning): (Vec<&String>, Vec<&String>) = doc.iter().partition(|l| l.starts_with("Default: "));
-    assert!(defaults.len() <= 1, "{path}: one `Default:` line at most");
+/// A key's row from its doc lines: the `Default:` line gives the value, the lines after it
+/// the reason.
+fn entry(path: String, kind: String, doc: &[String]) -> Key {
+    let at = doc.iter().position(|l| l.starts_with("Default: "));
+    let (meaning, rest) = doc.split_at(at.unwrap_or(doc.len()));
     let mut default = None;
     let mut why = None;
-    if let Some(line) = defaults.first() {
-        let value = line.split('`').nth(1).unwrap_or_else(|| panic!("{path}: `Default: `VALUE`` ({line})"));
+    if let Some((line, reason)) = rest.split_first() {
+        let value = line.split('`').nth(1).unwrap_or_else(|| panic!("{path}: `Default: `VALUE`.` ({line})"));
+        assert!(line == &format!("Default: `{value}`."), "{path}: the Default line is only its value ({line})");
+        assert!(!reason.is_empty(), "{path}: say why after the Default line");
+        assert!(!reason.iter().any(|l| l.starts_with("Default: ")), "{path}: one `Default:` line at most");
         default = Some(value.to_owned());
-        let constant = line.split("super::defaults::").nth(1).map(|c| c.trim_end_matches([')', '.']));
-        let constant = constant.unwrap_or_else(|| panic!("{path}: the Default line links its constant ({line})"));
-        why = Some(reasons.get(constant).unwrap_or_else(|| panic!("{path}: no constant {constant}")).clone());
+        why = Some(reason.join(" "));
     }
-    let meaning = plain(&meaning.iter().map(|l| l.as_str()).collect::<Vec<_>>().join(" "));
+    let meaning = plain(&meaning.join(" "));
     Key { path, kind, default, meaning, why }
 }
 
@@ -168,7 +160,7 @@ fn serde_attrs(attrs: &[syn::Attribute]) -> (Option<String>, bool) {
     (rename, flatten)
 }
 
-/// What a field's Rust type is in TOML, through `Option`, `Spanned` and `Field`.
+/// What a field's Rust type is in TOML, through `Option`.
 fn shape(ty: &syn::Type, structs: &HashMap<String, &syn::ItemStruct>) -> Shape {
     let syn::Type::Path(p) = ty else { panic!("unexpected type in file.rs") };
     let last = p.path.segments.last().expect("a type name");
@@ -185,7 +177,7 @@ fn shape(ty: &syn::Type, structs: &HashMap<String, &syn::ItemStruct>) -> Shape {
     };
     let name = last.ident.to_string();
     match (name.as_str(), args.as_slice()) {
-        ("Option" | "Spanned" | "Field", [inner]) => shape(inner, structs),
+        ("Option", [inner]) => shape(inner, structs),
         ("Vec", [inner]) => match shape(inner, structs) {
             Shape::Value(v) => Shape::Value(format!("array of {v}s")),
             Shape::Table(s) => Shape::Tables(s),
@@ -197,10 +189,16 @@ fn shape(ty: &syn::Type, structs: &HashMap<String, &syn::ItemStruct>) -> Shape {
             _ => panic!("nested maps in file.rs"),
         },
         ("String", []) => Shape::Value("string".into()),
-        ("i64", []) => Shape::Value("integer".into()),
+        ("u32" | "u64" | "usize" | "Duration", []) => Shape::Value("integer".into()),
         ("f64", []) => Shape::Value("float".into()),
         ("bool", []) => Shape::Value("boolean".into()),
-        ("TokenReuse", []) => Shape::Value("boolean or float".into()),
+        ("ReuseShare", []) => Shape::Value("boolean or float".into()),
+        // Named choices, and values parsed from a string (src/config/values.rs).
+        (
+            "Balance" | "Mode" | "RelayHandoff" | "ClientHandoff" | "OnPrefillFailure" | "OtlpProtocol"
+            | "ParityPolicy" | "OnClientGone" | "LogFormat" | "Version" | "AllowEntry" | "Net" | "ModelGlob",
+            [],
+        ) => Shape::Value("string".into()),
         (s, []) if structs.contains_key(s) => Shape::Table(s.to_owned()),
         (other, _) => panic!("file.rs type {other}: teach tests/docs/reference.rs how it reads in TOML"),
     }
@@ -263,8 +261,8 @@ fn anchor(header: &str) -> String {
 const HEADER: &str = "\
 # Configuration reference
 
-<!-- Generated by tests/docs.rs from the doc comments of src/config/file.rs and
-src/config/defaults.rs: edit those, then run `TOKENONCE_BLESS=1 cargo test --test docs`. -->
+<!-- Generated by tests/docs.rs from the doc comments of src/config/file.rs: edit those,
+then run `TOKENONCE_BLESS=1 cargo test --test docs`. -->
 
 tokenonce reads one TOML file (`tokenonce --config FILE`), validated as a whole:
 `tokenonce check FILE` prints every problem as `file:line:col: key: message` and exits non-zero

@@ -13,7 +13,7 @@ use bytes::BytesMut;
 use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 use serde_json::Value;
-use tokenonce::config::{Config, Mode, PrefillSource};
+use tokenonce::config::{Config, Mode};
 use tokenonce::openai::ids::IdsError;
 use tokenonce::openai::request::{
     decode_body, kv_params_with_ids, prefill_body, PromptShape, PREFILL_KV_TRANSFER_PARAMS,
@@ -894,33 +894,34 @@ pub fn check_config(text: &str) {
             assert_eq!(placed, sorted, "problems not in file order");
         }
         Ok(c) => {
-            let n = c.pools().len();
-            assert!(n > 0);
-            assert!(c.passthrough_pool() < n);
-            let server = c.server();
-            assert!(server.listen().parse::<std::net::SocketAddr>().is_ok());
-            assert!(server.admin_listen().parse::<std::net::SocketAddr>().is_ok());
-            assert!(server.threads() >= 1 && c.cache().capacity_bytes() >= 1 && !c.cache().ttl().is_zero());
-            for p in c.pools() {
-                assert!(!p.endpoints().is_empty());
-                assert!(p.endpoints().iter().all(|e| tokenonce::config::model::is_host_port(e)), "{:?}", p.endpoints());
+            assert!(!c.pools.is_empty());
+            assert!(c.pools.contains_key(&c.defaults.passthrough_pool));
+            let server = &c.server;
+            assert!(server.listen.parse::<std::net::SocketAddr>().is_ok());
+            assert!(server.admin_listen.parse::<std::net::SocketAddr>().is_ok());
+            assert!(server.threads >= 1 && c.cache.capacity_bytes >= 1 && !c.cache.ttl_ms.is_zero());
+            for p in c.pools.values() {
+                assert!(!p.endpoints.is_empty());
+                assert!(p.endpoints.iter().all(|e| tokenonce::config::is_host_port(e)), "{:?}", p.endpoints);
             }
             let mut names = HashSet::new();
-            for r in c.routes() {
-                assert!(names.insert(r.name().to_owned()), "duplicate route name {}", r.name());
-                assert!(!r.name().is_empty());
-                assert!(r.decode_pool() < n);
-                let o = r.options();
-                assert!(!o.prefill_timeout().is_zero() && !o.decode_first_byte_timeout().is_zero());
-                assert!(o.max_body_bytes() >= 1);
-                match (&r.mode(), r.prefill()) {
-                    (Mode::Orchestrate, None) => panic!("orchestrate route {} without prefill", r.name()),
-                    (Mode::Passthrough, Some(_)) => panic!("passthrough route {} with prefill", r.name()),
-                    (_, Some(PrefillSource::Pool(i))) => assert!(*i < n),
-                    (_, Some(PrefillSource::Header { allow, .. })) => assert!(!allow.is_empty()),
+            for r in &c.routes {
+                assert!(names.insert(r.name.clone()), "duplicate route name {}", r.name);
+                assert!(!r.name.is_empty());
+                assert!(c.pools.contains_key(&r.decode_pool));
+                assert!(!r.prefill_timeout_ms.is_zero() && !r.decode_first_byte_timeout_ms.is_zero());
+                assert!(r.max_body_bytes >= 1);
+                match (&r.mode, &r.prefill) {
+                    (Mode::Orchestrate, None) => panic!("orchestrate route {} without prefill", r.name),
+                    (Mode::Passthrough, Some(_)) => panic!("passthrough route {} with prefill", r.name),
+                    (_, Some(p)) => match (&p.pool, &p.header) {
+                        (Some(pool), None) => assert!(c.pools.contains_key(pool)),
+                        (None, Some(_)) => assert!(!p.allow.is_empty()),
+                        other => panic!("route {} prefill with {other:?}", r.name),
+                    },
                     _ => {}
                 }
-                assert!(r.matcher().paths().iter().all(|p| p.starts_with('/')));
+                assert!(r.matcher.paths.iter().all(|p| p.starts_with('/')));
             }
         }
     }

@@ -87,8 +87,9 @@ impl TokenOnce {
             let problems: Vec<String> = e.problems.iter().map(ToString::to_string).collect();
             panic!("bad test config {}:\n{}", e.source_name, problems.join("\n"))
         });
-        let tls_listen = loaded.server().tls().map(|t| t.listen().to_owned());
-        let running = Listeners::bind(loaded.server().listen(), loaded.server().admin_listen())
+        let server = &loaded.config.server;
+        let tls_listen = server.tls.as_ref().map(|t| t.listen.clone());
+        let running = Listeners::bind(&server.listen, &server.admin_listen)
             .and_then(|listeners| listeners.with_tls(tls_listen.as_deref()))
             .and_then(|listeners| server::start(loaded, Some(config_path.clone()), listeners, Signals::HandleOnly))
             .unwrap_or_else(|e| panic!("tokenonce did not start: {e}"));

@@ -1,0 +1,318 @@
+//! The one validation pass over a parsed [`Config`]: bounds, addresses, names, and the rules
+//! that span fields (pool references, a route's mode and its prefill, listeners that must
+//! differ). Every problem is placed by key path; a key whose value did not parse is not
+//! checked again.
+
+use std::collections::BTreeSet;
+use std::net::{IpAddr, SocketAddr};
+use std::ops::RangeInclusive;
+use std::time::Duration;
+
+use tracing_subscriber::filter::LevelFilter;
+
+use super::file::{Config, Pool, PoolTls, Prefill, Route};
+use super::parse::Doc;
+use super::values::{is_host_port, Mode};
+use super::Problem;
+
+// Upper bounds: a value past these is a typo, not a setting.
+const MAX_SECONDS: u64 = 3600;
+const MAX_THREADS: u64 = 256;
+const MAX_CONNECT_MS: u64 = 600_000;
+/// vLLM closes idle keep-alive connections after 5 s; ours must close first.
+const MAX_IDLE_MS: u64 = 4999;
+const MAX_LEG_MS: u64 = 3_600_000;
+/// A non-streamed answer may be a very long generation.
+const MAX_ANSWER_MS: u64 = 6 * 3_600_000;
+const MAX_IN_FLIGHT: u64 = 1 << 20;
+const MAX_BODY_BYTES: u64 = 1 << 30;
+/// An SSE event limit below this would cut ordinary token events (a few KB with logprobs).
+const MIN_SSE_EVENT_BYTES: u64 = 64 * 1024;
+const MAX_CACHE_BYTES: u64 = 1 << 40;
+/// pingora refuses more than 256 header fields and 1 MiB of head itself.
+const MAX_HEADER_COUNT: u64 = 256;
+const MAX_HEADER_BYTES: u64 = 1 << 20;
+/// Where requests no route matches go when `defaults.passthrough_pool` is not written.
+const PASSTHROUGH_POOL: &str = "decode";
+
+/// Adds to `problems` what is wrong with `config` (`problems` holds the parse's).
+pub(super) fn check(config: &Config, doc: &Doc<'_>, problems: &mut Vec<Problem>) {
+    let parsed: BTreeSet<String> = problems.iter().map(|p| p.key.clone()).collect();
+    let mut ck = Checker { doc, parsed, problems };
+    check_server(&mut ck, config);
+    check_limits(&mut ck, config);
+    for (name, pool) in &config.pools {
+        check_pool(&mut ck, &format!("pools.{name}"), pool);
+    }
+    if config.pools.is_empty() {
+        ck.report(doc.at_value("pools", "at least one pool is needed"));
+    }
+    if doc.has("defaults.passthrough_pool") {
+        ck.pool_ref(config, "defaults.passthrough_pool", &config.defaults.passthrough_pool);
+    } else if !config.pools.contains_key(PASSTHROUGH_POOL) {
+        let message = format!("not set and there is no pool named `{PASSTHROUGH_POOL}`");
+        ck.report(Problem { line: 0, column: 0, key: "defaults.passthrough_pool".into(), message });
+    }
+    let mut names = BTreeSet::new();
+    for (i, route) in config.routes.iter().enumerate() {
+        check_route(&mut ck, config, &format!("routes[{i}]"), route, &mut names);
+    }
+    if let Some(tracing) = &config.tracing {
+        ck.required("tracing", "endpoint");
+        let rest = tracing.endpoint.strip_prefix("http://").filter(|r| !r.is_empty() && !r.starts_with('/'));
+        if rest.is_none() && doc.has("tracing.endpoint") {
+            let url = &tracing.endpoint;
+            let message = format!("`{url}` is not an http:// URL (run a collector beside tokenonce for TLS)");
+            ck.at("tracing.endpoint", message);
+        }
+        if !(0.0..=1.0).contains(&tracing.sampling_ratio) {
+            ck.at("tracing.sampling_ratio", format!("{} is not between 0.0 and 1.0", tracing.sampling_ratio));
+        }
+        if tracing.service_name.trim().is_empty() {
+            ck.at("tracing.service_name", "must not be empty");
+        }
+    }
+}
+
+/// Records problems, leaving alone keys whose value did not parse.
+struct Checker<'a, 'd> {
+    doc: &'a Doc<'d>,
+    parsed: BTreeSet<String>,
+    problems: &'a mut Vec<Problem>,
+}
+
+impl Checker<'_, '_> {
+    fn report(&mut self, problem: Problem) {
+        if !self.parsed.contains(&problem.key) {
+            self.problems.push(problem);
+        }
+    }
+
+    /// A problem at the value of `path`.
+    fn at(&mut self, path: &str, message: impl Into<String>) {
+        let problem = self.doc.at_value(path, message);
+        self.report(problem);
+    }
+
+    /// `table.name` must be written.
+    fn required(&mut self, table: &str, name: &str) -> bool {
+        let present = self.doc.has(&format!("{table}.{name}"));
+        if !present {
+            let problem = self.doc.at_table(table, name, "required key is missing");
+            self.report(problem);
+        }
+        present
+    }
+
+    fn range(&mut self, path: &str, value: u64, range: RangeInclusive<u64>) {
+        if !range.contains(&value) {
+            self.at(path, format!("must be between {} and {}", range.start(), range.end()));
+        }
+    }
+
+    fn millis(&mut self, path: &str, value: Duration, max: u64) {
+        self.range(path, u64::try_from(value.as_millis()).unwrap_or(u64::MAX), 1..=max);
+    }
+
+    fn address(&mut self, path: &str, text: &str) -> bool {
+        let ok = text.parse::<SocketAddr>().is_ok();
+        if !ok {
+            self.at(path, format!("`{text}` is not an ip:port address"));
+        }
+        ok
+    }
+
+    fn pool_ref(&mut self, config: &Config, path: &str, name: &str) {
+        if !config.pools.contains_key(name) {
+            let known: Vec<&str> = config.pools.keys().map(String::as_str).collect();
+            self.at(path, format!("no pool named `{name}` (pools: {})", known.join(", ")));
+        }
+    }
+}
+
+/// Width of a count in the file; every count fits.
+fn n(value: usize) -> u64 {
+    u64::try_from(value).unwrap_or(u64::MAX)
+}
+
+fn check_server(ck: &mut Checker<'_, '_>, config: &Config) {
+    let s = &config.server;
+    ck.address("server.listen", &s.listen);
+    ck.address("server.admin_listen", &s.admin_listen);
+    if let Some(why) = log_filter_problem(&s.log_level) {
+        ck.at("server.log_level", why);
+    }
+    let Some(tls) = &s.tls else { return };
+    ck.required("server.tls", "cert_file");
+    ck.required("server.tls", "key_file");
+    if ck.required("server.tls", "listen") && ck.address("server.tls.listen", &tls.listen) {
+        let plain = [&s.listen, &s.admin_listen];
+        if plain.contains(&&tls.listen) && !tls.listen.ends_with(":0") {
+            ck.at("server.tls.listen", "must differ from `server.listen` and `server.admin_listen`");
+        }
+    }
+}
+
+/// The bounded numbers outside routes.
+fn check_limits(ck: &mut Checker<'_, '_>, config: &Config) {
+    let (s, u, c) = (&config.server, &config.upstream, &config.cache);
+    ck.range("server.threads", n(s.threads), 1..=MAX_THREADS);
+    ck.range("server.grace_period_seconds", s.grace_period_seconds, 1..=MAX_SECONDS);
+    ck.range("server.graceful_shutdown_timeout_seconds", s.graceful_shutdown_timeout_seconds, 1..=MAX_SECONDS);
+    ck.range("server.max_header_count", n(s.max_header_count), 1..=MAX_HEADER_COUNT);
+    ck.range("server.max_header_bytes", n(s.max_header_bytes), 1..=MAX_HEADER_BYTES);
+    ck.millis("server.body_read_timeout_ms", s.body_read_timeout_ms, MAX_LEG_MS);
+    ck.range("server.max_in_flight", n(s.max_in_flight), 0..=MAX_IN_FLIGHT);
+    ck.millis("upstream.connect_timeout_ms", u.connect_timeout_ms, MAX_CONNECT_MS);
+    ck.millis("upstream.idle_timeout_ms", u.idle_timeout_ms, MAX_IDLE_MS);
+    ck.millis("upstream.health_interval_ms", u.health_interval_ms, MAX_CONNECT_MS);
+    ck.range("upstream.eject_after_failures", u64::from(u.eject_after_failures), 0..=1000);
+    ck.range("cache.capacity_bytes", n(c.capacity_bytes), 1..=MAX_CACHE_BYTES);
+    ck.millis("cache.ttl_ms", c.ttl_ms, MAX_LEG_MS);
+}
+
+/// Why `text` is not a log filter we accept: tracing's `EnvFilter` syntax, and a bare word
+/// must be a level (tracing would read `warning` as a target and log nothing else).
+fn log_filter_problem(text: &str) -> Option<String> {
+    if text.trim().is_empty() {
+        return Some("empty filter (`off` turns logging off)".into());
+    }
+    if let Err(e) = tracing_subscriber::EnvFilter::builder().parse(text) {
+        return Some(format!("not a tracing filter: {e}"));
+    }
+    text.split(',').map(str::trim).filter(|d| !d.is_empty() && !d.contains(['=', '['])).find_map(|d| {
+        d.parse::<LevelFilter>().is_err().then(|| {
+            format!("`{d}` is not a level (off, error, warn, info, debug, trace); a target needs `target=level`")
+        })
+    })
+}
+
+fn check_pool(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool) {
+    let endpoints = format!("{path}.endpoints");
+    if ck.required(path, "endpoints") && pool.endpoints.is_empty() {
+        ck.at(&endpoints, "needs at least one host:port");
+    }
+    for (i, endpoint) in pool.endpoints.iter().enumerate() {
+        if !is_host_port(endpoint) {
+            ck.at(&format!("{endpoints}[{i}]"), format!("`{endpoint}` is not host:port"));
+        }
+    }
+    if let Some(tls) = &pool.tls {
+        check_pool_tls(ck, &format!("{path}.tls"), tls, &pool.endpoints);
+    }
+}
+
+/// `[pools.NAME.tls]`: a client certificate with its key, and a name to check when
+/// verification is on and an endpoint is an IP (OpenSSL checks DNS names).
+fn check_pool_tls(ck: &mut Checker<'_, '_>, path: &str, tls: &PoolTls, endpoints: &[String]) {
+    let name_key = format!("{path}.server_name");
+    if let Some(name) = &tls.server_name {
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || ".-_*".contains(c)) {
+            ck.at(&name_key, format!("`{name}` is not a DNS name"));
+        }
+    }
+    if tls.cert_file.is_some() != tls.key_file.is_some() {
+        let problem =
+            ck.doc.at_table(path, "cert_file", "`cert_file` and `key_file` go together (mTLS client certificate)");
+        ck.report(problem);
+    }
+    if tls.verify && tls.server_name.is_none() {
+        if let Some(ip) = endpoints.iter().find(|e| crate::tls::host_of(e).parse::<IpAddr>().is_ok()) {
+            let why = format!(
+                "endpoint `{ip}` is an IP address: set `server_name` to the DNS name in the engines' certificate"
+            );
+            let problem = ck.doc.at_table(path, "server_name", why);
+            ck.report(problem);
+        }
+    }
+}
+
+fn check_route(ck: &mut Checker<'_, '_>, config: &Config, path: &str, route: &Route, names: &mut BTreeSet<String>) {
+    let key = |name: &str| format!("{path}.{name}");
+    if ck.required(path, "name") {
+        let name = &route.name;
+        if !names.insert(name.clone()) {
+            ck.at(&key("name"), format!("duplicate route name `{name}`"));
+        }
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+            ck.at(&key("name"), "must be non-empty [A-Za-z0-9._-]");
+        }
+    }
+    let mode_known = ck.required(path, "mode") && !ck.parsed.contains(&key("mode"));
+    for (i, p) in route.matcher.paths.iter().enumerate() {
+        if !p.starts_with('/') {
+            ck.at(&key(&format!("match.paths[{i}]")), "a path starts with /");
+        }
+    }
+    for name in route.matcher.headers.keys() {
+        if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+            ck.at(&key(&format!("match.headers.{name}")), format!("`{name}` is not a header name"));
+        }
+    }
+    let prefill_key = key("prefill");
+    match (&route.prefill, mode_known.then_some(route.mode)) {
+        (None, Some(Mode::Orchestrate)) => {
+            let problem = ck.doc.at_table(path, "prefill", "orchestrate needs `prefill` (a pool or a header)");
+            ck.report(problem);
+        }
+        (Some(_), Some(Mode::Passthrough)) => ck.at(&prefill_key, "passthrough routes have no prefill"),
+        (Some(p), Some(Mode::Relay)) if p.header.is_some() && p.pool.is_none() => {
+            ck.at(&prefill_key, "relay routes take only `prefill = { pool = ... }`");
+        }
+        _ => {}
+    }
+    if let Some(prefill) = &route.prefill {
+        check_prefill(ck, config, &prefill_key, prefill);
+    }
+    if ck.required(path, "decode_pool") {
+        ck.pool_ref(config, &key("decode_pool"), &route.decode_pool);
+    }
+    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let r = route;
+    let bounded: [(&str, u64, RangeInclusive<u64>); 12] = [
+        ("prefill_timeout_ms", ms(r.prefill_timeout_ms), 1..=MAX_LEG_MS),
+        ("decode_first_byte_timeout_ms", ms(r.decode_first_byte_timeout_ms), 1..=MAX_LEG_MS),
+        ("decode_whole_answer_timeout_ms", ms(r.decode_whole_answer_timeout_ms), 1..=MAX_ANSWER_MS),
+        ("stream_idle_timeout_ms", ms(r.stream_idle_timeout_ms), 1..=MAX_LEG_MS),
+        ("client_write_timeout_ms", ms(r.client_write_timeout_ms), 1..=MAX_LEG_MS),
+        ("release_timeout_ms", ms(r.release_timeout_ms), 1..=MAX_LEG_MS),
+        ("parity_cooldown_ms", ms(r.parity_cooldown_ms), 1..=MAX_LEG_MS),
+        ("max_sse_event_bytes", n(r.max_sse_event_bytes), MIN_SSE_EVENT_BYTES..=MAX_BODY_BYTES),
+        ("max_body_bytes", n(r.max_body_bytes), 1..=MAX_BODY_BYTES),
+        ("retry_budget_percent", u64::from(r.retry_budget_percent), 0..=100),
+        ("retry_budget_min_per_second", u64::from(r.retry_budget_min_per_second), 0..=1000),
+        ("prefill_attempts", n(r.prefill_attempts), 1..=16),
+    ];
+    for (name, value, range) in bounded {
+        ck.range(&key(name), value, range);
+    }
+    if !(0.0..=1.0).contains(&route.parity_sample) {
+        ck.at(&key("parity_sample"), "must be between 0 and 1");
+    }
+}
+
+/// The prefill table: a pool or a header, each with its own keys.
+fn check_prefill(ck: &mut Checker<'_, '_>, config: &Config, path: &str, prefill: &Prefill) {
+    match (&prefill.pool, &prefill.header) {
+        (Some(pool), None) => {
+            for field in ["allow", "trusted_sources", "forward_credentials"] {
+                if ck.doc.has(&format!("{path}.{field}")) {
+                    let problem = ck.doc.at_table(path, field, format!("`{field}` goes with `header`, not `pool`"));
+                    ck.report(problem);
+                }
+            }
+            ck.pool_ref(config, &format!("{path}.pool"), pool);
+        }
+        (None, Some(header)) => {
+            if http::HeaderName::from_bytes(header.as_bytes()).is_err() {
+                ck.at(&format!("{path}.header"), "not a header name");
+            }
+            if prefill.allow.is_empty() {
+                let why = "a header prefill needs an allowlist of hosts or CIDRs";
+                let problem = ck.doc.at_table(path, "allow", why);
+                ck.report(problem);
+            }
+        }
+        _ => ck.at(path, "set exactly one of `pool` or `header`"),
+    }
+}

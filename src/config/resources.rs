@@ -1,0 +1,127 @@
+//! What a config's paths name, loaded: the admin token, the TLS listener's certificate, each
+//! pool's TLS material and tokenizer. The one place config loading reads files; `tokenonce
+//! check` runs it too, and a file that does not load is a problem at its key.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+
+use super::file::{Config, PoolTls};
+use super::parse::Doc;
+use super::Problem;
+use crate::parity::Tokenizer;
+use crate::tls::{self, Identity, UpstreamTls};
+
+/// Everything the config's paths name, as loaded.
+#[derive(Debug, Clone, Default)]
+pub struct Resources {
+    /// The token `/drain` requires (`None`: state-changing admin endpoints are off).
+    pub admin_token: Option<AdminToken>,
+    /// The TLS client listener's certificate chain and key.
+    pub server_identity: Option<Identity>,
+    /// Per pool name.
+    pub pools: BTreeMap<String, PoolResources>,
+}
+
+/// What one pool's paths name.
+#[derive(Debug, Clone, Default)]
+pub struct PoolResources {
+    /// TLS to its engines (`None`: plain HTTP).
+    pub tls: Option<UpstreamTls>,
+    /// The engines' tokenizer.
+    pub tokenizer: Option<Arc<Tokenizer>>,
+}
+
+/// The secret state-changing admin requests must carry; never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct AdminToken(String);
+
+impl AdminToken {
+    /// The token in `path`: the file's text without surrounding white space, at least 16
+    /// printable characters (a guessable token protects nothing).
+    fn read(path: &str) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read `{path}`: {e}"))?;
+        let token = text.trim();
+        if token.len() < 16 || token.chars().any(|c| !c.is_ascii_graphic()) {
+            return Err(format!("`{path}` must hold one token of at least 16 printable characters"));
+        }
+        Ok(Self(token.to_owned()))
+    }
+
+    /// True when `presented` is the token (compared in time independent of where they differ).
+    pub fn matches(&self, presented: &str) -> bool {
+        let (a, b) = (self.0.as_bytes(), presented.as_bytes());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+}
+
+impl fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("AdminToken(***)")
+    }
+}
+
+/// Loads what `config` names; what does not load is a problem at its key.
+pub(super) fn load(config: &Config, doc: &Doc<'_>, problems: &mut Vec<Problem>) -> Resources {
+    let mut fail = |path: &str, why: String| problems.push(doc.at_value(path, why));
+    let server = &config.server;
+    let admin_token = server
+        .admin_token_file
+        .as_deref()
+        .and_then(|path| AdminToken::read(path).map_err(|why| fail("server.admin_token_file", why)).ok());
+    let server_identity = server.tls.as_ref().and_then(|t| {
+        let keys = ["server.tls.cert_file", "server.tls.key_file"];
+        identity(&t.cert_file, &t.key_file, keys, &mut fail)
+    });
+    let mut pools = BTreeMap::new();
+    for (name, pool) in &config.pools {
+        let tokenizer = pool.tokenizer.as_deref().and_then(|path| {
+            let loaded = Tokenizer::load(Path::new(path)).map(Arc::new);
+            loaded.map_err(|why| fail(&format!("pools.{name}.tokenizer"), why)).ok()
+        });
+        let tls = pool.tls.as_ref().and_then(|t| pool_tls(&format!("pools.{name}.tls"), t, &mut fail));
+        pools.insert(name.clone(), PoolResources { tls, tokenizer });
+    }
+    Resources { admin_token, server_identity, pools }
+}
+
+/// A certificate and key loaded from their files: a file that cannot be read is a problem at
+/// its own key (both are reported), one that does not parse or a pair that does not belong
+/// together a problem at the certificate.
+fn identity(
+    cert: &str,
+    key: &str,
+    [cert_key, key_key]: [&str; 2],
+    fail: &mut impl FnMut(&str, String),
+) -> Option<Identity> {
+    if cert.is_empty() || key.is_empty() {
+        return None; // a required key is missing: the checks said so
+    }
+    let mut readable = |path: &str, at: &str| {
+        std::fs::File::open(path).map_err(|e| fail(at, format!("cannot read `{path}`: {e}"))).is_ok()
+    };
+    let cert_readable = readable(cert, cert_key);
+    if !(readable(key, key_key) && cert_readable) {
+        return None;
+    }
+    Identity::load(cert, key).map_err(|why| fail(cert_key, why)).ok()
+}
+
+/// `[pools.NAME.tls]`'s CA bundle and client certificate.
+fn pool_tls(path: &str, t: &PoolTls, fail: &mut impl FnMut(&str, String)) -> Option<UpstreamTls> {
+    let ca_key = format!("{path}.ca_file");
+    let ca = match &t.ca_file {
+        None => Ok(None),
+        Some(file) => tls::load_ca(file).map(Some).map_err(|why| fail(&ca_key, why)),
+    };
+    let client = match (&t.cert_file, &t.key_file) {
+        (Some(cert), Some(key)) => {
+            let (cert_key, key_key) = (format!("{path}.cert_file"), format!("{path}.key_file"));
+            identity(cert, key, [&cert_key, &key_key], fail).map(Some).ok_or(())
+        }
+        (None, None) => Ok(None),
+        _ => Err(()), // the checks said they go together
+    };
+    Some(UpstreamTls::new(ca.ok()?, t.server_name.clone(), client.ok()?, t.verify))
+}

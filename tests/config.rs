@@ -1,0 +1,409 @@
+//! The config file as `tokenonce check` reads it: every problem of a file reported in one run
+//! at its key and line:column (syntax, unknown keys, wrong types, unknown names, bounds, rules
+//! across keys, files that do not load), defaults applied, and every shipped example valid.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use std::time::Duration;
+
+use tokenonce::config::{
+    self, embedded_default, file, is_host_port, load, Config, Mode, OnClientGone, Problem, Version,
+};
+#[test]
+fn embedded_default_is_valid_and_as_documented() {
+    let c = embedded_default().unwrap().config;
+    assert_eq!(c.server.listen, "0.0.0.0:8000");
+    assert_eq!(c.server.admin_listen, "127.0.0.1:9000");
+    let pool = |name: &str| c.pools[name].endpoints.clone();
+    assert_eq!(pool("prefill"), ["127.0.0.1:8100"]);
+    assert_eq!(pool("decode"), ["127.0.0.1:8200"]);
+    assert_eq!(c.routes[0].mode, Mode::Orchestrate);
+}
+
+#[test]
+fn every_shipped_example_is_valid() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("conf");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            load(&path).unwrap_or_else(|e| panic!("{}: {:?}", path.display(), e.problems));
+            checked += 1;
+        }
+    }
+    assert!(checked >= 3, "expected the example configs, found {checked}");
+}
+
+#[test]
+fn every_problem_is_reported_with_its_place() {
+    let text = r#"
+[server]
+listen = "nowhere"
+
+[pools.decode]
+endpoints = ["127.0.0.1:8200", "bad host"]
+balance = "random"
+
+[[routes]]
+name = "r"
+mode = "orchestrate"
+decode_pool = "missing"
+prefill_timeout_ms = 0
+"#;
+    let err = Config::from_toml(text, "t.toml").unwrap_err();
+    let keys: Vec<&str> = err.problems.iter().map(|p| p.key.as_str()).collect();
+    assert_eq!(
+        keys,
+        [
+            "server.listen",
+            "pools.decode.endpoints",
+            "pools.decode.balance",
+            "routes[0].prefill",
+            "routes[0].decode_pool",
+            "routes[0].prefill_timeout_ms"
+        ],
+        "{:#?}",
+        err.problems
+    );
+    assert_eq!((err.problems[0].line, err.problems[0].column), (3, 10));
+    assert_eq!(err.problems[1].line, 6);
+}
+
+/// The bounds on waits and relayed events: positive timeouts, an SSE limit no smaller
+/// than ordinary token events, a known client-gone policy; valid values are kept.
+#[test]
+fn stream_bounds_and_client_gone_policy_are_validated() {
+    let route = "[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n[[routes]]\nname = \"r\"\nmode = \"passthrough\"\ndecode_pool = \"decode\"\n";
+    let bad = format!("{route}stream_idle_timeout_ms = 0\nclient_write_timeout_ms = -1\non_client_gone = \"keep\"\nrelease_timeout_ms = 0\nmax_sse_event_bytes = 1024\n");
+    let err = Config::from_toml(&bad, "t.toml").unwrap_err();
+    let keys: Vec<&str> = err.problems.iter().map(|p| p.key.as_str()).collect();
+    assert_eq!(
+        keys,
+        [
+            "routes[0].stream_idle_timeout_ms",
+            "routes[0].client_write_timeout_ms",
+            "routes[0].on_client_gone",
+            "routes[0].release_timeout_ms",
+            "routes[0].max_sse_event_bytes"
+        ],
+        "{:#?}",
+        err.problems
+    );
+    assert!(err.problems[2].message.contains("release, abandon"), "{:?}", err.problems[2]);
+    let good = format!("{route}stream_idle_timeout_ms = 5\nclient_write_timeout_ms = 6\non_client_gone = \"abandon\"\nrelease_timeout_ms = 7\nmax_sse_event_bytes = 65536\n");
+    let config = Config::from_toml(&good, "t.toml").unwrap();
+    let o = &config.routes[0];
+    assert_eq!(
+        (o.stream_idle_timeout_ms, o.client_write_timeout_ms),
+        (Duration::from_millis(5), Duration::from_millis(6))
+    );
+    assert_eq!((o.on_client_gone, o.release_timeout_ms), (OnClientGone::Abandon, Duration::from_millis(7)));
+    assert_eq!(o.max_sse_event_bytes, 65536);
+}
+
+#[test]
+fn syntax_and_unknown_keys_are_located() {
+    let err = Config::from_toml("[server]\nlisten = \n", "t").unwrap_err();
+    assert_eq!(err.problems[0].line, 2);
+    let err = Config::from_toml("[server]\nlisten_addr = \"1\"\n", "t").unwrap_err();
+    assert!(err.problems[0].message.contains("listen_addr"), "{:?}", err.problems);
+    assert_eq!(err.problems[0].line, 2);
+}
+
+/// A missing required key, a wrong type, a bad enum value, a typo'd key, a bad log
+/// filter and a dangling pool reference: all reported in one run, each at its place.
+#[test]
+fn one_run_reports_missing_keys_types_enums_and_unknown_keys() {
+    let text = r#"bogus = 1
+
+[server]
+threads = "two"
+log_level = "warning"
+log_fromat = "json"
+
+[pools.decode]
+balance = "random"
+
+[[routes]]
+name = "r"
+mode = "sideways"
+prefill = { pool = "nowhere", extra = 1 }
+
+[[routes]]
+mode = "orchestrate"
+decode_pool = "decode"
+prefill = { pool = "decode" }
+token_reuse = "yes"
+[routes.match]
+pathz = ["/x"]
+"#;
+    let err = Config::from_toml(text, "t.toml").unwrap_err();
+    let got: Vec<(usize, usize, &str)> = err.problems.iter().map(|p| (p.line, p.column, p.key.as_str())).collect();
+    assert_eq!(
+        got,
+        [
+            (1, 1, "bogus"),
+            (4, 11, "server.threads"),
+            (5, 13, "server.log_level"),
+            (6, 1, "server.log_fromat"),
+            (8, 1, "pools.decode.endpoints"),
+            (9, 11, "pools.decode.balance"),
+            (11, 1, "routes[0].decode_pool"),
+            (13, 8, "routes[0].mode"),
+            (14, 20, "routes[0].prefill.pool"),
+            (14, 31, "routes[0].prefill.extra"),
+            (16, 1, "routes[1].name"),
+            (20, 15, "routes[1].token_reuse"),
+            (22, 1, "routes[1].match.pathz"),
+        ],
+        "{:#?}",
+        err.problems
+    );
+    let message = |key: &str| &err.problems.iter().find(|p| p.key == key).unwrap().message;
+    assert_eq!(message("pools.decode.endpoints"), "required key is missing");
+    assert_eq!(message("routes[0].mode"), "`sideways` is not one of: orchestrate, relay, passthrough");
+    assert_eq!(message("pools.decode.balance"), "`random` is not one of: round_robin, least_in_flight");
+    assert!(message("server.threads").contains("expected i64"), "{}", message("server.threads"));
+    assert!(
+        message("routes[1].token_reuse").contains("expected a boolean or a fraction between 0.0 and 1.0"),
+        "{}",
+        message("routes[1].token_reuse")
+    );
+    assert_eq!(message("routes[1].match.pathz"), "unknown key `pathz`");
+}
+
+#[test]
+fn work_stealing_is_a_switch_on_by_default() {
+    const POOL: &str = "[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n";
+    let with = |v: &str| Config::from_toml(&format!("{POOL}[server]\nwork_stealing = {v}\n"), "t");
+    assert!(Config::from_toml(POOL, "t").unwrap().server.work_stealing);
+    assert!(!with("false").unwrap().server.work_stealing);
+    let err = with("\"off\"").unwrap_err();
+    assert_eq!(
+        (err.problems.len(), err.problems[0].key.as_str(), err.problems[0].line),
+        (1, "server.work_stealing", 4)
+    );
+}
+
+#[test]
+fn log_level_is_a_tracing_filter_whose_bare_words_are_levels() {
+    const POOL: &str = "[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n";
+    let with = |level: &str| Config::from_toml(&format!("{POOL}[server]\nlog_level = {level:?}\n"), "t");
+    for good in ["info", "warn,tokenonce=debug", "tokenonce::proxy=trace,pingora=error", "DEBUG", "off"] {
+        assert!(with(good).is_ok(), "{good}: {:?}", with(good).unwrap_err().problems);
+    }
+    for bad in ["verbose", "warning", "tokenonce=loud", "=info", "", "info;debug"] {
+        let err = with(bad).unwrap_err();
+        assert_eq!(
+            (err.problems.len(), err.problems[0].key.as_str(), err.problems[0].line),
+            (1, "server.log_level", 4),
+            "{bad}"
+        );
+    }
+}
+
+#[test]
+fn a_tokenizer_that_does_not_load_and_a_share_past_one_are_problems_at_their_keys() {
+    let text = "[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\ntokenizer = \"/no/such/tokenizer.json\"\n\n[[routes]]\nname = \"r\"\nmode = \"passthrough\"\ndecode_pool = \"decode\"\nparity_sample = 1.5\non_parity_mismatch = \"panic\"\n";
+    let err = config::from_toml(text, "t").unwrap_err();
+    let got: Vec<(&str, usize)> = err.problems.iter().map(|p| (p.key.as_str(), p.line)).collect();
+    assert_eq!(
+        got,
+        [("pools.decode.tokenizer", 3), ("routes[0].parity_sample", 9), ("routes[0].on_parity_mismatch", 10)]
+    );
+    assert!(err.problems[0].message.contains("cannot load tokenizer"), "{:?}", err.problems);
+    assert_eq!(err.problems[2].message, "`panic` is not one of: alert, disable_reuse");
+}
+
+#[test]
+fn a_table_or_array_of_the_wrong_type_is_one_problem_at_its_key() {
+    let err = Config::from_toml("[pools.decode]\nendpoints = \"127.0.0.1:1\"\n", "t").unwrap_err();
+    assert_eq!(err.problems.len(), 1);
+    assert_eq!((err.problems[0].key.as_str(), err.problems[0].line), ("pools.decode.endpoints", 2));
+    assert!(err.problems[0].message.contains("expected a sequence"), "{:?}", err.problems);
+}
+
+/// `KEY = 1` placed where the key lives (`routes.*` inside a `[[routes]]` table).
+fn probe(key: &str) -> Vec<Problem> {
+    let line = match key.strip_prefix("routes.") {
+        Some(rest) => format!("[[routes]]\n{rest} = 1\n"),
+        None => format!("{} = 1\n", key.replace("NAME", "p")),
+    };
+    Config::from_toml(&line, "probe").err().map(|e| e.problems).unwrap_or_default()
+}
+
+/// Every key of the file format, as docs/configuration.md names them (`pools.NAME.x`, `routes.match.x`),
+/// taken from the serde structs by destructuring: a new field does not compile here until
+/// it is listed.
+fn format_keys() -> Vec<String> {
+    macro_rules! keys {
+        ($prefix:literal, $ty:ident { $($field:ident $(as $name:literal)?),* $(,)? }) => {{
+            let file::$ty { $($field: _,)* } = file::$ty::default();
+            vec![$(format!("{}{}", $prefix, keys!(@name $field $($name)?))),*]
+        }};
+        (@name $field:ident) => { stringify!($field) };
+        (@name $field:ident $name:literal) => { $name };
+    }
+    let file::Config { server: _, upstream: _, pools: _, defaults: _, routes: _, cache: _, tracing: _ } =
+        file::Config::default();
+    let mut all = vec![String::from("[[routes]]")];
+    all.extend(keys!(
+        "server.",
+        Server {
+            listen,
+            admin_listen,
+            threads,
+            work_stealing,
+            grace_period_seconds,
+            graceful_shutdown_timeout_seconds,
+            log_level,
+            log_format,
+            admin_token_file,
+            max_header_count,
+            max_header_bytes,
+            body_read_timeout_ms,
+            max_in_flight,
+            tls,
+        }
+    ));
+    // `server.tls` and `pools.NAME.tls` are tables; their keys are listed instead.
+    all.retain(|k| k != "server.tls");
+    all.extend(keys!("server.tls.", ServerTls { listen, cert_file, key_file }));
+    all.extend(keys!(
+        "upstream.",
+        Upstream { connect_timeout_ms, idle_timeout_ms, health_interval_ms, eject_after_failures }
+    ));
+    all.extend(keys!("pools.NAME.", Pool { endpoints, balance, vllm_version, tokenizer, tls }));
+    all.retain(|k| k != "pools.NAME.tls");
+    all.extend(keys!("pools.NAME.tls.", PoolTls { ca_file, server_name, cert_file, key_file, verify }));
+    all.extend(keys!("defaults.", Defaults { passthrough_pool }));
+    let route = keys!("routes.", Route {
+        name, matcher as "match", mode, relay_handoff, prefill, decode_pool, token_reuse, prefill_timeout_ms,
+        decode_first_byte_timeout_ms, decode_whole_answer_timeout_ms, max_body_bytes, client_kv_transfer_params, retry_budget_percent,
+        retry_budget_min_per_second, prefill_attempts, on_prefill_failure, stream_idle_timeout_ms,
+        client_write_timeout_ms, on_client_gone, release_timeout_ms, max_sse_event_bytes, parity_sample,
+        on_parity_mismatch, parity_cooldown_ms,
+    });
+    // `routes.match` is a table; its keys are listed instead.
+    all.extend(route.into_iter().filter(|k| k != "routes.match"));
+    all.extend(keys!("routes.match.", Match { paths, model, headers }));
+    all.extend(keys!("cache.", Cache { capacity_bytes, ttl_ms }));
+    all.extend(keys!("tracing.", Tracing { endpoint, protocol, sampling_ratio, service_name }));
+    all
+}
+
+/// The keys `routes.prefill` takes.
+fn prefill_keys() -> Vec<&'static str> {
+    let file::Prefill { pool: _, header: _, allow: _, trusted_sources: _, forward_credentials: _ } =
+        file::Prefill::default();
+    vec!["pool", "header", "allow", "trusted_sources", "forward_credentials"]
+}
+
+#[test]
+fn every_listed_key_is_one_the_parser_knows() {
+    assert!(probe("server.no_such_key").iter().any(|p| p.message.starts_with("unknown key")));
+    let mut keys = format_keys();
+    keys.extend(prefill_keys().iter().map(|k| format!("routes.prefill.{k}")));
+    for key in keys.iter().filter(|k| *k != "[[routes]]") {
+        let problems = probe(key);
+        assert!(!problems.iter().any(|p| p.message.starts_with("unknown key")), "{key}: {problems:?}");
+    }
+}
+
+/// The security keys: port-fenced allowlists, trusted peers, header-only keys on a pool
+/// prefill, an admin token that cannot be read or is too short: all reported together.
+#[test]
+fn security_keys_are_validated_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let short = dir.path().join("short");
+    std::fs::write(&short, "abc\n").unwrap();
+    let text = format!(
+        r#"
+[server]
+admin_token_file = "{}"
+
+[pools.decode]
+endpoints = ["127.0.0.1:8200"]
+[pools.prefill]
+endpoints = ["127.0.0.1:8100"]
+
+[[routes]]
+name = "llmd"
+mode = "orchestrate"
+decode_pool = "decode"
+client_kv_transfer_params = "keep"
+prefill = {{ header = "x-prefiller-host-port", allow = ["10.0.0.0/8:8000", "h.svc:9-8", "h.svc:0"], trusted_sources = ["gateway"] }}
+
+[[routes]]
+name = "pooled"
+mode = "orchestrate"
+decode_pool = "decode"
+prefill = {{ pool = "prefill", forward_credentials = true }}
+"#,
+        short.display()
+    );
+    let err = config::from_toml(&text, "t").unwrap_err();
+    let keys: Vec<&str> = err.problems.iter().map(|p| p.key.as_str()).collect();
+    assert_eq!(
+        keys,
+        [
+            "server.admin_token_file",
+            "routes[0].client_kv_transfer_params",
+            "routes[0].prefill.allow",
+            "routes[0].prefill.allow",
+            "routes[0].prefill.trusted_sources",
+            "routes[1].prefill.forward_credentials",
+        ],
+        "{:#?}",
+        err.problems
+    );
+    assert!(err.problems[1].message.contains("strip, reject"), "{:?}", err.problems[1]);
+    let missing = config::from_toml(
+        "[server]\nadmin_token_file = \"/nonexistent/token\"\n[pools.decode]\nendpoints = [\"127.0.0.1:1\"]\n",
+        "t",
+    );
+    assert!(missing.unwrap_err().problems[0].message.contains("cannot read"));
+}
+
+#[test]
+fn an_admin_token_is_read_trimmed_and_never_printed() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("token");
+    std::fs::write(&file, "  0123456789abcdef-token \n").unwrap();
+    let text =
+        format!("[server]\nadmin_token_file = \"{}\"\n[pools.decode]\nendpoints = [\"127.0.0.1:1\"]\n", file.display());
+    let loaded = config::from_toml(&text, "t").unwrap();
+    let token = loaded.resources.admin_token.as_ref().unwrap();
+    assert!(token.matches("0123456789abcdef-token"));
+    assert!(!token.matches("0123456789abcdef-tokeX") && !token.matches(""));
+    assert!(!format!("{loaded:?}").contains("0123456789abcdef"), "Debug must not print the token");
+}
+
+#[test]
+fn header_prefill_needs_an_allowlist() {
+    let text = r#"
+[pools.decode]
+endpoints = ["127.0.0.1:8200"]
+[[routes]]
+name = "llmd"
+mode = "orchestrate"
+decode_pool = "decode"
+prefill = { header = "x-prefiller-host-port" }
+"#;
+    let err = Config::from_toml(text, "t").unwrap_err();
+    assert_eq!(err.problems[0].key, "routes[0].prefill.allow");
+}
+
+#[test]
+fn versions_and_host_ports_parse() {
+    assert_eq!(Version::parse("0.32.0"), Some(Version(0, 32, 0)));
+    assert_eq!(Version::parse("0.27.0rc1.dev12+gabc"), Some(Version(0, 27, 0)));
+    assert!(Version::parse("0.26.9") < Some(Version::CHAT_TOKEN_REUSE));
+    assert_eq!(Version::parse("x"), None);
+    assert!(is_host_port("10.0.0.5:8000"));
+    assert!(is_host_port("prefill-0.svc:8000"));
+    assert!(is_host_port("[::1]:8000"));
+    for bad in ["10.0.0.5", "a:b", ":80", "a:0", "a b:80", "a:80,b:80", "h:99999"] {
+        assert!(!is_host_port(bad), "{bad}");
+    }
+}
