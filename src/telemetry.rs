@@ -218,6 +218,23 @@ impl RequestTrace {
         }
     }
 
+    /// Sets an attribute of `leg`'s span (the request's when the leg has none).
+    pub fn leg_attribute(&self, leg: Leg, key: &'static str, value: impl Into<opentelemetry::Value>) {
+        let span = self.leg_span(leg);
+        if !span.is_none() {
+            span.set_attribute(key, value);
+        }
+    }
+
+    /// `leg`'s span while it runs, else the request's (a leg without one: passthrough).
+    fn leg_span(&self, leg: Leg) -> &Span {
+        match leg {
+            Leg::Prefill if !self.prefill.is_none() => &self.prefill,
+            Leg::Decode if !self.decode.is_none() => &self.decode,
+            _ => &self.request,
+        }
+    }
+
     /// A leg is being sent: its span starts (the decode's with a first-byte child).
     pub fn leg_started(&mut self, leg: Leg) {
         if self.request.is_none() {
@@ -273,11 +290,7 @@ impl RequestTrace {
     /// The `traceparent` (and `tracestate`) a leg sends: its own span's context, or the
     /// request's for a leg without one (passthrough). Empty when tracing is off.
     pub fn headers_for(&self, leg: Leg) -> Vec<(String, String)> {
-        let span = match leg {
-            Leg::Prefill if !self.prefill.is_none() => &self.prefill,
-            Leg::Decode if !self.decode.is_none() => &self.decode,
-            _ => &self.request,
-        };
+        let span = self.leg_span(leg);
         if span.is_none() {
             return Vec::new();
         }

@@ -147,6 +147,7 @@ async fn spans_continue_the_client_trace_across_both_legs() {
     }
     assert_eq!(first_byte.parent_span_id, decode.span_id);
     assert_eq!((prefill.kind, decode.kind), (SpanKind::Client as i32, SpanKind::Client as i32));
+    assert_eq!(attr(&prefill.attributes, "tokenonce.failed_over"), None, "nothing failed over");
     assert!(prefill.end_time_unix_nano <= handoff.start_time_unix_nano, "handoff after the prefill");
     assert!(handoff.end_time_unix_nano <= decode.start_time_unix_nano, "decode after the handoff");
     assert!(first_byte.end_time_unix_nano <= decode.end_time_unix_nano);
@@ -270,4 +271,52 @@ async fn a_collector_that_is_down_fails_no_request() {
     // The lost spans are counted, so a dashboard shows the collector is down.
     assert!(spans_counted(&proxy, "failed", 1.0).await >= 1.0);
     assert_eq!(proxy.metric(r#"tokenonce_trace_spans_total{result="exported"}"#).await, 0.0);
+}
+
+/// The leg client marks a prefill that failed over on the prefill's span (a prefill that did
+/// not is unmarked: the first test), and the endpoint that finally took it got that span's
+/// context: two prefill engines in one pool, one answering 503, two traced requests (round
+/// robin sends at least one of them to the failing engine first).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_prefill_failover_is_marked_on_its_span() {
+    let (url, received) = receiver().await;
+    let failing = FakeConfig { fail_with: Some((503, "{\"error\":\"engine\"}".into())), ..FakeConfig::default() };
+    let (a, b) = (FakeVllm::start(failing).await, FakeVllm::start(FakeConfig::default()).await);
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let config = format!(
+        "[pools.prefill]\nendpoints = [\"{}\", \"{}\"]\n[pools.decode]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n[tracing]\nendpoint = \"{url}\"\n",
+        a.host_port(),
+        b.host_port(),
+        d.host_port()
+    );
+    let proxy = TokenOnce::start_binary(&config).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for e in [&a, &b] {
+        let series = format!(r#"tokenonce_upstream_healthy{{endpoint="{}",pool="prefill"}}"#, e.host_port());
+        while proxy.metric(&series).await != 1.0 {
+            assert!(Instant::now() < deadline, "{series} never 1");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let traces = ["6bf92f3577b34da6a3ce929d0e0e4736", "7bf92f3577b34da6a3ce929d0e0e4736"];
+    let mut failed_over = Vec::new();
+    for trace in traces {
+        let traceparent = format!("00-{trace}-00f067aa0ba902b7-01");
+        let body = chat_body("fail over", json!({}));
+        let headers = [("traceparent", traceparent.as_str())];
+        let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &headers).await;
+        assert_eq!(status, 200, "{text}");
+        let spans = received.trace_with(trace, "decode").await;
+        let prefill = named(&spans, "prefill");
+        failed_over.push(attr(&prefill.attributes, "tokenonce.failed_over").is_some_and(|v| v == "true"));
+        let last = b.posts().last().unwrap().header("traceparent").unwrap();
+        assert_eq!(
+            traceparent_ids(&last),
+            (trace.to_owned(), hex(&prefill.span_id)),
+            "b got the prefill span's context"
+        );
+    }
+    assert!(!a.posts().is_empty(), "round robin sends a request to the failing engine first");
+    let marked = failed_over.iter().filter(|f| **f).count();
+    assert_eq!(marked, a.posts().len(), "every request that met the failing engine, and no other: {failed_over:?}");
 }

@@ -88,6 +88,7 @@ impl From<LegError> for ProxyError {
             LegError::NoEndpoint(leg) => Self::NoEndpoint(leg),
             LegError::Upstream { leg, source } => Self::upstream(leg, source),
             LegError::Timeout { leg, after } => Self::Timeout { leg, after },
+            LegError::Head(why) => Self::Internal(why),
         }
     }
 }

@@ -97,8 +97,9 @@ struct Outgoing<'r, 'a> {
 }
 
 /// The request's leg client: the route's budget and series, the process's connections.
-fn leg_client(info: &RequestInfo) -> LegClient<'_> {
+fn leg_client<'a>(info: &'a RequestInfo, rec: &'a Record) -> LegClient<'a> {
     LegClient {
+        trace: &rec.trace,
         client: &info.app.client,
         metrics: &info.app.metrics,
         budget: info.route.retry_budget(),
@@ -119,11 +120,8 @@ async fn exchange(
     delivery: &Delivery,
     limit: Option<Duration>,
 ) -> Result<Exchange, ProxyError> {
-    let mut head = out.req.head(out.endpoint.addr(), &info.request_id, out.body.len())?;
-    for (name, value) in rec.trace.headers_for(out.leg) {
-        head.insert_header(name, value).map_err(|e| ProxyError::Internal(format!("trace header: {e}")))?;
-    }
-    Ok(leg_client(info).send(out.leg, out.endpoint, &head, out.body.parts(), delivery, limit).await?)
+    let head = out.req.head(out.endpoint.addr(), &info.request_id, out.body.len())?;
+    Ok(leg_client(info, rec).send(out.leg, out.endpoint, head, out.body.parts(), delivery, limit).await?)
 }
 
 /// [`exchange`] within `first_byte_timeout`, racing the client going away; with the result,
@@ -215,7 +213,7 @@ async fn prefill_attempts(
     let mut failover = Failover::new(pool, first, info.route.prefill_attempts);
     let mut result = prefill_once(info, rec, req, first, body.clone(), deadline).await;
     while result.fails_over() {
-        let Some(next) = leg_client(info).fail_over(&mut failover) else { break };
+        let Some(next) = leg_client(info, rec).fail_over(&mut failover) else { break };
         if let PrefillTry::NoAnswer(e) = &result {
             super::error::count(info, e);
         }
@@ -234,8 +232,8 @@ async fn prefill_once(
     body: Pieces,
     deadline: tokio::time::Instant,
 ) -> PrefillTry {
-    leg_client(info)
-        .before(endpoint, deadline, prefill_answer(info, rec, req, endpoint, body))
+    leg_client(info, rec)
+        .before(Leg::Prefill, endpoint, deadline, prefill_answer(info, rec, req, endpoint, body))
         .await
         .unwrap_or(PrefillTry::TimedOut)
 }
@@ -403,15 +401,16 @@ async fn release(info: &RequestInfo, rec: &Record, req: &Incoming<'_>, endpoint:
         Ok::<bool, ProxyError>(ok)
     };
     let deadline = tokio::time::Instant::now() + route.release_timeout;
-    let (result, error) = match leg_client(info).before(endpoint, deadline, work.instrument(span.clone())).await {
-        Some(Ok(true)) => (Release::Released, String::new()),
-        Some(Ok(false)) => (Release::Failed, "answered a non-2xx status".to_owned()),
-        Some(Err(e)) => (Release::Failed, e.to_string()),
-        None => {
-            route.metrics.timeout(TimeoutStage::Release);
-            (Release::Timeout, format!("no answer within {} ms", route.release_timeout.as_millis()))
-        }
-    };
+    let (result, error) =
+        match leg_client(info, rec).before(Leg::Decode, endpoint, deadline, work.instrument(span.clone())).await {
+            Some(Ok(true)) => (Release::Released, String::new()),
+            Some(Ok(false)) => (Release::Failed, "answered a non-2xx status".to_owned()),
+            Some(Err(e)) => (Release::Failed, e.to_string()),
+            None => {
+                route.metrics.timeout(TimeoutStage::Release);
+                (Release::Timeout, format!("no answer within {} ms", route.release_timeout.as_millis()))
+            }
+        };
     route.metrics.kv_release(result);
     span.set_attribute("tokenonce.release.result", result.as_str());
     tracing::info!(request_id = %info.request_id, route = %route.name, result = result.as_str(), error = %error, "client gone after the prefill: one-token decode sent to release its KV blocks");

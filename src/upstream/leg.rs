@@ -3,7 +3,9 @@
 //! deadline, re-send once only when the engine provably never got it and the route's budget
 //! allows, fail a pool leg over to another endpoint, feed every outcome (a deadline that
 //! passed included) to the endpoint's ejection, count retries, refusals, failovers and
-//! ejections. The client going away races this in the caller and counts as neither outcome.
+//! ejections, and carry the leg's trace context (a re-send, a failover and an ejection are
+//! marked on its span). The client going away races this in the caller and counts as neither
+//! outcome.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -14,6 +16,7 @@ use pingora::http::RequestHeader;
 
 use super::{Delivery, Endpoint, Exchange, Picked, Pool, RetryBudget, UpstreamClient, UpstreamError};
 use crate::metrics::{ErrorKind, Leg, Metrics, RouteMetrics};
+use crate::telemetry::RequestTrace;
 
 /// Why a leg has no answer head.
 #[derive(Debug)]
@@ -27,6 +30,8 @@ pub enum LegError {
         /// The failure, with the address (for the log only).
         source: UpstreamError,
     },
+    /// The trace context could not be put in the leg's head.
+    Head(String),
     /// The leg's deadline passed first.
     Timeout {
         /// Which leg.
@@ -80,11 +85,14 @@ pub struct LegClient<'a> {
     pub route: &'a str,
     /// The request's id, for logs.
     pub request_id: &'a str,
+    /// The request's spans: each leg sends its own span's context.
+    pub trace: &'a RequestTrace,
 }
 
 impl LegClient<'_> {
     /// Sends `head` and `body` to `endpoint` on `leg` and returns the engine's answer head,
-    /// which must come within `limit` (none: unbounded).
+    /// which must come within `limit` (none: unbounded). The head gets the leg's trace
+    /// context (`traceparent`) first.
     ///
     /// Retry rule: a leg is re-sent once, to the same endpoint on a new connection, only when
     /// the engine provably never got it (connect failed, or the request could not be written
@@ -98,44 +106,48 @@ impl LegClient<'_> {
     ///
     /// # Errors
     /// [`LegError::Upstream`] when the engine gave no answer head, [`LegError::Timeout`] when
-    /// `limit` passed first.
+    /// `limit` passed first, [`LegError::Head`] when the trace context is not a header value.
     pub async fn send(
         &self,
         leg: Leg,
         endpoint: &Picked,
-        head: &RequestHeader,
+        mut head: RequestHeader,
         body: &[Bytes],
         delivery: &Delivery,
         limit: Option<Duration>,
     ) -> Result<Exchange, LegError> {
+        for (name, value) in self.trace.headers_for(leg) {
+            head.insert_header(name, value).map_err(|e| LegError::Head(format!("trace header: {e}")))?;
+        }
         let exchange = async {
-            let result = self.send_and_resend(leg, endpoint, head, body, delivery).await;
+            let result = self.send_and_resend(leg, endpoint, &head, body, delivery).await;
             if result.as_ref().map_or(true, |exchange| exchange.status() >= 500) {
-                self.failed(endpoint);
+                self.failed(leg, endpoint);
             } else {
                 endpoint.endpoint().request_succeeded();
             }
             result.map_err(|source| LegError::Upstream { leg, source })
         };
         let Some(limit) = limit else { return exchange.await };
-        match self.before(endpoint, tokio::time::Instant::now() + limit, exchange).await {
+        match self.before(leg, endpoint, tokio::time::Instant::now() + limit, exchange).await {
             Some(result) => result,
             None => Err(LegError::Timeout { leg, after: limit }),
         }
     }
 
-    /// Runs `work` on `endpoint` (an exchange, and reading its answer) until `deadline`;
+    /// Runs `work` on `endpoint` (`leg`'s exchange, and reading its answer) until `deadline`;
     /// `None` when the deadline passed first, a failure of `endpoint` for its ejection, as
     /// no answer is: an engine that accepts and never answers is ejected like one that refuses.
     pub async fn before<T>(
         &self,
+        leg: Leg,
         endpoint: &Picked,
         deadline: tokio::time::Instant,
         work: impl Future<Output = T>,
     ) -> Option<T> {
         let result = tokio::time::timeout_at(deadline, work).await.ok();
         if result.is_none() {
-            self.failed(endpoint);
+            self.failed(leg, endpoint);
         }
         result
     }
@@ -152,15 +164,18 @@ impl LegClient<'_> {
         failover.left -= 1;
         failover.tried.push(next.addr().to_owned());
         self.route_metrics.prefill_failover();
+        self.trace.leg_attribute(Leg::Prefill, "tokenonce.failed_over", true);
         tracing::info!(request_id = %self.request_id, route = %self.route, "prefill failed over to another endpoint");
         Some(next)
     }
 
-    /// One failure of `endpoint` for its pool's ejection rule (counted and logged when it ejects).
-    fn failed(&self, endpoint: &Picked) {
+    /// One failure of `endpoint` for its pool's ejection rule (counted, logged and marked on
+    /// `leg`'s span when it ejects).
+    fn failed(&self, leg: Leg, endpoint: &Picked) {
         let Some(pool) = endpoint.ejection() else { return };
         if endpoint.endpoint().request_failed(Instant::now(), pool.eject_after) {
             self.metrics.upstream_ejection(&pool.name);
+            self.trace.leg_attribute(leg, "tokenonce.endpoint_ejected", endpoint.addr().to_owned());
             tracing::warn!(pool = %pool.name, endpoint = %endpoint.addr(), "endpoint ejected after consecutive failures");
         }
     }
@@ -190,6 +205,7 @@ impl LegClient<'_> {
             return Err(failure.error);
         }
         self.metrics.upstream_retry(leg);
+        self.trace.leg_attribute(leg, "tokenonce.resent", true);
         tracing::debug!(request_id = %self.request_id, error = %failure.error, "leg re-sent: the engine never got it");
         self.client.resend(to.endpoint().target(), head, body, delivery).await.map_err(|f| f.error)
     }
