@@ -19,6 +19,7 @@
 //! - `reload`: SIGHUP config reload.
 //! - `server`: wiring config into a pingora server.
 //! - `telemetry`: logging and OpenTelemetry spans of each request and its legs.
+//! - `toml_read`: TOML text into serde types with every problem at its key and line:column.
 //! - `tls`: certificates from files, the TLS listener's certificate, pools' upstream TLS.
 
 pub mod config;
@@ -58,6 +59,7 @@ pub mod server;
 pub mod sse;
 pub mod telemetry;
 pub mod tls;
+pub mod toml_read;
 pub mod upstream;
 
 use std::sync::Arc;

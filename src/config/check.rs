@@ -11,9 +11,8 @@ use std::time::Duration;
 use tracing_subscriber::filter::LevelFilter;
 
 use super::file::{Config, Pool, PoolTls, Prefill, Route};
-use super::parse::Doc;
 use super::values::{is_host_port, Mode};
-use super::Problem;
+use crate::toml_read::{Doc, Problem};
 
 // Upper bounds: a value past these is a typo, not a setting.
 const MAX_SECONDS: u64 = 3600;

@@ -1,16 +1,14 @@
 //! Configuration: the file as typed data (`file`, its value types in `values`), read from TOML
-//! with every problem reported at once (`parse`), checked as a whole (`check`), then what its
-//! paths name loaded (`resources`). The embedded default (`conf/default.toml`) runs when no
+//! with every problem reported at once ([`crate::toml_read`]), checked as a whole (`check`),
+//! then what its paths name loaded (`resources`). The embedded default (`conf/default.toml`) runs when no
 //! file is given.
 
 mod check;
 pub mod file;
-mod parse;
 mod resources;
 pub mod values;
 
-use std::fmt;
-
+pub use crate::toml_read::Problem;
 pub use file::{Cache, Config, Defaults, Match, Pool, PoolTls, Prefill, Route, Server, ServerTls, Tracing, Upstream};
 pub use resources::{AdminToken, PoolResources, Resources};
 pub use values::{
@@ -20,25 +18,6 @@ pub use values::{
 
 /// The embedded default configuration text.
 pub const DEFAULT_TOML: &str = include_str!("../../conf/default.toml");
-
-/// One thing wrong with a config file.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Problem {
-    /// 1-based line, when known.
-    pub line: usize,
-    /// 1-based column, when known.
-    pub column: usize,
-    /// Dotted key path, e.g. `routes[0].decode_pool`.
-    pub key: String,
-    /// What is wrong.
-    pub message: String,
-}
-
-impl fmt::Display for Problem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}: {}: {}", self.line, self.column, self.key, self.message)
-    }
-}
 
 /// Every problem found in one file.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -102,7 +81,7 @@ pub fn embedded_default() -> Result<Loaded, ConfigError> {
 
 /// Parse, check and (with `with_resources`) load: every problem of the three in one list.
 fn read(text: &str, source_name: &str, with_resources: bool) -> Result<Loaded, ConfigError> {
-    let (config, mut problems, doc) = parse::parse(text);
+    let (config, mut problems, doc) = crate::toml_read::read::<Config>(text);
     let loaded = config.map(|config| {
         check::check(&config, &doc, &mut problems);
         let resources =

@@ -8,10 +8,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::file::{Config, PoolTls};
-use super::parse::Doc;
-use super::Problem;
 use crate::parity::Tokenizer;
 use crate::tls::{self, Identity, UpstreamTls};
+use crate::toml_read::{Doc, Problem};
 
 /// Everything the config's paths name, as loaded.
 #[derive(Debug, Clone, Default)]

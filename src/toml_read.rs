@@ -1,8 +1,9 @@
-//! TOML text → the typed [`Config`], reporting every problem of the file at once. serde stops
-//! at a value's first error, so the file is deserialized again with each failing value left
-//! out (its field then takes its default), until it goes through; every error met on the way
-//! is a [`Problem`] at its key and place, and so is every key no struct has. The spanned tree
-//! kept here ([`Doc`]) lets the checks that follow place their problems by key path too.
+//! TOML text → any serde type whose fields all have defaults, reporting every problem of the
+//! text at once (it knows no key of tokenonce's config). serde stops at a value's first error,
+//! so the text is deserialized again with each failing value left out (its field then takes
+//! its default), until it goes through; every error met on the way is a [`Problem`] at its key
+//! path and line:column, and so is every key no struct has. The spanned tree kept here
+//! ([`Doc`]) lets checks that follow place their problems by key path too.
 
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
@@ -10,16 +11,32 @@ use std::fmt;
 use std::ops::Range;
 
 use serde::de::value::StrDeserializer;
+use serde::de::DeserializeOwned;
 use serde::de::{self, DeserializeSeed, Deserializer, IntoDeserializer, MapAccess, SeqAccess, Unexpected, Visitor};
-use serde::Deserialize;
 use toml::de::{DeTable, DeValue};
 use toml::Spanned;
 
-use super::file::Config;
-use super::Problem;
+/// One thing wrong with a TOML text, at its key and place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// 1-based line, when known.
+    pub line: usize,
+    /// 1-based column, when known.
+    pub column: usize,
+    /// Dotted key path, e.g. `routes[0].decode_pool`.
+    pub key: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}: {}: {}", self.line, self.column, self.key, self.message)
+    }
+}
 
 /// The parsed document: its text and where each key path's key and value are.
-pub(super) struct Doc<'a> {
+pub struct Doc<'a> {
     source: &'a str,
     places: HashMap<String, Place>,
 }
@@ -80,10 +97,10 @@ fn line_col(source: &str, offset: usize) -> (usize, usize) {
     (line, column)
 }
 
-/// Parses `source`: the config when every value went into it (problems of unknown keys and
-/// bad values may still be listed: their fields hold defaults), the problems, and the
-/// document for the checks. A syntax error is the one problem, with no config.
-pub(super) fn parse(source: &str) -> (Option<Config>, Vec<Problem>, Doc<'_>) {
+/// Reads `source`: the value when the text went into it (problems of unknown keys and bad
+/// values may still be listed: their fields hold defaults), the problems, and the document
+/// for the checks. A syntax error is the one problem, with no value.
+pub fn read<T: DeserializeOwned>(source: &str) -> (Option<T>, Vec<Problem>, Doc<'_>) {
     let mut doc = Doc { source, places: HashMap::new() };
     let root = match DeTable::parse(source) {
         Ok(table) => Node::table(String::new(), table.span(), table.into_inner(), &mut doc.places),
@@ -98,7 +115,7 @@ pub(super) fn parse(source: &str) -> (Option<Config>, Vec<Problem>, Doc<'_>) {
     for _ in 0..=doc.places.len() {
         let unknown = RefCell::new(Vec::new());
         let ctx = Ctx { left_out: &left_out, unknown: &unknown };
-        match Config::deserialize(NodeDe { node: &root, ctx: &ctx }) {
+        match T::deserialize(NodeDe { node: &root, ctx: &ctx }) {
             Ok(config) => {
                 problems.extend(unknown.into_inner().iter().map(|n| doc.problem(n, doc.key_span(n), unknown_key(n))));
                 return (Some(config), problems, doc);
@@ -212,7 +229,7 @@ impl Ctx<'_> {
 
 /// A deserialization error and the value it is about (the innermost one that saw it).
 #[derive(Debug)]
-pub(super) struct Error {
+struct Error {
     message: String,
     path: Option<String>,
     span: Option<Range<usize>>,
