@@ -117,7 +117,7 @@ pub struct App {
 fn new_pool(config: &Config, resources: &Resources, name: &str) -> Pool {
     let spec = config.pools.get(name).cloned().unwrap_or_default();
     let loaded = resources.pools.get(name).cloned().unwrap_or_default();
-    Pool::new(name, &spec, &loaded, config.upstream.eject_after_failures)
+    Pool::new(name, &spec, &loaded, upstream::EjectionRule::of(&config.upstream))
 }
 
 /// The current [`App`], swapped whole when the config is reloaded; each request takes one
@@ -167,7 +167,7 @@ impl App {
     /// # Errors
     /// [`AppError::Routes`] if a route names a missing pool (validation prevents it).
     pub fn reload(&self, Loaded { config, resources }: Loaded) -> Result<Self, AppError> {
-        let eject_after = config.upstream.eject_after_failures;
+        let rule = upstream::EjectionRule::of(&config.upstream);
         let pools: Vec<Arc<Pool>> = config
             .pools
             .iter()
@@ -181,7 +181,7 @@ impl App {
                 });
                 self.pools
                     .iter()
-                    .find(|p| unchanged && &p.name == name && p.eject_after() == eject_after)
+                    .find(|p| unchanged && &p.name == name && p.ejection_rule() == rule)
                     .cloned()
                     .unwrap_or_else(|| Arc::new(new_pool(&config, &resources, name)))
             })

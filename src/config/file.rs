@@ -173,8 +173,9 @@ pub struct Upstream {
     #[default(Duration::from_millis(2000))]
     pub health_interval_ms: Duration,
     /// Consecutive request failures (no answer, a 5xx, or a deadline that passed while the
-    /// endpoint held the leg) that eject an endpoint from its pool's choice for five seconds,
-    /// doubling while it keeps failing (at most two minutes); one answer below 500 resets it,
+    /// endpoint held the leg) that eject an endpoint from its pool's choice for
+    /// `eject_base_ms`, doubling while it keeps failing (at most two minutes); one answer below
+    /// 500 resets it,
     /// and a healthy `/health` does not readmit it early (an engine can answer `/health` and
     /// fail every request). Zero: never eject (a failing endpoint then keeps its share of
     /// first picks; a pool prefill still fails over from it).
@@ -183,6 +184,15 @@ pub struct Upstream {
     /// the engine.
     #[default(3)]
     pub eject_after_failures: u32,
+    /// How long an endpoint's first ejection lasts, ms (at most two minutes); each further
+    /// one in a row lasts twice as long as the last, up to two minutes. A reload that changes
+    /// it starts the pools afresh (their ejections end).
+    /// Default: `5000`.
+    /// Long enough for an engine that was briefly overloaded to drain its queue, short enough
+    /// that a pool of a few engines does not run on one for long after a blip.
+    #[serde(with = "millis")]
+    #[default(Duration::from_millis(5000))]
+    pub eject_base_ms: Duration,
 }
 
 /// `[pools.NAME]`

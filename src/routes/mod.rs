@@ -384,8 +384,13 @@ decode_pool = "decode"
     fn table() -> RouteTable {
         let config = Config::from_toml(CONF, "t").unwrap();
         let none = Resources::default();
-        let pools: Vec<Arc<Pool>> =
-            config.pools.iter().map(|(name, p)| Arc::new(Pool::new(name, p, &Default::default(), 3))).collect();
+        let pools: Vec<Arc<Pool>> = config
+            .pools
+            .iter()
+            .map(|(name, p)| {
+                Arc::new(Pool::new(name, p, &Default::default(), crate::upstream::EjectionRule::of(&config.upstream)))
+            })
+            .collect();
         let metrics = Metrics::register(&prometheus::Registry::new()).unwrap();
         RouteTable::new(&config, &none, &pools, &metrics, None).unwrap()
     }

@@ -173,7 +173,7 @@ impl LegClient<'_> {
     /// `leg`'s span when it ejects).
     fn failed(&self, leg: Leg, endpoint: &Picked) {
         let Some(pool) = endpoint.ejection() else { return };
-        if endpoint.endpoint().request_failed(Instant::now(), pool.eject_after) {
+        if endpoint.endpoint().request_failed(Instant::now(), pool.rule) {
             self.metrics.upstream_ejection(&pool.name);
             self.trace.leg_attribute(leg, "tokenonce.endpoint_ejected", endpoint.addr().to_owned());
             tracing::warn!(pool = %pool.name, endpoint = %endpoint.addr(), "endpoint ejected after consecutive failures");

@@ -14,4 +14,4 @@ pub mod resolve;
 pub use budget::RetryBudget;
 pub use client::{Delivery, Exchange, SendFailure, UpstreamClient, UpstreamError};
 pub use leg::{named_endpoint, pick, Failover, LegClient, LegError};
-pub use pool::{Endpoint, ModelIdentity, Picked, Pool};
+pub use pool::{EjectionRule, Endpoint, ModelIdentity, Picked, Pool};

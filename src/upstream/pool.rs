@@ -43,10 +43,24 @@ pub struct ModelIdentity {
     pub max_model_len: Option<u64>,
 }
 
-/// First ejection's length; it doubles with each ejection in a row.
-pub const EJECT_BASE: Duration = Duration::from_secs(5);
 /// Longest ejection: an engine back after a long outage is tried again within this.
 pub const EJECT_MAX: Duration = Duration::from_secs(120);
+
+/// When a pool ejects an endpoint, and for how long the first time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EjectionRule {
+    /// Consecutive failures that eject (0: never).
+    pub after: u32,
+    /// The first ejection's length; it doubles with each ejection in a row.
+    pub base: Duration,
+}
+
+impl EjectionRule {
+    /// The rule `[upstream]` sets.
+    pub fn of(upstream: &crate::config::Upstream) -> Self {
+        Self { after: upstream.eject_after_failures, base: upstream.eject_base_ms }
+    }
+}
 
 /// Consecutive request failures of one endpoint and its ejection, if any.
 #[derive(Debug, Default, Clone, Copy)]
@@ -59,11 +73,11 @@ struct Outlier {
     until: Option<Instant>,
 }
 
-/// Length of the `n`th ejection in a row (`n` from 1): [`EJECT_BASE`] doubling, capped at
+/// Length of the `n`th ejection in a row (`n` from 1): `base` doubling, capped at
 /// [`EJECT_MAX`].
-fn backoff(n: u32) -> Duration {
+fn backoff(n: u32, base: Duration) -> Duration {
     let factor = 1u32.checked_shl(n.saturating_sub(1)).unwrap_or(u32::MAX);
-    EJECT_BASE.checked_mul(factor).map_or(EJECT_MAX, |d| d.min(EJECT_MAX))
+    base.checked_mul(factor).map_or(EJECT_MAX, |d| d.min(EJECT_MAX))
 }
 
 impl Endpoint {
@@ -105,19 +119,19 @@ impl Endpoint {
         }
     }
 
-    /// Records a request the endpoint failed (no answer, or a 5xx) at `now`. At `eject_after`
-    /// consecutive failures (0: never) the endpoint is ejected, and again on every failure
-    /// after that ejection ended, each time for twice as long (up to [`EJECT_MAX`]). Returns
-    /// true when this failure ejected it.
-    pub fn request_failed(&self, now: Instant, eject_after: u32) -> bool {
+    /// Records a request the endpoint failed (no answer, or a 5xx) at `now`. At `rule.after`
+    /// consecutive failures (0: never) the endpoint is ejected for `rule.base`, and again on
+    /// every failure after that ejection ended, each time for twice as long (up to
+    /// [`EJECT_MAX`]). Returns true when this failure ejected it.
+    pub fn request_failed(&self, now: Instant, rule: EjectionRule) -> bool {
         let Ok(mut o) = self.outlier.write() else { return false };
         o.failures = o.failures.saturating_add(1);
         let running = o.until.is_some_and(|until| now < until);
-        if eject_after == 0 || o.failures < eject_after || running {
+        if rule.after == 0 || o.failures < rule.after || running {
             return false;
         }
         o.ejections = o.ejections.saturating_add(1);
-        o.until = now.checked_add(backoff(o.ejections));
+        o.until = now.checked_add(backoff(o.ejections, rule.base));
         true
     }
 
@@ -219,13 +233,13 @@ pub struct Picked {
 }
 
 /// The ejection rule of a pool, as each endpoint picked from it carries it: the pool's name
-/// (the label its ejections are counted under) and the failures that eject.
+/// (the label its ejections are counted under) and when and how long it ejects.
 #[derive(Debug)]
 pub struct PoolEjection {
     /// Name from config.
     pub name: String,
-    /// Consecutive failures that eject an endpoint (0: never).
-    pub eject_after: u32,
+    /// When an endpoint is ejected, and for how long.
+    pub rule: EjectionRule,
 }
 
 impl Picked {
@@ -273,9 +287,8 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// The pool `name` as configured, with its loaded TLS; `eject_after` consecutive failures
-    /// eject an endpoint (0: never).
-    pub fn new(name: &str, spec: &crate::config::Pool, loaded: &PoolResources, eject_after: u32) -> Self {
+    /// The pool `name` as configured, with its loaded TLS, ejecting endpoints by `rule`.
+    pub fn new(name: &str, spec: &crate::config::Pool, loaded: &PoolResources, rule: EjectionRule) -> Self {
         Self {
             name: name.to_owned(),
             endpoints: spec
@@ -286,13 +299,13 @@ impl Pool {
             balance: spec.balance,
             pinned_version: spec.vllm_version,
             next: AtomicUsize::new(0),
-            ejection: Arc::new(PoolEjection { name: name.to_owned(), eject_after }),
+            ejection: Arc::new(PoolEjection { name: name.to_owned(), rule }),
         }
     }
 
-    /// Consecutive failures that eject an endpoint (0: never).
-    pub fn eject_after(&self) -> u32 {
-        self.ejection.eject_after
+    /// When it ejects an endpoint, and for how long.
+    pub fn ejection_rule(&self) -> EjectionRule {
+        self.ejection.rule
     }
 
     /// Endpoints ejected at `now`.
@@ -354,6 +367,14 @@ fn prefer<'a>(all: Vec<&'a Arc<Endpoint>>, keep: &dyn Fn(&Endpoint) -> bool) -> 
 mod tests {
     use super::*;
 
+    /// The default first ejection (`upstream.eject_base_ms`).
+    const EJECT_BASE: Duration = Duration::from_secs(5);
+
+    /// Ejecting at `after` failures for [`EJECT_BASE`].
+    fn rule(after: u32) -> EjectionRule {
+        EjectionRule { after, base: EJECT_BASE }
+    }
+
     fn pool(balance: Balance, n: usize) -> Pool {
         let endpoints: Vec<String> = (0..n).map(|i| format!("\"127.0.0.1:{}\"", 9000 + i)).collect();
         let balance = if balance == Balance::RoundRobin { "round_robin" } else { "least_in_flight" };
@@ -362,7 +383,7 @@ mod tests {
             endpoints.join(", ")
         );
         let config = crate::config::Config::from_toml(&text, "t").unwrap();
-        Pool::new("p", &config.pools["p"], &PoolResources::default(), 3)
+        Pool::new("p", &config.pools["p"], &PoolResources::default(), rule(3))
     }
 
     #[test]
@@ -412,31 +433,31 @@ mod tests {
 
     #[test]
     fn ejection_backoff_doubles_up_to_the_cap() {
-        assert_eq!(backoff(1), EJECT_BASE);
-        assert_eq!(backoff(2), EJECT_BASE * 2);
-        assert_eq!(backoff(4), EJECT_BASE * 8);
-        assert_eq!(backoff(6), EJECT_MAX);
-        assert_eq!(backoff(u32::MAX), EJECT_MAX);
+        assert_eq!(backoff(1, EJECT_BASE), EJECT_BASE);
+        assert_eq!(backoff(2, EJECT_BASE), EJECT_BASE * 2);
+        assert_eq!(backoff(4, EJECT_BASE), EJECT_BASE * 8);
+        assert_eq!(backoff(6, EJECT_BASE), EJECT_MAX);
+        assert_eq!(backoff(u32::MAX, EJECT_BASE), EJECT_MAX);
     }
 
     #[test]
     fn consecutive_failures_eject_and_a_success_resets() {
         let e = Endpoint::new("127.0.0.1:9000");
         let t0 = Instant::now();
-        assert!(!e.request_failed(t0, 3));
-        assert!(!e.request_failed(t0, 3));
-        assert!(e.request_failed(t0, 3), "third failure in a row ejects");
+        assert!(!e.request_failed(t0, rule(3)));
+        assert!(!e.request_failed(t0, rule(3)));
+        assert!(e.request_failed(t0, rule(3)), "third failure in a row ejects");
         assert!(e.is_ejected(t0 + EJECT_BASE - Duration::from_millis(1)));
-        assert!(!e.request_failed(t0 + Duration::from_secs(1), 3), "no second ejection while one runs");
+        assert!(!e.request_failed(t0 + Duration::from_secs(1), rule(3)), "no second ejection while one runs");
         let t1 = t0 + EJECT_BASE;
         assert!(!e.is_ejected(t1), "readmitted when the backoff ends");
-        assert!(e.request_failed(t1, 3), "still failing: ejected again at once");
+        assert!(e.request_failed(t1, rule(3)), "still failing: ejected again at once");
         assert!(e.is_ejected(t1 + EJECT_BASE * 2 - Duration::from_millis(1)), "for twice as long");
         assert!(!e.is_ejected(t1 + EJECT_BASE * 2));
         e.request_succeeded();
         let t2 = t1 + EJECT_BASE * 2;
-        assert!(!e.request_failed(t2, 3) && !e.request_failed(t2, 3), "a success starts over");
-        assert!(e.request_failed(t2, 3));
+        assert!(!e.request_failed(t2, rule(3)) && !e.request_failed(t2, rule(3)), "a success starts over");
+        assert!(e.request_failed(t2, rule(3)));
         assert!(!e.is_ejected(t2 + EJECT_BASE), "and the backoff too");
     }
 
@@ -444,7 +465,7 @@ mod tests {
     fn zero_never_ejects() {
         let e = Endpoint::new("127.0.0.1:9000");
         let t0 = Instant::now();
-        assert!((0..100).all(|_| !e.request_failed(t0, 0)));
+        assert!((0..100).all(|_| !e.request_failed(t0, rule(0))));
         assert!(!e.is_ejected(t0));
     }
 
@@ -453,7 +474,7 @@ mod tests {
         let p = pool(Balance::RoundRobin, 3);
         let now = Instant::now();
         for _ in 0..3 {
-            p.endpoints[0].request_failed(now, 3);
+            p.endpoints[0].request_failed(now, rule(3));
         }
         assert_eq!(p.ejected(now), 1);
         for _ in 0..6 {
@@ -467,5 +488,19 @@ mod tests {
         assert_ne!(p.pick_at(now, &[]).unwrap().addr(), "127.0.0.1:9000");
         assert_eq!(p.pick_at(now + EJECT_BASE, &[]).unwrap().addr(), "127.0.0.1:9000", "the only healthy one");
         assert_eq!(p.pick().unwrap().ejection().unwrap().name, "p");
+    }
+
+    /// `upstream.eject_base_ms` sets how long a pool's endpoints stay ejected: the first
+    /// ejection lasts it, the next one twice as long.
+    #[test]
+    fn the_configured_base_sets_the_ejection_length() {
+        let text = "[upstream]\neject_after_failures = 1\neject_base_ms = 250\n[pools.p]\nendpoints = [\"127.0.0.1:9000\"]\n[defaults]\npassthrough_pool = \"p\"\n";
+        let config = crate::config::Config::from_toml(text, "t").unwrap();
+        let pool = Pool::new("p", &config.pools["p"], &PoolResources::default(), EjectionRule::of(&config.upstream));
+        let (e, t0, ms) = (&pool.endpoints[0], Instant::now(), Duration::from_millis);
+        assert!(e.request_failed(t0, pool.ejection_rule()));
+        assert!(e.is_ejected(t0 + ms(249)) && !e.is_ejected(t0 + ms(250)));
+        assert!(e.request_failed(t0 + ms(250), pool.ejection_rule()));
+        assert!(e.is_ejected(t0 + ms(749)) && !e.is_ejected(t0 + ms(750)), "then twice as long");
     }
 }
