@@ -212,8 +212,9 @@ pub fn render_chat(template: &ChatTemplate, request: &[u8]) -> Result<RenderedCh
     shape.multi_turn = user_turns > 1;
 
     // Tools, rebuilt as `ChatCompletionToolsParam.model_dump()`.
+    // check_tool_usage: an absent tool_choice is "auto" when tools are given, else "none".
     let tool_choice_none = match req.get("tool_choice") {
-        None => true,
+        None => !matches!(req.get("tools"), Some(PyValue::List(t)) if !t.is_empty()),
         Some(PyValue::Str(s)) => s == "none",
         Some(_) => false,
     };
@@ -329,9 +330,11 @@ pub fn render_chat(template: &ChatTemplate, request: &[u8]) -> Result<RenderedCh
 
     let floats = collect_unsafe_floats(&conversation, tools.as_deref(), &kwargs);
     let rendering = template.render(with_tools, context)?;
-    let mut text = rendering.text;
+    let mut text = rendering.text.clone();
     for f in floats {
-        if text.contains(&f) {
+        let printed =
+            if f == "NaN" { text.matches("NaN").count() > rendering.nan_by_tojson } else { text.contains(&f) };
+        if printed {
             return Err(Unsupported::FloatDisplay);
         }
     }
@@ -867,6 +870,19 @@ mod tests {
         assert_eq!(render_chat(&tpl, body.as_bytes()).map(|x| x.text), Err(Unsupported::FloatDisplay));
         let body = r#"{"messages":[{"role":"user","content":"u"}],"tools":[{"type":"function","function":{"name":"f","parameters":{"x":1.5}}}]}"#;
         assert_eq!(render_chat(&tpl, body.as_bytes()).map(|x| x.text), Ok("1.5".into()));
+        let nan = r#"{"messages":[{"role":"user","content":"u"}],"tools":[{"type":"function","function":{"name":"f","parameters":{"x":NaN}}}]}"#;
+        assert_eq!(render_chat(&tpl, nan.as_bytes()).map(|x| x.text), Err(Unsupported::FloatDisplay));
+        let both = ChatTemplate::from_source(
+            "{{ tools[0].function.parameters | tojson }}{{ tools[0].function.parameters.x }}",
+            &[],
+            LoadOptions::default(),
+        )
+        .unwrap();
+        assert_eq!(render_chat(&both, nan.as_bytes()).map(|x| x.text), Err(Unsupported::FloatDisplay));
+        let json_only =
+            ChatTemplate::from_source("{{ tools[0].function.parameters | tojson }}", &[], LoadOptions::default())
+                .unwrap();
+        assert_eq!(render_chat(&json_only, nan.as_bytes()).map(|x| x.text), Ok(r#"{"x": NaN}"#.into()));
     }
 
     #[test]

@@ -315,8 +315,14 @@ impl ChatTemplate {
                 strftime_now(format).map(Value::from)
             }),
         );
+        let sink = Arc::new(NanSink::default());
+        ctx.insert(Value::from(NAN_SINK), Value::from_dyn_object(sink.clone()));
         let text = template.render(Value::from(ctx)).map_err(classify)?;
-        Ok(Rendering { text, reads_clock: clock.load(Ordering::Relaxed) })
+        Ok(Rendering {
+            text,
+            reads_clock: clock.load(Ordering::Relaxed),
+            nan_by_tojson: sink.0.load(Ordering::Relaxed),
+        })
     }
 }
 
@@ -324,7 +330,18 @@ impl ChatTemplate {
 pub(crate) struct Rendering {
     pub(crate) text: String,
     pub(crate) reads_clock: bool,
+    /// How many `NaN` tokens `tojson` wrote (minijinja prints a NaN as `NaN` too, Python as
+    /// `nan`, so the caller compares counts).
+    pub(crate) nan_by_tojson: usize,
 }
+
+/// The context variable through which `tojson` counts the `NaN`s it writes in one render.
+const NAN_SINK: &str = "__tokenonce_nan_sink";
+
+#[derive(Debug, Default)]
+struct NanSink(std::sync::atomic::AtomicUsize);
+
+impl minijinja::value::Object for NanSink {}
 
 fn classify(e: Error) -> Unsupported {
     let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(&e);
@@ -400,7 +417,7 @@ fn py_strip(s: &str, chars: Option<&str>, left: bool, right: bool) -> String {
 
 /// Python's string methods: `strip`/`lstrip`/`rstrip` with Python's whitespace, and
 /// `split()` without a separator; the rest from minijinja-contrib's pycompat.
-fn python_methods(state: &mut State, value: &Value, method: &str, args: &[Value]) -> Result<Value, Error> {
+fn python_methods(state: &mut State<'_, '_>, value: &Value, method: &str, args: &[Value]) -> Result<Value, Error> {
     if let Some(s) = value.as_str() {
         let strip = match method {
             "strip" => Some((true, true)),
@@ -432,7 +449,7 @@ fn python_methods(state: &mut State, value: &Value, method: &str, args: &[Value]
 
 /// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=None, separators=None,
 /// sort_keys=False)`; positional arguments in that order.
-fn tojson(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Error> {
+fn tojson(state: &State, value: &Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Error> {
     let mut opts = DumpsOptions::default();
     let names = ["ensure_ascii", "indent", "separators", "sort_keys"];
     let mut given: Vec<(&str, Value)> = Vec::new();
@@ -481,17 +498,26 @@ fn tojson(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Err
         }
     }
     let mut w = Writer::new(&opts);
-    dump_value(&mut w, value, 0)?;
+    let mut nans = 0;
+    dump_value(&mut w, value, 0, &mut nans)?;
+    if nans > 0 {
+        if let Some(sink) = state.lookup(NAN_SINK).and_then(|v| v.downcast_object::<NanSink>()) {
+            sink.0.fetch_add(nans, Ordering::Relaxed);
+        }
+    }
     Ok(Value::from(w.out))
 }
 
-fn dump_value(w: &mut Writer<'_>, v: &Value, level: usize) -> Result<(), Error> {
+fn dump_value(w: &mut Writer<'_>, v: &Value, level: usize, nans: &mut usize) -> Result<(), Error> {
     let unsupported = |what: &str| Error::new(ErrorKind::InvalidOperation, format!("tojson of {what}"));
     match v.kind() {
         ValueKind::None => w.raw("null"),
         ValueKind::Bool => w.raw(if v.is_true() { "true" } else { "false" }),
         ValueKind::Number => {
             if let Some(PyFloat(f)) = as_float(v) {
+                if f.is_nan() {
+                    *nans += 1;
+                }
                 w.raw(&pyjson::float_repr(f));
             } else {
                 // integers: minijinja prints them in decimal, as Python does
@@ -502,7 +528,7 @@ fn dump_value(w: &mut Writer<'_>, v: &Value, level: usize) -> Result<(), Error> 
         ValueKind::Seq | ValueKind::Iterable => {
             let items: Vec<Value> = v.try_iter()?.collect();
             w.list(items.len(), level, |w, i, l| match items.get(i) {
-                Some(x) => dump_value(w, x, l),
+                Some(x) => dump_value(w, x, l, nans),
                 None => Ok(()),
             })?;
         }
@@ -518,7 +544,7 @@ fn dump_value(w: &mut Writer<'_>, v: &Value, level: usize) -> Result<(), Error> 
                 keys.push(key);
             }
             w.dict(&keys, level, |w, i, l| match values.get(i) {
-                Some(x) => dump_value(w, x, l),
+                Some(x) => dump_value(w, x, l, nans),
                 None => Ok(()),
             })?;
         }

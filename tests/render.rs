@@ -1,0 +1,69 @@
+//! The renderer against real vLLM 0.32.0: every recorded case of tests/fixtures/render/cases.json
+//! (re-recorded by tests/e2e/record_render.py) renders to exactly vLLM's prompt text with the
+//! Qwen3 template committed in tests/fixtures/render/qwen3, or gives its fallback reason.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use std::path::Path;
+
+use serde_json::Value;
+use tokenonce::render::{render_chat, render_completion, ChatTemplate, LoadOptions};
+
+fn cases() -> Vec<Value> {
+    let path = format!("{}/tests/fixtures/render/cases.json", env!("CARGO_MANIFEST_DIR"));
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert_eq!(doc["vllm_version"], "0.32.0");
+    doc["cases"].as_array().unwrap().clone()
+}
+
+fn qwen3() -> ChatTemplate {
+    let folder = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/render/qwen3");
+    ChatTemplate::load(&folder, LoadOptions::default()).unwrap()
+}
+
+/// Every case vLLM rendered is rendered to the same text; every refused or unsupported one
+/// gives the reason recorded with it.
+#[test]
+fn every_recorded_case_renders_as_vllm_or_says_why_not() {
+    let template = qwen3();
+    let mut exact = 0;
+    let mut unsupported = 0;
+    let mut failures = Vec::new();
+    for case in cases() {
+        let name = case["name"].as_str().unwrap();
+        let body = case["body"].as_str().unwrap().as_bytes();
+        let result = match case["api"].as_str().unwrap() {
+            "chat" => render_chat(&template, body).map(|r| r.text),
+            _ => render_completion(body).map(|r| r.text),
+        };
+        match (case["expect_unsupported"].as_str(), result) {
+            (Some(want), Err(reason)) if reason.label() == want => unsupported += 1,
+            (None, Ok(text)) if Some(text.as_str()) == case["prompt_text"].as_str() => exact += 1,
+            (want, got) => failures.push(format!(
+                "{name}: want {:?}, got {got:?}",
+                want.map(str::to_owned).or_else(|| case["prompt_text"].as_str().map(str::to_owned))
+            )),
+        }
+    }
+    assert!(failures.is_empty(), "{} failing:\n{}", failures.len(), failures.join("\n\n"));
+    assert!(exact >= 40, "only {exact} exact cases");
+    assert!(unsupported >= 10, "only {unsupported} unsupported cases");
+}
+
+/// The recorded cases vLLM refused are all ones tokenonce refuses to render.
+#[test]
+fn every_case_vllm_refused_is_unsupported_here() {
+    for case in cases() {
+        if case["status"] != 200 {
+            assert!(case["expect_unsupported"].is_string(), "{}", case["name"]);
+        }
+    }
+}
+
+/// The committed Qwen3 folder loads with transformers' special tokens (no bos, no unk).
+#[test]
+fn the_qwen3_folder_loads_with_its_special_tokens() {
+    let t = qwen3();
+    let tokens: Vec<(&str, &str)> = t.special_tokens().iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    assert_eq!(tokens, [("eos_token", "<|im_end|>"), ("pad_token", "<|endoftext|>")]);
+}
