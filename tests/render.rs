@@ -37,7 +37,7 @@ fn every_recorded_case_renders_as_vllm_or_says_why_not() {
             _ => render_completion(body).map(|r| r.text),
         };
         match (case["expect_unsupported"].as_str(), result) {
-            (Some(want), Err(reason)) if reason.label() == want => unsupported += 1,
+            (Some(want), Err(reason)) if want == "*" || reason.label() == want => unsupported += 1,
             (None, Ok(text)) if Some(text.as_str()) == case["prompt_text"].as_str() => exact += 1,
             (want, got) => failures.push(format!(
                 "{name}: want {:?}, got {got:?}",
@@ -46,7 +46,7 @@ fn every_recorded_case_renders_as_vllm_or_says_why_not() {
         }
     }
     assert!(failures.is_empty(), "{} failing:\n{}", failures.len(), failures.join("\n\n"));
-    assert!(exact >= 40, "only {exact} exact cases");
+    assert!(exact >= 70, "only {exact} exact cases");
     assert!(unsupported >= 10, "only {unsupported} unsupported cases");
 }
 

@@ -11,7 +11,9 @@ Qwen3 tokenizer and chat template; `TOKENONCE_VLLM_KV=0` is enough) with `max_to
 
 `body` is the exact request text sent (duplicate keys and number spellings matter), `api` is
 "chat" or "completions", `expect_unsupported` the fallback label tokenonce must give instead of a
-text (null: it must render exactly `prompt_text`), `error` vLLM's message when status is not 200.
+text (null: it must render exactly `prompt_text`; "*": any label, for a random case vLLM refused), `error` vLLM's message when status is not 200.
+After the fixed cases come --random N conversations drawn with --seed (special-token text,
+NFD, emoji, controls, odd number spellings in tool arguments, reasoning, tools, continuation).
 For every chat case vLLM answered, the ids of /v1/chat/completions/render (--enable-scale-out)
 are checked to equal the chat answer's `prompt_token_ids`. Python 3 standard library only.
 
@@ -24,6 +26,7 @@ Usage:
 import argparse
 import http.client
 import json
+import random
 import sys
 
 MODEL = "tiny-qwen3"
@@ -215,6 +218,111 @@ CASES = [
 ]
 
 
+PIECES = ["hello", " world", "é", "e\u0301", "\u1100\u1161", "👍🏽", "🇫🇷", "<|im_start|>", "<|im_end|>", "<think>",
+          "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<|endoftext|>", "\n",
+          "\n\n", " ", "\t", "{", "}", '"', "\\", "ß", "中文", "\u0007", "\u2028", "\u00a0", "\u001c", "0.5",
+          "x-anthropic-billing-header: cch=1\n", "'", "&<>", "Ａ①ﬁ"]
+
+
+def random_text(rng, lo=0, hi=6):
+    return "".join(rng.choice(PIECES) for _ in range(rng.randint(lo, hi)))
+
+
+def random_json_text(rng, depth=0):
+    """A JSON value as text, in the spellings a client might use."""
+    kind = rng.randint(0, 9 if depth < 2 else 6)
+    if kind == 0:
+        return rng.choice(["1.50", "1e5", "1E-7", "1e16", "-0", "-0.0", "0.1", "3", "12345678901234567890", "1e400",
+                           "NaN", "2.5e-5", "100.0", "-7", "0.000123", "123456789.125"])
+    if kind in (1, 2):
+        return json.dumps(random_text(rng, 0, 3), ensure_ascii=rng.random() < 0.5)
+    if kind == 3:
+        return rng.choice(["true", "false", "null"])
+    if kind in (4, 5, 6):
+        return str(rng.randint(-1000, 10**6))
+    if kind in (7, 8):
+        keys = [rng.choice(["a", "b", "city", "é", "x y", "n"]) for _ in range(rng.randint(0, 4))]
+        return "{" + ", ".join(f"{json.dumps(k)}: {random_json_text(rng, depth + 1)}" for k in keys) + "}"
+    return "[" + ",".join(random_json_text(rng, depth + 1) for _ in range(rng.randint(0, 3))) + "]"
+
+
+def random_arguments(rng):
+    r = rng.random()
+    if r < 0.1:
+        return rng.choice(["", "{", "[1]", "42", "null", '{"a":}'])
+    keys = [rng.choice(["city", "unit", "days", "q", "city"]) for _ in range(rng.randint(0, 4))]
+    return "{" + ", ".join(f"{json.dumps(k)}: {random_json_text(rng, 1)}" for k in keys) + "}"
+
+
+def random_tool(rng, i):
+    fn = {"name": f"tool_{i}"}
+    if rng.random() < 0.7:
+        fn["description"] = random_text(rng, 1, 4)
+    if rng.random() < 0.8:
+        fn["parameters"] = json.loads(
+            '{"type": "object", "properties": {"q": {"type": "string", "default": ' + random_json_text(rng, 2).replace("NaN", "1").replace("1e400", "2") + '}}}')
+    if rng.random() < 0.2:
+        fn["strict"] = rng.random() < 0.5
+    tool = {"type": "function", "function": fn}
+    if rng.random() < 0.15:
+        tool["defer_loading"] = True
+    return tool
+
+
+def random_case(rng, n):
+    msgs = []
+    r = rng.random()
+    if r < 0.4:
+        msgs.append({"role": "system", "content": random_text(rng)})
+    elif r < 0.5:
+        msgs.append({"role": "developer", "content": random_text(rng)})
+    if rng.random() < 0.1:
+        msgs.append({"role": rng.choice(["assistant", "tool", "narrator"]), "content": random_text(rng)})
+    for turn in range(rng.randint(1, 4)):
+        if rng.random() < 0.1:
+            msgs.append({"role": rng.choice(["narrator", "developer", "system", "tool"]), "content": random_text(rng)})
+        if rng.random() < 0.2:
+            content = [{"type": "text", "text": random_text(rng)} for _ in range(rng.randint(1, 3))]
+        elif rng.random() < 0.1:
+            content = "<tool_response>" + random_text(rng) + "</tool_response>"
+        else:
+            content = random_text(rng, 1)
+        msgs.append({"role": "user", "content": content})
+        if rng.random() < 0.2 and turn > 0:
+            msgs.append({"role": "system", "content": random_text(rng)})
+        a = {"role": "assistant", "content": random_text(rng) if rng.random() < 0.8 else None}
+        if rng.random() < 0.3:
+            a["reasoning_content" if rng.random() < 0.5 else "reasoning"] = random_text(rng)
+        calls = []
+        if rng.random() < 0.4:
+            calls = [call(f"c{turn}_{k}", f"tool_{k}", random_arguments(rng)) for k in range(rng.randint(1, 2))]
+            a["tool_calls"] = calls
+        if a["content"] is None and not calls:
+            a["content"] = ""
+        msgs.append(a)
+        for c in calls:
+            msgs.append({"role": "tool", "tool_call_id": c["id"], "content": random_text(rng)})
+    fields = {}
+    if rng.random() < 0.6:
+        msgs.append({"role": "user", "content": random_text(rng, 1)})
+    elif rng.random() < 0.5:
+        fields["continue_final_message"] = True
+        fields["add_generation_prompt"] = False
+    else:
+        fields["add_generation_prompt"] = rng.random() < 0.5
+    if rng.random() < 0.4:
+        fields["tools"] = [random_tool(rng, i) for i in range(rng.randint(1, 2))]
+        fields["tool_choice"] = "none"
+    r = rng.random()
+    if r < 0.25:
+        fields["chat_template_kwargs"] = {"enable_thinking": False}
+    elif r < 0.4:
+        fields["chat_template_kwargs"] = {"enable_thinking": True}
+    elif r < 0.5:
+        fields["reasoning_effort"] = rng.choice(["none", "low", "high"])
+    return chat(f"random_{n:03d}", msgs, expect_unsupported=None, **fields)
+
+
 def post(port, path, body):
     conn = http.client.HTTPConnection(HOST, port, timeout=TIMEOUT_S)
     try:
@@ -239,8 +347,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--port", type=int, default=8411)
     ap.add_argument("--out", default="tests/fixtures/render/cases.json")
+    ap.add_argument("--random", type=int, default=30, help="random conversations to add (seeded)")
+    ap.add_argument("--seed", type=int, default=24)
     args = ap.parse_args()
 
+    rng = random.Random(args.seed)
+    CASES.extend(random_case(rng, n) for n in range(args.random))
     names = [c["name"] for c in CASES]
     assert len(names) == len(set(names)), "duplicate case names"
     failures = []
@@ -266,16 +378,17 @@ def main():
                 failures.append(f"{case['name']}: no prompt ids in the answer")
         else:
             rec["error"] = answer.get("error", {}).get("message", "")[:300]
-            if case["expect_unsupported"] is None:
+            if case["name"].startswith("random_"):
+                rec["expect_unsupported"] = "*"  # any fallback reason: vLLM refused it
+            elif case["expect_unsupported"] is None:
                 failures.append(f"{case['name']}: status {status}: {rec['error'][:120]}")
         n_ids = len(rec["prompt_token_ids"] or [])
         print(f"{case['name']:45s} {status} ids={n_ids}")
         out.append(rec)
 
-    doc = {"vllm_version": version(args.port), "model": MODEL, "cases": out}
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(doc, f, ensure_ascii=False, indent=1)
-        f.write("\n")
+    head = json.dumps({"vllm_version": version(args.port), "model": MODEL})[:-1]
+    with open(args.out, "w", encoding="utf-8") as f:  # one case per line
+        f.write(head + ', "cases": [\n' + ",\n".join(json.dumps(c, ensure_ascii=False) for c in out) + "\n]}\n")
     print(f"wrote {len(out)} cases to {args.out}")
     for f_ in failures:
         print("CHECK FAILED:", f_)
