@@ -9,6 +9,8 @@ use std::path::Path;
 use serde_json::Value;
 use tokenonce::render::{render_chat, render_completion, ChatTemplate, LoadOptions};
 
+const QWEN3_TOKENS: [(&str, &str); 2] = [("eos_token", "<|im_end|>"), ("pad_token", "<|endoftext|>")];
+
 fn cases() -> Vec<Value> {
     let path = format!("{}/tests/fixtures/render/cases.json", env!("CARGO_MANIFEST_DIR"));
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
@@ -25,15 +27,27 @@ fn qwen3() -> ChatTemplate {
 /// gives the reason recorded with it.
 #[test]
 fn every_recorded_case_renders_as_vllm_or_says_why_not() {
-    let template = qwen3();
+    let qwen3 = qwen3();
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/render");
     let mut exact = 0;
     let mut unsupported = 0;
     let mut failures = Vec::new();
     for case in cases() {
         let name = case["name"].as_str().unwrap();
         let body = case["body"].as_str().unwrap().as_bytes();
+        // A case with its own template was sent with it as the request's chat_template; it
+        // renders with the Qwen3 tokenizer's special tokens.
+        let own;
+        let template = match case["template"].as_str() {
+            Some(file) => {
+                let text = std::fs::read_to_string(fixtures.join(file)).unwrap();
+                own = ChatTemplate::from_source(&text, &QWEN3_TOKENS, LoadOptions::default()).unwrap();
+                &own
+            }
+            None => &qwen3,
+        };
         let result = match case["api"].as_str().unwrap() {
-            "chat" => render_chat(&template, body).map(|r| r.text),
+            "chat" => render_chat(template, body).map(|r| r.text),
             _ => render_completion(body).map(|r| r.text),
         };
         match (case["expect_unsupported"].as_str(), result) {
@@ -65,5 +79,5 @@ fn every_case_vllm_refused_is_unsupported_here() {
 fn the_qwen3_folder_loads_with_its_special_tokens() {
     let t = qwen3();
     let tokens: Vec<(&str, &str)> = t.special_tokens().iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    assert_eq!(tokens, [("eos_token", "<|im_end|>"), ("pad_token", "<|endoftext|>")]);
+    assert_eq!(tokens, QWEN3_TOKENS);
 }

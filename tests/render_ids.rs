@@ -29,11 +29,10 @@ fn rendered_text_encodes_to_vllms_ids_for_every_case() {
     let dir = model_dir();
     let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
     let from_folder = ChatTemplate::load(&dir, LoadOptions::default()).unwrap();
-    let committed = ChatTemplate::load(
-        &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/render/qwen3"),
-        LoadOptions::default(),
-    )
-    .unwrap();
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/render");
+    let committed = ChatTemplate::load(&fixtures.join("qwen3"), LoadOptions::default()).unwrap();
+    let special: Vec<(&str, &str)> =
+        from_folder.special_tokens().iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let path = format!("{}/tests/fixtures/render/cases.json", env!("CARGO_MANIFEST_DIR"));
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let mut checked = 0;
@@ -45,7 +44,12 @@ fn rendered_text_encodes_to_vllms_ids_for_every_case() {
         let name = case["name"].as_str().unwrap();
         let body = case["body"].as_str().unwrap().as_bytes();
         let want: Vec<u32> = serde_json::from_value(case["prompt_token_ids"].clone()).unwrap();
-        let got = if case["api"] == "chat" {
+        let got = if let Some(file) = case["template"].as_str() {
+            // sent with its own template as the request's chat_template
+            let src = std::fs::read_to_string(fixtures.join(file)).unwrap();
+            let own = ChatTemplate::from_source(&src, &special, LoadOptions::default()).unwrap();
+            encode(&tokenizer, &render_chat(&own, body).unwrap().text, false).unwrap()
+        } else if case["api"] == "chat" {
             let text = render_chat(&from_folder, body).unwrap().text;
             assert_eq!(
                 text,

@@ -363,16 +363,19 @@ fn classify(e: Error) -> Unsupported {
 /// flags may render fine but takes the fallback.
 fn iterates_content(source: &str) -> bool {
     let mut rest = source;
-    while let Some(at) = rest.find("for ") {
-        let after = rest.get(at + 4..).unwrap_or_default();
+    while let Some(open) = rest.find("{%") {
+        let after = rest.get(open + 2..).unwrap_or_default();
         let end = after.find("%}").unwrap_or(after.len());
-        let head = after.get(..end).unwrap_or_default();
-        if let Some(pos) = head.find(" in ") {
-            if head.get(pos..).unwrap_or_default().contains("content") {
-                return true;
+        let block =
+            after.get(..end).unwrap_or_default().trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        if let Some(head) = block.strip_prefix("for") {
+            if let Some(pos) = head.find(" in ") {
+                if head.get(pos..).unwrap_or_default().contains("content") {
+                    return true;
+                }
             }
         }
-        rest = after;
+        rest = after.get(end..).unwrap_or_default();
     }
     false
 }
@@ -726,6 +729,16 @@ mod tests {
         );
     }
 
+    /// jinja2 prints containers with Python's repr; so does minijinja (strings in single quotes).
+    #[test]
+    fn containers_print_as_python_repr() {
+        let src = r#"{{ [1, "a", none, true, 1.5] }}|{{ {"k": "it's", "n": {"x": []}} }}|{{ undefined_name }}|{{ x }}"#;
+        assert_eq!(
+            render(src, &[("x", j(r#"{"q": "a\"b"}"#))]).unwrap(),
+            r#"[1, 'a', None, True, 1.5]|{'k': "it's", 'n': {'x': []}}||{'q': 'a"b'}"#
+        );
+    }
+
     #[test]
     fn raise_exception_is_its_own_outcome() {
         assert_eq!(
@@ -740,6 +753,7 @@ mod tests {
         assert!(iterates_content("{% for part in message['content'] %}{% endfor %}"));
         assert!(iterates_content("{%- for c in message.content -%}"));
         assert!(!iterates_content("{% for message in messages %}{{ message.content }}{% endfor %}"));
+        assert!(!iterates_content("{# for x in content #}{{ 'for a in content' }}"));
     }
 
     #[test]

@@ -6,11 +6,12 @@ Sends each case of CASES to a vLLM server (tests/e2e/vllm/start.sh: model "tiny-
 Qwen3 tokenizer and chat template; `TOKENONCE_VLLM_KV=0` is enough) with `max_tokens: 1`,
 `return_token_ids: true` and `return_prompt_text: true`, and writes OUT (one JSON file):
 
-    {"vllm_version", "model", "cases": [{"name", "api", "body", "status",
+    {"vllm_version", "model", "cases": [{"name", "api", "template", "body", "status",
       "prompt_text", "prompt_token_ids", "expect_unsupported", "error"}]}
 
-`body` is the exact request text sent (duplicate keys and number spellings matter), `api` is
-"chat" or "completions", `expect_unsupported` the fallback label tokenonce must give instead of a
+`body` is the exact request text sent (duplicate keys and number spellings matter; a case with
+a `template`, a file beside cases.json, was sent with it as chat_template), `api` is "chat" or
+"completions", `expect_unsupported` the fallback label tokenonce must give instead of a
 text (null: it must render exactly `prompt_text`; "*": any label, for a random case vLLM refused), `error` vLLM's message when status is not 200.
 After the fixed cases come --random N conversations drawn with --seed (special-token text,
 NFD, emoji, controls, odd number spellings in tool arguments, reasoning, tools, continuation).
@@ -18,7 +19,7 @@ For every chat case vLLM answered, the ids of /v1/chat/completions/render (--ena
 are checked to equal the chat answer's `prompt_token_ids`. Python 3 standard library only.
 
 Usage:
-    TOKENONCE_VLLM_KV=0 bash tests/e2e/vllm/start.sh 8411
+    TOKENONCE_VLLM_KV=0 bash tests/e2e/vllm/start.sh 8411 -- --trust-request-chat-template
     python3 tests/e2e/record_render.py --port 8411 --out tests/fixtures/render/cases.json
     bash tests/e2e/vllm/stop.sh 8411
 """
@@ -26,10 +27,12 @@ Usage:
 import argparse
 import http.client
 import json
+import os
 import random
 import sys
 
 MODEL = "tiny-qwen3"
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "render")
 HOST = "127.0.0.1"  # loopback only
 TIMEOUT_S = 120
 EXTRA = {"max_tokens": 1, "return_token_ids": True, "return_prompt_text": True}
@@ -72,20 +75,32 @@ for _i in range(30):
 LONG.append({"role": "user", "content": "Now sum them all."})
 
 
-def chat(name, messages=None, raw=None, expect_unsupported=None, **fields):
+def chat(name, messages=None, raw=None, expect_unsupported=None, template=None, **fields):
     """A chat case: a body built from messages and fields, or raw JSON text (then EXTRA is
-    spliced in after the opening brace)."""
+    spliced in after the opening brace). With `template` (a file in tests/fixtures/render),
+    the file is sent as the request's chat_template but left out of the recorded body."""
     if raw is not None:
         extra = json.dumps({"model": MODEL, **EXTRA})[1:-1]
         body = "{" + extra + ", " + raw.strip()[1:]
     else:
         body = json.dumps({"model": MODEL, "messages": messages, **fields, **EXTRA}, ensure_ascii=False)
-    return {"name": name, "api": "chat", "body": body, "expect_unsupported": expect_unsupported}
+    return {"name": name, "api": "chat", "body": body, "expect_unsupported": expect_unsupported,
+            "template": template}
+
+
+def with_template(case):
+    """The body sent for a case: its template spliced in as chat_template."""
+    if not case.get("template"):
+        return case["body"]
+    with open(os.path.join(FIXTURES, case["template"]), encoding="utf-8") as f:
+        text = f.read()
+    return "{" + '"chat_template": ' + json.dumps(text) + ", " + case["body"].strip()[1:]
 
 
 def completion(name, prompt, expect_unsupported=None, **fields):
     body = json.dumps({"model": MODEL, "prompt": prompt, **fields, **EXTRA}, ensure_ascii=False)
-    return {"name": name, "api": "completions", "body": body, "expect_unsupported": expect_unsupported}
+    return {"name": name, "api": "completions", "body": body, "expect_unsupported": expect_unsupported,
+            "template": None}
 
 
 U = [{"role": "user", "content": "Hello there!"}]
@@ -211,6 +226,22 @@ CASES = [
     chat("tools_empty", U, expect_unsupported="vllm_rejects", tools=[]),
     chat("continue_and_generation_prompt", U, expect_unsupported="vllm_rejects", continue_final_message=True),
     chat("lone_surrogate", raw='{"messages": [{"role": "user", "content": "a\\ud800b"}]}', expect_unsupported="lone_surrogate"),
+    # A template of our own (tests/fixtures/render/torture.jinja) exercising jinja features
+    # templates use, sent as the request's chat_template (the server needs
+    # --trust-request-chat-template; rendered here with ChatTemplate::from_source).
+    chat("torture_plain", [{"role": "system", "content": "  Sys  "}] + U, template="torture.jinja"),
+    chat("torture_tools", history_with_calls('{"city": "Paris", "n": 1.50, "z": [1, {"b": null}], "a": 1e16}', '{}'),
+         tools=[WEATHER, {"type": "function", "function": {"name": "bare"}}], tool_choice="none", template="torture.jinja"),
+    chat("torture_thinking_docs", [
+        {"role": "user", "content": "a<b>\tc\u00a0d \u001c"},
+        {"role": "assistant", "content": "<think>\nplan\n</think>\n\nanswer", "name": "bot"},
+        {"role": "user", "content": "e\u0301 👍🏽"},
+    ], template="torture.jinja", chat_template_kwargs={"enable_thinking": False, "custom_flag": [1, "x"]},
+        documents=[{"title": "T1", "text": "x"}, {"title": "T2", "text": "y"}]),
+    chat("torture_reasoning", [
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "A", "reasoning_content": "  because  "},
+    ], template="torture.jinja", add_generation_prompt=False),
     completion("completion_plain", "The capital of France is"),
     completion("completion_special_tokens", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"),
     completion("completion_nfd_emoji", "Cafe\u0301 👍🏽 \u1100\u1161"),
@@ -359,15 +390,16 @@ def main():
     out = []
     for case in CASES:
         path = "/v1/chat/completions" if case["api"] == "chat" else "/v1/completions"
-        status, answer = post(args.port, path, case["body"])
-        rec = {"name": case["name"], "api": case["api"], "body": case["body"], "status": status,
+        status, answer = post(args.port, path, with_template(case))
+        rec = {"name": case["name"], "api": case["api"], "template": case["template"],
+               "body": case["body"], "status": status,
                "prompt_text": None, "prompt_token_ids": None,
                "expect_unsupported": case["expect_unsupported"], "error": None}
         if status == 200:
             if case["api"] == "chat":
                 rec["prompt_text"] = answer.get("prompt_text")
                 rec["prompt_token_ids"] = answer.get("prompt_token_ids")
-                r_status, rendered = post(args.port, "/v1/chat/completions/render", case["body"])
+                r_status, rendered = post(args.port, "/v1/chat/completions/render", with_template(case))
                 if r_status != 200 or rendered.get("token_ids") != rec["prompt_token_ids"]:
                     failures.append(f"{case['name']}: /render ids differ from the chat answer's")
             else:
