@@ -11,8 +11,17 @@ use tokenonce::render::{render_chat, render_completion, ChatTemplate, LoadOption
 
 const QWEN3_TOKENS: [(&str, &str); 2] = [("eos_token", "<|im_end|>"), ("pad_token", "<|endoftext|>")];
 
+/// The committed cases, or (for a local check of another template, see record_render.py
+/// --template) the file `TOKENONCE_RENDER_CASES` names.
+fn cases_path() -> (String, bool) {
+    match std::env::var("TOKENONCE_RENDER_CASES") {
+        Ok(path) => (path, false),
+        Err(_) => (format!("{}/tests/fixtures/render/cases.json", env!("CARGO_MANIFEST_DIR")), true),
+    }
+}
+
 fn cases() -> Vec<Value> {
-    let path = format!("{}/tests/fixtures/render/cases.json", env!("CARGO_MANIFEST_DIR"));
+    let (path, _) = cases_path();
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     assert_eq!(doc["vllm_version"], "0.32.0");
     doc["cases"].as_array().unwrap().clone()
@@ -60,8 +69,11 @@ fn every_recorded_case_renders_as_vllm_or_says_why_not() {
         }
     }
     assert!(failures.is_empty(), "{} failing:\n{}", failures.len(), failures.join("\n\n"));
-    assert!(exact >= 70, "only {exact} exact cases");
-    assert!(unsupported >= 10, "only {unsupported} unsupported cases");
+    if cases_path().1 {
+        assert!(exact >= 70, "only {exact} exact cases");
+        assert!(unsupported >= 10, "only {unsupported} unsupported cases");
+    }
+    println!("{exact} exact, {unsupported} unsupported as expected");
 }
 
 /// The recorded cases vLLM refused are all ones tokenonce refuses to render.

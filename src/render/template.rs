@@ -391,11 +391,44 @@ fn new_environment() -> Environment<'static> {
     env.set_undefined_behavior(UndefinedBehavior::Lenient);
     env.set_unknown_method_callback(python_methods);
     env.add_filter("tojson", tojson);
-    env.add_filter("trim", |s: &str| py_strip(s, None, true, true));
+    env.add_filter("trim", |v: &Value, chars: Option<&str>| py_strip(&py_str(v), chars, true, true));
+    // jinja2's tests are Python's: None is not iterable; strings and dicts are sequences.
+    env.add_test("iterable", |v: &Value| {
+        matches!(
+            v.kind(),
+            ValueKind::String
+                | ValueKind::Bytes
+                | ValueKind::Seq
+                | ValueKind::Map
+                | ValueKind::Iterable
+                | ValueKind::Undefined
+        )
+    });
+    env.add_test("sequence", |v: &Value| {
+        matches!(
+            v.kind(),
+            ValueKind::String | ValueKind::Bytes | ValueKind::Seq | ValueKind::Map | ValueKind::Undefined
+        )
+    });
     env.add_function("raise_exception", |msg: Value| -> Result<Value, Error> {
         Err(Error::new(ErrorKind::InvalidOperation, format!("{RAISED}{msg}")))
     });
     env
+}
+
+/// Python's `str(x)` of a template value as jinja2's `soft_str` gives it (undefined is "").
+fn py_str(v: &Value) -> String {
+    match v.kind() {
+        ValueKind::Undefined => String::new(),
+        ValueKind::String => v.as_str().unwrap_or_default().to_string(),
+        ValueKind::Number if !v.is_integer() => match f64::try_from(v.clone()) {
+            Ok(f) if f.is_nan() => "nan".into(),
+            Ok(f) if f.is_infinite() => (if f > 0.0 { "inf" } else { "-inf" }).into(),
+            Ok(f) => pyjson::float_repr(f),
+            Err(_) => v.to_string(),
+        },
+        _ => v.to_string(),
+    }
 }
 
 /// Python's `str.isspace()` characters (Rust's `char::is_whitespace` lacks U+001C-U+001F).
@@ -736,6 +769,19 @@ mod tests {
         assert_eq!(
             render(src, &[("x", j(r#"{"q": "a\"b"}"#))]).unwrap(),
             r#"[1, 'a', None, True, 1.5]|{'k': "it's", 'n': {'x': []}}||{'q': 'a"b'}"#
+        );
+    }
+
+    /// `is iterable` / `is sequence` as jinja2 answers them (minijinja counts none as iterable).
+    #[test]
+    fn iterable_and_sequence_tests_follow_python() {
+        let src = "{{ n is iterable }} {{ s is iterable }} {{ l is iterable }} {{ d is iterable }} {{ i is iterable }} {{ u is iterable }}|{{ s is sequence }} {{ d is sequence }} {{ n is sequence }} {{ i is sequence }}";
+        let ctx = [("n", PyValue::Null), ("s", j(r#""x""#)), ("l", j("[1]")), ("d", j("{}")), ("i", j("3"))];
+        assert_eq!(render(src, &ctx).unwrap(), "False True True True False True|True True False False");
+        assert_eq!(render("{{ ' xax ' | trim(' x') }}", &[]).unwrap(), "a");
+        assert_eq!(
+            render("[{{ nothing | trim }}][{{ 1e20 | trim }}][{{ none | trim }}]", &[]).unwrap(),
+            "[][1e+20][None]"
         );
     }
 

@@ -378,12 +378,19 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--port", type=int, default=8411)
     ap.add_argument("--out", default="tests/fixtures/render/cases.json")
+    ap.add_argument("--template", help="a local check of another chat template: send every chat case "
+                    "with this file as chat_template (cases vLLM refuses then expect any fallback); "
+                    "test with TOKENONCE_RENDER_CASES=OUT cargo test --test render")
     ap.add_argument("--random", type=int, default=30, help="random conversations to add (seeded)")
     ap.add_argument("--seed", type=int, default=24)
     args = ap.parse_args()
 
     rng = random.Random(args.seed)
     CASES.extend(random_case(rng, n) for n in range(args.random))
+    if args.template:
+        for case in CASES:
+            if case["api"] == "chat" and case["expect_unsupported"] is None:
+                case["template"] = os.path.abspath(args.template)
     names = [c["name"] for c in CASES]
     assert len(names) == len(set(names)), "duplicate case names"
     failures = []
@@ -410,7 +417,7 @@ def main():
                 failures.append(f"{case['name']}: no prompt ids in the answer")
         else:
             rec["error"] = answer.get("error", {}).get("message", "")[:300]
-            if case["name"].startswith("random_"):
+            if case["name"].startswith("random_") or args.template:
                 rec["expect_unsupported"] = "*"  # any fallback reason: vLLM refused it
             elif case["expect_unsupported"] is None:
                 failures.append(f"{case['name']}: status {status}: {rec['error'][:120]}")
