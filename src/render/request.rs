@@ -670,8 +670,11 @@ fn collect_unsafe_floats(
                 } else {
                     pyjson::float_repr(*f)
                 };
-                if shown != python {
-                    out.push(shown);
+                // minijinja's Display (`~`, `|string`) and, inside a container, Rust's Debug
+                for shown in [shown, format!("{f:?}")] {
+                    if shown != python && !out.contains(&shown) {
+                        out.push(shown);
+                    }
                 }
             }
             PyValue::List(items) => items.iter().for_each(|x| walk(x, out)),
@@ -863,26 +866,29 @@ mod tests {
     }
 
     #[test]
-    fn a_float_printed_directly_in_python_form_falls_back() {
-        let tpl =
-            ChatTemplate::from_source("{{ tools[0].function.parameters.x }}", &[], LoadOptions::default()).unwrap();
-        let body = r#"{"messages":[{"role":"user","content":"u"}],"tools":[{"type":"function","function":{"name":"f","parameters":{"x":1e20}}}]}"#;
-        assert_eq!(render_chat(&tpl, body.as_bytes()).map(|x| x.text), Err(Unsupported::FloatDisplay));
-        let body = r#"{"messages":[{"role":"user","content":"u"}],"tools":[{"type":"function","function":{"name":"f","parameters":{"x":1.5}}}]}"#;
-        assert_eq!(render_chat(&tpl, body.as_bytes()).map(|x| x.text), Ok("1.5".into()));
-        let nan = r#"{"messages":[{"role":"user","content":"u"}],"tools":[{"type":"function","function":{"name":"f","parameters":{"x":NaN}}}]}"#;
-        assert_eq!(render_chat(&tpl, nan.as_bytes()).map(|x| x.text), Err(Unsupported::FloatDisplay));
-        let both = ChatTemplate::from_source(
-            "{{ tools[0].function.parameters | tojson }}{{ tools[0].function.parameters.x }}",
-            &[],
-            LoadOptions::default(),
-        )
-        .unwrap();
-        assert_eq!(render_chat(&both, nan.as_bytes()).map(|x| x.text), Err(Unsupported::FloatDisplay));
-        let json_only =
-            ChatTemplate::from_source("{{ tools[0].function.parameters | tojson }}", &[], LoadOptions::default())
-                .unwrap();
-        assert_eq!(render_chat(&json_only, nan.as_bytes()).map(|x| x.text), Ok(r#"{"x": NaN}"#.into()));
+    fn a_float_minijinja_prints_unlike_python_falls_back() {
+        let tpl = |src: &str| ChatTemplate::from_source(src, &[], LoadOptions::default()).unwrap();
+        let with = |x: &str| {
+            format!(
+                r#"{{"messages":[{{"role":"user","content":"u"}}],"tools":[{{"type":"function","function":{{"name":"f","parameters":{{"x":{x}}}}}}}]}}"#
+            )
+        };
+        let render = |src: &str, x: &str| render_chat(&tpl(src), with(x).as_bytes()).map(|r| r.text);
+        // printed on its own, a float is written as Python's str() writes it
+        assert_eq!(render("{{ tools[0].function.parameters.x }}", "1e20"), Ok("1e+20".into()));
+        assert_eq!(render("{{ tools[0].function.parameters.x }}", "NaN"), Ok("nan".into()));
+        assert_eq!(render("{{ tools[0].function.parameters.x }}", "1.5"), Ok("1.5".into()));
+        // inside a container or concatenated, minijinja's text differs from Python's: fall back
+        assert_eq!(render("{{ tools[0].function.parameters }}", "1e20"), Err(Unsupported::FloatDisplay));
+        assert_eq!(render("{{ 'x' ~ tools[0].function.parameters.x }}", "1e20"), Err(Unsupported::FloatDisplay));
+        assert_eq!(render("{{ tools[0].function.parameters }}", "NaN"), Err(Unsupported::FloatDisplay));
+        assert_eq!(render("{{ tools[0].function.parameters }}", "1.5"), Ok("{'x': 1.5}".into()));
+        // tojson writes Python's json.dumps text, NaN included
+        assert_eq!(render("{{ tools[0].function.parameters | tojson }}", "NaN"), Ok(r#"{"x": NaN}"#.into()));
+        assert_eq!(
+            render("{{ tools[0].function.parameters | tojson }}{{ tools[0].function.parameters }}", "NaN"),
+            Err(Unsupported::FloatDisplay)
+        );
     }
 
     #[test]

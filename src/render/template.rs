@@ -392,6 +392,28 @@ fn new_environment() -> Environment<'static> {
     env.set_unknown_method_callback(python_methods);
     env.add_filter("tojson", tojson);
     env.add_filter("trim", |v: &Value, chars: Option<&str>| py_strip(&py_str(v), chars, true, true));
+    // A float is printed as Python's str() prints it (1e+16, not 10000000000000000.0).
+    env.set_formatter(|out, state, value| {
+        if value.kind() == ValueKind::Number && !value.is_integer() {
+            out.write_str(&py_str(value)).map_err(|_| Error::new(ErrorKind::WriteFailure, "formatter"))
+        } else {
+            minijinja::escape_formatter(out, state, value)
+        }
+    });
+    // jinja2's floor/ceil rounding divides, so it gives a float even for an int.
+    env.add_filter(
+        "round",
+        |value: Value, precision: Option<i32>, method: Option<&str>, kwargs: Kwargs| -> Result<Value, Error> {
+            let directed = matches!(method, Some("ceil" | "floor"))
+                || matches!(kwargs.get::<Option<&str>>("method"), Ok(Some("ceil" | "floor")));
+            let rounded = minijinja::filters::round(value, precision, method, kwargs)?;
+            if directed && rounded.is_integer() {
+                let f = i128::try_from(rounded.clone()).map(|i| i as f64).unwrap_or(f64::NAN);
+                return Ok(Value::from(f));
+            }
+            Ok(rounded)
+        },
+    );
     // jinja2's tests are Python's: None is not iterable; strings and dicts are sequences.
     env.add_test("iterable", |v: &Value| {
         matches!(
