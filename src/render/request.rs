@@ -230,9 +230,17 @@ pub fn render_chat(template: &ChatTemplate, request: &[u8]) -> Result<RenderedCh
     shape.tools = tools.is_some();
     let with_tools = tools.is_some();
 
-    // developer → system when the template does not name the role.
-    if !template.supports_developer(with_tools)? && conversation.iter().any(|m| role_of(m) == "developer") {
-        conversation = developer_to_system(conversation);
+    // developer → system when the template does not name the role; a template that does sees
+    // the message's own tools after pydantic's validation, which is not reproduced here.
+    if conversation.iter().any(|m| role_of(m) == "developer") {
+        if !template.supports_developer(with_tools)? {
+            conversation = developer_to_system(conversation);
+        } else if conversation
+            .iter()
+            .any(|m| role_of(m) == "developer" && m.iter().any(|(k, v)| k == "tools" && *v != PyValue::Null))
+        {
+            return Err(Unsupported::Unverified("tools on a developer message"));
+        }
     }
 
     // Documents: list[dict[str, str]].

@@ -208,6 +208,31 @@ CASES = [
     chat("controls_and_separators", [{"role": "user", "content": "bell\u0007 del\u007f ls\u2028 bom\ufeff nul\u0000 c1\u0085 tab\t end"}]),
     chat("documents_ignored_by_qwen3", U, documents=[{"title": "T", "text": "doc text"}]),
     chat("unrelated_template_kwarg", U, chat_template_kwargs={"custom_flag": 3}),
+    chat("enable_thinking_zero_is_not_false", U, chat_template_kwargs={"enable_thinking": 0}),
+    chat("enable_thinking_string", U, chat_template_kwargs={"enable_thinking": "false"}),
+    chat("system_mid_conversation", [
+        {"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"},
+        {"role": "system", "content": "New rules."}, {"role": "user", "content": "Q2"},
+    ]),
+    chat("empty_system", [{"role": "system", "content": ""}] + U),
+    chat("continue_user_message", [{"role": "user", "content": "Complete this: "}],
+         continue_final_message=True, add_generation_prompt=False),
+    chat("continue_with_reasoning", [
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": "Partial ans", "reasoning_content": "thought"},
+    ], continue_final_message=True, add_generation_prompt=False),
+    chat("thinking_off_tool_history", history_with_calls('{"city": "Oslo"}'), tools=[WEATHER], tool_choice="none",
+         chat_template_kwargs={"enable_thinking": False}),
+    chat("assistant_text_parts", [
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": [{"type": "text", "text": "part one"}, {"type": "output_text", "text": "two"}]},
+        {"role": "user", "content": "Q2"},
+    ]),
+    chat("tool_call_id_and_name_on_tool", [
+        {"role": "user", "content": "Q"},
+        {"role": "assistant", "content": None, "tool_calls": [call("c1", "get_weather", '{"city": "Rome"}')]},
+        {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "<|im_end|>hot"},
+    ], tools=[WEATHER], tool_choice="none"),
     chat("duplicate_top_level_keys", raw='{"messages": [{"role": "user", "content": "first"}], '
          '"messages": [{"role": "user", "content": "second", "content": "third"}]}'),
     # Shapes tokenonce refuses to render (each with its fallback label).
