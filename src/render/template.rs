@@ -236,7 +236,7 @@ impl ChatTemplate {
             return Err(LoadError::Unsupported(Unsupported::SpecialTokenUnknown("extra_special_tokens".into())));
         }
 
-        let mut env = new_environment();
+        let mut env = new_environment()?;
         let mut variant = |name: &str, src: Option<String>| -> Result<Option<Variant>, LoadError> {
             let Some(source) = src else { return Ok(None) };
             if iterates_content(&source) {
@@ -260,7 +260,7 @@ impl ChatTemplate {
         if iterates_content(source) {
             return Err(LoadError::Unsupported(Unsupported::ContentFormatOpenAi));
         }
-        let mut env = new_environment();
+        let mut env = new_environment()?;
         env.add_template_owned("default".to_string(), source.to_string())
             .map_err(|e| LoadError::Unsupported(Unsupported::TemplateFeature(e.to_string())))?;
         let supports_developer = source.contains("\"developer\"") || source.contains("'developer'");
@@ -380,13 +380,13 @@ fn iterates_content(source: &str) -> bool {
     false
 }
 
-fn new_environment() -> Environment<'static> {
+/// The environment transformers' `_compile_jinja_template` sets up, in minijinja.
+fn new_environment() -> Result<Environment<'static>, LoadError> {
     let mut env = Environment::new();
     let mut syntax = minijinja::syntax::SyntaxConfig::builder();
     syntax.trim_blocks(true).lstrip_blocks(true).keep_trailing_newline(false);
-    if let Ok(config) = syntax.build() {
-        env.set_syntax(config);
-    }
+    let config = syntax.build().map_err(|e| LoadError::Unsupported(Unsupported::TemplateFeature(e.to_string())))?;
+    env.set_syntax(config);
     env.set_auto_escape_callback(|_| AutoEscape::None);
     env.set_undefined_behavior(UndefinedBehavior::Lenient);
     env.set_unknown_method_callback(python_methods);
@@ -435,7 +435,7 @@ fn new_environment() -> Environment<'static> {
     env.add_function("raise_exception", |msg: Value| -> Result<Value, Error> {
         Err(Error::new(ErrorKind::InvalidOperation, format!("{RAISED}{msg}")))
     });
-    env
+    Ok(env)
 }
 
 /// Python's `str(x)` of a template value as jinja2's `soft_str` gives it (undefined is "").
@@ -822,6 +822,84 @@ mod tests {
         assert!(iterates_content("{%- for c in message.content -%}"));
         assert!(!iterates_content("{% for message in messages %}{{ message.content }}{% endfor %}"));
         assert!(!iterates_content("{# for x in content #}{{ 'for a in content' }}"));
+    }
+
+    fn folder(files: &[(&str, &str)]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, text) in files {
+            let path = dir.path().join(name);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(path, text).unwrap();
+        }
+        dir
+    }
+
+    fn load(files: &[(&str, &str)]) -> Result<ChatTemplate, LoadError> {
+        ChatTemplate::load(folder(files).path(), LoadOptions::default())
+    }
+
+    fn reason(r: Result<ChatTemplate, LoadError>) -> String {
+        match r {
+            Err(LoadError::Unsupported(u)) => u.label().to_string(),
+            Err(other) => format!("error: {other}"),
+            Ok(_) => "loaded".into(),
+        }
+    }
+
+    fn render_with(t: &ChatTemplate, tools: bool) -> String {
+        t.render(tools, vec![("messages".into(), Value::from(Vec::<Value>::new()))]).unwrap().text
+    }
+
+    /// transformers 5: chat_template.jinja and additional_chat_templates/ win over the config;
+    /// the list form picks `tool_use` with tools, else `default`.
+    #[test]
+    fn templates_are_found_where_transformers_looks() {
+        let config = r#"{"chat_template": "from config {{ eos_token }}", "eos_token": {"content": "</s>", "special": true}, "bos_token": null}"#;
+        let t = load(&[("tokenizer_config.json", config)]).unwrap();
+        assert_eq!(render_with(&t, false), "from config </s>");
+        let t = load(&[("tokenizer_config.json", config), ("chat_template.jinja", "from file")]).unwrap();
+        assert_eq!(render_with(&t, false), "from file");
+        let t = load(&[
+            ("tokenizer_config.json", config),
+            ("chat_template.jinja", "default file"),
+            ("additional_chat_templates/tool_use.jinja", "tool file"),
+        ])
+        .unwrap();
+        assert_eq!((render_with(&t, false), render_with(&t, true)), ("default file".into(), "tool file".into()));
+        let list =
+            r#"{"chat_template": [{"name": "default", "template": "D"}, {"name": "tool_use", "template": "T"}]}"#;
+        let t = load(&[("tokenizer_config.json", list)]).unwrap();
+        assert_eq!((render_with(&t, false), render_with(&t, true)), ("D".into(), "T".into()));
+        let no_default = r#"{"chat_template": [{"name": "rag", "template": "R"}]}"#;
+        assert_eq!(reason(load(&[("tokenizer_config.json", no_default)])), "no_template");
+        assert_eq!(reason(load(&[("tokenizer_config.json", "{}")])), "no_template");
+    }
+
+    /// Models vLLM renders another way, and templates whose inputs are not known, refuse to load.
+    #[test]
+    fn models_vllm_renders_otherwise_are_refused_at_load() {
+        let ok = ("tokenizer_config.json", r#"{"chat_template": "x", "bos_token": "<s>"}"#);
+        assert_eq!(reason(load(&[ok, ("tekken.json", "{}")])), "mistral");
+        assert_eq!(reason(load(&[ok, ("tokenizer.model.v3", "")])), "mistral");
+        assert_eq!(reason(load(&[ok, ("config.json", r#"{"model_type": "gpt_oss"}"#)])), "harmony");
+        assert_eq!(reason(load(&[ok, ("processor_config.json", "{}")])), "processor_template");
+        let reads_unk = ("tokenizer_config.json", r#"{"chat_template": "{{ unk_token }}"}"#);
+        assert_eq!(reason(load(&[reads_unk])), "special_token_unknown");
+        let openai = (
+            "tokenizer_config.json",
+            r#"{"chat_template": "{% for m in messages %}{% for p in m.content %}{% endfor %}{% endfor %}"}"#,
+        );
+        assert_eq!(reason(load(&[openai])), "content_format_openai");
+        let bad = ("tokenizer_config.json", r#"{"chat_template": "{% if %}"}"#);
+        assert_eq!(reason(load(&[bad])), "template_feature");
+        let mode = LoadOptions { tokenizer_mode: "deepseek_v32".into(), ..LoadOptions::default() };
+        assert!(matches!(
+            ChatTemplate::load(folder(&[ok]).path(), mode),
+            Err(LoadError::Unsupported(Unsupported::TokenizerMode(_)))
+        ));
+        let hf = LoadOptions { tokenizer_mode: "hf".into(), ..LoadOptions::default() };
+        assert!(ChatTemplate::load(folder(&[ok, ("tekken.json", "{}")]).path(), hf).is_ok());
+        assert_eq!(reason(load(&[ok])), "loaded");
     }
 
     #[test]
