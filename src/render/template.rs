@@ -31,6 +31,9 @@ pub struct LoadOptions {
     pub default_chat_template_kwargs: Vec<(String, PyValue)>,
     /// `--exclude-tools-when-tool-choice-none`.
     pub exclude_tools_when_tool_choice_none: bool,
+    /// `--chat-template`, as text (vLLM reads a path's file): a template name the folder
+    /// defines picks that one, any other text is the template for every request.
+    pub chat_template: Option<String>,
 }
 
 /// Why a model folder's template cannot be loaded for local rendering.
@@ -202,8 +205,14 @@ impl ChatTemplate {
                 }
             }
         }
-        let default_src = named.remove("default");
-        let tool_use_src = named.remove("tool_use");
+        let (default_src, tool_use_src) = match &options.chat_template {
+            // resolve_chat_template's first choice: get_chat_template(--chat-template, tools)
+            Some(name_or_text) => {
+                let text = named.get(name_or_text).cloned().unwrap_or_else(|| name_or_text.clone());
+                (Some(text), None)
+            }
+            None => (named.remove("default"), named.remove("tool_use")),
+        };
         if default_src.is_none() && tool_use_src.is_none() {
             return Err(LoadError::Unsupported(Unsupported::NoDefaultTemplate));
         }
@@ -900,6 +909,27 @@ mod tests {
         let hf = LoadOptions { tokenizer_mode: "hf".into(), ..LoadOptions::default() };
         assert!(ChatTemplate::load(folder(&[ok, ("tekken.json", "{}")]).path(), hf).is_ok());
         assert_eq!(reason(load(&[ok])), "loaded");
+    }
+
+    /// `--chat-template` replaces the folder's template (or names one of its named templates).
+    #[test]
+    fn the_server_chat_template_option_wins() {
+        let files = [(
+            "tokenizer_config.json",
+            r#"{"chat_template": [{"name": "default", "template": "D"}, {"name": "rag", "template": "R"}]}"#,
+        )];
+        let with = |t: &str| LoadOptions { chat_template: Some(t.into()), ..LoadOptions::default() };
+        let t = ChatTemplate::load(folder(&files).path(), with("own {{ 1 }}")).unwrap();
+        assert_eq!((render_with(&t, false), render_with(&t, true)), ("own 1".into(), "own 1".into()));
+        let t = ChatTemplate::load(folder(&files).path(), with("rag")).unwrap();
+        assert_eq!(render_with(&t, true), "R");
+    }
+
+    /// Pools share one template across worker threads.
+    #[test]
+    fn a_chat_template_is_send_and_sync() {
+        fn shared<T: Send + Sync>() {}
+        shared::<ChatTemplate>();
     }
 
     #[test]
