@@ -17,6 +17,7 @@
 //!   ARCHITECTURE.md is the one-page map of these rooms.
 //! - `metrics`: every exported metric and its label enums.
 //! - `reload`: SIGHUP config reload.
+//! - `render`: chat prompts rendered as vLLM renders them (pure; not wired in yet).
 //! - `server`: wiring config into a pingora server.
 //! - `telemetry`: logging and OpenTelemetry spans of each request and its legs.
 //! - `toml_read`: TOML text into serde types with every problem at its key and line:column.
@@ -54,6 +55,7 @@ pub mod parity;
 pub mod plan;
 pub mod proxy;
 pub mod reload;
+pub mod render;
 pub mod routes;
 pub mod server;
 pub mod sse;

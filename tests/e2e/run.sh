@@ -63,6 +63,9 @@ t=$SECONDS
 bash "$HERE/vllm/setup.sh"
 phase setup "$t"
 
+# the renderer's text, encoded with the real tokenizer, gives vLLM's recorded ids (src/render/)
+t=$SECONDS; TOKENONCE_RENDER_MODEL_DIR="${TOKENONCE_VLLM_MODEL_DIR:-$VENV/models/tiny-qwen3}" cargo test --locked --test render_ids; phase render-ids "$t"
+
 # test-only packages (pinned) into the vLLM venv; the OpenAI SDK and httpx come with its lock
 t=$SECONDS
 if ! "$VENV/bin/python" - "$HERE/requirements-test.txt" 2>/dev/null <<'EOF'

@@ -1,0 +1,136 @@
+//! Renders chat and completion prompts to the text vLLM 0.32 would tokenize, exactly, or
+//! says why it cannot ([`Unsupported`], one variant per reason, for the caller to fall back
+//! and count). Pure: no pingora, no sockets, no caching (the token cache lives elsewhere).
+//!
+//! - `pyjson`: CPython's `json.loads`/`json.dumps` (order, duplicate keys, float repr).
+//! - `template`: the model folder's chat template and the minijinja environment that renders
+//!   it as transformers does.
+//! - `request`: vLLM's preprocessing of a chat request before the template sees it.
+//!
+//! Tokenizing the rendered text is `tokenizers` `encode(text, add_special_tokens=false)` for
+//! chat and `encode(prompt, add_special_tokens=true)` for a completions string (see
+//! [`encode`]).
+
+pub mod pyjson;
+mod request;
+mod template;
+
+pub use request::{render_chat, render_completion, RenderedChat, RenderedCompletion, Shape};
+pub use template::{ChatTemplate, LoadError, LoadOptions};
+
+/// Why a request cannot be rendered here with proof of equality to vLLM. Each variant is one
+/// fallback reason; [`Unsupported::label`] is its metric label.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unsupported {
+    /// The body is not a JSON object as Python's `json.loads` reads it.
+    #[error("body is not a JSON object Python reads: {0}")]
+    Body(String),
+    /// A string holds a lone surrogate (`\ud800`), which vLLM refuses.
+    #[error("lone surrogate in a string")]
+    LoneSurrogate,
+    /// An integer beyond 128 bits (or past CPython's 4300 digits).
+    #[error("integer too large to carry exactly")]
+    BigInteger,
+    /// Image, audio, video, embeddings or other media content parts.
+    #[error("media content part")]
+    Media,
+    /// A `tool_reference` content part.
+    #[error("tool_reference content part")]
+    ToolReference,
+    /// A request-level `chat_template` (or one in `chat_template_kwargs`).
+    #[error("request-level chat template")]
+    RequestChatTemplate,
+    /// A `chat_template_kwargs` key vLLM or transformers consumes itself.
+    #[error("chat_template_kwargs key {0:?} is not a plain template variable")]
+    ReservedKwarg(String),
+    /// `echo: true` (vLLM renders, and ignores forwarded ids).
+    #[error("echo")]
+    Echo,
+    /// `add_special_tokens: true` (the tokenizer's own specials are added).
+    #[error("add_special_tokens")]
+    AddSpecialTokens,
+    /// `truncate_prompt_tokens` (vLLM cuts the ids).
+    #[error("truncate_prompt_tokens")]
+    Truncation,
+    /// The client sent `kv_transfer_params.prompt_token_ids` itself.
+    #[error("client sent prompt_token_ids")]
+    ClientPromptIds,
+    /// A request vLLM answers with an error (the engine says why, on today's path).
+    #[error("vLLM refuses this request: {0}")]
+    VllmRejects(&'static str),
+    /// A request shape whose handling by vLLM is not proven equal here (e.g. a field of an
+    /// unexpected type that pydantic might coerce).
+    #[error("shape not proven equal to vLLM: {0}")]
+    Unverified(&'static str),
+    /// The template uses something the renderer lacks (syntax, filter, method, ...).
+    #[error("template feature the renderer lacks: {0}")]
+    TemplateFeature(String),
+    /// The template called `raise_exception` (vLLM answers 400 with this message).
+    #[error("template raised: {0}")]
+    TemplateRaised(String),
+    /// The template printed a float whose minijinja text differs from Python's `str()`.
+    #[error("template printed a float Python writes differently")]
+    FloatDisplay,
+    /// The model's tokenizer mode is Mistral (vLLM renders with mistral-common).
+    #[error("Mistral tokenizer")]
+    Mistral,
+    /// The model is gpt-oss (vLLM renders Harmony).
+    #[error("Harmony (gpt-oss)")]
+    Harmony,
+    /// A `--tokenizer-mode` other than auto/hf (deepseek_v32, kimi_k3, cohere, ...).
+    #[error("tokenizer mode {0:?}")]
+    TokenizerMode(String),
+    /// The folder has a processor (multimodal) template, which vLLM prefers.
+    #[error("processor chat template")]
+    ProcessorTemplate,
+    /// The template takes content as a list of parts (vLLM's "openai" content format).
+    #[error("template reads content parts (openai content format)")]
+    ContentFormatOpenAi,
+    /// No usable chat template (none, or named ones without `default`).
+    #[error("no default chat template")]
+    NoDefaultTemplate,
+    /// A special token the template reads is not set in tokenizer_config.json (its value
+    /// would come from the tokenizer class).
+    #[error("special token {0} not in tokenizer_config.json")]
+    SpecialTokenUnknown(String),
+}
+
+impl Unsupported {
+    /// The reason as a bounded metric label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Unsupported::Body(_) => "body",
+            Unsupported::LoneSurrogate => "lone_surrogate",
+            Unsupported::BigInteger => "big_integer",
+            Unsupported::Media => "media",
+            Unsupported::ToolReference => "tool_reference",
+            Unsupported::RequestChatTemplate => "request_chat_template",
+            Unsupported::ReservedKwarg(_) => "reserved_template_kwarg",
+            Unsupported::Echo => "echo",
+            Unsupported::AddSpecialTokens => "add_special_tokens",
+            Unsupported::Truncation => "truncation",
+            Unsupported::ClientPromptIds => "client_prompt_ids",
+            Unsupported::VllmRejects(_) => "vllm_rejects",
+            Unsupported::Unverified(_) => "unverified_shape",
+            Unsupported::TemplateFeature(_) => "template_feature",
+            Unsupported::TemplateRaised(_) => "template_raised",
+            Unsupported::FloatDisplay => "float_display",
+            Unsupported::Mistral => "mistral",
+            Unsupported::Harmony => "harmony",
+            Unsupported::TokenizerMode(_) => "tokenizer_mode",
+            Unsupported::ProcessorTemplate => "processor_template",
+            Unsupported::ContentFormatOpenAi => "content_format_openai",
+            Unsupported::NoDefaultTemplate => "no_template",
+            Unsupported::SpecialTokenUnknown(_) => "special_token_unknown",
+        }
+    }
+}
+
+/// vLLM's tokenizing of rendered text: `encode(text, add_special_tokens)` (false for chat,
+/// true for a completions string), without truncation.
+///
+/// # Errors
+/// The tokenizer's error, as text.
+pub fn encode(tokenizer: &tokenizers::Tokenizer, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, String> {
+    tokenizer.encode(text, add_special_tokens).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string())
+}
