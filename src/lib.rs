@@ -105,6 +105,8 @@ pub struct App {
     pub registry: Registry,
     /// Relay-mode ids waiting for their decode (kept across reloads).
     pub cache: Arc<handoff::IdCache>,
+    /// The decode endpoint of each stored Responses answer (kept across reloads).
+    pub homes: Arc<upstream::ResponseHomes>,
     /// Set by the admin `/drain` (a preStop hook): `/readyz` answers 503 from then on.
     pub draining: Arc<std::sync::atomic::AtomicBool>,
     /// Client-edge limits (requests in flight, header count and size, body read deadline).
@@ -147,6 +149,7 @@ impl App {
         let admission = Arc::default();
         Ok(Self {
             cache,
+            homes: Arc::default(),
             draining: Arc::default(),
             edge,
             admission,
@@ -202,6 +205,7 @@ impl App {
             metrics: self.metrics.clone(),
             registry: self.registry.clone(),
             cache: Arc::clone(&self.cache),
+            homes: Arc::clone(&self.homes),
             draining: Arc::clone(&self.draining),
             edge,
             admission: Arc::clone(&self.admission),
@@ -235,6 +239,7 @@ impl App {
     pub fn refresh_gauges(&self) {
         let now = std::time::Instant::now();
         self.pools.iter().for_each(|p| self.metrics.upstream_ejected(&p.name, p.ejected(now)));
+        self.metrics.response_homes(self.homes.len());
         self.sweep_cache();
     }
 

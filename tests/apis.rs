@@ -333,3 +333,53 @@ async fn responses_errors_take_the_responses_format() {
     );
     assert!(!text.contains("[DONE]"), "{text}");
 }
+
+/// Stateful Responses over two decode endpoints that store their answers: each answer's
+/// follow-up (`previous_response_id`) and its retrieval (`GET /v1/responses/{id}`) reach the
+/// endpoint that stored it, never the other (which would answer 404); an id tokenonce does
+/// not know is balanced and counted `unknown`.
+#[tokio::test(flavor = "multi_thread")]
+async fn stateful_responses_reach_the_decode_that_stored_them() {
+    let store = FakeConfig { store_responses: true, ..FakeConfig::default() };
+    let (p, d1, d2) = (
+        FakeVllm::start(FakeConfig::default()).await,
+        FakeVllm::start(store.clone()).await,
+        FakeVllm::start(store).await,
+    );
+    let config = format!(
+        "[pools.prefill]\nendpoints = [\"{}\"]\n[pools.decode]\nendpoints = [\"{}\", \"{}\"]\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n",
+        p.host_port(),
+        d1.host_port(),
+        d2.host_port()
+    );
+    let proxy = TokenOnce::start(&config).await;
+    let url = format!("{}/v1/responses", proxy.url);
+    let mut homes = Vec::new();
+    for turn in 0..4 {
+        let (status, _, text) = post_json(&url, &responses_body(json!({})), &[]).await;
+        assert_eq!(status, 200, "{text}");
+        let id = serde_json::from_str::<Value>(&text).unwrap()["id"].as_str().unwrap().to_owned();
+        let stored_on = |d: &FakeVllm| d.posts().last().is_some_and(|r| r.json()["request_id"] == id.as_str());
+        let home = if stored_on(&d1) { 1 } else { 2 };
+        assert!(stored_on(&d1) != stored_on(&d2), "turn {turn}: one decode answered {id}");
+        homes.push((id, home));
+    }
+    assert!(homes.iter().any(|h| h.1 == 1) && homes.iter().any(|h| h.1 == 2), "both decodes stored answers: {homes:?}");
+    for (id, home) in &homes {
+        let (before1, before2) = (d1.posts().len(), d2.posts().len());
+        let (status, _, text) = post_json(&url, &responses_body(json!({"previous_response_id": id})), &[]).await;
+        assert_eq!(status, 200, "{id}: {text}");
+        let grew = (d1.posts().len() - before1, d2.posts().len() - before2);
+        assert_eq!(grew, if *home == 1 { (1, 0) } else { (0, 1) }, "{id} went to its home, decode {home}");
+        let got = reqwest::get(format!("{url}/{id}")).await.unwrap();
+        assert_eq!(got.status().as_u16(), 200, "GET {id}: {:?}", got.text().await);
+    }
+    // 4 follow-ups and 4 retrievals, each at home.
+    let home = r#"tokenonce_response_followups_total{result="home"}"#;
+    assert_eq!(proxy.metric_reaches(home, 8.0).await, 8.0);
+    let (status, _, _) = post_json(&url, &responses_body(json!({"previous_response_id": "resp_nobody"})), &[]).await;
+    assert_eq!(status, 404, "no decode stored it: the engine's own 404, relayed");
+    let unknown = r#"tokenonce_response_followups_total{result="unknown"}"#;
+    assert_eq!(proxy.metric_reaches(unknown, 1.0).await, 1.0);
+    assert!(proxy.metric("tokenonce_response_homes").await >= 4.0);
+}

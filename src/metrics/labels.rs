@@ -247,6 +247,16 @@ label_enum! {
 }
 
 label_enum! {
+    /// Where a Responses follow-up naming a stored answer went (`response_followups_total{result}`).
+    FollowUp {
+        /// To the decode endpoint that stored it.
+        Home => "home",
+        /// Balanced: no endpoint of the route's decode pool is known to hold it.
+        Unknown => "unknown",
+    }
+}
+
+label_enum! {
     /// Result of a config reload (`config_reloads_total{result}`).
     Reload {
         /// The new config is in use.

@@ -16,8 +16,8 @@ mod series;
 
 use labels::{api_label, API_LABELS};
 pub use labels::{
-    served_as, CacheLookup, ErrorKind, Eviction, FallbackReason, Leg, Listener, Outcome, ParityResult, Release, Reload,
-    SpanExport, Stage, TimeoutStage,
+    served_as, CacheLookup, ErrorKind, Eviction, FallbackReason, FollowUp, Leg, Listener, Outcome, ParityResult,
+    Release, Reload, SpanExport, Stage, TimeoutStage,
 };
 pub use series::{ParityMetrics, RouteMetrics};
 
@@ -175,6 +175,8 @@ struct Upstreams {
     upstream_healthy: IntGaugeVec,
     /// 1 while every decode pool has a healthy endpoint (what `/readyz` reports).
     ready: IntGauge,
+    response_followups: IntCounterVec,
+    response_homes: IntGauge,
 }
 
 impl Upstreams {
@@ -223,6 +225,21 @@ impl Upstreams {
                 &["pool", "endpoint"],
             )?,
             ready: gauge(registry, "tokenonce_ready", "1 while every decode pool has an endpoint answering /health.")?,
+            response_followups: {
+                let c = counter(
+                    registry,
+                    "tokenonce_response_followups_total",
+                    "Responses requests naming a stored answer (previous_response_id, GET /v1/responses/{id}), by where they went: home (the decode endpoint that stored it) or unknown (balanced).",
+                    &["result"],
+                )?;
+                FollowUp::ALL.iter().for_each(|r| drop(c.with_label_values(&[r.as_str()])));
+                c
+            },
+            response_homes: gauge(
+                registry,
+                "tokenonce_response_homes",
+                "Stored Responses answers whose decode endpoint tokenonce knows (read when scraped).",
+            )?,
         })
     }
 }
@@ -557,6 +574,16 @@ impl Metrics {
         self.upstreams.upstream_healthy.with_label_values(&[pool, endpoint]).set(i64::from(healthy));
     }
 
+    /// Counts one Responses follow-up by where it went.
+    pub fn response_followup(&self, result: FollowUp) {
+        self.upstreams.response_followups.with_label_values(&[result.as_str()]).inc();
+    }
+
+    /// Sets how many stored answers' endpoints are known.
+    pub fn response_homes(&self, entries: usize) {
+        self.upstreams.response_homes.set(i64::try_from(entries).unwrap_or(i64::MAX));
+    }
+
     /// Counts one relay cache lookup.
     pub fn cache_lookup(&self, result: CacheLookup) {
         self.cache.cache_lookups.with_label_values(&[result.as_str()]).inc();
@@ -692,6 +719,8 @@ mod tests {
             "tokenonce_timeouts_total",
             "tokenonce_kv_releases_total",
             "tokenonce_trace_spans_total",
+            "tokenonce_response_followups_total",
+            "tokenonce_response_homes",
         ] {
             assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing");
         }

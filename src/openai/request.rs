@@ -347,9 +347,58 @@ pub fn decode_body(
     obj.to_pieces(shared, None, hole)
 }
 
+/// A JSON string value's text, when `raw` is one without escapes (ids are plain ASCII).
+fn plain_string(raw: &str) -> Option<&str> {
+    let inner = raw.trim().strip_prefix('"')?.strip_suffix('"')?;
+    (!inner.contains(['\\', '"'])).then_some(inner)
+}
+
+/// The stored answer a Responses request follows up on (`previous_response_id`).
+pub fn previous_response_id<'o>(obj: &'o RawObject<'_>) -> Option<&'o str> {
+    obj.get("previous_response_id").and_then(plain_string)
+}
+
+/// A Responses request whose answer vLLM stores (`store` absent or true): the id it will be
+/// stored under, which vLLM 0.32 takes from the body's `request_id` (default: a fresh
+/// `resp_<uuid>`). A body without one gets one here, in vLLM's own form, so the id is known
+/// before the answer comes: `Some((id, Some(body with it)))`; with the client's own,
+/// `Some((id, None))`. `None`: not stored, or a `request_id` that is not a plain string.
+pub fn stored_response_id<'a>(obj: &RawObject<'a>) -> Option<(String, Option<RawObject<'a>>)> {
+    if obj.get("store").is_some_and(|v| v.trim() != "true") {
+        return None;
+    }
+    match obj.get("request_id") {
+        Some(raw) => plain_string(raw).map(|id| (id.to_owned(), None)),
+        None => {
+            let id = format!("resp_{}", uuid::Uuid::new_v4().simple());
+            let mut named = obj.clone();
+            named.set_raw("request_id", format!("\"{id}\""));
+            Some((id, Some(named)))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stored_responses_request_names_its_answer() {
+        fn parse(text: &str) -> RawObject<'_> {
+            RawObject::parse(text).unwrap()
+        }
+        let (id, named) = stored_response_id(&parse(r#"{"input":"hi"}"#)).unwrap();
+        assert!(id.starts_with("resp_") && id.len() == 37, "{id}");
+        assert_eq!(named.unwrap().get("request_id"), Some(format!("\"{id}\"").as_str()));
+        let own = parse(r#"{"input":"hi","request_id":"resp_mine","store":true}"#);
+        assert_eq!(stored_response_id(&own).map(|(id, named)| (id, named.is_none())), Some(("resp_mine".into(), true)));
+        for not_stored in [r#"{"store":false}"#, r#"{"store":null}"#, r#"{"request_id":7}"#, r#"{"request_id":"a\"b"}"#]
+        {
+            assert!(stored_response_id(&parse(not_stored)).is_none(), "{not_stored}");
+        }
+        assert_eq!(previous_response_id(&parse(r#"{"previous_response_id":"resp_1"}"#)), Some("resp_1"));
+        assert_eq!(previous_response_id(&parse(r#"{"previous_response_id":null}"#)), None);
+    }
 
     fn view(api: Api, body: &str) -> RequestView {
         RequestView::parse(api, &RawObject::parse(body).unwrap()).unwrap()

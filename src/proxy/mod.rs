@@ -247,12 +247,9 @@ impl ProxyHttp for Proxy {
     }
 
     /// Passthrough only: an endpoint of the route's pool.
-    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
-        let picked = ctx
-            .info
-            .route
-            .decode_pool
-            .pick()
+    async fn upstream_peer(&self, session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
+        let picked = passthrough::stored_answer_home(&ctx.info, session.req_header().uri.path())
+            .or_else(|| ctx.info.route.decode_pool.pick())
             .ok_or_else(|| Error::explain(ErrorType::HTTPStatus(502), "passthrough pool is empty"))?;
         let peer = ctx
             .info

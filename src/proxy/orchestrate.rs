@@ -13,9 +13,11 @@ use super::error::ProxyError;
 use super::exec;
 use super::respond::write_engine_answer;
 use super::{ApiRequest, Record, RequestInfo};
-use crate::metrics::{Leg, Stage};
-use crate::openai::json::Pieces;
+use crate::metrics::{FollowUp, Leg, Stage};
+use crate::openai::json::{Pieces, RawObject};
+use crate::openai::request::{previous_response_id, stored_response_id};
 use crate::openai::response::HandoffError;
+use crate::openai::Api;
 use crate::plan::{self, prefiller_from_header, DecodeVersion};
 use crate::routes::{PrefillTarget, Route};
 use crate::upstream::{self, Picked};
@@ -34,12 +36,57 @@ pub async fn run(
     // The handoff is ours: a client's own kv_transfer_params never reach an engine.
     let cleaned = plan::without_client_handoff(&req.obj, route.client_handoff)?;
     let obj = cleaned.as_ref().unwrap_or(&req.obj);
-    let decode = upstream::pick(&route.decode_pool, Leg::Decode)?;
+    // A stored Responses answer is remembered with its endpoint when the pool has a choice
+    // (one endpoint needs no affinity, and its body stays the client's).
+    let choice = route.decode_pool.endpoints.len() > 1;
+    let stored = (req.view.api == Api::Responses && choice).then(|| stored_response_id(obj)).flatten();
+    let (stored_id, named) = stored.map_or((None, None), |(id, named)| (Some(id), named));
+    let rewritten = named.as_ref().or(cleaned.as_ref());
+    let obj = rewritten.unwrap_or(&req.obj);
+    let decode = pick_decode(info, req.view.api, obj)?;
+    let home = decode.addr().to_owned();
+    let result = orchestrate(session, info, rec, req, obj, rewritten.is_some(), decode).await;
+    if let (Some(id), Ok(())) = (stored_id, &result) {
+        if (200..300).contains(&rec.status) {
+            app.homes.remember(&id, &home);
+        }
+    }
+    result
+}
+
+/// The decode endpoint: for a Responses follow-up, the one that stored the answer it names
+/// (counted either way), else the pool's choice.
+fn pick_decode(info: &RequestInfo, api: Api, obj: &RawObject<'_>) -> Result<Picked, ProxyError> {
+    let pool = &info.route.decode_pool;
+    if let Some(previous) = (api == Api::Responses).then(|| previous_response_id(obj)).flatten() {
+        let home = info.app.homes.home(previous).and_then(|addr| pool.pick_addr(&addr));
+        info.app.metrics.response_followup(if home.is_some() { FollowUp::Home } else { FollowUp::Unknown });
+        if let Some(home) = home {
+            return Ok(home);
+        }
+    }
+    Ok(upstream::pick(pool, Leg::Decode)?)
+}
+
+/// [`run`] once the body (`obj`, `rewritten` when it differs from the client's) and the
+/// decode endpoint are set.
+async fn orchestrate(
+    session: &mut Session,
+    info: &RequestInfo,
+    rec: &mut Record,
+    req: &ApiRequest<'_>,
+    obj: &RawObject<'_>,
+    rewritten: bool,
+    decode: Picked,
+) -> Result<(), ProxyError> {
+    let (app, route) = (&info.app, &info.route);
     let Some(prefiller) = prefiller(route, req.incoming.headers, info.client_ip)? else {
         // Header mode without the header: the picker chose decode-only; send it as is.
-        let body = cleaned
-            .as_ref()
-            .map_or_else(|| req.incoming.body.clone().into(), |c| c.to_pieces(Some(req.incoming.body), None, None));
+        let body = if rewritten {
+            obj.to_pieces(Some(req.incoming.body), None, None)
+        } else {
+            req.incoming.body.clone().into()
+        };
         return exec::forward(session, info, rec, &req.incoming, Leg::Decode, decode, body).await;
     };
     let policy = route.policy_now();

@@ -1,6 +1,7 @@
 //! Bounds for requests pingora's own pipeline proxies (passthrough routes and unmatched
 //! paths): the route's body limit (declared up front, counted while it streams), per-read and
-//! per-write engine timeouts on the peer, and what its failures mean for the error exit.
+//! per-write engine timeouts on the peer, and what its failures mean for the error exit; and
+//! the endpoint of a stored Responses answer a path names.
 
 use std::time::Duration;
 
@@ -10,9 +11,19 @@ use pingora::upstreams::peer::HttpPeer;
 
 use super::error::{self, ProxyError};
 use super::{Record, RequestInfo};
-use crate::metrics::Leg;
+use crate::metrics::{FollowUp, Leg};
 use crate::openai::ApiError;
 use crate::routes::Route;
+use crate::upstream::Picked;
+
+/// For `/v1/responses/{id}` (and its `/cancel`, `/input_items`): the endpoint of the route's
+/// pool that stored `id`, counted as a follow-up; `None` for other paths or an unknown id.
+pub fn stored_answer_home(info: &RequestInfo, path: &str) -> Option<Picked> {
+    let id = path.strip_prefix("/v1/responses/")?.split('/').next().filter(|id| !id.is_empty())?;
+    let home = info.app.homes.home(id).and_then(|addr| info.route.decode_pool.pick_addr(&addr));
+    info.app.metrics.response_followup(if home.is_some() { FollowUp::Home } else { FollowUp::Unknown });
+    home
+}
 
 /// Answers 413 (and returns `Ok(true)`: answered) when the request declares a body over the
 /// route's `max_body_bytes`; the body is not read, so the connection is not reused.

@@ -155,6 +155,8 @@ async fn poll_endpoint(app: &crate::App, pool: &super::Pool, endpoint: &Endpoint
         if was_healthy {
             endpoint.forget_version();
             endpoint.forget_model();
+            // vLLM keeps stored responses in memory: an engine that went down lost them.
+            app.homes.forget_endpoint(&endpoint.addr);
         }
         return;
     }

@@ -1,17 +1,20 @@
 //! Upstream engines: pools and endpoint choice (`pool`), the HTTP client for the legs
 //! tokenonce sends itself (`client`, speaking HTTP/1.1 in `h1`) and its name cache (`resolve`),
 //! one leg sent under the deadline, retry, failover and ejection rules (`leg`), the background health, version and
-//! model poller (`health`), and the per-route retry budget (`budget`).
+//! model poller (`health`), the per-route retry budget (`budget`), and where each stored
+//! Responses answer lives (`homes`).
 
 pub mod budget;
 pub mod client;
 pub mod h1;
 pub mod health;
+pub mod homes;
 pub mod leg;
 pub mod pool;
 pub mod resolve;
 
 pub use budget::RetryBudget;
 pub use client::{Delivery, Exchange, SendFailure, UpstreamClient, UpstreamError};
+pub use homes::ResponseHomes;
 pub use leg::{named_endpoint, pick, Failover, LegClient, LegError};
 pub use pool::{EjectionRule, Endpoint, ModelIdentity, Picked, Pool};

@@ -351,6 +351,15 @@ impl Pool {
         picked.pool = Some(Arc::clone(&self.ejection));
         Some(picked)
     }
+
+    /// Its endpoint `addr`, whatever its health (a stored answer is there and nowhere else);
+    /// `None` when the pool has no such endpoint.
+    pub fn pick_addr(&self, addr: &str) -> Option<Picked> {
+        let endpoint = self.endpoints.iter().find(|e| e.addr == addr)?;
+        let mut picked = Picked::new(Arc::clone(endpoint));
+        picked.pool = Some(Arc::clone(&self.ejection));
+        Some(picked)
+    }
 }
 
 /// The endpoints of `all` that `keep` accepts, or all of them when it accepts none.

@@ -57,6 +57,9 @@ pub struct FakeConfig {
     pub cut_stream_at_byte: Option<usize>,
     /// Responses ids this engine has stored (a `previous_response_id` not here is a 404).
     pub stored_responses: Vec<String>,
+    /// Store each Responses answer not sent with `store: false` under its id, as vLLM does
+    /// with `VLLM_ENABLE_RESPONSES_API_STORE=1` (`GET /v1/responses/{id}` then finds it).
+    pub store_responses: bool,
     /// Keep every request for [`FakeVllm::requests`] (off for long load runs: bounded memory).
     pub keep_requests: bool,
 }
@@ -81,6 +84,7 @@ impl Default for FakeConfig {
             healthy: true,
             cut_stream_at_byte: None,
             stored_responses: Vec::new(),
+            store_responses: false,
             keep_requests: true,
         }
     }
@@ -310,6 +314,14 @@ async fn handle(
             "/health" => respond(503, "application/json", Body::empty()),
             "/version" if config.version.is_empty() => respond(404, "application/json", Body::from("{\"detail\":\"Not Found\"}")),
             "/version" => respond(200, "application/json", Body::from(format!("{{\"version\":\"{}\"}}", config.version))),
+            p if p.starts_with("/v1/responses/") => {
+                let id = p.trim_start_matches("/v1/responses/");
+                if config.stored_responses.iter().any(|s| s == id) {
+                    respond(200, "application/json", Body::from(format!("{{\"id\":\"{id}\",\"object\":\"response\",\"status\":\"completed\"}}")))
+                } else {
+                    respond(404, "application/json", Body::from(format!("{{\"error\":{{\"message\":\"Response with id '{id}' not found.\",\"type\":\"invalid_request_error\",\"param\":\"response_id\",\"code\":404}}}}")))
+                }
+            }
             "/v1/models" => respond(
                 200,
                 "application/json",
@@ -334,7 +346,13 @@ async fn handle(
         "/v1/completions" => completion(&config, &headers, &body, false),
         "/v1/responses" | "/v1/messages" => match serde_json::from_slice::<Value>(&body) {
             Err(_) => Err(error_body(400, "Bad Request", "JSON decode error", Some("body"))),
-            Ok(v) if uri.path() == "/v1/responses" => apis::responses(&config, &headers, &v),
+            Ok(v) if uri.path() == "/v1/responses" => {
+                let reply = apis::responses(&config, &headers, &v);
+                if reply.is_ok() && config.store_responses && v["store"].as_bool() != Some(false) {
+                    shared.config.lock().unwrap().stored_responses.push(apis::response_id(&headers, &v));
+                }
+                reply
+            }
             Ok(v) => apis::messages(&config, &headers, &v),
         },
         "/tokenize" => Ok(Reply::Json(format!(

@@ -67,6 +67,13 @@ fn kv_json(config: &FakeConfig, body: &Value, id: &str, n_prompt: usize) -> Stri
     "null".into()
 }
 
+/// The id vLLM answers a Responses request under: its `request_id`, else one of its own
+/// (here `resp_` and the `x-request-id`).
+pub(super) fn response_id(headers: &HeaderMap, body: &Value) -> String {
+    let rid = headers.get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("0000");
+    body["request_id"].as_str().map_or_else(|| format!("resp_{rid}"), str::to_owned)
+}
+
 /// `POST /v1/responses`.
 pub(super) fn responses(config: &FakeConfig, headers: &HeaderMap, body: &Value) -> Result<Reply, (u16, String)> {
     if let Some(prev) = body["previous_response_id"].as_str() {
@@ -83,7 +90,7 @@ pub(super) fn responses(config: &FakeConfig, headers: &HeaderMap, body: &Value) 
     let max = body["max_output_tokens"].as_u64().unwrap_or(16) as usize;
     let out = output_ids(&ids, max);
     let rid = headers.get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("0000");
-    let id = format!("resp_{rid}");
+    let id = response_id(headers, body);
     let text: String = out.iter().map(|&t| token_text(t)).collect();
     let text_json = serde_json::to_string(&text).unwrap();
     let (n, m) = (ids.len(), out.len());
