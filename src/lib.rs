@@ -10,6 +10,8 @@
 //!   extraction, prompt-id validation, error bodies).
 //! - `handoff`: the relay-mode id cache and correlation keys.
 //! - `parity`: pool tokenizers, the vocabulary bound and the sampled parity watch.
+//! - `render`: chat and completion prompts rendered as vLLM renders them; `local`: local ids
+//!   computed from them and compared with the prefill's echo (shadow).
 //! - `sse`: incremental SSE framing.
 //! - `upstream`: pools, the leg client (retry, budget, ejection) over the HTTP client,
 //!   health and version polling.
@@ -49,6 +51,7 @@ pub mod build {
     );
 }
 pub mod handoff;
+pub mod local;
 pub mod metrics;
 pub mod openai;
 pub mod parity;
@@ -115,6 +118,21 @@ pub struct App {
     pub admission: Arc<proxy::edge::Admission>,
     /// The parity watch's workers (kept across reloads).
     pub watch: Arc<parity::Watch>,
+    /// The local-ids verifier's workers (kept across reloads).
+    pub verifier: Arc<local::Verifier>,
+    /// Each pool's local renderer, for pools with `local_ids` on (by pool name).
+    pub local: std::collections::BTreeMap<String, Arc<local::LocalIds>>,
+}
+
+/// The local renderer of each pool whose template was loaded (`local_ids` on).
+fn local_renderers(resources: &Resources) -> std::collections::BTreeMap<String, Arc<local::LocalIds>> {
+    let pools = resources.pools.iter();
+    pools
+        .filter_map(|(name, p)| {
+            let (template, tokenizer) = (p.template.clone()?, p.tokenizer.clone()?);
+            Some((name.clone(), Arc::new(local::LocalIds::new(name, template, tokenizer))))
+        })
+        .collect()
 }
 
 /// The pool `name` of `config`, with its loaded TLS and the config's ejection rule.
@@ -146,10 +164,14 @@ impl App {
         let edge = proxy::edge::EdgeLimits::of(&config);
         metrics.admission_limit().set(i64::try_from(edge.max_in_flight).unwrap_or(i64::MAX));
         let watch = Arc::new(parity::Watch::start(parity::WORKERS, parity::QUEUE)?);
+        let verifier = Arc::new(local::Verifier::start(local::WORKERS, local::QUEUE, &metrics)?);
+        let local = local_renderers(&resources);
         let admission = Arc::default();
         Ok(Self {
             cache,
             homes: Arc::default(),
+            verifier,
+            local,
             draining: Arc::default(),
             edge,
             admission,
@@ -193,6 +215,7 @@ impl App {
             .collect();
         pools.iter().for_each(|p| self.metrics.pool(&p.name));
         let routes = RouteTable::new(&config, &resources, &pools, &self.metrics, Some(&self.routes))?;
+        let local = local_renderers(&resources);
         self.forget_removed(&pools, &routes);
         let edge = proxy::edge::EdgeLimits::of(&config);
         self.metrics.admission_limit().set(i64::try_from(edge.max_in_flight).unwrap_or(i64::MAX));
@@ -206,6 +229,8 @@ impl App {
             registry: self.registry.clone(),
             cache: Arc::clone(&self.cache),
             homes: Arc::clone(&self.homes),
+            verifier: Arc::clone(&self.verifier),
+            local,
             draining: Arc::clone(&self.draining),
             edge,
             admission: Arc::clone(&self.admission),

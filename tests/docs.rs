@@ -98,7 +98,7 @@ fn every_toml_example_is_a_config_that_loads() {
 }
 
 fn reference_sections() -> Vec<reference::Section> {
-    reference::sections(&read("src/config/file.rs"))
+    reference::sections(&read("src/config/file.rs"), &read("src/config/values.rs"))
 }
 
 /// `docs/configuration.md` is what the code generates: a key added, removed or renamed in

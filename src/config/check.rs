@@ -11,7 +11,7 @@ use std::time::Duration;
 use tracing_subscriber::filter::LevelFilter;
 
 use super::file::{Config, Pool, PoolTls, Prefill, Route};
-use super::values::{is_host_port, Mode};
+use super::values::{is_host_port, LocalIdsMode, Mode};
 use crate::toml_read::{Doc, Problem};
 
 // Upper bounds: a value past these is a typo, not a setting.
@@ -201,6 +201,9 @@ fn check_pool(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool) {
     }
     if let Some(tls) = &pool.tls {
         check_pool_tls(ck, &format!("{path}.tls"), tls, &pool.endpoints);
+    }
+    if pool.local_ids != LocalIdsMode::Off && pool.tokenizer.is_none() {
+        ck.at(&format!("{path}.local_ids"), "needs the pool's `tokenizer` (its model folder holds the chat template)");
     }
 }
 

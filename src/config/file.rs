@@ -14,8 +14,8 @@ use serde::Deserialize;
 use smart_default::SmartDefault;
 
 use super::values::{
-    AllowEntry, Balance, ClientHandoff, LogFormat, Mode, ModelGlob, Net, OnClientGone, OnPrefillFailure, OtlpProtocol,
-    ParityPolicy, RelayHandoff, ReuseShare, Version,
+    AllowEntry, Balance, ClientHandoff, LocalIdsMode, LogFormat, Mode, ModelGlob, Net, OnClientGone, OnPrefillFailure,
+    OtlpProtocol, ParityPolicy, RelayHandoff, ReuseShare, Version,
 };
 
 /// Milliseconds in the file, a [`Duration`] in the program.
@@ -215,6 +215,15 @@ pub struct Pool {
     pub tokenizer: Option<String>,
     /// TLS to the pool's engines (none: plain HTTP).
     pub tls: Option<PoolTls>,
+    /// `shadow`: for every chat and completions request whose prefill, on this pool, echoed
+    /// its prompt ids, tokenonce also renders the request with the model folder's chat
+    /// template (the folder of `tokenizer`) and tokenizes it, off the request path (one
+    /// worker; a full queue drops the check, counted), and compares the ids with the echo,
+    /// exactly: `local_ids_checks_total{pool,shape,result}`. Nothing the client gets changes.
+    /// Needs `tokenizer`; loaded at start and on SIGHUP with it.
+    /// Default: `"off"`.
+    /// Local ids are proven on a pool's own traffic before anything depends on them.
+    pub local_ids: LocalIdsMode,
 }
 
 /// `[pools.NAME.tls]`: every connection to the pool's engines is then TLS (the prefill and

@@ -8,7 +8,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::file::{Config, PoolTls};
+use super::values::LocalIdsMode;
 use crate::parity::Tokenizer;
+use crate::render::{ChatTemplate, LoadOptions};
 use crate::tls::{self, Identity, UpstreamTls};
 use crate::toml_read::{Doc, Problem};
 
@@ -30,6 +32,8 @@ pub struct PoolResources {
     pub tls: Option<UpstreamTls>,
     /// The engines' tokenizer.
     pub tokenizer: Option<Arc<Tokenizer>>,
+    /// The model's chat template, with `local_ids` on.
+    pub template: Option<Arc<ChatTemplate>>,
 }
 
 /// The secret state-changing admin requests must carry; never printed.
@@ -80,7 +84,13 @@ pub(super) fn load(config: &Config, doc: &Doc<'_>, problems: &mut Vec<Problem>) 
             loaded.map_err(|why| fail(&format!("pools.{name}.tokenizer"), why)).ok()
         });
         let tls = pool.tls.as_ref().and_then(|t| pool_tls(&format!("pools.{name}.tls"), t, &mut fail));
-        pools.insert(name.clone(), PoolResources { tls, tokenizer });
+        let template = match (&pool.tokenizer, pool.local_ids) {
+            (Some(path), LocalIdsMode::Shadow) => {
+                chat_template(Path::new(path)).map_err(|why| fail(&format!("pools.{name}.local_ids"), why)).ok()
+            }
+            _ => None,
+        };
+        pools.insert(name.clone(), PoolResources { tls, tokenizer, template });
     }
     Resources { admin_token, server_identity, pools }
 }
@@ -105,6 +115,14 @@ fn identity(
         return None;
     }
     Identity::load(cert, key).map_err(|why| fail(cert_key, why)).ok()
+}
+
+/// The chat template of the model folder `tokenizer` names (the folder, or the file's folder).
+fn chat_template(tokenizer: &Path) -> Result<Arc<ChatTemplate>, String> {
+    let folder = if tokenizer.is_dir() { tokenizer } else { tokenizer.parent().unwrap_or(Path::new(".")) };
+    ChatTemplate::load(folder, LoadOptions::default())
+        .map(Arc::new)
+        .map_err(|e| format!("cannot render locally with `{}`: {e}", folder.display()))
 }
 
 /// `[pools.NAME.tls]`'s CA bundle and client certificate.

@@ -114,6 +114,17 @@ pub enum OnClientGone {
     Abandon,
 }
 
+/// What a pool does with the prompt ids tokenonce can compute itself (`local_ids`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LocalIdsMode {
+    /// Nothing.
+    #[default]
+    Off,
+    /// Compute them off the request path and compare with the prefill's echo; counted only.
+    Shadow,
+}
+
 /// How log lines are written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -247,6 +247,20 @@ label_enum! {
 }
 
 label_enum! {
+    /// A local-ids check's result (`local_ids_checks_total{result}`).
+    LocalIdsResult {
+        /// tokenonce's ids equal the prefill's echo.
+        Match => "match",
+        /// They differ.
+        Mismatch => "mismatch",
+        /// The request is not one tokenonce renders faithfully (`local_ids_unsupported_total{reason}`).
+        Unsupported => "unsupported",
+        /// The verifier's queue was full: not checked.
+        Dropped => "dropped",
+    }
+}
+
+label_enum! {
     /// Where a Responses follow-up naming a stored answer went (`response_followups_total{result}`).
     FollowUp {
         /// To the decode endpoint that stored it.

@@ -16,8 +16,8 @@ mod series;
 
 use labels::{api_label, API_LABELS};
 pub use labels::{
-    served_as, CacheLookup, ErrorKind, Eviction, FallbackReason, FollowUp, Leg, Listener, Outcome, ParityResult,
-    Release, Reload, SpanExport, Stage, TimeoutStage,
+    served_as, CacheLookup, ErrorKind, Eviction, FallbackReason, FollowUp, Leg, Listener, LocalIdsResult, Outcome,
+    ParityResult, Release, Reload, SpanExport, Stage, TimeoutStage,
 };
 pub use series::{ParityMetrics, RouteMetrics};
 
@@ -177,6 +177,8 @@ struct Upstreams {
     ready: IntGauge,
     response_followups: IntCounterVec,
     response_homes: IntGauge,
+    local_ids_checks: IntCounterVec,
+    local_ids_unsupported: IntCounterVec,
 }
 
 impl Upstreams {
@@ -239,6 +241,18 @@ impl Upstreams {
                 registry,
                 "tokenonce_response_homes",
                 "Stored Responses answers whose decode endpoint tokenonce knows (read when scraped).",
+            )?,
+            local_ids_checks: counter(
+                registry,
+                "tokenonce_local_ids_checks_total",
+                "Requests whose prompt ids tokenonce computed itself and compared with the prefill's echo (local_ids = shadow), by pool, request shape and result: match, mismatch, unsupported, dropped.",
+                &["pool", "shape", "result"],
+            )?,
+            local_ids_unsupported: counter(
+                registry,
+                "tokenonce_local_ids_unsupported_total",
+                "Local-ids checks not made because tokenonce does not render the request faithfully, by pool and reason.",
+                &["pool", "reason"],
             )?,
         })
     }
@@ -582,6 +596,16 @@ impl Metrics {
     /// Sets how many stored answers' endpoints are known.
     pub fn response_homes(&self, entries: usize) {
         self.upstreams.response_homes.set(i64::try_from(entries).unwrap_or(i64::MAX));
+    }
+
+    /// Counts one local-ids check.
+    pub fn local_ids(&self, pool: &str, shape: &str, result: LocalIdsResult) {
+        self.upstreams.local_ids_checks.with_label_values(&[pool, shape, result.as_str()]).inc();
+    }
+
+    /// Counts one request local ids do not cover, by reason.
+    pub fn local_ids_unsupported(&self, pool: &str, reason: &str) {
+        self.upstreams.local_ids_unsupported.with_label_values(&[pool, reason]).inc();
     }
 
     /// Counts one relay cache lookup.

@@ -63,6 +63,11 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
         self.inner.decode(ids, false).map_err(|e| e.to_string())
     }
+
+    /// The library's tokenizer (local ids encode with it).
+    pub fn library(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
 }
 
 #[cfg(test)]

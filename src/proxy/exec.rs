@@ -470,6 +470,20 @@ pub fn watch_parity(
     });
 }
 
+/// Hands `ids` (the prefill's echo) to the local-ids verifier when the route's prefill pool
+/// has `local_ids` on (never waits: a full queue drops the check, counted).
+pub fn shadow_local_ids(info: &RequestInfo, api: crate::openai::Api, body: &Bytes, ids: &PromptIds) {
+    let Some(crate::routes::PrefillTarget::Pool(pool)) = &info.route.prefill else { return };
+    let Some(local) = info.app.local.get(&pool.name) else { return };
+    info.app.verifier.submit(crate::local::Sample {
+        local: Arc::clone(local),
+        request_id: info.request_id.clone(),
+        api,
+        body: body.clone(),
+        echoed: ids.clone(),
+    });
+}
+
 /// Counts how the decode was sent and notes it for the access log; a decode sent ids is
 /// counted when it answers ([`settle_reuse`]).
 pub fn record_reuse(info: &RequestInfo, rec: &mut Record, reuse: Reuse, refused: Option<&IdsError>) {

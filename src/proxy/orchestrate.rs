@@ -121,6 +121,7 @@ async fn orchestrate(
     exec::record_reuse(info, rec, step.reuse, step.refused.as_ref());
     if let Some(ids) = step.ids.take() {
         exec::watch_parity(info, req.view.api, req.incoming.body, &ids, step.prompt_tokens);
+        exec::shadow_local_ids(info, req.view.api, req.incoming.body, &ids);
     }
     route.metrics.stage(Stage::Handoff, handoff_started.elapsed());
     drop(handoff);

@@ -45,8 +45,21 @@ enum Shape {
 }
 
 /// Sections of the whole format, in the order of `File`'s fields.
-pub fn sections(file_rs: &str) -> Vec<Section> {
+pub fn sections(file_rs: &str, values_rs: &str) -> Vec<Section> {
     let file = syn::parse_file(file_rs).expect("src/config/file.rs parses");
+    let values = syn::parse_file(values_rs).expect("src/config/values.rs parses");
+    // Written as a string in TOML: the named choices (enums) and values parsed from a string.
+    let strings: Vec<String> = values
+        .items
+        .iter()
+        .filter_map(|item| match item {
+            syn::Item::Enum(e) => Some(e.ident.to_string()),
+            syn::Item::Struct(s) if s.attrs.iter().any(|a| quote_of(a).contains("try_from = \"String\"")) => {
+                Some(s.ident.to_string())
+            }
+            _ => None,
+        })
+        .collect();
     let structs: HashMap<String, &syn::ItemStruct> = file
         .items
         .iter()
@@ -56,7 +69,7 @@ pub fn sections(file_rs: &str) -> Vec<Section> {
         })
         .collect();
     let mut out = Vec::new();
-    walk(&structs, ("Config", "", String::new(), String::new()), &mut out);
+    walk(&structs, &strings, ("Config", "", String::new(), String::new()), &mut out);
     out
 }
 
@@ -65,6 +78,7 @@ pub fn sections(file_rs: &str) -> Vec<Section> {
 /// sub-tables.
 fn walk(
     structs: &HashMap<String, &syn::ItemStruct>,
+    strings: &[String],
     (name, path, header, field_doc): (&str, &str, String, String),
     out: &mut Vec<Section>,
 ) {
@@ -80,7 +94,7 @@ fn walk(
         let key = rename.unwrap_or_else(|| field.ident.as_ref().expect("named").to_string());
         let key_path = if path.is_empty() { key } else { format!("{path}.{key}") };
         let doc = doc_lines(&field.attrs);
-        match shape(&field.ty, structs) {
+        match shape(&field.ty, structs, strings) {
             Shape::Value(kind) => keys.push(entry(key_path, kind, &doc)),
             Shape::Table(s) => tables.push((s, key_path.clone(), format!("[{key_path}]"), doc)),
             Shape::Tables(s) => tables.push((s, key_path.clone(), format!("[[{key_path}]]"), doc)),
@@ -96,7 +110,7 @@ fn walk(
         out.push(Section { path: path.to_owned(), header, intro: intro.join(" "), keys });
     }
     for (s, p, h, doc) in tables {
-        walk(structs, (&s, &p, h, doc.join(" ")), out);
+        walk(structs, strings, (&s, &p, h, doc.join(" ")), out);
     }
 }
 
@@ -161,7 +175,7 @@ fn serde_attrs(attrs: &[syn::Attribute]) -> (Option<String>, bool) {
 }
 
 /// What a field's Rust type is in TOML, through `Option`.
-fn shape(ty: &syn::Type, structs: &HashMap<String, &syn::ItemStruct>) -> Shape {
+fn shape(ty: &syn::Type, structs: &HashMap<String, &syn::ItemStruct>, strings: &[String]) -> Shape {
     let syn::Type::Path(p) = ty else { panic!("unexpected type in file.rs") };
     let last = p.path.segments.last().expect("a type name");
     let args: Vec<&syn::Type> = match &last.arguments {
@@ -177,13 +191,13 @@ fn shape(ty: &syn::Type, structs: &HashMap<String, &syn::ItemStruct>) -> Shape {
     };
     let name = last.ident.to_string();
     match (name.as_str(), args.as_slice()) {
-        ("Option", [inner]) => shape(inner, structs),
-        ("Vec", [inner]) => match shape(inner, structs) {
+        ("Option", [inner]) => shape(inner, structs, strings),
+        ("Vec", [inner]) => match shape(inner, structs, strings) {
             Shape::Value(v) => Shape::Value(format!("array of {v}s")),
             Shape::Table(s) => Shape::Tables(s),
             _ => panic!("nested arrays in file.rs"),
         },
-        ("BTreeMap", [_, inner]) => match shape(inner, structs) {
+        ("BTreeMap", [_, inner]) => match shape(inner, structs, strings) {
             Shape::Value(v) => Shape::Value(format!("table of {v}s")),
             Shape::Table(s) => Shape::Named(s),
             _ => panic!("nested maps in file.rs"),
@@ -194,13 +208,17 @@ fn shape(ty: &syn::Type, structs: &HashMap<String, &syn::ItemStruct>) -> Shape {
         ("bool", []) => Shape::Value("boolean".into()),
         ("ReuseShare", []) => Shape::Value("boolean or float".into()),
         // Named choices, and values parsed from a string (src/config/values.rs).
-        (
-            "Balance" | "Mode" | "RelayHandoff" | "ClientHandoff" | "OnPrefillFailure" | "OtlpProtocol"
-            | "ParityPolicy" | "OnClientGone" | "LogFormat" | "Version" | "AllowEntry" | "Net" | "ModelGlob",
-            [],
-        ) => Shape::Value("string".into()),
+        (s, []) if strings.iter().any(|n| n == s) => Shape::Value("string".into()),
         (s, []) if structs.contains_key(s) => Shape::Table(s.to_owned()),
         (other, _) => panic!("file.rs type {other}: teach tests/docs/reference.rs how it reads in TOML"),
+    }
+}
+
+/// An attribute's tokens as text.
+fn quote_of(attr: &syn::Attribute) -> String {
+    match &attr.meta {
+        syn::Meta::List(list) => list.tokens.to_string(),
+        _ => String::new(),
     }
 }
 

@@ -1,0 +1,90 @@
+//! Local ids in shadow (`pools.NAME.local_ids = "shadow"`): tokenonce renders and tokenizes
+//! each request whose prefill echoed its ids, off the request path, and counts whether its
+//! ids equal the echo. The fake prefill's ids are its hash of each word; the pool's tokenizer
+//! here gives some words the same ids (so those prompts match) and not others (a mismatch),
+//! and the client's answers never change.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+mod support;
+
+use std::path::Path;
+
+use serde_json::json;
+use support::*;
+
+/// A model folder: a word-level `tokenizer.json` that knows `alpha` and `bravo` by the fake
+/// engine's ids (any other word is `<unk>`), and a `tokenizer_config.json` with a chat template.
+fn model_folder(dir: &Path) {
+    let mut vocab = serde_json::Map::new();
+    for w in ["alpha", "bravo"] {
+        vocab.insert(w.to_owned(), json!(fake_tokenize(w)[0]));
+    }
+    vocab.insert("<unk>".into(), json!(150_000));
+    let tokenizer = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let template = "{% for m in messages %}{{ m.content }} {% endfor %}";
+    std::fs::write(dir.join("tokenizer_config.json"), json!({"chat_template": template}).to_string()).unwrap();
+}
+
+const MATCH: &str = r#"tokenonce_local_ids_checks_total{pool="prefill",result="match",shape="completions"}"#;
+const MISMATCH: &str = r#"tokenonce_local_ids_checks_total{pool="prefill",result="mismatch",shape="completions"}"#;
+
+/// Completions through an orchestrate route whose prefill pool has `local_ids = "shadow"`: a
+/// prompt of words the tokenizer knows by the engine's ids matches, one with another word
+/// does not; both answers are the engines' as without shadow; nothing is checked when the
+/// pool has it off.
+#[tokio::test(flavor = "multi_thread")]
+async fn shadow_counts_matches_and_mismatches_and_changes_no_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    model_folder(dir.path());
+    let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
+    let config = |mode: &str| {
+        format!(
+            "[pools.prefill]\nendpoints = [\"{}\"]\ntokenizer = {:?}\nlocal_ids = \"{mode}\"\n[pools.decode]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n",
+            p.host_port(),
+            dir.path().display().to_string(),
+            d.host_port()
+        )
+    };
+    let proxy = TokenOnce::start(&config("shadow")).await;
+    let url = format!("{}/v1/completions", proxy.url);
+    let body = |prompt: &str| json!({"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 3});
+    let (status, _, known) = post_json(&url, &body("alpha bravo alpha"), &[]).await;
+    assert_eq!(status, 200, "{known}");
+    assert_eq!(proxy.metric_reaches(MATCH, 1.0).await, 1.0);
+    let (status, _, unknown) = post_json(&url, &body("alpha charlie"), &[]).await;
+    assert_eq!(status, 200, "{unknown}");
+    assert_eq!(proxy.metric_reaches(MISMATCH, 1.0).await, 1.0);
+    assert_eq!(proxy.metric(MATCH).await, 1.0);
+
+    // The same requests without shadow: the same answers, nothing checked.
+    let off = TokenOnce::start(&config("off")).await;
+    let off_url = format!("{}/v1/completions", off.url);
+    let text = |t: &str| serde_json::from_str::<serde_json::Value>(t).unwrap()["choices"][0]["text"].clone();
+    assert_eq!(text(&post_json(&off_url, &body("alpha bravo alpha"), &[]).await.2), text(&known));
+    assert_eq!(text(&post_json(&off_url, &body("alpha charlie"), &[]).await.2), text(&unknown));
+    assert!(!off.metrics().await.contains("tokenonce_local_ids_checks_total{"), "no check with local_ids off");
+}
+
+/// `local_ids` needs the pool's tokenizer, and a folder whose template does not load is a
+/// problem at the key.
+#[test]
+fn shadow_needs_a_tokenizer_and_a_template_that_loads() {
+    let base = "[pools.decode]\nendpoints = [\"127.0.0.1:1\"]\n";
+    let err = tokenonce::config::from_toml(&format!("{base}local_ids = \"shadow\"\n"), "t").unwrap_err();
+    assert_eq!(err.problems[0].key, "pools.decode.local_ids", "{:?}", err.problems);
+    let dir = tempfile::tempdir().unwrap();
+    model_folder(dir.path());
+    std::fs::write(dir.path().join("tokenizer_config.json"), "{\"chat_template\": \"{% if %}\"}").unwrap();
+    let text = format!("{base}tokenizer = {:?}\nlocal_ids = \"shadow\"\n", dir.path().display().to_string());
+    let err = tokenonce::config::from_toml(&text, "t").unwrap_err();
+    assert_eq!(err.problems[0].key, "pools.decode.local_ids", "{:?}", err.problems);
+    assert!(err.problems[0].message.contains("cannot render locally"), "{:?}", err.problems);
+    let err = tokenonce::config::from_toml(&format!("{base}local_ids = \"on\"\n"), "t").unwrap_err();
+    assert!(err.problems[0].message.contains("off, shadow"), "{:?}", err.problems);
+}
