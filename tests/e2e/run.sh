@@ -94,10 +94,10 @@ bash "$HERE/stack.sh" up
 phase stack-up "$t"
 
 t=$SECONDS
-say "pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py tests/e2e/test_tracing_e2e.py tests/e2e/test_pd_e2e.py tests/e2e/test_parity_e2e.py tests/e2e/test_error_formats_e2e.py tests/e2e/test_kv_paths_e2e.py"
+say "pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py tests/e2e/test_tracing_e2e.py tests/e2e/test_pd_e2e.py tests/e2e/test_parity_e2e.py tests/e2e/test_local_ids_e2e.py tests/e2e/test_error_formats_e2e.py tests/e2e/test_kv_paths_e2e.py"
 set +e
 timeout "${E2E_PYTEST_TIMEOUT:-600}" "$VENV/bin/python" -m pytest "$HERE/test_e2e.py" "$HERE/test_relay_e2e.py" \
-  "$HERE/test_tracing_e2e.py" "$HERE/test_pd_e2e.py" "$HERE/test_parity_e2e.py" \
+  "$HERE/test_tracing_e2e.py" "$HERE/test_pd_e2e.py" "$HERE/test_parity_e2e.py" "$HERE/test_local_ids_e2e.py" \
   "$HERE/test_error_formats_e2e.py" "$HERE/test_kv_paths_e2e.py" \
   -p no:cacheprovider -v --tb=short --durations=5 "$@"
 rc=$?
