@@ -20,6 +20,8 @@
 //! - `server`: wiring config into a pingora server.
 //! - `telemetry`: logging and OpenTelemetry spans of each request and its legs.
 //! - `tls`: certificates from files, the TLS listener's certificate, pools' upstream TLS.
+//! - `tokens`: a rendered prompt tokenized segment by segment, each segment once (segment
+//!   cache); not wired into the request path yet.
 
 pub mod config;
 
@@ -58,6 +60,7 @@ pub mod server;
 pub mod sse;
 pub mod telemetry;
 pub mod tls;
+pub mod tokens;
 pub mod upstream;
 
 use std::sync::Arc;
