@@ -1,7 +1,8 @@
 //! The segment cache: each segment's ids kept by content, shared by every request of a pool,
 //! so a follow-up turn encodes only its new segments. Bounded in bytes (text + ids +
 //! bookkeeping), an entry idle longer than the TTL expires, the least recently used goes
-//! first; sharded locks held only for map operations. Counters, no metrics (`stats`).
+//! first (second-chance, so a hit only sets a flag); sharded locks held only for map
+//! operations. Counters, no metrics (`stats`).
 //!
 //! Keys: a segment is found by a 64-bit hash of (tokenizer fingerprint, text) under keys
 //! drawn at random per cache (aHash), and a hit counts only when the stored text and
@@ -10,9 +11,10 @@
 //! bytes as its ids), which the byte bound counts. A strong 128-bit hash would drop the texts
 //! but costs more CPU than comparing on this path (a 45k-token prompt is ~180 KB to hash).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::segment::{Piece, Segmenter};
@@ -97,27 +99,43 @@ struct Entry {
     ids: Box<[u32]>,
 }
 
+/// An entry kept inline (one pointer less to chase per hit than behind an `Arc`).
 struct Slot {
-    entry: Arc<Entry>,
-    /// Its key in `Shard::order`.
-    stamp: u64,
+    entry: Entry,
+    /// The stamp of its record in `Shard::queue` (older records of the same hash are stale).
+    queued: u64,
+    /// Used since it was (re)queued: gets a second chance instead of being evicted.
+    referenced: bool,
     used: Instant,
     bytes: usize,
 }
 
-/// One lock's share: slots by hash, and their hashes by last use (oldest first).
+/// One lock's share: slots by hash, and a queue of (hash, stamp) records in the order they
+/// were inserted or last given a second chance. Eviction is second-chance (CLOCK): the front
+/// record's entry goes unless it was used since it was queued, in which case it is queued
+/// again; so a hit is a flag write, and the least recently used go first, approximately.
 #[derive(Default)]
 struct Shard {
-    slots: HashMap<u64, Slot>,
-    order: BTreeMap<u64, u64>,
+    slots: HashMap<u64, Slot, BuildHasherDefault<Prehashed>>,
+    queue: VecDeque<(u64, u64)>,
     bytes: usize,
     next_stamp: u64,
+}
+
+/// What the front of the queue says.
+enum Front {
+    Empty,
+    /// A record whose entry is gone or newer (popped).
+    Stale,
+    /// An entry used since it was queued (queued again, flag cleared).
+    Requeued,
+    /// An entry idle for the TTL or longer, or the eviction candidate (its hash).
+    Candidate(u64, bool),
 }
 
 impl Shard {
     fn remove(&mut self, hash: u64) -> Option<Slot> {
         let slot = self.slots.remove(&hash)?;
-        self.order.remove(&slot.stamp);
         self.bytes = self.bytes.saturating_sub(slot.bytes);
         Some(slot)
     }
@@ -127,59 +145,132 @@ impl Shard {
         self.next_stamp
     }
 
-    /// The entry under `hash`, marked used at `now`; an expired one is dropped (counted).
-    fn touch(&mut self, hash: u64, now: Instant, ttl: Duration, counters: &Counters) -> Option<Arc<Entry>> {
-        let used = self.slots.get(&hash)?.used;
-        if now.saturating_duration_since(used) >= ttl {
-            self.remove(hash);
-            add(&counters.evicted_ttl, 1);
-            return None;
+    /// Looks at the front record, handling stale and second-chance records; a candidate is
+    /// left in place with whether it is idle for `ttl` at `now`.
+    fn front(&mut self, now: Instant, ttl: Duration) -> Front {
+        let Some(&(hash, stamp)) = self.queue.front() else { return Front::Empty };
+        let next = self.next_stamp + 1;
+        let Some(slot) = self.slots.get_mut(&hash).filter(|s| s.queued == stamp) else {
+            self.queue.pop_front();
+            return Front::Stale;
+        };
+        let idle = now.saturating_duration_since(slot.used) >= ttl;
+        if slot.referenced && !idle {
+            slot.referenced = false;
+            slot.queued = next;
+            self.next_stamp = next;
+            self.queue.pop_front();
+            self.queue.push_back((hash, next));
+            return Front::Requeued;
         }
-        let stamp = self.stamp();
-        let slot = self.slots.get_mut(&hash)?;
-        let old = std::mem::replace(&mut slot.stamp, stamp);
-        slot.used = now;
-        let entry = Arc::clone(&slot.entry);
-        self.order.remove(&old);
-        self.order.insert(stamp, hash);
-        Some(entry)
+        Front::Candidate(hash, idle)
     }
 
-    /// Drops entries idle for `ttl` or longer (oldest first, stopping at the first fresh one).
+    /// Appends the ids of `text` (for the tokenizer `fingerprint`) kept under `hash` to
+    /// `out` and marks the entry used at `now`; false when there is none, it holds another
+    /// text (a hash collision) or it expired (dropped, counted). The text is compared and
+    /// the ids copied under the lock: a hit is a memcmp and a memcpy, ~15 us for a
+    /// 30k-token segment.
+    fn hit(
+        &mut self,
+        key: (u64, u64, &str),
+        now: Instant,
+        ttl: Duration,
+        counters: &Counters,
+        out: &mut Vec<u32>,
+    ) -> bool {
+        let (hash, fingerprint, text) = key;
+        let Some(slot) = self.slots.get_mut(&hash) else { return false };
+        if now.saturating_duration_since(slot.used) >= ttl {
+            self.remove(hash);
+            add(&counters.evicted_ttl, 1);
+            return false;
+        }
+        if slot.entry.fingerprint != fingerprint || *slot.entry.text != *text {
+            return false;
+        }
+        slot.used = now;
+        slot.referenced = true;
+        out.extend_from_slice(&slot.entry.ids);
+        true
+    }
+
+    /// Drops entries idle for `ttl` or longer from the front of the queue (an entry behind a
+    /// fresh one is at least as fresh, so it stops there).
     fn expire(&mut self, now: Instant, ttl: Duration) -> u64 {
         let mut dropped = 0;
-        while let Some((_, &hash)) = self.order.first_key_value() {
-            let fresh = self.slots.get(&hash).is_some_and(|s| now.saturating_duration_since(s.used) < ttl);
-            if fresh {
-                break;
+        // Each record is requeued at most once per call: bounded even if every entry is hot.
+        for _ in 0..self.queue.len() * 2 + 1 {
+            match self.front(now, ttl) {
+                Front::Empty => break,
+                Front::Stale | Front::Requeued => {}
+                Front::Candidate(hash, idle) => {
+                    if !idle {
+                        break;
+                    }
+                    self.queue.pop_front();
+                    self.remove(hash);
+                    dropped += 1;
+                }
             }
-            if self.remove(hash).is_none() {
-                self.order.pop_first(); // an order key without a slot: never happens, never loop on it
-            }
-            dropped += 1;
         }
         dropped
     }
 
-    /// Keeps `entry` under `hash` (replacing what was there), evicting the least recently
-    /// used entries to stay under `capacity`. Returns (expired, evicted).
+    /// Keeps `entry` under `hash` (replacing what was there), evicting to stay under
+    /// `capacity`. Returns (expired, evicted).
     fn insert(&mut self, hash: u64, entry: Entry, bytes: usize, now: Instant, limits: (usize, Duration)) -> (u64, u64) {
         let (capacity, ttl) = limits;
         let expired = self.expire(now, ttl);
         self.remove(hash);
         let mut evicted = 0;
-        while self.bytes + bytes > capacity {
-            let Some((_, oldest)) = self.order.pop_first() else { break };
-            if let Some(slot) = self.slots.remove(&oldest) {
-                self.bytes = self.bytes.saturating_sub(slot.bytes);
-                evicted += 1;
+        for _ in 0..self.queue.len() * 2 + 1 {
+            if self.bytes + bytes <= capacity {
+                break;
+            }
+            match self.front(now, ttl) {
+                Front::Empty => break,
+                Front::Stale | Front::Requeued => {}
+                Front::Candidate(oldest, _) => {
+                    self.queue.pop_front();
+                    self.remove(oldest);
+                    evicted += 1;
+                }
             }
         }
+        if self.bytes + bytes > capacity {
+            return (expired, evicted); // cannot happen once the queue is drained; never overfill
+        }
         let stamp = self.stamp();
-        self.order.insert(stamp, hash);
-        self.slots.insert(hash, Slot { entry: Arc::new(entry), stamp, used: now, bytes });
+        self.queue.push_back((hash, stamp));
+        self.slots.insert(hash, Slot { entry, queued: stamp, referenced: false, used: now, bytes });
         self.bytes += bytes;
+        if self.queue.len() > 2 * self.slots.len() + 64 {
+            // Stale records (replaced or expired-on-touch entries) never outnumber live ones.
+            let slots = &self.slots;
+            self.queue.retain(|(h, st)| slots.get(h).is_some_and(|s| s.queued == *st));
+        }
         (expired, evicted)
+    }
+}
+
+/// The map's hasher: keys are already random-keyed hashes, so it passes them through.
+#[derive(Default)]
+struct Prehashed(u64);
+
+impl Hasher for Prehashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
     }
 }
 
@@ -246,8 +337,8 @@ impl SegmentCache {
             add(&self.counters.encoded_bytes, len64(text.len()));
             return tokenizer.encode_whole(text);
         };
-        // About one id per 4 bytes of text; growing past it only costs a copy.
-        let mut ids = Vec::with_capacity(text.len() / 4 + pieces.len());
+        // About one id per 3.5 bytes of text (Qwen3, English); growing past it costs a copy.
+        let mut ids = Vec::with_capacity(text.len() / 3 + pieces.len());
         for piece in pieces {
             match piece {
                 Piece::Added(id) => ids.push(id),
@@ -261,12 +352,11 @@ impl SegmentCache {
     fn segment(&self, tokenizer: &Segmenter, text: &str, now: Instant, out: &mut Vec<u32>) -> Result<(), TokensError> {
         let fingerprint = tokenizer.fingerprint();
         let hash = self.hasher.hash_one((fingerprint, text));
-        let found = self.shard(hash).and_then(|mut s| s.touch(hash, now, self.ttl, &self.counters));
-        // Compared outside the lock: a 30k-token document's text is ~120 KB.
-        if let Some(entry) = found.filter(|e| e.fingerprint == fingerprint && *e.text == *text) {
+        let hit =
+            self.shard(hash).is_some_and(|mut s| s.hit((hash, fingerprint, text), now, self.ttl, &self.counters, out));
+        if hit {
             add(&self.counters.hits, 1);
             add(&self.counters.reused_bytes, len64(text.len()));
-            out.extend_from_slice(&entry.ids);
             return Ok(());
         }
         add(&self.counters.misses, 1);
@@ -289,7 +379,8 @@ impl SegmentCache {
     }
 
     fn shard(&self, hash: u64) -> Option<MutexGuard<'_, Shard>> {
-        let index = usize::try_from(hash % len64(self.shards.len())).ok()?;
+        // High bits pick the shard; the map uses the low ones (and the top 7 as tags).
+        let index = usize::try_from((hash >> 40) % len64(self.shards.len())).ok()?;
         // No code panics while holding a shard, so a poisoned one is still consistent.
         self.shards.get(index).map(|m| m.lock().unwrap_or_else(PoisonError::into_inner))
     }
@@ -342,6 +433,8 @@ impl SegmentCache {
 #[cfg(test)]
 mod tests {
     use tokenizers::AddedToken;
+
+    use std::sync::Arc;
 
     use super::super::segment::testing::{chatml_bpe, reference};
     use super::*;
