@@ -105,15 +105,15 @@ fn sentences(rng: &mut Rng, n: usize) -> String {
     let mut out = String::new();
     for i in 0..n {
         if i > 0 {
-            out.push(if rng.next() % 5 == 0 { '\n' } else { ' ' });
+            out.push(if rng.next().is_multiple_of(5) { '\n' } else { ' ' });
         }
-        if rng.next() % 6 == 0 {
+        if rng.next().is_multiple_of(6) {
             out.push_str(rng.pick(CODE));
         } else {
             out.push_str(rng.pick(PROSE));
         }
         // A number of its own, so no two messages are alike.
-        if rng.next() % 3 == 0 {
+        if rng.next().is_multiple_of(3) {
             out.push_str(&format!(" (ref #{})", rng.next() % 100_000));
         }
     }
@@ -124,7 +124,7 @@ fn sentences(rng: &mut Rng, n: usize) -> String {
 fn exchange(rng: &mut Rng, messages: &mut Vec<(String, String)>) {
     let n = 2 + (rng.next() % 6) as usize;
     messages.push(("user".into(), sentences(rng, n)));
-    if rng.next() % 3 == 0 {
+    if rng.next().is_multiple_of(3) {
         let tool = rng.pick(TOOLS);
         let call = format!(
             "<tool_call>\n{{\"name\": \"{tool}\", \"arguments\": {{\"query\": \"{}\", \"limit\": {}}}}}\n</tool_call>",
