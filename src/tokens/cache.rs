@@ -22,6 +22,10 @@ use super::TokensError;
 
 /// Bytes charged per entry on top of its text and ids (map slots, order, allocations).
 pub const ENTRY_OVERHEAD: usize = 128;
+/// Segments this short are looked up first among those met earlier in the same text.
+const SHORT: usize = 16;
+/// How many such segments a text remembers.
+const RECENT: usize = 4;
 /// Lock shards of [`SegmentCache::new`].
 pub const DEFAULT_SHARDS: usize = 16;
 
@@ -339,12 +343,39 @@ impl SegmentCache {
         };
         // About one id per 3.5 bytes of text (Qwen3, English); growing past it costs a copy.
         let mut ids = Vec::with_capacity(text.len() / 3 + pieces.len());
+        // Short segments met earlier in this text (the `\n` between two turns recurs at every
+        // turn) and where their ids sit in `ids`: copied from there, no hash, no lock.
+        let mut recent: Vec<(&str, usize, usize)> = Vec::with_capacity(RECENT);
+        let (mut local_hits, mut local_bytes) = (0, 0);
         for piece in pieces {
-            match piece {
-                Piece::Added(id) => ids.push(id),
-                Piece::Text(segment) => self.segment(tokenizer, segment, now, &mut ids)?,
+            let segment = match piece {
+                Piece::Added(id) => {
+                    ids.push(id);
+                    continue;
+                }
+                Piece::Text(segment) => segment,
+            };
+            if segment.len() > SHORT {
+                self.segment(tokenizer, segment, now, &mut ids)?;
+                continue;
+            }
+            let seen = recent.iter().find(|(t, _, _)| *t == segment);
+            if let Some(range) = seen.and_then(|&(_, start, len)| Some(start..start.checked_add(len)?)) {
+                if range.end <= ids.len() {
+                    ids.extend_from_within(range);
+                    local_hits += 1;
+                    local_bytes += segment.len();
+                    continue;
+                }
+            }
+            let start = ids.len();
+            self.segment(tokenizer, segment, now, &mut ids)?;
+            if recent.len() < RECENT {
+                recent.push((segment, start, ids.len() - start));
             }
         }
+        add(&self.counters.hits, local_hits);
+        add(&self.counters.reused_bytes, len64(local_bytes));
         Ok(ids)
     }
 
