@@ -582,6 +582,38 @@ mod tests {
     }
 
     #[test]
+    fn a_hash_collision_is_a_miss_never_another_texts_ids() {
+        let counters = Counters::default();
+        let mut shard = Shard::default();
+        let t0 = Instant::now();
+        let entry = Entry { fingerprint: 1, text: "one text".into(), ids: vec![1, 2].into_boxed_slice() };
+        shard.insert(42, entry, 100, t0, (1 << 20, TTL));
+        let mut out = Vec::new();
+        assert!(!shard.hit((42, 1, "another text"), t0, TTL, &counters, &mut out), "same hash, other text");
+        assert!(!shard.hit((42, 2, "one text"), t0, TTL, &counters, &mut out), "same hash, other tokenizer");
+        assert!(out.is_empty());
+        assert!(shard.hit((42, 1, "one text"), t0, TTL, &counters, &mut out));
+        assert_eq!(out, vec![1, 2]);
+        // The colliding text takes the slot when it is kept; the first one is then a miss.
+        let other = Entry { fingerprint: 1, text: "another text".into(), ids: vec![9].into_boxed_slice() };
+        shard.insert(42, other, 100, t0, (1 << 20, TTL));
+        assert!(!shard.hit((42, 1, "one text"), t0, TTL, &counters, &mut out));
+        assert_eq!((shard.slots.len(), shard.bytes), (1, 100));
+    }
+
+    #[test]
+    fn stale_queue_records_are_compacted() {
+        let mut shard = Shard::default();
+        let t0 = Instant::now();
+        for i in 0..1000u32 {
+            let entry = Entry { fingerprint: 1, text: "same".into(), ids: vec![i].into_boxed_slice() };
+            shard.insert(7, entry, 100, t0, (1 << 20, TTL));
+        }
+        assert_eq!(shard.slots.len(), 1);
+        assert!(shard.queue.len() <= 2 + 64, "{}", shard.queue.len());
+    }
+
+    #[test]
     fn many_threads_share_one_cache() {
         let tk = Arc::new(seg());
         let cache = Arc::new(SegmentCache::with_shards(4096, TTL, 4));
