@@ -16,7 +16,8 @@
 //! `encode_special_tokens` switch (skipped matches still consume text), a `Metaspace`
 //! pre-tokenizer with `prepend_scheme: first` (it prepends only at offset 0 of the original
 //! text), truncation or padding (applied to the whole), BPE dropout (random), and an empty or
-//! duplicated added token (the crate's matcher rejects those; ours would not).
+//! duplicated added token (where our matcher and the crate's may disagree; not worth
+//! reproducing). Each case is tested against the library in this file's tests.
 
 use std::collections::HashSet;
 use std::hash::{DefaultHasher, Hash, Hasher};
