@@ -17,7 +17,7 @@
 //! pre-tokenizer with `prepend_scheme: first` (it prepends only at offset 0 of the original
 //! text), truncation or padding (applied to the whole), BPE dropout (random), and an empty or
 //! duplicated added token (where our matcher and the crate's may disagree; not worth
-//! reproducing). Each case is tested against the library in this file's tests.
+//! reproducing).
 
 use std::collections::HashSet;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -371,7 +371,7 @@ pub(crate) mod testing {
 #[cfg(test)]
 mod tests {
     use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
-    use tokenizers::{AddedToken, PreTokenizerWrapper, TruncationParams};
+    use tokenizers::{AddedToken, PaddingParams, PreTokenizerWrapper, TruncationParams};
 
     use super::testing::{bare_bpe, chatml_bpe, reference};
     use super::*;
@@ -461,6 +461,14 @@ mod tests {
         let mut truncated = chatml_bpe();
         let _ = truncated.with_truncation(Some(TruncationParams { max_length: 4, ..Default::default() }));
         assert_eq!(seg(truncated).splitting(), &Splitting::Whole(WholeReason::Truncation));
+
+        let mut padded = chatml_bpe();
+        padded.with_padding(Some(PaddingParams::default()));
+        assert_eq!(seg(padded).splitting(), &Splitting::Whole(WholeReason::Padding));
+
+        let json = chatml_bpe().to_string(false).unwrap().replace("\"dropout\":null", "\"dropout\":0.1");
+        let dropout: tokenizers::Tokenizer = json.parse().unwrap();
+        assert_eq!(seg(dropout).splitting(), &Splitting::Whole(WholeReason::Dropout));
     }
 
     #[test]
