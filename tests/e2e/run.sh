@@ -62,7 +62,7 @@ cd "$ROOT"
 t=$SECONDS
 bash "$HERE/vllm/setup.sh"
 phase setup "$t"
-TOKENONCE_QWEN_TOKENIZER="$VENV/models/tiny-qwen3" cargo test -q --locked --test segment_cache_qwen  # segment cache = encode, real Qwen3 tokenizer
+t=$SECONDS; TOKENONCE_QWEN_TOKENIZER="${TOKENONCE_VLLM_MODEL_DIR:-$VENV/models/tiny-qwen3}" cargo test -q --locked --test segment_cache_qwen; phase segment-cache "$t"
 
 # test-only packages (pinned) into the vLLM venv; the OpenAI SDK and httpx come with its lock
 t=$SECONDS
