@@ -24,6 +24,8 @@
 //! - `telemetry`: logging and OpenTelemetry spans of each request and its legs.
 //! - `toml_read`: TOML text into serde types with every problem at its key and line:column.
 //! - `tls`: certificates from files, the TLS listener's certificate, pools' upstream TLS.
+//! - `tokens`: a rendered prompt tokenized segment by segment, each segment once (segment
+//!   cache); not wired into the request path yet.
 
 pub mod config;
 
@@ -65,6 +67,7 @@ pub mod sse;
 pub mod telemetry;
 pub mod tls;
 pub mod toml_read;
+pub mod tokens;
 pub mod upstream;
 
 use std::sync::Arc;

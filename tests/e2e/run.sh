@@ -62,6 +62,7 @@ cd "$ROOT"
 t=$SECONDS
 bash "$HERE/vllm/setup.sh"
 phase setup "$t"
+t=$SECONDS; TOKENONCE_QWEN_TOKENIZER="${TOKENONCE_VLLM_MODEL_DIR:-$VENV/models/tiny-qwen3}" cargo test -q --locked --test segment_cache_qwen; phase segment-cache "$t"
 
 # the renderer's text, encoded with the real tokenizer, gives vLLM's recorded ids (src/render/)
 t=$SECONDS; TOKENONCE_RENDER_MODEL_DIR="${TOKENONCE_VLLM_MODEL_DIR:-$VENV/models/tiny-qwen3}" cargo test --locked --test render_ids; phase render-ids "$t"
