@@ -154,11 +154,12 @@ def test_client_gone_before_the_decode_got_its_request():
 
 
 def test_client_gone_after_the_decode_pulled():
-    """A non-streamed decode generating 400 tokens (seconds here) has pulled when the client
-    leaves after 1.5 s: tokenonce closes it and sends nothing more."""
+    """A non-streamed decode generating 4000 tokens (seconds here even on a quiet machine: 400
+    once took under 1.5 s) has pulled when the client leaves after 1.5 s: tokenonce closes it
+    and sends nothing more."""
     before = scrape()
     with DecodePull() as pull:
-        rid = send_and_leave(chat("Tell me a long story " + uuid.uuid4().hex, max_tokens=400, ignore_eos=True), 1.5)
+        rid = send_and_leave(chat("Tell me a long story " + uuid.uuid4().hex, max_tokens=4000, ignore_eos=True), 1.5)
         time.sleep(2.0)
     after = scrape()
     route = "e2e-reuse"
