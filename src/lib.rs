@@ -66,8 +66,8 @@ pub mod server;
 pub mod sse;
 pub mod telemetry;
 pub mod tls;
-pub mod toml_read;
 pub mod tokens;
+pub mod toml_read;
 pub mod upstream;
 
 use std::sync::Arc;
@@ -133,7 +133,13 @@ fn local_renderers(resources: &Resources) -> std::collections::BTreeMap<String, 
     pools
         .filter_map(|(name, p)| {
             let (template, tokenizer) = (p.template.clone()?, p.tokenizer.clone()?);
-            Some((name.clone(), Arc::new(local::LocalIds::new(name, template, tokenizer))))
+            match local::LocalIds::new(name, template, tokenizer) {
+                Ok(local) => Some((name.clone(), Arc::new(local))),
+                Err(e) => {
+                    tracing::warn!(pool = %name, error = %e, "local ids off for the pool: its tokenizer cannot be cut");
+                    None
+                }
+            }
         })
         .collect()
 }
@@ -268,6 +274,7 @@ impl App {
         let now = std::time::Instant::now();
         self.pools.iter().for_each(|p| self.metrics.upstream_ejected(&p.name, p.ejected(now)));
         self.metrics.response_homes(self.homes.len());
+        self.local.values().for_each(|l| l.report(&self.metrics));
         self.sweep_cache();
     }
 

@@ -14,20 +14,23 @@ use serde_json::json;
 use support::*;
 
 /// A model folder: a word-level `tokenizer.json` that knows `alpha` and `bravo` by the fake
-/// engine's ids (any other word is `<unk>`), and a `tokenizer_config.json` with a chat template.
+/// engine's ids (any other word is `<unk>`) and has ChatML's two markers as added tokens, and a
+/// `tokenizer_config.json` with a ChatML chat template.
 fn model_folder(dir: &Path) {
     let mut vocab = serde_json::Map::new();
     for w in ["alpha", "bravo"] {
         vocab.insert(w.to_owned(), json!(fake_tokenize(w)[0]));
     }
     vocab.insert("<unk>".into(), json!(150_000));
+    let added = |id: u32, content: &str| json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
     let tokenizer = json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [added(151_644, "<|im_start|>"), added(151_645, "<|im_end|>")],
         "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
         "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
     });
     std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
-    let template = "{% for m in messages %}{{ m.content }} {% endfor %}";
+    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
     std::fs::write(dir.join("tokenizer_config.json"), json!({"chat_template": template}).to_string()).unwrap();
 }
 
@@ -87,4 +90,40 @@ fn shadow_needs_a_tokenizer_and_a_template_that_loads() {
     assert!(err.problems[0].message.contains("cannot render locally"), "{:?}", err.problems);
     let err = tokenonce::config::from_toml(&format!("{base}local_ids = \"on\"\n"), "t").unwrap_err();
     assert!(err.problems[0].message.contains("off, shadow"), "{:?}", err.problems);
+}
+
+/// Chat prompts are tokenized segment by segment through the pool's cache: a follow-up turn
+/// that repeats the conversation finds its earlier segments (`segment_cache_lookups_total`
+/// hits), and each chat request is checked under its shape.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_follow_up_turn_reuses_the_segments_of_the_conversation() {
+    let dir = tempfile::tempdir().unwrap();
+    model_folder(dir.path());
+    let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
+    let config = format!(
+        "[pools.prefill]\nendpoints = [\"{}\"]\ntokenizer = {:?}\nlocal_ids = \"shadow\"\n[pools.decode]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n",
+        p.host_port(),
+        dir.path().display().to_string(),
+        d.host_port()
+    );
+    let proxy = TokenOnce::start(&config).await;
+    let url = format!("{}/v1/chat/completions", proxy.url);
+    let first = json!([{"role": "user", "content": "alpha bravo"}]);
+    let follow_up = json!([{"role": "user", "content": "alpha bravo"}, {"role": "assistant", "content": "bravo"},
+                            {"role": "user", "content": "alpha"}]);
+    for messages in [first, follow_up] {
+        let body = json!({"model": "tiny-qwen3", "messages": messages, "max_tokens": 3});
+        let (status, _, text) = post_json(&url, &body, &[]).await;
+        assert_eq!(status, 200, "{text}");
+    }
+    let checked = |shape: &str| {
+        format!(r#"tokenonce_local_ids_checks_total{{pool="prefill",result="mismatch",shape="{shape}"}}"#)
+    };
+    // The fake engine renders its own way, so these differ; each is checked under its shape.
+    assert_eq!(proxy.metric_reaches(&checked("chat"), 1.0).await, 1.0);
+    assert_eq!(proxy.metric_reaches(&checked("chat_multi_turn"), 1.0).await, 1.0);
+    let hits = proxy.metric(r#"tokenonce_segment_cache_lookups_total{pool="prefill",result="hit"}"#).await;
+    let misses = proxy.metric(r#"tokenonce_segment_cache_lookups_total{pool="prefill",result="miss"}"#).await;
+    assert!(hits >= 2.0, "the follow-up found the first turn's segments: {hits} hits, {misses} misses");
+    assert!(proxy.metric(r#"tokenonce_segment_cache_bytes{pool="prefill"}"#).await > 0.0);
 }

@@ -1,10 +1,14 @@
 //! Local ids, in shadow: for a request whose prefill echoed its prompt ids, tokenonce renders
-//! and tokenizes the request itself (`render`, then the pool's tokenizer) off the request path
-//! and compares its ids with the echo, exactly; every result is counted by request shape, and
-//! a mismatch is logged with where the two first differ. Nothing a client gets depends on it.
+//! and tokenizes the request itself (`render`, then the pool's tokenizer, chat prompts segment
+//! by segment through the pool's [`SegmentCache`], so a conversation's earlier turns are not
+//! encoded again) off the request path and compares its ids with the echo, exactly; every
+//! result is counted by request shape, and a mismatch is logged with where the two first
+//! differ. Nothing a client gets depends on it.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 
@@ -12,6 +16,14 @@ use crate::metrics::{LocalIdsResult, Metrics};
 use crate::openai::{Api, PromptIds};
 use crate::parity::Tokenizer;
 use crate::render::{self, ChatTemplate, Shape};
+use crate::tokens::{SegmentCache, Segmenter};
+
+/// Bytes of segment ids (and their texts) kept per pool: a 45k-token conversation holds about
+/// 380 KB, so this keeps a few hundred conversations' turns.
+pub const SEGMENT_CACHE_BYTES: usize = 128 * 1024 * 1024;
+
+/// A segment not asked for this long is dropped: agentic turns come seconds to minutes apart.
+pub const SEGMENT_IDLE: Duration = Duration::from_secs(600);
 
 /// Verifier threads: a 37k-token render and encode takes tens of ms of one core, and the
 /// engines' own CPUs are not tokenonce's to take.
@@ -26,6 +38,11 @@ pub struct LocalIds {
     pub pool: String,
     template: Arc<ChatTemplate>,
     tokenizer: Arc<Tokenizer>,
+    /// The tokenizer with where it may be cut (chat prompts).
+    segmenter: Segmenter,
+    cache: SegmentCache,
+    /// Segment hits and misses already counted in the metrics (they are read when scraped).
+    counted: [AtomicU64; 2],
 }
 
 /// What the comparison found.
@@ -47,8 +64,24 @@ pub enum Verdict {
 
 impl LocalIds {
     /// The pool `pool`'s renderer from its loaded template and tokenizer.
-    pub fn new(pool: &str, template: Arc<ChatTemplate>, tokenizer: Arc<Tokenizer>) -> Self {
-        Self { pool: pool.to_owned(), template, tokenizer }
+    ///
+    /// # Errors
+    /// When the tokenizer cannot be inspected for its cut points.
+    pub fn new(pool: &str, template: Arc<ChatTemplate>, tokenizer: Arc<Tokenizer>) -> Result<Self, String> {
+        let segmenter =
+            Segmenter::new(tokenizer.library().clone(), tokenizer.path().to_path_buf()).map_err(|e| e.to_string())?;
+        let cache = SegmentCache::new(SEGMENT_CACHE_BYTES, SEGMENT_IDLE);
+        Ok(Self { pool: pool.to_owned(), template, tokenizer, segmenter, cache, counted: Default::default() })
+    }
+
+    /// Counts the segment cache's hits and misses since the last call, and sets its size
+    /// (at a scrape).
+    pub fn report(&self, metrics: &Metrics) {
+        let stats = self.cache.stats();
+        let [hits, misses] = &self.counted;
+        let new_hits = stats.hits.saturating_sub(hits.swap(stats.hits, Ordering::Relaxed));
+        let new_misses = stats.misses.saturating_sub(misses.swap(stats.misses, Ordering::Relaxed));
+        metrics.segment_cache(&self.pool, new_hits, new_misses, stats.bytes);
     }
 
     /// The ids tokenonce computes for `body` on `api`, and the request's shape label.
@@ -56,19 +89,20 @@ impl LocalIds {
     /// # Errors
     /// The reason label when the request is not rendered here.
     pub fn ids(&self, api: Api, body: &[u8]) -> Result<(Vec<u32>, &'static str), &'static str> {
-        let (text, add_special, shape) = match api {
+        match api {
             Api::Chat => {
                 let chat = render::render_chat(&self.template, body).map_err(|e| e.label())?;
-                (chat.text, false, shape_label(&chat.shape))
+                let ids = self.cache.encode(&self.segmenter, &chat.text).map_err(|_| "encode")?;
+                Ok((ids, shape_label(&chat.shape)))
             }
             Api::Completions => {
                 let prompt = render::render_completion(body).map_err(|e| e.label())?;
-                (prompt.text, prompt.add_special_tokens, "completions")
+                let ids = render::encode(self.tokenizer.library(), &prompt.text, prompt.add_special_tokens)
+                    .map_err(|_| "encode")?;
+                Ok((ids, "completions"))
             }
-            Api::Responses | Api::Messages => return Err("api"),
-        };
-        let ids = render::encode(self.tokenizer.library(), &text, add_special).map_err(|_| "encode")?;
-        Ok((ids, shape))
+            Api::Responses | Api::Messages => Err("api"),
+        }
     }
 
     /// Compares what tokenonce computes for `body` with the ids the prefill `echoed`.

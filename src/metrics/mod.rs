@@ -179,6 +179,8 @@ struct Upstreams {
     response_homes: IntGauge,
     local_ids_checks: IntCounterVec,
     local_ids_unsupported: IntCounterVec,
+    segment_cache_lookups: IntCounterVec,
+    segment_cache_bytes: IntGaugeVec,
 }
 
 impl Upstreams {
@@ -253,6 +255,18 @@ impl Upstreams {
                 "tokenonce_local_ids_unsupported_total",
                 "Local-ids checks not made because tokenonce does not render the request faithfully, by pool and reason.",
                 &["pool", "reason"],
+            )?,
+            segment_cache_lookups: counter(
+                registry,
+                "tokenonce_segment_cache_lookups_total",
+                "Segments of rendered prompts looked up in a pool's token cache (local ids): hit (ids reused) or miss (encoded); counted at a scrape.",
+                &["pool", "result"],
+            )?,
+            segment_cache_bytes: gauge_vec(
+                registry,
+                "tokenonce_segment_cache_bytes",
+                "Bytes a pool's token cache holds (segment texts, their ids and bookkeeping), read when scraped.",
+                &["pool"],
             )?,
         })
     }
@@ -596,6 +610,14 @@ impl Metrics {
     /// Sets how many stored answers' endpoints are known.
     pub fn response_homes(&self, entries: usize) {
         self.upstreams.response_homes.set(i64::try_from(entries).unwrap_or(i64::MAX));
+    }
+
+    /// Adds a pool's token-cache hits and misses and sets its size.
+    pub fn segment_cache(&self, pool: &str, hits: u64, misses: u64, bytes: usize) {
+        let lookups = &self.upstreams.segment_cache_lookups;
+        lookups.with_label_values(&[pool, "hit"]).inc_by(hits);
+        lookups.with_label_values(&[pool, "miss"]).inc_by(misses);
+        self.upstreams.segment_cache_bytes.with_label_values(&[pool]).set(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
 
     /// Counts one local-ids check.
