@@ -8,31 +8,8 @@
 
 mod support;
 
-use std::path::Path;
-
 use serde_json::json;
 use support::*;
-
-/// A model folder: a word-level `tokenizer.json` that knows `alpha` and `bravo` by the fake
-/// engine's ids (any other word is `<unk>`) and has ChatML's two markers as added tokens, and a
-/// `tokenizer_config.json` with a ChatML chat template.
-fn model_folder(dir: &Path) {
-    let mut vocab = serde_json::Map::new();
-    for w in ["alpha", "bravo"] {
-        vocab.insert(w.to_owned(), json!(fake_tokenize(w)[0]));
-    }
-    vocab.insert("<unk>".into(), json!(150_000));
-    let added = |id: u32, content: &str| json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
-    let tokenizer = json!({
-        "version": "1.0", "truncation": null, "padding": null,
-        "added_tokens": [added(151_644, "<|im_start|>"), added(151_645, "<|im_end|>")],
-        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
-        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
-    });
-    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
-    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
-    std::fs::write(dir.join("tokenizer_config.json"), json!({"chat_template": template}).to_string()).unwrap();
-}
 
 const MATCH: &str = r#"tokenonce_local_ids_checks_total{pool="prefill",result="match",shape="completions"}"#;
 const MISMATCH: &str = r#"tokenonce_local_ids_checks_total{pool="prefill",result="mismatch",shape="completions"}"#;
@@ -44,7 +21,7 @@ const MISMATCH: &str = r#"tokenonce_local_ids_checks_total{pool="prefill",result
 #[tokio::test(flavor = "multi_thread")]
 async fn shadow_counts_matches_and_mismatches_and_changes_no_answer() {
     let dir = tempfile::tempdir().unwrap();
-    model_folder(dir.path());
+    write_local_model(dir.path());
     let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
     let config = |mode: &str| {
         format!(
@@ -82,7 +59,7 @@ fn shadow_needs_a_tokenizer_and_a_template_that_loads() {
     let err = tokenonce::config::from_toml(&format!("{base}local_ids = \"shadow\"\n"), "t").unwrap_err();
     assert_eq!(err.problems[0].key, "pools.decode.local_ids", "{:?}", err.problems);
     let dir = tempfile::tempdir().unwrap();
-    model_folder(dir.path());
+    write_local_model(dir.path());
     std::fs::write(dir.path().join("tokenizer_config.json"), "{\"chat_template\": \"{% if %}\"}").unwrap();
     let text = format!("{base}tokenizer = {:?}\nlocal_ids = \"shadow\"\n", dir.path().display().to_string());
     let err = tokenonce::config::from_toml(&text, "t").unwrap_err();
@@ -98,7 +75,7 @@ fn shadow_needs_a_tokenizer_and_a_template_that_loads() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_follow_up_turn_reuses_the_segments_of_the_conversation() {
     let dir = tempfile::tempdir().unwrap();
-    model_folder(dir.path());
+    write_local_model(dir.path());
     let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
     let config = format!(
         "[pools.prefill]\nendpoints = [\"{}\"]\ntokenizer = {:?}\nlocal_ids = \"shadow\"\n[pools.decode]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n",

@@ -330,9 +330,19 @@ fn assert_success(what: &str, out: &std::process::Output) {
 /// Prometheus conventions (promtool agrees) and label values are bounded.
 #[tokio::test(flavor = "multi_thread")]
 async fn dashboard_and_alert_metrics_exist_after_real_traffic() {
-    let (p, _d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    // The prefill pool checks local ids in shadow, so their series exist too.
+    let model = tempfile::tempdir().unwrap();
+    write_local_model(model.path());
+    let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
+    let shadow = format!("tokenizer = {:?}\nlocal_ids = \"shadow\"\n", model.path().display().to_string());
+    let config = pd_config(&p, &d, "").replacen("\n\n[pools.decode]", &format!("\n{shadow}\n[pools.decode]"), 1);
+    let proxy = TokenOnce::start(&config).await;
     proxy.wait_ready(200).await;
     let sent = send_traffic(&proxy, &p).await;
+    // The shadow checks run off the request path: wait (bounded) for the verifier's counts.
+    proxy
+        .metric_reaches(r#"tokenonce_local_ids_checks_total{pool="prefill",result="mismatch",shape="chat"}"#, 1.0)
+        .await;
     // The traffic is counted as sent.
     let (text, scrape) = scrape_counted(&proxy, &sent).await;
     let names = scrape.sample_names();

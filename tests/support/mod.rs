@@ -361,6 +361,28 @@ impl RefusedAddr {
     }
 }
 
+/// A model folder: a word-level `tokenizer.json` that knows `alpha` and `bravo` by the fake
+/// engine's ids (any other word is `<unk>`) and has ChatML's two markers as added tokens, and a
+/// `tokenizer_config.json` with a ChatML chat template.
+pub fn write_local_model(dir: &std::path::Path) {
+    let mut vocab = serde_json::Map::new();
+    for w in ["alpha", "bravo"] {
+        vocab.insert(w.to_owned(), serde_json::json!(fake_tokenize(w)[0]));
+    }
+    vocab.insert("<unk>".into(), serde_json::json!(150_000));
+    let added = |id: u32, content: &str| serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [added(151_644, "<|im_start|>"), added(151_645, "<|im_end|>")],
+        "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"},
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
+    std::fs::write(dir.join("tokenizer_config.json"), serde_json::json!({"chat_template": template}).to_string())
+        .unwrap();
+}
+
 /// A config with one prefill fake and one decode fake on route `pd`.
 pub fn pd_config(prefill: &FakeVllm, decode: &FakeVllm, route_extra: &str) -> String {
     format!(
