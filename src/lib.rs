@@ -127,21 +127,37 @@ pub struct App {
     pub local: std::collections::BTreeMap<String, Arc<local::LocalIds>>,
 }
 
-/// The local renderer of each pool whose template was loaded (`local_ids` on).
-fn local_renderers(resources: &Resources) -> std::collections::BTreeMap<String, Arc<local::LocalIds>> {
-    let pools = resources.pools.iter();
-    pools
-        .filter_map(|(name, p)| {
-            let (template, tokenizer) = (p.template.clone()?, p.tokenizer.clone()?);
-            match local::LocalIds::new(name, template, tokenizer) {
-                Ok(local) => Some((name.clone(), Arc::new(local))),
-                Err(e) => {
-                    tracing::warn!(pool = %name, error = %e, "local ids off for the pool: its tokenizer cannot be cut");
-                    None
-                }
+/// The local renderer of each pool whose template was loaded (`local_ids` on), or the one
+/// `previous` (the state before a reload) has for the pool when it renders and tokenizes the
+/// same under the same policy: its trust per shape and its segment cache carry over.
+fn local_renderers(
+    config: &Config,
+    resources: &Resources,
+    previous: Option<&std::collections::BTreeMap<String, Arc<local::LocalIds>>>,
+) -> std::collections::BTreeMap<String, Arc<local::LocalIds>> {
+    let mut out = std::collections::BTreeMap::new();
+    for (name, p) in &resources.pools {
+        let (Some(template), Some(tokenizer), Some(spec)) =
+            (p.template.clone(), p.tokenizer.clone(), config.pools.get(name))
+        else {
+            continue;
+        };
+        let policy = local::Policy {
+            mode: spec.local_ids,
+            verify_after: spec.local_ids_verify_after,
+            recheck: spec.local_ids_recheck,
+        };
+        match local::LocalIds::new(name, template, tokenizer, policy) {
+            Ok(fresh) => {
+                let kept = previous.and_then(|m| m.get(name)).filter(|old| old.same_as(&fresh));
+                out.insert(name.clone(), kept.map_or_else(|| Arc::new(fresh), Arc::clone));
             }
-        })
-        .collect()
+            Err(e) => {
+                tracing::warn!(pool = %name, error = %e, "local ids off for the pool: its tokenizer cannot be cut")
+            }
+        }
+    }
+    out
 }
 
 /// The pool `name` of `config`, with its loaded TLS and the config's ejection rule.
@@ -174,7 +190,7 @@ impl App {
         metrics.admission_limit().set(i64::try_from(edge.max_in_flight).unwrap_or(i64::MAX));
         let watch = Arc::new(parity::Watch::start(parity::WORKERS, parity::QUEUE)?);
         let verifier = Arc::new(local::Verifier::start(local::WORKERS, local::QUEUE, &metrics)?);
-        let local = local_renderers(&resources);
+        let local = local_renderers(&config, &resources, None);
         let admission = Arc::default();
         Ok(Self {
             cache,
@@ -224,7 +240,7 @@ impl App {
             .collect();
         pools.iter().for_each(|p| self.metrics.pool(&p.name));
         let routes = RouteTable::new(&config, &resources, &pools, &self.metrics, Some(&self.routes))?;
-        let local = local_renderers(&resources);
+        let local = local_renderers(&config, &resources, Some(&self.local));
         self.forget_removed(&pools, &routes);
         let edge = proxy::edge::EdgeLimits::of(&config);
         self.metrics.admission_limit().set(i64::try_from(edge.max_in_flight).unwrap_or(i64::MAX));

@@ -65,8 +65,8 @@ fn shadow_needs_a_tokenizer_and_a_template_that_loads() {
     let err = tokenonce::config::from_toml(&text, "t").unwrap_err();
     assert_eq!(err.problems[0].key, "pools.decode.local_ids", "{:?}", err.problems);
     assert!(err.problems[0].message.contains("cannot render locally"), "{:?}", err.problems);
-    let err = tokenonce::config::from_toml(&format!("{base}local_ids = \"on\"\n"), "t").unwrap_err();
-    assert!(err.problems[0].message.contains("off, shadow"), "{:?}", err.problems);
+    let err = tokenonce::config::from_toml(&format!("{base}local_ids = \"always\"\n"), "t").unwrap_err();
+    assert_eq!(err.problems[0].message, "`always` is not one of: off, shadow, on", "{:?}", err.problems);
 }
 
 /// Chat prompts are tokenized segment by segment through the pool's cache: a follow-up turn
@@ -103,4 +103,95 @@ async fn a_follow_up_turn_reuses_the_segments_of_the_conversation() {
     let misses = proxy.metric(r#"tokenonce_segment_cache_lookups_total{pool="prefill",result="miss"}"#).await;
     assert!(hits >= 2.0, "the follow-up found the first turn's segments: {hits} hits, {misses} misses");
     assert!(proxy.metric(r#"tokenonce_segment_cache_bytes{pool="prefill"}"#).await > 0.0);
+}
+
+/// `local_ids = "on"` (trusted after 2 matches in a row, every other trusted request
+/// rechecked): completions of words the tokenizer knows match twice, the shape is trusted and
+/// the next prefill goes token-in (`prompt` as tokenonce's ids, no echo asked) with the decode
+/// given the same ids; the recheck after it, of a word the tokenizer does not know, differs,
+/// and the shape goes back to text.
+#[tokio::test(flavor = "multi_thread")]
+async fn on_sends_trusted_shapes_token_in_and_a_mismatch_ends_the_trust() {
+    let dir = tempfile::tempdir().unwrap();
+    write_local_model(dir.path());
+    let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
+    let config = format!(
+        "[pools.prefill]\nendpoints = [\"{}\"]\ntokenizer = {:?}\nlocal_ids = \"on\"\nlocal_ids_verify_after = 2\nlocal_ids_recheck = 0.5\n[pools.decode]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n",
+        p.host_port(),
+        dir.path().display().to_string(),
+        d.host_port()
+    );
+    let proxy = TokenOnce::start(&config).await;
+    let url = format!("{}/v1/completions", proxy.url);
+    let send = |prompt: &'static str| {
+        let url = url.clone();
+        async move {
+            let body = json!({"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 3});
+            let (status, _, text) = post_json(&url, &body, &[]).await;
+            assert_eq!(status, 200, "{prompt}: {text}");
+        }
+    };
+    let trusted = r#"tokenonce_local_ids_trusted{pool="prefill",shape="completions"}"#;
+    let last_prefill = || p.posts().last().unwrap().json();
+    send("alpha bravo alpha").await;
+    assert_eq!(proxy.metric_reaches(MATCH, 1.0).await, 1.0);
+    assert_eq!(proxy.metric(trusted).await, 0.0, "one match is not enough");
+    send("bravo alpha").await;
+    assert_eq!(proxy.metric_reaches(MATCH, 2.0).await, 2.0);
+    assert_eq!(proxy.metric_reaches(trusted, 1.0).await, 1.0);
+    assert_eq!(last_prefill()["return_token_ids"], true, "before trust, the prefill echoes");
+
+    send("alpha alpha").await;
+    let ids: Vec<u64> = ["alpha", "alpha"].iter().map(|w| fake_tokenize(w)[0]).collect();
+    assert_eq!(last_prefill()["prompt"], json!(ids), "the prefill got tokenonce's ids");
+    assert!(last_prefill().get("return_token_ids").is_none(), "and was asked no echo");
+    assert_eq!(d.posts().last().unwrap().json()["prompt"], json!(ids), "the decode got the same ids");
+    let token_in = r#"tokenonce_local_ids_token_in_total{pool="prefill",shape="completions"}"#;
+    assert_eq!(proxy.metric_reaches(token_in, 1.0).await, 1.0);
+    let applied = r#"tokenonce_token_reuse_total{reason="none",result="applied",route="pd"}"#;
+    assert_eq!(proxy.metric_reaches(applied, 3.0).await, 3.0, "three decodes reused ids");
+
+    // A reload of the unchanged file keeps the trust (and the next request is a recheck).
+    proxy.reconfigure(&config);
+    let reloaded = r#"tokenonce_config_reloads_total{result="success"}"#;
+    assert_eq!(proxy.metric_reaches(reloaded, 1.0).await, 1.0);
+    assert_eq!(proxy.metric(trusted).await, 1.0, "the reload kept the shape's trust");
+
+    send("alpha charlie").await;
+    assert_eq!(last_prefill()["prompt"], "alpha charlie", "the recheck goes as text");
+    assert_eq!(proxy.metric_reaches(MISMATCH, 1.0).await, 1.0);
+    assert_eq!(proxy.metric_reaches(trusted, 0.0).await, 0.0, "a mismatch ends the trust");
+    send("alpha bravo").await;
+    assert_eq!(last_prefill()["return_token_ids"], true, "untrusted again: text with the echo");
+    assert_eq!(proxy.metric(token_in).await, 1.0);
+}
+
+/// A trusted shape stays trusted over a reload of the unchanged pool, and starts over when
+/// the reload changes the pool's local-ids policy.
+#[tokio::test(flavor = "multi_thread")]
+async fn trust_survives_a_reload_of_the_unchanged_pool_only() {
+    let dir = tempfile::tempdir().unwrap();
+    write_local_model(dir.path());
+    let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
+    let config = |after: u32| {
+        format!(
+            "[pools.prefill]\nendpoints = [\"{}\"]\ntokenizer = {:?}\nlocal_ids = \"on\"\nlocal_ids_verify_after = {after}\nlocal_ids_recheck = 0.0\n[pools.decode]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n",
+            p.host_port(),
+            dir.path().display().to_string(),
+            d.host_port()
+        )
+    };
+    let proxy = TokenOnce::start(&config(1)).await;
+    let url = format!("{}/v1/completions", proxy.url);
+    let body = json!({"model": "tiny-qwen3", "prompt": "alpha bravo", "max_tokens": 3});
+    assert_eq!(post_json(&url, &body, &[]).await.0, 200);
+    let trusted = r#"tokenonce_local_ids_trusted{pool="prefill",shape="completions"}"#;
+    assert_eq!(proxy.metric_reaches(trusted, 1.0).await, 1.0);
+    let reloaded = r#"tokenonce_config_reloads_total{result="success"}"#;
+    proxy.reconfigure(&config(1));
+    assert_eq!(proxy.metric_reaches(reloaded, 1.0).await, 1.0);
+    assert_eq!(proxy.metric(trusted).await, 1.0, "unchanged: still trusted");
+    proxy.reconfigure(&config(5));
+    assert_eq!(proxy.metric_reaches(reloaded, 2.0).await, 2.0);
+    assert_eq!(proxy.metric(trusted).await, 0.0, "another policy: the shape earns its trust again");
 }

@@ -205,6 +205,10 @@ fn check_pool(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool) {
     if pool.local_ids != LocalIdsMode::Off && pool.tokenizer.is_none() {
         ck.at(&format!("{path}.local_ids"), "needs the pool's `tokenizer` (its model folder holds the chat template)");
     }
+    ck.range(&format!("{path}.local_ids_verify_after"), u64::from(pool.local_ids_verify_after), 1..=1_000_000);
+    if !(0.0..=1.0).contains(&pool.local_ids_recheck) {
+        ck.at(&format!("{path}.local_ids_recheck"), "must be between 0 and 1");
+    }
 }
 
 /// `[pools.NAME.tls]`: a client certificate with its key, and a name to check when

@@ -196,7 +196,7 @@ pub struct Upstream {
 }
 
 /// `[pools.NAME]`
-#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, SmartDefault, Deserialize)]
 #[serde(default)]
 pub struct Pool {
     /// `host:port` of each engine (required).
@@ -221,9 +221,29 @@ pub struct Pool {
     /// worker; a full queue drops the check, counted), and compares the ids with the echo,
     /// exactly: `local_ids_checks_total{pool,shape,result}`. Nothing the client gets changes.
     /// Needs `tokenizer`; loaded at start and on SIGHUP with it.
+    /// `on`: shadow, and once a shape of request (`completions`, `chat`, `chat_system`,
+    /// `chat_multi_turn`, `chat_tools`, `chat_continue`) matched `local_ids_verify_after` times
+    /// in a row, its prefills go token-in with tokenonce's ids (the prefill neither renders,
+    /// tokenizes nor echoes them) and its decodes get the same ids, but for a
+    /// `local_ids_recheck` share that keeps going as text with the echo; a mismatch puts the
+    /// shape back to text until it has matched that many times again.
     /// Default: `"off"`.
     /// Local ids are proven on a pool's own traffic before anything depends on them.
     pub local_ids: LocalIdsMode,
+    /// Matches in a row a shape needs before `local_ids = "on"` sends it token-in (1 to
+    /// 1,000,000).
+    /// Default: `100`.
+    /// A hundred exact matches of real requests of a shape, and none differing, make a
+    /// rendering difference of that shape rarer than one in a hundred.
+    #[default(100)]
+    pub local_ids_verify_after: u32,
+    /// Share of a verified shape's requests still sent as text with the echo, to keep
+    /// checking (a float from none to all).
+    /// Default: `0.01`.
+    /// One request in a hundred keeps the check going (a template or engine change shows
+    /// within minutes) at a hundredth of the echo's cost.
+    #[default(0.01)]
+    pub local_ids_recheck: f64,
 }
 
 /// `[pools.NAME.tls]`: every connection to the pool's engines is then TLS (the prefill and

@@ -85,7 +85,7 @@ pub(super) fn load(config: &Config, doc: &Doc<'_>, problems: &mut Vec<Problem>) 
         });
         let tls = pool.tls.as_ref().and_then(|t| pool_tls(&format!("pools.{name}.tls"), t, &mut fail));
         let template = match (&pool.tokenizer, pool.local_ids) {
-            (Some(path), LocalIdsMode::Shadow) => {
+            (Some(path), LocalIdsMode::Shadow | LocalIdsMode::On) => {
                 chat_template(Path::new(path)).map_err(|why| fail(&format!("pools.{name}.local_ids"), why)).ok()
             }
             _ => None,

@@ -123,6 +123,9 @@ pub enum LocalIdsMode {
     Off,
     /// Compute them off the request path and compare with the prefill's echo; counted only.
     Shadow,
+    /// Shadow, and a request of a shape that matched `local_ids_verify_after` times in a row
+    /// sends its prefill token-in (no echo), but for a `local_ids_recheck` share.
+    On,
 }
 
 /// How log lines are written.

@@ -3,15 +3,19 @@
 //! by segment through the pool's [`SegmentCache`], so a conversation's earlier turns are not
 //! encoded again) off the request path and compares its ids with the echo, exactly; every
 //! result is counted by request shape, and a mismatch is logged with where the two first
-//! differ. Nothing a client gets depends on it.
+//! differ. In shadow nothing a client gets depends on it. With `local_ids = "on"` a shape that
+//! matched `local_ids_verify_after` times in a row is trusted: its requests' prefills go
+//! token-in with these ids (`LocalIds::token_in`), but for a recheck share; a mismatch ends
+//! the trust until the shape has matched that many times again.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
 
+use crate::config::LocalIdsMode;
 use crate::metrics::{LocalIdsResult, Metrics};
 use crate::openai::{Api, PromptIds};
 use crate::parity::Tokenizer;
@@ -32,6 +36,27 @@ pub const WORKERS: usize = 1;
 /// Requests waiting for the verifier; more are dropped (counted), the request never waits.
 pub const QUEUE: usize = 16;
 
+/// The request shapes local ids are counted and trusted by.
+pub const SHAPES: [&str; 6] = ["completions", "chat", "chat_system", "chat_multi_turn", "chat_tools", "chat_continue"];
+
+/// What one shape has shown: matches in a row, and whether that earned trust.
+#[derive(Debug, Default)]
+struct ShapeTrust {
+    streak: AtomicU32,
+    trusted: AtomicBool,
+}
+
+/// How a pool uses local ids (`local_ids`, `local_ids_verify_after`, `local_ids_recheck`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Policy {
+    /// Shadow or on.
+    pub mode: LocalIdsMode,
+    /// Matches in a row that make a shape trusted.
+    pub verify_after: u32,
+    /// Share of a trusted shape's requests still checked.
+    pub recheck: f64,
+}
+
 /// One pool's local rendering: its chat template and tokenizer.
 pub struct LocalIds {
     /// The pool's name (the metric label).
@@ -43,6 +68,21 @@ pub struct LocalIds {
     cache: SegmentCache,
     /// Segment hits and misses already counted in the metrics (they are read when scraped).
     counted: [AtomicU64; 2],
+    /// Its policy.
+    pub policy: Policy,
+    /// Per shape of [`SHAPES`].
+    trust: [ShapeTrust; 6],
+    /// Recheck share in 1/2^32 steps; an accumulator crossing a 2^32 boundary rechecks.
+    recheck_step: u64,
+    recheck_acc: AtomicU64,
+}
+
+/// A request rendered, not yet tokenized.
+pub struct Rendered {
+    text: String,
+    add_special_tokens: bool,
+    /// Its shape label (one of [`SHAPES`]).
+    pub shape: &'static str,
 }
 
 /// What the comparison found.
@@ -67,11 +107,114 @@ impl LocalIds {
     ///
     /// # Errors
     /// When the tokenizer cannot be inspected for its cut points.
-    pub fn new(pool: &str, template: Arc<ChatTemplate>, tokenizer: Arc<Tokenizer>) -> Result<Self, String> {
+    pub fn new(
+        pool: &str,
+        template: Arc<ChatTemplate>,
+        tokenizer: Arc<Tokenizer>,
+        policy: Policy,
+    ) -> Result<Self, String> {
         let segmenter =
             Segmenter::new(tokenizer.library().clone(), tokenizer.path().to_path_buf()).map_err(|e| e.to_string())?;
         let cache = SegmentCache::new(SEGMENT_CACHE_BYTES, SEGMENT_IDLE);
-        Ok(Self { pool: pool.to_owned(), template, tokenizer, segmenter, cache, counted: Default::default() })
+        #[expect(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "0 <= share * 2^32 <= 2^32")]
+        let recheck_step = (policy.recheck.clamp(0.0, 1.0) * (1u64 << 32) as f64).ceil() as u64;
+        Ok(Self {
+            pool: pool.to_owned(),
+            template,
+            tokenizer,
+            segmenter,
+            cache,
+            counted: Default::default(),
+            policy,
+            trust: Default::default(),
+            recheck_step,
+            recheck_acc: AtomicU64::new(0),
+        })
+    }
+
+    /// True when `other` renders and tokenizes as this one (same template text, same
+    /// tokenizer file contents) under the same policy: a reload keeps this one, its trust
+    /// and its cache.
+    pub fn same_as(&self, other: &Self) -> bool {
+        self.policy == other.policy
+            && self.segmenter.fingerprint() == other.segmenter.fingerprint()
+            && format!("{:?}", self.template) == format!("{:?}", other.template)
+    }
+
+    /// `body` rendered on `api`, with its shape.
+    ///
+    /// # Errors
+    /// The reason label when the request is not rendered here.
+    pub fn render(&self, api: Api, body: &[u8]) -> Result<Rendered, &'static str> {
+        match api {
+            Api::Chat => {
+                let chat = render::render_chat(&self.template, body).map_err(|e| e.label())?;
+                Ok(Rendered { text: chat.text, add_special_tokens: false, shape: shape_label(&chat.shape) })
+            }
+            Api::Completions => {
+                let prompt = render::render_completion(body).map_err(|e| e.label())?;
+                Ok(Rendered { text: prompt.text, add_special_tokens: prompt.add_special_tokens, shape: "completions" })
+            }
+            Api::Responses | Api::Messages => Err("api"),
+        }
+    }
+
+    /// The ids of a rendered request (chat segment by segment through the cache).
+    ///
+    /// # Errors
+    /// `encode` when the tokenizer fails.
+    pub fn encode(&self, rendered: &Rendered) -> Result<Vec<u32>, &'static str> {
+        if rendered.add_special_tokens {
+            render::encode(self.tokenizer.library(), &rendered.text, true).map_err(|_| "encode")
+        } else {
+            self.cache.encode(&self.segmenter, &rendered.text).map_err(|_| "encode")
+        }
+    }
+
+    /// With `local_ids = "on"`: the ids of `body` when its shape is trusted and this request
+    /// is not one of the recheck share (`None`: send it as text with the echo).
+    pub fn token_in(&self, api: Api, body: &[u8]) -> Option<(Vec<u32>, &'static str)> {
+        if self.policy.mode != LocalIdsMode::On {
+            return None;
+        }
+        let rendered = self.render(api, body).ok()?;
+        if !self.shape_trust(rendered.shape)?.trusted.load(Ordering::Relaxed) || self.recheck_now() {
+            return None;
+        }
+        Some((self.encode(&rendered).ok()?, rendered.shape))
+    }
+
+    /// Whether this request of a trusted shape is one of the recheck share.
+    fn recheck_now(&self) -> bool {
+        let old = self.recheck_acc.fetch_add(self.recheck_step, Ordering::Relaxed);
+        (old.wrapping_add(self.recheck_step) >> 32) != (old >> 32)
+    }
+
+    fn shape_trust(&self, shape: &str) -> Option<&ShapeTrust> {
+        SHAPES.iter().position(|s| *s == shape).and_then(|i| self.trust.get(i))
+    }
+
+    /// Whether `shape` is trusted now.
+    pub fn trusted(&self, shape: &str) -> bool {
+        self.shape_trust(shape).is_some_and(|t| t.trusted.load(Ordering::Relaxed))
+    }
+
+    /// Takes a check's verdict into the shape's trust: a match extends its streak (trusted at
+    /// `verify_after`), a mismatch ends both. Returns `Some(true)` when the shape became
+    /// trusted, `Some(false)` when it lost trust, `None` otherwise.
+    pub fn record(&self, shape: &str, verdict: &Verdict) -> Option<bool> {
+        let trust = self.shape_trust(shape)?;
+        match verdict {
+            Verdict::Match => {
+                let streak = trust.streak.fetch_add(1, Ordering::Relaxed).saturating_add(1);
+                (streak >= self.policy.verify_after && !trust.trusted.swap(true, Ordering::Relaxed)).then_some(true)
+            }
+            Verdict::Mismatch { .. } => {
+                trust.streak.store(0, Ordering::Relaxed);
+                trust.trusted.swap(false, Ordering::Relaxed).then_some(false)
+            }
+            Verdict::Unsupported(_) => None,
+        }
     }
 
     /// Counts the segment cache's hits and misses since the last call, and sets its size
@@ -82,6 +225,9 @@ impl LocalIds {
         let new_hits = stats.hits.saturating_sub(hits.swap(stats.hits, Ordering::Relaxed));
         let new_misses = stats.misses.saturating_sub(misses.swap(stats.misses, Ordering::Relaxed));
         metrics.segment_cache(&self.pool, new_hits, new_misses, stats.bytes);
+        for shape in SHAPES {
+            metrics.local_ids_trusted(&self.pool, shape, self.trusted(shape));
+        }
     }
 
     /// The ids tokenonce computes for `body` on `api`, and the request's shape label.
@@ -89,20 +235,8 @@ impl LocalIds {
     /// # Errors
     /// The reason label when the request is not rendered here.
     pub fn ids(&self, api: Api, body: &[u8]) -> Result<(Vec<u32>, &'static str), &'static str> {
-        match api {
-            Api::Chat => {
-                let chat = render::render_chat(&self.template, body).map_err(|e| e.label())?;
-                let ids = self.cache.encode(&self.segmenter, &chat.text).map_err(|_| "encode")?;
-                Ok((ids, shape_label(&chat.shape)))
-            }
-            Api::Completions => {
-                let prompt = render::render_completion(body).map_err(|e| e.label())?;
-                let ids = render::encode(self.tokenizer.library(), &prompt.text, prompt.add_special_tokens)
-                    .map_err(|_| "encode")?;
-                Ok((ids, "completions"))
-            }
-            Api::Responses | Api::Messages => Err("api"),
-        }
+        let rendered = self.render(api, body)?;
+        Ok((self.encode(&rendered)?, rendered.shape))
     }
 
     /// Compares what tokenonce computes for `body` with the ids the prefill `echoed`.
@@ -187,6 +321,15 @@ fn work(rx: &Mutex<Receiver<Sample>>, metrics: &Metrics) {
         let Ok(sample) = next else { return };
         let (shape, verdict) = sample.local.verify(sample.api, &sample.body, &sample.echoed.to_vec());
         let pool = &sample.local.pool;
+        match sample.local.record(shape, &verdict) {
+            Some(true) => {
+                tracing::info!(pool = %pool, shape, "local ids trusted for the shape: it matched its echo enough times in a row")
+            }
+            Some(false) => {
+                tracing::warn!(pool = %pool, shape, "local ids no longer trusted for the shape: a check differed")
+            }
+            None => {}
+        }
         match verdict {
             Verdict::Match => metrics.local_ids(pool, shape, LocalIdsResult::Match),
             Verdict::Unsupported(reason) => {

@@ -181,6 +181,8 @@ struct Upstreams {
     local_ids_unsupported: IntCounterVec,
     segment_cache_lookups: IntCounterVec,
     segment_cache_bytes: IntGaugeVec,
+    local_ids_trusted: IntGaugeVec,
+    local_ids_token_in: IntCounterVec,
 }
 
 impl Upstreams {
@@ -261,6 +263,18 @@ impl Upstreams {
                 "tokenonce_segment_cache_lookups_total",
                 "Segments of rendered prompts looked up in a pool's token cache (local ids): hit (ids reused) or miss (encoded); counted at a scrape.",
                 &["pool", "result"],
+            )?,
+            local_ids_trusted: gauge_vec(
+                registry,
+                "tokenonce_local_ids_trusted",
+                "1 while a shape of a pool's requests has matched its echo local_ids_verify_after times in a row (with local_ids = \"on\" its prefills go token-in), read when scraped.",
+                &["pool", "shape"],
+            )?,
+            local_ids_token_in: counter(
+                registry,
+                "tokenonce_local_ids_token_in_total",
+                "Prefills sent token-in with tokenonce's own ids (local_ids = \"on\", a trusted shape): the prefill neither rendered, tokenized nor echoed them, and the decode got the same ids.",
+                &["pool", "shape"],
             )?,
             segment_cache_bytes: gauge_vec(
                 registry,
@@ -618,6 +632,18 @@ impl Metrics {
         lookups.with_label_values(&[pool, "hit"]).inc_by(hits);
         lookups.with_label_values(&[pool, "miss"]).inc_by(misses);
         self.upstreams.segment_cache_bytes.with_label_values(&[pool]).set(i64::try_from(bytes).unwrap_or(i64::MAX));
+    }
+
+    /// Sets whether a pool's shape is trusted for local ids (its token-in count shows as 0
+    /// from then on too, instead of a gap).
+    pub fn local_ids_trusted(&self, pool: &str, shape: &str, trusted: bool) {
+        self.upstreams.local_ids_trusted.with_label_values(&[pool, shape]).set(i64::from(trusted));
+        self.upstreams.local_ids_token_in.with_label_values(&[pool, shape]).inc_by(0);
+    }
+
+    /// Counts one prefill sent token-in with tokenonce's ids.
+    pub fn local_ids_token_in(&self, pool: &str, shape: &str) {
+        self.upstreams.local_ids_token_in.with_label_values(&[pool, shape]).inc();
     }
 
     /// Counts one local-ids check.

@@ -266,6 +266,30 @@ pub fn prefill_body(client: &RawObject<'_>, shared: Option<&Bytes>, api: Api, wa
     obj.to_pieces(shared, None, None)
 }
 
+/// The prefill leg token-in, with tokenonce's own `ids` (`local_ids = "on"`): as
+/// [`prefill_body`] without asking the echo, and the prompt given as ids (chat:
+/// `kv_transfer_params.prompt_token_ids` next to the remote-decode params, which vLLM 0.32
+/// reads on any chat request and then neither renders nor tokenizes; completions: `prompt`).
+/// Other APIs get [`prefill_body`] with the echo.
+pub fn prefill_body_token_in(client: &RawObject<'_>, shared: Option<&Bytes>, api: Api, ids: &PromptIds) -> Pieces {
+    let mut obj = client.clone();
+    one_token(&mut obj, api);
+    match api {
+        Api::Chat => {
+            let mut kv = RawObject::parse(PREFILL_KV_TRANSFER_PARAMS).unwrap_or_default();
+            kv.set_raw("prompt_token_ids", IDS_HOLE);
+            obj.set_raw("kv_transfer_params", "null");
+            obj.to_pieces(shared, Some(("kv_transfer_params", &kv)), Some(ids.shared()))
+        }
+        Api::Completions => {
+            obj.set_raw("prompt", IDS_HOLE);
+            obj.set_raw("kv_transfer_params", PREFILL_KV_TRANSFER_PARAMS);
+            obj.to_pieces(shared, None, Some(ids.shared()))
+        }
+        Api::Responses | Api::Messages => prefill_body(client, shared, api, true),
+    }
+}
+
 /// One token, not streamed: the API's token limit (`max_completion_tokens` only when
 /// present: it wins over `max_tokens` in chat) to 1, `min_*` removed (vLLM refuses
 /// `min_tokens > max_tokens`), `stream: false`, `stream_options` removed (refused without

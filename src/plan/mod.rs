@@ -19,7 +19,7 @@ pub use prefiller::{prefiller_from_header, HeaderRule};
 pub use crate::config::ClientHandoff;
 use crate::config::{RelayHandoff, ReuseShare, Version};
 use crate::openai::json::Pieces;
-use crate::openai::request::{decode_body, prefill_body};
+use crate::openai::request::{decode_body, prefill_body, prefill_body_token_in};
 use crate::openai::response::{extract_handoff_shared, HandoffError, IdsFault};
 use crate::openai::{Api, ApiError, FallbackReason, IdsError, PromptIds, RawObject, RequestView};
 
@@ -247,6 +247,8 @@ pub struct Orchestration<'r, 'a> {
     pub gate: Gate,
     /// The prefill leg's body.
     pub prefill_body: Pieces,
+    /// tokenonce's own ids for the prompt, sent to the prefill and the decode.
+    local: Option<PromptIds>,
 }
 
 /// Plans an orchestrated request (prefill, then decode). `canary_key` is the request's id
@@ -260,10 +262,28 @@ pub fn orchestrate<'r, 'a>(
     let gate = gate(request.view, policy, decode, canary_key);
     let api = request.view.api;
     let prefill_body = prefill_body(request.obj, request.source, api, gate == Gate::Reuse);
-    Orchestration { request, policy: *policy, gate, prefill_body }
+    Orchestration { request, policy: *policy, gate, prefill_body, local: None }
 }
 
 impl Orchestration<'_, '_> {
+    /// With tokenonce's own `ids` for the prompt (`local_ids = "on"`, a trusted shape): when
+    /// the gate allows reuse on chat or completions, the prefill goes token-in without the
+    /// echo and the decode gets the same ids; otherwise nothing changes.
+    #[must_use]
+    pub fn with_local_ids(mut self, ids: PromptIds) -> Self {
+        let api = self.request.view.api;
+        if self.gate == Gate::Reuse && matches!(api, Api::Chat | Api::Completions) {
+            self.prefill_body = prefill_body_token_in(self.request.obj, self.request.source, api, &ids);
+            self.local = Some(ids);
+        }
+        self
+    }
+
+    /// True when the prefill goes token-in with tokenonce's ids.
+    pub fn local_ids(&self) -> bool {
+        self.local.is_some()
+    }
+
     /// The decode leg alone, decided before any prefill: a Responses request that needs the
     /// decode's response store (`previous_response_id`, `conversation`, `background`). The
     /// prefill engine does not hold the earlier answers (its legs are `store: false`, and a
@@ -304,6 +324,8 @@ impl Orchestration<'_, '_> {
         let handoff = extract_handoff_shared(api, answer, self.policy.vocab)?;
         let (ids, fallback, refused) = match (self.gate, handoff.ids) {
             (Gate::Fallback(reason), _) => (None, reason, None),
+            // The prefill was sent tokenonce's ids and echoed none.
+            (Gate::Reuse, _) if self.local.is_some() => (self.local.clone(), FallbackReason::ParityReuseOff, None),
             (Gate::Reuse, Ok(ids)) => (Some(ids), FallbackReason::ParityReuseOff, None),
             (Gate::Reuse, Err(IdsFault::Missing)) => (None, FallbackReason::IdsMissing, None),
             (Gate::Reuse, Err(IdsFault::Invalid(e @ IdsError::OutOfVocab { .. }))) => {

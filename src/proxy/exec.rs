@@ -470,11 +470,39 @@ pub fn watch_parity(
     });
 }
 
+/// The route's prefill pool's local renderer, when it has one.
+fn local_renderer(info: &RequestInfo) -> Option<&Arc<crate::local::LocalIds>> {
+    let Some(crate::routes::PrefillTarget::Pool(pool)) = &info.route.prefill else { return None };
+    info.app.local.get(&pool.name)
+}
+
+/// With `local_ids = "on"` on the route's prefill pool: the request's ids and shape when its
+/// shape is trusted and it is not rechecked (rendered and tokenized on a blocking thread, off
+/// the proxy's workers).
+pub async fn local_token_in(
+    info: &RequestInfo,
+    api: crate::openai::Api,
+    body: &Bytes,
+) -> Option<(Vec<u32>, &'static str)> {
+    let local = local_renderer(info).filter(|l| l.policy.mode == crate::config::LocalIdsMode::On)?;
+    if !matches!(api, crate::openai::Api::Chat | crate::openai::Api::Completions) {
+        return None;
+    }
+    let (local, body) = (Arc::clone(local), body.clone());
+    tokio::task::spawn_blocking(move || local.token_in(api, &body)).await.ok().flatten()
+}
+
+/// Counts a prefill sent token-in with tokenonce's ids.
+pub fn count_token_in(info: &RequestInfo, shape: &str) {
+    if let Some(local) = local_renderer(info) {
+        info.app.metrics.local_ids_token_in(&local.pool, shape);
+    }
+}
+
 /// Hands `ids` (the prefill's echo) to the local-ids verifier when the route's prefill pool
 /// has `local_ids` on (never waits: a full queue drops the check, counted).
 pub fn shadow_local_ids(info: &RequestInfo, api: crate::openai::Api, body: &Bytes, ids: &PromptIds) {
-    let Some(crate::routes::PrefillTarget::Pool(pool)) = &info.route.prefill else { return };
-    let Some(local) = info.app.local.get(&pool.name) else { return };
+    let Some(local) = local_renderer(info) else { return };
     info.app.verifier.submit(crate::local::Sample {
         local: Arc::clone(local),
         request_id: info.request_id.clone(),

@@ -17,7 +17,7 @@ use crate::metrics::{FollowUp, Leg, Stage};
 use crate::openai::json::{Pieces, RawObject};
 use crate::openai::request::{previous_response_id, stored_response_id};
 use crate::openai::response::HandoffError;
-use crate::openai::Api;
+use crate::openai::{Api, PromptIds};
 use crate::plan::{self, prefiller_from_header, DecodeVersion};
 use crate::routes::{PrefillTarget, Route};
 use crate::upstream::{self, Picked};
@@ -95,12 +95,18 @@ async fn orchestrate(
     } else {
         DecodeVersion::NotNeeded
     };
-    let plan = plan::orchestrate(
+    let mut plan = plan::orchestrate(
         plan::Request { obj, view: &req.view, source: Some(req.incoming.body) },
         &policy,
         version,
         &info.request_id,
     );
+    if let Some((ids, shape)) = exec::local_token_in(info, req.view.api, req.incoming.body).await {
+        plan = plan.with_local_ids(PromptIds::from_ids(&ids));
+        if plan.local_ids() {
+            exec::count_token_in(info, shape);
+        }
+    }
     if let Some(step) = plan.decode_only() {
         exec::record_reuse(info, rec, step.reuse, None);
         return exec::decode(session, info, rec, &req.incoming, &decode, step).await;
@@ -121,7 +127,10 @@ async fn orchestrate(
     exec::record_reuse(info, rec, step.reuse, step.refused.as_ref());
     if let Some(ids) = step.ids.take() {
         exec::watch_parity(info, req.view.api, req.incoming.body, &ids, step.prompt_tokens);
-        exec::shadow_local_ids(info, req.view.api, req.incoming.body, &ids);
+        // Ids tokenonce computed itself are not checked against themselves.
+        if !plan.local_ids() {
+            exec::shadow_local_ids(info, req.view.api, req.incoming.body, &ids);
+        }
     }
     route.metrics.stage(Stage::Handoff, handoff_started.elapsed());
     drop(handoff);

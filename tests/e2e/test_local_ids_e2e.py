@@ -9,7 +9,10 @@ echoed its ids, tokenonce renders and tokenizes the request itself and compares 
   matches, each counted under its shape;
 - every check of the whole tier's traffic so far (test_e2e.py's cases, streamed or not, the
   parity tests' accented text, the wrong-tokenizer route's requests) matched: a mismatch
-  anywhere fails this test, with the counts per shape printed.
+  anywhere fails this test, with the counts per shape printed;
+- with local_ids = "on" (pool `prefill-local`, route `local`), each shape's second request
+  goes token-in (tokenonce's ids to the prefill, no echo), the decode pulls the KV over NIXL,
+  and the answer equals the text path's and a direct call's.
 
 Run: bash tests/e2e/run.sh (it starts the stack); by hand against a running stack:
     VENV/bin/python -m pytest tests/e2e/test_local_ids_e2e.py
@@ -19,7 +22,9 @@ import time
 
 import httpx
 
-from test_e2e import HOST, MODEL, TIMEOUT_S, TOKENONCE_PORT, metric, salted, scrape
+from engine_metrics import DecodePull
+
+from test_e2e import DECODE_PORT, HOST, MODEL, TIMEOUT_S, TOKENONCE_PORT, metric, salted, scrape
 
 CHECKS = "tokenonce_local_ids_checks_total"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -97,3 +102,47 @@ def test_every_shape_matches_and_no_check_of_the_tiers_traffic_differs():
         assert grew == n, f"{shape}: {grew} of {n} requests matched; {table}"
     mismatches = metric(after, CHECKS, pool="prefill", result="mismatch")
     assert mismatches == 0, f"local ids differ from vLLM's echo: {table}"
+
+
+def test_on_sends_trusted_shapes_token_in_with_answers_equal_to_text_and_direct():
+    """The `local` route (local_ids = "on", trusted after one match): each shape's first
+    request goes as text with the echo and matches; its second goes token-in (the prefill
+    rendered and tokenized nothing: tokenonce sent its ids) with the decode pulling the KV over
+    NIXL, and answers exactly as the text path (`off` route) and a direct call to the decode."""
+    before = settled()
+    shapes = {**{s: b[0] for s, b in CHAT_SHAPES.items()}}
+    for shape, extra in shapes.items():
+        body = {"model": MODEL, "max_tokens": 8, "temperature": 0, **extra}
+        first = post_route("/v1/chat/completions", {**body, **salted(f"on-{shape}-1")}, "local")
+        trusted = wait_trusted("prefill-local", shape)
+        assert trusted, f"{shape}: not trusted after its first request matched"
+        with DecodePull() as pull:
+            second = post_route("/v1/chat/completions", {**body, **salted(f"on-{shape}-2")}, "local")
+        pull.assert_pulled(second["usage"]["prompt_tokens"])
+        text = post_route("/v1/chat/completions", {**body, **salted(f"on-{shape}-3")}, "off")
+        direct = httpx.post(f"http://{HOST}:{DECODE_PORT}/v1/chat/completions",
+                            json={**body, **salted(f"on-{shape}-4")}, timeout=TIMEOUT_S).json()
+        answer = lambda r: (r["choices"][0]["message"].get("content"), r["choices"][0]["message"].get("reasoning"),  # noqa: E731
+                            r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"])
+        assert answer(second) == answer(text) == answer(direct) == answer(first), (shape, second, text, direct)
+    after = settled()
+    token_in = (metric(after, "tokenonce_local_ids_token_in_total", pool="prefill-local")
+                - metric(before, "tokenonce_local_ids_token_in_total", pool="prefill-local"))
+    assert token_in == len(shapes), f"{token_in} token-in prefills for {len(shapes)} shapes"
+    assert metric(after, CHECKS, pool="prefill-local", result="mismatch") == 0
+
+
+def post_route(path, body, route):
+    r = httpx.post(f"http://{HOST}:{TOKENONCE_PORT}{path}", json=body, headers={"x-e2e-route": route},
+                   timeout=TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_trusted(pool, shape, deadline_s=20.0):
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if metric(scrape(), "tokenonce_local_ids_trusted", pool=pool, shape=shape) == 1:
+            return True
+        time.sleep(0.2)
+    return False
