@@ -14,7 +14,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-use std::path::PathBuf;
+#[path = "common/mod.rs"]
+mod common;
+
 use std::time::{Duration, Instant};
 
 use tokenonce::tokens::{SegmentCache, Segmenter};
@@ -28,21 +30,6 @@ const FOLLOW_UP_TOKENS: usize = 200;
 const TURNS: usize = 10;
 /// Bounds the whole run whatever `--runs` says.
 const MAX_SECONDS: u64 = 240;
-
-fn tokenizer_path() -> PathBuf {
-    if let Ok(p) = std::env::var("TOKENONCE_TOKENIZER") {
-        return PathBuf::from(p);
-    }
-    let cache = std::env::var("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache"));
-    cache.join("tokenonce-vllm-venv/models/tiny-qwen3/tokenizer.json")
-}
-
-fn runs() -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == "--runs").and_then(|i| args.get(i + 1)).and_then(|n| n.parse().ok()).unwrap_or(20)
-}
 
 fn thread_cpu() -> Duration {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
@@ -229,7 +216,7 @@ impl Row {
 }
 
 fn main() {
-    let path = tokenizer_path();
+    let path = common::tokenizer_path();
     if !path.exists() {
         eprintln!(
             "local_ids: no tokenizer at {} (run `bash tests/e2e/vllm/setup.sh`, or set TOKENONCE_TOKENIZER to a tokenizer.json or model folder)",
@@ -269,7 +256,7 @@ fn main() {
     let mut cache_bytes = 0;
     // One untimed round first: the tokenizer's own word cache (BPE) and the allocator warm up
     // for every variant alike.
-    for round in 0..=runs() {
+    for round in 0..=common::runs(20) {
         if Instant::now() > deadline {
             break;
         }

@@ -10,7 +10,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-use std::path::PathBuf;
+#[path = "common/mod.rs"]
+mod common;
+
 use std::time::{Duration, Instant};
 
 use tokenonce::openai::{Api, PromptIds};
@@ -22,21 +24,6 @@ const TARGET_TOKENS: usize = 37_000;
 const MESSAGES: usize = 58;
 /// Bounds the whole run whatever `--runs` says.
 const MAX_SECONDS: u64 = 120;
-
-fn tokenizer_path() -> PathBuf {
-    if let Ok(p) = std::env::var("TOKENONCE_TOKENIZER") {
-        return PathBuf::from(p);
-    }
-    let cache = std::env::var("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache"));
-    cache.join("tokenonce-vllm-venv/models/tiny-qwen3/tokenizer.json")
-}
-
-fn runs() -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == "--runs").and_then(|i| args.get(i + 1)).and_then(|n| n.parse().ok()).unwrap_or(50)
-}
 
 /// A Qwen3-style rendering of `MESSAGES` chat turns of prose, and the request body they come
 /// from; grown until the rendering is about `TARGET_TOKENS` tokens.
@@ -76,7 +63,7 @@ fn report(name: &str, mut times: Vec<Duration>) {
 }
 
 fn main() {
-    let path = tokenizer_path();
+    let path = common::tokenizer_path();
     if !path.exists() {
         println!("no tokenizer at {} (run tests/e2e/vllm/setup.sh or set TOKENONCE_TOKENIZER)", path.display());
         return;
@@ -101,7 +88,7 @@ fn main() {
     );
 
     let deadline = Instant::now() + Duration::from_secs(MAX_SECONDS);
-    let n = runs();
+    let n = common::runs(50);
     let (mut plain, mut bounded, mut contents, mut decode, mut search, mut whole) =
         (vec![], vec![], vec![], vec![], vec![], vec![]);
     for _ in 0..n {

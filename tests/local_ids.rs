@@ -11,6 +11,17 @@ mod support;
 use serde_json::json;
 use support::*;
 
+/// A prefill fake's pool with the model folder `model` and the local-ids `keys`, a decode
+/// fake's pool, and route `pd` between them.
+fn local_config(p: &FakeVllm, d: &FakeVllm, model: &std::path::Path, keys: &str) -> String {
+    format!(
+        "[pools.prefill]\nendpoints = [\"{}\"]\ntokenizer = {:?}\n{keys}[pools.decode]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n",
+        p.host_port(),
+        model.display().to_string(),
+        d.host_port()
+    )
+}
+
 const MATCH: &str = r#"tokenonce_local_ids_checks_total{pool="prefill",result="match",shape="completions"}"#;
 const MISMATCH: &str = r#"tokenonce_local_ids_checks_total{pool="prefill",result="mismatch",shape="completions"}"#;
 
@@ -23,14 +34,7 @@ async fn shadow_counts_matches_and_mismatches_and_changes_no_answer() {
     let dir = tempfile::tempdir().unwrap();
     write_local_model(dir.path());
     let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
-    let config = |mode: &str| {
-        format!(
-            "[pools.prefill]\nendpoints = [\"{}\"]\ntokenizer = {:?}\nlocal_ids = \"{mode}\"\n[pools.decode]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n",
-            p.host_port(),
-            dir.path().display().to_string(),
-            d.host_port()
-        )
-    };
+    let config = |mode: &str| local_config(&p, &d, dir.path(), &format!("local_ids = \"{mode}\"\n"));
     let proxy = TokenOnce::start(&config("shadow")).await;
     let url = format!("{}/v1/completions", proxy.url);
     let body = |prompt: &str| json!({"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 3});
@@ -77,12 +81,7 @@ async fn a_follow_up_turn_reuses_the_segments_of_the_conversation() {
     let dir = tempfile::tempdir().unwrap();
     write_local_model(dir.path());
     let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
-    let config = format!(
-        "[pools.prefill]\nendpoints = [\"{}\"]\ntokenizer = {:?}\nlocal_ids = \"shadow\"\n[pools.decode]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n",
-        p.host_port(),
-        dir.path().display().to_string(),
-        d.host_port()
-    );
+    let config = local_config(&p, &d, dir.path(), "local_ids = \"shadow\"\n");
     let proxy = TokenOnce::start(&config).await;
     let url = format!("{}/v1/chat/completions", proxy.url);
     let first = json!([{"role": "user", "content": "alpha bravo"}]);
@@ -115,12 +114,8 @@ async fn on_sends_trusted_shapes_token_in_and_a_mismatch_ends_the_trust() {
     let dir = tempfile::tempdir().unwrap();
     write_local_model(dir.path());
     let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
-    let config = format!(
-        "[pools.prefill]\nendpoints = [\"{}\"]\ntokenizer = {:?}\nlocal_ids = \"on\"\nlocal_ids_verify_after = 2\nlocal_ids_recheck = 0.5\n[pools.decode]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n",
-        p.host_port(),
-        dir.path().display().to_string(),
-        d.host_port()
-    );
+    let config =
+        local_config(&p, &d, dir.path(), "local_ids = \"on\"\nlocal_ids_verify_after = 2\nlocal_ids_recheck = 0.5\n");
     let proxy = TokenOnce::start(&config).await;
     let url = format!("{}/v1/completions", proxy.url);
     let send = |prompt: &'static str| {
@@ -174,11 +169,11 @@ async fn trust_survives_a_reload_of_the_unchanged_pool_only() {
     write_local_model(dir.path());
     let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
     let config = |after: u32| {
-        format!(
-            "[pools.prefill]\nendpoints = [\"{}\"]\ntokenizer = {:?}\nlocal_ids = \"on\"\nlocal_ids_verify_after = {after}\nlocal_ids_recheck = 0.0\n[pools.decode]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n",
-            p.host_port(),
-            dir.path().display().to_string(),
-            d.host_port()
+        local_config(
+            &p,
+            &d,
+            dir.path(),
+            &format!("local_ids = \"on\"\nlocal_ids_verify_after = {after}\nlocal_ids_recheck = 0.0\n"),
         )
     };
     let proxy = TokenOnce::start(&config(1)).await;
