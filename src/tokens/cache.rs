@@ -57,22 +57,22 @@ pub struct CacheStats {
 impl CacheStats {
     /// Hits over lookups (0 before any).
     pub fn hit_rate(&self) -> f64 {
-        let lookups = self.hits + self.misses;
-        if lookups == 0 {
-            0.0
-        } else {
-            self.hits as f64 / lookups as f64
-        }
+        share(self.hits, self.hits + self.misses)
     }
 
     /// Reused text bytes over all text bytes asked (0 before any).
     pub fn reused_share(&self) -> f64 {
-        let total = self.reused_bytes + self.encoded_bytes;
-        if total == 0 {
-            0.0
-        } else {
-            self.reused_bytes as f64 / total as f64
-        }
+        share(self.reused_bytes, self.reused_bytes + self.encoded_bytes)
+    }
+}
+
+/// `part` over `whole` (0 for an empty whole).
+#[expect(clippy::cast_precision_loss, reason = "a ratio for reports")]
+fn share(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 / whole as f64
     }
 }
 
