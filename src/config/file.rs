@@ -76,9 +76,7 @@ pub struct Server {
     /// performance chapter) and a less even balance when a few connections carry most of
     /// the load. Fixed at start.
     /// Default: `true`.
-    /// One multi-threaded runtime whose idle threads take queued tasks (pingora's default).
-    /// Off, each thread runs its own runtime and keeps the connections it was handed, with no
-    /// cross-thread wake-ups (measured within noise of on), less even under uneven load.
+    /// pingora's default; off measured within noise of on, and less even under uneven load.
     #[default(true)]
     pub work_stealing: bool,
     /// Seconds in-flight streams may finish after SIGTERM (at most 3600). Fixed at start.
@@ -215,33 +213,25 @@ pub struct Pool {
     pub tokenizer: Option<String>,
     /// TLS to the pool's engines (none: plain HTTP).
     pub tls: Option<PoolTls>,
-    /// `shadow`: for every chat and completions request whose prefill, on this pool, echoed
-    /// its prompt ids, tokenonce also renders the request with the model folder's chat
-    /// template (the folder of `tokenizer`) and tokenizes it, off the request path (one
-    /// worker; a full queue drops the check, counted), and compares the ids with the echo,
-    /// exactly: `local_ids_checks_total{pool,shape,result}`. Nothing the client gets changes.
-    /// Needs `tokenizer`; loaded at start and on SIGHUP with it.
-    /// `on`: shadow, and once a shape of request (`completions`, `chat`, `chat_system`,
-    /// `chat_multi_turn`, `chat_tools`, `chat_continue`) matched `local_ids_verify_after` times
-    /// in a row, its prefills go token-in with tokenonce's ids (the prefill neither renders,
-    /// tokenizes nor echoes them) and its decodes get the same ids, but for a
-    /// `local_ids_recheck` share that keeps going as text with the echo; a mismatch puts the
-    /// shape back to text until it has matched that many times again.
+    /// `shadow`: tokenonce renders and tokenizes each chat and completions request this pool
+    /// prefilled with an echo (the chat template of the `tokenizer`'s model folder), off the
+    /// request path, and counts whether its ids equal the echo, by request shape. `on`: also,
+    /// a shape that matched `local_ids_verify_after` times in a row sends its prefills token-in
+    /// with those ids (no echo), but for a `local_ids_recheck` share; a mismatch ends that
+    /// (see the parity chapter). Needs `tokenizer`.
     /// Default: `"off"`.
     /// Local ids are proven on a pool's own traffic before anything depends on them.
     pub local_ids: LocalIdsMode,
     /// Matches in a row a shape needs before `local_ids = "on"` sends it token-in (1 to
     /// 1,000,000).
     /// Default: `100`.
-    /// A hundred exact matches of real requests of a shape, and none differing, make a
-    /// rendering difference of that shape rarer than one in a hundred.
+    /// A hundred exact matches in a row make a rendering difference of that shape rare.
     #[default(100)]
     pub local_ids_verify_after: u32,
     /// Share of a verified shape's requests still sent as text with the echo, to keep
     /// checking (a float from none to all).
     /// Default: `0.01`.
-    /// One request in a hundred keeps the check going (a template or engine change shows
-    /// within minutes) at a hundredth of the echo's cost.
+    /// Keeps the check going (a template or engine change shows) at 1 % of the echo's cost.
     #[default(0.01)]
     pub local_ids_recheck: f64,
 }

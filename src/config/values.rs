@@ -207,15 +207,6 @@ impl ReuseShare {
         Some(Self { ppm })
     }
 
-    /// `true` → all, `false` → none.
-    pub fn from_switch(on: bool) -> Self {
-        if on {
-            Self::ON
-        } else {
-            Self::OFF
-        }
-    }
-
     /// No request reuses ids.
     pub fn is_off(self) -> bool {
         self.ppm == 0
@@ -252,7 +243,7 @@ impl<'de> Deserialize<'de> for ReuseShare {
                 f.write_str("a boolean or a fraction between 0.0 and 1.0")
             }
             fn visit_bool<E>(self, v: bool) -> Result<ReuseShare, E> {
-                Ok(ReuseShare::from_switch(v))
+                Ok(if v { ReuseShare::ON } else { ReuseShare::OFF })
             }
             fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<ReuseShare, E> {
                 ReuseShare::from_fraction(v)
