@@ -10,12 +10,16 @@
 #        8200, 9000, 9100 and 9200 must be free). Env: QUICKSTART_KEEP=1 leaves it all running.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-TOKENONCE_JOB=""
 
 stop() {
   local rc=$?
   if [ "${QUICKSTART_KEEP:-0}" != 1 ]; then
-    if [ -n "$TOKENONCE_JOB" ]; then pkill -TERM -P "$TOKENONCE_JOB" 2>/dev/null || true; kill "$TOKENONCE_JOB" 2>/dev/null || true; fi
+    # Every job still running (`cargo run` and the tokenonce it started), also when a line
+    # of the quick start failed before the last one: a tokenonce left behind would hold :8000.
+    for job in $(jobs -p); do
+      pkill -TERM -P "$job" 2>/dev/null || true
+      kill "$job" 2>/dev/null || true
+    done
     bash tests/e2e/vllm/stop.sh 8100 >/dev/null || true
     bash tests/e2e/vllm/stop.sh 8200 >/dev/null || true
   fi
@@ -36,7 +40,6 @@ curl -s http://127.0.0.1:8000/v1/chat/completions -H 'content-type: application/
   -d '{"model": "tiny-qwen3", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}'
 curl -s http://127.0.0.1:9000/metrics | grep 'tokenonce_token_reuse_total{.*result="applied"'
 # --- end ---
-TOKENONCE_JOB=$!
 
 # What the lines above must have shown: one request reused its ids, and the decode pulled the
 # prompt's KV over NIXL (its own counters).
