@@ -162,7 +162,7 @@ async fn on_sends_trusted_shapes_token_in_and_a_mismatch_ends_the_trust() {
 }
 
 /// A trusted shape stays trusted over a reload of the unchanged pool, and starts over when
-/// the reload changes the pool's local-ids policy.
+/// the reload changes the model folder's template or the pool's local-ids policy.
 #[tokio::test(flavor = "multi_thread")]
 async fn trust_survives_a_reload_of_the_unchanged_pool_only() {
     let dir = tempfile::tempdir().unwrap();
@@ -186,7 +186,18 @@ async fn trust_survives_a_reload_of_the_unchanged_pool_only() {
     proxy.reconfigure(&config(1));
     assert_eq!(proxy.metric_reaches(reloaded, 1.0).await, 1.0);
     assert_eq!(proxy.metric(trusted).await, 1.0, "unchanged: still trusted");
-    proxy.reconfigure(&config(5));
+    // Another template of the same length in the model folder: a new renderer, no trust.
+    let tokenizer_config = dir.path().join("tokenizer_config.json");
+    let text = std::fs::read_to_string(&tokenizer_config).unwrap();
+    let edited = text.replace("\\n{{ m.content }}", " {{ m.content }}");
+    assert!(edited != text && edited.len() + 1 == text.len(), "the template's newline became a space");
+    std::fs::write(&tokenizer_config, edited).unwrap();
+    proxy.reconfigure(&config(1));
     assert_eq!(proxy.metric_reaches(reloaded, 2.0).await, 2.0);
+    assert_eq!(proxy.metric(trusted).await, 0.0, "another template: the shape earns its trust again");
+    assert_eq!(post_json(&url, &body, &[]).await.0, 200);
+    assert_eq!(proxy.metric_reaches(trusted, 1.0).await, 1.0);
+    proxy.reconfigure(&config(5));
+    assert_eq!(proxy.metric_reaches(reloaded, 3.0).await, 3.0);
     assert_eq!(proxy.metric(trusted).await, 0.0, "another policy: the shape earns its trust again");
 }

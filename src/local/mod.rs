@@ -138,7 +138,7 @@ impl LocalIds {
     pub fn same_as(&self, other: &Self) -> bool {
         self.policy == other.policy
             && self.segmenter.fingerprint() == other.segmenter.fingerprint()
-            && format!("{:?}", self.template) == format!("{:?}", other.template)
+            && self.template.same_as(&other.template)
     }
 
     /// `body` rendered on `api`, with its shape.
@@ -174,7 +174,7 @@ impl LocalIds {
     /// With `local_ids = "on"`: the ids of `body` when its shape is trusted and this request
     /// is not one of the recheck share (`None`: send it as text with the echo).
     pub fn token_in(&self, api: Api, body: &[u8]) -> Option<(Vec<u32>, &'static str)> {
-        if self.policy.mode != LocalIdsMode::On {
+        if !self.any_trusted() {
             return None;
         }
         let rendered = self.render(api, body).ok()?;
@@ -188,6 +188,12 @@ impl LocalIds {
     fn recheck_now(&self) -> bool {
         let old = self.recheck_acc.fetch_add(self.recheck_step, Ordering::Relaxed);
         (old.wrapping_add(self.recheck_step) >> 32) != (old >> 32)
+    }
+
+    /// With `local_ids = "on"`, whether any shape is trusted yet (until then no request is
+    /// rendered on the request path).
+    pub fn any_trusted(&self) -> bool {
+        self.policy.mode == LocalIdsMode::On && self.trust.iter().any(|t| t.trusted.load(Ordering::Relaxed))
     }
 
     fn shape_trust(&self, shape: &str) -> Option<&ShapeTrust> {

@@ -484,7 +484,8 @@ pub async fn local_token_in(
     api: crate::openai::Api,
     body: &Bytes,
 ) -> Option<(Vec<u32>, &'static str)> {
-    let local = local_renderer(info).filter(|l| l.policy.mode == crate::config::LocalIdsMode::On)?;
+    // No blocking-thread hop and no render before a shape has earned trust.
+    let local = local_renderer(info).filter(|l| l.any_trusted())?;
     if !matches!(api, crate::openai::Api::Chat | crate::openai::Api::Completions) {
         return None;
     }

@@ -282,6 +282,15 @@ impl ChatTemplate {
         })
     }
 
+    /// True when `other` was loaded from the same template text(s) and special tokens (a
+    /// reload that changed neither renders alike; the load options are the caller's).
+    pub fn same_as(&self, other: &Self) -> bool {
+        fn sources(t: &ChatTemplate) -> (Option<&str>, Option<&str>) {
+            (t.default.as_ref().map(|v| v.source.as_str()), t.tool_use.as_ref().map(|v| v.source.as_str()))
+        }
+        sources(self) == sources(other) && self.special_tokens == other.special_tokens
+    }
+
     /// The special tokens the template context gets, as (name, string).
     pub fn special_tokens(&self) -> &[(String, String)] {
         &self.special_tokens
