@@ -310,9 +310,8 @@ impl Verifier {
 
     /// Queues `sample` without waiting; a full queue drops it (counted as `dropped`).
     pub fn submit(&self, sample: Sample) {
-        let pool = sample.local.pool.clone();
-        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.tx.try_send(sample) {
-            self.metrics.local_ids(&pool, "none", LocalIdsResult::Dropped);
+        if let Err(TrySendError::Full(sample) | TrySendError::Disconnected(sample)) = self.tx.try_send(sample) {
+            self.metrics.local_ids(&sample.local.pool, "none", LocalIdsResult::Dropped);
         }
     }
 }
