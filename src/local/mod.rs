@@ -349,3 +349,48 @@ fn work(rx: &Mutex<Receiver<Sample>>, metrics: &Metrics) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pool renderer over a ChatML template and a word tokenizer.
+    fn local() -> Arc<LocalIds> {
+        let template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
+        let template = ChatTemplate::from_source(template, &[], crate::render::LoadOptions::default()).unwrap();
+        let tokenizer = crate::parity::testing::word_tokenizer(&["user", "word"], &["<|im_start|>", "<|im_end|>"]);
+        let policy = Policy { mode: LocalIdsMode::Shadow, verify_after: 1, recheck: 0.0 };
+        Arc::new(LocalIds::new("p", Arc::new(template), Arc::new(tokenizer), policy).unwrap())
+    }
+
+    /// A verifier whose one worker is busy drops what its queue cannot hold, counted as
+    /// `dropped`; the request never waits (each submit returns at once).
+    #[test]
+    fn a_busy_verifier_drops_checks_and_counts_them() {
+        let registry = prometheus::Registry::new();
+        let metrics = Metrics::register(&registry).unwrap();
+        let verifier = Verifier::start(1, 1, &metrics).unwrap();
+        // Each check renders and encodes ~200k words: far slower than 50 submits.
+        let body = Bytes::from(format!(
+            "{{\"messages\":[{{\"role\":\"user\",\"content\":\"{}\"}}]}}",
+            "word ".repeat(200_000)
+        ));
+        let local = local();
+        for i in 0..50 {
+            verifier.submit(Sample {
+                local: Arc::clone(&local),
+                request_id: format!("r{i}"),
+                api: Api::Chat,
+                body: body.clone(),
+                echoed: PromptIds::from_ids(&[1, 2]),
+            });
+        }
+        let text = String::from_utf8(Metrics::render(&registry)).unwrap();
+        let dropped = text
+            .lines()
+            .find(|l| l.starts_with("tokenonce_local_ids_checks_total{") && l.contains("result=\"dropped\""))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        assert!(dropped >= 40.0, "{dropped} of 50 dropped:\n{text}");
+    }
+}

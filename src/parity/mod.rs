@@ -6,5 +6,7 @@ pub mod check;
 mod tokenizer;
 mod watch;
 
+#[cfg(test)]
+pub(crate) use tokenizer::testing;
 pub use tokenizer::{Tokenizer, TOKENIZER_FILE};
 pub use watch::{ParityHold, RouteParity, Sample, Watch, QUEUE, WORKERS};
