@@ -269,11 +269,11 @@ impl App {
         for old in &self.pools {
             let Some(new) = pools.iter().find(|p| p.name == old.name) else {
                 self.metrics.forget_pool(&old.name);
-                old.endpoints.iter().for_each(|e| self.metrics.forget_endpoint(&old.name, &e.addr));
+                old.endpoints.iter().for_each(|e| self.metrics.forget_endpoint(&old.name, &e.name));
                 continue;
             };
-            for e in old.endpoints.iter().filter(|e| !new.endpoints.iter().any(|n| n.addr == e.addr)) {
-                self.metrics.forget_endpoint(&old.name, &e.addr);
+            for e in old.endpoints.iter().filter(|e| !new.endpoints.iter().any(|n| n.name == e.name)) {
+                self.metrics.forget_endpoint(&old.name, &e.name);
             }
         }
         for old in self.routes.routes() {

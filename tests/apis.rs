@@ -1,5 +1,5 @@
-//! `/v1/responses` and `/v1/messages` under P/D against fake engines that behave like the
-//! vLLM 0.32 recordings, and the fractional `token_reuse` canary.
+//! `/v1/responses`, `/v1/messages` and `/inference/v1/generate` under P/D against fake
+//! engines that behave like the vLLM 0.32 recordings, and the fractional `token_reuse` canary.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -29,6 +29,82 @@ fn messages_body(extra: Value) -> Value {
     });
     body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
     body
+}
+
+fn generate_body(extra: Value) -> Value {
+    let mut body = json!({
+        "model": "tiny-qwen3",
+        "token_ids": [151644, 8948, 198, 2610, 525, 50537, 13],
+        "sampling_params": {"max_tokens": 5, "min_tokens": 2, "temperature": 0}
+    });
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    body
+}
+
+/// Generate, JSON and streamed: the prefill leg has `sampling_params.max_tokens` 1 (its
+/// `min_tokens` gone), `stream: false` and the remote-decode `kv_transfer_params`; the decode
+/// gets the client's body with the prefill's handoff; the client gets what the decode
+/// answers to a direct call; no ids to reuse (`prompt_is_tokens`).
+#[tokio::test(flavor = "multi_thread")]
+async fn generate_runs_both_legs_with_the_handoff() {
+    let prefill = FakeConfig { connector: true, ..FakeConfig::default() };
+    let (p, d, proxy) = pd_setup(prefill, FakeConfig::default(), "").await;
+    for (i, stream) in [false, true].into_iter().enumerate() {
+        let extra = if stream { json!({"stream": true, "stream_options": {"include_usage": true}}) } else { json!({}) };
+        let body = generate_body(extra);
+        let (status, headers, text) =
+            post_json(&format!("{}/inference/v1/generate", proxy.url), &body, &[("x-request-id", "g1")]).await;
+        assert_eq!(status, 200, "{text}");
+        let ctype = headers.get("content-type").unwrap().to_str().unwrap().to_owned();
+        assert_eq!(ctype.starts_with("text/event-stream"), stream, "{ctype}");
+        let (_, _, direct) =
+            post_json(&format!("http://{}/inference/v1/generate", d.host_port()), &body, &[("x-request-id", "g1")])
+                .await;
+        assert_eq!(text, direct);
+        let pj = p.posts()[i].json();
+        assert_eq!(pj["sampling_params"], json!({"max_tokens": 1, "temperature": 0}));
+        assert_eq!((pj["stream"].clone(), pj.get("stream_options")), (json!(false), None));
+        assert_eq!(pj["kv_transfer_params"]["do_remote_decode"], true);
+        assert_eq!(pj["token_ids"], body["token_ids"]);
+        let dj = d.posts()[2 * i].json();
+        assert_eq!(dj["kv_transfer_params"]["remote_engine_id"], "fake-engine");
+        assert_eq!(dj["sampling_params"], body["sampling_params"]);
+        assert_eq!(dj["stream"], body.get("stream").cloned().unwrap_or(Value::Null));
+    }
+    let reason = r#"tokenonce_token_reuse_total{reason="prompt_is_tokens",result="fallback",route="pd"}"#;
+    assert_eq!(proxy.metric_reaches(reason, 2.0).await, 2.0);
+    let requests = r#"tokenonce_requests_total{api="generate",mode="orchestrate",outcome="success",route="pd"}"#;
+    assert_eq!(proxy.metric_reaches(requests, 2.0).await, 2.0);
+}
+
+/// Generate bodies vLLM would refuse are refused before any leg, in OpenAI's shape with the
+/// field named; an engine started without `--enable-scale-out` answers 403 and that answer
+/// reaches the client (the prefill's, so the decode never runs).
+#[tokio::test(flavor = "multi_thread")]
+async fn generate_errors_name_the_field_or_the_engine_flag() {
+    let (p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    let url = format!("{}/inference/v1/generate", proxy.url);
+    for (body, param) in [
+        (json!({"model": "tiny-qwen3", "sampling_params": {}}), "token_ids"),
+        (json!({"model": "tiny-qwen3", "token_ids": [1, 2]}), "sampling_params"),
+        (json!({"token_ids": [1, 2], "sampling_params": 5}), "sampling_params"),
+    ] {
+        let (status, _, text) = post_json(&url, &body, &[]).await;
+        assert_eq!(status, 400, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            (v["error"]["type"].as_str(), v["error"]["param"].as_str()),
+            (Some("invalid_request_error"), Some(param))
+        );
+    }
+    assert!(p.posts().is_empty() && d.posts().is_empty());
+    // vLLM 0.32's answer on a server without the scale-out endpoints.
+    let disabled = r#"{"error":{"message":"Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them.","type":"PermissionDeniedError","param":null,"code":403}}"#;
+    p.configure(|c| c.fail_with = Some((403, disabled.into())));
+    let (status, _, text) = post_json(&url, &generate_body(json!({})), &[]).await;
+    assert_eq!(status, 403, "{text}");
+    assert!(text.contains("--enable-scale-out") && !text.contains("127.0.0.1"), "{text}");
+    assert!(d.posts().is_empty(), "no decode after a refused prefill");
 }
 
 /// Responses, JSON: the prefill leg is `max_output_tokens` 1, `store: false`, not streamed,

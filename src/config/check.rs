@@ -11,7 +11,7 @@ use std::time::Duration;
 use tracing_subscriber::filter::LevelFilter;
 
 use super::file::{Config, Pool, PoolTls, Prefill, Route};
-use super::values::{is_host_port, LocalIdsMode, Mode};
+use super::values::{endpoint_ranks, LocalIdsMode, Mode, MAX_RANKS_PER_ENTRY};
 use crate::toml_read::{Doc, Problem};
 
 // Upper bounds: a value past these is a typo, not a setting.
@@ -195,8 +195,9 @@ fn check_pool(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool) {
         ck.at(&endpoints, "needs at least one host:port");
     }
     for (i, endpoint) in pool.endpoints.iter().enumerate() {
-        if !is_host_port(endpoint) {
-            ck.at(&format!("{endpoints}[{i}]"), format!("`{endpoint}` is not host:port"));
+        if endpoint_ranks(endpoint).is_none() {
+            let message = format!("`{endpoint}` is not host:port, host:port#RANK or host:port#FIRST-LAST (at most {MAX_RANKS_PER_ENTRY} ranks)");
+            ck.at(&format!("{endpoints}[{i}]"), message);
         }
     }
     if let Some(tls) = &pool.tls {

@@ -197,7 +197,11 @@ pub struct Upstream {
 #[derive(Debug, Clone, PartialEq, SmartDefault, Deserialize)]
 #[serde(default)]
 pub struct Pool {
-    /// `host:port` of each engine (required).
+    /// `host:port` of each engine (required). A vLLM server running data parallelism with
+    /// its own balancing (one port for several ranks) may be listed as `host:port#R` or
+    /// `host:port#FIRST-LAST`: each rank is then an endpoint of its own (balanced, health
+    /// polled and ejected alone) whose legs carry `X-data-parallel-rank: R`, which vLLM
+    /// reads on chat, completions and generate.
     pub endpoints: Vec<String>,
     /// `round_robin` or `least_in_flight`; unhealthy endpoints are skipped while a healthy one
     /// exists.
@@ -279,7 +283,7 @@ pub struct Route {
     #[serde(rename = "match")]
     pub matcher: Match,
     /// `orchestrate` (POST `/v1/chat/completions`, `/v1/completions`, `/v1/responses`,
-    /// `/v1/messages`: tokenonce sends both legs), `relay` (an orchestrator sends both legs
+    /// `/v1/messages`, `/inference/v1/generate`: tokenonce sends both legs), `relay` (an orchestrator sends both legs
     /// through tokenonce) or `passthrough` (bytes to the decode pool unchanged) (required).
     pub mode: Mode,
     /// Relay only: `cache` (ids kept here until the decode) or `stateless` (ids ride in the

@@ -155,7 +155,7 @@ impl LocalIds {
                 let prompt = render::render_completion(body).map_err(|e| e.label())?;
                 Ok(Rendered { text: prompt.text, add_special_tokens: prompt.add_special_tokens, shape: "completions" })
             }
-            Api::Responses | Api::Messages => Err("api"),
+            Api::Responses | Api::Messages | Api::Generate => Err("api"),
         }
     }
 

@@ -286,8 +286,8 @@ pub(super) fn api_label(api: Option<Api>) -> &'static str {
 }
 
 /// The `api` label values, in the order [`RouteMetrics`] tables them.
-pub(super) const API_LABELS: [Option<Api>; 5] =
-    [Some(Api::Chat), Some(Api::Completions), Some(Api::Responses), Some(Api::Messages), None];
+pub(super) const API_LABELS: [Option<Api>; 6] =
+    [Some(Api::Chat), Some(Api::Completions), Some(Api::Responses), Some(Api::Messages), Some(Api::Generate), None];
 
 /// The `mode` label of a request: its route's mode for the OpenAI APIs; every other
 /// request is passed through whatever its route.
@@ -305,6 +305,7 @@ pub(super) fn api_index(api: Option<Api>) -> usize {
         Some(Api::Completions) => 1,
         Some(Api::Responses) => 2,
         Some(Api::Messages) => 3,
-        None => 4,
+        Some(Api::Generate) => 4,
+        None => 5,
     }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use prometheus::{Histogram, IntCounter, IntGauge};
 
-use super::labels::api_index;
+use super::labels::{api_index, API_LABELS};
 use super::{FallbackReason, Outcome, ParityResult, Release, Stage, TimeoutStage};
 use crate::openai::Api;
 
@@ -49,9 +49,9 @@ impl ParityMetrics {
 #[derive(Clone)]
 pub struct RouteMetrics {
     /// `[api][outcome]`.
-    pub(super) requests: [Vec<IntCounter>; 5],
-    pub(super) request_duration: [Histogram; 5],
-    pub(super) time_to_first_byte: [Histogram; 5],
+    pub(super) requests: [Vec<IntCounter>; API_LABELS.len()],
+    pub(super) request_duration: [Histogram; API_LABELS.len()],
+    pub(super) time_to_first_byte: [Histogram; API_LABELS.len()],
     /// By [`Stage`].
     pub(super) stages: Vec<Histogram>,
     pub(super) reuse_applied: IntCounter,

@@ -221,7 +221,7 @@ impl ApiError {
         out
     }
 
-    /// The error event ending a stream of `api` that already began: chat and completions as
+    /// The error event ending a stream of `api` that already began: chat, completions and generate as
     /// [`Self::sse_event`]; Responses `event: error` with `{"type":"error","code","message",
     /// "param","sequence_number"}` (`sequence_number` the stream's next); Messages
     /// `event: error` with Anthropic's body. Neither of the last two has a `[DONE]`.
@@ -236,7 +236,7 @@ impl ApiError {
             })
             .unwrap_or_default(),
             Some(Api::Messages) => self.body_for(api),
-            Some(Api::Chat | Api::Completions) | None => return self.sse_event(),
+            Some(Api::Chat | Api::Completions | Api::Generate) | None => return self.sse_event(),
         };
         let mut out = b"event: error\ndata: ".to_vec();
         out.extend_from_slice(&data);

@@ -21,6 +21,9 @@ pub enum Api {
     Responses,
     /// `POST /v1/messages` (Anthropic Messages API, as vLLM serves it)
     Messages,
+    /// `POST /inference/v1/generate` (vLLM's token-in generate, served with
+    /// `--enable-scale-out` or `--tokens-only`): ids in, limits in `sampling_params`.
+    Generate,
 }
 
 impl Api {
@@ -31,6 +34,7 @@ impl Api {
             "/v1/completions" => Some(Self::Completions),
             "/v1/responses" => Some(Self::Responses),
             "/v1/messages" => Some(Self::Messages),
+            "/inference/v1/generate" => Some(Self::Generate),
             _ => None,
         }
     }
@@ -42,26 +46,28 @@ impl Api {
             Self::Completions => "completions",
             Self::Responses => "responses",
             Self::Messages => "messages",
+            Self::Generate => "generate",
         }
     }
 
-    /// The body field holding the token limit that the prefill leg sets to 1.
+    /// The body field holding the token limit that the prefill leg sets to 1 (generate:
+    /// the same name inside `sampling_params`).
     fn limit_field(self) -> &'static str {
         match self {
             Self::Responses => "max_output_tokens",
-            Self::Chat | Self::Completions | Self::Messages => "max_tokens",
+            Self::Chat | Self::Completions | Self::Messages | Self::Generate => "max_tokens",
         }
     }
 
     /// The body field that makes vLLM 0.32 echo the prompt ids on this API, if any:
     /// `return_token_ids` (chat, completions), `enable_response_messages` (Responses: the
     /// ids come back in `input_messages[0].tokens`; `return_token_ids` is ignored there).
-    /// `/v1/messages` echoes none.
+    /// `/v1/messages` echoes none; generate's prompt is ids already.
     pub fn echo_field(self) -> Option<&'static str> {
         match self {
             Self::Chat | Self::Completions => Some("return_token_ids"),
             Self::Responses => Some("enable_response_messages"),
-            Self::Messages => None,
+            Self::Messages | Self::Generate => None,
         }
     }
 }
@@ -106,6 +112,13 @@ pub struct RequestView {
 struct Message<'a> {
     #[serde(borrow, default)]
     content: Option<&'a RawValue>,
+}
+
+/// A generate request's `sampling_params`, as far as tokenonce reads them.
+#[derive(Deserialize)]
+struct SamplingParams {
+    #[serde(default)]
+    n: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -218,6 +231,7 @@ impl RequestView {
                 (listed && responses_input_has_media(input)?, PromptShape::Text)
             }
             Api::Completions => (false, prompt_shape(obj.get("prompt"))),
+            Api::Generate => return Self::parse_generate(obj),
         };
         let stateful = api == Api::Responses
             && (obj.has_non_null("previous_response_id")
@@ -226,9 +240,40 @@ impl RequestView {
         Ok(Self { api, model, stream, n, echo, has_media, prompt, return_token_ids, stateful })
     }
 
+    /// The view of a generate request: `token_ids` (its prompt, always ids) and
+    /// `sampling_params` (where its limits sit) are required, as vLLM requires them; media
+    /// come as `content_parts` or `features`.
+    fn parse_generate(obj: &RawObject<'_>) -> Result<Self, ApiError> {
+        let model: Option<String> = field(obj, "model")?;
+        let stream = field::<bool>(obj, "stream")?.unwrap_or(false);
+        if field::<&RawValue>(obj, "token_ids")?.is_none() {
+            return Err(ApiError::invalid("`token_ids` is required", Some("token_ids")));
+        }
+        let required = || ApiError::invalid("`sampling_params` is required, as an object", Some("sampling_params"));
+        let raw = obj.get("sampling_params").filter(|raw| raw.trim_start().starts_with('{')).ok_or_else(required)?;
+        let params: SamplingParams = serde_json::from_str(raw).map_err(|e| {
+            ApiError::invalid(format!("`sampling_params` has the wrong type: {e}"), Some("sampling_params"))
+        })?;
+        let has_media = obj.has_non_null("content_parts") || obj.has_non_null("features");
+        Ok(Self {
+            api: Api::Generate,
+            model,
+            stream,
+            n: params.n.unwrap_or(1),
+            echo: false,
+            has_media,
+            prompt: PromptShape::Tokens,
+            return_token_ids: false,
+            stateful: false,
+        })
+    }
+
     /// Why this request must not reuse prefill ids, if it must not.
     pub fn reuse_blocker(&self) -> Option<FallbackReason> {
-        if self.api.echo_field().is_none() {
+        if self.api == Api::Generate {
+            // Its prompt is ids already: the decode gets them as the client sent them.
+            Some(FallbackReason::PromptIsTokens)
+        } else if self.api.echo_field().is_none() {
             Some(FallbackReason::IdsNotEchoed)
         } else if self.has_media {
             Some(FallbackReason::Media)
@@ -286,7 +331,7 @@ pub fn prefill_body_token_in(client: &RawObject<'_>, shared: Option<&Bytes>, api
             obj.set_raw("kv_transfer_params", PREFILL_KV_TRANSFER_PARAMS);
             obj.to_pieces(shared, None, Some(ids.shared()))
         }
-        Api::Responses | Api::Messages => prefill_body(client, shared, api, true),
+        Api::Responses | Api::Messages | Api::Generate => prefill_body(client, shared, api, true),
     }
 }
 
@@ -295,6 +340,12 @@ pub fn prefill_body_token_in(client: &RawObject<'_>, shared: Option<&Bytes>, api
 /// `min_tokens > max_tokens`), `stream: false`, `stream_options` removed (refused without
 /// `stream`); a Responses leg is not stored.
 fn one_token(obj: &mut RawObject<'_>, api: Api) {
+    if api == Api::Generate {
+        one_token_sampling(obj);
+        obj.set_raw("stream", "false");
+        obj.remove("stream_options");
+        return;
+    }
     obj.set_raw(api.limit_field(), "1");
     if obj.get("max_completion_tokens").is_some() {
         obj.set_raw("max_completion_tokens", "1");
@@ -305,6 +356,22 @@ fn one_token(obj: &mut RawObject<'_>, api: Api) {
     obj.remove("stream_options");
     if api == Api::Responses {
         obj.set_raw("store", "false");
+    }
+}
+
+/// Generate's limits, inside `sampling_params`: `max_tokens` 1, `min_tokens` removed (vLLM
+/// refuses `min_tokens > max_tokens`); the prompt's echo (`return_token_ids`) is not asked,
+/// as no prefill answer's ids are read. A `sampling_params` that is not an object is left
+/// for the engine to refuse.
+fn one_token_sampling(obj: &mut RawObject<'_>) {
+    obj.remove("return_token_ids");
+    let Some(mut params) = obj.get("sampling_params").and_then(|raw| RawObject::parse(raw).ok()) else { return };
+    params.set_raw(Api::Generate.limit_field(), "1");
+    params.remove("min_tokens");
+    let bytes = params.to_bytes();
+    // Valid UTF-8: every piece came from `&str`s.
+    if let Ok(text) = String::from_utf8(bytes) {
+        obj.set_raw("sampling_params", text);
     }
 }
 
@@ -362,7 +429,8 @@ pub fn decode_body(
                 obj.set_raw("kv_transfer_params", kv);
             }
         }
-        (_, None) => {
+        // Generate's prompt is ids already: never given other ids.
+        (Api::Generate, _) | (_, None) => {
             if let Some(kv) = kv {
                 obj.set_raw("kv_transfer_params", kv);
             }
@@ -532,6 +600,50 @@ mod tests {
         assert_eq!(release_body(b"[1]", Api::Chat), None);
     }
 
+    #[test]
+    fn generate_legs_set_their_limits_inside_sampling_params() {
+        let body = r#"{"model":"m","token_ids":[1,2,3],"sampling_params":{"max_tokens":50,"min_tokens":3,"temperature":0.70},"stream":true,"stream_options":{"include_usage":true},"return_token_ids":true,"request_id":"r1"}"#;
+        let obj = RawObject::parse(body).unwrap();
+        let view = RequestView::parse(Api::Generate, &obj).unwrap();
+        assert_eq!((view.stream, view.prompt), (true, PromptShape::Tokens));
+        assert_eq!(view.reuse_blocker(), Some(FallbackReason::PromptIsTokens));
+        let out = String::from_utf8(prefill_body(&obj, None, Api::Generate, false).to_bytes().to_vec()).unwrap();
+        assert!(out.contains(r#""sampling_params":{"max_tokens":1,"temperature":0.70}"#), "{out}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!((v["stream"].clone(), v["request_id"].clone()), (false.into(), "r1".into()));
+        for gone in ["stream_options", "return_token_ids", "max_tokens"] {
+            assert!(v.get(gone).is_none(), "{gone}: {out}");
+        }
+        assert_eq!(v["kv_transfer_params"]["do_remote_decode"], true);
+        assert!(out.contains(r#""token_ids":[1,2,3]"#));
+        // The decode: the client's body, the handoff added, limits untouched.
+        let kv = r#"{"remote_block_ids":[[1]],"remote_port":5600}"#;
+        let decode = decode_body(&obj, None, Api::Generate, Some(kv), None).to_bytes();
+        let expected =
+            body.replace(r#","request_id":"r1"}"#, &format!(r#","request_id":"r1","kv_transfer_params":{kv}}}"#));
+        assert_eq!(std::str::from_utf8(&decode).unwrap(), expected);
+        let release = release_body(&decode, Api::Generate).unwrap();
+        let r: serde_json::Value = serde_json::from_slice(&release).unwrap();
+        assert_eq!(r["sampling_params"], serde_json::json!({"max_tokens": 1, "temperature": 0.70}));
+        assert_eq!(r["kv_transfer_params"]["remote_port"], 5600);
+    }
+
+    #[test]
+    fn generate_requires_token_ids_and_sampling_params() {
+        let view = |body: &str| RequestView::parse(Api::Generate, &RawObject::parse(body).unwrap());
+        let param = |body: &str| match view(body) {
+            Err(ApiError::InvalidRequest { param, .. }) => param,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(param(r#"{"sampling_params":{}}"#), Some("token_ids"));
+        assert_eq!(param(r#"{"token_ids":null,"sampling_params":{}}"#), Some("token_ids"));
+        assert_eq!(param(r#"{"token_ids":[1]}"#), Some("sampling_params"));
+        assert_eq!(param(r#"{"token_ids":[1],"sampling_params":[]}"#), Some("sampling_params"));
+        assert_eq!(param(r#"{"token_ids":[1],"sampling_params":{},"stream":"yes"}"#), Some("stream"));
+        let mm = view(r#"{"token_ids":[1],"sampling_params":{"n":2},"content_parts":[{"type":"image_url"}]}"#).unwrap();
+        assert!(mm.has_media && mm.n == 2);
+        assert_eq!(Api::from_path("/inference/v1/generate/"), Some(Api::Generate));
+    }
     #[test]
     fn prefill_rewrite_without_reuse_leaves_return_token_ids_alone() {
         let out =

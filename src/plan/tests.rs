@@ -147,6 +147,14 @@ fn after_prefill_builds_the_decode_and_its_outcome() {
             r#"{"choices":[{"prompt_token_ids":[1,-2]}],"usage":{"prompt_tokens":2}}"#,
             Reuse::Fallback(FallbackReason::IdsMalformed),
         ),
+        (
+            "generate: the client's ids, the handoff",
+            Api::Generate,
+            r#"{"token_ids":[1,2],"sampling_params":{"max_tokens":9},"max_tokens":null}"#,
+            V32,
+            r#"{"request_id":"g","usage":{"prompt_tokens":2},"kv_transfer_params":{"remote_port":5600},"choices":[{"token_ids":[9]}]}"#,
+            Reuse::Fallback(FallbackReason::PromptIsTokens),
+        ),
     ];
     for (name, api, body, version, answer, want) in rows {
         let (obj, view) = parsed(*api, body);
@@ -185,6 +193,11 @@ fn after_prefill_builds_the_decode_and_its_outcome() {
             }
             (Api::Responses | Api::Messages, _) => {
                 assert!(decode["kv_transfer_params"].get("prompt_token_ids").is_none(), "{name}: {text}");
+            }
+            (Api::Generate, _) => {
+                assert_eq!(decode["token_ids"], serde_json::json!([1, 2]), "{name}");
+                assert_eq!(decode["sampling_params"]["max_tokens"], 9, "{name}");
+                assert_eq!(decode["kv_transfer_params"], serde_json::json!({"remote_port": 5600}), "{name}");
             }
         }
         assert_eq!(decode["max_tokens"], json(body.as_bytes())["max_tokens"], "{name}: the client's limit is restored");

@@ -278,7 +278,8 @@ impl ProxyHttp for Proxy {
         Ok(())
     }
 
-    /// Passthrough: the request's own `traceparent` goes to the engine (when tracing is on).
+    /// Passthrough: the request's own `traceparent` goes to the engine (when tracing is on),
+    /// and the endpoint's data-parallel rank when it has one.
     async fn upstream_request_filter(
         &self,
         _session: &mut Session,
@@ -287,6 +288,9 @@ impl ProxyHttp for Proxy {
     ) -> Result<()> {
         for (name, value) in ctx.rec.trace.headers_for(Leg::Passthrough) {
             upstream.insert_header(name, value)?;
+        }
+        if let Some(rank) = ctx.rec.pass_endpoint.as_ref().and_then(|p| p.endpoint().rank) {
+            upstream.insert_header(crate::upstream::DP_RANK_HEADER, rank.to_string())?;
         }
         // `100 Continue` was answered here already (`request_filter`).
         upstream.remove_header(&http::header::EXPECT);

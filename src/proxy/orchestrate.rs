@@ -44,7 +44,7 @@ pub async fn run(
     let rewritten = named.as_ref().or(cleaned.as_ref());
     let obj = rewritten.unwrap_or(&req.obj);
     let decode = pick_decode(info, req.view.api, obj)?;
-    let home = decode.addr().to_owned();
+    let home = decode.name().to_owned();
     let result = orchestrate(session, info, rec, req, obj, rewritten.is_some(), decode).await;
     if let (Some(id), Ok(())) = (stored_id, &result) {
         if (200..300).contains(&rec.status) {
@@ -59,7 +59,7 @@ pub async fn run(
 fn pick_decode(info: &RequestInfo, api: Api, obj: &RawObject<'_>) -> Result<Picked, ProxyError> {
     let pool = &info.route.decode_pool;
     if let Some(previous) = (api == Api::Responses).then(|| previous_response_id(obj)).flatten() {
-        let home = info.app.homes.home(previous).and_then(|addr| pool.pick_addr(&addr));
+        let home = info.app.homes.home(previous).and_then(|name| pool.pick_named(&name));
         info.app.metrics.response_followup(if home.is_some() { FollowUp::Home } else { FollowUp::Unknown });
         if let Some(home) = home {
             return Ok(home);

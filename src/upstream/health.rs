@@ -128,7 +128,7 @@ impl HealthPoller {
                 polls.spawn(async move {
                     let poll = poll_endpoint(&app, &pool, &endpoint);
                     if tokio::time::timeout(ENDPOINT_POLL_LIMIT, poll).await.is_err() {
-                        tracing::debug!(pool = %pool.name, endpoint = %endpoint.addr, "health poll cut at its limit");
+                        tracing::debug!(pool = %pool.name, endpoint = %endpoint.name, "health poll cut at its limit");
                     }
                 });
             }
@@ -150,13 +150,13 @@ impl HealthPoller {
 async fn poll_endpoint(app: &crate::App, pool: &super::Pool, endpoint: &Endpoint) {
     let healthy = matches!(app.client.get(endpoint.target(), "/health", PROBE_TIMEOUT).await, Ok((200, _)));
     let was_healthy = endpoint.set_healthy(healthy);
-    app.metrics.upstream_health(&pool.name, &endpoint.addr, healthy);
+    app.metrics.upstream_health(&pool.name, &endpoint.name, healthy);
     if !healthy {
         if was_healthy {
             endpoint.forget_version();
             endpoint.forget_model();
             // vLLM keeps stored responses in memory: an engine that went down lost them.
-            app.homes.forget_endpoint(&endpoint.addr);
+            app.homes.forget_endpoint(&endpoint.name);
         }
         return;
     }

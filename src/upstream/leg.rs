@@ -66,7 +66,7 @@ impl<'p> Failover<'p> {
     /// After a first attempt on `first`, `attempts` in all.
     pub fn new(pool: Option<&'p Pool>, first: &Picked, attempts: usize) -> Self {
         let attempts = pool.map_or(1, |p| attempts.min(p.endpoints.len()));
-        Self { pool, tried: vec![first.addr().to_owned()], left: attempts.saturating_sub(1) }
+        Self { pool, tried: vec![first.name().to_owned()], left: attempts.saturating_sub(1) }
     }
 }
 
@@ -92,7 +92,8 @@ pub struct LegClient<'a> {
 impl LegClient<'_> {
     /// Sends `head` and `body` to `endpoint` on `leg` and returns the engine's answer head,
     /// which must come within `limit` (none: unbounded). The head gets the leg's trace
-    /// context (`traceparent`) first.
+    /// context (`traceparent`) first, and the endpoint's data-parallel rank when it has one
+    /// (replacing any the client sent).
     ///
     /// Retry rule: a leg is re-sent once, to the same endpoint on a new connection, only when
     /// the engine provably never got it (connect failed, or the request could not be written
@@ -118,6 +119,10 @@ impl LegClient<'_> {
     ) -> Result<Exchange, LegError> {
         for (name, value) in self.trace.headers_for(leg) {
             head.insert_header(name, value).map_err(|e| LegError::Head(format!("trace header: {e}")))?;
+        }
+        if let Some(rank) = endpoint.endpoint().rank {
+            head.insert_header(super::DP_RANK_HEADER, rank.to_string())
+                .map_err(|e| LegError::Head(format!("rank header: {e}")))?;
         }
         let exchange = async {
             let result = self.send_and_resend(leg, endpoint, &head, body, delivery).await;
@@ -160,9 +165,9 @@ impl LegClient<'_> {
         }
         let tried: Vec<&str> = failover.tried.iter().map(String::as_str).collect();
         let next =
-            failover.pool.and_then(|p| p.pick_at(Instant::now(), &tried)).filter(|n| !tried.contains(&n.addr()))?;
+            failover.pool.and_then(|p| p.pick_at(Instant::now(), &tried)).filter(|n| !tried.contains(&n.name()))?;
         failover.left -= 1;
-        failover.tried.push(next.addr().to_owned());
+        failover.tried.push(next.name().to_owned());
         self.route_metrics.prefill_failover();
         self.trace.leg_attribute(Leg::Prefill, "tokenonce.failed_over", true);
         tracing::info!(request_id = %self.request_id, route = %self.route, "prefill failed over to another endpoint");
@@ -175,8 +180,8 @@ impl LegClient<'_> {
         let Some(pool) = endpoint.ejection() else { return };
         if endpoint.endpoint().request_failed(Instant::now(), pool.rule) {
             self.metrics.upstream_ejection(&pool.name);
-            self.trace.leg_attribute(leg, "tokenonce.endpoint_ejected", endpoint.addr().to_owned());
-            tracing::warn!(pool = %pool.name, endpoint = %endpoint.addr(), "endpoint ejected after consecutive failures");
+            self.trace.leg_attribute(leg, "tokenonce.endpoint_ejected", endpoint.name().to_owned());
+            tracing::warn!(pool = %pool.name, endpoint = %endpoint.name(), "endpoint ejected after consecutive failures");
         }
     }
 

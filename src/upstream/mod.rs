@@ -18,3 +18,7 @@ pub use client::{Delivery, Exchange, SendFailure, UpstreamClient, UpstreamError}
 pub use homes::ResponseHomes;
 pub use leg::{named_endpoint, pick, Failover, LegClient, LegError};
 pub use pool::{EjectionRule, Endpoint, ModelIdentity, Picked, Pool};
+
+/// The header naming the data-parallel rank a vLLM server (one port, several ranks) runs a
+/// request on; read on chat, completions and generate (vLLM 0.32, `X-data-parallel-rank`).
+pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";

@@ -11,8 +11,14 @@ use crate::config::{Balance, PoolResources, Version};
 /// One engine endpoint and what tokenonce knows about it.
 #[derive(Debug)]
 pub struct Endpoint {
-    /// `host:port`.
+    /// `host:port`: where its legs connect.
     pub addr: String,
+    /// The data-parallel rank its legs name (`X-data-parallel-rank`), when the pool lists
+    /// one (`host:port#R`): several endpoints then share an address.
+    pub rank: Option<u32>,
+    /// `host:port`, or `host:port#R` with a rank: what tells it from the pool's other
+    /// endpoints (metrics, logs, failover, stored-answer homes).
+    pub name: String,
     /// Its pool's TLS (`None`: plain HTTP).
     pub tls: Option<crate::tls::UpstreamTls>,
     inflight: AtomicUsize,
@@ -83,8 +89,11 @@ fn backoff(n: u32, base: Duration) -> Duration {
 impl Endpoint {
     /// A new endpoint, not yet known healthy.
     pub fn new(addr: impl Into<String>) -> Self {
+        let addr = addr.into();
         Self {
-            addr: addr.into(),
+            name: addr.clone(),
+            addr,
+            rank: None,
             tls: None,
             inflight: AtomicUsize::new(0),
             healthy: AtomicBool::new(false),
@@ -100,6 +109,12 @@ impl Endpoint {
     /// A new endpoint reached with `tls`.
     pub fn with_tls(addr: impl Into<String>, tls: Option<crate::tls::UpstreamTls>) -> Self {
         Self { tls, ..Self::new(addr) }
+    }
+
+    /// A new endpoint for `rank` of the server at `addr` (`None`: the whole server).
+    pub fn with_rank(addr: &str, rank: Option<u32>, tls: Option<crate::tls::UpstreamTls>) -> Self {
+        let name = rank.map_or_else(|| addr.to_owned(), |r| format!("{addr}#{r}"));
+        Self { rank, name, ..Self::with_tls(addr, tls) }
     }
 
     /// Where its legs go.
@@ -264,6 +279,11 @@ impl Picked {
     pub fn addr(&self) -> &str {
         &self.endpoint.addr
     }
+
+    /// Its name in its pool: `host:port`, or `host:port#R` for one data-parallel rank.
+    pub fn name(&self) -> &str {
+        &self.endpoint.name
+    }
 }
 
 impl Drop for Picked {
@@ -291,10 +311,15 @@ impl Pool {
     pub fn new(name: &str, spec: &crate::config::Pool, loaded: &PoolResources, rule: EjectionRule) -> Self {
         Self {
             name: name.to_owned(),
+            // An entry with a rank range is one endpoint per rank (config validation vouches
+            // for every entry's form).
             endpoints: spec
                 .endpoints
                 .iter()
-                .map(|a| Arc::new(Endpoint::with_tls(a.clone(), loaded.tls.clone())))
+                .filter_map(|entry| crate::config::endpoint_ranks(entry))
+                .flat_map(|(addr, ranks)| {
+                    ranks.into_iter().map(move |rank| Arc::new(Endpoint::with_rank(addr, rank, loaded.tls.clone())))
+                })
                 .collect(),
             balance: spec.balance,
             pinned_version: spec.vllm_version,
@@ -332,7 +357,7 @@ impl Pool {
     /// not ejected first (all when every one is), among them healthy ones first (all when
     /// none is), then by the policy.
     pub fn pick_at(&self, now: Instant, tried: &[&str]) -> Option<Picked> {
-        let untried = prefer(self.endpoints.iter().collect(), &|e| !tried.contains(&e.addr.as_str()));
+        let untried = prefer(self.endpoints.iter().collect(), &|e| !tried.contains(&e.name.as_str()));
         let live = prefer(untried, &|e| !e.is_ejected(now));
         let candidates = prefer(live, &|e| e.is_healthy());
         if candidates.is_empty() {
@@ -352,10 +377,10 @@ impl Pool {
         Some(picked)
     }
 
-    /// Its endpoint `addr`, whatever its health (a stored answer is there and nowhere else);
-    /// `None` when the pool has no such endpoint.
-    pub fn pick_addr(&self, addr: &str) -> Option<Picked> {
-        let endpoint = self.endpoints.iter().find(|e| e.addr == addr)?;
+    /// Its endpoint named `name` ([`Endpoint::name`]), whatever its health (a stored answer
+    /// is there and nowhere else); `None` when the pool has no such endpoint.
+    pub fn pick_named(&self, name: &str) -> Option<Picked> {
+        let endpoint = self.endpoints.iter().find(|e| e.name == name)?;
         let mut picked = Picked::new(Arc::clone(endpoint));
         picked.pool = Some(Arc::clone(&self.ejection));
         Some(picked)

@@ -14,6 +14,8 @@ SSE streams byte for byte). Python 3 standard library only.
 Usage:
     python3 tests/e2e/record_fixtures.py --port 8311 --out tests/fixtures/vllm [--port2 8312]
         [--only apis]   (only the /v1/responses and /v1/messages group, names responses_*, messages_*)
+        [--only generate]   (only /inference/v1/generate, names generate_*; the servers run
+                             with --enable-scale-out, as start.sh starts them)
 
 With --port2, every decode leg (the names containing "decode") is sent to the second
 server, as a P/D sidecar would; everything else goes to --port. A token-in decode leg carries
@@ -178,6 +180,48 @@ def record_apis(r):
     return ids
 
 
+def generate(ids, **fields):
+    """A token-in generate request (vLLM's /inference/v1/generate): ids in, limits in
+    sampling_params, token ids out (output_mode "tokens", the default)."""
+    return {"model": MODEL, "token_ids": ids, **fields}
+
+
+def record_generate(r, ids):
+    """/inference/v1/generate: the prefill leg tokenonce sends (sampling_params.max_tokens 1,
+    not streamed, the remote-decode kv_transfer_params), token-in decodes with a real handoff,
+    plain references and the 400 of a body without sampling_params."""
+    D, GEN = 2, "/inference/v1/generate"
+    sp = {"max_tokens": 5, "temperature": 0}
+    pre = lambda: generate(ids, sampling_params={**sp, "max_tokens": 1}, stream=False,  # noqa: E731
+                           kv_transfer_params=dict(PREFILL_KV))
+    r.record("generate_prefill", GEN, pre())
+    r.record("generate_plain", GEN, generate(ids, sampling_params=sp))
+    r.record("generate_plain_stream", GEN,
+             generate(ids, sampling_params=sp, stream=True, stream_options={"include_usage": True}))
+    r.record("generate_decode", GEN, generate(ids, sampling_params=sp, kv_transfer_params=r.handoff(GEN, pre())),
+             which=D)
+    r.record("generate_decode_stream", GEN,
+             generate(ids, sampling_params=sp, stream=True, stream_options={"include_usage": True},
+                      kv_transfer_params=r.handoff(GEN, pre())), which=D)
+    r.record("err_generate_no_sampling_params", GEN, generate(ids))
+
+
+def check_generate(r, ids, check):
+    pre = r.json_body("generate_prefill")
+    check("generate_prefill hands over kv_transfer_params with remote blocks",
+          bool((pre.get("kv_transfer_params") or {}).get("remote_block_ids")), json.dumps(pre)[:300])
+    plain, dec = r.json_body("generate_plain"), r.json_body("generate_decode")
+    check("generate_decode token_ids == generate_plain token_ids",
+          dec["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+          and dec["usage"]["prompt_tokens"] == len(ids))
+    streamed = [t for ev in sse_events(r.results["generate_decode_stream"]["response_body"])
+                for ch in ev.get("choices", []) for t in ch.get("token_ids") or []]
+    check("generate_decode_stream token_ids == generate_plain token_ids",
+          streamed == plain["choices"][0]["token_ids"], str(streamed))
+    check("err_generate_no_sampling_params is a 400",
+          r.results["err_generate_no_sampling_params"]["status"] == 400)
+
+
 def check_apis(r, ids, check):
     pre = r.json_body("responses_prefill")
     check("responses_prefill echoes input_messages[0].tokens, as many as usage.input_tokens",
@@ -307,7 +351,8 @@ def main():
     ap.add_argument("--port", type=int, required=True, help="vLLM server on 127.0.0.1 (prefill and plain requests)")
     ap.add_argument("--port2", type=int, help="optional second server on 127.0.0.1 for the decode legs")
     ap.add_argument("--out", required=True, help="output folder, e.g. tests/fixtures/vllm")
-    ap.add_argument("--only", choices=["apis"], help="record only the /v1/responses and /v1/messages group")
+    ap.add_argument("--only", choices=["apis", "generate"],
+                    help="record only the /v1/responses and /v1/messages group, or only generate")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     r = Recorder(args.port, args.port2, args.out)
@@ -318,6 +363,12 @@ def main():
         if not ok:
             failures.append(label)
 
+    if args.only == "generate":
+        _, _, raw = r.send(1, "POST", "/v1/chat/completions", dumps(prefill(chat())).encode("utf-8"))
+        ids = json.loads(raw)["prompt_token_ids"]  # the chat fixtures' prompt, not recorded again
+        record_generate(r, ids)
+        check_generate(r, ids, check)
+        sys.exit(1 if failures else 0)
     check_apis(r, record_apis(r), check)
     if args.only == "apis":
         sys.exit(1 if failures else 0)
@@ -327,6 +378,8 @@ def main():
     # ---- P/D prefill legs
     r.record("chat_prefill", CHAT, prefill(chat()))
     chat_ids = r.json_body("chat_prefill")["prompt_token_ids"]
+    record_generate(r, chat_ids)
+    check_generate(r, chat_ids, check)
     r.record("completions_prefill", COMPL, prefill(completion("Hello there!")))
     compl_ids = r.json_body("completions_prefill")["choices"][0]["prompt_token_ids"]
 

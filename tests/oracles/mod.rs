@@ -518,7 +518,7 @@ pub fn check_request_view(api: Api, body: &str) {
         },
         Api::Completions => Media::No,
         // This oracle models chat and completions; the new APIs have unit and table tests.
-        Api::Responses | Api::Messages => return,
+        Api::Responses | Api::Messages | Api::Generate => return,
     };
     let view = match (media, view) {
         (Media::Invalid, view) => {
@@ -639,7 +639,7 @@ pub fn check_rewrites(api: Api, body: &str, kv: Option<&str>, ids: Option<&Promp
             touched.push("prompt");
             assert_eq!(single(&out, "prompt").as_deref(), Some(ids.as_json()));
         }
-        (_, None) => {}
+        (Api::Generate, _) | (_, None) => {}
     }
     if let (Some(k), false) = (kv_given, api != Api::Completions && ids.is_some()) {
         touched.push("kv_transfer_params");
@@ -723,7 +723,7 @@ fn handoff_reference(
     let raw_ids = match api {
         Api::Chat => top.get("prompt_token_ids"),
         Api::Completions => first_ids,
-        Api::Responses | Api::Messages => return Ok(None),
+        Api::Responses | Api::Messages | Api::Generate => return Ok(None),
     }
     .filter(|x| !x.is_null());
     let kv = top.get("kv_transfer_params").filter(|x| !x.is_null());

@@ -62,6 +62,11 @@ pub struct FakeConfig {
     pub store_responses: bool,
     /// Keep every request for [`FakeVllm::requests`] (off for long load runs: bounded memory).
     pub keep_requests: bool,
+    /// Data-parallel ranks behind the port (vLLM's internal balancing): an
+    /// `X-data-parallel-rank` at or past it is refused with vLLM's 400.
+    pub dp_size: u32,
+    /// The rank whose engine fails: its requests get a 503.
+    pub failing_rank: Option<u32>,
 }
 
 impl Default for FakeConfig {
@@ -86,6 +91,8 @@ impl Default for FakeConfig {
             stored_responses: Vec::new(),
             store_responses: false,
             keep_requests: true,
+            dp_size: 1,
+            failing_rank: None,
         }
     }
 }
@@ -341,6 +348,20 @@ async fn handle(
         guard.done = true;
         return respond(*status, "application/json", Body::from(body.clone()));
     }
+    // vLLM 0.32 reads the rank header as an int (anything else is ignored) and refuses a rank
+    // past its data-parallel size (`input_processor.py`).
+    let rank = headers.get("x-data-parallel-rank").and_then(|v| v.to_str().ok()?.parse::<u32>().ok());
+    if let Some(rank) = rank.filter(|&r| r >= config.dp_size) {
+        guard.done = true;
+        let message = format!("data_parallel_rank {rank} is out of range [0, {}).", config.dp_size);
+        let (status, body) = error_body(400, "BadRequestError", &message, None);
+        return respond(status, "application/json", Body::from(body));
+    }
+    if rank.is_some() && rank == config.failing_rank {
+        guard.done = true;
+        let (status, body) = error_body(503, "ServiceUnavailableError", "engine dead", None);
+        return respond(status, "application/json", Body::from(body));
+    }
     let result = match uri.path() {
         "/v1/chat/completions" => completion(&config, &headers, &body, true),
         "/v1/completions" => completion(&config, &headers, &body, false),
@@ -354,6 +375,10 @@ async fn handle(
                 reply
             }
             Ok(v) => apis::messages(&config, &headers, &v),
+        },
+        "/inference/v1/generate" => match serde_json::from_slice::<Value>(&body) {
+            Err(_) => Err(error_body(400, "Bad Request", "JSON decode error", Some("body"))),
+            Ok(v) => apis::generate(&config, &headers, &v),
         },
         "/tokenize" => Ok(Reply::Json(format!(
             "{{\"count\":3,\"max_model_len\":49152,\"tokens\":[9707,1052,0],\"token_strs\":null,\"echo\":{}}}",

@@ -84,7 +84,7 @@ fn usage_counts(api: Api, usage: Option<&RawValue>) -> Result<(Option<u64>, Opti
     let Some(raw) = usage.map(RawValue::get).filter(|raw| !is_null(Some(raw))) else { return Ok((None, None)) };
     let err = |e: serde_json::Error| HandoffError(e.to_string());
     Ok(match api {
-        Api::Chat | Api::Completions => {
+        Api::Chat | Api::Completions | Api::Generate => {
             let u: Usage = serde_json::from_str(raw).map_err(err)?;
             (u.prompt_tokens, u.prompt_tokens_details)
         }
@@ -150,7 +150,7 @@ pub(super) fn ids_key(api: Api) -> Option<&'static [u8]> {
     match api {
         Api::Chat | Api::Completions => Some(b"\"prompt_token_ids\":["),
         Api::Responses => Some(b"\"tokens\":["),
-        Api::Messages => None,
+        Api::Messages | Api::Generate => None,
     }
 }
 
@@ -174,7 +174,7 @@ fn read_handoff(
             Some([only]) => only.tokens,
             _ => None,
         },
-        Api::Messages => None,
+        Api::Messages | Api::Generate => None,
     }
     .filter(|raw| raw.get() != "null");
     let kv = resp.kv_transfer_params.map(RawValue::get).filter(|raw| !is_null(Some(raw)));

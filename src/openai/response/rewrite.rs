@@ -24,7 +24,7 @@ pub fn rewrite_cached_tokens(text: &str, cached: u64) -> Option<Vec<u8>> {
 /// `/v1/messages` reports no cached count on vLLM: nothing to set. `None`: unchanged.
 pub fn rewrite_usage_cached(api: Api, text: &str, cached: u64) -> Option<Vec<u8>> {
     match api {
-        Api::Chat | Api::Completions => rewrite_cached_tokens(text, cached),
+        Api::Chat | Api::Completions | Api::Generate => rewrite_cached_tokens(text, cached),
         Api::Messages => None,
         Api::Responses => {
             let mut top = RawObject::parse(text).ok()?;
@@ -60,6 +60,10 @@ fn set_usage_detail(obj: &mut RawObject<'_>, details_key: &str, cached: u64) -> 
 /// `choices[].token_ids`; completions `choices[].prompt_token_ids` and `choices[].token_ids`.
 /// `None` when nothing had to change.
 pub fn hide_token_ids(api: Api, text: &str) -> Option<Vec<u8>> {
+    // Generate's `choices[].token_ids` are its answer; Messages echo nothing.
+    if matches!(api, Api::Generate | Api::Messages) {
+        return None;
+    }
     // Long prompts: the echoed arrays cut out first (they are what becomes `null`), so the
     // parse reads only the rest; a kept value spanning a cut sends it to the whole answer.
     if let Some(cut) = ids_key(api).and_then(|key| CutAnswer::new(text.as_bytes(), key, None)) {

@@ -172,3 +172,41 @@ pub(super) fn messages(config: &FakeConfig, headers: &HeaderMap, body: &Value) -
     events.push(event("message_stop", "{\"type\":\"message_stop\"}".into()));
     Ok(Reply::Sse(events))
 }
+
+/// `POST /inference/v1/generate` (`output_mode` "tokens"): the prompt is `token_ids`, the
+/// limits are in `sampling_params` (vLLM requires both: 400 without), the answer is ids.
+pub(super) fn generate(config: &FakeConfig, headers: &HeaderMap, body: &Value) -> Result<Reply, (u16, String)> {
+    let missing = |field: &str| error_body(400, "BadRequestError", &format!("{field}: Field required"), Some(field));
+    let ids: Vec<u64> =
+        body["token_ids"].as_array().ok_or_else(|| missing("token_ids"))?.iter().filter_map(Value::as_u64).collect();
+    let params = body.get("sampling_params").filter(|p| p.is_object()).ok_or_else(|| missing("sampling_params"))?;
+    let max = params["max_tokens"].as_u64().unwrap_or(16) as usize;
+    let out = output_ids(&ids, max);
+    let rid = headers.get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("0000");
+    let id = format!("generate-tokens-{rid}");
+    let (n, m, model) = (ids.len(), out.len(), &config.model);
+    let kv = kv_json(config, body, &id, n);
+    let cached = config.cached_tokens.map_or("null".to_owned(), |c| format!("{{\"cached_tokens\":{c}}}"));
+    let usage = format!(
+        "{{\"prompt_tokens\":{n},\"total_tokens\":{},\"completion_tokens\":{m},\"prompt_tokens_details\":{cached}}}",
+        n + m
+    );
+    if body["stream"].as_bool() != Some(true) {
+        return Ok(Reply::Json(format!("{{\"request_id\":\"{id}\",\"model\":\"{model}\",\"created\":1796126654,\"usage\":{usage},\"prompt_logprobs\":null,\"prompt_token_id_logprobs\":null,\"prompt_token_ids\":null,\"mm_placeholders\":null,\"metrics\":null,\"kv_transfer_params\":{kv},\"ec_transfer_params\":null,\"output_mode\":\"tokens\",\"choices\":[{{\"index\":0,\"finish_reason\":\"length\",\"stop_reason\":null,\"token_ids\":{},\"routed_experts\":null,\"sampling_mask\":null,\"weight_versions\":null,\"logprobs\":null}}]}}", ids_json(&out))));
+    }
+    let mut events: Vec<String> = out
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let finish = if i + 1 == m { "\"length\"" } else { "null" };
+            format!("data: {{\"request_id\":\"{id}\",\"usage\":null,\"output_mode\":\"tokens\",\"choices\":[{{\"index\":0,\"finish_reason\":{finish},\"stop_reason\":null,\"token_ids\":[{t}],\"routed_experts\":null,\"sampling_mask\":null,\"weight_versions\":null,\"logprobs\":null}}]}}\n\n")
+        })
+        .collect();
+    if body["stream_options"]["include_usage"].as_bool() == Some(true) {
+        events.push(format!(
+            "data: {{\"request_id\":\"{id}\",\"usage\":{usage},\"output_mode\":\"tokens\",\"choices\":[]}}\n\n"
+        ));
+    }
+    events.push("data: [DONE]\n\n".into());
+    Ok(Reply::Sse(events))
+}
