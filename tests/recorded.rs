@@ -307,6 +307,12 @@ async fn fake_engine_matches_the_recordings() {
         "err_decode_empty_ids",
         "get_version",
         "get_models",
+        "generate_prefill",
+        "generate_plain",
+        "generate_plain_stream",
+        "generate_decode",
+        "generate_decode_stream",
+        "err_generate_no_sampling_params",
     ];
     let client = reqwest::Client::new();
     for name in names {
@@ -325,6 +331,31 @@ async fn fake_engine_matches_the_recordings() {
             assert_eq!(shape(&body), shape(&f.response), "{name}\nfake: {body}\nreal: {}", f.response);
         }
     }
+}
+
+/// Generate: the prefill leg tokenonce makes of the recorded plain request is the recorded
+/// prefill request; its real answer hands over the engine's kv params verbatim (no ids); the
+/// decode made of the plain request and that handoff is the recorded decode, which pulled
+/// the KV and answered the plain request's ids.
+#[test]
+fn recorded_generate_legs() {
+    let plain = fixture("generate_plain");
+    let obj = RawObject::parse(&plain.request).unwrap();
+    let view = RequestView::parse(Api::Generate, &obj).unwrap();
+    assert_eq!(view.reuse_blocker(), Some(tokenonce::metrics::FallbackReason::PromptIsTokens));
+    let ours = json(std::str::from_utf8(&prefill_body(&obj, None, Api::Generate, false).to_bytes()).unwrap());
+    assert_eq!(ours, json(&fixture("generate_prefill").request));
+    let prefill = fixture("generate_prefill");
+    let h = extract_handoff(Api::Generate, prefill.response.as_bytes()).unwrap();
+    let kv = h.kv_transfer_params.unwrap();
+    assert!(prefill.response.contains(&kv), "verbatim: {kv}");
+    assert!(h.ids.is_err(), "generate echoes no prompt ids");
+    let decode = fixture("generate_decode");
+    let kv = serde_json::to_string(&json(&decode.request)["kv_transfer_params"]).unwrap();
+    let ours = json(std::str::from_utf8(&decode_body(&obj, None, Api::Generate, Some(&kv), None).to_bytes()).unwrap());
+    assert_eq!(ours, json(&decode.request));
+    let tokens = |name: &str| json(&fixture(name).response)["choices"][0]["token_ids"].clone();
+    assert_eq!(tokens("generate_decode"), tokens("generate_plain"));
 }
 
 /// With a real NIXL prefill response (vLLM 0.32, NixlConnector), the decode body carries the

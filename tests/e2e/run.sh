@@ -10,7 +10,8 @@
 #      tests/e2e/tokenonce-e2e.toml
 #   4. pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py (orchestrate and relay mode),
 #      tests/e2e/test_tracing_e2e.py (one trace across tokenonce and both vLLM servers),
-#      tests/e2e/test_pd_e2e.py (a wrong handoff is caught), tests/e2e/test_parity_e2e.py
+#      tests/e2e/test_pd_e2e.py (a wrong handoff is caught), tests/e2e/test_generate_e2e.py
+#      (token-in generate under P/D, the KV pulled), tests/e2e/test_parity_e2e.py
 #      (the parity watch's verdicts on all that traffic), tests/e2e/test_error_formats_e2e.py
 #      (tokenonce's own errors as the OpenAI and Anthropic SDKs read them; its own fake
 #      engine and tokenonce, no vLLM), then tests/e2e/test_kv_paths_e2e.py
@@ -95,10 +96,11 @@ bash "$HERE/stack.sh" up
 phase stack-up "$t"
 
 t=$SECONDS
-say "pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py tests/e2e/test_tracing_e2e.py tests/e2e/test_pd_e2e.py tests/e2e/test_parity_e2e.py tests/e2e/test_local_ids_e2e.py tests/e2e/test_error_formats_e2e.py tests/e2e/test_kv_paths_e2e.py"
+say "pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py tests/e2e/test_tracing_e2e.py tests/e2e/test_pd_e2e.py tests/e2e/test_generate_e2e.py tests/e2e/test_parity_e2e.py tests/e2e/test_local_ids_e2e.py tests/e2e/test_error_formats_e2e.py tests/e2e/test_kv_paths_e2e.py"
 set +e
 timeout "${E2E_PYTEST_TIMEOUT:-600}" "$VENV/bin/python" -m pytest "$HERE/test_e2e.py" "$HERE/test_relay_e2e.py" \
-  "$HERE/test_tracing_e2e.py" "$HERE/test_pd_e2e.py" "$HERE/test_parity_e2e.py" "$HERE/test_local_ids_e2e.py" \
+  "$HERE/test_tracing_e2e.py" "$HERE/test_pd_e2e.py" "$HERE/test_generate_e2e.py" "$HERE/test_parity_e2e.py" \
+  "$HERE/test_local_ids_e2e.py" \
   "$HERE/test_error_formats_e2e.py" "$HERE/test_kv_paths_e2e.py" \
   -p no:cacheprovider -v --tb=short --durations=5 "$@"
 rc=$?

@@ -188,7 +188,8 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error_event():
     before = scrape()
     events, error = [], None
     with HTTP.stream("POST", f"http://{HOST}:{TOKENONCE_PORT}/v1/chat/completions",
-                     json=chat("A long answer " + uuid.uuid4().hex, max_tokens=2000, ignore_eos=True, stream=True)) as r:
+                     # Long enough that the stream cannot end before the kill lands on a loaded machine.
+                     json=chat("A long answer " + uuid.uuid4().hex, max_tokens=12000, ignore_eos=True, stream=True)) as r:
         assert r.status_code == 200
         killed = False
         for line in r.iter_lines():

@@ -173,10 +173,15 @@ pub(super) fn messages(config: &FakeConfig, headers: &HeaderMap, body: &Value) -
     Ok(Reply::Sse(events))
 }
 
-/// `POST /inference/v1/generate` (`output_mode` "tokens"): the prompt is `token_ids`, the
-/// limits are in `sampling_params` (vLLM requires both: 400 without), the answer is ids.
+/// `POST /inference/v1/generate` (`output_mode` "tokens"), shaped like the recordings
+/// (`tests/fixtures/vllm/generate_*`): the prompt is `token_ids`, the limits are in
+/// `sampling_params` (vLLM's validation 400 without either), the answer is ids.
 pub(super) fn generate(config: &FakeConfig, headers: &HeaderMap, body: &Value) -> Result<Reply, (u16, String)> {
-    let missing = |field: &str| error_body(400, "BadRequestError", &format!("{field}: Field required"), Some(field));
+    // vLLM's request-validation answer (`err_generate_no_sampling_params`).
+    let missing = |field: &str| {
+        let message = format!("1 validation error:\n  {{'type': 'missing', 'loc': 'body.{field}', 'msg': 'Field required', 'input': '<dict>'}}");
+        error_body(400, "Bad Request", &message, Some(&format!("body.{field}")))
+    };
     let ids: Vec<u64> =
         body["token_ids"].as_array().ok_or_else(|| missing("token_ids"))?.iter().filter_map(Value::as_u64).collect();
     let params = body.get("sampling_params").filter(|p| p.is_object()).ok_or_else(|| missing("sampling_params"))?;
@@ -186,23 +191,25 @@ pub(super) fn generate(config: &FakeConfig, headers: &HeaderMap, body: &Value) -
     let id = format!("generate-tokens-{rid}");
     let (n, m, model) = (ids.len(), out.len(), &config.model);
     let kv = kv_json(config, body, &id, n);
-    let cached = config.cached_tokens.map_or("null".to_owned(), |c| format!("{{\"cached_tokens\":{c}}}"));
-    let usage = format!(
-        "{{\"prompt_tokens\":{n},\"total_tokens\":{},\"completion_tokens\":{m},\"prompt_tokens_details\":{cached}}}",
-        n + m
-    );
+    let details = config.cached_tokens.map_or("null".to_owned(), |c| format!("{{\"cached_tokens\":{c}}}"));
+    let versions = format!("[{{\"version\":\"default\",\"start\":0,\"end\":{m}}}]");
     if body["stream"].as_bool() != Some(true) {
-        return Ok(Reply::Json(format!("{{\"request_id\":\"{id}\",\"model\":\"{model}\",\"created\":1796126654,\"usage\":{usage},\"prompt_logprobs\":null,\"prompt_token_id_logprobs\":null,\"prompt_token_ids\":null,\"mm_placeholders\":null,\"metrics\":null,\"kv_transfer_params\":{kv},\"ec_transfer_params\":null,\"output_mode\":\"tokens\",\"choices\":[{{\"index\":0,\"finish_reason\":\"length\",\"stop_reason\":null,\"token_ids\":{},\"routed_experts\":null,\"sampling_mask\":null,\"weight_versions\":null,\"logprobs\":null}}]}}", ids_json(&out))));
+        let usage = format!("{{\"prompt_tokens\":{n},\"total_tokens\":{},\"completion_tokens\":{m},\"prompt_tokens_details\":{details},\"completion_tokens_details\":null}}", n + m);
+        return Ok(Reply::Json(format!("{{\"request_id\":\"{id}\",\"model\":\"{model}\",\"created\":1796231186,\"usage\":{usage},\"prompt_logprobs\":null,\"prompt_token_id_logprobs\":null,\"prompt_token_ids\":null,\"mm_placeholders\":null,\"metrics\":null,\"kv_transfer_params\":{kv},\"ec_transfer_params\":null,\"output_mode\":\"tokens\",\"choices\":[{{\"index\":0,\"finish_reason\":\"length\",\"stop_reason\":null,\"token_ids\":{},\"routed_experts\":null,\"sampling_mask\":null,\"weight_versions\":{versions},\"logprobs\":null}}]}}", ids_json(&out))));
     }
     let mut events: Vec<String> = out
         .iter()
         .enumerate()
         .map(|(i, t)| {
-            let finish = if i + 1 == m { "\"length\"" } else { "null" };
-            format!("data: {{\"request_id\":\"{id}\",\"usage\":null,\"output_mode\":\"tokens\",\"choices\":[{{\"index\":0,\"finish_reason\":{finish},\"stop_reason\":null,\"token_ids\":[{t}],\"routed_experts\":null,\"sampling_mask\":null,\"weight_versions\":null,\"logprobs\":null}}]}}\n\n")
+            let (finish, weights) = if i + 1 == m { ("\"length\"", versions.as_str()) } else { ("null", "null") };
+            format!("data: {{\"request_id\":\"{id}\",\"usage\":null,\"output_mode\":\"tokens\",\"choices\":[{{\"index\":0,\"finish_reason\":{finish},\"stop_reason\":null,\"token_ids\":[{t}],\"routed_experts\":null,\"sampling_mask\":null,\"weight_versions\":{weights},\"logprobs\":null}}]}}\n\n")
         })
         .collect();
     if body["stream_options"]["include_usage"].as_bool() == Some(true) {
+        let cached = config
+            .cached_tokens
+            .map_or(String::new(), |c| format!(",\"prompt_tokens_details\":{{\"cached_tokens\":{c}}}"));
+        let usage = format!("{{\"prompt_tokens\":{n},\"total_tokens\":{},\"completion_tokens\":{m}{cached}}}", n + m);
         events.push(format!(
             "data: {{\"request_id\":\"{id}\",\"usage\":{usage},\"output_mode\":\"tokens\",\"choices\":[]}}\n\n"
         ));
