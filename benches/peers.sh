@@ -28,9 +28,11 @@ if [ ! -s toy_proxy_server.py ]; then
         echo "peers.sh: $url unreachable; taking the file from the vLLM $SDIST_VERSION sdist" >&2
         tmp="$(mktemp -d)"
         trap 'rm -rf "$tmp"' EXIT
-        # The sdist's URL from PyPI's JSON API (pip download would build the package).
-        sdist_url="$(curl -fsS --max-time 30 "https://pypi.org/pypi/vllm/$SDIST_VERSION/json" \
-            | python3 -c 'import json,sys; print(next(u["url"] for u in json.load(sys.stdin)["urls"] if u["packagetype"] == "sdist"))')"
+        # The sdist's URL from PyPI's JSON API (pip download would build the package); the
+        # project's document lists every release (the per-version one answered 404 here), and
+        # a mirror may give its file addresses relative to the document.
+        sdist_url="$(curl -fsS --max-time 30 "https://pypi.org/pypi/vllm/json" | SDIST_VERSION="$SDIST_VERSION" python3 -c \
+            'import json,os,sys,urllib.parse as up; r=json.load(sys.stdin)["releases"][os.environ["SDIST_VERSION"]]; print(up.urljoin("https://pypi.org/pypi/vllm/json", next(u["url"] for u in r if u["packagetype"] == "sdist")))')"
         curl -fsS --max-time 300 -o "$tmp/vllm.tar.gz" "$sdist_url"
         tar -xzf "$tmp/vllm.tar.gz" -O "vllm-$SDIST_VERSION/$TOY_PATH" > toy_proxy_server.py.part
     fi

@@ -1,6 +1,7 @@
-//! Static pools of engine endpoints with round-robin or least-in-flight choice, per-endpoint
-//! health and vLLM version, passive ejection after consecutive failures, and an in-flight
-//! guard that counts a request until dropped.
+//! Static pools of engine endpoints (one per data-parallel rank of a server listed with its
+//! ranks) with round-robin or least-in-flight choice, per-endpoint health and vLLM version,
+//! passive ejection after consecutive failures, and an in-flight guard that counts a request
+//! until dropped.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
