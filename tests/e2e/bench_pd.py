@@ -60,6 +60,7 @@ RUN_DIR = os.environ.get("E2E_RUN_DIR", os.path.join(os.environ.get("TMPDIR", "/
 VENV = os.environ.get("TOKENONCE_VLLM_VENV", os.path.expanduser("~/.cache/tokenonce-vllm-venv"))
 MODEL_DIR = os.environ.get("TOKENONCE_VLLM_MODEL_DIR", os.path.join(VENV, "models", "tiny-qwen3"))
 TEXT = re.compile(rb'"(?:content|reasoning|reasoning_content)":"[^"]')
+REQUEST_LINE = re.compile(rb"^(?:GET|POST|PUT|DELETE|HEAD|OPTIONS|PATCH) /")
 PEERS = os.environ.get("TOKENONCE_PEERS", os.path.expanduser("~/.cache/tokenonce-peers"))
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -101,9 +102,9 @@ paths = ["/v1/chat/completions"]
 
 
 class TimingPipe:
-    """127.0.0.1:listen -> upstream; per request on each connection, the seconds from its last
-    byte to the answer (its first byte, or with `text` its first generated text), collected
-    in `samples` (taken by the caller between rounds)."""
+    """127.0.0.1:listen -> upstream; per POST on each connection (the proxies' health polls are
+    not timed), the seconds from its last byte to the answer (its first byte, or with `text`
+    its first generated text), collected in `samples` (taken by the caller between rounds)."""
 
     def __init__(self, listen, upstream, text):
         self.upstream, self.text = upstream, text
@@ -130,9 +131,11 @@ class TimingPipe:
     def forward_request(self, src, dst, state):
         try:
             while data := src.recv(1 << 16):
+                if REQUEST_LINE.match(data):  # a request begins: only POSTs are timed (not polls)
+                    state["post"] = data.startswith(b"POST ")
                 dst.sendall(data)
                 state["sent"] = time.perf_counter()  # the last byte so far of this request
-                state["seen"] = False
+                state["seen"] = not state.get("post")
         except OSError:
             pass
         finally:
@@ -267,11 +270,14 @@ class Bench:
             t.start()
         for t in threads:
             t.join(600)
-        if errors or None in client:
-            sys.exit(f"{name}: {errors[:1] or 'a request did not finish within 600 s'}")
+        if len(errors) == c:
+            sys.exit(f"{name}: every request failed: {errors[0]}")
+        for e in errors:  # counted and shown: a proxy's failures are part of its result
+            print(f"  {name}: {e[:200]}", flush=True)
         time.sleep(0.05)  # the pipes saw the answers just before the client did
         cpu = {k: (cpu_seconds(p) - before[k]) / c for k, p in watched.items() if p}
-        return client, self.prefill_pipe.take(), self.decode_pipe.take(), cpu
+        answered = [t for t in client if t is not None]
+        return answered, self.prefill_pipe.take(), self.decode_pipe.take(), cpu, c - len(answered)
 
 
 def main():
@@ -304,10 +310,11 @@ def main():
             for name in names:  # warm every path (and let local ids verify the shape)
                 bench.round_of(name, 1, f"warm-{c}-{name}")
                 bench.round_of(name, 1, f"warm2-{c}-{name}")
-            got = {n: {"client": [], "prefill": [], "decode": [], "cpu": []} for n in names}
+            got = {n: {"client": [], "prefill": [], "decode": [], "cpu": [], "errors": 0} for n in names}
             for i in range(args.runs):
                 for name in names[i % len(names):] + names[:i % len(names)]:
-                    client, pre, dec, cpu = bench.round_of(name, c, f"c{c}-r{i}-{name}")
+                    client, pre, dec, cpu, failed = bench.round_of(name, c, f"c{c}-r{i}-{name}")
+                    got[name]["errors"] += failed
                     got[name]["client"] += client
                     got[name]["prefill"] += pre
                     got[name]["decode"] += dec
@@ -337,22 +344,22 @@ def report(results, args, tokens, binary, local):
           f"rounds per proxy and concurrency; tokenonce local ids: {local['token_in']:.0f} prefills token-in, "
           f"{local['matches']:.0f} matches, {local['mismatches']:.0f} mismatches\n")
     print("| C | proxy | client TTFT p50 ms | p90 | prefill leg p50 ms | decode TTFT p50 ms | "
-          "prefill API CPU ms/req | decode API CPU ms/req | proxy CPU ms/req |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "prefill API CPU ms/req | decode API CPU ms/req | proxy CPU ms/req | failed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for c, got in results.items():
         level = {}
         for name, g in got.items():
             cl, pre, dec = (bench_ttft.summary(g[k]) for k in ("client", "prefill", "decode"))
             cpu = {k: 1000 * statistics.mean(r.get(k, 0.0) for r in g["cpu"]) for k in ("prefill", "decode", "proxy")}
-            level[name] = {"client": cl, "prefill": pre, "decode": dec, "cpu_ms": cpu}
+            level[name] = {"client": cl, "prefill": pre, "decode": dec, "cpu_ms": cpu, "failed": g["errors"]}
             proxy_cpu = "-" if name == "by hand" else f"{cpu['proxy']:.1f}"
             print(f"| {c} | {name} | {cl['median']:.1f} | {cl['p90']:.1f} | {pre['median']:.1f} | {dec['median']:.1f} | "
-                  f"{cpu['prefill']:.1f} | {cpu['decode']:.1f} | {proxy_cpu} |")
+                  f"{cpu['prefill']:.1f} | {cpu['decode']:.1f} | {proxy_cpu} | {g['errors']} |")
         toy = level["toy proxy"]["client"]
         for name in ("tokenonce", "tokenonce local", "by hand"):
             mine = level[name]["client"]
             print(f"| {c} | {name} / toy proxy | {mine['median'] / toy['median']:.2f} | "
-                  f"{mine['p90'] / toy['p90']:.2f} | | | | | |")
+                  f"{mine['p90'] / toy['p90']:.2f} | | | | | | |")
         out["levels"][c] = level
     if args.json:
         with open(args.json, "w") as f:
