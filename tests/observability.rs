@@ -442,7 +442,7 @@ async fn dashboard_and_alert_metrics_exist_after_real_traffic() {
     // Bounded labels: route names from config, fixed enums; no client path or model string.
     let fixed: &[(&str, &[&str])] = &[
         ("route", &["pd", "default"]),
-        ("api", &["chat", "completions", "responses", "messages", "other"]),
+        ("api", &["chat", "completions", "responses", "messages", "generate", "other"]),
         ("mode", &["orchestrate", "relay", "passthrough"]),
         ("outcome", &["success", "client_error", "server_error", "client_closed"]),
         (

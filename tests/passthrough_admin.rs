@@ -39,7 +39,7 @@ async fn passthrough_routes_skip_pd() {
     let conf = format!(
         "{}\n[[routes]]\nname = \"direct\"\nmode = \"passthrough\"\ndecode_pool = \"decode\"\n",
         pd_config(&p, &d, "").replace(
-            "paths = [\"/v1/chat/completions\", \"/v1/completions\", \"/v1/responses\", \"/v1/messages\"]",
+            "paths = [\"/v1/chat/completions\", \"/v1/completions\", \"/v1/responses\", \"/v1/messages\", \"/inference/v1/generate\"]",
             "paths = [\"/v1/chat/completions\"]\nmodel = \"qwen*\""
         )
     );

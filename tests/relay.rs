@@ -297,3 +297,31 @@ async fn prefill_flood_stays_bounded_and_expires() {
     assert_eq!(proxy.metric("tokenonce_cache_bytes").await, 0.0);
     assert!(proxy.metric(r#"tokenonce_cache_evictions_total{reason="ttl"}"#).await > 0.0);
 }
+
+/// Generate legs through a relay route pass byte for byte (their prompt is ids already, so
+/// there is nothing to reuse): the prefill leg reaches the prefill pool, the decode leg with
+/// the prefill's handoff the decode pool, and each answer is the engine's own.
+#[tokio::test(flavor = "multi_thread")]
+async fn generate_legs_pass_through_a_relay_route_unchanged() {
+    let prefill = FakeVllm::start(FakeConfig { connector: true, ..FakeConfig::default() }).await;
+    let decode = FakeVllm::start(FakeConfig::default()).await;
+    let conf = relay_config(&prefill, &decode, "", "")
+        .replace("\"/v1/completions\"]", "\"/v1/completions\", \"/inference/v1/generate\"]");
+    let proxy = TokenOnce::start(&conf).await;
+    let url = format!("{}/inference/v1/generate", proxy.url);
+    let leg = r#"{"model":"tiny-qwen3","token_ids":[1,2,3],"sampling_params":{"max_tokens":1,"temperature":0.50},"stream":false,"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false}}"#;
+    let (status, _, answer) = post_raw(&url, leg, &[("x-request-id", "g")]).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(&prefill.posts()[0].body[..], leg.as_bytes());
+    let kv = serde_json::from_str::<Value>(&answer).unwrap()["kv_transfer_params"].clone();
+    assert_eq!(kv["remote_engine_id"], "fake-engine");
+    let decode_leg = format!(
+        r#"{{"model":"tiny-qwen3","token_ids":[1,2,3],"sampling_params":{{"max_tokens":5}},"stream":true,"kv_transfer_params":{kv}}}"#
+    );
+    let (status, _, streamed) = post_raw(&url, decode_leg.clone(), &[("x-request-id", "g")]).await;
+    assert_eq!(status, 200, "{streamed}");
+    assert_eq!(&decode.posts()[0].body[..], decode_leg.as_bytes());
+    let direct_url = format!("http://{}/inference/v1/generate", decode.host_port());
+    let (_, _, direct) = post_raw(&direct_url, decode_leg, &[("x-request-id", "g")]).await;
+    assert_eq!(streamed, direct);
+}
