@@ -27,6 +27,7 @@
 //! - `tokens`: a rendered prompt tokenized segment by segment, each segment once (segment
 //!   cache); not wired into the request path yet.
 
+pub mod addr;
 pub mod config;
 
 /// What this binary is: its version and the build facts `build.rs` recorded, as

@@ -6,7 +6,8 @@
 
 use std::time::Duration;
 
-use tokenonce::config::{self, embedded_default, is_host_port, load, Config, Mode, OnClientGone, Version};
+use tokenonce::addr::is_host_port;
+use tokenonce::config::{self, embedded_default, load, Config, Mode, OnClientGone, Version};
 #[test]
 fn embedded_default_is_valid_and_as_documented() {
     let c = embedded_default().unwrap().config;

@@ -11,7 +11,8 @@ use std::time::Duration;
 use tracing_subscriber::filter::LevelFilter;
 
 use super::file::{Config, Pool, PoolTls, Prefill, Route};
-use super::values::{endpoint_ranks, LocalIdsMode, Mode, MAX_RANKS_PER_ENTRY};
+use super::values::{LocalIdsMode, Mode};
+use crate::addr::{endpoint_ranks, MAX_RANKS_PER_ENTRY};
 use crate::toml_read::{Doc, Problem};
 
 // Upper bounds: a value past these is a typo, not a setting.

@@ -12,9 +12,8 @@ pub use crate::toml_read::Problem;
 pub use file::{Cache, Config, Defaults, Match, Pool, PoolTls, Prefill, Route, Server, ServerTls, Tracing, Upstream};
 pub use resources::{AdminToken, PoolResources, Resources};
 pub use values::{
-    endpoint_ranks, is_host_port, parse_allow, AllowEntry, AllowTarget, Balance, ClientHandoff, LocalIdsMode,
-    LogFormat, Mode, ModelGlob, Net, OnClientGone, OnPrefillFailure, OtlpProtocol, ParityPolicy, RelayHandoff,
-    ReuseShare, Version,
+    parse_allow, AllowEntry, AllowTarget, Balance, ClientHandoff, LocalIdsMode, LogFormat, Mode, ModelGlob, Net,
+    OnClientGone, OnPrefillFailure, OtlpProtocol, ParityPolicy, RelayHandoff, ReuseShare, Version,
 };
 
 /// The embedded default configuration text.

@@ -49,7 +49,7 @@ pub fn prefiller_from_header(
     if text.contains(',') {
         return Err(ApiError::InvalidPrefillerHeader("a list; exactly one host:port expected".into()));
     }
-    if !crate::config::is_host_port(text) {
+    if !crate::addr::is_host_port(text) {
         return Err(ApiError::InvalidPrefillerHeader(format!("`{text}` is not host:port")));
     }
     let (host, port) = text.rsplit_once(':').unwrap_or((text, ""));

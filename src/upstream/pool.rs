@@ -317,7 +317,7 @@ impl Pool {
             endpoints: spec
                 .endpoints
                 .iter()
-                .filter_map(|entry| crate::config::endpoint_ranks(entry))
+                .filter_map(|entry| crate::addr::endpoint_ranks(entry))
                 .flat_map(|(addr, ranks)| {
                     ranks.into_iter().map(move |rank| Arc::new(Endpoint::with_rank(addr, rank, loaded.tls.clone())))
                 })

@@ -902,7 +902,7 @@ pub fn check_config(text: &str) {
             assert!(server.threads >= 1 && c.cache.capacity_bytes >= 1 && !c.cache.ttl_ms.is_zero());
             for p in c.pools.values() {
                 assert!(!p.endpoints.is_empty());
-                assert!(p.endpoints.iter().all(|e| tokenonce::config::is_host_port(e)), "{:?}", p.endpoints);
+                assert!(p.endpoints.iter().all(|e| tokenonce::addr::endpoint_ranks(e).is_some()), "{:?}", p.endpoints);
             }
             let mut names = HashSet::new();
             for r in &c.routes {
