@@ -231,7 +231,7 @@ impl RequestView {
                 (listed && responses_input_has_media(input)?, PromptShape::Text)
             }
             Api::Completions => (false, prompt_shape(obj.get("prompt"))),
-            Api::Generate => return Self::parse_generate(obj),
+            Api::Generate => return Self::parse_generate(obj, model, stream),
         };
         let stateful = api == Api::Responses
             && (obj.has_non_null("previous_response_id")
@@ -243,10 +243,9 @@ impl RequestView {
     /// The view of a generate request: `token_ids` (its prompt, always ids) and
     /// `sampling_params` (where its limits sit) are required, as vLLM requires them; media
     /// come as `content_parts` or `features`.
-    fn parse_generate(obj: &RawObject<'_>) -> Result<Self, ApiError> {
-        let model: Option<String> = field(obj, "model")?;
-        let stream = field::<bool>(obj, "stream")?.unwrap_or(false);
-        if field::<&RawValue>(obj, "token_ids")?.is_none() {
+    fn parse_generate(obj: &RawObject<'_>, model: Option<String>, stream: bool) -> Result<Self, ApiError> {
+        // Present is enough: the id array is the engine's to validate (not scanned again here).
+        if !obj.has_non_null("token_ids") {
             return Err(ApiError::invalid("`token_ids` is required", Some("token_ids")));
         }
         let required = || ApiError::invalid("`sampling_params` is required, as an object", Some("sampling_params"));
@@ -342,16 +341,14 @@ pub fn prefill_body_token_in(client: &RawObject<'_>, shared: Option<&Bytes>, api
 fn one_token(obj: &mut RawObject<'_>, api: Api) {
     if api == Api::Generate {
         one_token_sampling(obj);
-        obj.set_raw("stream", "false");
-        obj.remove("stream_options");
-        return;
+    } else {
+        obj.set_raw(api.limit_field(), "1");
+        if obj.get("max_completion_tokens").is_some() {
+            obj.set_raw("max_completion_tokens", "1");
+        }
+        obj.remove("min_tokens");
+        obj.remove("min_completion_tokens");
     }
-    obj.set_raw(api.limit_field(), "1");
-    if obj.get("max_completion_tokens").is_some() {
-        obj.set_raw("max_completion_tokens", "1");
-    }
-    obj.remove("min_tokens");
-    obj.remove("min_completion_tokens");
     obj.set_raw("stream", "false");
     obj.remove("stream_options");
     if api == Api::Responses {

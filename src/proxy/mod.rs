@@ -289,8 +289,8 @@ impl ProxyHttp for Proxy {
         for (name, value) in ctx.rec.trace.headers_for(Leg::Passthrough) {
             upstream.insert_header(name, value)?;
         }
-        if let Some(rank) = ctx.rec.pass_endpoint.as_ref().and_then(|p| p.endpoint().rank) {
-            upstream.insert_header(crate::upstream::DP_RANK_HEADER, rank.to_string())?;
+        if let Some((name, value)) = ctx.rec.pass_endpoint.as_ref().and_then(|p| p.endpoint().rank_header()) {
+            upstream.insert_header(name, value)?;
         }
         // `100 Continue` was answered here already (`request_filter`).
         upstream.remove_header(&http::header::EXPECT);

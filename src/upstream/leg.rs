@@ -120,9 +120,8 @@ impl LegClient<'_> {
         for (name, value) in self.trace.headers_for(leg) {
             head.insert_header(name, value).map_err(|e| LegError::Head(format!("trace header: {e}")))?;
         }
-        if let Some(rank) = endpoint.endpoint().rank {
-            head.insert_header(super::DP_RANK_HEADER, rank.to_string())
-                .map_err(|e| LegError::Head(format!("rank header: {e}")))?;
+        if let Some((name, value)) = endpoint.endpoint().rank_header() {
+            head.insert_header(name, value).map_err(|e| LegError::Head(format!("rank header: {e}")))?;
         }
         let exchange = async {
             let result = self.send_and_resend(leg, endpoint, &head, body, delivery).await;

@@ -118,6 +118,11 @@ impl Endpoint {
         Self { rank, name, ..Self::with_tls(addr, tls) }
     }
 
+    /// The header naming its data-parallel rank on every leg to it, when it has one.
+    pub fn rank_header(&self) -> Option<(&'static str, String)> {
+        self.rank.map(|r| (super::DP_RANK_HEADER, r.to_string()))
+    }
+
     /// Where its legs go.
     pub fn target(&self) -> crate::upstream::client::Target<'_> {
         crate::upstream::client::Target { addr: &self.addr, tls: self.tls.as_ref() }
