@@ -1,4 +1,4 @@
-//! Engine addresses as written in config and headers: `host:port`, and pool entries that
+//! Engine addresses as written in config and headers: `host:port` (and its host), and pool entries that
 //! name data-parallel ranks of one server (`host:port#R`, `host:port#FIRST-LAST`).
 
 /// True for `host:port` with a non-empty host (name or IP, IPv6 in brackets) and a port.
@@ -12,6 +12,12 @@ pub fn is_host_port(text: &str) -> bool {
         !host.is_empty() && host.len() <= 253 && host.chars().all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-')
     };
     host_ok && port.parse::<u16>().is_ok_and(|p| p > 0)
+}
+
+/// The host of `host:port` (without IPv6 brackets).
+pub fn host_of(host_port: &str) -> &str {
+    let host = host_port.rsplit_once(':').map_or(host_port, |(h, _)| h);
+    host.trim_start_matches('[').trim_end_matches(']')
 }
 
 /// Most members one pool entry's rank range (`host:port#0-255`) expands to.

@@ -9,9 +9,9 @@ use async_trait::async_trait;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 
+use crate::app::SharedApp;
 use crate::config::{self, Config};
 use crate::metrics::Reload;
-use crate::SharedApp;
 
 /// Listens for SIGHUP and reloads `path`.
 pub struct Reloader {

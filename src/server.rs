@@ -27,19 +27,18 @@ use pingora::services::background::background_service;
 use pingora::services::listening::Service as Listening;
 use pingora::services::Service;
 
+use crate::app::{App, SharedApp, Upkeep};
 use crate::config::Loaded;
 use crate::proxy::{Admin, Proxy};
 use crate::reload::Reloader;
 use crate::tls::ListenerCert;
-use crate::upstream::health::HealthPoller;
-use crate::{App, SharedApp};
 
 /// Why the server could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     /// The state could not be built (metrics, routes).
     #[error(transparent)]
-    App(#[from] crate::AppError),
+    App(#[from] crate::app::AppError),
     /// pingora refused its configuration.
     #[error("server configuration: {0}")]
     Conf(String),
@@ -228,14 +227,15 @@ pub fn start(
     admin.threads = Some(1);
     let mut client = PreBound::new(proxy, listeners.client, client_addr);
     if let (Some(socket), Some(addr)) = (listeners.tls, tls_addr) {
-        let callbacks = Box::new(ListenerCert { app: Arc::clone(&app) });
+        let current = Arc::clone(&app);
+        let callbacks =
+            Box::new(ListenerCert { current: Box::new(move || current.load().resources.server_identity.clone()) });
         let settings = TlsSettings::with_callbacks(callbacks).map_err(|e| StartError::Conf(e.to_string()))?;
         client.add_tls(socket, addr, settings);
     }
     server.add_service(client);
     server.add_service(PreBound::new(admin, listeners.admin, admin_addr));
-    let poller = HealthPoller { app: Arc::clone(&app), interval, on_tick: Box::new(App::refresh_gauges) };
-    server.add_service(background_service("health", poller));
+    server.add_service(background_service("health", Upkeep { app: Arc::clone(&app), interval }));
     if signals == Signals::Process {
         server.add_service(background_service("reload", Reloader { path: path.clone(), app: Arc::clone(&app) }));
     }

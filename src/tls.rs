@@ -16,8 +16,6 @@ use pingora::tls::x509::X509;
 use pingora::upstreams::peer::HttpPeer;
 use pingora::utils::tls::CertKey;
 
-use crate::SharedApp;
-
 /// A certificate chain (leaf first) and the leaf's private key, checked to belong together.
 #[derive(Clone)]
 pub struct Identity {
@@ -197,7 +195,7 @@ impl UpstreamTls {
 
     /// The name checked against the engine's certificate when it is `host:port`.
     pub fn name_for<'a>(&'a self, host_port: &'a str) -> &'a str {
-        self.server_name.as_deref().unwrap_or_else(|| host_of(host_port))
+        self.server_name.as_deref().unwrap_or_else(|| crate::addr::host_of(host_port))
     }
 
     /// Makes `peer` (to the endpoint `host_port`) speak TLS with these settings.
@@ -214,23 +212,16 @@ impl UpstreamTls {
     }
 }
 
-/// The host of `host:port` (without IPv6 brackets).
-pub fn host_of(host_port: &str) -> &str {
-    let host = host_port.rsplit_once(':').map_or(host_port, |(h, _)| h);
-    host.trim_start_matches('[').trim_end_matches(']')
-}
-
 /// The client TLS listener's certificate, taken from the current config at each handshake.
 pub struct ListenerCert {
-    /// The state a reload replaces.
-    pub app: SharedApp,
+    /// The current config's listener identity (`None`: a reload removed `[server.tls]`).
+    pub current: Box<dyn Fn() -> Option<Identity> + Send + Sync>,
 }
 
 #[async_trait]
 impl TlsAccept for ListenerCert {
     async fn certificate_callback(&self, ssl: &mut TlsRef) {
-        let app = self.app.load();
-        let Some(identity) = &app.resources.server_identity else {
+        let Some(identity) = (self.current)() else {
             // The reloaded config has no `[server.tls]`: the handshake fails without a certificate.
             tracing::warn!("TLS handshake refused: the config has no [server.tls] any more");
             return;

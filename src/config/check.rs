@@ -228,7 +228,7 @@ fn check_pool_tls(ck: &mut Checker<'_, '_>, path: &str, tls: &PoolTls, endpoints
         ck.report(problem);
     }
     if tls.verify && tls.server_name.is_none() {
-        if let Some(ip) = endpoints.iter().find(|e| crate::tls::host_of(e).parse::<IpAddr>().is_ok()) {
+        if let Some(ip) = endpoints.iter().find(|e| crate::addr::host_of(e).parse::<IpAddr>().is_ok()) {
             let why = format!(
                 "endpoint `{ip}` is an IP address: set `server_name` to the DNS name in the engines' certificate"
             );

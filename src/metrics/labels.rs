@@ -3,36 +3,7 @@
 
 use crate::config::Mode;
 use crate::openai::Api;
-
-/// Declares a label enum: variants, their label strings, and `ALL` in declaration order
-/// (so `variant as usize` indexes `ALL` and the per-route handle tables).
-macro_rules! label_enum {
-    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident => $label:literal,)+ }) => {
-        $(#[$meta])*
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-        pub enum $name {
-            $($(#[$vmeta])* $variant,)+
-        }
-
-        impl $name {
-            /// Every value, in declaration order.
-            pub const ALL: &'static [Self] = &[$(Self::$variant,)+];
-
-            /// The label value.
-            pub fn as_str(self) -> &'static str {
-                match self {
-                    $(Self::$variant => $label,)+
-                }
-            }
-        }
-
-        impl std::fmt::Display for $name {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str(self.as_str())
-            }
-        }
-    };
-}
+pub use crate::openai::FallbackReason;
 
 label_enum! {
     /// Timed stages of an orchestrated request (`stage_duration_seconds{stage}`).
@@ -155,50 +126,6 @@ impl Outcome {
 }
 
 label_enum! {
-    /// Why a request took the text decode instead of reusing the prefill's ids
-    /// (`token_reuse_total{result="fallback",reason}`).
-    FallbackReason {
-        /// The route turns token reuse off.
-        Disabled => "disabled",
-        /// The decode vLLM is older than 0.27 (no `kv_transfer_params.prompt_token_ids`).
-        DecodeVersionOld => "decode_version_old",
-        /// The decode vLLM's version could not be learned.
-        DecodeVersionUnknown => "decode_version_unknown",
-        /// Messages carry media: ids alone would drop it.
-        Media => "media",
-        /// `echo` is set.
-        Echo => "echo",
-        /// `n > 1`.
-        NGreaterThanOne => "n_gt_1",
-        /// A completions batch (several prompts).
-        BatchPrompt => "batch_prompt",
-        /// The client already sent token ids: nothing to save.
-        PromptIsTokens => "prompt_is_tokens",
-        /// The prefill echoed no ids.
-        IdsMissing => "ids_missing",
-        /// The prefill's ids failed validation.
-        IdsMalformed => "ids_malformed",
-        /// Relay mode: no cached ids for this decode.
-        CacheMiss => "cache_miss",
-        /// The prefill leg failed and the route sends the decode alone.
-        PrefillFailed => "prefill_failed",
-        /// The API has no way to echo prompt ids on vLLM (`/v1/messages`).
-        IdsNotEchoed => "ids_not_echoed",
-        /// A Responses request that needs the decode's response store
-        /// (`previous_response_id`, `conversation`, `background`): sent to the decode alone.
-        Stateful => "stateful",
-        /// A fractional `token_reuse` left this request out of the canary share.
-        Canary => "canary",
-        /// An id is at or above the vocabulary size of the route's tokenizer.
-        IdsOutOfVocab => "ids_out_of_vocab",
-        /// The parity watch found ids that do not carry their request (`disable_reuse`).
-        ParityReuseOff => "parity_reuse_off",
-        /// The prefill and decode pools serve different models (`GET /v1/models`).
-        ModelMismatch => "model_mismatch",
-    }
-}
-
-label_enum! {
     /// Result of a parity check (`parity_checks_total{result}`).
     ParityResult {
         /// The ids decode to the request's contents, in order, and their count agrees.
@@ -285,9 +212,18 @@ pub(super) fn api_label(api: Option<Api>) -> &'static str {
     api.map_or("other", Api::as_str)
 }
 
-/// The `api` label values, in the order [`RouteMetrics`] tables them.
-pub(super) const API_LABELS: [Option<Api>; 6] =
-    [Some(Api::Chat), Some(Api::Completions), Some(Api::Responses), Some(Api::Messages), Some(Api::Generate), None];
+/// The `api` label values, in the order [`RouteMetrics`] tables them: every [`Api`], then
+/// `other` (a request passed through).
+#[expect(clippy::indexing_slicing, reason = "evaluated at compile time: a bad index fails the build")]
+pub(super) const API_LABELS: [Option<Api>; Api::ALL.len() + 1] = {
+    let mut labels = [None; Api::ALL.len() + 1];
+    let mut i = 0;
+    while i < Api::ALL.len() {
+        labels[i] = Some(Api::ALL[i]);
+        i += 1;
+    }
+    labels
+};
 
 /// The `mode` label of a request: its route's mode for the OpenAI APIs; every other
 /// request is passed through whatever its route.
@@ -299,13 +235,7 @@ pub fn served_as(api: Option<Api>, route_mode: Mode) -> Mode {
     }
 }
 
+/// Where `api` stands in [`API_LABELS`].
 pub(super) fn api_index(api: Option<Api>) -> usize {
-    match api {
-        Some(Api::Chat) => 0,
-        Some(Api::Completions) => 1,
-        Some(Api::Responses) => 2,
-        Some(Api::Messages) => 3,
-        Some(Api::Generate) => 4,
-        None => 5,
-    }
+    api.map_or(Api::ALL.len(), |api| api as usize)
 }

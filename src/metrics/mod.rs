@@ -55,6 +55,8 @@ pub struct Metrics {
     parity: ParityFamilies,
     /// Config reloads.
     reloads: Reloads,
+    /// `build_info`: always 1, labelled with the build.
+    build: IntGaugeVec,
 }
 
 /// Requests served: counts, durations, stages, bounded waits, KV releases, in flight.
@@ -406,20 +408,12 @@ impl Metrics {
     /// # Errors
     /// When a name is registered twice in the same registry.
     pub fn register(registry: &Registry) -> prometheus::Result<Self> {
-        let build_info = gauge_vec(
+        let build = gauge_vec(
             registry,
             "tokenonce_build_info",
             "Always 1; labelled with the build (what tokenonce --version prints).",
             &["version", "commit", "rustc", "profile"],
         )?;
-        build_info
-            .with_label_values(&[
-                crate::build::VERSION,
-                crate::build::COMMIT,
-                crate::build::RUSTC,
-                crate::build::PROFILE,
-            ])
-            .set(1);
         let spans = trace_spans().as_ref().map_err(|e| prometheus::Error::Msg(e.to_string()))?;
         registered(registry, spans.clone())?;
         let metrics = Self {
@@ -429,9 +423,16 @@ impl Metrics {
             cache: CacheFamilies::register(registry)?,
             parity: ParityFamilies::register(registry)?,
             reloads: Reloads::register(registry)?,
+            build,
         };
         metrics.init_fixed();
         Ok(metrics)
+    }
+
+    /// Labels `build_info` with the build that runs (version, commit, compiler, profile: the
+    /// composition root hands them down).
+    pub fn build_info(&self, version: &str, commit: &str, rustc: &str, profile: &str) {
+        self.build.with_label_values(&[version, commit, rustc, profile]).set(1);
     }
 
     /// Client requests being served now.
@@ -759,6 +760,7 @@ mod tests {
         m.pool("decode");
         m.parity("r");
         m.models_differ("r", false);
+        m.build_info("1.0.0", "abc", "rustc 1", "debug");
         let text = String::from_utf8(Metrics::render(&registry)).unwrap();
         for name in [
             "tokenonce_requests_total",

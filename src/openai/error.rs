@@ -7,7 +7,7 @@
 
 use serde::Serialize;
 
-use super::request::Api;
+use super::api::Api;
 
 /// An error tokenonce answers by itself.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -2,17 +2,18 @@
 //! prefill handoff extraction, response rewrites, prompt-id validation, error bodies.
 //! Nothing here knows about pingora or sockets.
 
+pub mod api;
 mod cut;
 pub mod error;
+pub mod fallback;
 pub mod ids;
 pub mod json;
 pub mod request;
 pub mod response;
 
+pub use api::Api;
 pub use error::ApiError;
+pub use fallback::FallbackReason;
 pub use ids::{IdsError, PromptIds};
 pub use json::RawObject;
-pub use request::{Api, RequestView};
-
-/// Fallback reasons are metric label values, so `metrics` owns them.
-pub use crate::metrics::FallbackReason;
+pub use request::RequestView;

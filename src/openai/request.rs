@@ -8,69 +8,7 @@ use serde_json::value::RawValue;
 use super::error::ApiError;
 use super::ids::PromptIds;
 use super::json::{is_null, Pieces, RawObject, IDS_HOLE};
-use super::FallbackReason;
-
-/// Which OpenAI API a request speaks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Api {
-    /// `POST /v1/chat/completions`
-    Chat,
-    /// `POST /v1/completions`
-    Completions,
-    /// `POST /v1/responses` (OpenAI Responses API)
-    Responses,
-    /// `POST /v1/messages` (Anthropic Messages API, as vLLM serves it)
-    Messages,
-    /// `POST /inference/v1/generate` (vLLM's token-in generate, served with
-    /// `--enable-scale-out` or `--tokens-only`): ids in, limits in `sampling_params`.
-    Generate,
-}
-
-impl Api {
-    /// The API served at `path`, if tokenonce orchestrates it.
-    pub fn from_path(path: &str) -> Option<Self> {
-        match path.trim_end_matches('/') {
-            "/v1/chat/completions" => Some(Self::Chat),
-            "/v1/completions" => Some(Self::Completions),
-            "/v1/responses" => Some(Self::Responses),
-            "/v1/messages" => Some(Self::Messages),
-            "/inference/v1/generate" => Some(Self::Generate),
-            _ => None,
-        }
-    }
-
-    /// Label value for metrics and logs.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Chat => "chat",
-            Self::Completions => "completions",
-            Self::Responses => "responses",
-            Self::Messages => "messages",
-            Self::Generate => "generate",
-        }
-    }
-
-    /// The body field holding the token limit that the prefill leg sets to 1 (generate:
-    /// the same name inside `sampling_params`).
-    fn limit_field(self) -> &'static str {
-        match self {
-            Self::Responses => "max_output_tokens",
-            Self::Chat | Self::Completions | Self::Messages | Self::Generate => "max_tokens",
-        }
-    }
-
-    /// The body field that makes vLLM 0.32 echo the prompt ids on this API, if any:
-    /// `return_token_ids` (chat, completions), `enable_response_messages` (Responses: the
-    /// ids come back in `input_messages[0].tokens`; `return_token_ids` is ignored there).
-    /// `/v1/messages` echoes none; generate's prompt is ids already.
-    pub fn echo_field(self) -> Option<&'static str> {
-        match self {
-            Self::Chat | Self::Completions => Some("return_token_ids"),
-            Self::Responses => Some("enable_response_messages"),
-            Self::Messages | Self::Generate => None,
-        }
-    }
-}
+use super::{Api, FallbackReason};
 
 /// The shape of a completions `prompt`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

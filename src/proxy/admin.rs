@@ -10,8 +10,8 @@ use pingora::prelude::*;
 use pingora::proxy::{ProxyHttp, Session};
 use pingora::upstreams::peer::HttpPeer;
 
+use crate::app::{App, SharedApp};
 use crate::metrics::Metrics;
-use crate::{App, SharedApp};
 
 /// The `wait_seconds` of a `/drain` query, capped at 300 s.
 fn drain_wait(query: Option<&str>) -> Duration {

@@ -72,7 +72,7 @@ pub async fn handle(session: &mut Session, ctx: &mut Ctx, api: Api) -> Result<()
     let path_and_query = head.uri.path_and_query().map_or_else(|| path.clone(), |p| p.as_str().to_owned());
     let headers = head.headers.clone();
     session.as_downstream_mut().set_abort_on_close(true);
-    let body = match read_body(session, app.routes.max_body_bytes(), app.edge.body_read_timeout).await {
+    let body = match read_body(session, app.routes.max_body_bytes(), app.config.server.body_read_timeout_ms).await {
         Ok(body) => body,
         Err(e) => {
             // Do not try to reuse a connection whose body was not read to the end.

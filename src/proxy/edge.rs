@@ -1,11 +1,9 @@
-//! Limits at the client edge, checked before any leg: how many requests are served at once
-//! (admission), how many header fields and bytes a request head may carry, and how long its
-//! body may take to arrive (a slowloris body).
+//! Limits at the client edge, checked before any leg: how many header fields and bytes a
+//! request head may carry, and how long its body may take to arrive (a slowloris body); the
+//! count of requests served at once is `app::Admission`, shared across reloads.
 //! pingora itself caps a head at 256 fields and 1 MiB and waits at most 60 s per read.
 //! And the one interim answer tokenonce writes itself: `100 Continue`.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use http::HeaderMap;
@@ -38,39 +36,6 @@ impl EdgeLimits {
             body_read_timeout: server.body_read_timeout_ms,
             max_in_flight: server.max_in_flight,
         }
-    }
-}
-
-/// The client requests being served, counted across config reloads (the bound itself is
-/// read from each request's config, so a reload changes it for the next request).
-#[derive(Debug, Default)]
-pub struct Admission {
-    in_flight: AtomicUsize,
-}
-
-/// One admitted request; its slot frees when this is dropped (with the request's context,
-/// whatever path it ended on).
-#[derive(Debug)]
-pub struct Admitted(Arc<Admission>);
-
-impl Admission {
-    /// A slot when fewer than `limit` requests are in flight (0: always), else `None`.
-    pub fn admit(self: &Arc<Self>, limit: usize) -> Option<Admitted> {
-        self.in_flight
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (limit == 0 || n < limit).then_some(n + 1))
-            .ok()
-            .map(|_| Admitted(Arc::clone(self)))
-    }
-
-    /// Requests admitted and not yet finished.
-    pub fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::Acquire)
-    }
-}
-
-impl Drop for Admitted {
-    fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -125,22 +90,6 @@ pub async fn continue_if_expected(session: &mut Session) -> pingora::Result<()> 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn admission_refuses_past_the_limit_and_frees_a_slot_on_drop() {
-        let admission = Arc::new(Admission::default());
-        let first = admission.admit(2).unwrap();
-        let second = admission.admit(2).unwrap();
-        assert!(admission.admit(2).is_none(), "a third is refused");
-        assert_eq!(admission.in_flight(), 2);
-        drop(first);
-        let third = admission.admit(2).unwrap();
-        assert!(admission.admit(1).is_none(), "a lower limit (a reload) applies at once");
-        drop((second, third));
-        assert_eq!(admission.in_flight(), 0);
-        let unbounded: Vec<Admitted> = (0..5).filter_map(|_| admission.admit(0)).collect();
-        assert_eq!(unbounded.len(), 5, "0: no bound");
-    }
 
     #[test]
     fn heads_over_either_limit_are_431() {

@@ -18,6 +18,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 use super::error::ProxyError;
 use super::respond::{client_gone, ms_since, relay};
 use super::{Record, RequestInfo};
+use crate::app::App;
 use crate::config::{OnClientGone, OnPrefillFailure};
 use crate::metrics::{ErrorKind, Leg, Release, Stage, TimeoutStage};
 use crate::openai::json::Pieces;
@@ -28,7 +29,6 @@ use crate::routes::Route;
 use crate::upstream::client::CREDENTIAL_HEADERS;
 use crate::upstream::health::learn_version;
 use crate::upstream::{Delivery, Endpoint, Exchange, Failover, LegClient, Picked, Pool, UpstreamClient};
-use crate::App;
 
 /// Largest prefill response accepted (a 128k-token prompt echoed is about 1 MB).
 const PREFILL_RESPONSE_LIMIT: usize = 64 * 1024 * 1024;

@@ -32,11 +32,11 @@ use pingora::upstreams::peer::HttpPeer;
 pub use admin::Admin;
 pub use error::ProxyError;
 
+use crate::app::{Admitted, App, SharedApp};
 use crate::metrics::{Leg, Listener, Outcome};
 use crate::openai::{Api, RawObject, RequestView};
 use crate::routes::{RequestFacts, Route};
 use crate::upstream::{Picked, UpstreamError};
-use crate::{App, SharedApp};
 
 /// Per-request state: what the request is, and what it records on its way. Handlers take
 /// the two apart (`&RequestInfo`, `&mut Record`), so they can hold on to the route while
@@ -92,7 +92,7 @@ pub struct Record {
     /// Whether `inflight_requests` was raised for this request.
     pub counted: bool,
     /// This request's admission slot (freed when the context is dropped).
-    pub admitted: Option<edge::Admitted>,
+    pub admitted: Option<Admitted>,
     /// A body byte of the engine's answer reached tokenonce (a decode that streams has pulled
     /// the prefill's KV blocks).
     pub answer_started: bool,
@@ -139,7 +139,7 @@ impl ApiRequest<'_> {
 /// before anything else is done (the body is not read, so the connection is closed after).
 async fn admit(session: &mut Session, ctx: &mut Ctx) -> bool {
     let app = &ctx.info.app;
-    if let Some(slot) = app.admission.admit(app.edge.max_in_flight) {
+    if let Some(slot) = app.admission.admit(app.config.server.max_in_flight) {
         ctx.rec.admitted = Some(slot);
         ctx.rec.counted = true;
         app.metrics.inflight().inc();
@@ -148,7 +148,7 @@ async fn admit(session: &mut Session, ctx: &mut Ctx) -> bool {
     let tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
     app.metrics.admission_rejected(if tls { Listener::Tls } else { Listener::Plain });
     session.set_keepalive(None);
-    let limit = app.edge.max_in_flight;
+    let limit = app.config.server.max_in_flight;
     error::fail(session, &ctx.info, &mut ctx.rec, crate::openai::ApiError::Overloaded(limit).into()).await;
     false
 }
@@ -199,7 +199,7 @@ impl ProxyHttp for Proxy {
             return Ok(true);
         }
         let app = &ctx.info.app;
-        if let Err(e) = edge::check_head(&session.req_header().headers, &app.edge) {
+        if let Err(e) = edge::check_head(&session.req_header().headers, &edge::EdgeLimits::of(&app.config)) {
             session.set_keepalive(None);
             error::fail(session, &ctx.info, &mut ctx.rec, e.into()).await;
             return Ok(true);

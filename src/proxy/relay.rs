@@ -11,6 +11,7 @@ use super::error::ProxyError;
 use super::exec;
 use super::respond::write_engine_answer;
 use super::{ApiRequest, Record, RequestInfo};
+use crate::app::App;
 use crate::handoff::{Evicted, Lookup};
 use crate::metrics::Leg;
 use crate::openai::PromptIds;
@@ -18,7 +19,6 @@ use crate::plan::relay::{Found, RelayDecode, RelayPlan, RelayPrefill, Search};
 use crate::plan::DecodeVersion;
 use crate::routes::PrefillTarget;
 use crate::upstream;
-use crate::App;
 
 /// Runs one request of a relay route.
 ///

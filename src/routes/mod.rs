@@ -156,6 +156,23 @@ pub struct RouteTable {
 }
 
 impl RouteTable {
+    /// Sets each route's "pools serve different models" flag and gauge from what the
+    /// endpoints reported (`GET /v1/models`); a change is logged.
+    pub fn compare_models(&self, metrics: &Metrics) {
+        for route in self.routes() {
+            let Some(PrefillTarget::Pool(prefill)) = &route.prefill else { continue };
+            let differ = crate::upstream::health::pools_differ(prefill, &route.decode_pool);
+            metrics.models_differ(&route.name, differ);
+            if route.state().set_models_differ(differ) {
+                if differ {
+                    tracing::warn!(route = %route.name, "prefill and decode pools serve different models: no ids are exchanged");
+                } else {
+                    tracing::info!(route = %route.name, "prefill and decode pools serve the same model again");
+                }
+            }
+        }
+    }
+
     /// Builds the table of a validated `config` over its `pools` (same order as
     /// `config.pools`), resolving each route's series in `metrics`. A route that `previous`
     /// (the table before a reload) holds unchanged keeps its [`RouteState`].

@@ -1,4 +1,5 @@
-//! Background poller: every interval, all endpoints at once, each endpoint's `GET /health` (for `/readyz` and
+//! Endpoint probes, a round of them every health interval (the composition root's upkeep
+//! drives the rounds): all endpoints at once, each endpoint's `GET /health` (for `/readyz` and
 //! endpoint choice), its `GET /version` (for the token-reuse gate): until known, again
 //! whenever the endpoint turns healthy after being unhealthy (a restart may bring another
 //! vLLM), and on a slow timer; and its `GET /v1/models` (once per healthy spell), from which
@@ -7,13 +8,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use pingora::server::ShutdownWatch;
-use pingora::services::background::BackgroundService;
-
 use super::client::{Target, UpstreamClient};
+use super::homes::ResponseHomes;
 use super::pool::{Endpoint, ModelIdentity};
 use crate::config::Version;
+use crate::metrics::Metrics;
 
 /// Deadline of one health or version probe.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -88,101 +87,66 @@ pub fn pools_differ(a: &super::Pool, b: &super::Pool) -> bool {
     a.iter().any(|x| b.iter().any(|y| x != y))
 }
 
-/// Sets each route's "pools serve different models" flag and gauge from what the endpoints
-/// reported; a change is logged.
-fn compare_models(app: &crate::App) {
-    for route in app.routes.routes() {
-        let Some(crate::routes::PrefillTarget::Pool(prefill)) = &route.prefill else { continue };
-        let differ = pools_differ(prefill, &route.decode_pool);
-        app.metrics.models_differ(&route.name, differ);
-        if route.state().set_models_differ(differ) {
-            if differ {
-                tracing::warn!(route = %route.name, "prefill and decode pools serve different models: no ids are exchanged");
-            } else {
-                tracing::info!(route = %route.name, "prefill and decode pools serve the same model again");
+/// One round over every endpoint of `pools`, all at once (each bounded by
+/// [`ENDPOINT_POLL_LIMIT`]), so hung endpoints delay a round by one limit, not one each.
+pub async fn poll_round(
+    client: &Arc<UpstreamClient>,
+    metrics: &Metrics,
+    homes: &Arc<ResponseHomes>,
+    pools: &[Arc<super::Pool>],
+) {
+    let mut polls = tokio::task::JoinSet::new();
+    for pool in pools {
+        for endpoint in &pool.endpoints {
+            let (client, metrics, homes) = (Arc::clone(client), metrics.clone(), Arc::clone(homes));
+            let (pool, endpoint) = (Arc::clone(pool), Arc::clone(endpoint));
+            polls.spawn(async move {
+                let probe = Probe { client: &client, metrics: &metrics, homes: &homes };
+                if tokio::time::timeout(ENDPOINT_POLL_LIMIT, probe.poll(&pool, &endpoint)).await.is_err() {
+                    tracing::debug!(pool = %pool.name, endpoint = %endpoint.name, "health poll cut at its limit");
+                }
+            });
+        }
+    }
+    while polls.join_next().await.is_some() {}
+}
+
+/// What one endpoint's poll reads and writes besides the endpoint itself.
+struct Probe<'a> {
+    client: &'a UpstreamClient,
+    metrics: &'a Metrics,
+    homes: &'a ResponseHomes,
+}
+
+impl Probe<'_> {
+    /// One endpoint's `/health`, then `/version` when it is due: the version is forgotten
+    /// when the endpoint turns unhealthy, and asked at once (any pause after a failed ask
+    /// ended) when it turns healthy, so a restarted engine gets its own gate within one
+    /// interval; then `/v1/models` once per healthy spell.
+    async fn poll(&self, pool: &super::Pool, endpoint: &Endpoint) {
+        let healthy = matches!(self.client.get(endpoint.target(), "/health", PROBE_TIMEOUT).await, Ok((200, _)));
+        let was_healthy = endpoint.set_healthy(healthy);
+        self.metrics.upstream_health(&pool.name, &endpoint.name, healthy);
+        if !healthy {
+            if was_healthy {
+                endpoint.forget_version();
+                endpoint.forget_model();
+                // vLLM keeps stored responses in memory: an engine that went down lost them.
+                self.homes.forget_endpoint(&endpoint.name);
+            }
+            return;
+        }
+        if pool.pinned_version().is_none() {
+            if !was_healthy {
+                endpoint.end_version_pause();
+            }
+            if !was_healthy || endpoint.version().is_none() || endpoint.version_older_than(VERSION_REFRESH) {
+                learn_version(self.client, endpoint).await;
             }
         }
-    }
-}
-
-/// The poller; it reads the current pools each round, so reloads take effect.
-pub struct HealthPoller {
-    /// The current state.
-    pub app: crate::SharedApp,
-    /// Poll period.
-    pub interval: Duration,
-    /// Other periodic upkeep run after each round (`App::refresh_gauges`: the ejected
-    /// gauges, the relay cache sweep).
-    pub on_tick: Box<dyn Fn(&crate::App) + Send + Sync>,
-}
-
-impl HealthPoller {
-    /// One round over every endpoint, all at once (each bounded by [`ENDPOINT_POLL_LIMIT`]),
-    /// so hung endpoints delay a round by one limit, not one each.
-    pub async fn poll_once(&self) {
-        let app = self.app.load_full();
-        let mut polls = tokio::task::JoinSet::new();
-        for pool in &app.pools {
-            for endpoint in &pool.endpoints {
-                let (app, pool, endpoint) = (Arc::clone(&app), Arc::clone(pool), Arc::clone(endpoint));
-                polls.spawn(async move {
-                    let poll = poll_endpoint(&app, &pool, &endpoint);
-                    if tokio::time::timeout(ENDPOINT_POLL_LIMIT, poll).await.is_err() {
-                        tracing::debug!(pool = %pool.name, endpoint = %endpoint.name, "health poll cut at its limit");
-                    }
-                });
-            }
-        }
-        while polls.join_next().await.is_some() {}
-        compare_models(&app);
-        // Idle engine connections of endpoints no longer used (or removed by a reload) close
-        // within one interval past their idle limit.
-        app.client.close_expired_idle();
-        let ready = app.decode_pools().iter().all(|p| p.any_healthy());
-        app.metrics.ready().set(i64::from(ready));
-        (self.on_tick)(&app);
-    }
-}
-
-/// One endpoint's `/health`, then `/version` when it is due: the version is forgotten when
-/// the endpoint turns unhealthy, and asked at once (any pause after a failed ask ended) when
-/// it turns healthy, so a restarted engine gets its own gate within one interval.
-async fn poll_endpoint(app: &crate::App, pool: &super::Pool, endpoint: &Endpoint) {
-    let healthy = matches!(app.client.get(endpoint.target(), "/health", PROBE_TIMEOUT).await, Ok((200, _)));
-    let was_healthy = endpoint.set_healthy(healthy);
-    app.metrics.upstream_health(&pool.name, &endpoint.name, healthy);
-    if !healthy {
-        if was_healthy {
-            endpoint.forget_version();
-            endpoint.forget_model();
-            // vLLM keeps stored responses in memory: an engine that went down lost them.
-            app.homes.forget_endpoint(&endpoint.name);
-        }
-        return;
-    }
-    if pool.pinned_version().is_none() {
-        if !was_healthy {
-            endpoint.end_version_pause();
-        }
-        if !was_healthy || endpoint.version().is_none() || endpoint.version_older_than(VERSION_REFRESH) {
-            learn_version(&app.client, endpoint).await;
-        }
-    }
-    // After the version, which the reuse gate of every chat request waits on.
-    if !was_healthy || !endpoint.model_asked() {
-        endpoint.set_model(ask_model(&app.client, endpoint.target()).await);
-    }
-}
-
-#[async_trait]
-impl BackgroundService for HealthPoller {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
-        loop {
-            self.poll_once().await;
-            tokio::select! {
-                _ = tokio::time::sleep(self.interval) => {}
-                _ = shutdown.changed() => return,
-            }
+        // After the version, which the reuse gate of every chat request waits on.
+        if !was_healthy || !endpoint.model_asked() {
+            endpoint.set_model(ask_model(self.client, endpoint.target()).await);
         }
     }
 }

@@ -9,7 +9,7 @@ use serde_json::value::RawValue;
 use crate::openai::cut::CutAnswer;
 use crate::openai::ids::{IdsError, PromptIds};
 use crate::openai::json::is_null;
-use crate::openai::request::Api;
+use crate::openai::Api;
 
 /// Why the prefill's ids cannot be reused.
 #[derive(Debug, Clone, PartialEq, Eq)]

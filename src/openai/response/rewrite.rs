@@ -7,7 +7,7 @@ use serde_json::value::RawValue;
 use super::handoff::ids_key;
 use crate::openai::cut::CutAnswer;
 use crate::openai::json::{is_null, RawObject};
-use crate::openai::request::Api;
+use crate::openai::Api;
 
 /// Sets `usage.prompt_tokens_details.cached_tokens` in a response object; `None` when the
 /// object has no non-null `usage` (nothing to change) or is not an object.

@@ -2,7 +2,7 @@
 //! unless a usage rewrite applies to it, bounded in length; a cut event is dropped.
 
 use super::rewrite::rewrite_usage_cached;
-use crate::openai::request::Api;
+use crate::openai::Api;
 use crate::sse::{Event, SseDecoder};
 
 fn is_json_ws(b: u8) -> bool {
