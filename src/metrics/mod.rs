@@ -699,24 +699,15 @@ mod tests {
 
     #[test]
     fn label_tables_follow_declaration_order() {
-        for (i, s) in Stage::ALL.iter().enumerate() {
-            assert_eq!(*s as usize, i);
+        // `value as usize` indexes the per-route tables: it must be the value's place in `ALL`.
+        macro_rules! in_declaration_order {
+            ($($label:ty),+) => {$(
+                for (i, value) in <$label>::ALL.iter().enumerate() {
+                    assert_eq!(*value as usize, i, stringify!($label));
+                }
+            )+};
         }
-        for (i, o) in Outcome::ALL.iter().enumerate() {
-            assert_eq!(*o as usize, i);
-        }
-        for (i, r) in FallbackReason::ALL.iter().enumerate() {
-            assert_eq!(*r as usize, i);
-        }
-        for (i, r) in ParityResult::ALL.iter().enumerate() {
-            assert_eq!(*r as usize, i);
-        }
-        for (i, s) in TimeoutStage::ALL.iter().enumerate() {
-            assert_eq!(*s as usize, i);
-        }
-        for (i, r) in Release::ALL.iter().enumerate() {
-            assert_eq!(*r as usize, i);
-        }
+        in_declaration_order!(Stage, Outcome, FallbackReason, ParityResult, TimeoutStage, Release, Api);
         for (i, api) in API_LABELS.iter().enumerate() {
             assert_eq!(api_index(*api), i);
         }
