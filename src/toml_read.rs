@@ -2,8 +2,10 @@
 //! text at once (it knows no key of tokenonce's config). serde stops at a value's first error,
 //! so the text is deserialized again with each failing value left out (its field then takes
 //! its default), until it goes through; every error met on the way is a [`Problem`] at its key
-//! path and line:column, and so is every key no struct has. The spanned tree kept here
-//! ([`Doc`]) lets checks that follow place their problems by key path too.
+//! path and line:column, and so is every key no struct has (with the key of its table it
+//! likely meant). Messages speak of TOML's values (`must be a list, not "x"`), not serde's
+//! types. The spanned tree kept here ([`Doc`]) lets checks that follow place their problems
+//! by key path too.
 
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
