@@ -354,7 +354,7 @@ fn found(unexp: &Unexpected<'_>) -> String {
     }
 }
 
-/// Integer hints: an integer where one is wanted, anything else named as TOML's integer type.
+/// Integer hints: an integer where one is wanted, anything else a type problem.
 macro_rules! integer_hints {
     ($($method:ident)*) => {$(
         fn $method<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
@@ -374,7 +374,8 @@ impl<'a> NodeDe<'a> {
         result.map_err(|e| e.at(self.node))
     }
 
-    /// An integer where one is wanted; anything else is named as TOML's integer type.
+    /// An integer where one is wanted; anything else is a type problem naming what the field
+    /// wants (`must be a whole number`).
     fn integer<'de, V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
         match &self.node.kind {
             Kind::Int(..) => self.deserialize_any(visitor),
