@@ -2,8 +2,10 @@
 //! text at once (it knows no key of tokenonce's config). serde stops at a value's first error,
 //! so the text is deserialized again with each failing value left out (its field then takes
 //! its default), until it goes through; every error met on the way is a [`Problem`] at its key
-//! path and line:column, and so is every key no struct has. The spanned tree kept here
-//! ([`Doc`]) lets checks that follow place their problems by key path too.
+//! path and line:column, and so is every key no struct has (with the key of its table it
+//! likely meant). Messages speak of TOML's values (`must be a list, not "x"`), not serde's
+//! types. The spanned tree kept here ([`Doc`]) lets checks that follow place their problems
+//! by key path too.
 
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
@@ -117,7 +119,8 @@ pub fn read<T: DeserializeOwned>(source: &str) -> (Option<T>, Vec<Problem>, Doc<
         let ctx = Ctx { left_out: &left_out, unknown: &unknown };
         match T::deserialize(NodeDe { node: &root, ctx: &ctx }) {
             Ok(config) => {
-                problems.extend(unknown.into_inner().iter().map(|n| doc.problem(n, doc.key_span(n), unknown_key(n))));
+                let unknown = unknown.into_inner();
+                problems.extend(unknown.iter().map(|(n, keys)| doc.problem(n, doc.key_span(n), unknown_key(n, keys))));
                 return (Some(config), problems, doc);
             }
             Err(e) => {
@@ -138,9 +141,31 @@ impl Doc<'_> {
     }
 }
 
-fn unknown_key(path: &str) -> String {
+/// The message of an unknown key: the key of its table it most likely meant, else them all.
+fn unknown_key(path: &str, keys: &[&str]) -> String {
     let name = path.rsplit('.').next().unwrap_or(path);
-    format!("unknown key `{name}`")
+    match suggestion(name, keys) {
+        Some(meant) => format!("unknown key `{name}`; did you mean `{meant}`?"),
+        None => format!("unknown key `{name}`; the keys here are: {}", keys.join(", ")),
+    }
+}
+
+/// `"; did you mean `x`?"` when one of `names` is close to `written`, else nothing.
+fn did_you_mean(written: &str, names: &[&str]) -> String {
+    suggestion(written, names).map_or_else(String::new, |meant| format!("; did you mean `{meant}`?"))
+}
+
+/// The one of `names` most like `written` (a typo, a missing or extra suffix), if any is close.
+fn suggestion<'n>(written: &str, names: &[&'n str]) -> Option<&'n str> {
+    // Jaro-Winkler favours a shared start, which is how keys are misspelt (`grace_period_sec`);
+    // below 0.8 the "closest" is seldom what was meant.
+    const CLOSE: f64 = 0.8;
+    names
+        .iter()
+        .map(|&name| (strsim::jaro_winkler(written, name), name))
+        .filter(|(score, _)| *score >= CLOSE)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, name)| name)
 }
 
 /// A value of the document with its key path and place.
@@ -201,24 +226,25 @@ impl Node {
         Self { path, key: String::new(), span, kind }
     }
 
-    /// What serde's messages call the value.
+    /// The value as a message shows it (see [`found`]).
     fn unexpected(&self) -> Unexpected<'_> {
         match &self.kind {
             Kind::Str(s) => Unexpected::Str(s),
-            Kind::Int(..) => Unexpected::Other("integer"),
-            Kind::Float(_) => Unexpected::Other("float"),
+            Kind::Int(text, 10) | Kind::Float(text) => Unexpected::Other(text),
+            Kind::Int(..) => Unexpected::Other("an integer"),
             Kind::Bool(b) => Unexpected::Bool(*b),
-            Kind::Datetime => Unexpected::Other("datetime"),
+            Kind::Datetime => Unexpected::Other("a date-time"),
             Kind::List(_) => Unexpected::Seq,
             Kind::Table(_) => Unexpected::Map,
         }
     }
 }
 
-/// What one round of deserializing shares: the values left out, the unknown keys met.
+/// What one round of deserializing shares: the values left out, the unknown keys met (each
+/// with the keys its table has).
 struct Ctx<'a> {
     left_out: &'a BTreeSet<String>,
-    unknown: &'a RefCell<Vec<String>>,
+    unknown: &'a RefCell<Vec<(String, &'static [&'static str])>>,
 }
 
 impl Ctx<'_> {
@@ -253,13 +279,82 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
+/// serde's messages reworded in TOML's terms (`must be a list, not "x"` for `invalid type:
+/// string "x", expected a sequence`); what a value type says itself is kept.
 impl de::Error for Error {
     fn custom<T: fmt::Display>(message: T) -> Self {
         Self { message: message.to_string(), path: None, span: None }
     }
+
+    fn invalid_type(unexp: Unexpected<'_>, exp: &dyn de::Expected) -> Self {
+        Self::custom(format!("must be {}, not {}", in_words(&exp.to_string()), found(&unexp)))
+    }
+
+    fn invalid_value(unexp: Unexpected<'_>, exp: &dyn de::Expected) -> Self {
+        let expected = exp.to_string();
+        match (unexp, integer_range(&expected)) {
+            (Unexpected::Signed(v), Some((0, _))) if v < 0 => Self::custom(format!("must not be negative, not {v}")),
+            (Unexpected::Signed(_) | Unexpected::Unsigned(_), Some((min, max))) => {
+                Self::custom(format!("must be a whole number from {min} to {max}, not {}", found(&unexp)))
+            }
+            _ => Self::invalid_type(unexp, exp),
+        }
+    }
+
+    fn invalid_length(len: usize, exp: &dyn de::Expected) -> Self {
+        Self::custom(format!("must be {}, not a list of {len}", in_words(&exp.to_string())))
+    }
 }
 
-/// Integer hints: an integer where one is wanted, anything else named as TOML's integer type.
+/// What serde's visitors expect, in the words of a TOML file; anything else is a value
+/// type's own words (`a duration such as 30s ...`) and kept.
+fn in_words(expected: &str) -> &str {
+    if integer_range(expected).is_some() {
+        return "a whole number";
+    }
+    match expected {
+        "f32" | "f64" => "a number",
+        "a boolean" => "true or false",
+        "a sequence" => "a list",
+        "a map" => "a table",
+        "a character" => "a string of one character",
+        _ if expected.starts_with("struct ") => "a table",
+        _ => expected,
+    }
+}
+
+/// The range of an integer type serde names as expected (`u32`), if it is one.
+fn integer_range(expected: &str) -> Option<(i128, i128)> {
+    Some(match expected {
+        "u8" => (0, u8::MAX.into()),
+        "u16" => (0, u16::MAX.into()),
+        "u32" => (0, u32::MAX.into()),
+        "u64" | "usize" => (0, u64::MAX.into()),
+        "i8" => (i8::MIN.into(), i8::MAX.into()),
+        "i16" => (i16::MIN.into(), i16::MAX.into()),
+        "i32" => (i32::MIN.into(), i32::MAX.into()),
+        "i64" | "isize" => (i64::MIN.into(), i64::MAX.into()),
+        _ => return None,
+    })
+}
+
+/// A value as a problem names it: strings quoted as in TOML, numbers as written, a list or
+/// table by its kind.
+fn found(unexp: &Unexpected<'_>) -> String {
+    match unexp {
+        Unexpected::Str(s) => format!("{s:?}"),
+        Unexpected::Bool(b) => b.to_string(),
+        Unexpected::Signed(v) => v.to_string(),
+        Unexpected::Unsigned(v) => v.to_string(),
+        Unexpected::Float(v) => format!("{v:?}"),
+        Unexpected::Seq => "a list".into(),
+        Unexpected::Map => "a table".into(),
+        Unexpected::Other(what) => (*what).to_owned(),
+        other => other.to_string(),
+    }
+}
+
+/// Integer hints: an integer where one is wanted, anything else a type problem.
 macro_rules! integer_hints {
     ($($method:ident)*) => {$(
         fn $method<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
@@ -279,11 +374,12 @@ impl<'a> NodeDe<'a> {
         result.map_err(|e| e.at(self.node))
     }
 
-    /// An integer where one is wanted; anything else is named as TOML's integer type.
+    /// An integer where one is wanted; anything else is a type problem naming what the field
+    /// wants (`must be a whole number`).
     fn integer<'de, V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Error> {
         match &self.node.kind {
             Kind::Int(..) => self.deserialize_any(visitor),
-            _ => Err(de::Error::invalid_type(self.node.unexpected(), &"i64")).map_err(|e: Error| e.at(self.node)),
+            _ => Err(de::Error::invalid_type(self.node.unexpected(), &visitor)).map_err(|e: Error| e.at(self.node)),
         }
     }
 }
@@ -325,13 +421,16 @@ impl<'de> Deserializer<'de> for NodeDe<'_> {
         fields: &'static [&'static str],
         visitor: V,
     ) -> Result<V::Value, Error> {
-        let Kind::Table(children) = &self.node.kind else { return self.deserialize_any(visitor) };
+        // Not from a list either, which serde's derive would take field by field.
+        let Kind::Table(children) = &self.node.kind else {
+            return self.at(Err(de::Error::invalid_type(self.node.unexpected(), &visitor)));
+        };
         let mut entries = Vec::with_capacity(children.len());
         for child in self.ctx.kept(children) {
             if fields.contains(&child.key.as_str()) {
                 entries.push(child);
             } else {
-                self.ctx.unknown.borrow_mut().push(child.path.clone());
+                self.ctx.unknown.borrow_mut().push((child.path.clone(), fields));
             }
         }
         let result = visitor.visit_map(TableDe { entries, at: 0, ctx: self.ctx });
@@ -344,12 +443,17 @@ impl<'de> Deserializer<'de> for NodeDe<'_> {
         variants: &'static [&'static str],
         visitor: V,
     ) -> Result<V::Value, Error> {
-        let Kind::Str(name) = &self.node.kind else { return self.deserialize_any(visitor) };
-        let result = if variants.contains(&name.as_str()) {
-            let variant: StrDeserializer<'_, Error> = name.as_str().into_deserializer();
-            visitor.visit_enum(variant)
-        } else {
-            Err(de::Error::custom(format!("`{name}` is not one of: {}", variants.join(", "))))
+        let one_of = variants.join(", ");
+        let result = match &self.node.kind {
+            Kind::Str(name) if variants.contains(&name.as_str()) => {
+                let variant: StrDeserializer<'_, Error> = name.as_str().into_deserializer();
+                visitor.visit_enum(variant)
+            }
+            Kind::Str(name) => {
+                let hint = did_you_mean(name, variants);
+                Err(de::Error::custom(format!("`{name}` is not one of: {one_of}{hint}")))
+            }
+            _ => Err(de::Error::custom(format!("must be one of: {one_of}, not {}", found(&self.node.unexpected())))),
         };
         self.at(result)
     }

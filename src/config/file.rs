@@ -1,6 +1,7 @@
 //! The config file as typed data: one serde struct per TOML table, every default at its field
-//! (`#[default(..)]`), durations typed. `parse.rs` fills these from the text, reporting every
-//! problem; `check.rs` then checks what spans fields. Nothing here reads a file.
+//! (`#[default(..)]`), durations read by `duration.rs` (`"30s"`, or an integer in the key's
+//! unit). [`crate::toml_read`] fills these from the text, reporting every problem; `check.rs`
+//! then checks what spans fields. Nothing here reads a file.
 //!
 //! Each field's doc is its entry in `docs/configuration.md`, which `tests/docs.rs` generates
 //! from this file (`TOKENONCE_BLESS=1 cargo test --test docs` rewrites it): what the key
@@ -13,21 +14,11 @@ use std::time::Duration;
 use serde::Deserialize;
 use smart_default::SmartDefault;
 
+use super::duration;
 use super::values::{
     AllowEntry, Balance, ClientHandoff, LocalIdsMode, LogFormat, Mode, ModelGlob, Net, OnClientGone, OnPrefillFailure,
     OtlpProtocol, ParityPolicy, RelayHandoff, ReuseShare, Version,
 };
-
-/// Milliseconds in the file, a [`Duration`] in the program.
-mod millis {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer};
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
-        u64::deserialize(deserializer).map(Duration::from_millis)
-    }
-}
 
 /// The whole file.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -82,11 +73,13 @@ pub struct Server {
     /// Seconds in-flight streams may finish after SIGTERM (at most 3600). Fixed at start.
     /// Default: `5`.
     /// Short decodes end well within it.
+    #[serde(deserialize_with = "duration::seconds")]
     #[default(5)]
     pub grace_period_seconds: u64,
     /// Seconds services then get to stop (at most 3600). Fixed at start.
     /// Default: `5`.
     /// Seconds services get to stop after the grace period.
+    #[serde(deserialize_with = "duration::seconds")]
     #[default(5)]
     pub graceful_shutdown_timeout_seconds: u64,
     /// Log filter in tracing's `EnvFilter` syntax (`warn,tokenonce=debug`; a bare word must be
@@ -116,7 +109,7 @@ pub struct Server {
     /// clients).
     /// Default: `60000`.
     /// A slow or stalled client (slowloris) is cut after a minute.
-    #[serde(with = "millis")]
+    #[serde(deserialize_with = "duration::millis")]
     #[default(Duration::from_millis(60_000))]
     pub body_read_timeout_ms: Duration,
     /// Most client requests served at once, plain and TLS listeners together; past it 503
@@ -153,21 +146,21 @@ pub struct Upstream {
     /// TCP connect deadline, ms. Fixed at start.
     /// Default: `2000`.
     /// Engines are on loopback or in the cluster.
-    #[serde(with = "millis")]
+    #[serde(deserialize_with = "duration::millis")]
     #[default(Duration::from_millis(2000))]
     pub connect_timeout_ms: Duration,
     /// How long an idle pooled connection is kept, ms; must stay below vLLM's keep-alive
     /// (under five seconds). Fixed at start.
     /// Default: `4000`.
     /// Below vLLM's 5 s keep-alive, so no socket goes stale.
-    #[serde(with = "millis")]
+    #[serde(deserialize_with = "duration::millis")]
     #[default(Duration::from_millis(4000))]
     pub idle_timeout_ms: Duration,
     /// How often each endpoint's `/health` is polled, ms (all endpoints at once, each within a
     /// second). Fixed at start.
     /// Default: `2000`.
     /// Readiness follows the engine within 2 s.
-    #[serde(with = "millis")]
+    #[serde(deserialize_with = "duration::millis")]
     #[default(Duration::from_millis(2000))]
     pub health_interval_ms: Duration,
     /// Consecutive request failures (no answer, a 5xx, or a deadline that passed while the
@@ -188,7 +181,7 @@ pub struct Upstream {
     /// Default: `5000`.
     /// Long enough for an engine that was briefly overloaded to drain its queue, short enough
     /// that a pool of a few engines does not run on one for long after a blip.
-    #[serde(with = "millis")]
+    #[serde(deserialize_with = "duration::millis")]
     #[default(Duration::from_millis(5000))]
     pub eject_base_ms: Duration,
 }
@@ -307,7 +300,7 @@ pub struct Route {
     /// default).
     /// Default: `30000`.
     /// vLLM holds the prefill's KV for the decode 30 s by default.
-    #[serde(with = "millis")]
+    #[serde(deserialize_with = "duration::millis")]
     #[default(Duration::from_millis(30_000))]
     pub prefill_timeout_ms: Duration,
     /// Deadline of the decode's response head for a streamed request (`stream: true`), ms;
@@ -315,7 +308,7 @@ pub struct Route {
     /// timeout).
     /// Default: `60000`.
     /// A queued decode may wait behind long prefills.
-    #[serde(with = "millis")]
+    #[serde(deserialize_with = "duration::millis")]
     #[default(Duration::from_millis(60_000))]
     pub decode_first_byte_timeout_ms: Duration,
     /// Deadline of the decode's response head for a request not streamed, which vLLM sends only
@@ -324,7 +317,7 @@ pub struct Route {
     /// A reasoning model's or an evaluation job's long output (tens of thousands of tokens at
     /// tens per second, slower under load) takes many minutes; 30 min covers those and still
     /// ends a decode that never answers.
-    #[serde(with = "millis")]
+    #[serde(deserialize_with = "duration::millis")]
     #[default(Duration::from_millis(1_800_000))]
     pub decode_whole_answer_timeout_ms: Duration,
     /// Silence allowed between two body chunks (SSE events) of an engine answer being relayed,
@@ -333,7 +326,7 @@ pub struct Route {
     /// Default: `60000`.
     /// vLLM streams a token every few tens of ms and a preempted or recomputing decode resumes
     /// within seconds; a minute of nothing is a stuck engine.
-    #[serde(with = "millis")]
+    #[serde(deserialize_with = "duration::millis")]
     #[default(Duration::from_millis(60_000))]
     pub stream_idle_timeout_ms: Duration,
     /// How long one write to the client may wait for it to read, ms; past it the client
@@ -341,7 +334,7 @@ pub struct Route {
     /// Default: `30000`.
     /// A client that has not read for 30 s while every socket buffer is full has stalled, and
     /// its decode is freed.
-    #[serde(with = "millis")]
+    #[serde(deserialize_with = "duration::millis")]
     #[default(Duration::from_millis(30_000))]
     pub client_write_timeout_ms: Duration,
     /// Orchestrate: the client left after a prefill that returned `kv_transfer_params`, before
@@ -357,7 +350,7 @@ pub struct Route {
     /// Deadline of that release leg, ms.
     /// Default: `30000`.
     /// Past vLLM's 30 s KV lease the prefill has freed the blocks anyway.
-    #[serde(with = "millis")]
+    #[serde(deserialize_with = "duration::millis")]
     #[default(Duration::from_millis(30_000))]
     pub release_timeout_ms: Duration,
     /// Longest SSE event relayed, bytes (at least 64 KiB); a longer one ends the stream with an
@@ -429,7 +422,7 @@ pub struct Route {
     /// restarts it).
     /// Default: `60000`.
     /// A rollout or a bad engine is not fixed in less.
-    #[serde(with = "millis")]
+    #[serde(deserialize_with = "duration::millis")]
     #[default(Duration::from_millis(60_000))]
     pub parity_cooldown_ms: Duration,
 }
@@ -483,7 +476,7 @@ pub struct Cache {
     /// How long ids wait for their decode, ms; an entry also leaves when used.
     /// Default: `30000`.
     /// vLLM's KV hold on the prefill, after which ids are useless.
-    #[serde(with = "millis")]
+    #[serde(deserialize_with = "duration::millis")]
     #[default(Duration::from_millis(30_000))]
     pub ttl_ms: Duration,
 }

@@ -1,9 +1,10 @@
-//! Configuration: the file as typed data (`file`, its value types in `values`), read from TOML
-//! with every problem reported at once ([`crate::toml_read`]), checked as a whole (`check`),
-//! then what its paths name loaded (`resources`). The embedded default (`conf/default.toml`) runs when no
-//! file is given.
+//! Configuration: the file as typed data (`file`, its value types in `values`, durations in
+//! `duration`), read from TOML with every problem reported at once ([`crate::toml_read`]),
+//! checked as a whole (`check`), then what its paths name loaded (`resources`). The embedded
+//! default (`conf/default.toml`) runs when no file is given.
 
 mod check;
+mod duration;
 pub mod file;
 mod resources;
 pub mod values;

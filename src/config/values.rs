@@ -240,7 +240,7 @@ impl<'de> Deserialize<'de> for ReuseShare {
         impl Visitor<'_> for Share {
             type Value = ReuseShare;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a boolean or a fraction between 0.0 and 1.0")
+                f.write_str("true, false or a fraction between 0.0 and 1.0")
             }
             fn visit_bool<E>(self, v: bool) -> Result<ReuseShare, E> {
                 Ok(if v { ReuseShare::ON } else { ReuseShare::OFF })

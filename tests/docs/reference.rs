@@ -87,7 +87,7 @@ fn walk(
     let mut keys = Vec::new();
     let mut tables = Vec::new();
     for field in &fields.named {
-        let (rename, flatten) = serde_attrs(&field.attrs);
+        let (rename, flatten, duration) = serde_attrs(&field.attrs);
         if flatten {
             continue;
         }
@@ -95,6 +95,7 @@ fn walk(
         let key_path = if path.is_empty() { key } else { format!("{path}.{key}") };
         let doc = doc_lines(&field.attrs);
         match shape(&field.ty, structs, strings) {
+            Shape::Value(_) if duration => keys.push(entry(key_path, "duration".into(), &doc)),
             Shape::Value(kind) => keys.push(entry(key_path, kind, &doc)),
             Shape::Table(s) => tables.push((s, key_path.clone(), format!("[{key_path}]"), doc)),
             Shape::Tables(s) => tables.push((s, key_path.clone(), format!("[[{key_path}]]"), doc)),
@@ -154,16 +155,20 @@ fn doc_lines(attrs: &[syn::Attribute]) -> Vec<String> {
         .collect()
 }
 
-/// `#[serde(rename = "..")]` and `#[serde(flatten)]` of a field.
-fn serde_attrs(attrs: &[syn::Attribute]) -> (Option<String>, bool) {
+/// `#[serde(rename = "..")]` and `#[serde(flatten)]` of a field, and whether it is read as a
+/// duration (`deserialize_with = "duration::.."`).
+fn serde_attrs(attrs: &[syn::Attribute]) -> (Option<String>, bool, bool) {
     let mut rename = None;
     let mut flatten = false;
+    let mut duration = false;
     for attr in attrs.iter().filter(|a| a.path().is_ident("serde")) {
         attr.parse_nested_meta(|meta| {
             if meta.path.is_ident("rename") {
                 rename = Some(meta.value()?.parse::<syn::LitStr>()?.value());
             } else if meta.path.is_ident("flatten") {
                 flatten = true;
+            } else if meta.path.is_ident("deserialize_with") {
+                duration = meta.value()?.parse::<syn::LitStr>()?.value().starts_with("duration::");
             } else if meta.input.peek(syn::Token![=]) {
                 meta.value()?.parse::<syn::Expr>()?;
             }
@@ -171,7 +176,7 @@ fn serde_attrs(attrs: &[syn::Attribute]) -> (Option<String>, bool) {
         })
         .expect("serde attribute parses");
     }
-    (rename, flatten)
+    (rename, flatten, duration)
 }
 
 /// What a field's Rust type is in TOML, through `Option`.
@@ -203,7 +208,8 @@ fn shape(ty: &syn::Type, structs: &HashMap<String, &syn::ItemStruct>, strings: &
             _ => panic!("nested maps in file.rs"),
         },
         ("String", []) => Shape::Value("string".into()),
-        ("u32" | "u64" | "usize" | "Duration", []) => Shape::Value("integer".into()),
+        ("u32" | "u64" | "usize", []) => Shape::Value("integer".into()),
+        ("Duration", []) => Shape::Value("duration".into()),
         ("f64", []) => Shape::Value("float".into()),
         ("bool", []) => Shape::Value("boolean".into()),
         ("ReuseShare", []) => Shape::Value("boolean or float".into()),
@@ -285,11 +291,16 @@ then run `TOKENONCE_BLESS=1 cargo test --test docs`. -->
 tokenonce reads one TOML file (`tokenonce --config FILE`), validated as a whole:
 `tokenonce check FILE` prints every problem as `file:line:col: key: message` and exits non-zero
 on any, and a SIGHUP reload of a file with problems keeps the running config. Every key is
-optional unless its meaning says *required*; an unknown key is a problem, not ignored. Keys
+optional unless its meaning says *required*; an unknown key is a problem, not ignored (the
+problem names the key of its table most like it: *did you mean `grace_period_seconds`?*). Keys
 marked *Fixed at start* keep their start value across a reload, which names each one it could
 not apply in a warn line ([operations](operations.md#reload)). Examples, each checked in CI:
 [`conf/pd-pools.toml`](../conf/pd-pools.toml) (plain P/D pools, per-model and per-tenant
 routes), [`conf/llmd-header.toml`](../conf/llmd-header.toml) (llm-d's endpoint picker names the
 prefiller in `x-prefiller-host-port`), [`conf/relay.toml`](../conf/relay.toml) (behind an
 orchestrator that sends both legs), and the embedded default at the end of this page.
+
+A *duration* is a string with a unit, `\"500ms\"`, `\"30s\"`, `\"2m\"`, `\"1h\"`, with a fraction
+(`\"1.5s\"`) or several in a row (`\"1m30s\"`), or an integer in the unit its key ends with:
+milliseconds for `_ms`, seconds for `_seconds` (which take whole seconds only).
 ";
