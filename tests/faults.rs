@@ -1,4 +1,5 @@
-//! The fault matrix (issue 8 point 9): tokenonce between fault-injecting engines
+//! The fault matrix: what the client, the counters and the engines see when an engine, the
+//! client or the config misbehaves, with tokenonce between fault-injecting engines
 //! (`tests/support/fault_engine.rs`, each a raw HTTP front on a fake vLLM) whose behaviour
 //! each case selects, over the prefill leg, the decode leg, the client and the config. Every
 //! case asserts what the book's failure tables (docs/failures.md) document: the client's

@@ -1,7 +1,7 @@
-//! Every wait is bounded (issue 8 point 1) and memory too (point 7): engines that stall
-//! before their head, mid-body and mid-stream, a client that stops reading, passthrough
-//! body limits and over-long SSE events. Each test asserts what the client sees, what is
-//! counted, and a generous time bound.
+//! Every wait is bounded and so is every buffer: engines that stall before their head,
+//! mid-body and mid-stream, a client that stops reading, the KV release for a client gone
+//! after its prefill, passthrough body limits and over-long SSE events. Each test asserts
+//! what the client sees, what is counted, and a generous time bound.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -450,7 +450,7 @@ async fn pd_via(decode_addr: &str, route_extra: &str) -> (FakeVllm, TokenOnce) {
     (p, TokenOnce::start(&config).await)
 }
 
-/// Point 5: the client leaves after a prefill that returned `kv_transfer_params`, before the
+/// KV release: the client leaves after a prefill that returned `kv_transfer_params`, before the
 /// decode leg reached the engine (its connect hangs): the decode never had the request, so
 /// tokenonce sends it for one token, not streamed, with the prefill's kv params (the decode
 /// pulls the KV blocks and the prefill frees them), reads and discards the answer, and counts
@@ -571,7 +571,7 @@ async fn release_that_hangs_is_bounded() {
     assert_eq!(posts_reach(&d, 1).await.len(), 1, "the release reached the decode, which held it");
 }
 
-/// Point 7: a passthrough route honours `max_body_bytes` on pingora's pipeline: a declared
+/// Bounded memory: a passthrough route honours `max_body_bytes` on pingora's pipeline: a declared
 /// `Content-Length` over it is refused before any engine is asked, a chunked body that grows
 /// past it is cut off; both 413 `body_too_large`, OpenAI-shaped.
 #[tokio::test(flavor = "multi_thread")]
@@ -597,7 +597,7 @@ async fn passthrough_route_honours_max_body_bytes() {
     assert!(text.contains("\"code\":\"body_too_large\""), "{text}");
 }
 
-/// Point 7: the SSE decoder's buffer is capped: an event longer than `max_sse_event_bytes`
+/// Bounded memory: the SSE decoder's buffer is capped: an event longer than `max_sse_event_bytes`
 /// (here the first chat event, which echoes ~100 KB of prompt ids) is never sent; the stream
 /// ends with the error event `stream_event_too_large` and `[DONE]`, counted as `too_large`.
 #[tokio::test(flavor = "multi_thread")]
