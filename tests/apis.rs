@@ -9,36 +9,33 @@ use serde_json::{json, Value};
 use support::*;
 
 fn responses_body(extra: Value) -> Value {
-    let mut body = json!({
+    let body = json!({
         "model": "tiny-qwen3",
         "input": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there!"}],
         "max_output_tokens": 5,
         "temperature": 0
     });
-    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-    body
+    with_extra(body, extra)
 }
 
 fn messages_body(extra: Value) -> Value {
-    let mut body = json!({
+    let body = json!({
         "model": "tiny-qwen3",
         "system": "You are terse.",
         "messages": [{"role": "user", "content": "Hello there!"}],
         "max_tokens": 5,
         "temperature": 0
     });
-    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-    body
+    with_extra(body, extra)
 }
 
 fn generate_body(extra: Value) -> Value {
-    let mut body = json!({
+    let body = json!({
         "model": "tiny-qwen3",
         "token_ids": [151644, 8948, 198, 2610, 525, 50537, 13],
         "sampling_params": {"max_tokens": 5, "min_tokens": 2, "temperature": 0}
     });
-    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-    body
+    with_extra(body, extra)
 }
 
 /// Generate, JSON and streamed: the prefill leg has `sampling_params.max_tokens` 1 (its
@@ -72,9 +69,9 @@ async fn generate_runs_both_legs_with_the_handoff() {
         assert_eq!(dj["stream"], body.get("stream").cloned().unwrap_or(Value::Null));
     }
     let reason = r#"tokenonce_token_reuse_total{reason="prompt_is_tokens",result="fallback",route="pd"}"#;
-    assert_eq!(proxy.metric_reaches(reason, 2.0).await, 2.0);
+    proxy.assert_reaches(reason, 2.0).await;
     let requests = r#"tokenonce_requests_total{api="generate",mode="orchestrate",outcome="success",route="pd"}"#;
-    assert_eq!(proxy.metric_reaches(requests, 2.0).await, 2.0);
+    proxy.assert_reaches(requests, 2.0).await;
 }
 
 /// Generate bodies vLLM would refuse are refused before any leg, in OpenAI's shape with the
@@ -145,20 +142,14 @@ async fn responses_reuse_the_prefill_ids() {
     let mut direct: Value = serde_json::from_str(&direct).unwrap();
     direct["usage"]["input_tokens_details"]["cached_tokens"] = json!(3);
     assert_eq!(v, direct);
-    assert_eq!(
-        proxy.metric_reaches(r#"tokenonce_token_reuse_total{reason="none",result="applied",route="pd"}"#, 1.0).await,
-        1.0
-    );
+    proxy.assert_reaches(&reuse_series("pd", "applied", "none"), 1.0).await;
     assert_eq!(proxy.metric(r#"tokenonce_reused_prompt_tokens_total{route="pd"}"#).await, ids.len() as f64);
-    assert_eq!(
-        proxy
-            .metric_reaches(
-                r#"tokenonce_requests_total{api="responses",mode="orchestrate",outcome="success",route="pd"}"#,
-                1.0
-            )
-            .await,
-        1.0
-    );
+    proxy
+        .assert_reaches(
+            r#"tokenonce_requests_total{api="responses",mode="orchestrate",outcome="success",route="pd"}"#,
+            1.0,
+        )
+        .await;
 }
 
 /// Responses, streamed and cut every 11 bytes: the typed events arrive as the decode sent
@@ -201,12 +192,7 @@ async fn stateful_responses_skip_the_prefill() {
     assert_eq!(status, 200, "{text}");
     assert!(p.posts().is_empty(), "no prefill leg");
     assert_eq!(d.posts()[0].json(), body);
-    assert_eq!(
-        proxy
-            .metric_reaches(r#"tokenonce_token_reuse_total{reason="stateful",result="fallback",route="pd"}"#, 1.0)
-            .await,
-        1.0
-    );
+    proxy.assert_reaches(&reuse_series("pd", "fallback", "stateful"), 1.0).await;
     // What a prefill leg would have met: the prefill engine does not know the id.
     let (status, _, _) = post_json(&format!("http://{}/v1/responses", p.host_port()), &body, &[]).await;
     assert_eq!(status, 404);
@@ -220,12 +206,7 @@ async fn responses_with_bad_echoed_ids_fall_back() {
     let (status, _, text) = post_json(&format!("{}/v1/responses", proxy.url), &responses_body(json!({})), &[]).await;
     assert_eq!(status, 200, "{text}");
     assert!(d.posts()[0].json()["kv_transfer_params"].get("prompt_token_ids").is_none());
-    assert_eq!(
-        proxy
-            .metric_reaches(r#"tokenonce_token_reuse_total{reason="ids_malformed",result="fallback",route="pd"}"#, 1.0)
-            .await,
-        1.0
-    );
+    proxy.assert_reaches(&reuse_series("pd", "fallback", "ids_malformed"), 1.0).await;
 }
 
 /// Messages: both legs run (prefill `max_tokens` 1 with the KV handoff), nothing asked of the
@@ -251,12 +232,7 @@ async fn messages_run_both_legs_without_ids() {
     assert_eq!(dj["kv_transfer_params"]["remote_engine_id"], "fake-engine");
     assert!(dj["kv_transfer_params"].get("prompt_token_ids").is_none());
     assert_eq!(dj["max_tokens"], 5);
-    assert_eq!(
-        proxy
-            .metric_reaches(r#"tokenonce_token_reuse_total{reason="ids_not_echoed",result="fallback",route="pd"}"#, 2.0)
-            .await,
-        2.0
-    );
+    proxy.assert_reaches(&reuse_series("pd", "fallback", "ids_not_echoed"), 2.0).await;
 }
 
 /// `token_reuse = 0.5`: request ids inside the share reuse, the others take the text decode
@@ -452,10 +428,10 @@ async fn stateful_responses_reach_the_decode_that_stored_them() {
     }
     // 4 follow-ups and 4 retrievals, each at home.
     let home = r#"tokenonce_response_followups_total{result="home"}"#;
-    assert_eq!(proxy.metric_reaches(home, 8.0).await, 8.0);
+    proxy.assert_reaches(home, 8.0).await;
     let (status, _, _) = post_json(&url, &responses_body(json!({"previous_response_id": "resp_nobody"})), &[]).await;
     assert_eq!(status, 404, "no decode stored it: the engine's own 404, relayed");
     let unknown = r#"tokenonce_response_followups_total{result="unknown"}"#;
-    assert_eq!(proxy.metric_reaches(unknown, 1.0).await, 1.0);
+    proxy.assert_reaches(unknown, 1.0).await;
     assert!(proxy.metric("tokenonce_response_homes").await >= 4.0);
 }

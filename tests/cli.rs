@@ -74,3 +74,22 @@ fn check_exits_0_on_a_good_file_and_1_with_each_problem_on_a_bad_one() {
     assert!(err.contains("bad.toml:2:") && err.contains("server.listen"), "{err}");
     assert!(err.contains("bad.toml:3:") && err.contains("server.threads"), "{err}");
 }
+
+/// `tokenonce check` accepts the shipped configs and lists every problem of a bad one.
+#[test]
+fn check_command_reports_problems_with_locations() {
+    for file in ["conf/default.toml", "conf/pd-pools.toml", "conf/llmd-header.toml"] {
+        let out = tokenonce(&["check", file]);
+        assert!(out.status.success(), "{file}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "[pools.decode]\nendpoints = [\"nohost\"]\n\n[[routes]]\nname = \"r\"\nmode = \"sideways\"\ndecode_pool = \"nope\"\n").unwrap();
+    let out = tokenonce(&["check", bad.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("3 problem(s)"), "{err}");
+    assert!(err.contains("bad.toml:2:14: pools.decode.endpoints"), "{err}");
+    assert!(err.contains(":6:8: routes[0].mode"), "{err}");
+    assert!(err.contains(":7:15: routes[0].decode_pool"), "{err}");
+}

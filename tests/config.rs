@@ -8,6 +8,13 @@ use std::time::Duration;
 
 use tokenonce::addr::is_host_port;
 use tokenonce::config::{self, embedded_default, load, Config, Mode, OnClientGone, Version};
+
+/// Asserts a config was refused with problems at exactly `keys`, in order.
+fn assert_problem_keys(err: &config::ConfigError, keys: &[&str]) {
+    let got: Vec<&str> = err.problems.iter().map(|p| p.key.as_str()).collect();
+    assert_eq!(got, keys, "{:#?}", err.problems);
+}
+
 #[test]
 fn embedded_default_is_valid_and_as_documented() {
     let c = embedded_default().unwrap().config;
@@ -50,19 +57,16 @@ decode_pool = "missing"
 prefill_timeout_ms = 0
 "#;
     let err = Config::from_toml(text, "t.toml").unwrap_err();
-    let keys: Vec<&str> = err.problems.iter().map(|p| p.key.as_str()).collect();
-    assert_eq!(
-        keys,
-        [
+    assert_problem_keys(
+        &err,
+        &[
             "server.listen",
             "pools.decode.endpoints",
             "pools.decode.balance",
             "routes[0].prefill",
             "routes[0].decode_pool",
-            "routes[0].prefill_timeout_ms"
+            "routes[0].prefill_timeout_ms",
         ],
-        "{:#?}",
-        err.problems
     );
     assert_eq!((err.problems[0].line, err.problems[0].column), (3, 10));
     assert_eq!(err.problems[1].line, 6);
@@ -75,18 +79,15 @@ fn stream_bounds_and_client_gone_policy_are_validated() {
     let route = "[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n[[routes]]\nname = \"r\"\nmode = \"passthrough\"\ndecode_pool = \"decode\"\n";
     let bad = format!("{route}stream_idle_timeout_ms = 0\nclient_write_timeout_ms = -1\non_client_gone = \"keep\"\nrelease_timeout_ms = 0\nmax_sse_event_bytes = 1024\n");
     let err = Config::from_toml(&bad, "t.toml").unwrap_err();
-    let keys: Vec<&str> = err.problems.iter().map(|p| p.key.as_str()).collect();
-    assert_eq!(
-        keys,
-        [
+    assert_problem_keys(
+        &err,
+        &[
             "routes[0].stream_idle_timeout_ms",
             "routes[0].client_write_timeout_ms",
             "routes[0].on_client_gone",
             "routes[0].release_timeout_ms",
-            "routes[0].max_sse_event_bytes"
+            "routes[0].max_sse_event_bytes",
         ],
-        "{:#?}",
-        err.problems
     );
     assert!(err.problems[2].message.contains("release, abandon"), "{:?}", err.problems[2]);
     let good = format!("{route}stream_idle_timeout_ms = 5\nclient_write_timeout_ms = 6\non_client_gone = \"abandon\"\nrelease_timeout_ms = 7\nmax_sse_event_bytes = 65536\n");
@@ -252,10 +253,9 @@ prefill = {{ pool = "prefill", forward_credentials = true }}
         short.display()
     );
     let err = config::from_toml(&text, "t").unwrap_err();
-    let keys: Vec<&str> = err.problems.iter().map(|p| p.key.as_str()).collect();
-    assert_eq!(
-        keys,
-        [
+    assert_problem_keys(
+        &err,
+        &[
             "server.admin_token_file",
             "routes[0].client_kv_transfer_params",
             "routes[0].prefill.allow",
@@ -263,8 +263,6 @@ prefill = {{ pool = "prefill", forward_credentials = true }}
             "routes[0].prefill.trusted_sources",
             "routes[1].prefill.forward_credentials",
         ],
-        "{:#?}",
-        err.problems
     );
     assert!(err.problems[1].message.contains("strip, reject"), "{:?}", err.problems[1]);
     let missing = config::from_toml(

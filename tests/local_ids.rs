@@ -40,10 +40,10 @@ async fn shadow_counts_matches_and_mismatches_and_changes_no_answer() {
     let body = |prompt: &str| json!({"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 3});
     let (status, _, known) = post_json(&url, &body("alpha bravo alpha"), &[]).await;
     assert_eq!(status, 200, "{known}");
-    assert_eq!(proxy.metric_reaches(MATCH, 1.0).await, 1.0);
+    proxy.assert_reaches(MATCH, 1.0).await;
     let (status, _, unknown) = post_json(&url, &body("alpha charlie"), &[]).await;
     assert_eq!(status, 200, "{unknown}");
-    assert_eq!(proxy.metric_reaches(MISMATCH, 1.0).await, 1.0);
+    proxy.assert_reaches(MISMATCH, 1.0).await;
     assert_eq!(proxy.metric(MATCH).await, 1.0);
 
     // The same requests without shadow: the same answers, nothing checked.
@@ -96,8 +96,8 @@ async fn a_follow_up_turn_reuses_the_segments_of_the_conversation() {
         format!(r#"tokenonce_local_ids_checks_total{{pool="prefill",result="mismatch",shape="{shape}"}}"#)
     };
     // The fake engine renders its own way, so these differ; each is checked under its shape.
-    assert_eq!(proxy.metric_reaches(&checked("chat"), 1.0).await, 1.0);
-    assert_eq!(proxy.metric_reaches(&checked("chat_multi_turn"), 1.0).await, 1.0);
+    proxy.assert_reaches(&checked("chat"), 1.0).await;
+    proxy.assert_reaches(&checked("chat_multi_turn"), 1.0).await;
     let hits = proxy.metric(r#"tokenonce_segment_cache_lookups_total{pool="prefill",result="hit"}"#).await;
     let misses = proxy.metric(r#"tokenonce_segment_cache_lookups_total{pool="prefill",result="miss"}"#).await;
     assert!(hits >= 2.0, "the follow-up found the first turn's segments: {hits} hits, {misses} misses");
@@ -129,11 +129,11 @@ async fn on_sends_trusted_shapes_token_in_and_a_mismatch_ends_the_trust() {
     let trusted = r#"tokenonce_local_ids_trusted{pool="prefill",shape="completions"}"#;
     let last_prefill = || p.posts().last().unwrap().json();
     send("alpha bravo alpha").await;
-    assert_eq!(proxy.metric_reaches(MATCH, 1.0).await, 1.0);
+    proxy.assert_reaches(MATCH, 1.0).await;
     assert_eq!(proxy.metric(trusted).await, 0.0, "one match is not enough");
     send("bravo alpha").await;
-    assert_eq!(proxy.metric_reaches(MATCH, 2.0).await, 2.0);
-    assert_eq!(proxy.metric_reaches(trusted, 1.0).await, 1.0);
+    proxy.assert_reaches(MATCH, 2.0).await;
+    proxy.assert_reaches(trusted, 1.0).await;
     assert_eq!(last_prefill()["return_token_ids"], true, "before trust, the prefill echoes");
 
     send("alpha alpha").await;
@@ -142,19 +142,17 @@ async fn on_sends_trusted_shapes_token_in_and_a_mismatch_ends_the_trust() {
     assert!(last_prefill().get("return_token_ids").is_none(), "and was asked no echo");
     assert_eq!(d.posts().last().unwrap().json()["prompt"], json!(ids), "the decode got the same ids");
     let token_in = r#"tokenonce_local_ids_token_in_total{pool="prefill",shape="completions"}"#;
-    assert_eq!(proxy.metric_reaches(token_in, 1.0).await, 1.0);
+    proxy.assert_reaches(token_in, 1.0).await;
     let applied = r#"tokenonce_token_reuse_total{reason="none",result="applied",route="pd"}"#;
     assert_eq!(proxy.metric_reaches(applied, 3.0).await, 3.0, "three decodes reused ids");
 
     // A reload of the unchanged file keeps the trust (and the next request is a recheck).
-    proxy.reconfigure(&config);
-    let reloaded = r#"tokenonce_config_reloads_total{result="success"}"#;
-    assert_eq!(proxy.metric_reaches(reloaded, 1.0).await, 1.0);
+    proxy.reload(&config).await;
     assert_eq!(proxy.metric(trusted).await, 1.0, "the reload kept the shape's trust");
 
     send("alpha charlie").await;
     assert_eq!(last_prefill()["prompt"], "alpha charlie", "the recheck goes as text");
-    assert_eq!(proxy.metric_reaches(MISMATCH, 1.0).await, 1.0);
+    proxy.assert_reaches(MISMATCH, 1.0).await;
     assert_eq!(proxy.metric_reaches(trusted, 0.0).await, 0.0, "a mismatch ends the trust");
     send("alpha bravo").await;
     assert_eq!(last_prefill()["return_token_ids"], true, "untrusted again: text with the echo");
@@ -181,10 +179,8 @@ async fn trust_survives_a_reload_of_the_unchanged_pool_only() {
     let body = json!({"model": "tiny-qwen3", "prompt": "alpha bravo", "max_tokens": 3});
     assert_eq!(post_json(&url, &body, &[]).await.0, 200);
     let trusted = r#"tokenonce_local_ids_trusted{pool="prefill",shape="completions"}"#;
-    assert_eq!(proxy.metric_reaches(trusted, 1.0).await, 1.0);
-    let reloaded = r#"tokenonce_config_reloads_total{result="success"}"#;
-    proxy.reconfigure(&config(1));
-    assert_eq!(proxy.metric_reaches(reloaded, 1.0).await, 1.0);
+    proxy.assert_reaches(trusted, 1.0).await;
+    proxy.reload(&config(1)).await;
     assert_eq!(proxy.metric(trusted).await, 1.0, "unchanged: still trusted");
     // Another template of the same length in the model folder: a new renderer, no trust.
     let tokenizer_config = dir.path().join("tokenizer_config.json");
@@ -192,12 +188,10 @@ async fn trust_survives_a_reload_of_the_unchanged_pool_only() {
     let edited = text.replace("\\n{{ m.content }}", " {{ m.content }}");
     assert!(edited != text && edited.len() + 1 == text.len(), "the template's newline became a space");
     std::fs::write(&tokenizer_config, edited).unwrap();
-    proxy.reconfigure(&config(1));
-    assert_eq!(proxy.metric_reaches(reloaded, 2.0).await, 2.0);
+    proxy.reload(&config(1)).await;
     assert_eq!(proxy.metric(trusted).await, 0.0, "another template: the shape earns its trust again");
     assert_eq!(post_json(&url, &body, &[]).await.0, 200);
-    assert_eq!(proxy.metric_reaches(trusted, 1.0).await, 1.0);
-    proxy.reconfigure(&config(5));
-    assert_eq!(proxy.metric_reaches(reloaded, 3.0).await, 3.0);
+    proxy.assert_reaches(trusted, 1.0).await;
+    proxy.reload(&config(5)).await;
     assert_eq!(proxy.metric(trusted).await, 0.0, "another policy: the shape earns its trust again");
 }

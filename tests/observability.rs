@@ -696,8 +696,8 @@ async fn real_prometheus_scrapes_tokenonce_and_answers_queries() {
 // ---------------------------------------------------------------------------------------------
 
 /// `promtool check rules` accepts alerts.yml, `promtool test rules` passes its unit tests (one
-/// firing case per alert), and `promtool check config` accepts prometheus.yml; the alerts the
-/// issue asks for are there.
+/// firing case per alert), and `promtool check config` accepts prometheus.yml; the alerts on prefill errors, reuse
+/// fallbacks, decode readiness and capacity evictions are there.
 #[test]
 fn promtool_accepts_and_tests_the_alert_rules() {
     assert_success("promtool check rules", &run("promtool", &["check", "rules", "conf/prometheus/alerts.yml"]));

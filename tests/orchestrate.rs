@@ -49,7 +49,7 @@ async fn chat_reuses_prefill_ids_and_answers_like_the_plain_decode() {
     let (_, _, direct) =
         post_json(&format!("http://{}/v1/chat/completions", d.host_port()), &body, &[("x-request-id", "req-1")]).await;
     assert_eq!(text, direct);
-    assert_eq!(proxy.metric(r#"tokenonce_token_reuse_total{reason="none",result="applied",route="pd"}"#).await, 1.0);
+    assert_eq!(proxy.metric(&reuse_series("pd", "applied", "none")).await, 1.0);
     assert_eq!(proxy.metric(r#"tokenonce_reused_prompt_tokens_total{route="pd"}"#).await, expected_ids.len() as f64);
 }
 
@@ -145,10 +145,7 @@ async fn old_decode_versions_gate_chat_reuse() {
     post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("old", json!({})), &[]).await;
     assert!(p.posts()[0].json().get("return_token_ids").is_none(), "no ids asked when they cannot be used");
     assert!(d.posts()[0].json()["kv_transfer_params"].is_null());
-    assert_eq!(
-        proxy.metric(r#"tokenonce_token_reuse_total{reason="decode_version_old",result="fallback",route="pd"}"#).await,
-        1.0
-    );
+    assert_eq!(proxy.metric(&reuse_series("pd", "fallback", "decode_version_old")).await, 1.0);
     post_json(
         &format!("{}/v1/completions", proxy.url),
         &json!({"model":"tiny-qwen3","prompt":"a b","max_tokens":2}),
@@ -173,10 +170,7 @@ async fn reuse_can_be_turned_off_per_route() {
     post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("off", json!({})), &[]).await;
     assert!(p.posts()[0].json().get("return_token_ids").is_none());
     assert!(d.posts()[0].json().get("kv_transfer_params").is_none());
-    assert_eq!(
-        proxy.metric(r#"tokenonce_token_reuse_total{reason="disabled",result="fallback",route="pd"}"#).await,
-        1.0
-    );
+    assert_eq!(proxy.metric(&reuse_series("pd", "fallback", "disabled")).await, 1.0);
 }
 
 /// The prefill's kv_transfer_params reach the decode byte for byte (ints stay ints, floats
@@ -440,8 +434,7 @@ async fn large_bodies_work_streaming_and_not() {
 /// without it the request goes to the decode alone, unchanged.
 #[tokio::test(flavor = "multi_thread")]
 async fn prefiller_header_mode() {
-    let p = FakeVllm::start(FakeConfig::default()).await;
-    let d = FakeVllm::start(FakeConfig::default()).await;
+    let [p, d] = fakes(Default::default()).await;
     let conf = format!(
         "[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"llmd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ header = \"x-prefiller-host-port\", allow = [\"127.0.0.0/8\"] }}\n",
         d.host_port()
@@ -489,27 +482,4 @@ async fn decode_follows_the_relayed_ids_not_the_messages() {
     assert_eq!(d.posts()[0].json()["kv_transfer_params"]["prompt_token_ids"], json!(full[..3]));
     assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["usage"]["prompt_tokens"], 3);
     assert_eq!(proxy.metric(r#"tokenonce_reused_prompt_tokens_total{route="pd"}"#).await, 3.0);
-}
-
-/// A decode whose /version cannot be read: chat falls back (counted), and requests do not
-/// each ask /version again.
-#[tokio::test(flavor = "multi_thread")]
-async fn unknown_decode_version_falls_back_without_asking_every_time() {
-    let (_p, d, proxy) =
-        pd_setup(FakeConfig::default(), FakeConfig { version: String::new(), ..FakeConfig::default() }, "").await;
-    for i in 0..5 {
-        let (status, _, _) =
-            post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body(&format!("v{i}"), json!({})), &[])
-                .await;
-        assert_eq!(status, 200);
-    }
-    assert!(d.posts().iter().all(|r| r.json().get("kv_transfer_params").is_none()));
-    assert_eq!(
-        proxy
-            .metric(r#"tokenonce_token_reuse_total{reason="decode_version_unknown",result="fallback",route="pd"}"#)
-            .await,
-        5.0
-    );
-    let asked = d.requests().iter().filter(|r| r.path == "/version").count();
-    assert!(asked <= 2, "/version asked {asked} times");
 }

@@ -9,7 +9,7 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 use support::*;
@@ -123,7 +123,6 @@ async fn stack_with(shift: u64, prefill: FakeConfig, route_extra: &str, settings
     Stack { _dir: dir, p, d, proxy, text }
 }
 
-const RELOADED: &str = r#"tokenonce_config_reloads_total{result="success"}"#;
 const REUSE_OFF: &str = r#"tokenonce_parity_reuse_off{route="pd"}"#;
 const MODELS_DIFFER: &str = r#"tokenonce_pool_models_differ{route="pd"}"#;
 
@@ -137,11 +136,11 @@ fn ids_of(user: &str) -> String {
 async fn the_right_ids_match_and_another_requests_ids_are_a_mismatch() {
     let Stack { p, proxy, .. } = &stack(0, FakeConfig::default(), "").await;
     chat(proxy, "alpha").await;
-    assert_eq!(proxy.metric_reaches(&checks("match"), 1.0).await, 1.0);
+    proxy.assert_reaches(&checks("match"), 1.0).await;
     // A prefill answering another request's ids (same count, so the gate passes them).
     p.configure(|c| c.corrupt_prompt_ids = Some(ids_of("bravo")));
     chat(proxy, "alpha").await;
-    assert_eq!(proxy.metric_reaches(&checks("mismatch"), 1.0).await, 1.0);
+    proxy.assert_reaches(&checks("mismatch"), 1.0).await;
     // `alert` (the default): counted and logged, reuse stays on.
     assert_eq!(proxy.metric(&reuse("none")).await, 2.0);
     assert_eq!(proxy.metric(r#"tokenonce_parity_reuse_off{route="pd"}"#).await, 0.0);
@@ -156,7 +155,7 @@ async fn ids_past_the_vocabulary_never_reach_the_decode() {
     ids[2] = 150_001;
     p.configure(|c| c.corrupt_prompt_ids = Some(serde_json::to_string(&ids).unwrap()));
     chat(proxy, "alpha").await;
-    assert_eq!(proxy.metric_reaches(&reuse("ids_out_of_vocab"), 1.0).await, 1.0);
+    proxy.assert_reaches(&reuse("ids_out_of_vocab"), 1.0).await;
     let decode = d.posts().pop().unwrap().json();
     assert!(decode["kv_transfer_params"].get("prompt_token_ids").is_none_or(Value::is_null), "{decode}");
     assert_eq!(proxy.metric(&checks("mismatch")).await + proxy.metric(&checks("match")).await, 0.0);
@@ -166,7 +165,7 @@ async fn ids_past_the_vocabulary_never_reach_the_decode() {
 async fn ids_read_with_another_tokenizer_are_a_mismatch() {
     let Stack { proxy, .. } = &stack(7, FakeConfig::default(), "").await;
     chat(proxy, "charlie").await;
-    assert_eq!(proxy.metric_reaches(&checks("mismatch"), 1.0).await, 1.0);
+    proxy.assert_reaches(&checks("mismatch"), 1.0).await;
     assert_eq!(proxy.metric(&checks("match")).await, 0.0);
 }
 
@@ -176,12 +175,12 @@ async fn disable_reuse_turns_reuse_off_on_a_mismatch_and_on_again_when_samples_m
     let Stack { p, d, proxy, .. } = &stack(0, FakeConfig::default(), extra).await;
     p.configure(|c| c.corrupt_prompt_ids = Some(ids_of("bravo")));
     chat(proxy, "charlie").await;
-    assert_eq!(proxy.metric_reaches(&checks("mismatch"), 1.0).await, 1.0);
-    assert_eq!(proxy.metric_reaches(r#"tokenonce_parity_reuse_off{route="pd"}"#, 1.0).await, 1.0);
+    proxy.assert_reaches(&checks("mismatch"), 1.0).await;
+    proxy.assert_reaches(r#"tokenonce_parity_reuse_off{route="pd"}"#, 1.0).await;
     // Reuse is off: the decode goes text, the prefill's ids are still checked.
     chat(proxy, "charlie").await;
-    assert_eq!(proxy.metric_reaches(&reuse("parity_reuse_off"), 1.0).await, 1.0);
-    assert_eq!(proxy.metric_reaches(&checks("mismatch"), 2.0).await, 2.0);
+    proxy.assert_reaches(&reuse("parity_reuse_off"), 1.0).await;
+    proxy.assert_reaches(&checks("mismatch"), 2.0).await;
     let decode = d.posts().pop().unwrap().json();
     assert!(decode["kv_transfer_params"].get("prompt_token_ids").is_none_or(Value::is_null), "{decode}");
     assert_eq!(proxy.metric(r#"tokenonce_parity_reuse_disabled_total{route="pd"}"#).await, 1.0, "once");
@@ -190,12 +189,12 @@ async fn disable_reuse_turns_reuse_off_on_a_mismatch_and_on_again_when_samples_m
     p.configure(|c| c.corrupt_prompt_ids = None);
     tokio::time::sleep(Duration::from_millis(400)).await;
     chat(proxy, "delta").await;
-    assert_eq!(proxy.metric_reaches(&checks("match"), 1.0).await, 1.0);
-    assert_eq!(proxy.metric_reaches(r#"tokenonce_parity_reuse_off{route="pd"}"#, 0.0).await, 0.0);
+    proxy.assert_reaches(&checks("match"), 1.0).await;
+    proxy.assert_reaches(r#"tokenonce_parity_reuse_off{route="pd"}"#, 0.0).await;
     chat(proxy, "delta").await;
     // The first request went token-in before its check ran (the watch is off the request
     // path); the two after the mismatch went text; the last token-in again.
-    assert_eq!(proxy.metric_reaches(&reuse("none"), 2.0).await, 2.0);
+    proxy.assert_reaches(&reuse("none"), 2.0).await;
     assert_eq!(proxy.metric(&reuse("parity_reuse_off")).await, 2.0);
 }
 
@@ -203,30 +202,22 @@ async fn disable_reuse_turns_reuse_off_on_a_mismatch_and_on_again_when_samples_m
 async fn pools_serving_different_models_never_exchange_ids() {
     // Same name, another context length: another model build (or config) behind the name.
     let Stack { p, proxy, .. } = &stack(0, FakeConfig { max_model_len: 32768, ..FakeConfig::default() }, "").await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while proxy.metric(r#"tokenonce_pool_models_differ{route="pd"}"#).await != 1.0 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(proxy.metric(r#"tokenonce_pool_models_differ{route="pd"}"#).await, 1.0);
+    assert_eq!(proxy.metric_reaches_within(MODELS_DIFFER, 1.0, Duration::from_secs(10)).await, 1.0);
     chat(proxy, "alpha").await;
-    assert_eq!(proxy.metric_reaches(&reuse("model_mismatch"), 1.0).await, 1.0);
+    proxy.assert_reaches(&reuse("model_mismatch"), 1.0).await;
     let prefill = p.posts().pop().unwrap().json();
     assert!(prefill.get("return_token_ids").is_none(), "ids are not even asked for: {prefill}");
     // The prefill restarts serving the decode's model (a rollout finished): ids flow again.
     let healthy = format!(r#"tokenonce_upstream_healthy{{endpoint="{}",pool="prefill"}}"#, p.host_port());
     p.configure(|c| c.healthy = false);
-    assert_eq!(proxy.metric_reaches(&healthy, 0.0).await, 0.0);
+    proxy.assert_reaches(&healthy, 0.0).await;
     p.configure(|c| {
         c.max_model_len = 49152;
         c.healthy = true;
     });
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while proxy.metric(r#"tokenonce_pool_models_differ{route="pd"}"#).await != 0.0 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(proxy.metric(r#"tokenonce_pool_models_differ{route="pd"}"#).await, 0.0);
+    assert_eq!(proxy.metric_reaches_within(MODELS_DIFFER, 0.0, Duration::from_secs(10)).await, 0.0);
     chat(proxy, "alpha").await;
-    assert_eq!(proxy.metric_reaches(&reuse("none"), 1.0).await, 1.0);
+    proxy.assert_reaches(&reuse("none"), 1.0).await;
 }
 
 /// The parity hold is the route's state: a reload of the unchanged file (the SIGHUP path,
@@ -238,18 +229,17 @@ async fn a_reload_keeps_the_parity_hold() {
     let Stack { p, d, proxy, text, .. } = &stack(0, FakeConfig::default(), extra).await;
     p.configure(|c| c.corrupt_prompt_ids = Some(ids_of("bravo")));
     chat(proxy, "charlie").await;
-    assert_eq!(proxy.metric_reaches(&checks("mismatch"), 1.0).await, 1.0);
-    assert_eq!(proxy.metric_reaches(REUSE_OFF, 1.0).await, 1.0);
+    proxy.assert_reaches(&checks("mismatch"), 1.0).await;
+    proxy.assert_reaches(REUSE_OFF, 1.0).await;
     p.configure(|c| c.corrupt_prompt_ids = None);
-    proxy.reconfigure(text);
-    assert_eq!(proxy.metric_reaches(RELOADED, 1.0).await, 1.0);
+    proxy.reload(text).await;
     assert_eq!(proxy.metric(REUSE_OFF).await, 1.0, "the gauge reports the hold");
     chat(proxy, "charlie").await;
-    assert_eq!(proxy.metric_reaches(&reuse("parity_reuse_off"), 1.0).await, 1.0);
+    proxy.assert_reaches(&reuse("parity_reuse_off"), 1.0).await;
     assert_eq!(proxy.metric(&reuse("none")).await, 1.0, "only the request before the mismatch went token-in");
     let decode = d.posts().pop().unwrap().json();
     assert!(decode["kv_transfer_params"].get("prompt_token_ids").is_none_or(Value::is_null), "{decode}");
-    assert_eq!(proxy.metric_reaches(&checks("match"), 1.0).await, 1.0);
+    proxy.assert_reaches(&checks("match"), 1.0).await;
     assert_eq!(proxy.metric(REUSE_OFF).await, 1.0, "a match inside the cool-down keeps the hold");
 }
 
@@ -261,14 +251,13 @@ async fn a_reload_keeps_the_model_mismatch() {
     let quiet = Settings { health_interval_ms: 60_000, ..Settings::default() };
     let prefill = FakeConfig { max_model_len: 32768, ..FakeConfig::default() };
     let Stack { proxy, text, .. } = &stack_with(0, prefill, "", &quiet).await;
-    assert_eq!(proxy.metric_reaches(MODELS_DIFFER, 1.0).await, 1.0);
+    proxy.assert_reaches(MODELS_DIFFER, 1.0).await;
     chat(proxy, "alpha").await;
-    assert_eq!(proxy.metric_reaches(&reuse("model_mismatch"), 1.0).await, 1.0);
-    proxy.reconfigure(text);
-    assert_eq!(proxy.metric_reaches(RELOADED, 1.0).await, 1.0);
+    proxy.assert_reaches(&reuse("model_mismatch"), 1.0).await;
+    proxy.reload(text).await;
     assert_eq!(proxy.metric(MODELS_DIFFER).await, 1.0, "the gauge reports the state");
     chat(proxy, "alpha").await;
-    assert_eq!(proxy.metric_reaches(&reuse("model_mismatch"), 2.0).await, 2.0);
+    proxy.assert_reaches(&reuse("model_mismatch"), 2.0).await;
     assert_eq!(proxy.metric(&reuse("none")).await, 0.0, "no ids crossed models");
 }
 
@@ -278,21 +267,18 @@ async fn a_reload_keeps_the_model_mismatch() {
 async fn a_replaced_tokenizer_file_is_read_again_on_reload() {
     let dir = tempfile::tempdir().unwrap();
     let wrong = write_tokenizer(dir.path(), 7);
-    let p = FakeVllm::start(FakeConfig::default()).await;
-    let d = FakeVllm::start(FakeConfig::default()).await;
+    let [p, d] = fakes(Default::default()).await;
     let text = config(&p, &d, &wrong, "");
     let proxy = TokenOnce::start(&text).await;
     proxy.wait_ready(200).await;
     chat(&proxy, "charlie").await;
-    assert_eq!(proxy.metric_reaches(&checks("mismatch"), 1.0).await, 1.0);
+    proxy.assert_reaches(&checks("mismatch"), 1.0).await;
     // The right tokenizer at the same path, then a reload of the unchanged config.
     assert_eq!(write_tokenizer(dir.path(), 0), wrong);
-    proxy.reconfigure(&text);
-    let reloaded = r#"tokenonce_config_reloads_total{result="success"}"#;
-    assert_eq!(proxy.metric_reaches(reloaded, 1.0).await, 1.0);
+    proxy.reload(&text).await;
     proxy.wait_ready(200).await;
     chat(&proxy, "charlie").await;
-    assert_eq!(proxy.metric_reaches(&checks("match"), 1.0).await, 1.0);
+    proxy.assert_reaches(&checks("match"), 1.0).await;
     assert_eq!(proxy.metric(&checks("mismatch")).await, 1.0);
 }
 

@@ -1,15 +1,16 @@
 //! Everything that is not orchestrated: byte-for-byte passthrough, the admin listener
-//! (`/metrics`, `/healthz`, `/readyz`), `tokenonce check`, config
-//! reloads, and stopping (the binary on SIGTERM, the in-process handle).
+//! (`/metrics`, `/healthz`, `/readyz`), config reloads (a good file applied, a bad one
+//! refused, a stream in flight finished on the config it started with), and stopping (the
+//! binary on SIGTERM, the in-process handle).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 mod support;
 
-use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::json;
+use support::fault_engine::{End, FaultEngine};
 use support::*;
 
 /// Other paths go to the decode pool unchanged, request and response.
@@ -34,8 +35,7 @@ async fn other_paths_are_proxied_byte_for_byte() {
 /// A passthrough route on an API path forwards the body unchanged (no P/D).
 #[tokio::test(flavor = "multi_thread")]
 async fn passthrough_routes_skip_pd() {
-    let p = FakeVllm::start(FakeConfig::default()).await;
-    let d = FakeVllm::start(FakeConfig::default()).await;
+    let [p, d] = fakes(Default::default()).await;
     let conf = format!(
         "{}\n[[routes]]\nname = \"direct\"\nmode = \"passthrough\"\ndecode_pool = \"decode\"\n",
         pd_config(&p, &d, "").replace(
@@ -51,7 +51,7 @@ async fn passthrough_routes_skip_pd() {
     assert!(p.posts().is_empty());
     assert_eq!(d.posts()[0].body.as_ref(), raw.as_slice());
     let series = r#"tokenonce_requests_total{api="chat",mode="passthrough",outcome="success",route="direct"}"#;
-    assert_eq!(proxy.metric_reaches(series, 1.0).await, 1.0);
+    proxy.assert_reaches(series, 1.0).await;
 }
 
 /// /readyz follows the decode's /health; /healthz is always up; /metrics has the families.
@@ -84,34 +84,12 @@ async fn readiness_follows_the_decode_health() {
     assert_eq!(proxy.metric("tokenonce_inflight_requests").await, 0.0);
 }
 
-/// `tokenonce check` accepts the shipped configs and lists every problem of a bad one.
-#[test]
-fn check_command_reports_problems_with_locations() {
-    let bin = env!("CARGO_BIN_EXE_tokenonce");
-    for file in ["conf/default.toml", "conf/pd-pools.toml", "conf/llmd-header.toml"] {
-        let out = Command::new(bin).args(["check", file]).output().unwrap();
-        assert!(out.status.success(), "{file}: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let bad = dir.path().join("bad.toml");
-    std::fs::write(&bad, "[pools.decode]\nendpoints = [\"nohost\"]\n\n[[routes]]\nname = \"r\"\nmode = \"sideways\"\ndecode_pool = \"nope\"\n").unwrap();
-    let out = Command::new(bin).arg("check").arg(&bad).output().unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("3 problem(s)"), "{err}");
-    assert!(err.contains("bad.toml:2:14: pools.decode.endpoints"), "{err}");
-    assert!(err.contains(":6:8: routes[0].mode"), "{err}");
-    assert!(err.contains(":7:15: routes[0].decode_pool"), "{err}");
-    let _: Option<Value> = None;
-}
-
 /// SIGHUP reloads the file: a good one changes routing for new requests and is counted; a
 /// bad one is rejected, counted, and the running config keeps serving. Drives the real binary
 /// end to end (startup on port 0, its own signal handling); SIGTERM then stops it cleanly.
 #[tokio::test(flavor = "multi_thread")]
 async fn sighup_reloads_good_configs_and_keeps_the_old_on_bad_ones() {
-    let p = FakeVllm::start(FakeConfig::default()).await;
-    let d = FakeVllm::start(FakeConfig::default()).await;
+    let [p, d] = fakes(Default::default()).await;
     let mut proxy = TokenOnce::start_binary(&pd_config(&p, &d, "")).await;
     reload_scenario(&p, &d, &proxy).await;
     let exit = proxy.terminate().await;
@@ -239,4 +217,70 @@ async fn graceful_stop_closes_listeners_and_finishes_in_flight_streams() {
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
     let stopped = tokio::time::timeout(Duration::from_secs(10), tokio::task::spawn_blocking(move || running.wait()));
     stopped.await.expect("stopped within grace + timeout").unwrap().unwrap();
+}
+
+const RELOADED: &str = r#"tokenonce_config_reloads_total{result="success"}"#;
+
+/// A config for route `pd` over prefill engine `prefill` and decode engine `decode`.
+fn over_fault_engines(prefill: &FaultEngine, decode: &FaultEngine, route_extra: &str) -> String {
+    pools_config(&[prefill.host_port()], &[decode.host_port()], route_extra)
+}
+
+/// A config reload while a stream is relayed: the stream finishes whole from the engine it
+/// started on (no error, every event), the next request goes where the new config says. The
+/// engines are fault engines (`tests/support/fault_engine.rs`) passing everything, which
+/// tell how each exchange ended.
+async fn reload_mid_stream(binary: bool) {
+    let slow = FakeConfig { chunk_delay: Duration::from_millis(150), ..FakeConfig::default() };
+    let [pf, df1, df2] = fakes([FakeConfig::default(), slow, FakeConfig::default()]).await;
+    let (p, d1, d2) = (FaultEngine::start(&pf).await, FaultEngine::start(&df1).await, FaultEngine::start(&df2).await);
+    let proxy = if binary {
+        TokenOnce::start_binary(&over_fault_engines(&p, &d1, "")).await
+    } else {
+        TokenOnce::start(&over_fault_engines(&p, &d1, "")).await
+    };
+    let started = Instant::now();
+    let body = chat_body("a long answer", json!({"stream": true, "max_tokens": 10}));
+    let resp =
+        reqwest::Client::new().post(format!("{}/v1/chat/completions", proxy.url)).json(&body).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    let mut text = String::new();
+    let first = futures_util::StreamExt::next(&mut stream).await.unwrap().unwrap();
+    text.push_str(&String::from_utf8_lossy(&first));
+
+    proxy.reconfigure(&over_fault_engines(&p, &d2, "token_reuse = false\n"));
+    assert_eq!(proxy.metric_reaches(RELOADED, 1.0).await, 1.0, "{}", proxy.log_text());
+    let rest = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut rest = String::new();
+        while let Some(chunk) = futures_util::StreamExt::next(&mut stream).await {
+            rest.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+        }
+        rest
+    })
+    .await
+    .expect("the stream ends within 10 s");
+    text.push_str(&rest);
+    assert!(text.ends_with("data: [DONE]\n\n") && !text.contains("\"error\""), "{text}");
+    assert_eq!(whole_events(&text).len(), 11, "role delta and 10 tokens: {text}");
+    assert_eq!(d1.ended(End::Answered), 1, "the stream ran to its end on the old decode");
+
+    let body = chat_body("after the reload", json!({}));
+    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!((d1.posts().len(), d2.posts().len()), (1, 1), "new requests follow the new config");
+    assert!(d2.posts()[0].json().get("kv_transfer_params").is_none(), "and its token_reuse = false");
+    assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+/// `Running::reload` (what SIGHUP calls) in the middle of a stream.
+#[tokio::test(flavor = "multi_thread")]
+async fn reload_mid_stream_keeps_the_stream() {
+    reload_mid_stream(false).await;
+}
+
+/// SIGHUP to the tokenonce binary in the middle of a stream.
+#[tokio::test(flavor = "multi_thread")]
+async fn sighup_mid_stream_keeps_the_stream() {
+    reload_mid_stream(true).await;
 }

@@ -20,6 +20,25 @@ fn relay_config(prefill: &FakeVllm, decode: &FakeVllm, extra: &str, cache: &str)
     )
 }
 
+/// A prefill engine answering like a NIXL-connected one (non-null `kv_transfer_params`).
+fn connector() -> FakeConfig {
+    FakeConfig { connector: true, ..FakeConfig::default() }
+}
+
+/// The prefill leg an orchestrator sends for a chat (one token, `do_remote_decode`).
+fn prefill_leg(stream: bool) -> Value {
+    let handoff = json!({"do_remote_decode": true, "do_remote_prefill": false});
+    chat_body("p", json!({"max_tokens": 1, "stream": stream, "kv_transfer_params": handoff}))
+}
+
+/// A prefill fake (`prefill`), a default decode fake and tokenonce between them on relay route
+/// `relay` with the route keys `extra`.
+async fn relay_setup(prefill: FakeConfig, extra: &str) -> (FakeVllm, FakeVllm, TokenOnce) {
+    let [prefill, decode] = fakes([prefill, FakeConfig::default()]).await;
+    let proxy = TokenOnce::start(&relay_config(&prefill, &decode, extra, "")).await;
+    (prefill, decode, proxy)
+}
+
 /// Drops the fields that legitimately differ between two runs (ids, fingerprint).
 fn normalize(text: &str) -> String {
     text.split("\n\n")
@@ -44,9 +63,7 @@ fn normalize(text: &str) -> String {
 /// prefill's remote_request_id, and the orchestrator never saw the echoed ids.
 #[tokio::test(flavor = "multi_thread")]
 async fn toy_proxy_through_tokenonce_reuses_ids() {
-    let prefill = FakeVllm::start(FakeConfig { connector: true, ..FakeConfig::default() }).await;
-    let decode = FakeVllm::start(FakeConfig::default()).await;
-    let proxy = TokenOnce::start(&relay_config(&prefill, &decode, "", "")).await;
+    let (prefill, decode, proxy) = relay_setup(connector(), "").await;
     let via = ToyProxy::start(&proxy.url, &proxy.url).await;
     let direct =
         ToyProxy::start(&format!("http://{}", prefill.host_port()), &format!("http://{}", decode.host_port())).await;
@@ -76,7 +93,7 @@ async fn toy_proxy_through_tokenonce_reuses_ids() {
             assert_eq!(decode_leg["prompt"], json!(expected));
         }
     }
-    assert_eq!(proxy.metric(r#"tokenonce_token_reuse_total{reason="none",result="applied",route="relay"}"#).await, 3.0);
+    assert_eq!(proxy.metric(&reuse_series("relay", "applied", "none")).await, 3.0);
     assert_eq!(proxy.metric(r#"tokenonce_cache_lookups_total{result="hit"}"#).await, 3.0);
     assert_eq!(proxy.metric("tokenonce_cache_entries").await, 0.0, "entries are removed when used");
     // The prefill legs through tokenonce (3 of the 6 the engine saw) asked for ids; the
@@ -88,13 +105,8 @@ async fn toy_proxy_through_tokenonce_reuses_ids() {
 /// return_token_ids (same bytes), while the engine was asked for them.
 #[tokio::test(flavor = "multi_thread")]
 async fn relayed_prefill_response_is_unchanged_for_the_orchestrator() {
-    let prefill = FakeVllm::start(FakeConfig { connector: true, ..FakeConfig::default() }).await;
-    let decode = FakeVllm::start(FakeConfig::default()).await;
-    let proxy = TokenOnce::start(&relay_config(&prefill, &decode, "", "")).await;
-    let body = chat_body(
-        "p",
-        json!({"max_tokens": 1, "stream": false, "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}}),
-    );
+    let (prefill, _decode, proxy) = relay_setup(connector(), "").await;
+    let body = prefill_leg(false);
     let (_, _, via) =
         post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[("x-request-id", "fixed")]).await;
     let (_, _, direct) =
@@ -113,13 +125,8 @@ async fn relayed_prefill_response_is_unchanged_for_the_orchestrator() {
 /// not as a decode: `stage_duration{stage="decode_total"}` counts decode legs only.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_prefill_forwarded_as_is_is_no_decode_in_the_stage_timings() {
-    let prefill = FakeVllm::start(FakeConfig { connector: true, ..FakeConfig::default() }).await;
-    let decode = FakeVllm::start(FakeConfig::default()).await;
-    let proxy = TokenOnce::start(&relay_config(&prefill, &decode, "", "")).await;
-    let body = chat_body(
-        "p",
-        json!({"max_tokens": 1, "stream": true, "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}}),
-    );
+    let (prefill, _decode, proxy) = relay_setup(connector(), "").await;
+    let body = prefill_leg(true);
     let (status, _, _) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
     assert_eq!(status, 200);
     assert_eq!(prefill.posts().len(), 1);
@@ -138,9 +145,7 @@ async fn a_prefill_forwarded_as_is_is_no_decode_in_the_stage_timings() {
 /// the decode is found by X-Request-Id.
 #[tokio::test(flavor = "multi_thread")]
 async fn decode_without_kv_params_is_found_by_request_id() {
-    let prefill = FakeVllm::start(FakeConfig::default()).await;
-    let decode = FakeVllm::start(FakeConfig::default()).await;
-    let proxy = TokenOnce::start(&relay_config(&prefill, &decode, "", "")).await;
+    let (_prefill, decode, proxy) = relay_setup(FakeConfig::default(), "").await;
     let toy = ToyProxy::start(&proxy.url, &proxy.url).await;
     let body = chat_body("no connector", json!({}));
     let (status, _, _) = post_json(&format!("{}/v1/chat/completions", toy.url()), &body, &[]).await;
@@ -152,26 +157,18 @@ async fn decode_without_kv_params_is_found_by_request_id() {
 /// A decode-looking request whose key finds nothing is sent unchanged and counted.
 #[tokio::test(flavor = "multi_thread")]
 async fn unmatched_decode_falls_back_and_is_counted() {
-    let prefill = FakeVllm::start(FakeConfig::default()).await;
-    let decode = FakeVllm::start(FakeConfig::default()).await;
-    let proxy = TokenOnce::start(&relay_config(&prefill, &decode, "", "")).await;
+    let (_prefill, decode, proxy) = relay_setup(FakeConfig::default(), "").await;
     let raw = r#"{"model":"tiny-qwen3","messages":[{"role":"user","content":"orphan"}],"max_tokens":2,"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_request_id":"nobody","remote_port":5600,"f":1.0}}"#;
     let (status, _, _) = post_raw(&format!("{}/v1/chat/completions", proxy.url), raw, &[]).await;
     assert_eq!(status, 200);
     assert_eq!(decode.posts()[0].text(), raw, "forwarded byte for byte");
-    assert_eq!(
-        proxy.metric(r#"tokenonce_token_reuse_total{reason="cache_miss",result="fallback",route="relay"}"#).await,
-        1.0
-    );
+    assert_eq!(proxy.metric(&reuse_series("relay", "fallback", "cache_miss")).await, 1.0);
     assert_eq!(proxy.metric(r#"tokenonce_cache_lookups_total{result="miss"}"#).await, 1.0);
     // A plain request (neither leg) passes through uncounted.
     let plain = r#"{"model":"tiny-qwen3","messages":[{"role":"user","content":"plain"}]}"#;
     post_raw(&format!("{}/v1/chat/completions", proxy.url), plain, &[]).await;
     assert_eq!(decode.posts()[1].text(), plain);
-    assert_eq!(
-        proxy.metric(r#"tokenonce_token_reuse_total{reason="cache_miss",result="fallback",route="relay"}"#).await,
-        1.0
-    );
+    assert_eq!(proxy.metric(&reuse_series("relay", "fallback", "cache_miss")).await, 1.0);
 }
 
 /// Stateless handoff across two instances: the prefill instance returns the ids inside
@@ -179,7 +176,7 @@ async fn unmatched_decode_falls_back_and_is_counted() {
 /// or turns them into the prompt (completions). No cache is used.
 #[tokio::test(flavor = "multi_thread")]
 async fn stateless_handoff_across_two_instances() {
-    let prefill = FakeVllm::start(FakeConfig { connector: true, ..FakeConfig::default() }).await;
+    let prefill = FakeVllm::start(connector()).await;
     let decode = FakeVllm::start(FakeConfig::default()).await;
     let conf = relay_config(&prefill, &decode, "relay_handoff = \"stateless\"", "");
     let a = TokenOnce::start(&conf).await;
@@ -202,31 +199,24 @@ async fn stateless_handoff_across_two_instances() {
     assert_eq!(leg["prompt"], json!(fake_tokenize("two words")));
     assert!(leg["kv_transfer_params"].get("prompt_token_ids").is_none());
     assert_eq!(a.metric("tokenonce_cache_entries").await + b.metric("tokenonce_cache_entries").await, 0.0);
-    assert_eq!(b.metric(r#"tokenonce_token_reuse_total{reason="none",result="applied",route="relay"}"#).await, 2.0);
+    assert_eq!(b.metric(&reuse_series("relay", "applied", "none")).await, 2.0);
 }
 
 /// Malformed ids arriving in a decode's kv_transfer_params are removed, never forwarded.
 #[tokio::test(flavor = "multi_thread")]
 async fn malformed_relayed_ids_are_stripped() {
-    let prefill = FakeVllm::start(FakeConfig::default()).await;
-    let decode = FakeVllm::start(FakeConfig::default()).await;
-    let proxy = TokenOnce::start(&relay_config(&prefill, &decode, "relay_handoff = \"stateless\"", "")).await;
+    let (_prefill, decode, proxy) = relay_setup(FakeConfig::default(), "relay_handoff = \"stateless\"").await;
     let raw = r#"{"model":"tiny-qwen3","messages":[{"role":"user","content":"x"}],"kv_transfer_params":{"do_remote_prefill":true,"prompt_token_ids":[1,-2]}}"#;
     let (status, _, _) = post_raw(&format!("{}/v1/chat/completions", proxy.url), raw, &[]).await;
     assert_eq!(status, 200);
     assert!(decode.posts()[0].json()["kv_transfer_params"].get("prompt_token_ids").is_none());
-    assert_eq!(
-        proxy.metric(r#"tokenonce_token_reuse_total{reason="ids_malformed",result="fallback",route="relay"}"#).await,
-        1.0
-    );
+    assert_eq!(proxy.metric(&reuse_series("relay", "fallback", "ids_malformed")).await, 1.0);
 }
 
 /// 256 concurrent requests through the toy proxy: every decode carries its own ids.
 #[tokio::test(flavor = "multi_thread")]
 async fn concurrent_relays_never_cross_ids() {
-    let prefill = FakeVllm::start(FakeConfig { connector: true, ..FakeConfig::default() }).await;
-    let decode = FakeVllm::start(FakeConfig::default()).await;
-    let proxy = TokenOnce::start(&relay_config(&prefill, &decode, "", "")).await;
+    let (_prefill, decode, proxy) = relay_setup(connector(), "").await;
     let toy = ToyProxy::start(&proxy.url, &proxy.url).await;
     let client = reqwest::Client::new();
     // One request first, so the decode's version is known before the burst: this test is
@@ -253,20 +243,14 @@ async fn concurrent_relays_never_cross_ids() {
         let j = r.json();
         assert_eq!(j["kv_transfer_params"]["prompt_token_ids"], json!(fake_tokenize(&fake_render_chat(&j))));
     }
-    assert_eq!(
-        proxy
-            .metric_reaches(r#"tokenonce_token_reuse_total{reason="none",result="applied",route="relay"}"#, 257.0)
-            .await,
-        257.0
-    );
+    proxy.assert_reaches(&reuse_series("relay", "applied", "none"), 257.0).await;
 }
 
 /// A flood of prefills with no decodes never takes the cache past its capacity, evicts the
 /// oldest, and expired entries are gone after the TTL.
 #[tokio::test(flavor = "multi_thread")]
 async fn prefill_flood_stays_bounded_and_expires() {
-    let prefill = FakeVllm::start(FakeConfig::default()).await;
-    let decode = FakeVllm::start(FakeConfig::default()).await;
+    let [prefill, decode] = fakes(Default::default()).await;
     let capacity = 4096;
     let cache = format!("[cache]\ncapacity_bytes = {capacity}\nttl_ms = 1500\n");
     let proxy = TokenOnce::start(&relay_config(&prefill, &decode, "", &cache)).await;
@@ -303,7 +287,7 @@ async fn prefill_flood_stays_bounded_and_expires() {
 /// the prefill's handoff the decode pool, and each answer is the engine's own.
 #[tokio::test(flavor = "multi_thread")]
 async fn generate_legs_pass_through_a_relay_route_unchanged() {
-    let prefill = FakeVllm::start(FakeConfig { connector: true, ..FakeConfig::default() }).await;
+    let prefill = FakeVllm::start(connector()).await;
     let decode = FakeVllm::start(FakeConfig::default()).await;
     let conf = relay_config(&prefill, &decode, "", "")
         .replace("\"/v1/completions\"]", "\"/v1/completions\", \"/inference/v1/generate\"]");

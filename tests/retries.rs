@@ -34,16 +34,9 @@ struct RawEngine {
 
 impl RawEngine {
     async fn start(second: Second) -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
         let read_whole = Arc::new(std::sync::Mutex::new(Vec::new()));
         let seen = Arc::clone(&read_whole);
-        tokio::spawn(async move {
-            for _ in 0..50 {
-                let Ok((sock, _)) = listener.accept().await else { return };
-                tokio::spawn(serve(sock, second, Arc::clone(&seen)));
-            }
-        });
+        let addr = raw_engine(50, move |sock| serve(sock, second, Arc::clone(&seen))).await;
         Self { addr, read_whole }
     }
 
@@ -145,15 +138,15 @@ async fn close_after_the_request_was_read_is_not_retried() {
     assert_eq!(proxy.metric(r#"tokenonce_upstream_retries_total{stage="passthrough"}"#).await, 0.0);
 }
 
+/// A retry budget of 50 % with no per-second floor: every second leg earns one retry.
+const HALF_NO_FLOOR: &str = "retry_budget_percent = 50\nretry_budget_min_per_second = 0\n";
+
 /// The budget: at 50 % and no per-second floor, every second leg earns one retry. Four
 /// requests to an engine that refuses connections: two retries, two refusals, counted.
 #[tokio::test(flavor = "multi_thread")]
 async fn retry_budget_refuses_retries_past_its_bound() {
-    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = closed.local_addr().unwrap().to_string();
-    drop(closed);
-    let extra = "retry_budget_percent = 50\nretry_budget_min_per_second = 0\n";
-    let proxy = TokenOnce::start(&config(&addr, extra)).await;
+    let refused = RefusedAddr::new();
+    let proxy = TokenOnce::start(&config(&refused.addr.to_string(), HALF_NO_FLOOR)).await;
     let url = format!("{}/v1/chat/completions", proxy.url);
     for i in 0..4 {
         let (status, _, text) = post_json(&url, &chat_body(&format!("r{i}"), json!({})), &[]).await;
@@ -169,17 +162,14 @@ async fn retry_budget_refuses_retries_past_its_bound() {
 /// makes a whole one, so it is re-sent (a budget started again would refuse it too).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_reload_keeps_the_retry_budget() {
-    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = closed.local_addr().unwrap().to_string();
-    drop(closed);
-    let text = config(&addr, "retry_budget_percent = 50\nretry_budget_min_per_second = 0\n");
+    let refused = RefusedAddr::new();
+    let text = config(&refused.addr.to_string(), HALF_NO_FLOOR);
     let proxy = TokenOnce::start(&text).await;
     let url = format!("{}/v1/chat/completions", proxy.url);
     let (status, _, body) = post_json(&url, &chat_body("r0", json!({})), &[]).await;
     assert_eq!(status, 502, "{body}");
     assert_eq!(proxy.metric(r#"tokenonce_retry_budget_exhausted_total{route="pt"}"#).await, 1.0);
-    proxy.reconfigure(&text);
-    assert_eq!(proxy.metric_reaches(r#"tokenonce_config_reloads_total{result="success"}"#, 1.0).await, 1.0);
+    proxy.reload(&text).await;
     let (status, _, body) = post_json(&url, &chat_body("r1", json!({})), &[]).await;
     assert_eq!(status, 502, "{body}");
     assert_eq!(proxy.metric(r#"tokenonce_upstream_retries_total{stage="passthrough"}"#).await, 1.0);

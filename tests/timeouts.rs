@@ -1,7 +1,7 @@
-//! Every wait is bounded (issue 8 point 1) and memory too (point 7): engines that stall
-//! before their head, mid-body and mid-stream, a client that stops reading, passthrough
-//! body limits and over-long SSE events. Each test asserts what the client sees, what is
-//! counted, and a generous time bound.
+//! Every wait is bounded and so is every buffer: engines that stall before their head,
+//! mid-body and mid-stream, a client that stops reading, the KV release for a client gone
+//! after its prefill, passthrough body limits and over-long SSE events. Each test asserts
+//! what the client sees, what is counted, and a generous time bound.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -26,16 +26,9 @@ struct StallingEngine {
 
 impl StallingEngine {
     async fn start(answer: &'static str) -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
         let posts = Arc::new(AtomicUsize::new(0));
         let seen = Arc::clone(&posts);
-        tokio::spawn(async move {
-            for _ in 0..200 {
-                let Ok((sock, _)) = listener.accept().await else { return };
-                tokio::spawn(serve(sock, answer, Arc::clone(&seen)));
-            }
-        });
+        let addr = raw_engine(200, move |sock| serve(sock, answer, Arc::clone(&seen))).await;
         Self { addr, posts }
     }
 
@@ -109,7 +102,7 @@ async fn stalled_decode_stream_ends_with_an_idle_error_event() {
     assert_eq!(data[data.len() - 1], "[DONE]");
     assert!(text.ends_with("\n\ndata: [DONE]\n\n"), "{text:?}");
     let series = r#"tokenonce_timeouts_total{route="pd",stage="stream_idle"}"#;
-    assert_eq!(proxy.metric_reaches(series, 1.0).await, 1.0);
+    proxy.assert_reaches(series, 1.0).await;
     assert_eq!(proxy.metric(r#"tokenonce_upstream_errors_total{kind="timeout",stage="decode"}"#).await, 1.0);
 }
 
@@ -123,7 +116,7 @@ async fn chat_is_a_fast_decode_timeout(proxy: &TokenOnce, route: &str) {
     assert_eq!(status, 504, "{text}");
     assert!(text.contains("\"code\":\"decode_timeout\""), "{text}");
     let series = format!(r#"tokenonce_timeouts_total{{route="{route}",stage="first_byte"}}"#);
-    assert_eq!(proxy.metric_reaches(&series, 1.0).await, 1.0);
+    proxy.assert_reaches(&series, 1.0).await;
 }
 
 /// A decode that sends no head within `decode_first_byte_timeout_ms` is a 504
@@ -156,9 +149,9 @@ async fn non_sse_decode_stalled_mid_body_is_cut() {
     assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
     assert_eq!(decode.posts(), 1);
     let series = r#"tokenonce_timeouts_total{route="pd",stage="stream_idle"}"#;
-    assert_eq!(proxy.metric_reaches(series, 1.0).await, 1.0);
+    proxy.assert_reaches(series, 1.0).await;
     let outcome = r#"tokenonce_requests_total{api="chat",mode="orchestrate",outcome="server_error",route="pd"}"#;
-    assert_eq!(proxy.metric_reaches(outcome, 1.0).await, 1.0);
+    proxy.assert_reaches(outcome, 1.0).await;
 }
 
 /// When the answer's `cached_tokens` must be rewritten it is buffered, so a stall mid-body
@@ -176,7 +169,7 @@ async fn rewritten_decode_stalled_mid_body_is_504() {
     let error: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(error["error"]["code"], "stream_idle_timeout", "{text}");
     assert_eq!(error["error"]["type"], "upstream_error");
-    assert_eq!(proxy.metric_reaches(r#"tokenonce_timeouts_total{route="pd",stage="stream_idle"}"#, 1.0).await, 1.0);
+    proxy.assert_reaches(r#"tokenonce_timeouts_total{route="pd",stage="stream_idle"}"#, 1.0).await;
 }
 
 /// A route whose streamed answers must start within 300 ms and whose non-streamed answers
@@ -282,7 +275,7 @@ async fn passthrough_pipeline_stalls_are_bounded() {
     assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
     assert_eq!(status, 504, "{text}");
     assert!(text.contains("\"code\":\"decode_timeout\""), "{text}");
-    assert_eq!(proxy.metric_reaches(r#"tokenonce_timeouts_total{route="pt",stage="first_byte"}"#, 1.0).await, 1.0);
+    proxy.assert_reaches(r#"tokenonce_timeouts_total{route="pt",stage="first_byte"}"#, 1.0).await;
 
     let stalling = StallingEngine::start(JSON_HEAD_THEN_STALL).await;
     let proxy = TokenOnce::start(&passthrough(&stalling.addr, "\"/tokenize\"", FAST)).await;
@@ -291,7 +284,7 @@ async fn passthrough_pipeline_stalls_are_bounded() {
     assert_eq!(resp.status(), 200);
     assert!(resp.bytes().await.is_err(), "the cut body must not read as complete");
     assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
-    assert_eq!(proxy.metric_reaches(r#"tokenonce_timeouts_total{route="pt",stage="stream_idle"}"#, 1.0).await, 1.0);
+    proxy.assert_reaches(r#"tokenonce_timeouts_total{route="pt",stage="stream_idle"}"#, 1.0).await;
     assert_eq!(proxy.metric(r#"tokenonce_upstream_errors_total{kind="timeout",stage="passthrough"}"#).await, 1.0);
 }
 
@@ -327,7 +320,7 @@ async fn hung_header_prefiller_is_504() {
     assert!(text.contains("\"code\":\"prefill_timeout\""), "{text}");
     assert_eq!(prefiller.posts(), 1);
     assert!(decode.posts().is_empty());
-    assert_eq!(proxy.metric_reaches(r#"tokenonce_timeouts_total{route="hdr",stage="prefill"}"#, 1.0).await, 1.0);
+    proxy.assert_reaches(r#"tokenonce_timeouts_total{route="hdr",stage="prefill"}"#, 1.0).await;
 }
 
 /// A client that stops reading a long stream: once tokenonce's writes wait past
@@ -339,20 +332,10 @@ async fn client_that_stops_reading_is_cut_and_the_decode_closed() {
     let keys = "decode_first_byte_timeout_ms = 30000\nclient_write_timeout_ms = 300\n";
     let (_p, decode, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), keys).await;
     // ~200k events, ~50 MB: far more than the socket buffers between us hold.
-    let body = serde_json::to_vec(&chat_body("long answer", json!({"stream": true, "max_tokens": 200_000}))).unwrap();
-    let addr: std::net::SocketAddr = proxy.url.trim_start_matches("http://").parse().unwrap();
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.set_recv_buffer_size(4096).unwrap();
-    let mut client = socket.connect(addr).await.unwrap();
-    let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    );
-    client.write_all(head.as_bytes()).await.unwrap();
-    client.write_all(&body).await.unwrap();
-    let mut first = [0u8; 64];
-    let n = tokio::time::timeout(Duration::from_secs(10), client.read(&mut first)).await.unwrap().unwrap();
-    assert!(first[..n].starts_with(b"HTTP/1.1 200"), "{:?}", String::from_utf8_lossy(&first[..n]));
+    let body = chat_body("long answer", json!({"stream": true, "max_tokens": 200_000}));
+    let mut client = SlowClient::post(&proxy.url, "/v1/chat/completions", &body).await;
+    let first = client.first_bytes(Duration::from_secs(10)).await;
+    assert!(first.starts_with(b"HTTP/1.1 200"), "{:?}", String::from_utf8_lossy(&first));
     // The client reads nothing more.
     let series = r#"tokenonce_timeouts_total{route="pd",stage="client_write"}"#;
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -366,19 +349,9 @@ async fn client_that_stops_reading_is_cut_and_the_decode_closed() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // The connection is cut: reading on drains what was buffered, then ends (bounded).
-    let mut sink = vec![0u8; 1 << 16];
-    let drained = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            match client.read(&mut sink).await {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
-        }
-    })
-    .await;
-    assert!(drained.is_ok(), "the client connection stayed open");
+    assert!(client.drained(Duration::from_secs(10)).await, "the client connection stayed open");
     let outcome = r#"tokenonce_requests_total{api="chat",mode="orchestrate",outcome="client_closed",route="pd"}"#;
-    assert_eq!(proxy.metric_reaches(outcome, 1.0).await, 1.0);
+    proxy.assert_reaches(outcome, 1.0).await;
 }
 
 /// A chat body that streams, sent by a client that gives up after 300 ms.
@@ -450,7 +423,7 @@ async fn pd_via(decode_addr: &str, route_extra: &str) -> (FakeVllm, TokenOnce) {
     (p, TokenOnce::start(&config).await)
 }
 
-/// Point 5: the client leaves after a prefill that returned `kv_transfer_params`, before the
+/// KV release: the client leaves after a prefill that returned `kv_transfer_params`, before the
 /// decode leg reached the engine (its connect hangs): the decode never had the request, so
 /// tokenonce sends it for one token, not streamed, with the prefill's kv params (the decode
 /// pulls the KV blocks and the prefill frees them), reads and discards the answer, and counts
@@ -479,7 +452,7 @@ async fn client_gone_before_the_decode_got_its_request_releases_the_kv_blocks() 
     assert!(release["kv_transfer_params"]["prompt_token_ids"].is_array(), "token-in, like the decode");
     assert_eq!(release["messages"], body["messages"]);
     let released = r#"tokenonce_kv_releases_total{result="released",route="pd"}"#;
-    assert_eq!(proxy.metric_reaches(released, 1.0).await, 1.0);
+    proxy.assert_reaches(released, 1.0).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(d.posts().len(), 1, "one release, no more");
 }
@@ -493,7 +466,7 @@ async fn client_gone_with_abandon_sends_no_release() {
     post_and_leave(&format!("{}/v1/chat/completions", proxy.url), &chat_body("leave", json!({"stream": true}))).await;
     door.open();
     let abandoned = r#"tokenonce_kv_releases_total{result="abandoned",route="pd"}"#;
-    assert_eq!(proxy.metric_reaches(abandoned, 1.0).await, 1.0);
+    proxy.assert_reaches(abandoned, 1.0).await;
     // Past the door's opening: a release would have arrived by now.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     assert_eq!(d.posts().len(), 0, "nothing reached the decode");
@@ -540,7 +513,7 @@ async fn no_release_once_the_decode_streams_or_without_kv_params() {
     assert!(first.starts_with(b"data: "), "{first:?}");
     drop(resp);
     let closed = r#"tokenonce_requests_total{api="chat",mode="orchestrate",outcome="client_closed",route="pd"}"#;
-    assert_eq!(proxy.metric_reaches(closed, 1.0).await, 1.0);
+    proxy.assert_reaches(closed, 1.0).await;
     assert_eq!(d.posts().len(), 1);
     for result in ["released", "failed", "timeout", "abandoned"] {
         let series = format!("tokenonce_kv_releases_total{{result=\"{result}\",route=\"pd\"}}");
@@ -550,7 +523,7 @@ async fn no_release_once_the_decode_streams_or_without_kv_params() {
     let decode = FakeConfig { delay: Duration::from_secs(1), ..FakeConfig::default() };
     let (_p, d, proxy) = pd_setup(FakeConfig::default(), decode, "").await;
     post_and_leave(&format!("{}/v1/chat/completions", proxy.url), &chat_body("no kv", json!({"stream": true}))).await;
-    assert_eq!(proxy.metric_reaches(closed, 1.0).await, 1.0);
+    proxy.assert_reaches(closed, 1.0).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(d.posts().len(), 1, "kv_transfer_params null: nothing to release");
 }
@@ -565,13 +538,13 @@ async fn release_that_hangs_is_bounded() {
     post_and_leave(&format!("{}/v1/chat/completions", proxy.url), &chat_body("hang", json!({"stream": true}))).await;
     door.open();
     let timed_out = r#"tokenonce_kv_releases_total{result="timeout",route="pd"}"#;
-    assert_eq!(proxy.metric_reaches(timed_out, 1.0).await, 1.0);
+    proxy.assert_reaches(timed_out, 1.0).await;
     assert!(started.elapsed() < Duration::from_secs(4), "took {:?}", started.elapsed());
     assert_eq!(proxy.metric(r#"tokenonce_timeouts_total{route="pd",stage="release"}"#).await, 1.0);
     assert_eq!(posts_reach(&d, 1).await.len(), 1, "the release reached the decode, which held it");
 }
 
-/// Point 7: a passthrough route honours `max_body_bytes` on pingora's pipeline: a declared
+/// Bounded memory: a passthrough route honours `max_body_bytes` on pingora's pipeline: a declared
 /// `Content-Length` over it is refused before any engine is asked, a chunked body that grows
 /// past it is cut off; both 413 `body_too_large`, OpenAI-shaped.
 #[tokio::test(flavor = "multi_thread")]
@@ -597,7 +570,7 @@ async fn passthrough_route_honours_max_body_bytes() {
     assert!(text.contains("\"code\":\"body_too_large\""), "{text}");
 }
 
-/// Point 7: the SSE decoder's buffer is capped: an event longer than `max_sse_event_bytes`
+/// Bounded memory: the SSE decoder's buffer is capped: an event longer than `max_sse_event_bytes`
 /// (here the first chat event, which echoes ~100 KB of prompt ids) is never sent; the stream
 /// ends with the error event `stream_event_too_large` and `[DONE]`, counted as `too_large`.
 #[tokio::test(flavor = "multi_thread")]
@@ -613,7 +586,7 @@ async fn over_long_sse_event_ends_the_stream_with_an_error_event() {
     assert_eq!(error["error"]["code"], "stream_event_too_large", "{text}");
     assert_eq!(data[1], "[DONE]");
     let series = r#"tokenonce_upstream_errors_total{kind="too_large",stage="decode"}"#;
-    assert_eq!(proxy.metric_reaches(series, 1.0).await, 1.0);
+    proxy.assert_reaches(series, 1.0).await;
 }
 
 /// Black-holed endpoints (they accept and never answer) in a pool: one health round polls

@@ -46,8 +46,7 @@ fn der_of(pem_file: &Path) -> Vec<u8> {
 async fn tls_listener_serves_beside_the_plain_one() {
     let pki = Pki::new("edge");
     let id = pki.issue("tokenonce", &["tokenonce.test"]);
-    let p = FakeVllm::start(FakeConfig::default()).await;
-    let d = FakeVllm::start(FakeConfig::default()).await;
+    let [p, d] = fakes(Default::default()).await;
     let proxy = TokenOnce::start(&format!("{}{}", pd_config(&p, &d, ""), server_tls(&id))).await;
     let tls_addr = proxy.tls_addr.expect("a TLS listener");
     let https = https_client(&pki.ca_file(), "tokenonce.test", tls_addr);
@@ -79,8 +78,7 @@ async fn tls_listener_serves_beside_the_plain_one() {
 async fn a_reload_swaps_the_listener_certificate() {
     let pki = Pki::new("edge");
     let first = pki.issue("tokenonce", &["tokenonce.test"]);
-    let p = FakeVllm::start(FakeConfig::default()).await;
-    let d = FakeVllm::start(FakeConfig::default()).await;
+    let [p, d] = fakes(Default::default()).await;
     let config = format!("{}{}", pd_config(&p, &d, ""), server_tls(&first));
     let proxy = TokenOnce::start(&config).await;
     let addr = proxy.tls_addr.unwrap();
@@ -157,7 +155,7 @@ async fn pools_over_tls_with_a_good_chain() {
     assert_eq!(p.posts().len(), 1);
     assert!(d.posts()[0].json()["kv_transfer_params"]["prompt_token_ids"].is_array());
     let series = r#"tokenonce_token_reuse_total{reason="none",result="applied",route="pd"}"#;
-    assert_eq!(proxy.metric_reaches(series, 1.0).await, 1.0);
+    proxy.assert_reaches(series, 1.0).await;
     let models = reqwest::get(format!("{}/v1/models", proxy.url)).await.unwrap();
     assert_eq!(models.status(), 200, "passthrough over TLS");
     assert!(pf.accepted() >= 1 && df.accepted() >= 1, "both engines were reached over TLS");
@@ -188,7 +186,7 @@ async fn model_identity_is_learned_over_tls() {
         post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("tls models", json!({})), &[]).await;
     assert_eq!(status, 200, "{text}");
     let series = r#"tokenonce_token_reuse_total{reason="model_mismatch",result="fallback",route="pd"}"#;
-    assert_eq!(proxy.metric_reaches(series, 1.0).await, 1.0);
+    proxy.assert_reaches(series, 1.0).await;
 }
 
 /// The typed 502 of a refused engine certificate: OpenAI-shaped, the stage and the cause,
@@ -300,8 +298,7 @@ cert_file = "{cert}"
 
     let missing = "[server.tls]\nlisten = \"127.0.0.1:8443\"\n[pools.decode]\nendpoints = [\"e:1\"]\n";
     let err = tokenonce::config::from_toml(missing, "t.toml").unwrap_err();
-    let keys: Vec<&str> = err.problems.iter().map(|p| p.key.as_str()).collect();
-    assert_eq!(keys, ["server.tls.cert_file", "server.tls.key_file"], "{:?}", err.problems);
+    assert_problem_keys(&err, &["server.tls.cert_file", "server.tls.key_file"]);
 }
 
 /// The `tokenonce check` command itself (what an operator runs) fails on files that do not
@@ -398,7 +395,7 @@ async fn pools_on_one_engine_with_other_cas_never_share_connections() {
     );
     let proxy = TokenOnce::start(&config).await;
     let healthy = |pool: &str| format!(r#"tokenonce_upstream_healthy{{endpoint="{}",pool="{pool}"}}"#, front.addr);
-    assert_eq!(proxy.metric_reaches(&healthy("decode"), 1.0).await, 1.0);
+    proxy.assert_reaches(&healthy("decode"), 1.0).await;
     for _ in 0..2 {
         let (status, text) = tenant_chat(&proxy, None).await;
         assert_eq!(status, 200, "the trusting pool is served: {text}");

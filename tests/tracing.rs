@@ -117,8 +117,7 @@ fn traceparent_ids(header: &str) -> (String, String) {
 #[tokio::test(flavor = "multi_thread")]
 async fn spans_continue_the_client_trace_across_both_legs() {
     let (url, received) = receiver().await;
-    let p = FakeVllm::start(FakeConfig::default()).await;
-    let d = FakeVllm::start(FakeConfig::default()).await;
+    let [p, d] = fakes(Default::default()).await;
     let config = format!(
         "{}\n[tracing]\nendpoint = \"{url}\"\nprotocol = \"http\"\nsampling_ratio = 1.0\nservice_name = \"tokenonce-test\"\n",
         pd_config(&p, &d, "")
@@ -191,8 +190,7 @@ async fn spans_continue_the_client_trace_across_both_legs() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_request_without_context_starts_a_trace() {
     let (url, received) = receiver().await;
-    let p = FakeVllm::start(FakeConfig::default()).await;
-    let d = FakeVllm::start(FakeConfig::default()).await;
+    let [p, d] = fakes(Default::default()).await;
     let config = format!("{}\n[tracing]\nendpoint = \"{url}\"\n", pd_config(&p, &d, ""));
     let proxy = TokenOnce::start_binary(&config).await;
     let (status, _, _) = post_json(
@@ -236,12 +234,9 @@ async fn without_tracing_the_client_context_passes_untouched() {
 fn check_reports_bad_tracing_keys() {
     let text = "[pools.decode]\nendpoints = [\"e:1\"]\n\n[tracing]\nendpoint = \"https://127.0.0.1:4318/v1/traces\"\nprotocol = \"udp\"\nsampling_ratio = 1.5\nservice_name = \" \"\n";
     let err = tokenonce::config::Config::from_toml(text, "t.toml").unwrap_err();
-    let keys: Vec<&str> = err.problems.iter().map(|p| p.key.as_str()).collect();
-    assert_eq!(
-        keys,
-        ["tracing.endpoint", "tracing.protocol", "tracing.sampling_ratio", "tracing.service_name"],
-        "{:?}",
-        err.problems
+    assert_problem_keys(
+        &err,
+        &["tracing.endpoint", "tracing.protocol", "tracing.sampling_ratio", "tracing.service_name"],
     );
     assert!(err.problems[2].message.contains("between 0.0 and 1.0"), "{:?}", err.problems[2]);
     assert!(err.problems.iter().all(|p| p.line > 0));
@@ -258,8 +253,7 @@ fn check_reports_bad_tracing_keys() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_collector_that_is_down_fails_no_request() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-    let p = FakeVllm::start(FakeConfig::default()).await;
-    let d = FakeVllm::start(FakeConfig::default()).await;
+    let [p, d] = fakes(Default::default()).await;
     let config = format!("{}\n[tracing]\nendpoint = \"http://{closed}/v1/traces\"\n", pd_config(&p, &d, ""));
     let proxy = TokenOnce::start_binary(&config).await;
     for i in 0..3 {
@@ -281,22 +275,11 @@ async fn a_collector_that_is_down_fails_no_request() {
 async fn a_prefill_failover_is_marked_on_its_span() {
     let (url, received) = receiver().await;
     let failing = FakeConfig { fail_with: Some((503, "{\"error\":\"engine\"}".into())), ..FakeConfig::default() };
-    let (a, b) = (FakeVllm::start(failing).await, FakeVllm::start(FakeConfig::default()).await);
-    let d = FakeVllm::start(FakeConfig::default()).await;
-    let config = format!(
-        "[pools.prefill]\nendpoints = [\"{}\", \"{}\"]\n[pools.decode]\nendpoints = [\"{}\"]\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n[tracing]\nendpoint = \"{url}\"\n",
-        a.host_port(),
-        b.host_port(),
-        d.host_port()
-    );
-    let proxy = TokenOnce::start_binary(&config).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let [a, b, d] = fakes([failing, FakeConfig::default(), FakeConfig::default()]).await;
+    let pools = pools_config(&[a.host_port(), b.host_port()], &[d.host_port()], "");
+    let proxy = TokenOnce::start_binary(&format!("{pools}[tracing]\nendpoint = \"{url}\"\n")).await;
     for e in [&a, &b] {
-        let series = format!(r#"tokenonce_upstream_healthy{{endpoint="{}",pool="prefill"}}"#, e.host_port());
-        while proxy.metric(&series).await != 1.0 {
-            assert!(Instant::now() < deadline, "{series} never 1");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        proxy.wait_health("prefill", &e.host_port(), true).await;
     }
     let traces = ["6bf92f3577b34da6a3ce929d0e0e4736", "7bf92f3577b34da6a3ce929d0e0e4736"];
     let mut failed_over = Vec::new();

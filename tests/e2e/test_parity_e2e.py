@@ -77,7 +77,7 @@ def test_a_wrong_tokenizer_mismatches_and_disable_reuse_turns_reuse_off():
 def test_decomposed_accents_of_honest_traffic_match():
     """vLLM's real Qwen3 tokenizer composes NFD text, so the prefill's honest ids decode to
     `Café` while the request reads `Cafe\u0301`: the watch compares both normalized and
-    counts a match (on main before issue 20 these were mismatches)."""
+    counts a match (comparing the raw texts counted these as mismatches)."""
     before = settled()
     c = client(TOKENONCE_PORT)
     texts = ["Cafe\u0301 cre\u0300me bru\u0302le\u0301e", "Vie\u0323\u0302t Nam and Caf\u00e9 cre\u0300me",

@@ -18,6 +18,11 @@ use super::fake_vllm::FakeVllm;
 
 /// Longest a hang or stall holds the connection (the peer closing ends it sooner).
 pub const HOLD: Duration = Duration::from_secs(30);
+/// An engine's error body, relayed unchanged.
+pub const ENGINE_503: &str =
+    "{\"error\":{\"message\":\"engine overloaded\",\"type\":\"ServiceUnavailable\",\"param\":null,\"code\":503}}";
+/// Bytes that are not HTTP.
+pub const GARBAGE: &[u8] = b"SSH-2.0-OpenSSH_9.6\r\n\x00\x01\x02 not http at all";
 
 /// Most connections one engine accepts, and requests it serves per connection.
 const MAX_CONNECTIONS: usize = 20_000;

@@ -247,7 +247,26 @@ impl TokenOnce {
     /// For series counted in pingora's `logging` phase, which runs after the client already
     /// has the whole answer.
     pub async fn metric_reaches(&self, series: &str, value: f64) -> f64 {
-        let deadline = Instant::now() + Duration::from_secs(5);
+        self.metric_reaches_within(series, value, Duration::from_secs(5)).await
+    }
+
+    /// Asserts `series` reaches `value` (bounded: 5 s, as [`Self::metric_reaches`]).
+    pub async fn assert_reaches(&self, series: &str, value: f64) {
+        assert_eq!(self.metric_reaches(series, value).await, value, "{series}");
+    }
+
+    /// Reloads `config` the way SIGHUP does and waits (bounded: 5 s) until tokenonce counted
+    /// one more successful reload.
+    pub async fn reload(&self, config: &str) {
+        const SUCCESS: &str = r#"tokenonce_config_reloads_total{result="success"}"#;
+        let before = self.metric(SUCCESS).await;
+        self.reconfigure(config);
+        self.assert_reaches(SUCCESS, before + 1.0).await;
+    }
+
+    /// [`Self::metric_reaches`] bounded by `within`.
+    pub async fn metric_reaches_within(&self, series: &str, value: f64, within: Duration) -> f64 {
+        let deadline = Instant::now() + within;
         loop {
             let got = self.metric(series).await;
             if got == value || Instant::now() >= deadline {
@@ -255,6 +274,14 @@ impl TokenOnce {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// Waits (bounded: 10 s) until the proxy reports `endpoint` (`host:port`) of `pool`
+    /// healthy (or not), as its health polls see it.
+    pub async fn wait_health(&self, pool: &str, endpoint: &str, healthy: bool) {
+        let series = format!(r#"tokenonce_upstream_healthy{{endpoint="{endpoint}",pool="{pool}"}}"#);
+        let want = f64::from(u8::from(healthy));
+        assert_eq!(self.metric_reaches_within(&series, want, Duration::from_secs(10)).await, want, "{series}");
     }
 }
 
@@ -361,6 +388,78 @@ impl RefusedAddr {
     }
 }
 
+/// A raw engine on loopback: accepts up to `connections` connections and hands each to
+/// `serve`. Returns its `host:port`.
+pub async fn raw_engine<F, Fut>(connections: usize, serve: F) -> String
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        for _ in 0..connections {
+            let Ok((sock, _)) = listener.accept().await else { return };
+            tokio::spawn(serve(sock));
+        }
+    });
+    addr
+}
+
+/// A client speaking HTTP/1.1 by hand on a socket with a 4 KB receive buffer, so it can stop
+/// reading while tokenonce still has much to write.
+pub struct SlowClient(tokio::net::TcpStream);
+
+impl SlowClient {
+    /// Connects to `url` (`http://host:port`) and POSTs `body` as JSON to `path`.
+    pub async fn post(url: &str, path: &str, body: &serde_json::Value) -> Self {
+        use tokio::io::AsyncWriteExt;
+        let body = serde_json::to_vec(body).unwrap();
+        let addr: SocketAddr = url.trim_start_matches("http://").parse().unwrap();
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let mut client = socket.connect(addr).await.unwrap();
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        );
+        client.write_all(head.as_bytes()).await.unwrap();
+        client.write_all(&body).await.unwrap();
+        Self(client)
+    }
+
+    /// The first bytes of the answer (at most 64), read within `within`.
+    pub async fn first_bytes(&mut self, within: Duration) -> Vec<u8> {
+        use tokio::io::AsyncReadExt;
+        let mut first = [0u8; 64];
+        let n = tokio::time::timeout(within, self.0.read(&mut first)).await.unwrap().unwrap();
+        first[..n].to_vec()
+    }
+
+    /// Reads on, discarding, until the connection ends (true: tokenonce cut or closed it) or
+    /// `within` passes (false).
+    pub async fn drained(&mut self, within: Duration) -> bool {
+        use tokio::io::AsyncReadExt;
+        let mut sink = vec![0u8; 1 << 16];
+        tokio::time::timeout(within, async {
+            loop {
+                match self.0.read(&mut sink).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await
+        .is_ok()
+    }
+}
+
+/// Asserts a config was refused with problems at exactly `keys`, in order.
+pub fn assert_problem_keys(err: &tokenonce::config::ConfigError, keys: &[&str]) {
+    let got: Vec<&str> = err.problems.iter().map(|p| p.key.as_str()).collect();
+    assert_eq!(got, keys, "{:#?}", err.problems);
+}
+
 /// A model folder: a word-level `tokenizer.json` that knows `alpha` and `bravo` by the fake
 /// engine's ids (any other word is `<unk>`) and has ChatML's two markers as added tokens, and a
 /// `tokenizer_config.json` with a ChatML chat template.
@@ -385,11 +484,42 @@ pub fn write_local_model(dir: &std::path::Path) {
 
 /// A config with one prefill fake and one decode fake on route `pd`.
 pub fn pd_config(prefill: &FakeVllm, decode: &FakeVllm, route_extra: &str) -> String {
+    pools_config(&[prefill.host_port()], &[decode.host_port()], route_extra)
+}
+
+/// A config with pools `prefill` and `decode` of the endpoints (`host:port`) given, in that
+/// order (round robin), on orchestrate route `pd` over every API path.
+pub fn pools_config(prefills: &[String], decodes: &[String], route_extra: &str) -> String {
+    let list = |e: &[String]| e.iter().map(|e| format!("\"{e}\"")).collect::<Vec<_>>().join(", ");
     format!(
-        "[pools.prefill]\nendpoints = [\"{}\"]\n\n[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n{route_extra}\n[routes.match]\npaths = [\"/v1/chat/completions\", \"/v1/completions\", \"/v1/responses\", \"/v1/messages\", \"/inference/v1/generate\"]\n",
-        prefill.host_port(),
-        decode.host_port()
+        "[pools.prefill]\nendpoints = [{}]\n\n[pools.decode]\nendpoints = [{}]\n\n[[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n{route_extra}\n[routes.match]\npaths = [\"/v1/chat/completions\", \"/v1/completions\", \"/v1/responses\", \"/v1/messages\", \"/inference/v1/generate\"]\n",
+        list(prefills),
+        list(decodes)
     )
+}
+
+/// Starts one fake per config, in order.
+pub async fn fakes<const N: usize>(configs: [FakeConfig; N]) -> [FakeVllm; N] {
+    let mut started = Vec::with_capacity(N);
+    for config in configs {
+        started.push(FakeVllm::start(config).await);
+    }
+    let Ok(started) = started.try_into() else { unreachable!("one fake per config") };
+    started
+}
+
+/// The series of `tokenonce_token_reuse_total` for `route`, `result` and `reason`.
+pub fn reuse_series(route: &str, result: &str, reason: &str) -> String {
+    format!(r#"tokenonce_token_reuse_total{{reason="{reason}",result="{result}",route="{route}"}}"#)
+}
+
+/// Asserts `text` is tokenonce's OpenAI-shaped error with `code` (a message and a type), naming
+/// no internal address.
+pub fn assert_openai_error(text: &str, code: &str) {
+    let json: serde_json::Value = serde_json::from_str(text).unwrap_or_else(|_| panic!("not JSON: {text}"));
+    assert_eq!(json["error"]["code"], code, "{text}");
+    assert!(json["error"]["message"].is_string() && json["error"]["type"].is_string(), "{text}");
+    assert!(!text.contains("127.0.0.1"), "an internal address in {text}");
 }
 
 /// Starts a prefill fake, a decode fake and tokenonce (in-process) between them.
@@ -402,18 +532,34 @@ pub async fn pd_setup(prefill: FakeConfig, decode: FakeConfig, route_extra: &str
 
 /// A plain chat request body.
 pub fn chat_body(user: &str, extra: serde_json::Value) -> serde_json::Value {
-    let mut body = serde_json::json!({
+    let body = serde_json::json!({
         "model": "tiny-qwen3",
         "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": user}],
         "max_tokens": 5,
         "temperature": 0
     });
+    with_extra(body, extra)
+}
+
+/// `body` with the members of `extra` added (replacing those of the same name).
+pub fn with_extra(mut body: serde_json::Value, extra: serde_json::Value) -> serde_json::Value {
     if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
         for (k, v) in e {
             b.insert(k.clone(), v.clone());
         }
     }
     body
+}
+
+/// The JSON of every `data:` event but `[DONE]`; each must parse (no half event).
+pub fn whole_events(text: &str) -> Vec<serde_json::Value> {
+    text.split("\n\n")
+        .filter(|e| !e.is_empty() && *e != "data: [DONE]")
+        .map(|e| {
+            let data = e.strip_prefix("data: ").unwrap_or_else(|| panic!("not an event: {e:?} in {text}"));
+            serde_json::from_str(data).unwrap_or_else(|_| panic!("half an event: {e:?} in {text}"))
+        })
+        .collect()
 }
 
 /// POSTs raw bytes; returns status, headers and body.

@@ -50,6 +50,16 @@ impl ToyProxy {
     }
 }
 
+impl Toy {
+    /// POSTs `body` to `base` + `api` with the toy proxy's headers (a `None` bearer token and
+    /// the request id both legs share).
+    async fn send(&self, base: &str, api: &str, request_id: &str, body: &Value) -> reqwest::Result<reqwest::Response> {
+        let url = format!("{base}{api}");
+        let req = self.client.post(url).header("Authorization", "Bearer None").header("X-Request-Id", request_id);
+        req.json(body).send().await
+    }
+}
+
 async fn handle(State(toy): State<Arc<Toy>>, uri: Uri, body: Bytes) -> Response {
     let mut req_data: Value = serde_json::from_slice(&body).unwrap();
     let request_id = uuid::Uuid::new_v4().to_string();
@@ -70,15 +80,7 @@ async fn handle(State(toy): State<Arc<Toy>>, uri: Uri, body: Bytes) -> Response 
     o.remove("stream_options");
     o.remove("min_tokens");
     o.remove("min_completion_tokens");
-    let resp = toy
-        .client
-        .post(format!("{}{api}", toy.prefill))
-        .header("Authorization", "Bearer None")
-        .header("X-Request-Id", &request_id)
-        .json(&p)
-        .send()
-        .await;
-    let resp = match resp {
+    let resp = match toy.send(&toy.prefill, &api, &request_id, &p).await {
         Ok(r) if r.status().is_success() => r,
         _ => return Response::builder().status(500).body(Body::from("Internal Server Error")).unwrap(),
     };
@@ -94,15 +96,7 @@ async fn handle(State(toy): State<Arc<Toy>>, uri: Uri, body: Bytes) -> Response 
     }
 
     // stream_service_response
-    let resp = toy
-        .client
-        .post(format!("{}{api}", toy.decode))
-        .header("Authorization", "Bearer None")
-        .header("X-Request-Id", &request_id)
-        .json(&req_data)
-        .send()
-        .await
-        .unwrap();
+    let resp = toy.send(&toy.decode, &api, &request_id, &req_data).await.unwrap();
     Response::builder()
         .status(200)
         .header("content-type", "application/json")
