@@ -62,6 +62,7 @@ pub mod build {
     );
 }
 pub mod handoff;
+pub mod kvhash;
 pub mod local;
 pub mod metrics;
 pub mod openai;
