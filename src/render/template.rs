@@ -1,7 +1,8 @@
 //! A model folder's chat template, loaded as transformers loads it, and rendered with
 //! minijinja the way transformers' `render_jinja_template` renders it (jinja2 sandbox with
 //! `trim_blocks`/`lstrip_blocks`, its `tojson`, `raise_exception`, `strftime_now`, Python
-//! string methods). Knows nothing of vLLM's request preprocessing (`request.rs` does that).
+//! string methods). Knows nothing of vLLM's request preprocessing (`chat.rs` and
+//! `message.rs` do that).
 
 use std::collections::BTreeMap;
 use std::path::Path;
