@@ -76,6 +76,7 @@ const CONSUMED_KWARGS: [&str; 6] =
 /// # Errors
 /// [`Unsupported`]: the reason the request must take the engine's own rendering.
 pub fn render_chat(template: &ChatTemplate, request: &[u8]) -> Result<RenderedChat, Unsupported> {
+    // vLLM's preprocessing: request settings, messages, tools, developer role, template kwargs.
     let req = body(request)?;
     let RenderSettings { add_generation_prompt, continue_final, user_kwargs } = RenderSettings::read(&req)?;
     let conversation = parse_chat_messages(&req)?;
@@ -85,6 +86,7 @@ pub fn render_chat(template: &ChatTemplate, request: &[u8]) -> Result<RenderedCh
     let mut conversation = resolve_developer_role(conversation, template, with_tools)?;
     let kwargs = template_kwargs(&req, template, user_kwargs, add_generation_prompt, continue_final)?;
 
+    // transformers' `apply_chat_template`: the context, the continue tag, the render.
     let mut context = template_variables(&kwargs)?;
     let final_content =
         if continue_final { Some(tag_final_message(&mut conversation, template, with_tools)?) } else { None };
@@ -92,6 +94,7 @@ pub fn render_chat(template: &ChatTemplate, request: &[u8]) -> Result<RenderedCh
     let floats = collect_unsafe_floats(&conversation, tools.as_deref(), &kwargs);
     let rendering = template.render(with_tools, context)?;
 
+    // Post-processing: what minijinja printed unlike Python falls back; the continue cut.
     refuse_misprinted_floats(&rendering, &floats)?;
     let mut text = rendering.text;
     if let Some(final_content) = final_content {
