@@ -5,17 +5,23 @@
 //! - `pyjson`: CPython's `json.loads`/`json.dumps` (order, duplicate keys, float repr).
 //! - `template`: the model folder's chat template and the minijinja environment that renders
 //!   it as transformers does.
-//! - `request`: vLLM's preprocessing of a chat request before the template sees it.
+//! - `request`: the request body as vLLM reads it, and the completions prompt.
+//! - `chat`: a chat request rendered in vLLM's steps (settings, messages, tools, developer
+//!   role, template kwargs, render, post-processing).
+//! - `message`: vLLM's preprocessing of one chat message before the template sees it.
 //!
 //! Tokenizing the rendered text is `tokenizers` `encode(text, add_special_tokens=false)` for
 //! chat and `encode(prompt, add_special_tokens=true)` for a completions string (see
 //! [`encode`]).
 
+mod chat;
+mod message;
 pub mod pyjson;
 mod request;
 mod template;
 
-pub use request::{render_chat, render_completion, RenderedChat, RenderedCompletion, Shape};
+pub use chat::{render_chat, RenderedChat, Shape};
+pub use request::{render_completion, RenderedCompletion};
 pub use template::{ChatTemplate, LoadError, LoadOptions};
 
 /// Why a request cannot be rendered here with proof of equality to vLLM. Each variant is one

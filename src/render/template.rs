@@ -1,7 +1,8 @@
 //! A model folder's chat template, loaded as transformers loads it, and rendered with
 //! minijinja the way transformers' `render_jinja_template` renders it (jinja2 sandbox with
 //! `trim_blocks`/`lstrip_blocks`, its `tojson`, `raise_exception`, `strftime_now`, Python
-//! string methods). Knows nothing of vLLM's request preprocessing (`request.rs` does that).
+//! string methods). Knows nothing of vLLM's request preprocessing (`chat.rs` and
+//! `message.rs` do that).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -115,149 +116,28 @@ impl ChatTemplate {
     /// [`LoadError`]: unreadable files, or a model vLLM renders another way
     /// ([`LoadError::Unsupported`]).
     pub fn load(folder: &Path, options: LoadOptions) -> Result<Self, LoadError> {
-        match options.tokenizer_mode.as_str() {
-            "" | "auto" | "hf" => {}
-            other => return Err(LoadError::Unsupported(Unsupported::TokenizerMode(other.to_string()))),
-        }
-        let has = |name: &str| folder.join(name).exists();
-        if options.tokenizer_mode != "hf" && has("tekken.json") {
-            return Err(LoadError::Unsupported(Unsupported::Mistral));
-        }
-        if options.tokenizer_mode != "hf" {
-            if let Ok(entries) = std::fs::read_dir(folder) {
-                for e in entries.flatten() {
-                    if e.file_name().to_string_lossy().starts_with("tokenizer.model.v") {
-                        return Err(LoadError::Unsupported(Unsupported::Mistral));
-                    }
-                }
-            }
-        }
-        if has("config.json") {
-            let config = pyjson::loads(&read(&folder.join("config.json"))?)
-                .map_err(|e| LoadError::Config { path: "config.json".into(), reason: e.to_string() })?;
-            if config.get("model_type").and_then(PyValue::as_str) == Some("gpt_oss") {
-                return Err(LoadError::Unsupported(Unsupported::Harmony));
-            }
-        }
-        // vLLM prefers an AutoProcessor's template (multimodal models) when there are no tools.
-        for processor_file in ["chat_template.json", "processor_config.json", "preprocessor_config.json"] {
-            if has(processor_file) {
-                return Err(LoadError::Unsupported(Unsupported::ProcessorTemplate));
-            }
-        }
-
-        let config_path = folder.join("tokenizer_config.json");
-        let config = if config_path.exists() {
-            pyjson::loads(&read(&config_path)?)
-                .map_err(|e| LoadError::Config { path: config_path.display().to_string(), reason: e.to_string() })?
-        } else {
-            PyValue::Dict(Vec::new())
-        };
-        if !matches!(config, PyValue::Dict(_)) {
-            return Err(LoadError::Config {
-                path: config_path.display().to_string(),
-                reason: "not a JSON object".into(),
-            });
-        }
-
-        // Templates: files first (transformers 5 `from_pretrained`), then the config.
-        let mut named: BTreeMap<String, String> = BTreeMap::new();
-        if has("chat_template.jinja") {
-            named.insert("default".into(), read(&folder.join("chat_template.jinja"))?);
-        }
-        let extra_dir = folder.join("additional_chat_templates");
-        if extra_dir.is_dir() {
-            let entries = std::fs::read_dir(&extra_dir)
-                .map_err(|source| LoadError::Io { path: extra_dir.display().to_string(), source })?;
-            for e in entries.flatten() {
-                let file = e.file_name().to_string_lossy().to_string();
-                if let Some(name) = file.strip_suffix(".jinja") {
-                    named.insert(name.to_string(), read(&e.path())?);
-                }
-            }
-        }
-        if named.is_empty() {
-            match config.get("chat_template") {
-                Some(PyValue::Str(s)) => {
-                    named.insert("default".into(), s.clone());
-                }
-                Some(PyValue::List(items)) => {
-                    for item in items {
-                        match (item.get("name"), item.get("template")) {
-                            (Some(PyValue::Str(n)), Some(PyValue::Str(t))) => {
-                                named.insert(n.clone(), t.clone());
-                            }
-                            _ => {
-                                return Err(LoadError::Config {
-                                    path: config_path.display().to_string(),
-                                    reason: "chat_template list entry without name/template".into(),
-                                })
-                            }
-                        }
-                    }
-                }
-                None | Some(PyValue::Null) => {}
-                Some(_) => {
-                    return Err(LoadError::Config {
-                        path: config_path.display().to_string(),
-                        reason: "chat_template is neither a string nor a list".into(),
-                    })
-                }
-            }
-        }
+        refuse_other_renderers(folder, &options)?;
+        let config = TokenizerConfig::read(folder)?;
+        let named = named_templates(folder, &config)?;
         let (default_src, tool_use_src) = match &options.chat_template {
             // resolve_chat_template's first choice: get_chat_template(--chat-template, tools)
             Some(name_or_text) => {
                 let text = named.get(name_or_text).cloned().unwrap_or_else(|| name_or_text.clone());
                 (Some(text), None)
             }
-            None => (named.remove("default"), named.remove("tool_use")),
+            None => {
+                let mut named = named;
+                (named.remove("default"), named.remove("tool_use"))
+            }
         };
         if default_src.is_none() && tool_use_src.is_none() {
             return Err(LoadError::Unsupported(Unsupported::NoDefaultTemplate));
         }
-
-        let mut special_tokens = Vec::new();
-        for name in SPECIAL_TOKEN_NAMES {
-            match config.get(name) {
-                Some(PyValue::Null) => {}
-                Some(v) => match token_string(v) {
-                    Some(s) => special_tokens.push((name.to_string(), s)),
-                    None => {
-                        return Err(LoadError::Config {
-                            path: config_path.display().to_string(),
-                            reason: format!("{name} is neither a string nor an AddedToken"),
-                        })
-                    }
-                },
-                None => {
-                    // Absent from the config: transformers would use the tokenizer class's
-                    // default, which this module does not know. Refuse if a template reads it.
-                    let reads = |src: &Option<String>| src.as_ref().is_some_and(|s| s.contains(name));
-                    if reads(&default_src) || reads(&tool_use_src) {
-                        return Err(LoadError::Unsupported(Unsupported::SpecialTokenUnknown(name.to_string())));
-                    }
-                }
-            }
-        }
-        if matches!(config.get("extra_special_tokens"), Some(PyValue::Dict(_))) {
-            // Model-specific named tokens also join special_tokens_map in transformers 5.
-            return Err(LoadError::Unsupported(Unsupported::SpecialTokenUnknown("extra_special_tokens".into())));
-        }
+        let special_tokens = config.special_tokens(&[&default_src, &tool_use_src])?;
 
         let mut env = new_environment()?;
-        let mut variant = |name: &str, src: Option<String>| -> Result<Option<Variant>, LoadError> {
-            let Some(source) = src else { return Ok(None) };
-            if iterates_content(&source) {
-                return Err(LoadError::Unsupported(Unsupported::ContentFormatOpenAi));
-            }
-            env.add_template_owned(name.to_string(), source.clone())
-                .map_err(|e| LoadError::Unsupported(Unsupported::TemplateFeature(e.to_string())))?;
-            let supports_developer = source.contains("\"developer\"") || source.contains("'developer'");
-            Ok(Some(Variant { name: name.to_string(), source, supports_developer }))
-        };
-        let default = variant("default", default_src)?;
-        let tool_use = variant("tool_use", tool_use_src)?;
+        let default = default_src.map(|source| Variant::compile(&mut env, "default", source)).transpose()?;
+        let tool_use = tool_use_src.map(|source| Variant::compile(&mut env, "tool_use", source)).transpose()?;
         Ok(ChatTemplate { env, default, tool_use, special_tokens, options })
     }
 
@@ -266,16 +146,11 @@ impl ChatTemplate {
     /// # Errors
     /// As [`ChatTemplate::load`].
     pub fn from_source(source: &str, special_tokens: &[(&str, &str)], options: LoadOptions) -> Result<Self, LoadError> {
-        if iterates_content(source) {
-            return Err(LoadError::Unsupported(Unsupported::ContentFormatOpenAi));
-        }
         let mut env = new_environment()?;
-        env.add_template_owned("default".to_string(), source.to_string())
-            .map_err(|e| LoadError::Unsupported(Unsupported::TemplateFeature(e.to_string())))?;
-        let supports_developer = source.contains("\"developer\"") || source.contains("'developer'");
+        let default = Variant::compile(&mut env, "default", source.to_string())?;
         Ok(ChatTemplate {
             env,
-            default: Some(Variant { name: "default".into(), source: source.into(), supports_developer }),
+            default: Some(default),
             tool_use: None,
             special_tokens: special_tokens.iter().map(|(k, v)| ((*k).to_string(), (*v).to_string())).collect(),
             options,
@@ -341,6 +216,158 @@ impl ChatTemplate {
             reads_clock: clock.load(Ordering::Relaxed),
             nan_by_tojson: sink.0.load(Ordering::Relaxed),
         })
+    }
+}
+
+/// Refuses a model vLLM renders without its chat template: a tokenizer mode other than
+/// auto/hf, Mistral (mistral-common), gpt-oss (Harmony), or a processor (multimodal)
+/// template, which vLLM prefers when there are no tools.
+fn refuse_other_renderers(folder: &Path, options: &LoadOptions) -> Result<(), LoadError> {
+    match options.tokenizer_mode.as_str() {
+        "" | "auto" | "hf" => {}
+        other => return Err(LoadError::Unsupported(Unsupported::TokenizerMode(other.to_string()))),
+    }
+    let has = |name: &str| folder.join(name).exists();
+    if options.tokenizer_mode != "hf" && has("tekken.json") {
+        return Err(LoadError::Unsupported(Unsupported::Mistral));
+    }
+    if options.tokenizer_mode != "hf" {
+        if let Ok(entries) = std::fs::read_dir(folder) {
+            for e in entries.flatten() {
+                if e.file_name().to_string_lossy().starts_with("tokenizer.model.v") {
+                    return Err(LoadError::Unsupported(Unsupported::Mistral));
+                }
+            }
+        }
+    }
+    if has("config.json") {
+        let config = pyjson::loads(&read(&folder.join("config.json"))?)
+            .map_err(|e| LoadError::Config { path: "config.json".into(), reason: e.to_string() })?;
+        if config.get("model_type").and_then(PyValue::as_str) == Some("gpt_oss") {
+            return Err(LoadError::Unsupported(Unsupported::Harmony));
+        }
+    }
+    for processor_file in ["chat_template.json", "processor_config.json", "preprocessor_config.json"] {
+        if has(processor_file) {
+            return Err(LoadError::Unsupported(Unsupported::ProcessorTemplate));
+        }
+    }
+    Ok(())
+}
+
+/// `tokenizer_config.json` as transformers reads it (an empty dict when absent), with its
+/// path for errors.
+struct TokenizerConfig {
+    path: String,
+    value: PyValue,
+}
+
+impl TokenizerConfig {
+    /// Reads the folder's config; it must be a JSON object.
+    fn read(folder: &Path) -> Result<Self, LoadError> {
+        let file = folder.join("tokenizer_config.json");
+        let path = file.display().to_string();
+        let value = if file.exists() {
+            pyjson::loads(&read(&file)?).map_err(|e| LoadError::Config { path: path.clone(), reason: e.to_string() })?
+        } else {
+            PyValue::Dict(Vec::new())
+        };
+        let config = TokenizerConfig { path, value };
+        if !matches!(config.value, PyValue::Dict(_)) {
+            return Err(config.error("not a JSON object".into()));
+        }
+        Ok(config)
+    }
+
+    /// A [`LoadError::Config`] about this file.
+    fn error(&self, reason: String) -> LoadError {
+        LoadError::Config { path: self.path.clone(), reason }
+    }
+
+    /// The config's `chat_template`: a string (the default), or a list of `{name, template}`.
+    fn chat_templates(&self, named: &mut BTreeMap<String, String>) -> Result<(), LoadError> {
+        match self.value.get("chat_template") {
+            Some(PyValue::Str(s)) => {
+                named.insert("default".into(), s.clone());
+            }
+            Some(PyValue::List(items)) => {
+                for item in items {
+                    match (item.get("name"), item.get("template")) {
+                        (Some(PyValue::Str(n)), Some(PyValue::Str(t))) => {
+                            named.insert(n.clone(), t.clone());
+                        }
+                        _ => return Err(self.error("chat_template list entry without name/template".into())),
+                    }
+                }
+            }
+            None | Some(PyValue::Null) => {}
+            Some(_) => return Err(self.error("chat_template is neither a string nor a list".into())),
+        }
+        Ok(())
+    }
+
+    /// The named special tokens transformers passes to the template (`special_tokens_map`).
+    /// One absent from the config would come from the tokenizer class, unknown here: refused
+    /// if one of `sources` reads it; so are model-specific `extra_special_tokens`.
+    fn special_tokens(&self, sources: &[&Option<String>]) -> Result<Vec<(String, String)>, LoadError> {
+        let mut special_tokens = Vec::new();
+        for name in SPECIAL_TOKEN_NAMES {
+            match self.value.get(name) {
+                Some(PyValue::Null) => {}
+                Some(v) => match token_string(v) {
+                    Some(s) => special_tokens.push((name.to_string(), s)),
+                    None => return Err(self.error(format!("{name} is neither a string nor an AddedToken"))),
+                },
+                None => {
+                    if sources.iter().any(|src| src.as_ref().is_some_and(|s| s.contains(name))) {
+                        return Err(LoadError::Unsupported(Unsupported::SpecialTokenUnknown(name.to_string())));
+                    }
+                }
+            }
+        }
+        if matches!(self.value.get("extra_special_tokens"), Some(PyValue::Dict(_))) {
+            return Err(LoadError::Unsupported(Unsupported::SpecialTokenUnknown("extra_special_tokens".into())));
+        }
+        Ok(special_tokens)
+    }
+}
+
+/// The folder's templates by name: files first (transformers 5 `from_pretrained`:
+/// `chat_template.jinja`, `additional_chat_templates/*.jinja`), else the config's.
+fn named_templates(folder: &Path, config: &TokenizerConfig) -> Result<BTreeMap<String, String>, LoadError> {
+    let mut named: BTreeMap<String, String> = BTreeMap::new();
+    let default_file = folder.join("chat_template.jinja");
+    if default_file.exists() {
+        named.insert("default".into(), read(&default_file)?);
+    }
+    let extra_dir = folder.join("additional_chat_templates");
+    if extra_dir.is_dir() {
+        let entries = std::fs::read_dir(&extra_dir)
+            .map_err(|source| LoadError::Io { path: extra_dir.display().to_string(), source })?;
+        for e in entries.flatten() {
+            let file = e.file_name().to_string_lossy().to_string();
+            if let Some(name) = file.strip_suffix(".jinja") {
+                named.insert(name.to_string(), read(&e.path())?);
+            }
+        }
+    }
+    if named.is_empty() {
+        config.chat_templates(&mut named)?;
+    }
+    Ok(named)
+}
+
+impl Variant {
+    /// Compiles `source` into `env` under `name`; a template that reads content as parts
+    /// (vLLM's "openai" content format) is refused.
+    fn compile(env: &mut Environment<'static>, name: &str, source: String) -> Result<Self, LoadError> {
+        if iterates_content(&source) {
+            return Err(LoadError::Unsupported(Unsupported::ContentFormatOpenAi));
+        }
+        env.add_template_owned(name.to_string(), source.clone())
+            .map_err(|e| LoadError::Unsupported(Unsupported::TemplateFeature(e.to_string())))?;
+        let supports_developer = source.contains("\"developer\"") || source.contains("'developer'");
+        Ok(Variant { name: name.to_string(), source, supports_developer })
     }
 }
 
