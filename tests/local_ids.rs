@@ -159,6 +159,32 @@ async fn on_sends_trusted_shapes_token_in_and_a_mismatch_ends_the_trust() {
     assert_eq!(proxy.metric(token_in).await, 1.0);
 }
 
+/// An empty completions prompt of a trusted shape has no ids: vLLM refuses an empty prompt,
+/// so it goes to the prefill as text (for the engine to refuse in its own words), never as
+/// `prompt: []`.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_empty_prompt_of_a_trusted_shape_goes_as_text() {
+    let dir = tempfile::tempdir().unwrap();
+    write_local_model(dir.path());
+    let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
+    let keys = "local_ids = \"on\"\nlocal_ids_verify_after = 1\nlocal_ids_recheck = 0.0\n";
+    let proxy = TokenOnce::start(&local_config(&p, &d, dir.path(), keys)).await;
+    let url = format!("{}/v1/completions", proxy.url);
+    let body = |prompt: &str| json!({"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 3});
+    let (status, _, text) = post_json(&url, &body("alpha bravo"), &[]).await;
+    assert_eq!(status, 200, "{text}");
+    proxy.assert_reaches(r#"tokenonce_local_ids_trusted{pool="prefill",shape="completions"}"#, 1.0).await;
+    post_json(&url, &body("bravo alpha"), &[]).await;
+    let token_in = r#"tokenonce_local_ids_token_in_total{pool="prefill",shape="completions"}"#;
+    proxy.assert_reaches(token_in, 1.0).await;
+
+    post_json(&url, &body(""), &[]).await;
+    let prefill = p.posts().last().unwrap().json();
+    assert_eq!(prefill["prompt"], "", "the empty prompt went as text");
+    assert_eq!(prefill["return_token_ids"], true, "with the echo, as any text prefill");
+    assert_eq!(proxy.metric(token_in).await, 1.0, "not token-in");
+}
+
 /// A trusted shape stays trusted over a reload of the unchanged pool, and starts over when
 /// the reload changes the model folder's template or the pool's local-ids policy.
 #[tokio::test(flavor = "multi_thread")]

@@ -181,7 +181,10 @@ impl LocalIds {
         if !self.shape_trust(rendered.shape)?.trusted.load(Ordering::Relaxed) || self.recheck_now() {
             return None;
         }
-        Some((self.encode(&rendered).ok()?, rendered.shape))
+        // No ids (an empty completions prompt): vLLM refuses an empty prompt, so it goes as
+        // text and the engine answers in its own words.
+        let ids = self.encode(&rendered).ok().filter(|ids| !ids.is_empty())?;
+        Some((ids, rendered.shape))
     }
 
     /// Whether this request of a trusted shape is one of the recheck share.

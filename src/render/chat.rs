@@ -195,6 +195,7 @@ impl Shape {
 /// The request's `tools`, each rebuilt as `ChatCompletionToolsParam.model_dump()`; none when
 /// `tool_choice` is "none" and the server runs with `--exclude-tools-when-tool-choice-none`.
 fn request_tools(req: &PyValue, template: &ChatTemplate) -> Result<Option<Vec<PyValue>>, Unsupported> {
+    check_tool_choice(req)?;
     // check_tool_usage: an absent tool_choice is "auto" when tools are given, else "none".
     let tool_choice_none = match req.get("tool_choice") {
         None => !matches!(req.get("tools"), Some(PyValue::List(t)) if !t.is_empty()),
@@ -211,6 +212,35 @@ fn request_tools(req: &PyValue, template: &ChatTemplate) -> Result<Option<Vec<Py
     };
     let excluded = tool_choice_none && template.options.exclude_tools_when_tool_choice_none;
     Ok(if excluded { None } else { tools })
+}
+
+/// The `tool_choice` rules of vLLM's `check_tool_usage` (it validates the request before any
+/// rendering and answers 400): a choice other than `none` needs `tools`; a string must be
+/// `auto` or `required`; a named choice needs `function.name`, a non-empty string naming one
+/// of `tools`. Such a request is sent as text, for vLLM to refuse in its own words.
+fn check_tool_choice(req: &PyValue) -> Result<(), Unsupported> {
+    let choice = match req.get("tool_choice") {
+        None | Some(PyValue::Null) => return Ok(()),
+        Some(PyValue::Str(s)) if s == "none" => return Ok(()),
+        Some(choice) => choice,
+    };
+    let Some(PyValue::List(tools)) = req.get("tools") else {
+        return Err(Unsupported::VllmRejects("tool_choice without tools"));
+    };
+    match choice {
+        PyValue::Str(s) if s == "auto" || s == "required" => Ok(()),
+        PyValue::Dict(_) => {
+            let Some(PyValue::Str(name)) = choice.get("function").and_then(|f| f.get("name")) else {
+                return Err(Unsupported::VllmRejects("tool_choice without a function name"));
+            };
+            let named = |tool: &PyValue| matches!(tool.get("function").and_then(|f| f.get("name")), Some(PyValue::Str(n)) if n == name);
+            if name.is_empty() || !tools.iter().any(named) {
+                return Err(Unsupported::VllmRejects("tool_choice names no tool of tools"));
+            }
+            Ok(())
+        }
+        _ => Err(Unsupported::VllmRejects("tool_choice not none, auto, required or a named tool")),
+    }
 }
 
 /// `ChatCompletionToolsParam(**tool).model_dump()`.
@@ -524,6 +554,39 @@ mod tests {
 
     fn r(body: &str) -> Result<String, Unsupported> {
         render_chat(&t(), body.as_bytes()).map(|x| x.text)
+    }
+
+    /// The `tool_choice` requests vLLM refuses before rendering are never rendered (so never
+    /// sent token-in); the ones it accepts are.
+    #[test]
+    fn tool_choices_vllm_refuses_are_refused_as_vllm_rejects() {
+        let tool = r#"{"type":"function","function":{"name":"f","parameters":{}}}"#;
+        let with = |choice: &str, tools: &str| {
+            r(&format!(r#"{{"messages":[{{"role":"user","content":"x"}}],"tool_choice":{choice}{tools}}}"#))
+                .map_err(|e| e.label())
+        };
+        let tools = format!(r#","tools":[{tool}]"#);
+        for (choice, tools) in [
+            (r#""required""#, ""),
+            (r#""auto""#, ""),
+            (r#"{"type":"function","function":{"name":"f"}}"#, ""),
+            (r#"{"type":"function","function":{"name":"g"}}"#, tools.as_str()),
+            (r#"{"type":"function","function":{"name":""}}"#, tools.as_str()),
+            (r#"{"type":"function","function":{}}"#, tools.as_str()),
+            (r#"{"type":"function"}"#, tools.as_str()),
+            (r#""sometimes""#, tools.as_str()),
+        ] {
+            assert_eq!(with(choice, tools), Err("vllm_rejects"), "{choice}{tools}");
+        }
+        for (choice, tools) in [
+            (r#""none""#, ""),
+            ("null", ""),
+            (r#""required""#, tools.as_str()),
+            (r#""auto""#, tools.as_str()),
+            (r#"{"type":"function","function":{"name":"f"}}"#, tools.as_str()),
+        ] {
+            assert!(with(choice, tools).is_ok(), "{choice}{tools}");
+        }
     }
 
     #[test]
