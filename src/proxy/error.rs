@@ -175,8 +175,9 @@ pub fn count(info: &RequestInfo, err: &ProxyError) {
 
 /// Ends a request that failed: counts it, logs the full detail, and answers the client in
 /// its API's format (a JSON error before the response began; the API's SSE error event after
-/// the head of a stream went out, see [`ApiError::sse_event_for`]; nothing when the client is gone; a cut connection when a non-SSE
-/// body was under way or the client stopped reading, see [`Ctx::cut`]).
+/// the head of a stream went out, see [`ApiError::sse_event_for`]; nothing when the client
+/// is gone; a cut connection when a non-SSE body was under way or the client stopped
+/// reading, see [`AnswerRecord::cut`](super::AnswerRecord::cut)).
 pub async fn fail(session: &mut Session, info: &RequestInfo, rec: &mut Record, err: ProxyError) {
     if let ProxyError::ClientGone = err {
         rec.answer.outcome = Some(Outcome::ClientClosed);
