@@ -175,27 +175,28 @@ pub fn count(info: &RequestInfo, err: &ProxyError) {
 
 /// Ends a request that failed: counts it, logs the full detail, and answers the client in
 /// its API's format (a JSON error before the response began; the API's SSE error event after
-/// the head of a stream went out, see [`ApiError::sse_event_for`]; nothing when the client is gone; a cut connection when a non-SSE
-/// body was under way or the client stopped reading, see [`Ctx::cut`]).
+/// the head of a stream went out, see [`ApiError::sse_event_for`]; nothing when the client
+/// is gone; a cut connection when a non-SSE body was under way or the client stopped
+/// reading, see [`AnswerRecord::cut`](super::AnswerRecord::cut)).
 pub async fn fail(session: &mut Session, info: &RequestInfo, rec: &mut Record, err: ProxyError) {
     if let ProxyError::ClientGone = err {
-        rec.outcome = Some(Outcome::ClientClosed);
+        rec.answer.outcome = Some(Outcome::ClientClosed);
         return;
     }
     count(info, &err);
     if let ProxyError::ClientStalled { .. } = err {
         tracing::info!(request_id = %info.request_id, error = %err, "client connection cut");
-        rec.outcome = Some(Outcome::ClientClosed);
-        rec.cut = true;
+        rec.answer.outcome = Some(Outcome::ClientClosed);
+        rec.answer.cut = true;
         return;
     }
     let api = err.api_error();
     rec.trace.error(api.code());
-    if rec.streaming {
+    if rec.answer.streaming {
         tracing::warn!(request_id = %info.request_id, code = api.code(), error = %err, "decode stream broke");
-        let event = api.sse_event_for(info.api, rec.next_sequence);
+        let event = api.sse_event_for(info.api, rec.answer.next_sequence);
         let _ = session.write_response_body(Some(Bytes::from(event)), true).await;
-        rec.outcome = Some(Outcome::ServerError);
+        rec.answer.outcome = Some(Outcome::ServerError);
         return;
     }
     tracing::info!(request_id = %info.request_id, code = api.code(), error = %err, "request failed");
@@ -203,8 +204,8 @@ pub async fn fail(session: &mut Session, info: &RequestInfo, rec: &mut Record, e
         // A non-SSE answer was already on its way: nothing more can be said, and ending
         // its body would pass the cut answer off as whole, so the connection is cut.
         tracing::warn!(request_id = %info.request_id, code = api.code(), "answer cut mid-body");
-        rec.outcome = Some(Outcome::ServerError);
-        rec.cut = true;
+        rec.answer.outcome = Some(Outcome::ServerError);
+        rec.answer.cut = true;
         return;
     }
     let head = (api.status(), Some("application/json"), api.retry_after());

@@ -1,11 +1,10 @@
-//! The executor: runs the legs a plan decided. Builds each leg's head and sends it through the
-//! [`LegClient`] (where the retry, budget and ejection rules are), waits within the leg's
+//! The executor: sends the legs a plan decided. Builds each leg's head and sends it through
+//! the [`LegClient`] (where the retry, budget and ejection rules are), waits within the leg's
 //! deadline while watching the client, fails a pool prefill over to another endpoint, reads
-//! the prefill's answer, relays the decode's, sends the release leg, and records the stage
-//! timings and the reuse outcome. Every failure is returned as a [`ProxyError`] for the one
-//! error exit.
+//! the prefill's answer, relays the decode's, and sends the release leg. It records the stage
+//! timings and hands the decode's answer status to reuse accounting ([`reuse::settle`]).
+//! Every failure is returned as a [`ProxyError`] for the one error exit.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -17,14 +16,13 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::error::ProxyError;
 use super::respond::{client_gone, ms_since, relay};
-use super::{Record, RequestInfo};
+use super::{reuse, Record, RequestInfo};
 use crate::app::App;
 use crate::config::{OnClientGone, OnPrefillFailure};
 use crate::metrics::{ErrorKind, Leg, Release, Stage, TimeoutStage};
 use crate::openai::json::Pieces;
 use crate::openai::response::HandoffError;
-use crate::openai::{IdsError, PromptIds};
-use crate::plan::{DecodeStep, DecodeVersion, Orchestration, Reuse};
+use crate::plan::{DecodeStep, DecodeVersion, Orchestration};
 use crate::routes::Route;
 use crate::upstream::client::CREDENTIAL_HEADERS;
 use crate::upstream::health::learn_version;
@@ -165,7 +163,7 @@ pub async fn prefill_leg(
         _ = client_gone(session) => return Err(ProxyError::ClientGone),
     };
     rec.trace.leg_done(Leg::Prefill);
-    rec.prefill_ms = Some(ms_since(started));
+    rec.legs.prefill_ms = Some(ms_since(started));
     route.metrics.stage(Stage::Prefill, started.elapsed());
     match answer {
         PrefillTry::TimedOut => Err(ProxyError::Timeout { leg: Leg::Prefill, after: route.prefill_timeout }),
@@ -323,23 +321,23 @@ pub async fn decode(
 ) -> Result<(), ProxyError> {
     let route = &info.route;
     let started = Instant::now();
-    rec.decode_sent_at = Some(started);
+    rec.legs.decode_sent_at = Some(started);
     let timeout = Some(head_deadline(route, req));
     rec.trace.leg_started(Leg::Decode);
     let out = Outgoing { req, leg: Leg::Decode, endpoint, body: step.body.clone() };
     let (sent, delivered) = send(session, info, rec, out, timeout).await;
-    settle_reuse(info, rec, sent.as_ref().ok().map(Exchange::status));
+    reuse::settle(info, rec, sent.as_ref().ok().map(Exchange::status));
     let result = match sent {
         Ok(exchange) => {
             rec.trace.first_byte();
-            rec.decode_first_byte_ms = Some(ms_since(started));
+            rec.legs.decode_first_byte_ms = Some(ms_since(started));
             route.metrics.stage(Stage::DecodeFirstByte, started.elapsed());
             relay(session, info, rec, exchange, step.cached_tokens, Leg::Decode).await
         }
         Err(e) => Err(e),
     };
     rec.trace.leg_done(Leg::Decode);
-    if matches!(result, Err(ProxyError::ClientGone)) && !rec.answer_started {
+    if matches!(result, Err(ProxyError::ClientGone)) && !rec.legs.answer_started {
         after_client_gone(info, rec, req, endpoint, &step, delivered).await;
     }
     result
@@ -433,7 +431,7 @@ pub async fn forward(
 ) -> Result<(), ProxyError> {
     // The decode stage's duration is the decode's: a relayed prefill forwarded as is has none.
     if leg == Leg::Decode {
-        rec.decode_sent_at = Some(Instant::now());
+        rec.legs.decode_sent_at = Some(Instant::now());
     }
     // A relayed prefill answers as a whole; anything else is bounded to its response head.
     let first_byte = match leg {
@@ -442,108 +440,10 @@ pub async fn forward(
     };
     rec.trace.leg_started(leg);
     let sent = send(session, info, rec, Outgoing { req, leg, endpoint: &endpoint, body }, Some(first_byte)).await.0;
-    settle_reuse(info, rec, sent.as_ref().ok().map(Exchange::status));
+    reuse::settle(info, rec, sent.as_ref().ok().map(Exchange::status));
     let exchange = sent?;
     rec.trace.first_byte();
     let relayed = relay(session, info, rec, exchange, None, leg).await;
     rec.trace.leg_done(leg);
     relayed
-}
-
-/// Hands `ids` to the parity watch when the route samples this request (never waits: a
-/// full queue drops the sample, counted).
-pub fn watch_parity(
-    info: &RequestInfo,
-    api: crate::openai::Api,
-    body: &Bytes,
-    ids: &PromptIds,
-    prompt_tokens: Option<u64>,
-) {
-    let Some(parity) = info.route.parity.as_ref().filter(|p| p.wants_sample()) else { return };
-    info.app.watch.submit(crate::parity::Sample {
-        route: Arc::clone(parity),
-        request_id: info.request_id.clone(),
-        api,
-        body: body.clone(),
-        ids: ids.clone(),
-        prompt_tokens,
-    });
-}
-
-/// The route's prefill pool's local renderer, when it has one.
-fn local_renderer(info: &RequestInfo) -> Option<&Arc<crate::local::LocalIds>> {
-    let Some(crate::routes::PrefillTarget::Pool(pool)) = &info.route.prefill else { return None };
-    info.app.local.get(&pool.name)
-}
-
-/// With `local_ids = "on"` on the route's prefill pool: the request's ids and shape when its
-/// shape is trusted and it is not rechecked (rendered and tokenized on a blocking thread, off
-/// the proxy's workers).
-pub async fn local_token_in(
-    info: &RequestInfo,
-    api: crate::openai::Api,
-    body: &Bytes,
-) -> Option<(Vec<u32>, &'static str)> {
-    // No blocking-thread hop and no render before a shape has earned trust.
-    let local = local_renderer(info).filter(|l| l.any_trusted())?;
-    if !matches!(api, crate::openai::Api::Chat | crate::openai::Api::Completions) {
-        return None;
-    }
-    let (local, body) = (Arc::clone(local), body.clone());
-    tokio::task::spawn_blocking(move || local.token_in(api, &body)).await.ok().flatten()
-}
-
-/// Counts a prefill sent token-in with tokenonce's ids.
-pub fn count_token_in(info: &RequestInfo, shape: &str) {
-    if let Some(local) = local_renderer(info) {
-        info.app.metrics.local_ids_token_in(&local.pool, shape);
-    }
-}
-
-/// Hands `ids` (the prefill's echo) to the local-ids verifier when the route's prefill pool
-/// has `local_ids` on (never waits: a full queue drops the check, counted).
-pub fn shadow_local_ids(info: &RequestInfo, api: crate::openai::Api, body: &Bytes, ids: &PromptIds) {
-    let Some(local) = local_renderer(info) else { return };
-    info.app.verifier.submit(crate::local::Sample {
-        local: Arc::clone(local),
-        request_id: info.request_id.clone(),
-        api,
-        body: body.clone(),
-        echoed: ids.clone(),
-    });
-}
-
-/// Counts how the decode was sent and notes it for the access log; a decode sent ids is
-/// counted when it answers ([`settle_reuse`]).
-pub fn record_reuse(info: &RequestInfo, rec: &mut Record, reuse: Reuse, refused: Option<&IdsError>) {
-    if let Some(e) = refused {
-        tracing::info!(request_id = %info.request_id, error = %e, "prompt ids refused");
-    }
-    match reuse {
-        Reuse::Applied { tokens, id_bytes } => rec.reuse_pending = Some((tokens, id_bytes)),
-        Reuse::Fallback(reason) => {
-            rec.trace.attribute("tokenonce.reuse.result", "fallback");
-            rec.trace.attribute("tokenonce.reuse.reason", reason.as_str());
-            info.route.metrics.reuse_fallback(reason);
-            tracing::info!(request_id = %info.request_id, route = %info.route.name, reason = %reason, "token reuse fallback");
-        }
-        Reuse::NotCounted => {}
-    }
-    rec.reuse = reuse.log_value().or(rec.reuse);
-}
-
-/// Counts the reuse of a decode that was sent ids, now that its leg ended in `answered`
-/// (a 2xx head: `applied`; anything else: `decode_failed`, the ids sent but not used).
-fn settle_reuse(info: &RequestInfo, rec: &mut Record, answered: Option<u16>) {
-    let Some((tokens, id_bytes)) = rec.reuse_pending.take() else { return };
-    if answered.is_some_and(|status| (200..300).contains(&status)) {
-        info.route.metrics.reuse_applied(tokens, id_bytes);
-        rec.trace.attribute("tokenonce.reuse.result", "applied");
-        rec.trace.attribute("tokenonce.reused_prompt_tokens", i64::try_from(tokens).unwrap_or(i64::MAX));
-    } else {
-        info.route.metrics.reuse_decode_failed();
-        rec.trace.attribute("tokenonce.reuse.result", "decode_failed");
-        rec.reuse = Some("decode_failed");
-    }
-    rec.trace.attribute("tokenonce.reuse.reason", "none");
 }

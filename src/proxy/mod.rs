@@ -9,7 +9,8 @@
 //!
 //! The request path: `api::handle` (read, route, dispatch) → `orchestrate::run` or
 //! `relay::handle` (plan, then the legs) → `exec` (send, wait, relay) → `error::fail` for
-//! every `Err`.
+//! every `Err`. Beside the legs: `verify` (what the prompt ids feed besides them) and
+//! `reuse` (reuse accounting).
 
 pub mod admin;
 mod api;
@@ -20,6 +21,8 @@ pub mod orchestrate;
 mod passthrough;
 pub mod relay;
 pub mod respond;
+mod reuse;
+mod verify;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -64,10 +67,29 @@ pub struct RequestInfo {
     pub client_ip: Option<std::net::IpAddr>,
 }
 
-/// What a request records on its way: the answer's status and outcome, timings, the reuse
-/// result, its spans, and what the error exit and `logging` need to know.
+/// What a request records on its way, grouped by what it records; the error exit and
+/// `logging` read it.
 #[derive(Default)]
 pub struct Record {
+    /// The client's answer.
+    pub answer: AnswerRecord,
+    /// The legs' stage timings and how far the engine's answer got.
+    pub legs: LegRecord,
+    /// Reuse accounting (see `reuse`).
+    pub reuse: ReuseRecord,
+    /// A request pingora's pipeline passes through.
+    pub passthrough: PassthroughRecord,
+    /// This request's admission slot, counted in `inflight_requests` (freed when the context
+    /// is dropped).
+    pub admitted: Option<Admitted>,
+    /// OpenTelemetry spans of this request (empty when tracing is off).
+    pub trace: crate::telemetry::RequestTrace,
+}
+
+/// The answer to the client: status, outcome and time to first byte for the metrics and
+/// the access log, and how the error exit must end it.
+#[derive(Default)]
+pub struct AnswerRecord {
     /// Final status sent to the client.
     pub status: u16,
     /// How it ended (set when known; else derived from the status in `logging`).
@@ -78,43 +100,53 @@ pub struct Record {
     pub streaming: bool,
     /// The `sequence_number` an error event ending a Responses stream takes.
     pub next_sequence: u64,
-    /// When the decode leg was sent.
-    pub decode_sent_at: Option<Instant>,
-    /// Token reuse result or fallback reason, for the access log.
-    pub reuse: Option<&'static str>,
-    /// Ids sent to the decode (tokens, JSON bytes), counted `applied` only once the decode
-    /// answers 2xx and `decode_failed` otherwise (see `exec::settle_reuse`).
-    pub reuse_pending: Option<(usize, usize)>,
-    /// Endpoint of a pipeline passthrough (held for in-flight counting).
-    pub pass_endpoint: Option<Picked>,
-    /// Passthrough: pingora dialled a TLS connection for this request (none was reused).
-    pub pass_fresh_tls: bool,
-    /// Whether `inflight_requests` was raised for this request.
-    pub counted: bool,
-    /// This request's admission slot (freed when the context is dropped).
-    pub admitted: Option<Admitted>,
-    /// A body byte of the engine's answer reached tokenonce (a decode that streams has pulled
-    /// the prefill's KV blocks).
-    pub answer_started: bool,
-    /// Passthrough: request body bytes streamed to the engine so far.
-    pub body_bytes: usize,
-    /// Prefill leg duration, for the access log.
-    pub prefill_ms: Option<f64>,
-    /// Decode time to response header, for the access log.
-    pub decode_first_byte_ms: Option<f64>,
-    /// OpenTelemetry spans of this request (empty when tracing is off).
-    pub trace: crate::telemetry::RequestTrace,
     /// The client connection must be closed without ending the response (a non-SSE body
     /// cut mid-way, or a client that stopped reading): `request_filter` then returns an
     /// error, so pingora drops the connection instead of finishing the body.
     pub cut: bool,
 }
 
-impl Record {
+impl AnswerRecord {
     /// Records the time to first byte (since `started`) once.
     pub fn mark_first_byte(&mut self, started: Instant) {
         self.first_byte.get_or_insert_with(|| started.elapsed());
     }
+}
+
+/// What the legs did: stage timings for the metrics and the access log, and whether the
+/// engine's answer began (for the release decision).
+#[derive(Default)]
+pub struct LegRecord {
+    /// Prefill leg duration, for the access log.
+    pub prefill_ms: Option<f64>,
+    /// When the decode leg was sent.
+    pub decode_sent_at: Option<Instant>,
+    /// Decode time to response header, for the access log.
+    pub decode_first_byte_ms: Option<f64>,
+    /// A body byte of the engine's answer reached tokenonce (a decode that streams has pulled
+    /// the prefill's KV blocks).
+    pub answer_started: bool,
+}
+
+/// Reuse accounting: what the access log says of reuse, and what waits on the decode.
+#[derive(Default)]
+pub struct ReuseRecord {
+    /// Token reuse result or fallback reason, for the access log.
+    pub log: Option<&'static str>,
+    /// Ids sent to the decode (tokens, JSON bytes), counted `applied` only once the decode
+    /// answers 2xx and `decode_failed` otherwise (see `reuse::settle`).
+    pub pending: Option<(usize, usize)>,
+}
+
+/// A passthrough through pingora's pipeline.
+#[derive(Default)]
+pub struct PassthroughRecord {
+    /// The endpoint (held for in-flight counting).
+    pub endpoint: Option<Picked>,
+    /// Pingora dialled a TLS connection for this request (none was reused).
+    pub fresh_tls: bool,
+    /// Request body bytes streamed to the engine so far.
+    pub body_bytes: usize,
 }
 
 /// An API request whose body parsed: what handlers and plans read.
@@ -141,7 +173,6 @@ async fn admit(session: &mut Session, ctx: &mut Ctx) -> bool {
     let app = &ctx.info.app;
     if let Some(slot) = app.admission.admit(app.config.server.max_in_flight) {
         ctx.rec.admitted = Some(slot);
-        ctx.rec.counted = true;
         app.metrics.inflight().inc();
         return true;
     }
@@ -211,7 +242,7 @@ impl ProxyHttp for Proxy {
             if let Err(e) = api::handle(session, ctx, api).await {
                 error::fail(session, &ctx.info, &mut ctx.rec, e).await;
             }
-            if ctx.rec.cut {
+            if ctx.rec.answer.cut {
                 // An error here makes pingora drop the connection without ending the body.
                 return Err(Error::explain(ErrorType::WriteError, "response cut"));
             }
@@ -243,7 +274,7 @@ impl ProxyHttp for Proxy {
 
     /// A cut response was logged by the error exit already.
     fn suppress_error_log(&self, _session: &Session, ctx: &Ctx, _error: &Error) -> bool {
-        ctx.rec.cut
+        ctx.rec.answer.cut
     }
 
     /// Passthrough only: an endpoint of the route's pool.
@@ -258,7 +289,7 @@ impl ProxyHttp for Proxy {
             .peer(picked.endpoint().target())
             .await
             .map_err(|e| Error::explain(ErrorType::ConnectError, e.to_string()))?;
-        ctx.rec.pass_endpoint = Some(picked);
+        ctx.rec.passthrough.endpoint = Some(picked);
         Ok(Box::new(passthrough::bounded_peer(peer, &ctx.info.route)))
     }
 
@@ -274,7 +305,7 @@ impl ProxyHttp for Proxy {
         _digest: Option<&pingora::protocols::Digest>,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        ctx.rec.pass_fresh_tls = !reused && peer.is_tls();
+        ctx.rec.passthrough.fresh_tls = !reused && peer.is_tls();
         Ok(())
     }
 
@@ -289,7 +320,7 @@ impl ProxyHttp for Proxy {
         for (name, value) in ctx.rec.trace.headers_for(Leg::Passthrough) {
             upstream.insert_header(name, value)?;
         }
-        if let Some((name, value)) = ctx.rec.pass_endpoint.as_ref().and_then(|p| p.endpoint().rank_header()) {
+        if let Some((name, value)) = ctx.rec.passthrough.endpoint.as_ref().and_then(|p| p.endpoint().rank_header()) {
             upstream.insert_header(name, value)?;
         }
         // `100 Continue` was answered here already (`request_filter`).
@@ -303,18 +334,18 @@ impl ProxyHttp for Proxy {
         upstream: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        ctx.rec.status = upstream.status.as_u16();
-        ctx.rec.mark_first_byte(ctx.info.started);
+        ctx.rec.answer.status = upstream.status.as_u16();
+        ctx.rec.answer.mark_first_byte(ctx.info.started);
         Ok(())
     }
 
     /// Passthrough failures go through the one error exit (OpenAI-shaped, redacted).
     async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut Ctx) -> FailToProxy {
-        if ctx.rec.cut {
+        if ctx.rec.answer.cut {
             // `request_filter` cut an API response; the error exit already ran.
             return FailToProxy { error_code: 0, can_reuse_downstream: false };
         }
-        let addr = ctx.rec.pass_endpoint.as_ref().map_or_else(String::new, |p| p.addr().to_owned());
+        let addr = ctx.rec.passthrough.endpoint.as_ref().map_or_else(String::new, |p| p.addr().to_owned());
         let err = match passthrough::classify(session, e, &ctx.info) {
             Some(err) => err,
             None => match e.etype() {
@@ -326,9 +357,10 @@ impl ProxyHttp for Proxy {
                 | ErrorType::TLSHandshakeTimedout
                 | ErrorType::InvalidCert
                 | ErrorType::HandshakeError => ProxyError::upstream(Leg::Passthrough, UpstreamError::connect(&addr, e)),
-                _ if matches!(e.esource(), ErrorSource::Upstream) => {
-                    ProxyError::upstream(Leg::Passthrough, UpstreamError::passthrough(&addr, e, ctx.rec.pass_fresh_tls))
-                }
+                _ if matches!(e.esource(), ErrorSource::Upstream) => ProxyError::upstream(
+                    Leg::Passthrough,
+                    UpstreamError::passthrough(&addr, e, ctx.rec.passthrough.fresh_tls),
+                ),
                 _ if matches!(e.esource(), ErrorSource::Downstream) => ProxyError::ClientGone,
                 _ => ProxyError::Internal(e.to_string()),
             },
@@ -343,19 +375,22 @@ impl ProxyHttp for Proxy {
 
     /// Counts the request once, whatever path it took.
     async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Ctx) {
-        if ctx.rec.counted {
+        if ctx.rec.admitted.is_some() {
             ctx.info.app.metrics.inflight().dec();
         }
-        let status = if ctx.rec.status != 0 {
-            ctx.rec.status
+        let status = if ctx.rec.answer.status != 0 {
+            ctx.rec.answer.status
         } else {
             session.response_written().filter(|h| !h.status.is_informational()).map_or(0, |h| h.status.as_u16())
         };
-        let outcome =
-            ctx.rec.outcome.unwrap_or(if status == 0 { Outcome::ClientClosed } else { Outcome::from_status(status) });
+        let outcome = ctx.rec.answer.outcome.unwrap_or(if status == 0 {
+            Outcome::ClientClosed
+        } else {
+            Outcome::from_status(status)
+        });
         let elapsed = ctx.info.started.elapsed();
         let route = &ctx.info.route;
-        route.metrics.finished(ctx.info.api, outcome, elapsed, ctx.rec.first_byte);
+        route.metrics.finished(ctx.info.api, outcome, elapsed, ctx.rec.answer.first_byte);
         let mode = crate::metrics::served_as(ctx.info.api, route.mode).as_str();
         ctx.rec.trace.attribute("tokenonce.route", route.name.clone());
         ctx.rec.trace.attribute("tokenonce.api", ctx.info.api.map_or("other", Api::as_str));
@@ -369,10 +404,10 @@ impl ProxyHttp for Proxy {
             mode,
             status,
             outcome = outcome.as_str(),
-            reuse = ctx.rec.reuse.unwrap_or("-"),
-            prefill_ms = ctx.rec.prefill_ms.unwrap_or(0.0),
-            decode_first_byte_ms = ctx.rec.decode_first_byte_ms.unwrap_or(0.0),
-            ttfb_ms = ctx.rec.first_byte.map_or(0.0, |d| d.as_secs_f64() * 1000.0),
+            reuse = ctx.rec.reuse.log.unwrap_or("-"),
+            prefill_ms = ctx.rec.legs.prefill_ms.unwrap_or(0.0),
+            decode_first_byte_ms = ctx.rec.legs.decode_first_byte_ms.unwrap_or(0.0),
+            ttfb_ms = ctx.rec.answer.first_byte.map_or(0.0, |d| d.as_secs_f64() * 1000.0),
             total_ms = elapsed.as_secs_f64() * 1000.0,
             "request"
         );

@@ -1,5 +1,6 @@
 //! An orchestrated request, top to bottom: pick the engines, plan, prefill leg, handoff,
-//! decode leg, relay. Decisions come from `plan`; sending and waiting from `exec`.
+//! decode leg, relay. Decisions come from `plan`; sending and waiting from `exec`; what the
+//! prompt ids feed besides the legs from `verify`; reuse accounting from `reuse`.
 
 use std::net::IpAddr;
 use std::time::Instant;
@@ -10,14 +11,13 @@ use pingora::http::ResponseHeader;
 use pingora::proxy::Session;
 
 use super::error::ProxyError;
-use super::exec;
 use super::respond::write_engine_answer;
-use super::{ApiRequest, Record, RequestInfo};
+use super::{exec, reuse, verify, ApiRequest, Record, RequestInfo};
 use crate::metrics::{FollowUp, Leg, Stage};
 use crate::openai::json::{Pieces, RawObject};
 use crate::openai::request::{previous_response_id, stored_response_id};
 use crate::openai::response::HandoffError;
-use crate::openai::{Api, PromptIds};
+use crate::openai::Api;
 use crate::plan::{self, prefiller_from_header, DecodeVersion};
 use crate::routes::{PrefillTarget, Route};
 use crate::upstream::{self, Picked};
@@ -47,7 +47,7 @@ pub async fn run(
     let home = decode.name().to_owned();
     let result = orchestrate(session, info, rec, req, obj, rewritten.is_some(), decode).await;
     if let (Some(id), Ok(())) = (stored_id, &result) {
-        if (200..300).contains(&rec.status) {
+        if (200..300).contains(&rec.answer.status) {
             app.homes.remember(&id, &home);
         }
     }
@@ -95,20 +95,15 @@ async fn orchestrate(
     } else {
         DecodeVersion::NotNeeded
     };
-    let mut plan = plan::orchestrate(
+    let plan = plan::orchestrate(
         plan::Request { obj, view: &req.view, source: Some(req.incoming.body) },
         &policy,
         version,
         &info.request_id,
     );
-    if let Some((ids, shape)) = exec::local_token_in(info, req.view.api, req.incoming.body).await {
-        plan = plan.with_local_ids(PromptIds::from_ids(&ids));
-        if plan.local_ids() {
-            exec::count_token_in(info, shape);
-        }
-    }
+    let plan = verify::token_in(info, req, plan).await;
     if let Some(step) = plan.decode_only() {
-        exec::record_reuse(info, rec, step.reuse, None);
+        reuse::record(info, rec, step.reuse, None);
         return exec::decode(session, info, rec, &req.incoming, &decode, step).await;
     }
 
@@ -124,13 +119,10 @@ async fn orchestrate(
             return write_engine_answer(session, info, rec, &head, answer).await
         }
     };
-    exec::record_reuse(info, rec, step.reuse, step.refused.as_ref());
+    reuse::record(info, rec, step.reuse, step.refused.as_ref());
     if let Some(ids) = step.ids.take() {
-        exec::watch_parity(info, req.view.api, req.incoming.body, &ids, step.prompt_tokens);
-        // Ids tokenonce computed itself are not checked against themselves.
-        if !plan.local_ids() {
-            exec::shadow_local_ids(info, req.view.api, req.incoming.body, &ids);
-        }
+        let by = if plan.local_ids() { verify::Echoed::Local } else { verify::Echoed::Engine };
+        verify::prompt_ids(info, req, &ids, step.prompt_tokens, by);
     }
     route.metrics.stage(Stage::Handoff, handoff_started.elapsed());
     drop(handoff);

@@ -46,8 +46,8 @@ pub async fn check_declared_length(session: &mut Session, info: &RequestInfo, re
 /// # Errors
 /// `HTTPStatus(413)` once the body is over `max_body_bytes` ([`classify`] answers it).
 pub fn count_body(info: &RequestInfo, rec: &mut Record, n: usize) -> Result<()> {
-    rec.body_bytes = rec.body_bytes.saturating_add(n);
-    if rec.body_bytes > info.route.max_body_bytes {
+    rec.passthrough.body_bytes = rec.passthrough.body_bytes.saturating_add(n);
+    if rec.passthrough.body_bytes > info.route.max_body_bytes {
         return Err(Error::explain(ErrorType::HTTPStatus(413), "request body over max_body_bytes"));
     }
     Ok(())

@@ -8,9 +8,8 @@ use std::time::Instant;
 use pingora::proxy::Session;
 
 use super::error::ProxyError;
-use super::exec;
 use super::respond::write_engine_answer;
-use super::{ApiRequest, Record, RequestInfo};
+use super::{exec, reuse, verify, ApiRequest, Record, RequestInfo};
 use crate::app::App;
 use crate::handoff::{Evicted, Lookup};
 use crate::metrics::Leg;
@@ -77,7 +76,7 @@ async fn annotated_prefill(
         record_cache(app, None, evicted);
     }
     if kept.kept {
-        rec.reuse = Some("ids_kept");
+        rec.reuse.log = Some("ids_kept");
     }
     write_engine_answer(session, info, rec, &head, kept.body.unwrap_or(answer)).await
 }
@@ -110,7 +109,7 @@ async fn completed_decode(
     };
     let found = match found {
         Found::Ids(ids) => {
-            exec::watch_parity(info, req.view.api, req.incoming.body, &ids, None);
+            verify::prompt_ids(info, req, &ids, None, verify::Echoed::Relayed);
             // While the watch holds reuse off, the ids were only checked.
             if route.parity.as_ref().is_some_and(|p| p.reuse_off()) {
                 Found::Blocked(crate::openai::FallbackReason::ParityReuseOff)
@@ -121,7 +120,7 @@ async fn completed_decode(
         other => other,
     };
     let (body, reuse, refused) = plan.step(found);
-    exec::record_reuse(info, rec, reuse, refused.as_ref());
+    reuse::record(info, rec, reuse, refused.as_ref());
     let body = body.unwrap_or_else(|| req.incoming.body.clone().into());
     exec::forward(session, info, rec, &req.incoming, Leg::Decode, endpoint, body).await
 }

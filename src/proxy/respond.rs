@@ -44,14 +44,14 @@ pub async fn write_full_with(
     body: Bytes,
 ) {
     let Ok(mut head) = ResponseHeader::build(status, Some(5)) else {
-        rec.outcome.get_or_insert(Outcome::ServerError);
+        rec.answer.outcome.get_or_insert(Outcome::ServerError);
         return;
     };
     let built = content_type.is_none_or(|ct| head.insert_header("content-type", ct).is_ok())
         && retry_after.is_none_or(|s| head.insert_header("retry-after", s.to_string()).is_ok())
         && head.insert_header("x-request-id", info.request_id.as_str()).is_ok();
     if !built {
-        rec.outcome.get_or_insert(Outcome::ServerError);
+        rec.answer.outcome.get_or_insert(Outcome::ServerError);
         return;
     }
     write_buffered(session, info, rec, head, body).await;
@@ -82,27 +82,27 @@ pub async fn write_buffered(
 ) {
     let status = head.status.as_u16();
     if head.insert_header("content-length", body.len().to_string()).is_err() {
-        rec.outcome.get_or_insert(Outcome::ServerError);
+        rec.answer.outcome.get_or_insert(Outcome::ServerError);
         return;
     }
-    rec.mark_first_byte(info.started);
-    rec.status = status;
+    rec.answer.mark_first_byte(info.started);
+    rec.answer.status = status;
     let written = match session.write_response_header(Box::new(head), false).await {
         Ok(()) => session.write_response_body(Some(body), true).await,
         Err(e) => Err(e),
     };
     match written {
         Ok(()) => {
-            rec.outcome.get_or_insert(Outcome::from_status(status));
+            rec.answer.outcome.get_or_insert(Outcome::from_status(status));
         }
         Err(e) => {
             if e.etype() == &pingora::ErrorType::WriteTimedout {
                 // The client stopped reading: cut it (finishing the body would wait again).
                 info.route.metrics.timeout(TimeoutStage::ClientWrite);
                 tracing::info!(request_id = %info.request_id, "client stopped reading: connection cut");
-                rec.cut = true;
+                rec.answer.cut = true;
             }
-            rec.outcome.get_or_insert(Outcome::ClientClosed);
+            rec.answer.outcome.get_or_insert(Outcome::ClientClosed);
         }
     }
 }
@@ -187,7 +187,7 @@ async fn next_chunk(
     match read {
         Err(_) => Err(ProxyError::StreamIdle { leg, after: idle }),
         Ok(Ok(chunk)) => {
-            rec.answer_started |= chunk.as_ref().is_some_and(|c| !c.is_empty());
+            rec.legs.answer_started |= chunk.as_ref().is_some_and(|c| !c.is_empty());
             Ok(chunk)
         }
         Ok(Err(source)) => Err(ProxyError::StreamBroken { leg, source }),
@@ -212,8 +212,8 @@ async fn write_head(
     mut head: ResponseHeader,
 ) -> Result<(), ProxyError> {
     let _ = head.insert_header("transfer-encoding", "chunked");
-    rec.mark_first_byte(info.started);
-    rec.status = head.status.as_u16();
+    rec.answer.mark_first_byte(info.started);
+    rec.answer.status = head.status.as_u16();
     session.write_response_header(Box::new(head), false).await.map_err(|_| ProxyError::ClientGone)
 }
 
@@ -255,8 +255,8 @@ async fn relay_through(
     // Pooled before the client sees the end, so its next request can reuse the connection.
     info.app.client.release(exchange);
     write_body(session, info, Bytes::new(), true).await?;
-    let status = rec.status;
-    rec.outcome.get_or_insert(Outcome::from_status(status));
+    let status = rec.answer.status;
+    rec.answer.outcome.get_or_insert(Outcome::from_status(status));
     observe_decode_total(info, rec);
     Ok(())
 }
@@ -313,7 +313,7 @@ async fn relay_stream(
     leg: Leg,
 ) -> Result<(), ProxyError> {
     write_head(session, info, rec, head).await?;
-    rec.streaming = true;
+    rec.answer.streaming = true;
     // Always framed, so a break never leaves half an event before the error event.
     let limit = info.route.max_sse_event_bytes;
     let mut framing = StreamFraming::for_api(info.api.unwrap_or(Api::Chat), cached_tokens).with_event_limit(limit);
@@ -331,12 +331,12 @@ async fn relay_stream(
             let rest = framing.end();
             rec.trace.usage(&rest);
             write_body(session, info, Bytes::from(rest), true).await?;
-            rec.outcome = Some(Outcome::Success);
+            rec.answer.outcome = Some(Outcome::Success);
             observe_decode_total(info, rec);
             return Ok(());
         };
         let out = framing.feed(&chunk);
-        rec.next_sequence = framing.next_sequence();
+        rec.answer.next_sequence = framing.next_sequence();
         rec.trace.usage(&out);
         if !out.is_empty() {
             write_body(session, info, Bytes::from(out), false).await?;
@@ -349,7 +349,7 @@ async fn relay_stream(
 
 /// Records the decode leg's whole duration (send to last byte) when one was sent.
 fn observe_decode_total(info: &RequestInfo, rec: &Record) {
-    if let Some(t) = rec.decode_sent_at {
+    if let Some(t) = rec.legs.decode_sent_at {
         info.route.metrics.stage(Stage::DecodeTotal, t.elapsed());
     }
 }

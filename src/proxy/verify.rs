@@ -1,0 +1,96 @@
+//! What a request's prompt ids feed besides its legs: once the prefill's ids are known, the
+//! parity watch's sample and the local-ids shadow check ([`prompt_ids`], the one call after
+//! the prefill); before it, the local ids a trusted shape has earned send the prefill
+//! token-in ([`token_in`]). Nothing here waits on a check: a full queue drops it, counted.
+
+use std::sync::Arc;
+
+use super::{ApiRequest, RequestInfo};
+use crate::local::LocalIds;
+use crate::openai::{Api, PromptIds};
+use crate::plan::Orchestration;
+use crate::routes::PrefillTarget;
+
+/// Who made the ids the prefill echoed, which decides what checks them.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Echoed {
+    /// The prefill engine, from the prompt's text: the parity watch samples them and the
+    /// local-ids check compares tokenonce's own render with them.
+    Engine,
+    /// Tokenonce (the prefill went token-in with local ids): never checked against
+    /// themselves, only sampled by the parity watch.
+    Local,
+    /// A relayed prefill, kept for its decode: sampled by the parity watch only.
+    Relayed,
+}
+
+/// The checks a request's prompt `ids` feed once they are known: a parity sample when the
+/// route samples this request, and the local-ids check when the route's prefill pool has
+/// `local_ids` on and the engine made them. `prompt_tokens` is the prefill's count.
+pub fn prompt_ids(info: &RequestInfo, req: &ApiRequest<'_>, ids: &PromptIds, prompt_tokens: Option<u64>, by: Echoed) {
+    watch_parity(info, req, ids, prompt_tokens);
+    if by == Echoed::Engine {
+        shadow_local_ids(info, req, ids);
+    }
+}
+
+/// With `local_ids = "on"` on the route's prefill pool and a trusted shape that is not
+/// rechecked: `plan` with tokenonce's own ids for the prompt (rendered and tokenized on a
+/// blocking thread, off the proxy's workers), counted when the prefill goes token-in.
+pub async fn token_in<'r, 'a>(
+    info: &RequestInfo,
+    req: &ApiRequest<'_>,
+    plan: Orchestration<'r, 'a>,
+) -> Orchestration<'r, 'a> {
+    let Some((ids, shape)) = local_ids(info, req).await else { return plan };
+    let plan = plan.with_local_ids(PromptIds::from_ids(&ids));
+    if let Some(local) = plan.local_ids().then(|| local_renderer(info)).flatten() {
+        info.app.metrics.local_ids_token_in(&local.pool, shape);
+    }
+    plan
+}
+
+/// The request's ids and shape from the route's prefill pool's local renderer, when its
+/// shape is trusted and not rechecked.
+async fn local_ids(info: &RequestInfo, req: &ApiRequest<'_>) -> Option<(Vec<u32>, &'static str)> {
+    // No blocking-thread hop and no render before a shape has earned trust.
+    let local = local_renderer(info).filter(|l| l.any_trusted())?;
+    let api = req.view.api;
+    if !matches!(api, Api::Chat | Api::Completions) {
+        return None;
+    }
+    let (local, body) = (Arc::clone(local), req.incoming.body.clone());
+    tokio::task::spawn_blocking(move || local.token_in(api, &body)).await.ok().flatten()
+}
+
+/// The route's prefill pool's local renderer, when it has one.
+fn local_renderer(info: &RequestInfo) -> Option<&Arc<LocalIds>> {
+    let Some(PrefillTarget::Pool(pool)) = &info.route.prefill else { return None };
+    info.app.local.get(&pool.name)
+}
+
+/// Hands `ids` to the parity watch when the route samples this request.
+fn watch_parity(info: &RequestInfo, req: &ApiRequest<'_>, ids: &PromptIds, prompt_tokens: Option<u64>) {
+    let Some(parity) = info.route.parity.as_ref().filter(|p| p.wants_sample()) else { return };
+    info.app.watch.submit(crate::parity::Sample {
+        route: Arc::clone(parity),
+        request_id: info.request_id.clone(),
+        api: req.view.api,
+        body: req.incoming.body.clone(),
+        ids: ids.clone(),
+        prompt_tokens,
+    });
+}
+
+/// Hands `ids` (the prefill's echo) to the local-ids verifier when the route's prefill pool
+/// has `local_ids` on.
+fn shadow_local_ids(info: &RequestInfo, req: &ApiRequest<'_>, ids: &PromptIds) {
+    let Some(local) = local_renderer(info) else { return };
+    info.app.verifier.submit(crate::local::Sample {
+        local: Arc::clone(local),
+        request_id: info.request_id.clone(),
+        api: req.view.api,
+        body: req.incoming.body.clone(),
+        echoed: ids.clone(),
+    });
+}
