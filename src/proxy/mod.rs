@@ -8,7 +8,7 @@
 //! logging (metrics, access log).
 //!
 //! The request path: `api::handle` (read, route, dispatch) → `orchestrate::run` or
-//! `relay::handle` (plan, then the legs) → `exec` (send, wait, relay) → `error::fail` for
+//! `relay::handle` (plan, then the legs) → `exec` (send, wait, relay) → `rescue::fail` for
 //! every `Err`. Beside the legs: `verify` (what the prompt ids feed besides them) and
 //! `reuse` (reuse accounting).
 
@@ -20,6 +20,7 @@ pub mod exec;
 pub mod orchestrate;
 mod passthrough;
 pub mod relay;
+mod rescue;
 pub mod respond;
 mod reuse;
 mod verify;
@@ -180,7 +181,7 @@ async fn admit(session: &mut Session, ctx: &mut Ctx) -> bool {
     app.metrics.admission_rejected(if tls { Listener::Tls } else { Listener::Plain });
     session.set_keepalive(None);
     let limit = app.config.server.max_in_flight;
-    error::fail(session, &ctx.info, &mut ctx.rec, crate::openai::ApiError::Overloaded(limit).into()).await;
+    rescue::fail(session, &ctx.info, &mut ctx.rec, crate::openai::ApiError::Overloaded(limit).into()).await;
     false
 }
 
@@ -232,7 +233,7 @@ impl ProxyHttp for Proxy {
         let app = &ctx.info.app;
         if let Err(e) = edge::check_head(&session.req_header().headers, &edge::EdgeLimits::of(&app.config)) {
             session.set_keepalive(None);
-            error::fail(session, &ctx.info, &mut ctx.rec, e.into()).await;
+            rescue::fail(session, &ctx.info, &mut ctx.rec, e.into()).await;
             return Ok(true);
         }
         // Every API request is read and sent by tokenonce, on passthrough routes too: only a
@@ -240,7 +241,7 @@ impl ProxyHttp for Proxy {
         // deadline), and only our leg client feeds outcomes, timeouts too, to ejection.
         if let Some(api) = ctx.info.api {
             if let Err(e) = api::handle(session, ctx, api).await {
-                error::fail(session, &ctx.info, &mut ctx.rec, e).await;
+                rescue::fail(session, &ctx.info, &mut ctx.rec, e).await;
             }
             if ctx.rec.answer.cut {
                 // An error here makes pingora drop the connection without ending the body.
@@ -369,7 +370,7 @@ impl ProxyHttp for Proxy {
             ProxyError::ClientGone | ProxyError::ClientStalled { .. } => 0,
             ref err => err.api_error().status(),
         };
-        error::fail(session, &ctx.info, &mut ctx.rec, err).await;
+        rescue::fail(session, &ctx.info, &mut ctx.rec, err).await;
         FailToProxy { error_code: code, can_reuse_downstream: false }
     }
 

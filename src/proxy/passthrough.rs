@@ -9,7 +9,8 @@ use pingora::prelude::*;
 use pingora::proxy::Session;
 use pingora::upstreams::peer::HttpPeer;
 
-use super::error::{self, ProxyError};
+use super::error::ProxyError;
+use super::rescue;
 use super::{Record, RequestInfo};
 use crate::metrics::{FollowUp, Leg};
 use crate::openai::ApiError;
@@ -37,7 +38,7 @@ pub async fn check_declared_length(session: &mut Session, info: &RequestInfo, re
         return Ok(false);
     }
     session.set_keepalive(None);
-    error::fail(session, info, rec, ApiError::BodyTooLarge { limit }.into()).await;
+    rescue::fail(session, info, rec, ApiError::BodyTooLarge { limit }.into()).await;
     Ok(true)
 }
 

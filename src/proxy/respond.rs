@@ -1,7 +1,7 @@
 //! Writing to the client: complete bodies (tokenonce's own and an engine's buffered answer),
 //! and relaying an engine's answer (streamed through; SSE framed event by event; JSON
 //! buffered only when its `cached_tokens` is rewritten), every read and write bounded.
-//! Failures are returned to the caller; `error::fail` is what answers them.
+//! Failures are returned to the caller; `rescue::fail` is what answers them.
 
 use std::time::Instant;
 
