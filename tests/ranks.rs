@@ -69,7 +69,9 @@ async fn legs_name_the_rank_of_their_endpoint() {
 async fn a_failing_rank_is_ejected_alone() {
     let p = FakeVllm::start(FakeConfig { dp_size: 2, connector: true, ..FakeConfig::default() }).await;
     let d = FakeVllm::start(FakeConfig { dp_size: 4, failing_rank: Some(2), ..FakeConfig::default() }).await;
-    let settings = Settings { upstream_extra: "eject_after_failures = 2\n".into(), ..Settings::default() };
+    // An ejection of a minute outlasts the test on a loaded machine (the default 5 s did not).
+    let upstream_extra = "eject_after_failures = 2\neject_base_ms = \"60s\"\n".into();
+    let settings = Settings { upstream_extra, ..Settings::default() };
     let proxy = TokenOnce::start_with(&ranked_config(&p, &d), &settings).await;
     let mut failed = 0;
     for _ in 0..8 {
