@@ -1,5 +1,6 @@
 //! Runs tokenonce: wires a validated config into a pingora server (the client listener and
-//! its TLS twin, the admin listener, the health poller, the SIGHUP reloader, shutdown timings from the config)
+//! its TLS twin, the admin listener, the health poller, the SIGHUP reloader and the opt-in
+//! config file watch, shutdown timings from the config)
 //! on sockets the caller has already bound, and hands back a [`Running`] handle.
 //!
 //! The binary binds the configured addresses; tests and benches bind `127.0.0.1:0` and read
@@ -30,7 +31,7 @@ use pingora::services::Service;
 use crate::app::{App, SharedApp, Upkeep};
 use crate::config::Loaded;
 use crate::proxy::{Admin, Proxy};
-use crate::reload::Reloader;
+use crate::reload::{ConfigWatch, Reloader};
 use crate::tls::ListenerCert;
 
 /// Why the server could not start.
@@ -68,7 +69,7 @@ pub struct Panicked;
 pub struct Listeners {
     /// Client (OpenAI API) traffic.
     pub client: TcpListener,
-    /// `/metrics`, `/healthz`, `/readyz`, `/drain`.
+    /// `/metrics`, `/healthz`, `/readyz`, `/drain`, `/admin/reload`.
     pub admin: TcpListener,
     /// Client traffic over TLS (`[server.tls]`), served beside the plain listener.
     pub tls: Option<TcpListener>,
@@ -152,6 +153,14 @@ impl Running {
         self.reloader.reload_now()
     }
 
+    /// [`Self::reload`], with what became of it.
+    ///
+    /// # Errors
+    /// [`Refused`](crate::reload::Refused): why the running config was kept.
+    pub fn try_reload(&self) -> Result<crate::reload::Applied, crate::reload::Refused> {
+        self.reloader.reload(crate::reload::Trigger::Handle)
+    }
+
     /// Asks the server to stop; returns at once (the first request wins).
     pub fn stop(&self, how: Stop) {
         self.stop.send_if_modified(|current| {
@@ -219,11 +228,16 @@ pub fn start(
     server.bootstrap();
 
     let interval = loaded.config.upstream.health_interval_ms;
+    let watch_interval = settings.config_watch_interval_ms;
     let app: SharedApp = Arc::new(ArcSwap::from_pointee(App::new(loaded)?));
+    let reloader = Reloader::new(path, Arc::clone(&app));
 
     let proxy = http_proxy_service_with_name(&server.configuration, Proxy { app: Arc::clone(&app) }, "tokenonce");
-    let mut admin =
-        http_proxy_service_with_name(&server.configuration, Admin { app: Arc::clone(&app) }, "tokenonce-admin");
+    let mut admin = http_proxy_service_with_name(
+        &server.configuration,
+        Admin { app: Arc::clone(&app), reloader: reloader.clone() },
+        "tokenonce-admin",
+    );
     admin.threads = Some(1);
     let mut client = PreBound::new(proxy, listeners.client, client_addr);
     if let (Some(socket), Some(addr)) = (listeners.tls, tls_addr) {
@@ -237,7 +251,15 @@ pub fn start(
     server.add_service(PreBound::new(admin, listeners.admin, admin_addr));
     server.add_service(background_service("health", Upkeep { app: Arc::clone(&app), interval }));
     if signals == Signals::Process {
-        server.add_service(background_service("reload", Reloader { path: path.clone(), app: Arc::clone(&app) }));
+        server.add_service(background_service("reload", reloader.clone()));
+    }
+    if !watch_interval.is_zero() {
+        match ConfigWatch::new(reloader.clone(), watch_interval) {
+            Some(watch) => {
+                server.add_service(background_service("config watch", watch));
+            }
+            None => tracing::warn!("server.config_watch_interval_ms ignored: running on the embedded default config"),
+        }
     }
 
     let (stop, requested) = watch::channel(None);
@@ -248,7 +270,7 @@ pub fn start(
         .map_err(StartError::Thread)?;
     let tls = tls_addr.map_or_else(String::new, |a| a.to_string());
     tracing::info!(listen = %client_addr, admin = %admin_addr, tls = %tls, "tokenonce listening");
-    Ok(Running { client_addr, admin_addr, tls_addr, stop, reloader: Reloader { path, app }, thread: Some(thread) })
+    Ok(Running { client_addr, admin_addr, tls_addr, stop, reloader, thread: Some(thread) })
 }
 
 /// Tells pingora's main loop to shut down: on a [`Running::stop`] request (or when the

@@ -284,3 +284,295 @@ async fn reload_mid_stream_keeps_the_stream() {
 async fn sighup_mid_stream_keeps_the_stream() {
     reload_mid_stream(true).await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Reload without a shell: POST /admin/reload and the config file watch
+// ---------------------------------------------------------------------------------------------
+
+const ADMIN_TOKEN: &str = "s3cret-admin-token-0123";
+const APPLIED: &str = r#"tokenonce_config_reloads_total{result="success"}"#;
+const REJECTED: &str = r#"tokenonce_config_reloads_total{result="failure"}"#;
+const LAST_OK: &str = "tokenonce_config_last_reload_success";
+
+/// tokenonce in-process on `pd_config(p, d, "")` with an admin token; the token file's directory.
+async fn with_admin_token(p: &FakeVllm, d: &FakeVllm) -> (TokenOnce, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, format!("{ADMIN_TOKEN}\n")).unwrap();
+    let settings =
+        Settings { server_extra: format!("admin_token_file = \"{}\"\n", token_file.display()), ..Settings::default() };
+    (TokenOnce::start_with(&pd_config(p, d, ""), &settings).await, dir)
+}
+
+/// `POST /admin/reload` with `authorization` (none: no header): status and body.
+async fn admin_reload(admin: &str, authorization: Option<&str>) -> (u16, String) {
+    let mut req = reqwest::Client::new().post(format!("{admin}/admin/reload"));
+    if let Some(a) = authorization {
+        req = req.header("authorization", a);
+    }
+    let resp = req.send().await.unwrap();
+    (resp.status().as_u16(), resp.text().await.unwrap())
+}
+
+/// Whether the decode's `n`th request (from 0) carried the prefill's ids.
+fn reused(d: &FakeVllm, n: usize) -> bool {
+    d.posts()[n].json().get("kv_transfer_params").is_some()
+}
+
+/// POST /admin/reload with the admin token reloads the file as SIGHUP does (a route change is
+/// visible on the next request) and answers `{"applied": true}`, naming the settings that
+/// wait for a restart; without the token, with a wrong one, or with another method it is
+/// refused and nothing is reloaded.
+#[tokio::test(flavor = "multi_thread")]
+async fn admin_reload_applies_a_good_file_and_needs_the_token() {
+    let [p, d] = fakes(Default::default()).await;
+    let (proxy, _token) = with_admin_token(&p, &d).await;
+    let chat = format!("{}/v1/chat/completions", proxy.url);
+    post_json(&chat, &chat_body("before", json!({})), &[]).await;
+    assert!(reused(&d, 0));
+
+    proxy.rewrite(&pd_config(&p, &d, "token_reuse = false"));
+    for auth in [None, Some("Bearer wrong-token-0123456789"), Some(ADMIN_TOKEN)] {
+        let (status, body) = admin_reload(&proxy.admin, auth).await;
+        assert_eq!(status, 403, "{auth:?}: {body}");
+        assert!(body.contains("admin_token_file"), "{body}");
+    }
+    let get = reqwest::Client::new()
+        .get(format!("{}/admin/reload", proxy.admin))
+        .header("authorization", format!("Bearer {ADMIN_TOKEN}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(get.status(), 405);
+    assert_eq!(get.headers()["allow"], "POST");
+    assert_eq!(proxy.metric(APPLIED).await + proxy.metric(REJECTED).await, 0.0, "nothing was reloaded");
+    post_json(&chat, &chat_body("still before", json!({})), &[]).await;
+    assert!(reused(&d, 1), "the old config runs");
+
+    let (status, body) = admin_reload(&proxy.admin, Some(&format!("Bearer {ADMIN_TOKEN}"))).await;
+    assert_eq!(status, 200, "{body}");
+    let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer, json!({"applied": true, "restart_needed": []}));
+    assert_eq!(proxy.metric(APPLIED).await, 1.0);
+    assert_eq!(proxy.metric(LAST_OK).await, 1.0);
+    post_json(&chat, &chat_body("after", json!({})), &[]).await;
+    assert!(!reused(&d, 2), "reuse is off after the reload");
+
+    // A setting fixed at start is applied at the next start only, and the answer says so.
+    proxy.rewrite(&format!("[cache]\nttl_ms = 7000\n\n{}", pd_config(&p, &d, "token_reuse = false")));
+    let (status, body) = admin_reload(&proxy.admin, Some(&format!("Bearer {ADMIN_TOKEN}"))).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains(r#""restart_needed":["cache.ttl_ms"]"#), "{body}");
+}
+
+/// POST /admin/reload of a bad file: 422 with every problem as `tokenonce check` prints it, the
+/// running config kept, counted, and the last-result gauge 0 until a good file is applied.
+#[tokio::test(flavor = "multi_thread")]
+async fn admin_reload_of_a_bad_file_keeps_the_running_config_and_lists_its_problems() {
+    let [p, d] = fakes(Default::default()).await;
+    let (proxy, _token) = with_admin_token(&p, &d).await;
+    let before = proxy.metric("tokenonce_config_last_reload_timestamp_seconds").await;
+    assert!(before > 1.0e9, "the start counts as the first load: {before}");
+    assert_eq!(proxy.metric(LAST_OK).await, 1.0);
+
+    let bad = pd_config(&p, &d, "token_reuse = false\nprefill_timeout_ms = \"soon\"")
+        .replace(&format!("endpoints = [\"{}\"]", d.host_port()), "endpoints = [\"not a host\"]");
+    proxy.rewrite(&bad);
+    let (status, body) = admin_reload(&proxy.admin, Some(&format!("Bearer {ADMIN_TOKEN}"))).await;
+    assert_eq!(status, 422, "{body}");
+    let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer["applied"], false);
+    let problems: Vec<&str> = answer["problems"].as_array().unwrap().iter().map(|p| p.as_str().unwrap()).collect();
+    assert_eq!(problems.len(), 2, "{body}");
+    assert!(problems.iter().any(|p| p.contains(": pools.decode.endpoints") && p.contains("not a host")), "{body}");
+    assert!(problems.iter().any(|p| p.contains("prefill_timeout_ms") && p.contains("soon")), "{body}");
+    assert!(problems.iter().all(|p| p.starts_with(&format!("{}:", proxy.config_path().display()))), "{body}");
+    assert_eq!(proxy.metric(REJECTED).await, 1.0);
+    assert_eq!(proxy.metric(LAST_OK).await, 0.0);
+    assert!(proxy.metric("tokenonce_config_last_reload_timestamp_seconds").await >= before);
+
+    let (status, _, _) =
+        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("kept", json!({})), &[]).await;
+    assert_eq!(status, 200, "the previous config keeps serving");
+    assert!(reused(&d, 0), "with its token_reuse");
+
+    proxy.rewrite(&pd_config(&p, &d, ""));
+    assert_eq!(admin_reload(&proxy.admin, Some(&format!("Bearer {ADMIN_TOKEN}"))).await.0, 200);
+    assert_eq!(proxy.metric(LAST_OK).await, 1.0);
+}
+
+/// Without `server.admin_token_file` POST /admin/reload is off (403), as /drain is.
+#[tokio::test(flavor = "multi_thread")]
+async fn admin_reload_is_off_without_an_admin_token() {
+    let (_p, _d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    let (status, _) = admin_reload(&proxy.admin, Some("Bearer anything-at-all-0123")).await;
+    assert_eq!(status, 403);
+    assert_eq!(proxy.metric(APPLIED).await + proxy.metric(REJECTED).await, 0.0);
+}
+
+/// On a config that came from no file (the embedded default) a reload is refused with a
+/// message that says so: POST /admin/reload answers 409, the handle's reload an error.
+#[tokio::test(flavor = "multi_thread")]
+async fn admin_reload_on_the_embedded_default_is_refused() {
+    use tokenonce::server::{self, Listeners, Signals};
+    let [p, d] = fakes(Default::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("admin-token");
+    std::fs::write(&token_file, ADMIN_TOKEN).unwrap();
+    let text = format!("[server]\nadmin_token_file = \"{}\"\n\n{}", token_file.display(), pd_config(&p, &d, ""));
+    let loaded = tokenonce::config::from_toml(&text, "<embedded default>").unwrap();
+    let listeners = Listeners::bind("127.0.0.1:0", "127.0.0.1:0").unwrap();
+    let running = server::start(loaded, None, listeners, Signals::HandleOnly).unwrap();
+    let admin = format!("http://{}", running.admin_addr());
+    let (status, body) = admin_reload(&admin, Some(&format!("Bearer {ADMIN_TOKEN}"))).await;
+    assert_eq!(status, 409, "{body}");
+    assert!(body.contains("embedded default") && body.contains("--config FILE"), "{body}");
+    let refused = running.try_reload().unwrap_err();
+    assert!(matches!(refused, tokenonce::reload::Refused::NoFile), "{refused}");
+}
+
+/// A Kubernetes ConfigMap volume: `DIR/config.toml -> ..data/config.toml`, `..data -> ..TS`;
+/// an update writes a new `..TS` directory and swaps `..data` to it with a rename.
+struct ConfigMap {
+    dir: tempfile::TempDir,
+    versions: usize,
+}
+
+impl ConfigMap {
+    /// The volume with its first version holding `text`.
+    fn new(text: &str) -> Self {
+        let mut map = Self { dir: tempfile::tempdir().unwrap(), versions: 0 };
+        map.publish(text);
+        map
+    }
+
+    /// The path tokenonce is given.
+    fn path(&self) -> std::path::PathBuf {
+        self.dir.path().join("config.toml")
+    }
+
+    /// A new version holding `text`, put in place as the kubelet does: a new timestamped
+    /// directory, a temporary `..data_tmp` symlink to it renamed over `..data` (atomic), the
+    /// old directory removed.
+    fn publish(&mut self, text: &str) {
+        let root = self.dir.path();
+        self.versions += 1;
+        let version = format!("..2026_12_03_10_00_{:02}.{}", self.versions, std::process::id());
+        std::fs::create_dir(root.join(&version)).unwrap();
+        std::fs::write(root.join(&version).join("config.toml"), text).unwrap();
+        let old = std::fs::read_link(root.join("..data")).ok();
+        std::os::unix::fs::symlink(&version, root.join("..data_tmp")).unwrap();
+        std::fs::rename(root.join("..data_tmp"), root.join("..data")).unwrap();
+        if !root.join("config.toml").exists() {
+            std::os::unix::fs::symlink("..data/config.toml", root.join("config.toml")).unwrap();
+        }
+        if let Some(old) = old {
+            std::fs::remove_dir_all(root.join(old)).unwrap();
+        }
+    }
+}
+
+/// tokenonce in-process on the file `path`, as the binary runs it (the file watch included).
+struct Watched {
+    running: tokenonce::server::Running,
+    url: String,
+    admin: String,
+}
+
+impl Watched {
+    fn start(path: &std::path::Path) -> Self {
+        use tokenonce::server::{self, Listeners, Signals};
+        let loaded = tokenonce::config::load(path).unwrap();
+        let running = server::start(
+            loaded,
+            Some(path.to_path_buf()),
+            Listeners::bind("127.0.0.1:0", "127.0.0.1:0").unwrap(),
+            Signals::HandleOnly,
+        )
+        .unwrap();
+        let (url, admin) = (format!("http://{}", running.client_addr()), format!("http://{}", running.admin_addr()));
+        Self { running, url, admin }
+    }
+
+    async fn metric(&self, series: &str) -> f64 {
+        let text = reqwest::get(format!("{}/metrics", self.admin)).await.unwrap().text().await.unwrap();
+        text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')).map_or(0.0, |v| v.trim().parse().unwrap())
+    }
+
+    /// Waits (bounded: 5 s) until `series` reads `value`.
+    async fn reaches(&self, series: &str, value: f64) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let got = self.metric(series).await;
+            if got == value {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{series} stayed {got}, wanted {value}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn chat(&self, user: &str) -> u16 {
+        post_json(&format!("{}/v1/chat/completions", self.url), &chat_body(user, json!({})), &[]).await.0
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        self.running.stop(tokenonce::server::Stop::Fast);
+    }
+}
+
+/// The `[server]` lines of a watched file: loopback on port 0, the watch every 100 ms.
+const WATCHED: &str = "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\ngrace_period_seconds = 1\ngraceful_shutdown_timeout_seconds = 1\nconfig_watch_interval_ms = 100\n\n";
+
+/// With `server.config_watch_interval_ms`, a ConfigMap update (the `..data` symlink swapped to
+/// a new directory, which an inotify watch on the file misses) is reloaded as SIGHUP would,
+/// and so is a rewrite of the file in place; an unchanged file is not reloaded again.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_watch_follows_a_configmap_symlink_swap_and_a_rewrite_in_place() {
+    let [p, d] = fakes(Default::default()).await;
+    let mut map = ConfigMap::new(&format!("{WATCHED}{}", pd_config(&p, &d, "")));
+    let proxy = Watched::start(&map.path());
+    assert_eq!(proxy.chat("before").await, 200);
+    assert!(reused(&d, 0));
+
+    map.publish(&format!("{WATCHED}{}", pd_config(&p, &d, "token_reuse = false")));
+    proxy.reaches(APPLIED, 1.0).await;
+    assert_eq!(proxy.chat("after the swap").await, 200);
+    assert!(!reused(&d, 1), "the swapped-in file runs");
+
+    std::fs::write(map.path(), format!("{WATCHED}{}", pd_config(&p, &d, ""))).unwrap();
+    proxy.reaches(APPLIED, 2.0).await;
+    assert_eq!(proxy.chat("after the rewrite").await, 200);
+    assert!(reused(&d, 2), "the rewritten file runs");
+
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(proxy.metric(APPLIED).await, 2.0, "an unchanged file is not reloaded again");
+    assert_eq!(proxy.metric(REJECTED).await, 0.0);
+    assert_eq!(proxy.metric(LAST_OK).await, 1.0);
+}
+
+/// A bad file seen by the watch is rejected once (counted, the last-result gauge 0) and the
+/// running config keeps serving; it is not tried again until the file changes, and a good
+/// file then applies.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bad_file_via_the_watch_keeps_the_running_config_until_it_changes() {
+    let [p, d] = fakes(Default::default()).await;
+    let mut map = ConfigMap::new(&format!("{WATCHED}{}", pd_config(&p, &d, "")));
+    let proxy = Watched::start(&map.path());
+
+    map.publish(&format!("{WATCHED}[pools.decode]\nendpoints = [\"not a host\"]\n"));
+    proxy.reaches(REJECTED, 1.0).await;
+    assert_eq!(proxy.metric(LAST_OK).await, 0.0);
+    assert_eq!(proxy.chat("kept").await, 200, "the previous config keeps serving");
+    assert!(reused(&d, 0));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(proxy.metric(REJECTED).await, 1.0, "a bad file is tried once");
+
+    map.publish(&format!("{WATCHED}{}", pd_config(&p, &d, "token_reuse = false")));
+    proxy.reaches(APPLIED, 1.0).await;
+    assert_eq!(proxy.metric(LAST_OK).await, 1.0);
+    assert_eq!(proxy.chat("fixed").await, 200);
+    assert!(!reused(&d, 1), "the good file runs");
+}

@@ -25,6 +25,8 @@ const MAX_LEG_MS: u64 = 3_600_000;
 /// A non-streamed answer may be a very long generation.
 const MAX_ANSWER_MS: u64 = 6 * 3_600_000;
 const MAX_IN_FLIGHT: u64 = 1 << 20;
+/// Reading the config file more often than this is no use to anyone.
+const MIN_WATCH_MS: u64 = 100;
 /// The longest ejection (`upstream::pool::EJECT_MAX`).
 const MAX_EJECTION_MS: u64 = 120_000;
 const MAX_BODY_BYTES: u64 = 1 << 30;
@@ -165,6 +167,11 @@ fn check_limits(ck: &mut Checker<'_, '_>, config: &Config) {
     ck.range("server.max_header_bytes", n(s.max_header_bytes), 1..=MAX_HEADER_BYTES);
     ck.millis("server.body_read_timeout_ms", s.body_read_timeout_ms, MAX_LEG_MS);
     ck.range("server.max_in_flight", n(s.max_in_flight), 0..=MAX_IN_FLIGHT);
+    let watch = u64::try_from(s.config_watch_interval_ms.as_millis()).unwrap_or(u64::MAX);
+    if watch != 0 && !(MIN_WATCH_MS..=MAX_CONNECT_MS).contains(&watch) {
+        let message = format!("must be 0 (not watched) or between {MIN_WATCH_MS} and {MAX_CONNECT_MS}");
+        ck.at("server.config_watch_interval_ms", message);
+    }
     ck.millis("upstream.connect_timeout_ms", u.connect_timeout_ms, MAX_CONNECT_MS);
     ck.millis("upstream.idle_timeout_ms", u.idle_timeout_ms, MAX_IDLE_MS);
     ck.millis("upstream.health_interval_ms", u.health_interval_ms, MAX_CONNECT_MS);

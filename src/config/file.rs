@@ -51,7 +51,8 @@ pub struct Server {
     /// All interfaces, on vLLM's own default port, so clients need no change.
     #[default("0.0.0.0:8000".into())]
     pub listen: String,
-    /// Admin listener for `/metrics`, `/healthz`, `/readyz` and `/drain`. Fixed at start.
+    /// Admin listener for `/metrics`, `/healthz`, `/readyz`, `/drain` and `/admin/reload`.
+    /// Fixed at start.
     /// Default: `"127.0.0.1:9000"`.
     /// Loopback only; metrics and probes are for the pod, not for clients.
     #[default("127.0.0.1:9000".into())]
@@ -92,9 +93,21 @@ pub struct Server {
     /// Default: `"text"`.
     /// Text for people; `json` is opt-in for log pipelines.
     pub log_format: LogFormat,
-    /// File holding the token (at least sixteen printable characters) that `/drain` requires
-    /// as `Authorization: Bearer <token>`; without it `/drain` answers 403.
+    /// File holding the token (at least sixteen printable characters) that the admin
+    /// listener's `/drain` and `POST /admin/reload` require as `Authorization: Bearer <token>`;
+    /// without it both answer 403.
     pub admin_token_file: Option<String>,
+    /// How often the config file is read to see whether it changed, ms (0: not watched; else
+    /// 100 to 600000). A change that holds for one more interval is reloaded as on SIGHUP: a
+    /// bad file is rejected, counted and kept out until it changes again. It follows the
+    /// symlinks on every read, so a Kubernetes ConfigMap update (a `..data` symlink swap) is
+    /// seen, as is a rewrite in place. Fixed at start.
+    /// Default: `0`.
+    /// Off: a reload happens when someone asks for it (SIGHUP, `POST /admin/reload`). In a
+    /// ConfigMap volume `2000` takes a change within about 4 s of the kubelet writing it.
+    #[serde(deserialize_with = "duration::millis")]
+    #[default(Duration::ZERO)]
+    pub config_watch_interval_ms: Duration,
     /// Most header fields per request head (431 `headers_too_large` above; at most 256).
     /// Default: `100`.
     /// Several times what OpenAI SDKs and gateways send.

@@ -6,7 +6,7 @@
 //! concern (requests, reuse, upstreams, cache, parity, reloads) registering its own.
 
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
 };
 
 use crate::config::Mode;
@@ -362,19 +362,39 @@ impl ParityFamilies {
 #[derive(Clone)]
 struct Reloads {
     config_reloads: IntCounterVec,
+    /// 1 when the last reload was applied (or none was tried since the start), 0 when it was
+    /// rejected.
+    last_success: IntGauge,
+    /// When the last reload was tried (or the process started), Unix seconds.
+    last_time: Gauge,
 }
 
 impl Reloads {
     fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let last_time = Gauge::new(
+            "tokenonce_config_last_reload_timestamp_seconds",
+            "When the last config reload was tried, whatever its result (the start until one is), Unix time.",
+        )?;
         Ok(Self {
             config_reloads: counter(
                 registry,
                 "tokenonce_config_reloads_total",
-                "Config reloads on SIGHUP by result; a failed one keeps the running config.",
+                "Config reloads (SIGHUP, POST /admin/reload, the file watch) by result; a failed one keeps the running config.",
                 &["result"],
             )?,
+            last_success: gauge(
+                registry,
+                "tokenonce_config_last_reload_success",
+                "1 when the last config reload was applied (or none was tried since the start), 0 when it was rejected and the running config is not the file's.",
+            )?,
+            last_time: registered(registry, last_time)?,
         })
     }
+}
+
+/// Now, in Unix seconds (0 if the clock is before 1970).
+fn unix_now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
 fn histogram(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheus::Result<HistogramVec> {
@@ -472,6 +492,9 @@ impl Metrics {
         for result in Reload::ALL {
             self.reloads.config_reloads.with_label_values(&[result.as_str()]);
         }
+        // The start loaded the config: as a reload that succeeded.
+        self.reloads.last_success.set(1);
+        self.reloads.last_time.set(unix_now());
         for listener in Listener::ALL {
             self.requests.admission_rejected.with_label_values(&[listener.as_str()]);
         }
@@ -673,9 +696,11 @@ impl Metrics {
         self.cache.cache_bytes.set(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
 
-    /// Counts one config reload.
+    /// Counts one config reload and records it as the last one (its result and time).
     pub fn reload(&self, result: Reload) {
         self.reloads.config_reloads.with_label_values(&[result.as_str()]).inc();
+        self.reloads.last_success.set(i64::from(result == Reload::Success));
+        self.reloads.last_time.set(unix_now());
     }
 
     /// Renders `registry` in the Prometheus text format.

@@ -290,7 +290,8 @@ then run `TOKENONCE_BLESS=1 cargo test --test docs`. -->
 
 tokenonce reads one TOML file (`tokenonce --config FILE`), validated as a whole:
 `tokenonce check FILE` prints every problem as `file:line:col: key: message` and exits non-zero
-on any, and a SIGHUP reload of a file with problems keeps the running config. Every key is
+on any, and a reload of a file with problems (SIGHUP, `POST /admin/reload`, the file watch)
+keeps the running config. Every key is
 optional unless its meaning says *required*; an unknown key is a problem, not ignored (the
 problem names the key of its table most like it: *did you mean `grace_period_seconds`?*). Keys
 marked *Fixed at start* keep their start value across a reload, which names each one it could

@@ -169,7 +169,7 @@ impl TokenOnce {
     /// the handle (the same code path as SIGHUP, without signalling the test process), a child
     /// process with SIGHUP. Either way the outcome shows in `config_reloads_total`.
     pub fn reconfigure(&self, config: &str) {
-        std::fs::write(&self.config_path, format!("{}{config}", self.server_section)).unwrap();
+        self.rewrite(config);
         match &self.run {
             Run::InProcess(running) => {
                 running.reload();
@@ -179,6 +179,16 @@ impl TokenOnce {
                 assert!(status.success());
             }
         }
+    }
+
+    /// The config file it runs on.
+    pub fn config_path(&self) -> &Path {
+        &self.config_path
+    }
+
+    /// Rewrites the config file (same `[server]` section) in place, without reloading it.
+    pub fn rewrite(&self, config: &str) {
+        std::fs::write(&self.config_path, format!("{}{config}", self.server_section)).unwrap();
     }
 
     /// Sends the child process SIGTERM and waits (bounded: 15 s) until it has exited; its
