@@ -18,10 +18,11 @@ use tokenonce::server::{self, Listeners, Signals};
     long_about = "P/D sidecar for vLLM that tokenizes each prompt once.\n\n\
         With no subcommand, tokenonce serves: clients on server.listen (OpenAI and Anthropic \
         APIs, proxied to the prefill and decode pools of the matching route), the admin \
-        listener on server.admin_listen (/metrics, /healthz, /readyz, /drain).",
+        listener on server.admin_listen (/metrics, /healthz, /readyz, /drain, POST /admin/reload).",
     after_long_help = "Signals:\n  \
         SIGHUP   re-read --config; a valid file applies to new requests, an invalid one is \
-        rejected with every problem logged (settings fixed at start are named in a warning)\n  \
+        rejected with every problem logged (settings fixed at start are named in a warning); \
+        POST /admin/reload and server.config_watch_interval_ms reload the same way\n  \
         SIGTERM  graceful shutdown within server.grace_period_seconds and \
         server.graceful_shutdown_timeout_seconds\n\n\
         Environment:\n  \
@@ -33,7 +34,8 @@ use tokenonce::server::{self, Listeners, Signals};
         validate one."
 )]
 struct Cli {
-    /// TOML config file (default: the embedded default, see `print-default`). Re-read on SIGHUP.
+    /// TOML config file (default: the embedded default, see `print-default`). Re-read on SIGHUP,
+    /// `POST /admin/reload`, or a change when `server.config_watch_interval_ms` is set.
     #[arg(long, short, value_name = "FILE")]
     config: Option<PathBuf>,
     #[command(subcommand)]
