@@ -696,8 +696,9 @@ async fn real_prometheus_scrapes_tokenonce_and_answers_queries() {
 // ---------------------------------------------------------------------------------------------
 
 /// `promtool check rules` accepts alerts.yml, `promtool test rules` passes its unit tests (one
-/// firing case per alert), and `promtool check config` accepts prometheus.yml; the alerts on prefill errors, reuse
-/// fallbacks, decode readiness and capacity evictions are there.
+/// firing case per alert, a rollout that pages nothing, absent and failing scrapes), and
+/// `promtool check config` accepts prometheus.yml; the alerts on prefill errors, reuse
+/// fallbacks, decode readiness, capacity evictions and an absent scrape are there.
 #[test]
 fn promtool_accepts_and_tests_the_alert_rules() {
     assert_success("promtool check rules", &run("promtool", &["check", "rules", "conf/prometheus/alerts.yml"]));
@@ -710,6 +711,7 @@ fn promtool_accepts_and_tests_the_alert_rules() {
         "TokenonceTokenReuseFallbackRatioHigh",
         "TokenonceDecodeNotReady",
         "TokenonceCacheEvictionsByCapacity",
+        "TokenonceScrapeAbsent",
     ] {
         assert!(rules.contains_key(name), "alerts.yml lacks {name}");
     }
@@ -728,6 +730,147 @@ fn promtool_accepts_and_tests_the_alert_rules() {
     }
     let names: BTreeSet<String> = rules.keys().cloned().collect();
     assert_eq!(fired, names, "every alert needs a firing case in alerts_test.yml");
+}
+
+/// The anchors GitHub gives the headings of a Markdown text: lower case, letters, digits, `-`
+/// and `_` kept, spaces made `-`, the rest dropped; a repeated one gets `-1`, `-2`, ...
+fn markdown_anchors(text: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut fenced = false;
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        let Some(title) = line.strip_prefix('#').map(|t| t.trim_start_matches('#')) else { continue };
+        if fenced || !title.starts_with(' ') {
+            continue;
+        }
+        let slug: String = title
+            .trim()
+            .to_lowercase()
+            .chars()
+            .filter_map(|c| match c {
+                ' ' => Some('-'),
+                c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+                _ => None,
+            })
+            .collect();
+        let mut anchor = slug.clone();
+        let mut n = 0;
+        while out.contains(&anchor) {
+            n += 1;
+            anchor = format!("{slug}-{n}");
+        }
+        out.insert(anchor);
+    }
+    out
+}
+
+/// A Prometheus duration of whole hours, minutes or seconds (`35m`, `1h30m`), in seconds.
+fn prom_seconds(d: &str) -> u64 {
+    let (mut total, mut n) = (0, 0);
+    for c in d.chars() {
+        match c {
+            '0'..='9' => n = n * 10 + u64::from(c.to_digit(10).unwrap()),
+            'h' | 'm' | 's' => {
+                total += n * match c {
+                    'h' => 3600,
+                    'm' => 60,
+                    _ => 1,
+                };
+                n = 0;
+            }
+            _ => panic!("duration {d:?}: only h, m and s are read here"),
+        }
+    }
+    total
+}
+
+/// Every alert has `annotations.runbook_url` = `docs/operations.md#<its name in lower case>`,
+/// and docs/operations.md has that heading (its GitHub anchor), so each alert's link opens its
+/// runbook.
+#[test]
+fn every_alert_links_its_runbook_in_operations_md() {
+    let anchors = markdown_anchors(&read("docs/operations.md"));
+    assert!(anchors.contains("alerts") && anchors.contains("metrics-admin-listener-metrics"), "{anchors:?}");
+    let doc: Yaml = serde_yaml_ng::from_str(&read("conf/prometheus/alerts.yml")).unwrap();
+    let mut checked = 0;
+    for group in doc["groups"].as_sequence().expect("groups") {
+        for rule in group["rules"].as_sequence().expect("rules") {
+            let Some(name) = rule["alert"].as_str() else { continue };
+            let url = rule["annotations"]["runbook_url"].as_str().unwrap_or_else(|| panic!("{name}: no runbook_url"));
+            let want = format!("docs/operations.md#{}", name.to_lowercase());
+            assert_eq!(url, want, "{name}: runbook_url");
+            let anchor = url.split_once('#').unwrap().1;
+            assert!(anchors.contains(anchor), "{name}: docs/operations.md has no heading `### {name}` (#{anchor})");
+            checked += 1;
+        }
+    }
+    assert!(checked >= 20, "{checked} alerts");
+}
+
+/// The readiness alerts do not fire while an engine may still be starting: the critical
+/// `TokenonceDecodeNotReady` waits at least the longest startupProbe window
+/// (failureThreshold x periodSeconds) of the vLLM containers in conf/k8s, and
+/// `TokenonceUpstreamEndpointUnhealthy` counts a never-healthy endpoint only past it.
+#[test]
+fn readiness_alerts_wait_out_the_engine_start_window_of_the_manifests() {
+    fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                yaml_files(&path, out);
+            } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+                out.push(path);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    yaml_files(&repo("conf/k8s"), &mut files);
+    let mut window = 0;
+    for file in &files {
+        let text = std::fs::read_to_string(file).unwrap();
+        for doc in serde_yaml_ng::Deserializer::from_str(&text) {
+            let doc = <Yaml as serde::Deserialize>::deserialize(doc).unwrap();
+            let containers = &doc["spec"]["template"]["spec"]["containers"];
+            for c in containers.as_sequence().into_iter().flatten() {
+                let probe = &c["startupProbe"];
+                let is_vllm = c["image"].as_str().is_some_and(|i| i.contains("vllm"));
+                if let (true, Some(period), Some(failures)) =
+                    (is_vllm, probe["periodSeconds"].as_u64(), probe["failureThreshold"].as_u64())
+                {
+                    window = window.max(period * failures);
+                }
+            }
+        }
+    }
+    assert!(window >= 600, "no vLLM startupProbe found in conf/k8s ({files:?})");
+
+    let doc: Yaml = serde_yaml_ng::from_str(&read("conf/prometheus/alerts.yml")).unwrap();
+    let rule = |name: &str| {
+        doc["groups"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .flat_map(|g| g["rules"].as_sequence().unwrap())
+            .find(|r| r["alert"].as_str() == Some(name))
+            .unwrap_or_else(|| panic!("alerts.yml lacks {name}"))
+            .clone()
+    };
+    let not_ready = rule("TokenonceDecodeNotReady");
+    let wait = prom_seconds(not_ready["for"].as_str().expect("TokenonceDecodeNotReady has a for:"));
+    assert!(wait >= window, "TokenonceDecodeNotReady pages after {wait} s, inside the {window} s start window");
+    let unhealthy = rule("TokenonceUpstreamEndpointUnhealthy");
+    let expr = unhealthy["expr"].as_str().unwrap();
+    let offset = expr
+        .split("offset ")
+        .nth(1)
+        .expect("a series-age offset")
+        .split(|c: char| c == ')' || c.is_whitespace())
+        .next();
+    let age = prom_seconds(offset.unwrap()) + prom_seconds(unhealthy["for"].as_str().unwrap());
+    assert!(age >= window, "TokenonceUpstreamEndpointUnhealthy counts a new endpoint after {age} s, inside {window} s");
 }
 
 /// Text logs written to a file (stderr not a terminal) carry no ANSI colour codes, even with
