@@ -331,9 +331,15 @@ mod tests {
             (Api::Chat, br#"data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}}]}"#),
             (Api::Completions, br#"data: {"choices":[{"index":0,"text":"attice","logprobs":null}]}"#),
             (Api::Responses, b"event: response.output_text.delta\ndata: {\"delta\":\"x\",\"sequence_number\":5}"),
-            (Api::Responses, br#"data: {"content_index":0,"delta":" Aircraft","type":"response.reasoning_text.delta"}"#),
+            (
+                Api::Responses,
+                br#"data: {"content_index":0,"delta":" Aircraft","type":"response.reasoning_text.delta"}"#,
+            ),
             (Api::Messages, br#"data: {"type":"content_block_delta","delta":{"type":"text_delta","text":"hi"}}"#),
-            (Api::Messages, br#"data: {"type":"content_block_delta","delta":{"type":"thinking_delta","thinking":" A"}}"#),
+            (
+                Api::Messages,
+                br#"data: {"type":"content_block_delta","delta":{"type":"thinking_delta","thinking":" A"}}"#,
+            ),
             (Api::Generate, br#"data: {"choices":[{"index":0,"token_ids":[58845]}]}"#),
         ];
         let no: &[(Api, &[u8])] = &[
@@ -346,7 +352,10 @@ mod tests {
             (Api::Completions, br#"data: {"choices":[{"text":"","logprobs":{"text_offset":[1]}}]}"#),
             (Api::Responses, br#"data: {"response":{"output":[],"text":null},"type":"response.created"}"#),
             (Api::Messages, br#"data: {"type":"content_block_start","content_block":{"type":"text","text":""}}"#),
-            (Api::Messages, br#"data: {"type":"content_block_delta","delta":{"type":"signature_delta","signature":"5"}}"#),
+            (
+                Api::Messages,
+                br#"data: {"type":"content_block_delta","delta":{"type":"signature_delta","signature":"5"}}"#,
+            ),
             (Api::Generate, br#"data: {"choices":[{"finish_reason":"length","token_ids":[]}]}"#),
         ];
         for (api, raw) in yes {
