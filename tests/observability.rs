@@ -491,16 +491,15 @@ async fn dashboard_and_alert_metrics_exist_after_real_traffic() {
 }
 
 /// The latency the client felt and each endpoint's errors, read from a live scrape: a decode
-/// streaming 4 content events 30 ms apart (after a role event with empty content) gives one
-/// time to first token, at least 30 ms after the response head, and 3 inter-token gaps of at
-/// least 30 ms each; a streamed completion of 3 tokens 2 gaps under its own `api`; a
+/// streaming 4 content events 50 ms apart (after a role event with empty content) gives one
+/// time to first token, at least 50 ms after the response head, and 3 inter-token gaps; a streamed completion of 3 tokens 2 gaps under its own `api`; a
 /// non-streamed answer one more time to first token and no gap. A prefill endpoint answering
 /// 503 and a decode stream broken after its head count against their endpoints, and a reload
 /// that removes an endpoint takes its series away. The standard process metrics are there,
 /// and every latency histogram's top bucket reaches the longest deadline the config allows.
 #[tokio::test(flavor = "multi_thread")]
 async fn latency_endpoint_error_and_process_metrics_from_a_live_scrape() {
-    let decode = FakeConfig { chunk_delay: Duration::from_millis(30), ..FakeConfig::default() };
+    let decode = FakeConfig { chunk_delay: Duration::from_millis(50), ..FakeConfig::default() };
     let (p, d, proxy) = pd_setup(FakeConfig::default(), decode, "").await;
     proxy.wait_ready(200).await;
     let chat = format!("{}/v1/chat/completions", proxy.url);
@@ -518,12 +517,14 @@ async fn latency_endpoint_error_and_process_metrics_from_a_live_scrape() {
     let chat_pd = [("route", "pd"), ("api", "chat")];
     assert_eq!(scrape.sum(&format!("{itl}_count"), &chat_pd), 3.0, "N content events, N - 1 gaps");
     let gaps = scrape.sum(&format!("{itl}_sum"), &chat_pd);
-    assert!(gaps >= 0.09, "3 gaps of at least 30 ms each: {gaps}");
+    // 150 ms between the first and the last at the engine; a loaded machine may read two
+    // events at once (then 0 apart), so only one whole delay is certain.
+    assert!(gaps >= 0.05, "3 gaps, 50 ms each at the engine: {gaps}");
     let first_token = scrape.sum(&format!("{ttft}_sum"), &chat_pd);
     let first_byte = scrape.sum("tokenonce_time_to_first_byte_seconds_sum", &chat_pd);
     assert!(
-        first_token >= first_byte + 0.03,
-        "the head, then the role event, then 30 ms on the first token: {first_token} s vs head {first_byte} s"
+        first_token >= first_byte + 0.05,
+        "the head, then the role event, then 50 ms on the first token: {first_token} s vs head {first_byte} s"
     );
 
     let cmpl = format!("{}/v1/completions", proxy.url);
