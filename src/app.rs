@@ -105,6 +105,15 @@ fn new_pool(config: &Config, resources: &Resources, name: &str) -> Pool {
     Pool::new(name, &spec, &loaded, upstream::EjectionRule::of(&config.upstream))
 }
 
+/// Creates `pool`'s series and hands each endpoint its own (an endpoint of a pool carried
+/// over a reload has them already).
+fn pool_series(metrics: &Metrics, pool: &Pool) {
+    metrics.pool(&pool.name);
+    for e in &pool.endpoints {
+        e.count_errors_in(metrics.endpoint(&pool.name, &e.name));
+    }
+}
+
 /// The current [`App`], swapped whole when the config is reloaded; each request takes one
 /// snapshot and keeps it to the end.
 pub type SharedApp = Arc<arc_swap::ArcSwap<App>>;
@@ -119,7 +128,7 @@ impl App {
         let metrics = Metrics::register(&registry)?;
         let pools: Vec<Arc<Pool>> =
             config.pools.keys().map(|name| Arc::new(new_pool(&config, &resources, name))).collect();
-        pools.iter().for_each(|p| metrics.pool(&p.name));
+        pools.iter().for_each(|p| pool_series(&metrics, p));
         let routes = RouteTable::new(&config, &resources, &pools, &metrics, None)?;
         let upstream = &config.upstream;
         let client = Arc::new(UpstreamClient::new(upstream.connect_timeout_ms, upstream.idle_timeout_ms));
@@ -175,7 +184,7 @@ impl App {
                     .unwrap_or_else(|| Arc::new(new_pool(&config, &resources, name)))
             })
             .collect();
-        pools.iter().for_each(|p| self.metrics.pool(&p.name));
+        pools.iter().for_each(|p| pool_series(&self.metrics, p));
         let routes = RouteTable::new(&config, &resources, &pools, &self.metrics, Some(&self.routes))?;
         let local = local_renderers(&config, &resources, Some(&self.local));
         self.forget_removed(&pools, &routes);

@@ -21,9 +21,12 @@ const MAX_THREADS: u64 = 256;
 const MAX_CONNECT_MS: u64 = 600_000;
 /// vLLM closes idle keep-alive connections after 5 s; ours must close first.
 const MAX_IDLE_MS: u64 = 4999;
-const MAX_LEG_MS: u64 = 3_600_000;
-/// A non-streamed answer may be a very long generation.
-const MAX_ANSWER_MS: u64 = 6 * 3_600_000;
+/// The longest any one leg's deadline may be (prefill, first byte, stream idle, client write,
+/// release, body read); the latency histograms' buckets reach it.
+pub const MAX_LEG_MS: u64 = 3_600_000;
+/// A non-streamed answer may be a very long generation: the longest deadline of all, which
+/// the request-latency buckets reach.
+pub const MAX_ANSWER_MS: u64 = 6 * 3_600_000;
 const MAX_IN_FLIGHT: u64 = 1 << 20;
 /// Reading the config file more often than this is no use to anyone.
 const MIN_WATCH_MS: u64 = 100;

@@ -10,6 +10,7 @@ use prometheus::{
 };
 
 use crate::config::Mode;
+use crate::openai::Api;
 
 mod labels;
 mod series;
@@ -19,12 +20,26 @@ pub use labels::{
     served_as, CacheLookup, ErrorKind, Eviction, FallbackReason, FollowUp, Leg, Listener, LocalIdsResult, Outcome,
     ParityResult, Release, Reload, SpanExport, Stage, TimeoutStage,
 };
-pub use series::{ParityMetrics, RouteMetrics};
+pub use series::{EndpointMetrics, FirstBytes, ParityMetrics, RouteMetrics};
 
-/// Latency buckets from 1 ms to 120 s: loopback overheads at the bottom, long prefills and
-/// whole streamed answers at the top.
-pub const LATENCY_BUCKETS: &[f64] =
-    &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0];
+/// Latency buckets from 1 ms to 6 h: loopback overheads at the bottom; long prefills, queued
+/// decodes and whole answers above; at the top the longest deadline the config allows
+/// (`decode_whole_answer_timeout_ms` up to [`MAX_ANSWER_MS`](crate::config::MAX_ANSWER_MS)),
+/// so a request that ran to any configured deadline lands in a finite bucket, not in `+Inf`
+/// only (a test holds the top to the config's bounds).
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0,
+    600.0, 1200.0, 1800.0, 3600.0, 7200.0, 21600.0,
+];
+
+/// Inter-token latency buckets: fine from 1 ms to 1 s, where a decode's tokens come (vLLM
+/// streams one every few tens of ms; its own `vllm:inter_token_latency_seconds` is finest
+/// there too), then coarse up to the longest silence a stream may keep
+/// (`stream_idle_timeout_ms` up to [`MAX_LEG_MS`](crate::config::MAX_LEG_MS)).
+pub const INTER_TOKEN_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
+];
 
 /// Spans handed to the OTLP exporter, by [`SpanExport`]. One counter for the process (the
 /// exporter is built once and outlives reloads); every registry gets it.
@@ -65,6 +80,10 @@ struct Requests {
     requests: IntCounterVec,
     request_duration: HistogramVec,
     time_to_first_byte: HistogramVec,
+    /// Request head to the first content byte written to the client (2xx answers).
+    time_to_first_token: HistogramVec,
+    /// Gaps between consecutive content events of a streamed answer, as written.
+    inter_token_latency: HistogramVec,
     stage_duration: HistogramVec,
     timeouts: IntCounterVec,
     kv_releases: IntCounterVec,
@@ -96,6 +115,19 @@ impl Requests {
                 "tokenonce_time_to_first_byte_seconds",
                 "Time from request head until the response header went to the client.",
                 &["route", "api", "mode"],
+            )?,
+            time_to_first_token: histogram(
+                registry,
+                "tokenonce_time_to_first_token_seconds",
+                "Time from the client's request head until the first content of a 2xx answer was written to it: a streamed answer's first event carrying generated text, reasoning or tool calls; any other answer's first body byte.",
+                &["route", "api", "mode"],
+            )?,
+            inter_token_latency: histogram_with(
+                registry,
+                "tokenonce_inter_token_latency_seconds",
+                "Gaps between consecutive content events of a streamed answer as written to the client, one per event after the first (events written together: 0).",
+                &["route", "api", "mode"],
+                INTER_TOKEN_BUCKETS,
             )?,
             stage_duration: histogram(
                 registry,
@@ -169,6 +201,8 @@ impl ReuseFamilies {
 #[derive(Clone)]
 struct Upstreams {
     upstream_errors: IntCounterVec,
+    /// Failures of each configured endpoint, by kind (`{pool,endpoint,kind}`).
+    endpoint_errors: IntCounterVec,
     upstream_retries: IntCounterVec,
     retry_budget_exhausted: IntCounterVec,
     prefill_failovers: IntCounterVec,
@@ -195,6 +229,12 @@ impl Upstreams {
                 "tokenonce_upstream_errors_total",
                 "Upstream failures by stage (prefill, decode, passthrough) and kind.",
                 &["stage", "kind"],
+            )?,
+            endpoint_errors: counter(
+                registry,
+                "tokenonce_endpoint_errors_total",
+                "Failures of a pool's endpoint, by kind: no answer head (connect, tls, io), a 5xx head, a deadline that passed (timeout), a body that broke or outgrew its bound after the head (stream_broken, io, timeout, too_large).",
+                &["pool", "endpoint", "kind"],
             )?,
             upstream_retries: counter(
                 registry,
@@ -398,7 +438,17 @@ fn unix_now() -> f64 {
 }
 
 fn histogram(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheus::Result<HistogramVec> {
-    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()), labels)?;
+    histogram_with(registry, name, help, labels, LATENCY_BUCKETS)
+}
+
+fn histogram_with(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+    buckets: &[f64],
+) -> prometheus::Result<HistogramVec> {
+    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets.to_vec()), labels)?;
     registry.register(Box::new(h.clone()))?;
     Ok(h)
 }
@@ -446,6 +496,10 @@ impl Metrics {
             build,
         };
         metrics.init_fixed();
+        // The standard `process_*` series (CPU, resident memory, open files, threads, start
+        // time), read from /proc when scraped.
+        #[cfg(target_os = "linux")]
+        registry.register(Box::new(prometheus::process_collector::ProcessCollector::for_self()))?;
         Ok(metrics)
     }
 
@@ -524,6 +578,10 @@ impl Metrics {
         let per_api = |f: &dyn Fn(&str, &str) -> Histogram| {
             API_LABELS.map(|api| f(api_label(api), served_as(api, mode).as_str()))
         };
+        // Only the OpenAI APIs generate tokens: no `api="other"` series for these.
+        let per_openai_api = |f: &dyn Fn(&str) -> Histogram| -> [Histogram; Api::ALL.len()] {
+            std::array::from_fn(|i| f(api_label(Api::ALL.get(i).copied())))
+        };
         RouteMetrics {
             requests: API_LABELS.map(|api| {
                 let (api, mode) = (api_label(api), served_as(api, mode).as_str());
@@ -537,6 +595,12 @@ impl Metrics {
             }),
             time_to_first_byte: per_api(&|api, mode| {
                 self.requests.time_to_first_byte.with_label_values(&[route, api, mode])
+            }),
+            time_to_first_token: per_openai_api(&|api| {
+                self.requests.time_to_first_token.with_label_values(&[route, api, mode.as_str()])
+            }),
+            inter_token_latency: per_openai_api(&|api| {
+                self.requests.inter_token_latency.with_label_values(&[route, api, mode.as_str()])
             }),
             stages: Stage::ALL
                 .iter()
@@ -599,10 +663,24 @@ impl Metrics {
         self.upstreams.upstream_ejections.with_label_values(&[pool]).inc();
     }
 
-    /// Removes the gauges of what a reload took away, so no alert fires on a series that no
-    /// longer reports anything: an endpoint no longer in `pool`'s list.
+    /// Resolves (and so creates) the series of `pool`'s `endpoint`: its failures by kind.
+    pub fn endpoint(&self, pool: &str, endpoint: &str) -> EndpointMetrics {
+        EndpointMetrics {
+            errors: ErrorKind::ALL
+                .iter()
+                .map(|kind| self.upstreams.endpoint_errors.with_label_values(&[pool, endpoint, kind.as_str()]))
+                .collect(),
+        }
+    }
+
+    /// Removes the series of what a reload took away, so no alert fires on a series that no
+    /// longer reports anything: an endpoint no longer in `pool`'s list (its health gauge and
+    /// its error counters).
     pub fn forget_endpoint(&self, pool: &str, endpoint: &str) {
         let _ = self.upstreams.upstream_healthy.remove_label_values(&[pool, endpoint]);
+        for kind in ErrorKind::ALL {
+            let _ = self.upstreams.endpoint_errors.remove_label_values(&[pool, endpoint, kind.as_str()]);
+        }
     }
 
     /// Removes a pool's gauges after a reload removed the pool.
@@ -720,7 +798,6 @@ mod tests {
 
     use super::labels::api_index;
     use super::*;
-    use crate::openai::Api;
 
     #[test]
     fn label_tables_follow_declaration_order() {
@@ -752,7 +829,7 @@ mod tests {
         assert_eq!(count("tokenonce_stage_duration_seconds_count{"), Stage::ALL.len());
         assert_eq!(count("tokenonce_timeouts_total{"), TimeoutStage::ALL.len());
         assert_eq!(count("tokenonce_kv_releases_total{"), Release::ALL.len());
-        r.finished(Some(Api::Completions), Outcome::ClientClosed, Duration::from_millis(5), None);
+        r.finished(Some(Api::Completions), Outcome::ClientClosed, Duration::from_millis(5), FirstBytes::default());
         r.reuse_fallback(FallbackReason::CacheMiss);
         r.reuse_applied(7, 20);
         let text = String::from_utf8(Metrics::render(&registry)).unwrap();
@@ -774,6 +851,7 @@ mod tests {
         m.route("r", Mode::Relay);
         m.upstream_health("decode", "127.0.0.1:1", true);
         m.pool("decode");
+        m.endpoint("decode", "127.0.0.1:1");
         m.parity("r");
         m.models_differ("r", false);
         m.build_info("1.0.0", "abc", "rustc 1", "debug");
@@ -782,7 +860,10 @@ mod tests {
             "tokenonce_requests_total",
             "tokenonce_request_duration_seconds",
             "tokenonce_time_to_first_byte_seconds",
+            "tokenonce_time_to_first_token_seconds",
+            "tokenonce_inter_token_latency_seconds",
             "tokenonce_stage_duration_seconds",
+            "tokenonce_endpoint_errors_total",
             "tokenonce_token_reuse_total",
             "tokenonce_reused_prompt_tokens_total",
             "tokenonce_relayed_id_bytes_total",
@@ -814,6 +895,60 @@ mod tests {
         ] {
             assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing");
         }
+        #[cfg(target_os = "linux")]
+        for name in ["process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds"] {
+            assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing");
+        }
         assert!(Metrics::register(&registry).is_err(), "double registration must fail");
+    }
+
+    #[test]
+    fn latency_buckets_reach_the_longest_deadline_the_config_allows() {
+        let top = |b: &[f64]| b.last().copied().unwrap_or_default();
+        let secs = |ms: u64| Duration::from_millis(ms).as_secs_f64();
+        assert!(top(LATENCY_BUCKETS) >= secs(crate::config::MAX_ANSWER_MS), "whole answers, every leg");
+        assert!(top(INTER_TOKEN_BUCKETS) >= secs(crate::config::MAX_LEG_MS), "a gap is at most stream_idle_timeout");
+        for b in [LATENCY_BUCKETS, INTER_TOKEN_BUCKETS] {
+            assert!(b.windows(2).all(|w| w[0] < w[1]), "increasing: {b:?}");
+        }
+    }
+
+    #[test]
+    fn an_endpoint_counts_its_errors_until_a_reload_forgets_it() {
+        let registry = Registry::new();
+        let m = Metrics::register(&registry).unwrap();
+        let e = m.endpoint("decode", "10.0.0.1:8200");
+        e.error(ErrorKind::Status5xx);
+        let text = String::from_utf8(Metrics::render(&registry)).unwrap();
+        let series = |t: &str| t.lines().filter(|l| l.starts_with("tokenonce_endpoint_errors_total{")).count();
+        assert_eq!(series(&text), ErrorKind::ALL.len(), "every kind, zeros instead of gaps");
+        assert!(text.contains(
+            r#"tokenonce_endpoint_errors_total{endpoint="10.0.0.1:8200",kind="status_5xx",pool="decode"} 1"#
+        ));
+        m.forget_endpoint("decode", "10.0.0.1:8200");
+        assert_eq!(series(&String::from_utf8(Metrics::render(&registry)).unwrap()), 0);
+    }
+
+    #[test]
+    fn time_to_first_token_and_inter_token_latency_are_per_openai_api() {
+        let registry = Registry::new();
+        let m = Metrics::register(&registry).unwrap();
+        let r = m.route("r", Mode::Orchestrate);
+        let first = FirstBytes { head: Some(Duration::from_millis(3)), content: Some(Duration::from_millis(40)) };
+        r.finished(Some(Api::Chat), Outcome::Success, Duration::from_millis(90), first);
+        r.finished(None, Outcome::Success, Duration::from_millis(9), first);
+        r.inter_token(Api::Chat, Duration::from_millis(20));
+        r.inter_token(Api::Chat, Duration::ZERO);
+        let text = String::from_utf8(Metrics::render(&registry)).unwrap();
+        let count = |prefix: &str| text.lines().filter(|l| l.starts_with(prefix)).count();
+        assert_eq!(count("tokenonce_time_to_first_token_seconds_count{"), Api::ALL.len(), "no api=\"other\"");
+        assert_eq!(count("tokenonce_inter_token_latency_seconds_count{"), Api::ALL.len());
+        for line in [
+            r#"tokenonce_time_to_first_token_seconds_count{api="chat",mode="orchestrate",route="r"} 1"#,
+            r#"tokenonce_inter_token_latency_seconds_count{api="chat",mode="orchestrate",route="r"} 2"#,
+            r#"tokenonce_inter_token_latency_seconds_sum{api="chat",mode="orchestrate",route="r"} 0.02"#,
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line}");
+        }
     }
 }

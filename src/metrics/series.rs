@@ -1,14 +1,31 @@
-//! The handles a route resolves once, when the route table is built: its request, reuse,
-//! stage, timeout and release series ([`RouteMetrics`]) and its parity series
-//! ([`ParityMetrics`]). The request path only increments and observes them.
+//! The handles a route resolves once, when the route table is built: its request, latency,
+//! reuse, stage, timeout and release series ([`RouteMetrics`]) and its parity series
+//! ([`ParityMetrics`]); and those an endpoint gets when its pool is built
+//! ([`EndpointMetrics`]). The request path only increments and observes them.
 
 use std::time::Duration;
 
 use prometheus::{Histogram, IntCounter, IntGauge};
 
 use super::labels::{api_index, API_LABELS};
-use super::{FallbackReason, Outcome, ParityResult, Release, Stage, TimeoutStage};
+use super::{ErrorKind, FallbackReason, Outcome, ParityResult, Release, Stage, TimeoutStage};
 use crate::openai::Api;
+
+/// One configured endpoint's series (`endpoint_errors_total{pool,endpoint,kind}`).
+#[derive(Clone, Debug)]
+pub struct EndpointMetrics {
+    /// By [`ErrorKind`].
+    pub(super) errors: Vec<IntCounter>,
+}
+
+impl EndpointMetrics {
+    /// Counts one failure of the endpoint.
+    pub fn error(&self, kind: ErrorKind) {
+        if let Some(c) = self.errors.get(kind as usize) {
+            c.inc();
+        }
+    }
+}
 
 /// One route's parity-watch series.
 #[derive(Clone)]
@@ -44,6 +61,15 @@ impl ParityMetrics {
     }
 }
 
+/// When the client got its first bytes, measured from its request head.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FirstBytes {
+    /// The response header.
+    pub head: Option<Duration>,
+    /// The first content of a 2xx answer (time to first token).
+    pub content: Option<Duration>,
+}
+
 /// One route's series, resolved when the route table is built; the request path only
 /// increments and observes.
 #[derive(Clone)]
@@ -52,6 +78,10 @@ pub struct RouteMetrics {
     pub(super) requests: [Vec<IntCounter>; API_LABELS.len()],
     pub(super) request_duration: [Histogram; API_LABELS.len()],
     pub(super) time_to_first_byte: [Histogram; API_LABELS.len()],
+    /// By [`Api`] (only the OpenAI APIs generate tokens).
+    pub(super) time_to_first_token: [Histogram; Api::ALL.len()],
+    /// By [`Api`].
+    pub(super) inter_token_latency: [Histogram; Api::ALL.len()],
     /// By [`Stage`].
     pub(super) stages: Vec<Histogram>,
     pub(super) reuse_applied: IntCounter,
@@ -69,8 +99,9 @@ pub struct RouteMetrics {
 }
 
 impl RouteMetrics {
-    /// Counts a finished request and observes its duration and time to first byte.
-    pub fn finished(&self, api: Option<Api>, outcome: Outcome, total: Duration, first_byte: Option<Duration>) {
+    /// Counts a finished request and observes its duration, time to first byte and, when
+    /// content reached the client, time to first token.
+    pub fn finished(&self, api: Option<Api>, outcome: Outcome, total: Duration, first: FirstBytes) {
         let i = api_index(api);
         if let Some(c) = self.requests.get(i).and_then(|by_outcome| by_outcome.get(outcome as usize)) {
             c.inc();
@@ -78,8 +109,18 @@ impl RouteMetrics {
         if let Some(h) = self.request_duration.get(i) {
             h.observe(total.as_secs_f64());
         }
-        if let (Some(h), Some(t)) = (self.time_to_first_byte.get(i), first_byte) {
+        if let (Some(h), Some(t)) = (self.time_to_first_byte.get(i), first.head) {
             h.observe(t.as_secs_f64());
+        }
+        if let (Some(h), Some(t)) = (api.and_then(|api| self.time_to_first_token.get(api as usize)), first.content) {
+            h.observe(t.as_secs_f64());
+        }
+    }
+
+    /// Observes the gap between two content events of a streamed `api` answer.
+    pub fn inter_token(&self, api: Api, gap: Duration) {
+        if let Some(h) = self.inter_token_latency.get(api as usize) {
+            h.observe(gap.as_secs_f64());
         }
     }
 

@@ -254,6 +254,9 @@ async fn prefill_answer(
         info.app.metrics.upstream_error(Leg::Prefill, ErrorKind::Status5xx);
     }
     let body = info.app.client.read_to_end(exchange, PREFILL_RESPONSE_LIMIT).await;
+    if let Err(e) = &body {
+        endpoint.endpoint().error(e.kind());
+    }
     PrefillTry::Answered(body.map(|b| (head, b)).map_err(|e| ProxyError::upstream(Leg::Prefill, e)))
 }
 
@@ -332,7 +335,9 @@ pub async fn decode(
             rec.trace.first_byte();
             rec.legs.decode_first_byte_ms = Some(ms_since(started));
             route.metrics.stage(Stage::DecodeFirstByte, started.elapsed());
-            relay(session, info, rec, exchange, step.cached_tokens, Leg::Decode).await
+            let relayed = relay(session, info, rec, exchange, step.cached_tokens, Leg::Decode).await;
+            count_answer_failure(endpoint, &relayed);
+            relayed
         }
         Err(e) => Err(e),
     };
@@ -444,6 +449,17 @@ pub async fn forward(
     let exchange = sent?;
     rec.trace.first_byte();
     let relayed = relay(session, info, rec, exchange, None, leg).await;
+    count_answer_failure(&endpoint, &relayed);
     rec.trace.leg_done(leg);
     relayed
+}
+
+/// Counts against `endpoint` an answer that failed after its head (a body that broke, went
+/// silent past the idle timeout, or outgrew its bound), in the kind `upstream_errors_total`
+/// counts it under; the client's own failures are not the engine's. (Failures before the
+/// head are counted by the leg client.)
+fn count_answer_failure(endpoint: &Picked, relayed: &Result<(), ProxyError>) {
+    if let Some((_, kind)) = relayed.as_ref().err().and_then(ProxyError::counted_as) {
+        endpoint.endpoint().error(kind);
+    }
 }

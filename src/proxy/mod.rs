@@ -37,7 +37,7 @@ pub use admin::Admin;
 pub use error::ProxyError;
 
 use crate::app::{Admitted, App, SharedApp};
-use crate::metrics::{Leg, Listener, Outcome};
+use crate::metrics::{FirstBytes, Leg, Listener, Outcome};
 use crate::openai::{Api, RawObject, RequestView};
 use crate::routes::{RequestFacts, Route};
 use crate::upstream::{Picked, UpstreamError};
@@ -97,6 +97,9 @@ pub struct AnswerRecord {
     pub outcome: Option<Outcome>,
     /// When the response header went out.
     pub first_byte: Option<Duration>,
+    /// When the first content of a 2xx answer was written (time to first token): a streamed
+    /// answer's first content event, any other answer's first body byte.
+    pub first_token: Option<Duration>,
     /// True once an SSE response head went out: errors then end the stream instead.
     pub streaming: bool,
     /// The `sequence_number` an error event ending a Responses stream takes.
@@ -111,6 +114,12 @@ impl AnswerRecord {
     /// Records the time to first byte (since `started`) once.
     pub fn mark_first_byte(&mut self, started: Instant) {
         self.first_byte.get_or_insert_with(|| started.elapsed());
+    }
+
+    /// Records the time to first token (since `started`) once: content of a 2xx answer was
+    /// just written.
+    pub fn mark_first_token(&mut self, started: Instant) {
+        self.first_token.get_or_insert_with(|| started.elapsed());
     }
 }
 
@@ -366,6 +375,9 @@ impl ProxyHttp for Proxy {
                 _ => ProxyError::Internal(e.to_string()),
             },
         };
+        if let (Some(picked), Some((_, kind))) = (&ctx.rec.passthrough.endpoint, err.counted_as()) {
+            picked.endpoint().error(kind);
+        }
         let code = match err {
             ProxyError::ClientGone | ProxyError::ClientStalled { .. } => 0,
             ref err => err.api_error().status(),
@@ -391,7 +403,8 @@ impl ProxyHttp for Proxy {
         });
         let elapsed = ctx.info.started.elapsed();
         let route = &ctx.info.route;
-        route.metrics.finished(ctx.info.api, outcome, elapsed, ctx.rec.answer.first_byte);
+        let first = FirstBytes { head: ctx.rec.answer.first_byte, content: ctx.rec.answer.first_token };
+        route.metrics.finished(ctx.info.api, outcome, elapsed, first);
         let mode = crate::metrics::served_as(ctx.info.api, route.mode).as_str();
         ctx.rec.trace.attribute("tokenonce.route", route.name.clone());
         ctx.rec.trace.attribute("tokenonce.api", ctx.info.api.map_or("other", Api::as_str));

@@ -3,7 +3,7 @@
 //! buffered only when its `cached_tokens` is rewritten), every read and write bounded.
 //! Failures are returned to the caller; `rescue::fail` is what answers them.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use pingora::http::ResponseHeader;
@@ -72,7 +72,8 @@ pub fn client_head(upstream: &ResponseHeader, request_id: &str) -> Option<Respon
     Some(head)
 }
 
-/// Writes `head` with `body` and its `Content-Length`; records status and outcome.
+/// Writes `head` with `body` and its `Content-Length`; records status and outcome, and a 2xx
+/// answer's body as its first content (time to first token).
 pub async fn write_buffered(
     session: &mut Session,
     info: &RequestInfo,
@@ -87,12 +88,16 @@ pub async fn write_buffered(
     }
     rec.answer.mark_first_byte(info.started);
     rec.answer.status = status;
+    let content = is_success(status) && !body.is_empty();
     let written = match session.write_response_header(Box::new(head), false).await {
         Ok(()) => session.write_response_body(Some(body), true).await,
         Err(e) => Err(e),
     };
     match written {
         Ok(()) => {
+            if content {
+                rec.answer.mark_first_token(info.started);
+            }
             rec.answer.outcome.get_or_insert(Outcome::from_status(status));
         }
         Err(e) => {
@@ -234,8 +239,13 @@ async fn relay_through(
     leg: Leg,
 ) -> Result<(), ProxyError> {
     write_head(session, info, rec, head).await?;
+    // A 2xx answer's first body byte written is its first content (time to first token).
+    let content = is_success(rec.answer.status);
     if !prefix.is_empty() {
         write_body(session, info, prefix.clone(), false).await?;
+        if content {
+            rec.answer.mark_first_token(info.started);
+        }
     }
     // With tracing on, an answer of at most USAGE_TAP_LIMIT is kept to read its `usage`.
     let mut tap = rec.trace.is_on().then(|| vec![prefix.clone()]);
@@ -247,7 +257,11 @@ async fn relay_through(
             Some(t) => t.push(chunk.clone()),
             None => {}
         }
+        let some = !chunk.is_empty();
         write_body(session, info, chunk, false).await?;
+        if content && some {
+            rec.answer.mark_first_token(info.started);
+        }
     }
     if let Some(t) = tap {
         rec.trace.usage(&t.concat());
@@ -303,6 +317,12 @@ async fn relay_buffered(
     Ok(())
 }
 
+/// A 2xx SSE answer, framed event by event. Its events that carry generated content
+/// ([`carries_content`](crate::openai::response::carries_content)) are timed as the client
+/// gets them: the first one's write is the time to first token, and each later one observes
+/// `inter_token_latency_seconds`, the gap since the content event before it (as vLLM's
+/// `vllm:inter_token_latency_seconds` observes each token's; events written together, from
+/// one engine read, are 0 apart). N content events give N - 1 gaps.
 async fn relay_stream(
     session: &mut Session,
     info: &RequestInfo,
@@ -316,7 +336,11 @@ async fn relay_stream(
     rec.answer.streaming = true;
     // Always framed, so a break never leaves half an event before the error event.
     let limit = info.route.max_sse_event_bytes;
-    let mut framing = StreamFraming::for_api(info.api.unwrap_or(Api::Chat), cached_tokens).with_event_limit(limit);
+    let api = info.api.unwrap_or(Api::Chat);
+    let mut framing = StreamFraming::for_api(api, cached_tokens).with_event_limit(limit);
+    let metrics = &info.route.metrics;
+    // When the last content event was written (none yet: the next one is the first token).
+    let mut last_content: Option<Instant> = None;
     loop {
         let chunk = match next_chunk(session, info, rec, &mut exchange, leg).await {
             Ok(chunk) => chunk,
@@ -335,11 +359,22 @@ async fn relay_stream(
             observe_decode_total(info, rec);
             return Ok(());
         };
+        let content_before = framing.content_events();
         let out = framing.feed(&chunk);
         rec.answer.next_sequence = framing.next_sequence();
         rec.trace.usage(&out);
         if !out.is_empty() {
             write_body(session, info, Bytes::from(out), false).await?;
+        }
+        let content = framing.content_events() - content_before;
+        if content > 0 {
+            let now = Instant::now();
+            match last_content {
+                Some(last) => metrics.inter_token(api, now.duration_since(last)),
+                None => rec.answer.mark_first_token(info.started),
+            }
+            (1..content).for_each(|_| metrics.inter_token(api, Duration::ZERO));
+            last_content = Some(now);
         }
         if framing.too_long() {
             return Err(ProxyError::EventTooLarge { leg, limit });
@@ -352,6 +387,11 @@ fn observe_decode_total(info: &RequestInfo, rec: &Record) {
     if let Some(t) = rec.legs.decode_sent_at {
         info.route.metrics.stage(Stage::DecodeTotal, t.elapsed());
     }
+}
+
+/// True for a 2xx status: only such an answer's content is timed as tokens.
+fn is_success(status: u16) -> bool {
+    (200..300).contains(&status)
 }
 
 /// Time since `t` in milliseconds, for the access log.

@@ -125,10 +125,10 @@ impl LegClient<'_> {
         }
         let exchange = async {
             let result = self.send_and_resend(leg, endpoint, &head, body, delivery).await;
-            if result.as_ref().map_or(true, |exchange| exchange.status() >= 500) {
-                self.failed(leg, endpoint);
-            } else {
-                endpoint.endpoint().request_succeeded();
+            match &result {
+                Err(e) => self.failed(leg, endpoint, e.kind()),
+                Ok(exchange) if exchange.status() >= 500 => self.failed(leg, endpoint, ErrorKind::Status5xx),
+                Ok(_) => endpoint.endpoint().request_succeeded(),
             }
             result.map_err(|source| LegError::Upstream { leg, source })
         };
@@ -151,7 +151,7 @@ impl LegClient<'_> {
     ) -> Option<T> {
         let result = tokio::time::timeout_at(deadline, work).await.ok();
         if result.is_none() {
-            self.failed(leg, endpoint);
+            self.failed(leg, endpoint, ErrorKind::Timeout);
         }
         result
     }
@@ -173,9 +173,10 @@ impl LegClient<'_> {
         Some(next)
     }
 
-    /// One failure of `endpoint` for its pool's ejection rule (counted, logged and marked on
-    /// `leg`'s span when it ejects).
-    fn failed(&self, leg: Leg, endpoint: &Picked) {
+    /// One failure of `endpoint`, of `kind`: counted in its `endpoint_errors_total`, and for
+    /// its pool's ejection rule (counted, logged and marked on `leg`'s span when it ejects).
+    fn failed(&self, leg: Leg, endpoint: &Picked, kind: ErrorKind) {
+        endpoint.endpoint().error(kind);
         let Some(pool) = endpoint.ejection() else { return };
         if endpoint.endpoint().request_failed(Instant::now(), pool.rule) {
             self.metrics.upstream_ejection(&pool.name);

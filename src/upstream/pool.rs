@@ -36,6 +36,9 @@ pub struct Endpoint {
     /// What `GET /v1/models` said: `None` not asked yet, `Some(None)` asked without a usable
     /// answer.
     model: RwLock<Option<Option<ModelIdentity>>>,
+    /// Its `endpoint_errors_total` series, resolved when its pool is built (none: a one-off
+    /// endpoint named by a header, or a pool built outside an [`App`](crate::app::App)).
+    errors: std::sync::OnceLock<crate::metrics::EndpointMetrics>,
 }
 
 /// The model an engine serves, from `GET /v1/models` (its first base model): engines whose
@@ -104,6 +107,19 @@ impl Endpoint {
             version_ask: tokio::sync::Mutex::new(()),
             outlier: RwLock::new(Outlier::default()),
             model: RwLock::new(None),
+            errors: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Gives it its error series (once: a pool carried over a reload keeps the first).
+    pub fn count_errors_in(&self, series: crate::metrics::EndpointMetrics) {
+        let _ = self.errors.set(series);
+    }
+
+    /// Counts one failure of this endpoint in `endpoint_errors_total` (when it has series).
+    pub fn error(&self, kind: crate::metrics::ErrorKind) {
+        if let Some(series) = self.errors.get() {
+            series.error(kind);
         }
     }
 

@@ -8,4 +8,4 @@ mod stream;
 
 pub use handoff::{extract_handoff, extract_handoff_shared, extract_handoff_within, Handoff, HandoffError, IdsFault};
 pub use rewrite::{hide_token_ids, rewrite_cached_tokens, rewrite_usage_cached};
-pub use stream::{SseRewriter, StreamFraming};
+pub use stream::{carries_content, SseRewriter, StreamFraming};

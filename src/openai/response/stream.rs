@@ -1,5 +1,6 @@
 //! The framing of a relayed engine stream: whole SSE events only, each with its exact bytes
-//! unless a usage rewrite applies to it, bounded in length; a cut event is dropped.
+//! unless a usage rewrite applies to it, bounded in length; a cut event is dropped. The events
+//! that carry generated content are counted (time to first token, inter-token latency).
 
 use super::rewrite::rewrite_usage_cached;
 use crate::openai::Api;
@@ -84,6 +85,50 @@ fn sequence_number(raw: &[u8]) -> Option<u64> {
     std::str::from_utf8(&digits).ok()?.parse().ok()
 }
 
+/// True when `raw` (one SSE event of an `api` stream, its bytes) carries generated content,
+/// found by a byte search instead of a JSON parse per event: a key of the API's content with
+/// a non-empty value after it: a string (`"content":""` or `null` is not content), an array
+/// for `tool_calls` and `token_ids` (`[]` is not).
+///
+/// - chat: `choices[].delta` `content`, `reasoning` (vLLM 0.32), `reasoning_content` (older
+///   vLLM) or `tool_calls`;
+/// - completions: `choices[].text`;
+/// - Responses: a `delta` (`response.output_text.delta`, `response.reasoning_text.delta`,
+///   `response.function_call_arguments.delta`, ...);
+/// - Messages: a `content_block_delta`'s `text`, `thinking` or `partial_json`
+///   (`signature_delta` is not content);
+/// - generate: `choices[].token_ids`.
+///
+/// The quoted key followed by `:` cannot occur inside a JSON string (its quotes would be
+/// escaped there), so a match is a key. A key spelled with `\u` escapes is not recognised:
+/// vLLM writes its keys plainly.
+pub fn carries_content(api: Api, raw: &[u8]) -> bool {
+    // Each key with what its value opens with: a string (`"`) or an array (`[`).
+    let keys: &[(&[u8], u8)] = match api {
+        Api::Chat => &[
+            (b"\"content\":", b'"'),
+            (b"\"reasoning\":", b'"'),
+            (b"\"reasoning_content\":", b'"'),
+            (b"\"tool_calls\":", b'['),
+        ],
+        Api::Completions => &[(b"\"text\":", b'"')],
+        Api::Responses => &[(b"\"delta\":", b'"')],
+        Api::Messages => &[(b"\"text\":", b'"'), (b"\"thinking\":", b'"'), (b"\"partial_json\":", b'"')],
+        Api::Generate => &[(b"\"token_ids\":", b'[')],
+    };
+    keys.iter().any(|&(key, open)| {
+        memchr::memmem::find_iter(raw, key).any(|at| {
+            let mut value = raw.iter().skip(at + key.len()).copied().skip_while(|b| is_json_ws(*b));
+            match value.next() {
+                // A string's first byte, whitespace included, is content; its closing quote not.
+                Some(b'"') if open == b'"' => value.next().is_some_and(|b| b != b'"'),
+                Some(b'[') if open == b'[' => value.find(|b| !is_json_ws(*b)).is_some_and(|b| b != b']'),
+                _ => false,
+            }
+        })
+    })
+}
+
 /// The framing of a relayed decode stream: only complete events go to the client, each as
 /// soon as its blank line arrives, with their exact bytes (or, given `cached_tokens`, with
 /// `usage.prompt_tokens_details.cached_tokens` set). An event the engine cut by breaking the
@@ -99,6 +144,8 @@ pub struct StreamFraming {
     /// The `sequence_number` an event tokenonce adds to a Responses stream takes: one past
     /// the last passed event's.
     next_sequence: u64,
+    /// Events passed that carry generated content ([`carries_content`]).
+    content_events: u64,
 }
 
 impl StreamFraming {
@@ -117,6 +164,7 @@ impl StreamFraming {
             max_event: usize::MAX,
             overlong: false,
             next_sequence: 0,
+            content_events: 0,
         }
     }
 
@@ -149,8 +197,16 @@ impl StreamFraming {
             if self.api == Api::Responses {
                 self.next_sequence = sequence_number(event.raw()).map_or(self.next_sequence + 1, |n| n + 1);
             }
+            if carries_content(self.api, event.raw()) {
+                self.content_events += 1;
+            }
         }
         out
+    }
+
+    /// How many of the events passed so far carry generated content ([`carries_content`]).
+    pub fn content_events(&self) -> u64 {
+        self.content_events
     }
 
     /// For a Responses stream, the `sequence_number` of an event added after those passed
@@ -263,6 +319,70 @@ mod tests {
         let data: serde_json::Value = serde_json::from_slice(&events[0].data().unwrap()).unwrap();
         assert_eq!(data["usage"]["prompt_tokens_details"]["cached_tokens"], 7);
         assert!(may_hold_usage(br#"{"usage":null}"#) && !may_hold_usage(br#"{"u":"sage"}"#));
+    }
+
+    #[test]
+    fn content_events_are_those_with_generated_text_of_each_api() {
+        let yes: &[(Api, &[u8])] = &[
+            (Api::Chat, br#"data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}"#),
+            (Api::Chat, br#"data: {"choices":[{"index":0,"delta":{"content": " "}}]}"#),
+            (Api::Chat, br#"data: {"choices":[{"index":0,"delta":{"reasoning":" Aircraft"}}]}"#),
+            (Api::Chat, br#"data: {"choices":[{"delta":{"reasoning_content":"so"}}]}"#),
+            (Api::Chat, br#"data: {"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}}]}"#),
+            (Api::Completions, br#"data: {"choices":[{"index":0,"text":"attice","logprobs":null}]}"#),
+            (Api::Responses, b"event: response.output_text.delta\ndata: {\"delta\":\"x\",\"sequence_number\":5}"),
+            (
+                Api::Responses,
+                br#"data: {"content_index":0,"delta":" Aircraft","type":"response.reasoning_text.delta"}"#,
+            ),
+            (Api::Messages, br#"data: {"type":"content_block_delta","delta":{"type":"text_delta","text":"hi"}}"#),
+            (
+                Api::Messages,
+                br#"data: {"type":"content_block_delta","delta":{"type":"thinking_delta","thinking":" A"}}"#,
+            ),
+            (Api::Generate, br#"data: {"choices":[{"index":0,"token_ids":[58845]}]}"#),
+        ];
+        let no: &[(Api, &[u8])] = &[
+            (Api::Chat, br#"data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#),
+            (Api::Chat, br#"data: {"choices":[{"delta":{"content":null},"logprobs":{"content":[{"token":"a"}]}}]}"#),
+            (Api::Chat, br#"data: {"choices":[],"usage":{"prompt_tokens":20,"completion_tokens":5}}"#),
+            (Api::Chat, br#"data: {"choices":[{"delta":{"content":null,"x":"say \"content\":\"x\""}}]}"#),
+            (Api::Chat, br#"data: {"choices":[{"delta":{"tool_calls":[ ]}}]}"#),
+            (Api::Chat, b"data: [DONE]"),
+            (Api::Completions, br#"data: {"choices":[{"text":"","logprobs":{"text_offset":[1]}}]}"#),
+            (Api::Responses, br#"data: {"response":{"output":[],"text":null},"type":"response.created"}"#),
+            (Api::Messages, br#"data: {"type":"content_block_start","content_block":{"type":"text","text":""}}"#),
+            (
+                Api::Messages,
+                br#"data: {"type":"content_block_delta","delta":{"type":"signature_delta","signature":"5"}}"#,
+            ),
+            (Api::Generate, br#"data: {"choices":[{"finish_reason":"length","token_ids":[]}]}"#),
+        ];
+        for (api, raw) in yes {
+            assert!(carries_content(*api, raw), "{api:?}: {}", String::from_utf8_lossy(raw));
+        }
+        for (api, raw) in no {
+            assert!(!carries_content(*api, raw), "{api:?}: {}", String::from_utf8_lossy(raw));
+        }
+    }
+
+    #[test]
+    fn framing_counts_the_content_events_it_passed() {
+        // vLLM's chat stream: a role event with empty content, N content events, usage, [DONE].
+        let stream = "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n\
+            data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n\
+            data: {\"choices\":[{\"delta\":{\"content\":\"b\"}}]}\n\n\
+            data: {\"choices\":[{\"delta\":{\"content\":\"c\"}}]}\n\n\
+            data: {\"choices\":[],\"usage\":{\"completion_tokens\":3}}\n\ndata: [DONE]\n\n";
+        for cut in 0..stream.len() {
+            let mut f = StreamFraming::new(Some(1));
+            f.feed(&stream.as_bytes()[..cut]);
+            f.feed(&stream.as_bytes()[cut..]);
+            assert_eq!(f.content_events(), 3, "cut at {cut}");
+        }
+        let mut f = StreamFraming::new(None).with_event_limit(40);
+        f.feed(stream.as_bytes());
+        assert_eq!(f.content_events(), 0, "the first event is over the limit: nothing passed");
     }
 
     #[test]
