@@ -131,6 +131,21 @@ mod tests {
     }
 
     #[test]
+    fn the_first_entry_that_permits_a_prefiller_decides_its_tls() {
+        let tls = UpstreamTls::new(None, None, None, true);
+        let entry =
+            |a: &str, tls: Option<&UpstreamTls>| AllowedPrefiller { entry: parse_allow(a).unwrap(), tls: tls.cloned() };
+        let r = HeaderRule {
+            allow: vec![entry("prefill.svc:8443", Some(&tls)), entry("prefill.svc", None)],
+            ..rule(&[], &[])
+        };
+        let named = |v: &str| prefiller_from_header(&headers(&[v]), &r, None).unwrap().unwrap();
+        assert_eq!(named("prefill.svc:8443").tls.as_ref(), Some(&tls));
+        assert_eq!(tls.name_for("prefill.svc:8443"), "prefill.svc", "the server name defaults to the named host");
+        assert_eq!(named("prefill.svc:8000").tls, None, "a plain entry: plain HTTP");
+    }
+
+    #[test]
     fn the_header_is_believed_only_from_trusted_peers() {
         let r = rule(&["127.0.0.0/8"], &["10.0.0.0/24"]);
         let h = headers(&["127.0.0.2:8100"]);
