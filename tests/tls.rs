@@ -557,6 +557,8 @@ async fn a_header_named_prefiller_with_an_untrusted_certificate_is_a_typed_502()
     let body: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(body["error"]["code"], "prefill_unavailable", "{text}");
     assert_eq!(body["error"]["type"], "upstream_error", "{text}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("cannot connect"), "reads like any named prefiller's connect failure: {message}");
     assert!(!text.contains("127.0.0.1") && !text.contains(&pf.addr.port().to_string()), "{text}");
     assert!(p.posts().is_empty() && d.posts().is_empty(), "nothing reached an engine");
     let series = r#"tokenonce_upstream_errors_total{kind="tls",stage="prefill"}"#;
@@ -613,4 +615,19 @@ allow = [
     assert!(has("routes[0].prefill.allow[3].match", "required"), "{got:#?}");
     assert_eq!(got.len(), 3, "{got:#?}");
     assert!(err.problems.iter().all(|p| p.line > 0), "each at its place: {got:#?}");
+}
+
+/// The TLS entry `conf/llmd-header.toml` shows commented out is one `tokenonce check`
+/// accepts once its CA file exists, and it dials TLS.
+#[test]
+fn the_llmd_header_examples_tls_entry_loads() {
+    let pki = Pki::new("cluster");
+    let shipped = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/conf/llmd-header.toml")).unwrap();
+    let example = shipped.lines().find(|l| l.trim_start().starts_with("# { match =")).expect("a commented TLS entry");
+    let entry =
+        example.replacen("# ", "", 1).replace("/etc/tokenonce/prefill-ca.pem", &pki.ca_file().display().to_string());
+    let text = shipped.replace(example, &entry);
+    let loaded = tokenonce::config::from_toml(&text, "llmd-header.toml").unwrap();
+    let tls = &loaded.resources.allow_tls["llmd-pd"];
+    assert!(tls[0].is_some() && tls[1..].iter().all(Option::is_none), "{tls:?}");
 }

@@ -479,7 +479,8 @@ pub struct Prefill {
     pub forward_credentials: bool,
 }
 
-/// An allowlist entry written as a table: what it permits and the TLS to dial that with.
+/// `[[routes.prefill.allow]]`: an entry written as a table, inline among the strings or as
+/// an array of tables: what it permits, and the TLS to dial that with.
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(default)]
 pub struct AllowRule {
