@@ -112,6 +112,8 @@ impl PartialEq for UpstreamTls {
     }
 }
 
+impl Eq for UpstreamTls {}
+
 /// The trust settings of a pool's TLS as one value (CA certificates, server name, client
 /// certificate and key, verify), part of the key idle engine connections are kept under: a
 /// connection made under some settings is handed out only under equal ones. Equal exactly

@@ -421,7 +421,13 @@ impl<'de> Deserializer<'de> for NodeDe<'_> {
         fields: &'static [&'static str],
         visitor: V,
     ) -> Result<V::Value, Error> {
-        // Not from a list either, which serde's derive would take field by field.
+        // Not from a list either, which serde's derive would take field by field. A string
+        // goes to the visitor: a derived struct refuses it as before, a type written either
+        // way (an allowlist entry) takes it.
+        if let Kind::Str(s) = &self.node.kind {
+            let result = visitor.visit_str(s);
+            return self.at(result);
+        }
         let Kind::Table(children) = &self.node.kind else {
             return self.at(Err(de::Error::invalid_type(self.node.unexpected(), &visitor)));
         };

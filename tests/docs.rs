@@ -142,6 +142,12 @@ fn probes(section: &str) -> Vec<String> {
                 "{POOLS}{ROUTE}mode = \"orchestrate\"\n[routes.prefill]\nheader = \"x-prefiller-host-port\"\nallow = [\"127.0.0.1\"]\n"
             ),
         ],
+        "routes.prefill.allow" => vec![format!(
+            "{POOLS}{ROUTE}mode = \"orchestrate\"\n[routes.prefill]\nheader = \"x-prefiller-host-port\"\n[[routes.prefill.allow]]\n"
+        )],
+        "routes.prefill.allow.tls" => vec![format!(
+            "{POOLS}{ROUTE}mode = \"orchestrate\"\n[routes.prefill]\nheader = \"x-prefiller-host-port\"\n[[routes.prefill.allow]]\nmatch = \"prefill.test:8443\"\n[routes.prefill.allow.tls]\n"
+        )],
         "pools.NAME" => vec![POOLS.to_owned()],
         "pools.NAME.tls" => vec![format!("{POOLS}[pools.decode.tls]\nserver_name = \"engine.test\"\n")],
         "tracing" => vec![format!("{POOLS}[tracing]\nendpoint = \"http://127.0.0.1:4318/v1/traces\"\n")],
@@ -235,6 +241,8 @@ fn every_documented_key_is_a_key_the_parser_knows() {
             "routes",
             "routes.match",
             "routes.prefill",
+            "routes.prefill.allow",
+            "routes.prefill.allow.tls",
             "cache",
             "tracing"
         ]

@@ -493,3 +493,141 @@ async fn an_mtls_refusal_is_tls_and_never_resent_under_tls_1_2_and_1_3() {
         assert!(engine.posts().is_empty(), "{version:?}");
     }
 }
+
+/// llm-d's shape with TLS to the prefiller: a plain decode pool and a route whose
+/// `x-prefiller-host-port` may name `front` (its allowlist entry dials TLS with `entry_tls`, an
+/// inline table's body) or, by a later plain entry, any other loopback port.
+async fn header_route(front: &TlsFront, entry_tls: &str) -> (FakeVllm, TokenOnce) {
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let config = format!(
+        "[pools.decode]\nendpoints = [\"{}\"]\n\n[[routes]]\nname = \"llmd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\n[routes.prefill]\nheader = \"x-prefiller-host-port\"\nallow = [\n  {{ match = \"{}\", tls = {{ {entry_tls} }} }},\n  \"127.0.0.0/8\",\n]\n[routes.match]\npaths = [\"/v1/chat/completions\"]\n",
+        d.addr, front.addr
+    );
+    (d, TokenOnce::start(&config).await)
+}
+
+/// An allowlist entry's `tls` body trusting `ca` for `engine.test`.
+fn entry_tls(ca: &Path) -> String {
+    format!("ca_file = \"{}\", server_name = \"engine.test\"", ca.display())
+}
+
+/// A chat naming `prefiller` in the header.
+async fn named_chat(proxy: &TokenOnce, prefiller: &str) -> (u16, String) {
+    let url = format!("{}/v1/chat/completions", proxy.url);
+    let (status, _, text) =
+        post_json(&url, &chat_body("named", json!({})), &[("x-prefiller-host-port", prefiller)]).await;
+    (status, text)
+}
+
+/// The header names a prefiller whose allowlist entry has TLS: its prefill goes over TLS and
+/// the decode reuses its ids; a prefiller permitted by a plain entry is still dialled plain.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_header_named_prefiller_gets_its_entrys_tls_and_a_plain_entry_stays_plain() {
+    let pki = Pki::new("cluster");
+    let p = FakeVllm::start(FakeConfig::default()).await;
+    let pf = TlsFront::start(p.addr, &pki.issue("engine", &["engine.test"]), None).await;
+    let (d, proxy) = header_route(&pf, &entry_tls(&pki.ca_file())).await;
+    proxy.wait_ready(200).await;
+    let (status, text) = named_chat(&proxy, &pf.addr.to_string()).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(p.posts().len(), 1, "the prefill reached the engine");
+    assert!(pf.accepted() >= 1 && pf.refused() == 0, "over TLS");
+    assert!(d.posts()[0].json()["kv_transfer_params"]["prompt_token_ids"].is_array());
+    let applied = r#"tokenonce_token_reuse_total{reason="none",result="applied",route="llmd"}"#;
+    proxy.assert_reaches(applied, 1.0).await;
+
+    let plain = FakeVllm::start(FakeConfig::default()).await;
+    let (status, text) = named_chat(&proxy, &plain.host_port()).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(plain.posts().len(), 1, "a plain engine answered: dialled in plain HTTP");
+    proxy.assert_reaches(applied, 2.0).await;
+}
+
+/// A header-named prefiller whose certificate the entry's CA did not sign: the typed 502,
+/// without the address, and nothing reaches the engine.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_header_named_prefiller_with_an_untrusted_certificate_is_a_typed_502() {
+    let (pki, other) = (Pki::new("cluster"), Pki::new("other"));
+    let p = FakeVllm::start(FakeConfig::default()).await;
+    let pf = TlsFront::start(p.addr, &pki.issue("engine", &["engine.test"]), None).await;
+    let (d, proxy) = header_route(&pf, &entry_tls(&other.ca_file())).await;
+    proxy.wait_ready(200).await;
+    let (status, text) = named_chat(&proxy, &pf.addr.to_string()).await;
+    assert_eq!(status, 502, "{text}");
+    let body: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(body["error"]["code"], "prefill_unavailable", "{text}");
+    assert_eq!(body["error"]["type"], "upstream_error", "{text}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("cannot connect"), "reads like any named prefiller's connect failure: {message}");
+    assert!(!text.contains("127.0.0.1") && !text.contains(&pf.addr.port().to_string()), "{text}");
+    assert!(p.posts().is_empty() && d.posts().is_empty(), "nothing reached an engine");
+    let series = r#"tokenonce_upstream_errors_total{kind="tls",stage="prefill"}"#;
+    assert!(proxy.metric(series).await >= 1.0);
+}
+
+/// A prefiller that requires a client certificate gets the one its entry names.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_header_named_prefiller_gets_the_entrys_client_certificate() {
+    let pki = Pki::new("cluster");
+    let client = pki.issue("tokenonce-client", &["tokenonce.client"]);
+    let p = FakeVllm::start(FakeConfig::default()).await;
+    let pf = TlsFront::start(p.addr, &pki.issue("engine", &["engine.test"]), Some(&pki.ca_file())).await;
+    let with_cert = format!(
+        "{}, cert_file = \"{}\", key_file = \"{}\"",
+        entry_tls(&pki.ca_file()),
+        client.cert.display(),
+        client.key.display()
+    );
+    let (_d, proxy) = header_route(&pf, &with_cert).await;
+    proxy.wait_ready(200).await;
+    let (status, text) = named_chat(&proxy, &pf.addr.to_string()).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(p.posts().len(), 1);
+    assert_eq!(pf.refused(), 0, "the handshake carried the client certificate");
+}
+
+/// `tokenonce check` on an allowlist entry's `tls`: a file that does not load at its key, an
+/// IP network verified without a server name, a table without `match`.
+#[test]
+fn check_reports_bad_allowlist_tls_at_its_key() {
+    let text = r#"
+[pools.decode]
+endpoints = ["decode.test:8200"]
+
+[[routes]]
+name = "llmd"
+mode = "orchestrate"
+decode_pool = "decode"
+[routes.prefill]
+header = "x-prefiller-host-port"
+allow = [
+  "10.0.0.0/8:8000",
+  { match = "prefill.test:8443", tls = { ca_file = "/nonexistent/ca.pem" } },
+  { match = "10.1.0.0/16:8443", tls = {} },
+  { tls = {} },
+]
+"#;
+    let err = tokenonce::config::from_toml(text, "t.toml").unwrap_err();
+    let got: Vec<(String, String)> = err.problems.iter().map(|p| (p.key.clone(), p.message.clone())).collect();
+    let has = |key: &str, words: &str| got.iter().any(|(k, m)| k == key && m.contains(words));
+    assert!(has("routes[0].prefill.allow[1].tls.ca_file", "cannot read `/nonexistent/ca.pem`"), "{got:#?}");
+    assert!(has("routes[0].prefill.allow[2].tls.server_name", "IP addresses"), "{got:#?}");
+    assert!(has("routes[0].prefill.allow[3].match", "required"), "{got:#?}");
+    assert_eq!(got.len(), 3, "{got:#?}");
+    assert!(err.problems.iter().all(|p| p.line > 0), "each at its place: {got:#?}");
+}
+
+/// The TLS entry `conf/llmd-header.toml` shows commented out is one `tokenonce check`
+/// accepts once its CA file exists, and it dials TLS.
+#[test]
+fn the_llmd_header_examples_tls_entry_loads() {
+    let pki = Pki::new("cluster");
+    let shipped = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/conf/llmd-header.toml")).unwrap();
+    let example = shipped.lines().find(|l| l.trim_start().starts_with("# { match =")).expect("a commented TLS entry");
+    let entry =
+        example.replacen("# ", "", 1).replace("/etc/tokenonce/prefill-ca.pem", &pki.ca_file().display().to_string());
+    let text = shipped.replace(example, &entry);
+    let loaded = tokenonce::config::from_toml(&text, "llmd-header.toml").unwrap();
+    let tls = &loaded.resources.allow_tls["llmd-pd"];
+    assert!(tls[0].is_some() && tls[1..].iter().all(Option::is_none), "{tls:?}");
+}

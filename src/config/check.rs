@@ -11,7 +11,7 @@ use std::time::Duration;
 use tracing_subscriber::filter::LevelFilter;
 
 use super::file::{Config, Pool, PoolTls, Prefill, Route};
-use super::values::{LocalIdsMode, Mode};
+use super::values::{AllowTarget, LocalIdsMode, Mode};
 use crate::addr::{endpoint_ranks, MAX_RANKS_PER_ENTRY};
 use crate::toml_read::{Doc, Problem};
 
@@ -212,7 +212,9 @@ fn check_pool(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool) {
         }
     }
     if let Some(tls) = &pool.tls {
-        check_pool_tls(ck, &format!("{path}.tls"), tls, &pool.endpoints);
+        let ip = pool.endpoints.iter().find(|e| crate::addr::host_of(e).parse::<IpAddr>().is_ok());
+        let ip = ip.map(|e| format!("endpoint `{e}` is an IP address"));
+        check_pool_tls(ck, &format!("{path}.tls"), tls, ip);
     }
     if pool.local_ids != LocalIdsMode::Off && pool.tokenizer.is_none() {
         ck.at(&format!("{path}.local_ids"), "needs the pool's `tokenizer` (its model folder holds the chat template)");
@@ -223,9 +225,10 @@ fn check_pool(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool) {
     }
 }
 
-/// `[pools.NAME.tls]`: a client certificate with its key, and a name to check when
-/// verification is on and an endpoint is an IP (OpenSSL checks DNS names).
-fn check_pool_tls(ck: &mut Checker<'_, '_>, path: &str, tls: &PoolTls, endpoints: &[String]) {
+/// `[pools.NAME.tls]` (and an allowlist entry's `tls`): a client certificate with its key, and
+/// a name to check when verification is on and the peer is named by IP (`ip`: which, as a
+/// sentence; OpenSSL checks DNS names).
+fn check_pool_tls(ck: &mut Checker<'_, '_>, path: &str, tls: &PoolTls, ip: Option<String>) {
     let name_key = format!("{path}.server_name");
     if let Some(name) = &tls.server_name {
         if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || ".-_*".contains(c)) {
@@ -238,10 +241,8 @@ fn check_pool_tls(ck: &mut Checker<'_, '_>, path: &str, tls: &PoolTls, endpoints
         ck.report(problem);
     }
     if tls.verify && tls.server_name.is_none() {
-        if let Some(ip) = endpoints.iter().find(|e| crate::addr::host_of(e).parse::<IpAddr>().is_ok()) {
-            let why = format!(
-                "endpoint `{ip}` is an IP address: set `server_name` to the DNS name in the engines' certificate"
-            );
+        if let Some(ip) = ip {
+            let why = format!("{ip}: set `server_name` to the DNS name in the engines' certificate");
             let problem = ck.doc.at_table(path, "server_name", why);
             ck.report(problem);
         }
@@ -332,6 +333,18 @@ fn check_prefill(ck: &mut Checker<'_, '_>, config: &Config, path: &str, prefill:
                 let why = "a header prefill needs an allowlist of hosts or CIDRs";
                 let problem = ck.doc.at_table(path, "allow", why);
                 ck.report(problem);
+            }
+            for (j, rule) in prefill.allow.iter().enumerate() {
+                let at = format!("{path}.allow[{j}]");
+                let Some(entry) = &rule.matcher else {
+                    ck.required(&at, "match"); // a bad value: its parse said so
+                    continue;
+                };
+                if let Some(tls) = &rule.tls {
+                    let by_ip = matches!(entry.target(), AllowTarget::Net(_));
+                    let ip = by_ip.then(|| "`match` names IP addresses".to_owned());
+                    check_pool_tls(ck, &format!("{at}.tls"), tls, ip);
+                }
             }
         }
         _ => ck.at(path, "set exactly one of `pool` or `header`"),

@@ -463,9 +463,12 @@ pub struct Prefill {
     /// Header carrying one `host:port`, e.g. `x-prefiller-host-port`.
     pub header: Option<String>,
     /// Hosts or CIDRs the header may name, each optionally with `:port` or `:port-port`
-    /// (`10.0.0.0/8:8000`, `prefill.svc:8000-8009`; IPv6 in brackets, `[fd00::/8]:8000`)
-    /// (required with `header`).
-    pub allow: Vec<AllowEntry>,
+    /// (`10.0.0.0/8:8000`, `prefill.svc:8000-8009`; IPv6 in brackets, `[fd00::/8]:8000`),
+    /// dialled in plain HTTP; or a table with its TLS, `{ match = "prefill.svc:8443", tls = {
+    /// ca_file = "/etc/tokenonce/ca.pem" } }`. The first entry that permits the named address
+    /// decides how it is dialled (required with `header`).
+    #[serde(deserialize_with = "super::values::allow_list")]
+    pub allow: Vec<AllowRule>,
     /// CIDRs of the peers (the gateway) whose header is believed; others get 403
     /// `prefiller_header_untrusted` (none: any peer).
     pub trusted_sources: Vec<Net>,
@@ -474,6 +477,20 @@ pub struct Prefill {
     /// Default: `false`.
     /// That host is less trusted than a configured pool.
     pub forward_credentials: bool,
+}
+
+/// `[[routes.prefill.allow]]`: an entry written as a table, inline among the strings or as
+/// an array of tables: what it permits, and the TLS to dial that with.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(default)]
+pub struct AllowRule {
+    /// Host or CIDR with optional ports, as a string entry reads (required).
+    #[serde(rename = "match")]
+    pub matcher: Option<AllowEntry>,
+    /// TLS to the prefillers it permits, the keys of `[pools.NAME.tls]`; the server name
+    /// defaults to the host the header names (required with verification when `match` is a
+    /// network) (none: plain HTTP).
+    pub tls: Option<PoolTls>,
 }
 
 /// `[cache]`: shared by every relay route with `relay_handoff = "cache"`; ids are stored as

@@ -11,7 +11,9 @@ pub mod values;
 
 pub use crate::toml_read::Problem;
 pub use check::{MAX_ANSWER_MS, MAX_LEG_MS};
-pub use file::{Cache, Config, Defaults, Match, Pool, PoolTls, Prefill, Route, Server, ServerTls, Tracing, Upstream};
+pub use file::{
+    AllowRule, Cache, Config, Defaults, Match, Pool, PoolTls, Prefill, Route, Server, ServerTls, Tracing, Upstream,
+};
 pub use resources::{AdminToken, PoolResources, Resources};
 pub use values::{
     parse_allow, AllowEntry, AllowTarget, Balance, ClientHandoff, LocalIdsMode, LogFormat, Mode, ModelGlob, Net,

@@ -1,6 +1,7 @@
 //! What a config's paths name, loaded: the admin token, the TLS listener's certificate, each
-//! pool's TLS material and tokenizer. The one place config loading reads files; `tokenonce
-//! check` runs it too, and a file that does not load is a problem at its key.
+//! pool's TLS material and tokenizer, the TLS of header-named prefillers. The one place config
+//! loading reads files; `tokenonce check` runs it too, and a file that does not load is a
+//! problem at its key.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -23,6 +24,9 @@ pub struct Resources {
     pub server_identity: Option<Identity>,
     /// Per pool name.
     pub pools: BTreeMap<String, PoolResources>,
+    /// Per route name: the TLS of each entry of its header prefill's allowlist, in order
+    /// (`None`: plain HTTP).
+    pub allow_tls: BTreeMap<String, Vec<Option<UpstreamTls>>>,
 }
 
 /// What one pool's paths name.
@@ -92,7 +96,16 @@ pub(super) fn load(config: &Config, doc: &Doc<'_>, problems: &mut Vec<Problem>) 
         };
         pools.insert(name.clone(), PoolResources { tls, tokenizer, template });
     }
-    Resources { admin_token, server_identity, pools }
+    let mut allow_tls = BTreeMap::new();
+    for (i, route) in config.routes.iter().enumerate() {
+        let Some(prefill) = route.prefill.as_ref().filter(|p| p.header.is_some()) else { continue };
+        let entries = prefill.allow.iter().enumerate().map(|(j, rule)| {
+            let path = format!("routes[{i}].prefill.allow[{j}].tls");
+            rule.tls.as_ref().and_then(|t| pool_tls(&path, t, &mut fail))
+        });
+        allow_tls.insert(route.name.clone(), entries.collect());
+    }
+    Resources { admin_token, server_identity, pools, allow_tls }
 }
 
 /// A certificate and key loaded from their files: a file that cannot be read is a problem at
@@ -125,7 +138,7 @@ fn chat_template(tokenizer: &Path) -> Result<Arc<ChatTemplate>, String> {
         .map_err(|e| format!("cannot render locally with `{}`: {e}", folder.display()))
 }
 
-/// `[pools.NAME.tls]`'s CA bundle and client certificate.
+/// `[pools.NAME.tls]`'s (or an allowlist entry's `tls`) CA bundle and client certificate.
 fn pool_tls(path: &str, t: &PoolTls, fail: &mut impl FnMut(&str, String)) -> Option<UpstreamTls> {
     let ca_key = format!("{path}.ca_file");
     let ca = match &t.ca_file {

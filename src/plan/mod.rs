@@ -14,7 +14,7 @@ mod tests;
 
 use bytes::Bytes;
 
-pub use prefiller::{prefiller_from_header, HeaderRule};
+pub use prefiller::{prefiller_from_header, AllowedPrefiller, HeaderRule, NamedPrefiller};
 
 pub use crate::config::ClientHandoff;
 use crate::config::{RelayHandoff, ReuseShare, Version};

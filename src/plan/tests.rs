@@ -472,16 +472,18 @@ fn relay_decode_asks_the_version_only_when_ids_could_apply() {
 #[test]
 fn the_prefiller_header_is_planned_before_any_leg() {
     use crate::config::parse_allow;
+    use crate::plan::AllowedPrefiller;
     let rule = HeaderRule {
         name: "x-prefiller-host-port".into(),
-        allow: vec![parse_allow("127.0.0.0/8").unwrap()],
+        allow: vec![AllowedPrefiller { entry: parse_allow("127.0.0.0/8").unwrap(), tls: None }],
         trusted_sources: Vec::new(),
         forward_credentials: false,
     };
     let mut headers = http::HeaderMap::new();
     assert_eq!(prefiller_from_header(&headers, &rule, None), Ok(None));
     headers.insert("x-prefiller-host-port", "127.0.0.2:8100".parse().unwrap());
-    assert_eq!(prefiller_from_header(&headers, &rule, None), Ok(Some("127.0.0.2:8100".into())));
+    let named = prefiller_from_header(&headers, &rule, None).map(|n| n.map(|n| n.addr));
+    assert_eq!(named, Ok(Some("127.0.0.2:8100".into())));
 }
 
 /// Orchestrate routes own the handoff: a client's transfer fields are stripped or refused.

@@ -96,11 +96,15 @@ impl ProxyError {
     }
 
     /// The same failure with every connect cause reading alike (for prefillers a client names:
-    /// refused, timed out and unresolvable must not tell a port scan apart).
+    /// refused, timed out, unresolvable and a refused TLS handshake must not tell a port scan
+    /// apart; the log and `kind="tls"` still do).
     pub fn uniform_connect(self) -> Self {
         match self {
             Self::Upstream { leg, source: UpstreamError::Connect { addr, detail, .. } } => {
                 Self::Upstream { leg, source: UpstreamError::Connect { addr, cause: "cannot connect", detail } }
+            }
+            Self::Upstream { leg, source: UpstreamError::Tls { addr, detail, .. } } => {
+                Self::Upstream { leg, source: UpstreamError::Tls { addr, cause: "cannot connect", detail } }
             }
             other => other,
         }

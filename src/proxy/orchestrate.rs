@@ -145,7 +145,7 @@ fn prefiller(route: &Route, headers: &HeaderMap, peer: Option<IpAddr>) -> Result
             Ok(Some(Prefiller { endpoint: upstream::pick(pool, Leg::Prefill)?, named: false }))
         }
         Some(PrefillTarget::Header(rule)) => Ok(prefiller_from_header(headers, rule, peer)?
-            .map(|addr| Prefiller { endpoint: upstream::named_endpoint(addr), named: true })),
+            .map(|n| Prefiller { endpoint: upstream::named_endpoint(n.addr, n.tls), named: true })),
         None => Ok(None),
     }
 }

@@ -13,10 +13,10 @@ use http::HeaderMap;
 
 pub use state::{BudgetRule, RouteState};
 
-use crate::config::{Config, Match, Mode, ParityPolicy, Resources, Route as RouteSpec};
+use crate::config::{AllowRule, Config, Match, Mode, ParityPolicy, Resources, Route as RouteSpec};
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::parity::RouteParity;
-use crate::plan::{ClientHandoff, HeaderRule, ReusePolicy};
+use crate::plan::{AllowedPrefiller, ClientHandoff, HeaderRule, ReusePolicy};
 use crate::upstream::{Pool, RetryBudget};
 
 /// The facts a route is chosen on.
@@ -214,6 +214,15 @@ impl RouteTable {
     }
 }
 
+/// A header prefill's allowlist with each entry's loaded TLS (a rule without `match` was
+/// refused by the checks).
+fn allowed_prefillers(resources: &Resources, route: &str, rules: &[AllowRule]) -> Vec<AllowedPrefiller> {
+    let tls = resources.allow_tls.get(route);
+    let tls_of = |j: usize| tls.and_then(|t| t.get(j)).cloned().flatten();
+    let entries = rules.iter().enumerate();
+    entries.filter_map(|(j, r)| Some(AllowedPrefiller { entry: r.matcher.clone()?, tls: tls_of(j) })).collect()
+}
+
 /// What every route of one table is built from.
 struct Built<'a> {
     config: &'a Config,
@@ -239,7 +248,7 @@ impl Built<'_> {
                 (Some(pool), _) => Some(PrefillTarget::Pool(self.pool(pool, &spec.name)?)),
                 (None, Some(header)) => Some(PrefillTarget::Header(HeaderRule {
                     name: header.to_ascii_lowercase(),
-                    allow: p.allow.clone(),
+                    allow: allowed_prefillers(self.resources, &spec.name, &p.allow),
                     trusted_sources: p.trusted_sources.iter().map(|n| n.0).collect(),
                     forward_credentials: p.forward_credentials,
                 })),

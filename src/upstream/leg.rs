@@ -49,9 +49,10 @@ pub fn pick(pool: &Pool, leg: Leg) -> Result<Picked, LegError> {
     pool.pick().ok_or(LegError::NoEndpoint(leg))
 }
 
-/// A header-named engine, as a one-off endpoint (not in any pool, never ejected).
-pub fn named_endpoint(addr: String) -> Picked {
-    Picked::new(Arc::new(Endpoint::new(addr)))
+/// A header-named engine, as a one-off endpoint (not in any pool, never ejected), reached
+/// with its allowlist entry's TLS.
+pub fn named_endpoint(addr: String, tls: Option<crate::tls::UpstreamTls>) -> Picked {
+    Picked::new(Arc::new(Endpoint::with_tls(addr, tls)))
 }
 
 /// The endpoints a pool leg may fail over to: others of its pool, not tried yet, while its

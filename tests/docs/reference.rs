@@ -105,7 +105,13 @@ fn walk(
     if !keys.is_empty() {
         // The struct's doc opens with the table's header, which the section's title shows.
         let own = plain(&doc_lines(&item.attrs).join(" "));
-        let own = own.strip_prefix(&format!("`{header}`")).unwrap_or(&own).trim_start_matches(':').trim();
+        let own = match own.strip_prefix(&format!("`{header}`")) {
+            Some(rest) => rest.trim_start_matches(':').trim(),
+            // A struct another table reuses (a pool's `tls` under an allowlist entry): its doc
+            // speaks of that table, the field's doc of this one.
+            None if own.starts_with("`[") => "",
+            None => own.trim(),
+        };
         let intro: Vec<String> =
             [plain(&field_doc), own.to_owned()].into_iter().filter(|t| !t.is_empty()).map(capitalized).collect();
         out.push(Section { path: path.to_owned(), header, intro: intro.join(" "), keys });
