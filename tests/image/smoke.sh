@@ -52,8 +52,10 @@ done
 
 # 2. The server on the embedded default, alone in its network namespace.
 fake_pid=""
+metrics_file=""
 cleanup() {
   [ -n "$fake_pid" ] && kill "$fake_pid" 2>/dev/null
+  [ -n "$metrics_file" ] && rm -f "$metrics_file"
   "${PODMAN[@]}" rm -f -t 0 "$NAME" >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
@@ -92,10 +94,13 @@ say "server up as uid $uid: /healthz and /readyz 200 (engines found healthy)"
 body='{"model":"tiny-qwen3","messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"Hello there!"}],"max_tokens":5,"temperature":0}'
 answer=$(in_ns curl -s --max-time 10 -w '\n%{http_code}' -H 'content-type: application/json' -d "$body" \
   http://127.0.0.1:8000/v1/chat/completions) || { logs; die "chat request: curl failed"; }
-metrics=$(in_ns curl -s --max-time 5 http://127.0.0.1:9000/metrics)
-python3 - "$LOG" "$ROOT/tests/fixtures/vllm/chat_prefill.json" "$answer" "$metrics" <<'EOF' || { logs; die "proxied request"; }
+# The scrape goes through a file: it is larger than one argument may be (128 KiB).
+metrics_file=$(mktemp)
+in_ns curl -s --max-time 5 http://127.0.0.1:9000/metrics >"$metrics_file"
+python3 - "$LOG" "$ROOT/tests/fixtures/vllm/chat_prefill.json" "$answer" "$metrics_file" <<'EOF' || { logs; die "proxied request"; }
 import json, sys
-log, prefill_fixture, answer, metrics = sys.argv[1:5]
+log, prefill_fixture, answer, metrics_file = sys.argv[1:5]
+metrics = open(metrics_file).read()
 text, status = answer.rsplit("\n", 1)
 assert status == "200", f"chat answered {status}: {text[:300]}"
 reply = json.loads(text)["choices"][0]["message"]["reasoning"]
