@@ -9,9 +9,11 @@
 //! it and checks it is what `#[default]` gives), then why that default.
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::de::Visitor;
+use serde::{Deserialize, Deserializer};
 use smart_default::SmartDefault;
 
 use super::duration;
@@ -467,7 +469,7 @@ pub struct Prefill {
     /// dialled in plain HTTP; or a table with its TLS, `{ match = "prefill.svc:8443", tls = {
     /// ca_file = "/etc/tokenonce/ca.pem" } }`. The first entry that permits the named address
     /// decides how it is dialled (required with `header`).
-    #[serde(deserialize_with = "super::values::allow_list")]
+    #[serde(deserialize_with = "allow_list")]
     pub allow: Vec<AllowRule>,
     /// CIDRs of the peers (the gateway) whose header is believed; others get 403
     /// `prefiller_header_untrusted` (none: any peer).
@@ -491,6 +493,36 @@ pub struct AllowRule {
     /// defaults to the host the header names (required with verification when `match` is a
     /// network) (none: plain HTTP).
     pub tls: Option<PoolTls>,
+}
+
+/// `routes.prefill.allow`: each entry a string (plain HTTP) or an [`AllowRule`] table.
+fn allow_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<AllowRule>, D::Error> {
+    /// One entry, either way.
+    struct Either(AllowRule);
+
+    impl<'de> Deserialize<'de> for Either {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_struct("AllowRule", &["match", "tls"], EitherVisitor).map(Either)
+        }
+    }
+
+    struct EitherVisitor;
+
+    impl<'de> Visitor<'de> for EitherVisitor {
+        type Value = AllowRule;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a host or CIDR, or a table with `match` and `tls`")
+        }
+        fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<AllowRule, E> {
+            let entry = AllowEntry::try_from(text.to_owned()).map_err(E::custom)?;
+            Ok(AllowRule { matcher: Some(entry), tls: None })
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<AllowRule, A::Error> {
+            AllowRule::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+        }
+    }
+
+    Ok(Vec::<Either>::deserialize(d)?.into_iter().map(|e| e.0).collect())
 }
 
 /// `[cache]`: shared by every relay route with `relay_handoff = "cache"`; ids are stored as

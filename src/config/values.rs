@@ -10,8 +10,6 @@ use ipnet::IpNet;
 use serde::de::{Deserializer, Visitor};
 use serde::Deserialize;
 
-use super::file::AllowRule;
-
 /// How a pool picks an endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -300,36 +298,6 @@ impl TryFrom<String> for AllowEntry {
     fn try_from(text: String) -> Result<Self, String> {
         parse_allow(&text).ok_or_else(|| format!("`{text}` is not a host or CIDR with an optional :port or :port-port"))
     }
-}
-
-/// `routes.prefill.allow`: each entry a string (plain HTTP) or an [`AllowRule`] table.
-pub(super) fn allow_list<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<AllowRule>, D::Error> {
-    /// One entry, either way.
-    struct Either(AllowRule);
-
-    impl<'de> Deserialize<'de> for Either {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            d.deserialize_struct("AllowRule", &["match", "tls"], EitherVisitor).map(Either)
-        }
-    }
-
-    struct EitherVisitor;
-
-    impl<'de> Visitor<'de> for EitherVisitor {
-        type Value = AllowRule;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("a host or CIDR, or a table with `match` and `tls`")
-        }
-        fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<AllowRule, E> {
-            let entry = AllowEntry::try_from(text.to_owned()).map_err(E::custom)?;
-            Ok(AllowRule { matcher: Some(entry), tls: None })
-        }
-        fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<AllowRule, A::Error> {
-            AllowRule::deserialize(serde::de::value::MapAccessDeserializer::new(map))
-        }
-    }
-
-    Ok(Vec::<Either>::deserialize(d)?.into_iter().map(|e| e.0).collect())
 }
 
 /// Parses an allowlist entry: a CIDR, a bare IP (as a /32 or /128) or a host name.
