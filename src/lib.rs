@@ -25,8 +25,8 @@
 //! - `openai`: the wire protocol as pure functions on bytes (the API, request view,
 //!   rewrites, handoff extraction, prompt-id validation, fallback reasons, error bodies).
 //! - `config`: the TOML file as typed data, checked, with what it names loaded; the embedded default.
-//! - `render`: chat and completion prompts rendered as vLLM renders them (pure);
-//!   `kvhash`: vLLM's prefix-cache block hashes from a request's ids (pure).
+//! - `render`: chat and completion prompts rendered as vLLM renders them (pure).
+//! - `kv`: vLLM's prefix-cache block hashes from a request's ids, and which endpoint holds which blocks.
 //! - `sse`: incremental SSE framing; `addr`: `host:port` and rank-naming pool entries;
 //!   `tls`: certificates from files, the TLS listener's certificate, pools' upstream TLS;
 //!   `toml_read`: TOML text into serde types with every problem at its key and line:column;
@@ -63,7 +63,7 @@ pub mod build {
     );
 }
 pub mod handoff;
-pub mod kvhash;
+pub mod kv;
 pub mod local;
 pub mod metrics;
 pub mod openai;

