@@ -17,6 +17,13 @@ pub trait PrefixHolders: Send + Sync {
     /// unknown.
     fn held(&self, endpoint: &str, chain: &[BlockHash]) -> usize;
 
+    /// A request whose prompt has `chain` was just sent to `endpoint`: the approximate source
+    /// remembers it; the events source expects the engine to report these blocks stored and
+    /// checks the hashes it then reports against them.
+    fn sent(&self, endpoint: &str, chain: &[BlockHash]) {
+        let _ = (endpoint, chain);
+    }
+
     /// False while this source must not be believed (events stale, or cache-aware choice
     /// turned off after a hash mismatch): choice then falls to the next source.
     fn usable(&self) -> bool {
