@@ -156,6 +156,34 @@ assert all(":" in i for i in images), f"{rendered}: an image without a tag: {ima
 # Registry-qualified: the first path part names a registry host (has a dot or a port).
 assert all("." in i.split("/")[0] or ":" in i.split("/")[0] for i in images if "/" in i) and all("/" in i for i in images), \
     f"{rendered}: an image not registry-qualified: {images}"
+# Every container of every workload requests and limits CPU and memory.
+workloads = [d for d in docs if d["kind"] in ("Deployment", "Job")]
+for w in workloads:
+    spec = w["spec"]["template"]["spec"]
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        for side in ("requests", "limits"):
+            missing = {"cpu", "memory"} - set(c.get("resources", {}).get(side, {}))
+            assert not missing, f"{rendered}: {w['metadata']['name']}/{c['name']}: no {side} for {missing}"
+# The model folder tokenonce's pools read is the one the decode engine serves (same volume and
+# sub-path), and the Job downloads into that sub-path.
+decode = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "vllm-decode")
+dspec = decode["spec"]["template"]["spec"]
+def mount_at(container, path):
+    m = next((m for m in container.get("volumeMounts", []) if m["mountPath"] == path), None)
+    assert m, f"{rendered}: {container['name']} mounts nothing at {path}"
+    return m["name"], m.get("subPath", "")
+config = tomllib.loads(text)
+folders = {p["tokenizer"] for p in config["pools"].values() if "tokenizer" in p}
+assert folders, f"{rendered}: no pool names the model folder"
+engine = next(c for c in dspec["containers"] if c["name"] == "vllm-decode")
+sidecar = next(c for c in dspec["containers"] if c["name"] == "tokenonce")
+for folder in folders:
+    assert engine["args"][0] == folder, f"{rendered}: the engine serves {engine['args'][0]}, tokenonce reads {folder}"
+    assert mount_at(engine, folder) == mount_at(sidecar, folder), f"{rendered}: {folder} differs between containers"
+    job = next(d for d in docs if d["kind"] == "Job")
+    sub_path = mount_at(sidecar, folder)[1]
+    assert f'/{sub_path}"' in job["spec"]["template"]["spec"]["containers"][0]["args"][0], \
+        f"{rendered}: the Job does not fill {sub_path}"
 print(f"[k8s] {os.path.basename(rendered)}: {len(docs)} resources valid, tokenonce check passed")
 PY
 done
