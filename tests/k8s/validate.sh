@@ -55,7 +55,7 @@ if [ ! -x "$VENV/bin/kubernetes-validate" ]; then
 fi
 if [ ! -d "$PROM_MODELS/node_modules/@kubernetes-models/prometheus-operator" ]; then
   echo "[k8s] installing @kubernetes-models/prometheus-operator $PROM_MODELS_VERSION (npm)"
-  mkdir -p "$PROM_MODELS.part"
+  rm -rf "$PROM_MODELS.part" && mkdir -p "$PROM_MODELS.part"
   npm install --silent --no-audit --no-fund --prefix "$PROM_MODELS.part" \
     "@kubernetes-models/prometheus-operator@$PROM_MODELS_VERSION" >/dev/null
   rm -rf "$PROM_MODELS" && mv "$PROM_MODELS.part" "$PROM_MODELS"
@@ -95,10 +95,8 @@ for (const doc of docs) {
 }
 process.exit(failed ? 1 : 0);
 JS
-validate_monitoring() {
-  NODE_PATH="$PROM_MODELS/node_modules" node "$OUT/validate-monitoring.mjs" "$1"
-}
-# ESM resolves packages from the script's folder up, not NODE_PATH: link them beside it.
+validate_monitoring() { node "$OUT/validate-monitoring.mjs" "$1"; }
+# An ES module finds packages in node_modules beside it or above (not NODE_PATH): link them.
 ln -sfn "$PROM_MODELS/node_modules" "$OUT/node_modules"
 echo '[{"apiVersion":"monitoring.coreos.com/v1","kind":"PodMonitor","metadata":{"name":"refused"},
   "spec":{"selector":{},"podMetricsEndpoints":[{"port":9000}]}},
