@@ -3,6 +3,7 @@
 //!
 //! The rooms, from the top down (a room imports only rooms below it); ARCHITECTURE.md is
 //! the one-page map, docs/contributing.md walks the request path:
+//! - `drain`: `tokenonce drain`, the client of the admin listener's `/drain` (a preStop hook).
 //! - `server`: wiring a loaded config into a pingora server (listeners, TLS, admin, upkeep,
 //!   SIGHUP); `reload`: the config file read again and swapped in whole, or rejected.
 //! - `proxy`: pingora glue: the client edge, reading and dispatching API requests, the
@@ -38,6 +39,7 @@ mod labels;
 pub mod addr;
 pub mod app;
 pub mod config;
+pub mod drain;
 
 /// What this binary is: its version and the build facts `build.rs` recorded, as
 /// `tokenonce --version` prints them and `tokenonce_build_info` labels them.

@@ -1,11 +1,16 @@
 //! The Kubernetes manifests (conf/k8s/): the base's prefill and decode pools fit together (the
-//! Service tokenonce's prefill leg calls selects the prefill pods on the engine's port, both
-//! engines speak NIXL on their pod IP), the decode pod's tokenonce config passes `tokenonce check`
-//! and matches its mounts, ports and probes, its shutdown timings fit the grace period, and the
-//! llm-d overlay's config passes too. Rendering with kustomize and the Kubernetes schemas:
+//! headless Service tokenonce's prefill leg calls selects the prefill pods on the engine's port,
+//! both engines speak NIXL on their pod IP), the decode pod's tokenonce config passes `tokenonce
+//! check` and matches its mounts, ports, probes and drain hook, its shutdown timings fit the
+//! grace period, the model volume is the one engines and tokenonce share, every container has
+//! requests and limits, each pool has its disruption budget, spread, network policy and
+//! monitor, the PrometheusRule is conf/prometheus/alerts.yml, and the llm-d overlay's config
+//! passes too. Rendering with kustomize and the Kubernetes and Prometheus Operator schemas:
 //! tests/k8s/validate.sh (CI).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -89,18 +94,18 @@ fn port_number(container: &Yaml, port: &Yaml) -> u64 {
 }
 
 /// Seconds a preStop hook waits: the native `sleep` action, `exec: [sleep, N]`, or
-/// tokenonce's admin `GET /drain?wait_seconds=N`.
+/// `exec: [tokenonce, ..., drain, --wait-seconds, N]`.
 fn prestop_seconds(container: &Yaml) -> u64 {
     let hook = &container["lifecycle"]["preStop"];
     if let Some(s) = hook["sleep"]["seconds"].as_u64() {
         return s;
     }
-    if let Some(path) = hook["httpGet"]["path"].as_str() {
-        assert!(path.starts_with("/drain?"), "an httpGet preStop must call /drain: {path}");
-        return path.split("wait_seconds=").nth(1).and_then(|v| v.parse().ok()).expect("wait_seconds");
-    }
     let cmd: Vec<&str> =
-        hook["exec"]["command"].as_sequence().expect("a preStop sleep").iter().filter_map(Yaml::as_str).collect();
+        hook["exec"]["command"].as_sequence().expect("a preStop exec").iter().filter_map(Yaml::as_str).collect();
+    if cmd.contains(&"drain") {
+        let at = cmd.iter().position(|w| *w == "--wait-seconds").expect("drain --wait-seconds");
+        return cmd[at + 1].parse().expect("--wait-seconds N");
+    }
     let n = cmd.iter().rev().find_map(|w| w.parse::<u64>().ok());
     assert!(cmd.iter().any(|w| w.contains("sleep")), "preStop must sleep: {cmd:?}");
     n.expect("preStop sleep seconds")
@@ -149,15 +154,26 @@ fn assert_selects(service: &Yaml, deploy: &Yaml) {
     }
 }
 
-/// `tokenonce check` on `toml_text`, its admin token file replaced by a copy of `token`.
+/// `tokenonce check` on `toml_text`, with the pod's files it names made here: its admin token
+/// file a copy of `token`, its model folder (every pool's `tokenizer`) a small model with a
+/// tokenizer and chat template, so local ids and the parity watch load as in the pod.
 fn check_config(toml_text: &str, token: &str) {
     let config: toml::Table = toml::from_str(toml_text).unwrap();
     let token_path = config["server"]["admin_token_file"].as_str().expect("server.admin_token_file");
     let dir = tempfile::tempdir().unwrap();
     let token_copy = dir.path().join("token");
     std::fs::write(&token_copy, token).unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    support::write_local_model(&model);
+    let mut text = toml_text.replace(token_path, path_str(&token_copy));
+    for pool in config["pools"].as_table().expect("[pools]").values() {
+        if let Some(folder) = pool.get("tokenizer").and_then(toml::Value::as_str) {
+            text = text.replace(&format!("\"{folder}\""), &format!("\"{}\"", path_str(&model)));
+        }
+    }
     let file = dir.path().join("tokenonce.toml");
-    std::fs::write(&file, toml_text.replace(token_path, path_str(&token_copy))).unwrap();
+    std::fs::write(&file, text).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_tokenonce")).args(["check", path_str(&file)]).output().unwrap();
     assert!(
         out.status.success(),
@@ -205,16 +221,29 @@ fn base_decode_pod_is_valid_and_stops_within_its_grace_period() {
     let deploy = named(&docs, "Deployment", "vllm-decode");
     let pod = &deploy["spec"]["template"];
     let tokenonce = containers(deploy).iter().find(|c| c["name"] == "tokenonce").expect("a container named tokenonce");
-    assert_eq!(tokenonce["image"], "tokenonce", "the image kustomization.yaml `images:` sets");
-    let engine = containers(deploy)
-        .iter()
-        .find(|c| c["image"].as_str().is_some_and(|i| i.starts_with("vllm/vllm-openai")))
-        .expect("a vllm/vllm-openai container");
+    let engine = containers(deploy).iter().find(|c| c["name"] == "vllm-decode").expect("the engine container");
 
-    // The preStop hook authenticates with the Secret's token, mounted where the config reads it.
-    let headers = tokenonce["lifecycle"]["preStop"]["httpGet"]["httpHeaders"].as_sequence().expect("preStop headers");
-    let bearer = headers.iter().find(|h| h["name"] == "Authorization").and_then(|h| h["value"].as_str());
-    assert_eq!(bearer, Some(format!("Bearer {token}").as_str()), "the /drain hook must send the admin token");
+    // The image is registry-qualified, its tag set by kustomization.yaml `images:` under the
+    // name the manifest writes (so `kustomize edit set image` moves it).
+    let image = tokenonce["image"].as_str().unwrap();
+    let (name, _tag) = image.rsplit_once(':').expect("a tagged image");
+    assert!(name.split('/').next().unwrap().contains('.'), "a registry host: {image}");
+    let kustomization = &yaml_documents(&repo("conf/k8s/base/kustomization.yaml"))[0];
+    let entry = kustomization["images"].as_sequence().unwrap().iter().find(|i| i["name"] == name);
+    assert_eq!(entry.expect("an images: entry")["newTag"], env!("CARGO_PKG_VERSION"), "the release's image");
+
+    // The preStop hook is the image's binary draining with the config it runs on, which names
+    // the token file, mounted from the Secret: no token in the manifest.
+    let hook: Vec<&str> = tokenonce["lifecycle"]["preStop"]["exec"]["command"]
+        .as_sequence()
+        .expect("an exec preStop")
+        .iter()
+        .filter_map(Yaml::as_str)
+        .collect();
+    assert_eq!(hook[0], "/usr/local/bin/tokenonce", "the image's binary (Dockerfile, no shell)");
+    let hook_config = hook.iter().position(|w| *w == "--config").map(|at| hook[at + 1]);
+    assert!(hook.contains(&"drain"), "{hook:?}");
+    assert!(!read(&repo("conf/k8s/base/decode.yaml")).contains(&token), "the token is in no manifest");
     let volume_of = |dir: &Path| {
         let mount = tokenonce["volumeMounts"]
             .as_sequence()
@@ -237,6 +266,7 @@ fn base_decode_pod_is_valid_and_stops_within_its_grace_period() {
     let at = args.iter().position(|a| *a == "--config").expect("--config");
     let config_path = Path::new(args[at + 1]);
     assert_eq!(config_path.file_name().and_then(|f| f.to_str()), Some("tokenonce.toml"));
+    assert_eq!(hook_config, Some(args[at + 1]), "the drain hook reads the running config");
     let volume = volume_of(config_path.parent().unwrap());
     assert_eq!(volume["configMap"]["name"], map["metadata"]["name"], "the volume is the ConfigMap");
 
@@ -276,6 +306,14 @@ fn base_decode_pod_is_valid_and_stops_within_its_grace_period() {
     assert!(decode.starts_with("127.0.0.1:"));
     assert_nixl(engine);
 
+    // The engine and tokenonce mount the same model folder, which the engine serves and the
+    // config's pools take their tokenizer from (local ids on, the parity watch sampling).
+    let model_dir = config["pools"]["decode"]["tokenizer"].as_str().expect("pools.decode.tokenizer");
+    assert_eq!(engine["args"][0].as_str(), Some(model_dir), "the engine serves the model folder");
+    assert_eq!(model_mount(deploy, engine, model_dir), model_mount(deploy, tokenonce, model_dir));
+    assert_eq!(config["pools"]["prefill"]["tokenizer"].as_str(), Some(model_dir));
+    assert_eq!(config["pools"]["prefill"]["local_ids"].as_str(), Some("on"));
+    assert!(config["routes"][0]["parity_sample"].as_float().unwrap() > 0.0, "the parity watch samples");
     // The decode Service sends clients to tokenonce's listener.
     let service = named(&docs, "Service", "vllm-decode");
     assert_eq!(port_number(tokenonce, &service["spec"]["ports"][0]["targetPort"]), port_of(listen));
@@ -284,7 +322,7 @@ fn base_decode_pod_is_valid_and_stops_within_its_grace_period() {
 }
 
 /// The prefill pool is what tokenonce's prefill leg calls: the pool's endpoint is the prefill
-/// Service by name and port, the Service selects the prefill pods and targets the port the
+/// Service by name and port, the Service is headless and selects the prefill pods and targets the port the
 /// engine listens on (all interfaces: it is reached through the Service), the engine speaks NIXL,
 /// and its preStop keeps it up through the endpoint update and the 30 s KV lease.
 #[test]
@@ -308,6 +346,10 @@ fn base_prefill_pool_is_the_service_tokenonce_calls() {
     let to = ports.iter().find(|p| p["port"].as_u64() == Some(port)).expect("the Service port tokenonce calls");
     let engine_port: u64 = engine_arg(engine, "--port").parse().unwrap();
     assert_eq!(port_number(engine, &to["targetPort"]), engine_port);
+    // Headless: the name resolves to the pods themselves, so the port tokenonce calls is the
+    // engine's own, not one kube-proxy maps.
+    assert_eq!(service["spec"]["clusterIP"], "None", "one address per prefill pod");
+    assert_eq!(port, engine_port);
     assert_eq!(engine_arg(engine, "--host"), "0.0.0.0");
     assert_nixl(engine);
     for probe in ["startupProbe", "readinessProbe", "livenessProbe"] {
@@ -346,4 +388,176 @@ fn llm_d_overlay_config_passes_check_and_keeps_the_base_server() {
         routes.iter().any(|r| r["prefill"]["header"].as_str() == Some("x-prefiller-host-port")),
         "a route takes its prefiller from llm-d's header"
     );
+}
+
+/// The claim and sub-path mounted at `dir` in `container` of `deploy`'s pods (read-only).
+fn model_mount(deploy: &Yaml, container: &Yaml, dir: &str) -> (String, String) {
+    let mount = container["volumeMounts"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .find(|m| m["mountPath"] == dir)
+        .unwrap_or_else(|| panic!("{} mounts nothing at {dir}", container["name"].as_str().unwrap()));
+    assert_eq!(mount["readOnly"], true, "the model is read-only in the pods");
+    let volume = deploy["spec"]["template"]["spec"]["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .expect("the mounted volume");
+    let claim = volume["persistentVolumeClaim"]["claimName"].as_str().expect("a PVC").to_owned();
+    (claim, mount["subPath"].as_str().unwrap_or_default().to_owned())
+}
+
+/// Both pools serve the model from the one volume the Job fills: the prefill engine mounts the
+/// decode pod's claim and folder, the claim exists, and the Job writes that folder, its
+/// Hugging Face token from a Secret reference.
+#[test]
+fn base_model_volume_is_shared_by_both_pools_and_filled_by_the_job() {
+    let docs = kustomize_base("conf/k8s/base");
+    let decode = named(&docs, "Deployment", "vllm-decode");
+    let prefill = named(&docs, "Deployment", "vllm-prefill");
+    let decode_engine = containers(decode).iter().find(|c| c["name"] == "vllm-decode").unwrap();
+    let prefill_engine = &containers(prefill)[0];
+    let dir = decode_engine["args"][0].as_str().unwrap();
+    let (claim, sub_path) = model_mount(decode, decode_engine, dir);
+    assert_eq!(model_mount(prefill, prefill_engine, dir), (claim.clone(), sub_path.clone()));
+    assert_eq!(prefill_engine["args"][0].as_str(), Some(dir));
+    for engine in [decode_engine, prefill_engine] {
+        assert_eq!(engine_arg(engine, "--served-model-name"), engine_arg(decode_engine, "--served-model-name"));
+    }
+    named(&docs, "PersistentVolumeClaim", &claim);
+
+    let job = named(&docs, "Job", "model-download");
+    let pod = &job["spec"]["template"]["spec"];
+    let download = &pod["containers"][0];
+    let mount = &download["volumeMounts"][0];
+    let volume = pod["volumes"].as_sequence().unwrap().iter().find(|v| v["name"] == mount["name"]).unwrap();
+    assert_eq!(volume["persistentVolumeClaim"]["claimName"].as_str(), Some(claim.as_str()));
+    let script = download["args"][0].as_str().unwrap();
+    let target = format!("{}/{sub_path}", mount["mountPath"].as_str().unwrap());
+    assert!(script.contains(&format!("local_dir=\"{target}\"")), "the Job fills {target}: {script}");
+    let env = download["env"].as_sequence().unwrap();
+    let hf = env.iter().find(|e| e["name"] == "HF_TOKEN").expect("HF_TOKEN");
+    assert_eq!(hf["valueFrom"]["secretKeyRef"]["name"], "hf-token");
+}
+
+/// Every container of every workload requests and limits CPU and memory; GPU engines request
+/// and limit their GPU alike.
+#[test]
+fn base_every_container_has_requests_and_limits() {
+    let docs = kustomize_base("conf/k8s/base");
+    let mut seen = 0;
+    for workload in docs.iter().filter(|d| d["kind"] == "Deployment" || d["kind"] == "Job") {
+        let spec = &workload["spec"]["template"]["spec"];
+        for c in spec["containers"].as_sequence().into_iter().chain(spec["initContainers"].as_sequence()).flatten() {
+            let name = c["name"].as_str().unwrap();
+            for side in ["requests", "limits"] {
+                for resource in ["cpu", "memory"] {
+                    assert!(!c["resources"][side][resource].is_null(), "{name}: no {side}.{resource}");
+                }
+            }
+            assert_eq!(
+                c["resources"]["requests"]["nvidia.com/gpu"], c["resources"]["limits"]["nvidia.com/gpu"],
+                "{name}"
+            );
+            seen += 1;
+        }
+    }
+    assert_eq!(seen, 4, "two engines, tokenonce, the model Job");
+}
+
+/// Each pool has a PodDisruptionBudget that lets a drain evict one pod at a time (never none:
+/// one replica with minAvailable 1 would block drains), spreads over nodes and zones, has a
+/// NetworkPolicy, and is scraped: tokenonce on its admin port, vLLM on each pod's `http` port
+/// (the prefill engine itself; on a decode pod tokenonce, passing /metrics to its engine).
+#[test]
+fn base_pools_have_budgets_spread_policies_and_monitors() {
+    let docs = kustomize_base("conf/k8s/base");
+    let selects = |selector: &Yaml, pod: &Yaml| {
+        let labels = &pod["spec"]["template"]["metadata"]["labels"];
+        let by_labels = selector["matchLabels"].as_mapping().into_iter().flatten().all(|(k, v)| &labels[k] == v);
+        let by_exprs = selector["matchExpressions"].as_sequence().into_iter().flatten().all(|e| {
+            e["operator"] == "In" && e["values"].as_sequence().unwrap().contains(&labels[e["key"].as_str().unwrap()])
+        });
+        by_labels && by_exprs
+    };
+    for pool in ["vllm-prefill", "vllm-decode"] {
+        let deploy = named(&docs, "Deployment", pool);
+        let pdb = named(&docs, "PodDisruptionBudget", pool);
+        assert!(selects(&pdb["spec"]["selector"], deploy), "{pool}: the PDB selects the pool");
+        assert_eq!(pdb["spec"]["maxUnavailable"], 1, "{pool}");
+        let spread = deploy["spec"]["template"]["spec"]["topologySpreadConstraints"].as_sequence().expect("spread");
+        let keys: Vec<&str> = spread.iter().filter_map(|t| t["topologyKey"].as_str()).collect();
+        assert_eq!(keys, ["kubernetes.io/hostname", "topology.kubernetes.io/zone"], "{pool}");
+        assert!(spread.iter().all(|t| selects(&t["labelSelector"], deploy)), "{pool}: spread counts its own pods");
+        let policy = named(&docs, "NetworkPolicy", pool);
+        assert!(selects(&policy["spec"]["podSelector"], deploy), "{pool}");
+        let vllm = named(&docs, "PodMonitor", "vllm");
+        assert!(selects(&vllm["spec"]["selector"], deploy), "{pool}: vLLM's metrics scraped");
+        let port = vllm["spec"]["podMetricsEndpoints"][0]["port"].as_str().unwrap();
+        assert!(
+            containers(deploy).iter().any(|c| c["ports"]
+                .as_sequence()
+                .into_iter()
+                .flatten()
+                .any(|p| p["name"] == port)),
+            "{pool}: a container port named {port}"
+        );
+    }
+    let decode = named(&docs, "Deployment", "vllm-decode");
+    let tokenonce = containers(decode).iter().find(|c| c["name"] == "tokenonce").unwrap();
+    let monitor = named(&docs, "PodMonitor", "tokenonce");
+    assert!(selects(&monitor["spec"]["selector"], decode));
+    assert_eq!(monitor["spec"]["podMetricsEndpoints"][0]["port"], "admin");
+    assert_eq!(port_number(tokenonce, &Yaml::from("admin")), 9000);
+    assert_eq!(monitor["spec"]["podMetricsEndpoints"][0]["path"], "/metrics");
+
+    // The decode policy opens tokenonce's client port to all and its admin port to the
+    // monitoring namespace only; the prefill policy admits the decode pods.
+    let rules = named(&docs, "NetworkPolicy", "vllm-decode")["spec"]["ingress"].as_sequence().unwrap();
+    let open =
+        |port: &str| rules.iter().find(|r| r["ports"].as_sequence().into_iter().flatten().any(|p| p["port"] == port));
+    assert!(open("http").unwrap()["from"].is_null(), "clients reach tokenonce from anywhere");
+    let admin_from = &open("admin").unwrap()["from"][0]["namespaceSelector"]["matchLabels"];
+    assert_eq!(admin_from["kubernetes.io/metadata.name"], "monitoring");
+    let prefill_rules = named(&docs, "NetworkPolicy", "vllm-prefill")["spec"]["ingress"].as_sequence().unwrap();
+    assert!(
+        prefill_rules
+            .iter()
+            .any(|r| r["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "vllm-decode"
+                && r["ports"].is_null()),
+        "decode pods reach the prefill pods on every port (HTTP, NIXL side channel, UCX)"
+    );
+}
+
+/// The PrometheusRule carries exactly the groups of conf/prometheus/alerts.yml (what `promtool`
+/// tests). `TOKENONCE_BLESS=1 cargo test --test kubernetes` rewrites it from that file.
+#[test]
+fn prometheus_rule_is_the_alerts_file() {
+    let alerts = &yaml_documents(&repo("conf/prometheus/alerts.yml"))[0];
+    let path = repo("conf/k8s/base/prometheus-rule.yaml");
+    if std::env::var_os("TOKENONCE_BLESS").is_some_and(|v| v == "1") {
+        let mut spec = serde_yaml_ng::Mapping::new();
+        spec.insert("groups".into(), alerts["groups"].clone());
+        let rule: Yaml = serde_yaml_ng::from_str(
+            "apiVersion: monitoring.coreos.com/v1\nkind: PrometheusRule\nmetadata:\n  name: tokenonce\n  labels:\n    \
+             app.kubernetes.io/name: vllm-decode\n    app.kubernetes.io/component: tokenonce\n",
+        )
+        .unwrap();
+        let mut rule = rule.as_mapping().unwrap().clone();
+        rule.insert("spec".into(), Yaml::Mapping(spec));
+        let header = "# conf/prometheus/alerts.yml as a PrometheusRule for the Prometheus Operator (your Prometheus\n\
+                      # selects rules by label: add its ruleSelector's). Generated: edit alerts.yml, then\n\
+                      # `TOKENONCE_BLESS=1 cargo test --test kubernetes`; tests/kubernetes.rs keeps them equal.\n";
+        std::fs::write(&path, format!("{header}{}", serde_yaml_ng::to_string(&rule).unwrap())).unwrap();
+    }
+    let rule = &yaml_documents(&path)[0];
+    assert_eq!(rule["kind"], "PrometheusRule");
+    assert_eq!(
+        rule["spec"]["groups"], alerts["groups"],
+        "prometheus-rule.yaml differs from conf/prometheus/alerts.yml: TOKENONCE_BLESS=1 cargo test --test kubernetes"
+    );
+    let base = &yaml_documents(&repo("conf/k8s/base/kustomization.yaml"))[0];
+    assert!(base["resources"].as_sequence().unwrap().iter().any(|r| r == "prometheus-rule.yaml"));
 }

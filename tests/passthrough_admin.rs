@@ -32,6 +32,25 @@ async fn other_paths_are_proxied_byte_for_byte() {
     assert!(p.posts().is_empty(), "passthrough never touches the prefill");
 }
 
+/// GET /metrics on the client listener is the decode engine's, not tokenonce's: it matches no
+/// route and passes to the engine, which is how the Kubernetes PodMonitor `vllm` scrapes an
+/// engine listening on loopback only (conf/k8s/base/monitoring.yaml). tokenonce's own series
+/// stay on the admin listener.
+#[tokio::test(flavor = "multi_thread")]
+async fn client_listener_metrics_are_the_decode_engines() {
+    let (_p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    d.forget();
+    let via = reqwest::get(format!("{}/metrics", proxy.url)).await.unwrap();
+    let direct = reqwest::get(format!("http://{}/metrics", d.host_port())).await.unwrap();
+    assert_eq!(via.status(), direct.status());
+    let (via, direct) = (via.text().await.unwrap(), direct.text().await.unwrap());
+    assert_eq!(via, direct, "the engine's answer, unchanged");
+    assert!(!via.contains("tokenonce_build_info"), "{via}");
+    let scrapes = d.requests().into_iter().filter(|r| r.method == "GET" && r.path == "/metrics").count();
+    assert_eq!(scrapes, 2, "both reached the engine: through tokenonce and directly");
+    assert!(proxy.metrics().await.contains("tokenonce_build_info"), "tokenonce's own on the admin listener");
+}
+
 /// A passthrough route on an API path forwards the body unchanged (no P/D).
 #[tokio::test(flavor = "multi_thread")]
 async fn passthrough_routes_skip_pd() {

@@ -14,7 +14,7 @@ pub use check::{MAX_ANSWER_MS, MAX_LEG_MS};
 pub use file::{
     AllowRule, Cache, Config, Defaults, Match, Pool, PoolTls, Prefill, Route, Server, ServerTls, Tracing, Upstream,
 };
-pub use resources::{AdminToken, PoolResources, Resources};
+pub use resources::{AdminToken, MissingFiles, PoolResources, Resources, SkippedFile};
 pub use values::{
     parse_allow, AllowEntry, AllowTarget, Balance, ClientHandoff, LocalIdsMode, LogFormat, Mode, ModelGlob, Net,
     OnClientGone, OnPrefillFailure, OtlpProtocol, ParityPolicy, RelayHandoff, ReuseShare, Version,
@@ -48,7 +48,7 @@ impl Config {
     /// # Errors
     /// [`ConfigError`] listing every problem found, in file order.
     pub fn from_toml(text: &str, source_name: &str) -> Result<Self, ConfigError> {
-        read(text, source_name, false).map(|loaded| loaded.config)
+        read(text, source_name, None).map(|loaded| loaded.config)
     }
 }
 
@@ -57,7 +57,7 @@ impl Config {
 /// # Errors
 /// [`ConfigError`] listing every problem found, in file order.
 pub fn from_toml(text: &str, source_name: &str) -> Result<Loaded, ConfigError> {
-    read(text, source_name, true)
+    read(text, source_name, Some(MissingFiles::Problem))
 }
 
 /// Reads, checks and loads a file.
@@ -65,9 +65,18 @@ pub fn from_toml(text: &str, source_name: &str) -> Result<Loaded, ConfigError> {
 /// # Errors
 /// [`ConfigError`] with one problem when the file cannot be read, else every problem found.
 pub fn load(path: &std::path::Path) -> Result<Loaded, ConfigError> {
+    load_with(path, MissingFiles::Problem)
+}
+
+/// [`load`], with files the config names that do not exist treated as `missing` says
+/// (`tokenonce check --skip-missing-files`); skipped ones are in [`Resources::skipped`].
+///
+/// # Errors
+/// As [`load`].
+pub fn load_with(path: &std::path::Path, missing: MissingFiles) -> Result<Loaded, ConfigError> {
     let name = path.display().to_string();
     match std::fs::read_to_string(path) {
-        Ok(text) => from_toml(&text, &name),
+        Ok(text) => read(&text, &name, Some(missing)),
         Err(e) => Err(ConfigError {
             source_name: name,
             problems: vec![Problem { line: 0, column: 0, key: String::from("(file)"), message: e.to_string() }],
@@ -83,13 +92,16 @@ pub fn embedded_default() -> Result<Loaded, ConfigError> {
     from_toml(DEFAULT_TOML, "<embedded default>")
 }
 
-/// Parse, check and (with `with_resources`) load: every problem of the three in one list.
-fn read(text: &str, source_name: &str, with_resources: bool) -> Result<Loaded, ConfigError> {
+/// Parse, check and (with `resources`, treating missing files so) load: every problem of the
+/// three in one list.
+fn read(text: &str, source_name: &str, resources: Option<MissingFiles>) -> Result<Loaded, ConfigError> {
     let (config, mut problems, doc) = crate::toml_read::read::<Config>(text);
     let loaded = config.map(|config| {
         check::check(&config, &doc, &mut problems);
-        let resources =
-            if with_resources { resources::load(&config, &doc, &mut problems) } else { Resources::default() };
+        let resources = match resources {
+            Some(missing) => resources::load(&config, &doc, &mut problems, missing),
+            None => Resources::default(),
+        };
         Loaded { config, resources }
     });
     match loaded {

@@ -27,6 +27,29 @@ pub struct Resources {
     /// Per route name: the TLS of each entry of its header prefill's allowlist, in order
     /// (`None`: plain HTTP).
     pub allow_tls: BTreeMap<String, Vec<Option<UpstreamTls>>>,
+    /// Files not loaded because they do not exist ([`MissingFiles::Skip`] only), in config order.
+    pub skipped: Vec<SkippedFile>,
+}
+
+/// What loading does with a file the config names that does not exist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MissingFiles {
+    /// A problem at its key (a start, a reload, plain `tokenonce check`).
+    #[default]
+    Problem,
+    /// Skipped and listed in [`Resources::skipped`]: `tokenonce check --skip-missing-files`,
+    /// a pod's config (Secret and model volume paths) checked outside the pod. A file that
+    /// exists is loaded and checked as always.
+    Skip,
+}
+
+/// A file the config names, skipped because it does not exist.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SkippedFile {
+    /// The key naming it (`server.admin_token_file`, `pools.NAME.tokenizer`, ...).
+    pub key: String,
+    /// The path, as written.
+    pub path: String,
 }
 
 /// What one pool's paths name.
@@ -47,13 +70,21 @@ pub struct AdminToken(String);
 impl AdminToken {
     /// The token in `path`: the file's text without surrounding white space, at least 16
     /// printable characters (a guessable token protects nothing).
-    fn read(path: &str) -> Result<Self, String> {
+    ///
+    /// # Errors
+    /// Why the file holds no token, naming the path.
+    pub fn read(path: &str) -> Result<Self, String> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read `{path}`: {e}"))?;
         let token = text.trim();
         if token.len() < 16 || token.chars().any(|c| !c.is_ascii_graphic()) {
             return Err(format!("`{path}` must hold one token of at least 16 printable characters"));
         }
         Ok(Self(token.to_owned()))
+    }
+
+    /// The `Authorization` header value that carries it (what `tokenonce drain` sends).
+    pub fn bearer(&self) -> String {
+        format!("Bearer {}", self.0)
     }
 
     /// True when `presented` is the token (compared in time independent of where they differ).
@@ -69,26 +100,48 @@ impl fmt::Debug for AdminToken {
     }
 }
 
-/// Loads what `config` names; what does not load is a problem at its key.
-pub(super) fn load(config: &Config, doc: &Doc<'_>, problems: &mut Vec<Problem>) -> Resources {
+/// Loads what `config` names; what does not load is a problem at its key (with
+/// [`MissingFiles::Skip`], a file that does not exist is skipped instead, and listed).
+pub(super) fn load(config: &Config, doc: &Doc<'_>, problems: &mut Vec<Problem>, missing: MissingFiles) -> Resources {
     let mut fail = |path: &str, why: String| problems.push(doc.at_value(path, why));
+    let mut skipped = Vec::new();
+    // True when every named file is there to load (or missing ones are problems); else
+    // records each missing one and the caller skips what they make up.
+    let mut present = |files: &[(&str, Option<&str>)]| {
+        let gone = files
+            .iter()
+            .filter_map(|(key, path)| path.map(|p| (key, p)))
+            .filter(|(_, path)| missing == MissingFiles::Skip && !Path::new(path).exists());
+        let gone: Vec<SkippedFile> =
+            gone.map(|(key, path)| SkippedFile { key: (*key).to_owned(), path: path.to_owned() }).collect();
+        let all_there = gone.is_empty();
+        skipped.extend(gone);
+        all_there
+    };
     let server = &config.server;
     let admin_token = server
         .admin_token_file
         .as_deref()
+        .filter(|path| present(&[("server.admin_token_file", Some(path))]))
         .and_then(|path| AdminToken::read(path).map_err(|why| fail("server.admin_token_file", why)).ok());
     let server_identity = server.tls.as_ref().and_then(|t| {
         let keys = ["server.tls.cert_file", "server.tls.key_file"];
-        identity(&t.cert_file, &t.key_file, keys, &mut fail)
+        let files = [(keys[0], Some(t.cert_file.as_str())), (keys[1], Some(t.key_file.as_str()))];
+        present(&files).then(|| identity(&t.cert_file, &t.key_file, keys, &mut fail)).flatten()
     });
     let mut pools = BTreeMap::new();
     for (name, pool) in &config.pools {
-        let tokenizer = pool.tokenizer.as_deref().and_then(|path| {
+        let tokenizer_key = format!("pools.{name}.tokenizer");
+        let tokenizer_path = pool.tokenizer.as_deref().filter(|path| present(&[(&tokenizer_key, Some(path))]));
+        let tokenizer = tokenizer_path.and_then(|path| {
             let loaded = Tokenizer::load(Path::new(path)).map(Arc::new);
-            loaded.map_err(|why| fail(&format!("pools.{name}.tokenizer"), why)).ok()
+            loaded.map_err(|why| fail(&tokenizer_key, why)).ok()
         });
-        let tls = pool.tls.as_ref().and_then(|t| pool_tls(&format!("pools.{name}.tls"), t, &mut fail));
-        let template = match (&pool.tokenizer, pool.local_ids) {
+        let tls = pool.tls.as_ref().and_then(|t| {
+            let at = format!("pools.{name}.tls");
+            present(&tls_files(&at, t).each()).then(|| pool_tls(&at, t, &mut fail)).flatten()
+        });
+        let template = match (tokenizer_path, pool.local_ids) {
             (Some(path), LocalIdsMode::Shadow | LocalIdsMode::On) => {
                 chat_template(Path::new(path)).map_err(|why| fail(&format!("pools.{name}.local_ids"), why)).ok()
             }
@@ -101,11 +154,32 @@ pub(super) fn load(config: &Config, doc: &Doc<'_>, problems: &mut Vec<Problem>) 
         let Some(prefill) = route.prefill.as_ref().filter(|p| p.header.is_some()) else { continue };
         let entries = prefill.allow.iter().enumerate().map(|(j, rule)| {
             let path = format!("routes[{i}].prefill.allow[{j}].tls");
-            rule.tls.as_ref().and_then(|t| pool_tls(&path, t, &mut fail))
+            rule.tls
+                .as_ref()
+                .and_then(|t| present(&tls_files(&path, t).each()).then(|| pool_tls(&path, t, &mut fail)).flatten())
         });
         allow_tls.insert(route.name.clone(), entries.collect());
     }
-    Resources { admin_token, server_identity, pools, allow_tls }
+    Resources { admin_token, server_identity, pools, allow_tls, skipped }
+}
+
+/// The files of a `tls` table with their keys.
+struct TlsFiles<'a> {
+    keys: [String; 3],
+    paths: [Option<&'a str>; 3],
+}
+
+impl TlsFiles<'_> {
+    fn each(&self) -> Vec<(&str, Option<&str>)> {
+        self.keys.iter().map(String::as_str).zip(self.paths).collect()
+    }
+}
+
+fn tls_files<'a>(at: &str, t: &'a PoolTls) -> TlsFiles<'a> {
+    TlsFiles {
+        keys: [format!("{at}.ca_file"), format!("{at}.cert_file"), format!("{at}.key_file")],
+        paths: [t.ca_file.as_deref(), t.cert_file.as_deref(), t.key_file.as_deref()],
+    }
 }
 
 /// A certificate and key loaded from their files: a file that cannot be read is a problem at
