@@ -222,7 +222,9 @@ pub struct Pool {
     /// joins unhealthy and is probed in the same upkeep round (healthy endpoints are chosen
     /// first), one that stays keeps its state (health, ejection, version), one that leaves is
     /// chosen no more while the requests it holds finish. A failed lookup or an empty answer
-    /// keeps the last set. Until the first answer the pool has no endpoint.
+    /// keeps the last set. Until the first answer the pool has no endpoint. For example
+    /// `discover = "vllm-prefill:8000"` in a pod (its search list completes the name), one
+    /// endpoint per ready prefill pod.
     pub discover: Option<String>,
     /// How often `discover` is looked up, ms (100 to 600000); a lookup runs at the first
     /// upkeep round (every `upstream.health_interval_ms`) after this has passed.

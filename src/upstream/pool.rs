@@ -624,6 +624,46 @@ mod tests {
         assert_eq!(p.pick().unwrap().ejection().unwrap().name, "p");
     }
 
+    /// A discovered pool's members follow each answer: those that stay are the same
+    /// endpoints (their ejection and health), newcomers join unhealthy, leavers are chosen no
+    /// more while a request holding one keeps it counted in flight until it ends.
+    #[test]
+    fn replacing_members_keeps_those_that_stay_and_lets_leavers_finish() {
+        let text = "[pools.p]\ndiscover = \"engines.test:8000#0-1\"\n[defaults]\npassthrough_pool = \"p\"\n";
+        let config = crate::config::Config::from_toml(text, "t").unwrap();
+        let pool = Pool::new("p", &config.pools["p"], &PoolResources::default(), rule(1));
+        assert!(pool.endpoints().is_empty() && pool.pick().is_none(), "no member before the first answer");
+        let at = |ip: &str| -> std::net::SocketAddr { format!("{ip}:8000").parse().unwrap() };
+        let first = pool.replace_members(&[at("127.0.0.3"), at("127.0.0.2"), at("127.0.0.2")]);
+        let names: Vec<String> = pool.endpoints().iter().map(|e| e.name.clone()).collect();
+        assert_eq!(names, ["127.0.0.2:8000#0", "127.0.0.2:8000#1", "127.0.0.3:8000#0", "127.0.0.3:8000#1"]);
+        assert_eq!((first.joined.len(), first.left.len()), (4, 0));
+        let now = Instant::now();
+        let staying = Arc::clone(&pool.endpoints()[2]);
+        staying.set_healthy(true);
+        assert!(staying.request_failed(now, pool.ejection_rule()));
+        let leaver = pool.pick_named("127.0.0.2:8000#0").unwrap();
+
+        let second = pool.replace_members(&[at("127.0.0.3"), at("127.0.0.4")]);
+        assert_eq!(
+            second.left.iter().map(|e| e.name.as_str()).collect::<Vec<_>>(),
+            ["127.0.0.2:8000#0", "127.0.0.2:8000#1"]
+        );
+        assert_eq!(second.joined.len(), 2);
+        assert!(second.joined.iter().all(|e| !e.is_healthy()), "newcomers join unhealthy");
+        let kept = pool.endpoints().iter().find(|e| e.name == "127.0.0.3:8000#0").cloned().unwrap();
+        assert!(Arc::ptr_eq(&kept, &staying), "the same endpoint");
+        assert!(kept.is_healthy() && kept.is_ejected(now) && pool.ejected(now) == 1, "with its state");
+        assert_eq!(leaver.endpoint().inflight(), 1, "the leaver's request still holds it");
+        for _ in 0..8 {
+            assert!(!pool.pick_at(now, &[]).unwrap().name().starts_with("127.0.0.2"), "a leaver is chosen no more");
+        }
+        let gone = Arc::clone(leaver.endpoint());
+        drop(leaver);
+        assert_eq!(gone.inflight(), 0);
+        assert_eq!(pool.member_addrs(), [at("127.0.0.3"), at("127.0.0.4")]);
+    }
+
     /// `upstream.eject_base_ms` sets how long a pool's endpoints stay ejected: the first
     /// ejection lasts it, the next one twice as long.
     #[test]
