@@ -37,7 +37,7 @@ struct Dns {
 impl Dns {
     /// Starts dnsmasq answering [`NAME`] with `ips`, on a free port (bounded: 10 tries, each
     /// waiting up to 10 s for it to have read the hosts file).
-    fn start(ips: &[&str]) -> Self {
+    async fn start(ips: &[&str]) -> Self {
         let id = |flag: &str| String::from_utf8(Command::new("id").arg(flag).output().unwrap().stdout).unwrap();
         let (user, group) = (id("-un"), id("-gn"));
         for _ in 0..10 {
@@ -67,7 +67,7 @@ impl Dns {
                 }
             });
             let dns = Self { child, addr: SocketAddr::from(([127, 0, 0, 1], port)), hosts, log, _dir: dir };
-            if dns.wait_reads(1) {
+            if dns.wait_reads(1).await {
                 return dns;
             }
             // Not up (its port taken, most likely): killed on drop; another port.
@@ -77,7 +77,7 @@ impl Dns {
     }
 
     /// Waits (bounded: 10 s) until dnsmasq has read its hosts file `n` times; false if not.
-    fn wait_reads(&self, n: usize) -> bool {
+    async fn wait_reads(&self, n: usize) -> bool {
         let deadline = Instant::now() + Duration::from_secs(10);
         let hosts = self.hosts.display().to_string();
         while Instant::now() < deadline {
@@ -85,19 +85,19 @@ impl Dns {
             if reads >= n {
                 return true;
             }
-            std::thread::sleep(Duration::from_millis(20));
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
         false
     }
 
     /// Publishes `ips` under [`NAME`] (none: the name has no address) and waits until dnsmasq
     /// read them.
-    fn publish(&self, ips: &[&str]) {
+    async fn publish(&self, ips: &[&str]) {
         let before = self.log.lock().unwrap().iter().filter(|l| l.contains("read ")).count();
         write_hosts(&self.hosts, ips);
         let status = Command::new("kill").arg("-HUP").arg(self.child.id().to_string()).status().unwrap();
         assert!(status.success());
-        assert!(self.wait_reads(before + 1), "dnsmasq did not read its hosts file again");
+        assert!(self.wait_reads(before + 1).await, "dnsmasq did not read its hosts file again");
     }
 
     /// Stops the server: lookups fail from now on.
@@ -204,7 +204,7 @@ async fn wait_members(proxy: &TokenOnce, want: &[String]) {
 async fn members_follow_the_name_and_those_that_stay_keep_their_state() {
     let (port, [a, b, c]) = engines(["127.0.0.2", "127.0.0.3", "127.0.0.4"], FakeConfig::default()).await;
     let decode = FakeVllm::start(FakeConfig::default()).await;
-    let dns = Dns::start(&["127.0.0.2"]);
+    let dns = Dns::start(&["127.0.0.2"]).await;
     let extra = "eject_after_failures = 1\neject_base_ms = 120000\n";
     let proxy = proxy(&dns, &config(&format!("{NAME}:{port}"), &decode, ""), extra).await;
     let (ea, eb, ec) = (a.host_port(), b.host_port(), c.host_port());
@@ -226,7 +226,7 @@ async fn members_follow_the_name_and_those_that_stay_keep_their_state() {
         assert!(Instant::now() < deadline, "the held prefill never reached a");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    dns.publish(&["127.0.0.3", "127.0.0.4"]);
+    dns.publish(&["127.0.0.3", "127.0.0.4"]).await;
     wait_members(&proxy, &[eb.clone(), ec.clone()]).await;
     assert!(!held.is_finished(), "precondition: the held prefill is still in flight when its endpoint leaves");
     proxy.wait_health("prefill", &eb, true).await;
@@ -247,7 +247,7 @@ async fn members_follow_the_name_and_those_that_stay_keep_their_state() {
         assert_eq!(chat(&proxy).await.0, 200, "a failed prefill fails over to c");
     }
     b.configure(|f| f.fail_with = None);
-    dns.publish(&["127.0.0.2", "127.0.0.3", "127.0.0.4"]);
+    dns.publish(&["127.0.0.2", "127.0.0.3", "127.0.0.4"]).await;
     wait_members(&proxy, &[ea.clone(), eb.clone(), ec.clone()]).await;
     assert_eq!(proxy.metric(ENDPOINTS).await, 3.0);
     assert_eq!(proxy.metric(EJECTED).await, 1.0, "b stayed in the name and kept its ejection");
@@ -266,11 +266,11 @@ async fn members_follow_the_name_and_those_that_stay_keep_their_state() {
 async fn a_dns_failure_or_an_empty_answer_keeps_the_last_set() {
     let (port, [a]) = engines(["127.0.0.2"], FakeConfig::default()).await;
     let decode = FakeVllm::start(FakeConfig::default()).await;
-    let mut dns = Dns::start(&["127.0.0.2"]);
+    let mut dns = Dns::start(&["127.0.0.2"]).await;
     let proxy = proxy(&dns, &config(&format!("{NAME}:{port}"), &decode, ""), "").await;
     proxy.wait_health("prefill", &a.host_port(), true).await;
 
-    dns.publish(&[]);
+    dns.publish(&[]).await;
     assert!(proxy.metric_reaches_within(&lookups("empty"), 1.0, Duration::from_secs(10)).await >= 1.0);
     assert_eq!(proxy.metric(ENDPOINTS).await, 1.0, "an empty answer keeps the last set");
     assert_eq!(chat(&proxy).await.0, 200);
@@ -294,7 +294,7 @@ async fn ranks_expand_per_address_and_a_reload_keeps_the_discovered_set() {
     let ranked = FakeConfig { dp_size: 2, ..FakeConfig::default() };
     let (port, [a, b]) = engines(["127.0.0.2", "127.0.0.3"], ranked).await;
     let decode = FakeVllm::start(FakeConfig::default()).await;
-    let mut dns = Dns::start(&["127.0.0.2", "127.0.0.3"]);
+    let mut dns = Dns::start(&["127.0.0.2", "127.0.0.3"]).await;
     let text = config(&format!("{NAME}:{port}#0-1"), &decode, "");
     let proxy = proxy(&dns, &text, "").await;
     let names: Vec<String> =
