@@ -199,7 +199,7 @@ label_enum! {
 
 label_enum! {
     /// Result of one lookup of a discovered pool's DNS name (`discovery_lookups_total{result}`).
-    Lookup {
+    DnsLookup {
         /// Addresses came back: they are the pool's members now.
         Ok => "ok",
         /// The lookup failed (no server answered, an error, no answer in time): the last set stays.

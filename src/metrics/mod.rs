@@ -17,7 +17,7 @@ mod series;
 
 use labels::{api_label, API_LABELS};
 pub use labels::{
-    served_as, CacheLookup, ErrorKind, Eviction, FallbackReason, FollowUp, Leg, Listener, LocalIdsResult, Lookup,
+    served_as, CacheLookup, DnsLookup, ErrorKind, Eviction, FallbackReason, FollowUp, Leg, Listener, LocalIdsResult,
     Outcome, ParityResult, Release, Reload, SpanExport, Stage, TimeoutStage,
 };
 pub use series::{EndpointMetrics, FirstBytes, ParityMetrics, RouteMetrics};
@@ -676,11 +676,13 @@ impl Metrics {
 
     /// Creates a discovered pool's lookup series (zeros instead of gaps).
     pub fn discovered_pool(&self, pool: &str) {
-        Lookup::ALL.iter().for_each(|r| drop(self.upstreams.discovery_lookups.with_label_values(&[pool, r.as_str()])));
+        DnsLookup::ALL
+            .iter()
+            .for_each(|r| drop(self.upstreams.discovery_lookups.with_label_values(&[pool, r.as_str()])));
     }
 
     /// Counts one lookup of `pool`'s DNS name.
-    pub fn discovery_lookup(&self, pool: &str, result: Lookup) {
+    pub fn discovery_lookup(&self, pool: &str, result: DnsLookup) {
         self.upstreams.discovery_lookups.with_label_values(&[pool, result.as_str()]).inc();
     }
 
@@ -719,7 +721,7 @@ impl Metrics {
     pub fn forget_pool(&self, pool: &str) {
         let _ = self.upstreams.upstream_ejected.remove_label_values(&[pool]);
         let _ = self.upstreams.pool_endpoints.remove_label_values(&[pool]);
-        for result in Lookup::ALL {
+        for result in DnsLookup::ALL {
             let _ = self.upstreams.discovery_lookups.remove_label_values(&[pool, result.as_str()]);
         }
     }

@@ -22,7 +22,7 @@ use hickory_resolver::TokioResolver;
 
 use super::homes::ResponseHomes;
 use super::pool::Pool;
-use crate::metrics::{Lookup, Metrics};
+use crate::metrics::{DnsLookup, Metrics};
 
 /// Longest one lookup takes (the resolver's own tries included): a DNS server that does not
 /// answer delays a round by this, once.
@@ -98,10 +98,10 @@ pub enum DiscoveryError {
 
 impl DiscoveryError {
     /// Its `discovery_lookups_total` result.
-    pub fn result(&self) -> Lookup {
+    pub fn result(&self) -> DnsLookup {
         match self {
-            Self::Empty(_) => Lookup::Empty,
-            Self::Resolver(_) | Self::Failed { .. } | Self::Timeout(_) => Lookup::Failed,
+            Self::Empty(_) => DnsLookup::Empty,
+            Self::Resolver(_) | Self::Failed { .. } | Self::Timeout(_) => DnsLookup::Failed,
         }
     }
 }
@@ -201,7 +201,7 @@ async fn refresh(discoverer: &Discoverer, pool: &Pool, metrics: &Metrics, homes:
             return;
         }
     };
-    metrics.discovery_lookup(&pool.name, Lookup::Ok);
+    metrics.discovery_lookup(&pool.name, DnsLookup::Ok);
     let addrs: Vec<SocketAddr> = ips.into_iter().map(|ip| SocketAddr::new(ip, discovery.port)).collect();
     let change = pool.replace_members(&addrs);
     for e in &change.joined {
