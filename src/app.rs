@@ -336,9 +336,9 @@ impl Drop for Admitted {
 }
 
 /// The background upkeep of the current [`App`], every health interval: the lookups of
-/// discovered pools that are due, a health round over every endpoint (newcomers included), each route's model comparison, idle engine connections closed, readiness,
-/// then the gauges read from state; it reads the current state each round, so reloads take
-/// effect.
+/// discovered pools that are due, a health round over every endpoint (newcomers included),
+/// each route's model comparison, idle engine connections closed, readiness, then the gauges
+/// read from state; it reads the current state each round, so reloads take effect.
 pub struct Upkeep {
     /// The current state.
     pub app: SharedApp,
