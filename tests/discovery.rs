@@ -4,7 +4,8 @@
 //! Endpoints that appear are probed and then used, one that leaves while a request holds it
 //! lets that request finish and gets no new one, one that stays keeps its state (its
 //! ejection), ranks expand per address, a DNS server that is down or answers nothing keeps
-//! the last set (counted), and a reload carries the discovered endpoints over.
+//! the last set (counted), a pool with no answer yet serves nothing (502) until its name has
+//! an address, and a reload carries the discovered endpoints over.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -284,6 +285,29 @@ async fn a_dns_failure_or_an_empty_answer_keeps_the_last_set() {
     assert_eq!(reported(&proxy).await, vec![a.host_port()], "a DNS outage keeps the last set");
     assert_eq!(chat(&proxy).await.0, 200);
     assert!(proxy.metric(&lookups("ok")).await >= 1.0);
+}
+
+/// A discovered pool whose name has had no address since the start has no endpoint: its
+/// prefills answer 502 `prefill_unavailable` (no internal address in the message) until the
+/// name gets one, which the next lookup brings in.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pool_with_no_answer_yet_serves_nothing_until_its_name_has_an_address() {
+    let (port, [a]) = engines(["127.0.0.2"], FakeConfig::default()).await;
+    let decode = FakeVllm::start(FakeConfig::default()).await;
+    let dns = Dns::start(&[]).await;
+    let proxy = proxy(&dns, &config(&format!("{NAME}:{port}"), &decode, ""), "").await;
+    assert!(proxy.metric_reaches_within(&lookups("empty"), 1.0, Duration::from_secs(10)).await >= 1.0);
+    assert_eq!(proxy.metric(ENDPOINTS).await, 0.0);
+    let (status, text) = chat(&proxy).await;
+    assert_eq!(status, 502, "{text}");
+    assert_openai_error(&text, "prefill_unavailable");
+    assert!(!text.contains("127.0.0."), "no internal address reaches the client: {text}");
+    assert!(decode.posts().is_empty(), "no decode without a prefill");
+
+    dns.publish(&["127.0.0.2"]).await;
+    proxy.wait_health("prefill", &a.host_port(), true).await;
+    assert_eq!(chat(&proxy).await.0, 200);
+    assert_eq!(a.posts().len(), 1);
 }
 
 /// `name:port#0-1` makes two endpoints of each address, each leg naming its rank; with the
