@@ -30,6 +30,9 @@ pub enum AppError {
     /// A route names a pool that does not exist.
     #[error(transparent)]
     Routes(#[from] DanglingPool),
+    /// A pool discovers its endpoints and no DNS resolver could be set up.
+    #[error(transparent)]
+    Discovery(#[from] upstream::DiscoveryError),
 }
 
 /// Everything a request needs, built once from the config.
@@ -42,6 +45,9 @@ pub struct App {
     pub routes: RouteTable,
     /// Every pool, in config order (the health poller walks them).
     pub pools: Vec<Arc<Pool>>,
+    /// The resolver of pools that discover their endpoints (`None`: no pool does); kept
+    /// across reloads while `upstream.dns_server` stays.
+    pub discoverer: Option<Arc<upstream::Discoverer>>,
     /// The upstream client.
     pub client: Arc<UpstreamClient>,
     /// Metric handles.
@@ -105,11 +111,30 @@ fn new_pool(config: &Config, resources: &Resources, name: &str) -> Pool {
     Pool::new(name, &spec, &loaded, upstream::EjectionRule::of(&config.upstream))
 }
 
+/// The resolver `config`'s discovered pools need (`None`: no pool discovers): `previous`'s
+/// when it asks the same server, else a new one.
+fn discoverer(
+    config: &Config,
+    previous: Option<&Arc<upstream::Discoverer>>,
+) -> Result<Option<Arc<upstream::Discoverer>>, upstream::DiscoveryError> {
+    if config.pools.values().all(|p| p.discover.is_none()) {
+        return Ok(None);
+    }
+    let server = config.upstream.dns_server.as_deref().and_then(|s| s.parse().ok());
+    if let Some(kept) = previous.filter(|d| d.server() == server) {
+        return Ok(Some(Arc::clone(kept)));
+    }
+    Ok(Some(Arc::new(upstream::Discoverer::new(server)?)))
+}
+
 /// Creates `pool`'s series and hands each endpoint its own (an endpoint of a pool carried
 /// over a reload has them already).
 fn pool_series(metrics: &Metrics, pool: &Pool) {
     metrics.pool(&pool.name);
-    for e in &pool.endpoints {
+    if pool.discovery().is_some() {
+        metrics.discovered_pool(&pool.name);
+    }
+    for e in pool.endpoints().iter() {
         e.count_errors_in(metrics.endpoint(&pool.name, &e.name));
     }
 }
@@ -129,6 +154,7 @@ impl App {
         let pools: Vec<Arc<Pool>> =
             config.pools.keys().map(|name| Arc::new(new_pool(&config, &resources, name))).collect();
         pools.iter().for_each(|p| pool_series(&metrics, p));
+        let discoverer = discoverer(&config, None)?;
         let routes = RouteTable::new(&config, &resources, &pools, &metrics, None)?;
         let upstream = &config.upstream;
         let client = Arc::new(UpstreamClient::new(upstream.connect_timeout_ms, upstream.idle_timeout_ms));
@@ -150,6 +176,7 @@ impl App {
             resources,
             routes,
             pools,
+            discoverer,
             client,
             metrics,
             registry,
@@ -159,7 +186,9 @@ impl App {
 
     /// The state for a reloaded `config`: metrics, client and cache carry over, pools whose
     /// spec did not change keep their endpoints (health, in-flight counts, versions,
-    /// ejections), and routes unchanged over those pools keep their [`routes::RouteState`]
+    /// ejections; a discovered pool its last answer), a discovered pool whose other settings
+    /// changed starts from its predecessor's addresses (never empty until its next lookup),
+    /// and routes unchanged over those pools keep their [`routes::RouteState`]
     /// (model identity, parity hold, retry budget).
     ///
     /// # Errors
@@ -171,20 +200,29 @@ impl App {
             .iter()
             .map(|(name, spec)| {
                 let tls = |r: &Resources| r.pools.get(name).and_then(|p| p.tls.clone());
-                let unchanged = self.config.pools.get(name).is_some_and(|old| {
+                let old_spec = self.config.pools.get(name);
+                let unchanged = old_spec.is_some_and(|old| {
                     old.endpoints == spec.endpoints
+                        && old.discover == spec.discover
+                        && old.discover_interval_ms == spec.discover_interval_ms
                         && old.balance == spec.balance
                         && old.vllm_version == spec.vllm_version
                         && tls(&self.resources) == tls(&resources)
                 });
-                self.pools
-                    .iter()
-                    .find(|p| unchanged && &p.name == name && p.ejection_rule() == rule)
-                    .cloned()
-                    .unwrap_or_else(|| Arc::new(new_pool(&config, &resources, name)))
+                let previous = self.pools.iter().find(|p| &p.name == name);
+                if let Some(kept) = previous.filter(|p| unchanged && p.ejection_rule() == rule) {
+                    return Arc::clone(kept);
+                }
+                let fresh = new_pool(&config, &resources, name);
+                let same_name = old_spec.is_some_and(|old| spec.discover.is_some() && old.discover == spec.discover);
+                if let Some(previous) = previous.filter(|_| same_name) {
+                    fresh.replace_members(&previous.member_addrs());
+                }
+                Arc::new(fresh)
             })
             .collect();
         pools.iter().for_each(|p| pool_series(&self.metrics, p));
+        let discoverer = discoverer(&config, self.discoverer.as_ref())?;
         let routes = RouteTable::new(&config, &resources, &pools, &self.metrics, Some(&self.routes))?;
         let local = local_renderers(&config, &resources, Some(&self.local));
         self.forget_removed(&pools, &routes);
@@ -194,6 +232,7 @@ impl App {
             resources,
             routes,
             pools,
+            discoverer,
             client: Arc::clone(&self.client),
             metrics: self.metrics.clone(),
             registry: self.registry.clone(),
@@ -213,10 +252,11 @@ impl App {
         for old in &self.pools {
             let Some(new) = pools.iter().find(|p| p.name == old.name) else {
                 self.metrics.forget_pool(&old.name);
-                old.endpoints.iter().for_each(|e| self.metrics.forget_endpoint(&old.name, &e.name));
+                old.endpoints().iter().for_each(|e| self.metrics.forget_endpoint(&old.name, &e.name));
                 continue;
             };
-            for e in old.endpoints.iter().filter(|e| !new.endpoints.iter().any(|n| n.name == e.name)) {
+            let kept = new.endpoints();
+            for e in old.endpoints().iter().filter(|e| !kept.iter().any(|n| n.name == e.name)) {
                 self.metrics.forget_endpoint(&old.name, &e.name);
             }
         }
@@ -228,11 +268,14 @@ impl App {
         }
     }
 
-    /// Sets the gauges read from state at a scrape and each health round: ejected endpoints
-    /// per pool, the relay cache (its expired entries dropped first).
+    /// Sets the gauges read from state at a scrape and each health round: endpoints and
+    /// ejected endpoints per pool, the relay cache (its expired entries dropped first).
     pub fn refresh_gauges(&self) {
         let now = std::time::Instant::now();
-        self.pools.iter().for_each(|p| self.metrics.upstream_ejected(&p.name, p.ejected(now)));
+        for p in &self.pools {
+            self.metrics.upstream_ejected(&p.name, p.ejected(now));
+            self.metrics.pool_endpoints(&p.name, p.endpoints().len());
+        }
         self.metrics.response_homes(self.homes.len());
         self.local.values().for_each(|l| l.report(&self.metrics));
         self.sweep_cache();
@@ -292,10 +335,10 @@ impl Drop for Admitted {
     }
 }
 
-/// The background upkeep of the current [`App`], every health interval: a health round over
-/// every endpoint, each route's model comparison, idle engine connections closed, readiness,
-/// then the gauges read from state; it reads the current state each round, so reloads take
-/// effect.
+/// The background upkeep of the current [`App`], every health interval: the lookups of
+/// discovered pools that are due, a health round over every endpoint (newcomers included),
+/// each route's model comparison, idle engine connections closed, readiness, then the gauges
+/// read from state; it reads the current state each round, so reloads take effect.
 pub struct Upkeep {
     /// The current state.
     pub app: SharedApp,
@@ -307,6 +350,9 @@ impl Upkeep {
     /// One round.
     pub async fn run_once(&self) {
         let app = self.app.load_full();
+        if let Some(discoverer) = &app.discoverer {
+            upstream::discovery::round(discoverer, &app.pools, &app.metrics, &app.homes).await;
+        }
         upstream::health::poll_round(&app.client, &app.metrics, &app.homes, &app.pools).await;
         app.routes.compare_models(&app.metrics);
         // Idle engine connections of endpoints no longer used (or removed by a reload) close

@@ -472,3 +472,47 @@ fn a_wrong_type_is_named_in_the_files_words() {
         assert_eq!((got_key.as_str(), message.as_str()), (key, want), "{text}");
     }
 }
+
+/// A pool names its engines by `endpoints` or by a DNS name to `discover`, exactly one; the
+/// name is a DNS name with a port (and ranks), looked up at a bounded interval, through a
+/// `dns_server` that is an `ip:port`; a discovered pool with verified TLS needs `server_name`
+/// (its endpoints are IP addresses).
+#[test]
+fn a_pool_discovers_its_endpoints_by_a_dns_name_or_lists_them_not_both() {
+    let pool = |lines: &str| format!("{POOL}[pools.prefill]\n{lines}");
+    let ok =
+        Config::from_toml(&pool("discover = \"vllm-prefill:8000#0-7\"\ndiscover_interval_ms = \"2s\"\n"), "t").unwrap();
+    let prefill = &ok.pools["prefill"];
+    assert_eq!(
+        (prefill.discover.as_deref(), prefill.discover_interval_ms),
+        (Some("vllm-prefill:8000#0-7"), Duration::from_secs(2))
+    );
+    assert!(prefill.endpoints.is_empty());
+    let default = Config::from_toml(&pool("discover = \"vllm-prefill:8000\"\n"), "t").unwrap();
+    assert_eq!(default.pools["prefill"].discover_interval_ms, Duration::from_secs(5));
+    for (lines, key, want) in [
+        ("endpoints = [\"127.0.0.1:1\"]\ndiscover = \"vllm-prefill:8000\"\n", "pools.prefill.discover", "not both"),
+        ("discover = \"vllm-prefill\"\n", "pools.prefill.discover", "is not name:port"),
+        ("discover = \"10.0.0.1:8000\"\n", "pools.prefill.discover", "with a DNS name"),
+        ("discover = \"vllm-prefill:8000#3-1\"\n", "pools.prefill.discover", "is not name:port"),
+        (
+            "discover = \"vllm-prefill:8000\"\ndiscover_interval_ms = 50\n",
+            "pools.prefill.discover_interval_ms",
+            "between 100 and",
+        ),
+        (
+            "discover = \"vllm-prefill:8000\"\n[pools.prefill.tls]\nca_file = \"/x\"\n",
+            "pools.prefill.tls.server_name",
+            "discovered endpoints are IP addresses",
+        ),
+    ] {
+        let err = Config::from_toml(&pool(lines), "t").unwrap_err();
+        assert_eq!(err.problems.len(), 1, "{lines}: {:#?}", err.problems);
+        assert_eq!(err.problems[0].key, key, "{lines}");
+        assert!(err.problems[0].message.contains(want), "{lines}: {}", err.problems[0].message);
+    }
+    let (_, _, key, message) = one_problem("[upstream]\ndns_server = \"dns.local\"\n");
+    assert_eq!((key.as_str(), message.as_str()), ("upstream.dns_server", "`dns.local` is not an ip:port address"));
+    let with_server = Config::from_toml(&format!("[upstream]\ndns_server = \"127.0.0.1:5353\"\n{POOL}"), "t").unwrap();
+    assert_eq!(with_server.upstream.dns_server.as_deref(), Some("127.0.0.1:5353"));
+}

@@ -32,6 +32,8 @@ const MAX_IN_FLIGHT: u64 = 1 << 20;
 const MIN_WATCH_MS: u64 = 100;
 /// The longest ejection (`upstream::pool::EJECT_MAX`).
 const MAX_EJECTION_MS: u64 = 120_000;
+/// Shortest interval between two lookups of a pool's `discover` name.
+const MIN_DISCOVER_MS: u64 = 100;
 const MAX_BODY_BYTES: u64 = 1 << 30;
 /// An SSE event limit below this would cut ordinary token events (a few KB with logprobs).
 const MIN_SSE_EVENT_BYTES: u64 = 64 * 1024;
@@ -178,6 +180,9 @@ fn check_limits(ck: &mut Checker<'_, '_>, config: &Config) {
     ck.millis("upstream.connect_timeout_ms", u.connect_timeout_ms, MAX_CONNECT_MS);
     ck.millis("upstream.idle_timeout_ms", u.idle_timeout_ms, MAX_IDLE_MS);
     ck.millis("upstream.health_interval_ms", u.health_interval_ms, MAX_CONNECT_MS);
+    if let Some(server) = &u.dns_server {
+        ck.address("upstream.dns_server", server);
+    }
     ck.range("upstream.eject_after_failures", u64::from(u.eject_after_failures), 0..=1000);
     ck.millis("upstream.eject_base_ms", u.eject_base_ms, MAX_EJECTION_MS);
     ck.range("cache.capacity_bytes", n(c.capacity_bytes), 1..=MAX_CACHE_BYTES);
@@ -202,7 +207,9 @@ fn log_filter_problem(text: &str) -> Option<String> {
 
 fn check_pool(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool) {
     let endpoints = format!("{path}.endpoints");
-    if ck.required(path, "endpoints") && pool.endpoints.is_empty() {
+    if let Some(discover) = &pool.discover {
+        check_discovery(ck, path, pool, discover);
+    } else if ck.required(path, "endpoints") && pool.endpoints.is_empty() {
         ck.at(&endpoints, "needs at least one host:port");
     }
     for (i, endpoint) in pool.endpoints.iter().enumerate() {
@@ -214,6 +221,7 @@ fn check_pool(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool) {
     if let Some(tls) = &pool.tls {
         let ip = pool.endpoints.iter().find(|e| crate::addr::host_of(e).parse::<IpAddr>().is_ok());
         let ip = ip.map(|e| format!("endpoint `{e}` is an IP address"));
+        let ip = ip.or_else(|| pool.discover.as_ref().map(|_| "discovered endpoints are IP addresses".to_owned()));
         check_pool_tls(ck, &format!("{path}.tls"), tls, ip);
     }
     if pool.local_ids != LocalIdsMode::Off && pool.tokenizer.is_none() {
@@ -223,6 +231,22 @@ fn check_pool(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool) {
     if !(0.0..=1.0).contains(&pool.local_ids_recheck) {
         ck.at(&format!("{path}.local_ids_recheck"), "must be between 0 and 1");
     }
+}
+
+/// A pool's `discover`: instead of `endpoints`, a DNS name with a port (and ranks), looked up
+/// at a bounded interval.
+fn check_discovery(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool, discover: &str) {
+    let key = format!("{path}.discover");
+    if !pool.endpoints.is_empty() {
+        ck.at(&key, "a pool takes `endpoints` or `discover`, not both");
+    }
+    let named = endpoint_ranks(discover).is_some_and(|(addr, _)| crate::addr::host_of(addr).parse::<IpAddr>().is_err());
+    if !named {
+        let message = format!("`{discover}` is not name:port, name:port#RANK or name:port#FIRST-LAST with a DNS name (at most {MAX_RANKS_PER_ENTRY} ranks)");
+        ck.at(&key, message);
+    }
+    let interval = u64::try_from(pool.discover_interval_ms.as_millis()).unwrap_or(u64::MAX);
+    ck.range(&format!("{path}.discover_interval_ms"), interval, MIN_DISCOVER_MS..=MAX_CONNECT_MS);
 }
 
 /// `[pools.NAME.tls]` (and an allowlist entry's `tls`): a client certificate with its key, and

@@ -199,18 +199,40 @@ pub struct Upstream {
     #[serde(deserialize_with = "duration::millis")]
     #[default(Duration::from_millis(5000))]
     pub eject_base_ms: Duration,
+    /// The DNS server pools' `discover` names are asked, `ip:port` (none: the nameservers of
+    /// `/etc/resolv.conf`, with its search domains).
+    pub dns_server: Option<String>,
 }
 
 /// `[pools.NAME]`
 #[derive(Debug, Clone, PartialEq, SmartDefault, Deserialize)]
 #[serde(default)]
 pub struct Pool {
-    /// `host:port` of each engine (required). A vLLM server running data parallelism with
-    /// its own balancing (one port for several ranks) may be listed as `host:port#R` or
-    /// `host:port#FIRST-LAST`: each rank is then an endpoint of its own (balanced, health
-    /// polled and ejected alone) whose legs carry `X-data-parallel-rank: R`, which vLLM
-    /// reads on chat, completions and generate.
+    /// `host:port` of each engine (required, unless `discover` names them instead). A vLLM
+    /// server running data parallelism with its own balancing (one port for several ranks)
+    /// may be listed as `host:port#R` or `host:port#FIRST-LAST`: each rank is then an
+    /// endpoint of its own (balanced, health polled and ejected alone) whose legs carry
+    /// `X-data-parallel-rank: R`, which vLLM reads on chat, completions and generate.
     pub endpoints: Vec<String>,
+    /// A DNS name whose addresses are the engines, as `name:port` (or `name:port#R`,
+    /// `name:port#FIRST-LAST` for each address's data-parallel ranks), instead of
+    /// `endpoints`: a Kubernetes headless Service, one address per pod. It is looked up every
+    /// `discover_interval_ms` (through `upstream.dns_server`, else `/etc/resolv.conf`); each
+    /// address (IPv4, else IPv6) is an endpoint named `ip:port`. An address that appears
+    /// joins unhealthy and is probed in the same upkeep round (healthy endpoints are chosen
+    /// first), one that stays keeps its state (health, ejection, version), one that leaves is
+    /// chosen no more while the requests it holds finish. A failed lookup or an empty answer
+    /// keeps the last set. Until the first answer the pool has no endpoint. For example
+    /// `discover = "vllm-prefill:8000"` in a pod (its search list completes the name), one
+    /// endpoint per ready prefill pod.
+    pub discover: Option<String>,
+    /// How often `discover` is looked up, ms (100 to 600000); a lookup runs at the first
+    /// upkeep round (every `upstream.health_interval_ms`) after this has passed.
+    /// Default: `5000`.
+    /// A pod that starts or stops is followed within seconds, at one small query per pool.
+    #[serde(deserialize_with = "duration::millis")]
+    #[default(Duration::from_millis(5000))]
+    pub discover_interval_ms: Duration,
     /// `round_robin` or `least_in_flight`; unhealthy endpoints are skipped while a healthy one
     /// exists.
     /// Default: `"round_robin"`.

@@ -198,6 +198,18 @@ label_enum! {
 }
 
 label_enum! {
+    /// Result of one lookup of a discovered pool's DNS name (`discovery_lookups_total{result}`).
+    DnsLookup {
+        /// Addresses came back: they are the pool's members now.
+        Ok => "ok",
+        /// The lookup failed (no server answered, an error, no answer in time): the last set stays.
+        Failed => "failed",
+        /// The name has no address now: the last set stays (an empty pool serves nothing).
+        Empty => "empty",
+    }
+}
+
+label_enum! {
     /// Result of a config reload (`config_reloads_total{result}`).
     Reload {
         /// The new config is in use.

@@ -17,8 +17,8 @@ mod series;
 
 use labels::{api_label, API_LABELS};
 pub use labels::{
-    served_as, CacheLookup, ErrorKind, Eviction, FallbackReason, FollowUp, Leg, Listener, LocalIdsResult, Outcome,
-    ParityResult, Release, Reload, SpanExport, Stage, TimeoutStage,
+    served_as, CacheLookup, DnsLookup, ErrorKind, Eviction, FallbackReason, FollowUp, Leg, Listener, LocalIdsResult,
+    Outcome, ParityResult, Release, Reload, SpanExport, Stage, TimeoutStage,
 };
 pub use series::{EndpointMetrics, FirstBytes, ParityMetrics, RouteMetrics};
 
@@ -209,6 +209,10 @@ struct Upstreams {
     upstream_ejections: IntCounterVec,
     upstream_ejected: IntGaugeVec,
     upstream_healthy: IntGaugeVec,
+    /// Each pool's endpoints now (`{pool}`; a discovered pool's follow its DNS name).
+    pool_endpoints: IntGaugeVec,
+    /// Lookups of a discovered pool's DNS name, by result (`{pool,result}`).
+    discovery_lookups: IntCounterVec,
     /// 1 while every decode pool has a healthy endpoint (what `/readyz` reports).
     ready: IntGauge,
     response_followups: IntCounterVec,
@@ -271,6 +275,18 @@ impl Upstreams {
                 "tokenonce_upstream_healthy",
                 "1 while the endpoint answers GET /health with 200.",
                 &["pool", "endpoint"],
+            )?,
+            pool_endpoints: gauge_vec(
+                registry,
+                "tokenonce_pool_endpoints",
+                "Endpoints of the pool now (one per rank; a discovered pool's follow its DNS name).",
+                &["pool"],
+            )?,
+            discovery_lookups: counter(
+                registry,
+                "tokenonce_discovery_lookups_total",
+                "Lookups of a discovered pool's DNS name, by result: ok, failed (the last set stays), empty (no address: the last set stays).",
+                &["pool", "result"],
             )?,
             ready: gauge(registry, "tokenonce_ready", "1 while every decode pool has an endpoint answering /health.")?,
             response_followups: {
@@ -655,6 +671,24 @@ impl Metrics {
     pub fn pool(&self, pool: &str) {
         self.upstreams.upstream_ejections.with_label_values(&[pool]);
         self.upstreams.upstream_ejected.with_label_values(&[pool]);
+        self.upstreams.pool_endpoints.with_label_values(&[pool]);
+    }
+
+    /// Creates a discovered pool's lookup series (zeros instead of gaps).
+    pub fn discovered_pool(&self, pool: &str) {
+        DnsLookup::ALL
+            .iter()
+            .for_each(|r| drop(self.upstreams.discovery_lookups.with_label_values(&[pool, r.as_str()])));
+    }
+
+    /// Counts one lookup of `pool`'s DNS name.
+    pub fn discovery_lookup(&self, pool: &str, result: DnsLookup) {
+        self.upstreams.discovery_lookups.with_label_values(&[pool, result.as_str()]).inc();
+    }
+
+    /// Sets how many endpoints `pool` has now.
+    pub fn pool_endpoints(&self, pool: &str, endpoints: usize) {
+        self.upstreams.pool_endpoints.with_label_values(&[pool]).set(i64::try_from(endpoints).unwrap_or(i64::MAX));
     }
 
     /// Counts one endpoint of `pool` ejected (the `upstream_ejected` gauge is set from the
@@ -686,6 +720,10 @@ impl Metrics {
     /// Removes a pool's gauges after a reload removed the pool.
     pub fn forget_pool(&self, pool: &str) {
         let _ = self.upstreams.upstream_ejected.remove_label_values(&[pool]);
+        let _ = self.upstreams.pool_endpoints.remove_label_values(&[pool]);
+        for result in DnsLookup::ALL {
+            let _ = self.upstreams.discovery_lookups.remove_label_values(&[pool, result.as_str()]);
+        }
     }
 
     /// Removes a route's model-identity gauge (the route is gone, or has no prefill pool now).
@@ -851,6 +889,7 @@ mod tests {
         m.route("r", Mode::Relay);
         m.upstream_health("decode", "127.0.0.1:1", true);
         m.pool("decode");
+        m.discovered_pool("decode");
         m.endpoint("decode", "127.0.0.1:1");
         m.parity("r");
         m.models_differ("r", false);
@@ -883,6 +922,8 @@ mod tests {
             "tokenonce_prefill_failovers_total",
             "tokenonce_upstream_ejections_total",
             "tokenonce_upstream_ejected",
+            "tokenonce_pool_endpoints",
+            "tokenonce_discovery_lookups_total",
             "tokenonce_parity_checks_total",
             "tokenonce_parity_reuse_disabled_total",
             "tokenonce_parity_reuse_off",

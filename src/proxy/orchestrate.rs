@@ -38,7 +38,7 @@ pub async fn run(
     let obj = cleaned.as_ref().unwrap_or(&req.obj);
     // A stored Responses answer is remembered with its endpoint when the pool has a choice
     // (one endpoint needs no affinity, and its body stays the client's).
-    let choice = route.decode_pool.endpoints.len() > 1;
+    let choice = route.decode_pool.endpoints().len() > 1;
     let stored = (req.view.api == Api::Responses && choice).then(|| stored_response_id(obj)).flatten();
     let (stored_id, named) = stored.map_or((None, None), |(id, named)| (Some(id), named));
     let rewritten = named.as_ref().or(cleaned.as_ref());

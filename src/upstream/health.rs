@@ -82,7 +82,7 @@ async fn ask_model(client: &UpstreamClient, to: Target<'_>) -> Option<ModelIdent
 /// True when some endpoint of `a` and some endpoint of `b` report different models
 /// (endpoints not known yet do not count).
 pub fn pools_differ(a: &super::Pool, b: &super::Pool) -> bool {
-    let known = |p: &super::Pool| p.endpoints.iter().filter_map(|e| e.model()).collect::<Vec<_>>();
+    let known = |p: &super::Pool| p.endpoints().iter().filter_map(|e| e.model()).collect::<Vec<_>>();
     let (a, b) = (known(a), known(b));
     a.iter().any(|x| b.iter().any(|y| x != y))
 }
@@ -97,7 +97,7 @@ pub async fn poll_round(
 ) {
     let mut polls = tokio::task::JoinSet::new();
     for pool in pools {
-        for endpoint in &pool.endpoints {
+        for endpoint in pool.endpoints().iter() {
             let (client, metrics, homes) = (Arc::clone(client), metrics.clone(), Arc::clone(homes));
             let (pool, endpoint) = (Arc::clone(pool), Arc::clone(endpoint));
             polls.spawn(async move {

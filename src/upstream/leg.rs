@@ -66,7 +66,7 @@ pub struct Failover<'p> {
 impl<'p> Failover<'p> {
     /// After a first attempt on `first`, `attempts` in all.
     pub fn new(pool: Option<&'p Pool>, first: &Picked, attempts: usize) -> Self {
-        let attempts = pool.map_or(1, |p| attempts.min(p.endpoints.len()));
+        let attempts = pool.map_or(1, |p| attempts.min(p.endpoints().len()));
         Self { pool, tried: vec![first.name().to_owned()], left: attempts.saturating_sub(1) }
     }
 }

@@ -1,4 +1,5 @@
-//! Upstream engines: pools and endpoint choice (`pool`), the HTTP client for the legs
+//! Upstream engines: pools and endpoint choice (`pool`), pools whose members DNS gives
+//! (`discovery`), the HTTP client for the legs
 //! tokenonce sends itself (`client`, speaking HTTP/1.1 in `h1`) and its name cache (`resolve`),
 //! one leg sent under the deadline, retry, failover and ejection rules (`leg`), the background health, version and
 //! model poller (`health`), the per-route retry budget (`budget`), and where each stored
@@ -6,6 +7,7 @@
 
 pub mod budget;
 pub mod client;
+pub mod discovery;
 pub mod h1;
 pub mod health;
 pub mod homes;
@@ -15,9 +17,10 @@ pub mod resolve;
 
 pub use budget::RetryBudget;
 pub use client::{Delivery, Exchange, SendFailure, UpstreamClient, UpstreamError};
+pub use discovery::{Discoverer, DiscoveryError};
 pub use homes::ResponseHomes;
 pub use leg::{named_endpoint, pick, Failover, LegClient, LegError};
-pub use pool::{EjectionRule, Endpoint, ModelIdentity, Picked, Pool};
+pub use pool::{EjectionRule, Endpoint, Membership, ModelIdentity, Picked, Pool};
 
 /// The header naming the data-parallel rank a vLLM server (one port, several ranks) runs a
 /// request on; read on chat, completions and generate (vLLM 0.32, `X-data-parallel-rank`).

@@ -1,12 +1,16 @@
-//! Static pools of engine endpoints (one per data-parallel rank of a server listed with its
-//! ranks) with round-robin or least-in-flight choice, per-endpoint health and vLLM version,
-//! passive ejection after consecutive failures, and an in-flight guard that counts a request
-//! until dropped.
+//! Pools of engine endpoints (one per data-parallel rank of a server listed with its ranks),
+//! listed in config or discovered by DNS (their members then swapped as a snapshot: see
+//! `discovery`), with round-robin or least-in-flight choice, per-endpoint health and vLLM
+//! version, passive ejection after consecutive failures, and an in-flight guard that counts a
+//! request until dropped.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
+
+use super::discovery::Discovery;
 use crate::config::{Balance, PoolResources, Version};
 
 /// One engine endpoint and what tokenonce knows about it.
@@ -130,8 +134,7 @@ impl Endpoint {
 
     /// A new endpoint for `rank` of the server at `addr` (`None`: the whole server).
     pub fn with_rank(addr: &str, rank: Option<u32>, tls: Option<crate::tls::UpstreamTls>) -> Self {
-        let name = rank.map_or_else(|| addr.to_owned(), |r| format!("{addr}#{r}"));
-        Self { rank, name, ..Self::with_tls(addr, tls) }
+        Self { rank, name: endpoint_name(addr, rank), ..Self::with_tls(addr, tls) }
     }
 
     /// The header naming its data-parallel rank on every leg to it, when it has one.
@@ -261,6 +264,11 @@ impl Endpoint {
     }
 }
 
+/// The name of the endpoint for `rank` of the server at `addr`: `host:port`, or `host:port#R`.
+fn endpoint_name(addr: &str, rank: Option<u32>) -> String {
+    rank.map_or_else(|| addr.to_owned(), |r| format!("{addr}#{r}"))
+}
+
 /// An endpoint chosen for one request; counts as in flight until dropped.
 #[derive(Debug)]
 pub struct Picked {
@@ -319,8 +327,15 @@ impl Drop for Picked {
 pub struct Pool {
     /// Name from config.
     pub name: String,
-    /// Its endpoints (never empty: config validation).
-    pub endpoints: Vec<Arc<Endpoint>>,
+    /// Its endpoints now: the configured list (never empty: config validation), or a
+    /// discovered pool's last answer (empty until its first), swapped whole so a request
+    /// choosing reads one consistent list and an endpoint that left lives on in the
+    /// [`Picked`]s that hold it.
+    members: ArcSwap<Vec<Arc<Endpoint>>>,
+    /// Where its members come from when DNS gives them (`None`: the configured list).
+    discovery: Option<Discovery>,
+    /// Its TLS, which every endpoint it makes gets.
+    tls: Option<crate::tls::UpstreamTls>,
     balance: Balance,
     pinned_version: Option<Version>,
     next: AtomicUsize,
@@ -331,23 +346,75 @@ pub struct Pool {
 impl Pool {
     /// The pool `name` as configured, with its loaded TLS, ejecting endpoints by `rule`.
     pub fn new(name: &str, spec: &crate::config::Pool, loaded: &PoolResources, rule: EjectionRule) -> Self {
+        // An entry with a rank range is one endpoint per rank (config validation vouches for
+        // every entry's form).
+        let listed: Vec<Arc<Endpoint>> = spec
+            .endpoints
+            .iter()
+            .filter_map(|entry| crate::addr::endpoint_ranks(entry))
+            .flat_map(|(addr, ranks)| {
+                ranks.into_iter().map(move |rank| Arc::new(Endpoint::with_rank(addr, rank, loaded.tls.clone())))
+            })
+            .collect();
         Self {
             name: name.to_owned(),
-            // An entry with a rank range is one endpoint per rank (config validation vouches
-            // for every entry's form).
-            endpoints: spec
-                .endpoints
-                .iter()
-                .filter_map(|entry| crate::addr::endpoint_ranks(entry))
-                .flat_map(|(addr, ranks)| {
-                    ranks.into_iter().map(move |rank| Arc::new(Endpoint::with_rank(addr, rank, loaded.tls.clone())))
-                })
-                .collect(),
+            members: ArcSwap::from_pointee(listed),
+            discovery: spec.discover.as_deref().and_then(|d| Discovery::parse(d, spec.discover_interval_ms)),
+            tls: loaded.tls.clone(),
             balance: spec.balance,
             pinned_version: spec.vllm_version,
             next: AtomicUsize::new(0),
             ejection: Arc::new(PoolEjection { name: name.to_owned(), rule }),
         }
+    }
+
+    /// Its endpoints now (a discovered pool's change between two calls).
+    pub fn endpoints(&self) -> Arc<Vec<Arc<Endpoint>>> {
+        self.members.load_full()
+    }
+
+    /// Where its members come from when DNS gives them (`None`: the configured list).
+    pub fn discovery(&self) -> Option<&Discovery> {
+        self.discovery.as_ref()
+    }
+
+    /// Makes its members the endpoints at `addrs` (each once per rank of its discovery; a
+    /// pool without discovery takes no rank): an endpoint already a member stays the same
+    /// [`Endpoint`] (its health, ejection, version and in-flight count), a new one joins not
+    /// yet healthy, and the others leave (requests holding them finish). Members are kept in
+    /// address order, so a set that does not change keeps its round-robin order.
+    pub fn replace_members(&self, addrs: &[std::net::SocketAddr]) -> Membership {
+        let mut addrs = addrs.to_vec();
+        addrs.sort_unstable();
+        addrs.dedup();
+        let ranks = self.discovery.as_ref().map_or_else(|| vec![None], |d| d.ranks().to_vec());
+        let old = self.endpoints();
+        let mut joined = Vec::new();
+        let mut members = Vec::with_capacity(addrs.len() * ranks.len());
+        for addr in addrs.iter().map(std::string::ToString::to_string) {
+            for &rank in &ranks {
+                let name = endpoint_name(&addr, rank);
+                let kept = old.iter().find(|e| e.name == name).cloned();
+                members.push(kept.unwrap_or_else(|| {
+                    let fresh = Arc::new(Endpoint::with_rank(&addr, rank, self.tls.clone()));
+                    joined.push(Arc::clone(&fresh));
+                    fresh
+                }));
+            }
+        }
+        let left = old.iter().filter(|e| !members.iter().any(|m| m.name == e.name)).cloned().collect();
+        self.members.store(Arc::new(members));
+        Membership { joined, left }
+    }
+
+    /// The addresses of its members (each once), as [`Pool::replace_members`] takes them: a
+    /// discovered pool rebuilt by a reload starts from its predecessor's.
+    pub fn member_addrs(&self) -> Vec<std::net::SocketAddr> {
+        let mut addrs: Vec<std::net::SocketAddr> =
+            self.endpoints().iter().filter_map(|e| e.addr.parse().ok()).collect();
+        addrs.sort_unstable();
+        addrs.dedup();
+        addrs
     }
 
     /// When it ejects an endpoint, and for how long.
@@ -357,7 +424,7 @@ impl Pool {
 
     /// Endpoints ejected at `now`.
     pub fn ejected(&self, now: Instant) -> usize {
-        self.endpoints.iter().filter(|e| e.is_ejected(now)).count()
+        self.endpoints().iter().filter(|e| e.is_ejected(now)).count()
     }
 
     /// The version pinned in config, if any.
@@ -367,7 +434,7 @@ impl Pool {
 
     /// True when some endpoint passed its last health poll.
     pub fn any_healthy(&self) -> bool {
-        self.endpoints.iter().any(|e| e.is_healthy())
+        self.endpoints().iter().any(|e| e.is_healthy())
     }
 
     /// Chooses an endpoint now: see [`Pool::pick_at`].
@@ -379,7 +446,8 @@ impl Pool {
     /// not ejected first (all when every one is), among them healthy ones first (all when
     /// none is), then by the policy.
     pub fn pick_at(&self, now: Instant, tried: &[&str]) -> Option<Picked> {
-        let untried = prefer(self.endpoints.iter().collect(), &|e| !tried.contains(&e.name.as_str()));
+        let members = self.endpoints();
+        let untried = prefer(members.iter().collect(), &|e| !tried.contains(&e.name.as_str()));
         let live = prefer(untried, &|e| !e.is_ejected(now));
         let candidates = prefer(live, &|e| e.is_healthy());
         if candidates.is_empty() {
@@ -402,11 +470,21 @@ impl Pool {
     /// Its endpoint named `name` ([`Endpoint::name`]), whatever its health (a stored answer
     /// is there and nowhere else); `None` when the pool has no such endpoint.
     pub fn pick_named(&self, name: &str) -> Option<Picked> {
-        let endpoint = self.endpoints.iter().find(|e| e.name == name)?;
+        let members = self.endpoints();
+        let endpoint = members.iter().find(|e| e.name == name)?;
         let mut picked = Picked::new(Arc::clone(endpoint));
         picked.pool = Some(Arc::clone(&self.ejection));
         Some(picked)
     }
+}
+
+/// What one [`Pool::replace_members`] changed.
+#[derive(Debug, Default)]
+pub struct Membership {
+    /// Endpoints new to the pool.
+    pub joined: Vec<Arc<Endpoint>>,
+    /// Endpoints no longer in it.
+    pub left: Vec<Arc<Endpoint>>,
 }
 
 /// The endpoints of `all` that `keep` accepts, or all of them when it accepts none.
@@ -459,7 +537,7 @@ mod tests {
             assert_ne!(second.addr(), first.addr());
         }
         drop(first);
-        assert_eq!(p.endpoints.iter().map(|e| e.inflight()).sum::<usize>(), 0);
+        assert_eq!(p.endpoints().iter().map(|e| e.inflight()).sum::<usize>(), 0);
     }
 
     #[test]
@@ -480,7 +558,7 @@ mod tests {
     #[test]
     fn healthy_endpoints_are_preferred() {
         let p = pool(Balance::RoundRobin, 3);
-        p.endpoints[2].set_healthy(true);
+        p.endpoints()[2].set_healthy(true);
         for _ in 0..4 {
             assert_eq!(p.pick().unwrap().addr(), "127.0.0.1:9002");
         }
@@ -530,7 +608,7 @@ mod tests {
         let p = pool(Balance::RoundRobin, 3);
         let now = Instant::now();
         for _ in 0..3 {
-            p.endpoints[0].request_failed(now, rule(3));
+            p.endpoints()[0].request_failed(now, rule(3));
         }
         assert_eq!(p.ejected(now), 1);
         for _ in 0..6 {
@@ -540,10 +618,50 @@ mod tests {
         // Every other endpoint tried: an ejected one beats none.
         assert_eq!(p.pick_at(now, &["127.0.0.1:9001", "127.0.0.1:9002"]).unwrap().addr(), "127.0.0.1:9000");
         // A healthy /health does not readmit early: ejection is about requests.
-        p.endpoints[0].set_healthy(true);
+        p.endpoints()[0].set_healthy(true);
         assert_ne!(p.pick_at(now, &[]).unwrap().addr(), "127.0.0.1:9000");
         assert_eq!(p.pick_at(now + EJECT_BASE, &[]).unwrap().addr(), "127.0.0.1:9000", "the only healthy one");
         assert_eq!(p.pick().unwrap().ejection().unwrap().name, "p");
+    }
+
+    /// A discovered pool's members follow each answer: those that stay are the same
+    /// endpoints (their ejection and health), newcomers join unhealthy, leavers are chosen no
+    /// more while a request holding one keeps it counted in flight until it ends.
+    #[test]
+    fn replacing_members_keeps_those_that_stay_and_lets_leavers_finish() {
+        let text = "[pools.p]\ndiscover = \"engines.test:8000#0-1\"\n[defaults]\npassthrough_pool = \"p\"\n";
+        let config = crate::config::Config::from_toml(text, "t").unwrap();
+        let pool = Pool::new("p", &config.pools["p"], &PoolResources::default(), rule(1));
+        assert!(pool.endpoints().is_empty() && pool.pick().is_none(), "no member before the first answer");
+        let at = |ip: &str| -> std::net::SocketAddr { format!("{ip}:8000").parse().unwrap() };
+        let first = pool.replace_members(&[at("127.0.0.3"), at("127.0.0.2"), at("127.0.0.2")]);
+        let names: Vec<String> = pool.endpoints().iter().map(|e| e.name.clone()).collect();
+        assert_eq!(names, ["127.0.0.2:8000#0", "127.0.0.2:8000#1", "127.0.0.3:8000#0", "127.0.0.3:8000#1"]);
+        assert_eq!((first.joined.len(), first.left.len()), (4, 0));
+        let now = Instant::now();
+        let staying = Arc::clone(&pool.endpoints()[2]);
+        staying.set_healthy(true);
+        assert!(staying.request_failed(now, pool.ejection_rule()));
+        let leaver = pool.pick_named("127.0.0.2:8000#0").unwrap();
+
+        let second = pool.replace_members(&[at("127.0.0.3"), at("127.0.0.4")]);
+        assert_eq!(
+            second.left.iter().map(|e| e.name.as_str()).collect::<Vec<_>>(),
+            ["127.0.0.2:8000#0", "127.0.0.2:8000#1"]
+        );
+        assert_eq!(second.joined.len(), 2);
+        assert!(second.joined.iter().all(|e| !e.is_healthy()), "newcomers join unhealthy");
+        let kept = pool.endpoints().iter().find(|e| e.name == "127.0.0.3:8000#0").cloned().unwrap();
+        assert!(Arc::ptr_eq(&kept, &staying), "the same endpoint");
+        assert!(kept.is_healthy() && kept.is_ejected(now) && pool.ejected(now) == 1, "with its state");
+        assert_eq!(leaver.endpoint().inflight(), 1, "the leaver's request still holds it");
+        for _ in 0..8 {
+            assert!(!pool.pick_at(now, &[]).unwrap().name().starts_with("127.0.0.2"), "a leaver is chosen no more");
+        }
+        let gone = Arc::clone(leaver.endpoint());
+        drop(leaver);
+        assert_eq!(gone.inflight(), 0);
+        assert_eq!(pool.member_addrs(), [at("127.0.0.3"), at("127.0.0.4")]);
     }
 
     /// `upstream.eject_base_ms` sets how long a pool's endpoints stay ejected: the first
@@ -553,7 +671,7 @@ mod tests {
         let text = "[upstream]\neject_after_failures = 1\neject_base_ms = 250\n[pools.p]\nendpoints = [\"127.0.0.1:9000\"]\n[defaults]\npassthrough_pool = \"p\"\n";
         let config = crate::config::Config::from_toml(text, "t").unwrap();
         let pool = Pool::new("p", &config.pools["p"], &PoolResources::default(), EjectionRule::of(&config.upstream));
-        let (e, t0, ms) = (&pool.endpoints[0], Instant::now(), Duration::from_millis);
+        let (e, t0, ms) = (&pool.endpoints()[0], Instant::now(), Duration::from_millis);
         assert!(e.request_failed(t0, pool.ejection_rule()));
         assert!(e.is_ejected(t0 + ms(249)) && !e.is_ejected(t0 + ms(250)));
         assert!(e.request_failed(t0 + ms(250), pool.ejection_rule()));

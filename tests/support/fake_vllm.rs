@@ -203,8 +203,14 @@ fn ids_json(ids: &[u64]) -> String {
 impl FakeVllm {
     /// Starts a fake on an ephemeral loopback port.
     pub async fn start(config: FakeConfig) -> Self {
+        Self::start_at("127.0.0.1:0".parse().unwrap(), config).await.unwrap()
+    }
+
+    /// Starts a fake on `at` (a loopback address; port 0: any free one), as engines of one
+    /// DNS name serve one port on their own addresses; `None` when `at` is taken.
+    pub async fn start_at(at: std::net::SocketAddr, config: FakeConfig) -> Option<Self> {
         let shared = Arc::new(Shared { config: Mutex::new(config), ..Default::default() });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let listener = tokio::net::TcpListener::bind(at).await.ok()?;
         let addr = listener.local_addr().unwrap();
         let app = axum::Router::new().fallback(handle).with_state(Arc::clone(&shared));
         tokio::spawn(async move {
@@ -215,7 +221,7 @@ impl FakeVllm {
             });
             let _ = axum::serve(listener, app).await;
         });
-        Self { addr, shared }
+        Some(Self { addr, shared })
     }
 
     /// `host:port`.
