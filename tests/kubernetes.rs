@@ -330,9 +330,10 @@ fn base_prefill_pool_is_the_service_tokenonce_calls() {
     let docs = kustomize_base("conf/k8s/base");
     let map = of_kind(&docs, "ConfigMap").into_iter().find(|m| m["data"]["tokenonce.toml"].is_string()).unwrap();
     let config: toml::Table = toml::from_str(map["data"]["tokenonce.toml"].as_str().unwrap()).unwrap();
-    let endpoints = config["pools"]["prefill"]["endpoints"].as_array().expect("pools.prefill.endpoints");
-    assert_eq!(endpoints.len(), 1, "one Service in front of the prefill pods");
-    let (name, port) = endpoints[0].as_str().unwrap().rsplit_once(':').unwrap();
+    // Discovered: the headless Service's name, looked up for one endpoint per prefill pod.
+    assert!(config["pools"]["prefill"].get("endpoints").is_none(), "the prefill pool is discovered, not listed");
+    let discover = config["pools"]["prefill"]["discover"].as_str().expect("pools.prefill.discover");
+    let (name, port) = discover.rsplit_once(':').unwrap();
     let port: u64 = port.parse().unwrap();
 
     let service = named(&docs, "Service", name);
