@@ -507,12 +507,14 @@ async fn resync(shared: &Shared, slot: usize, replay_url: Option<&str>, from: u6
         sequencer.resume_at(None);
         return;
     };
-    // From 0 (a new connection, the endpoint just cleared) whatever is buffered is a start.
+    // From 0 (a new connection, the endpoint just cleared) whatever is buffered is a start,
+    // and an empty buffer means nothing was published yet: the next live batch must be 0 (one
+    // published before this subscription reached the publisher then shows as a gap).
     let fills = from == 0 || batches.first().is_some_and(|(seq, _)| *seq <= from);
     if !fills {
         shared.clear(slot);
     }
-    let mut next = (fills && from > 0).then_some(from);
+    let mut next = fills.then_some(from);
     for (seq, batch) in &batches {
         if next.is_none_or(|n| *seq >= n) {
             shared.apply(slot, batch);
