@@ -16,7 +16,7 @@
 //!   live connection a jump in the sequence is a gap: replay from the first missing; a replay
 //!   that cannot fill it (no replay port, no answer, or its buffer no longer reaches back)
 //!   clears the endpoint, since a lost `BlockRemoved` would otherwise leave blocks the engine
-//!   no longer holds. A sequence back to 0, and `AllBlocksCleared`, clear the endpoint too.
+//!   no longer holds. `AllBlocksCleared` clears the endpoint too.
 //! - **Staleness**: vLLM publishes only when its cache changes, so silence from a connected
 //!   engine means nothing changed; what makes an endpoint's entries stale is the connection:
 //!   an endpoint not connected for `stale_after` answers 0 to `held` (usually an engine down,
@@ -365,8 +365,6 @@ pub enum Step {
     Skip,
     /// Batches from `from` on were missed: replay them first.
     Gap { from: u64 },
-    /// Back to 0: the engine restarted; clear the endpoint, then apply.
-    Restart,
 }
 
 /// An endpoint's position in its publisher's sequence.
@@ -376,17 +374,18 @@ pub struct Sequencer {
 }
 
 impl Sequencer {
-    /// The step for a live message with sequence `seq` (moves past it unless a gap).
+    /// The step for a live message with sequence `seq` (moves past it unless a gap). A
+    /// sequence below the next expected is a batch the connection's replay already brought,
+    /// never a restart: a restarted engine is a new connection, which starts over anyway
+    /// (a sequence back to 0 on the same connection cannot be told from such a duplicate).
     pub fn live(&mut self, seq: u64) -> Step {
-        let step = match self.next {
-            None => Step::Apply,
-            Some(next) if seq == next => Step::Apply,
+        match self.next {
             Some(next) if seq > next => return Step::Gap { from: next },
-            Some(_) if seq == 0 => Step::Restart,
-            Some(_) => return Step::Skip,
-        };
+            Some(next) if seq < next => return Step::Skip,
+            _ => {}
+        }
         self.next = Some(seq.saturating_add(1));
-        step
+        Step::Apply
     }
 
     /// The next sequence expected, if continuity holds.
@@ -472,11 +471,6 @@ async fn follow(
     match sequencer.live(seq) {
         Step::Apply => shared.apply(slot, &batch),
         Step::Skip => {}
-        Step::Restart => {
-            tracing::info!(pool = %shared.pool, endpoint = %addr.name, "kv events: sequence back to 0 (engine restarted)");
-            shared.clear(slot);
-            shared.apply(slot, &batch);
-        }
         Step::Gap { from } => {
             shared.metrics.gaps.inc();
             tracing::info!(pool = %shared.pool, endpoint = %addr.name, from, to = seq, "kv events: gap; replaying");
@@ -583,7 +577,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_sequencer_applies_in_order_and_sees_gaps_restarts_and_duplicates() {
+    fn the_sequencer_applies_in_order_and_sees_gaps_and_duplicates() {
         let mut s = Sequencer::default();
         assert_eq!(s.live(5), Step::Apply, "the first after connecting");
         assert_eq!(s.live(6), Step::Apply);
@@ -592,8 +586,9 @@ mod tests {
         s.resume_at(Some(9));
         assert_eq!(s.live(8), Step::Skip);
         assert_eq!(s.live(9), Step::Apply);
-        assert_eq!(s.live(0), Step::Restart);
-        assert_eq!(s.live(1), Step::Apply);
+        assert_eq!(s.live(0), Step::Skip, "a replayed batch arriving live too");
+        s.resume_at(None);
+        assert_eq!(s.live(0), Step::Apply, "continuity lost: any sequence starts it again");
     }
 
     #[test]
