@@ -246,6 +246,21 @@ impl PoolKvEvents {
         &self.shared.settings
     }
 
+    /// Whether the endpoint named `name` is subscribed to.
+    pub fn subscribed(&self, name: &str) -> bool {
+        lock(&self.tasks).contains_key(name)
+    }
+
+    /// How many endpoints are subscribed to.
+    pub fn len(&self) -> usize {
+        lock(&self.tasks).len()
+    }
+
+    /// True when no endpoint is.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     fn add(&self, addr: EndpointAddr) {
         let mut tasks = lock(&self.tasks);
         if tasks.contains_key(&addr.name) {
