@@ -245,6 +245,9 @@ impl App {
         let local = local_renderers(&config, &resources, Some(&self.local));
         let kv_events = kv_sources(&config, &pools, &self.metrics, Some(&self.kv_events));
         self.forget_removed(&pools, &routes);
+        for gone in self.kv_events.keys().filter(|pool| !kv_events.contains_key(*pool)) {
+            self.metrics.forget_kv_events(gone);
+        }
         self.metrics.admission_limit().set(i64::try_from(config.server.max_in_flight).unwrap_or(i64::MAX));
         Ok(Self {
             config,
@@ -428,5 +431,21 @@ mod tests {
         let changed = same.reload(kv_config(64)).unwrap();
         let fresh = changed.kv_events.get("prefill").unwrap();
         assert!(!Arc::ptr_eq(prefill, fresh) && fresh.settings().block_size == 64, "started anew");
+
+        // A reload without kv_events stops them and removes their series (no alert stays on).
+        let kv_series = |app: &App| {
+            app.registry
+                .gather()
+                .iter()
+                .filter(|f| f.name().starts_with("tokenonce_kv_"))
+                .map(|f| f.get_metric().len())
+                .sum::<usize>()
+        };
+        assert!(kv_series(&changed) > 0);
+        let text =
+            "[pools.prefill]\nendpoints = [\"127.0.0.1:8100#0-1\"]\n[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n";
+        let off = changed.reload(crate::config::from_toml(text, "kv").unwrap()).unwrap();
+        assert!(off.kv_events.is_empty());
+        assert_eq!(kv_series(&off), 0);
     }
 }

@@ -777,6 +777,23 @@ impl Metrics {
         }
     }
 
+    /// Removes a pool's KV events series (a reload removed the pool or its `kv_events`), so
+    /// no alert stays firing on a gauge nothing updates.
+    pub fn forget_kv_events(&self, pool: &str) {
+        let kv = &self.kv;
+        for family in [&kv.evicted, &kv.gaps, &kv.replays, &kv.reconnects] {
+            let _ = family.remove_label_values(&[pool]);
+        }
+        let _ = kv.blocks.remove_label_values(&[pool]);
+        let _ = kv.lag.remove_label_values(&[pool]);
+        for result in ["match", "mismatch"] {
+            let _ = kv.hash_checks.remove_label_values(&[pool, result]);
+        }
+        for reason in crate::kv::check::Drift::LABELS {
+            let _ = kv.disabled.remove_label_values(&[pool, reason]);
+        }
+    }
+
     /// Removes a pool's gauges after a reload removed the pool.
     pub fn forget_pool(&self, pool: &str) {
         let _ = self.upstreams.upstream_ejected.remove_label_values(&[pool]);
