@@ -280,10 +280,12 @@ pub struct PoolKvEvents {
     #[default(16)]
     pub block_size: u32,
     /// Most (endpoint, block) entries the pool's index holds; past it the oldest stored are
-    /// forgotten (1 to 100,000,000). About 60 bytes each.
-    /// Default: `1000000`.
-    /// A million entries (~60 MB) cover 16 engines of 60,000 blocks each.
-    #[default(1_000_000)]
+    /// forgotten (1 to 100,000,000). At most about 120 bytes each: the entry, its place in
+    /// the eviction order, and the hash check's memory of one digest.
+    /// Default: `250000`.
+    /// Covers 8 engines of ~30,000 blocks (an 80 GB GPU's KV cache for an 8B model at 16-token
+    /// blocks) in at most ~30 MB.
+    #[default(250_000)]
     pub max_blocks: u64,
     /// How long an endpoint's subscriber may stay disconnected before its entries are no
     /// longer believed (the endpoint then holds nothing for choice; with every endpoint stale
