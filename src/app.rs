@@ -16,7 +16,7 @@ use crate::config::{Config, Loaded, Resources};
 use crate::metrics::Metrics;
 use crate::routes::{DanglingPool, RouteTable};
 use crate::upstream::{Pool, UpstreamClient};
-use crate::{handoff, local, parity, upstream};
+use crate::{handoff, kv, local, parity, upstream};
 
 /// Why the state could not be built from a config.
 #[derive(Debug, thiserror::Error)]
@@ -69,6 +69,60 @@ pub struct App {
     pub verifier: Arc<local::Verifier>,
     /// Each pool's local renderer, for pools with `local_ids` on (by pool name).
     pub local: std::collections::BTreeMap<String, Arc<local::LocalIds>>,
+    /// Each pool's KV events (which endpoint holds which blocks), for pools with
+    /// `kv_events` (by pool name; kept across reloads that change neither its endpoints nor
+    /// its `kv_events`). A [`kv::PrefixHolders`] for cache-aware choice.
+    pub kv_events: std::collections::BTreeMap<String, Arc<kv::events::PoolKvEvents>>,
+}
+
+/// The runtime the KV event subscribers run on: one thread of its own for the process, so
+/// they start with the config (before pingora's runtimes run) and outlive reloads.
+fn kv_runtime() -> Option<&'static tokio::runtime::Handle> {
+    static HANDLE: std::sync::OnceLock<Option<tokio::runtime::Handle>> = std::sync::OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+            let handle = runtime.handle().clone();
+            let thread = std::thread::Builder::new().name("kv-events".into());
+            thread.spawn(move || runtime.block_on(std::future::pending::<()>())).ok()?;
+            Some(handle)
+        })
+        .as_ref()
+}
+
+/// The KV events of each pool with `kv_events`: `previous`'s when its endpoints and settings
+/// are the same, else subscribers started anew (the old ones stop when dropped).
+fn kv_sources(
+    config: &Config,
+    pools: &[Arc<Pool>],
+    metrics: &Metrics,
+    previous: Option<&std::collections::BTreeMap<String, Arc<kv::events::PoolKvEvents>>>,
+) -> std::collections::BTreeMap<String, Arc<kv::events::PoolKvEvents>> {
+    let mut out = std::collections::BTreeMap::new();
+    for pool in pools {
+        let Some(spec) = config.pools.get(&pool.name).and_then(|p| p.kv_events.as_ref()) else { continue };
+        let settings = spec.settings();
+        let endpoints: Vec<String> = pool.endpoints().iter().map(|e| e.name.clone()).collect();
+        let kept = previous.and_then(|m| m.get(&pool.name)).filter(|old| {
+            old.settings() == &settings && endpoints.iter().all(|e| old.subscribed(e)) && old.len() == endpoints.len()
+        });
+        if let Some(kept) = kept {
+            out.insert(pool.name.clone(), Arc::clone(kept));
+            continue;
+        }
+        let Some(runtime) = kv_runtime() else {
+            tracing::error!(pool = %pool.name, "kv events off: their runtime could not start");
+            continue;
+        };
+        match kv::events::PoolKvEvents::start(&pool.name, &endpoints, settings, metrics.kv_events(&pool.name), runtime)
+        {
+            Ok(source) => {
+                out.insert(pool.name.clone(), source);
+            }
+            Err(e) => tracing::error!(pool = %pool.name, error = %e, "kv events off for the pool"),
+        }
+    }
+    out
 }
 
 /// The local renderer of each pool whose template was loaded (`local_ids` on), or the one
@@ -164,8 +218,10 @@ impl App {
         let watch = Arc::new(parity::Watch::start(parity::WORKERS, parity::QUEUE)?);
         let verifier = Arc::new(local::Verifier::start(local::WORKERS, local::QUEUE, &metrics)?);
         let local = local_renderers(&config, &resources, None);
+        let kv_events = kv_sources(&config, &pools, &metrics, None);
         let admission = Arc::default();
         Ok(Self {
+            kv_events,
             cache,
             homes: Arc::default(),
             verifier,
@@ -225,7 +281,11 @@ impl App {
         let discoverer = discoverer(&config, self.discoverer.as_ref())?;
         let routes = RouteTable::new(&config, &resources, &pools, &self.metrics, Some(&self.routes))?;
         let local = local_renderers(&config, &resources, Some(&self.local));
+        let kv_events = kv_sources(&config, &pools, &self.metrics, Some(&self.kv_events));
         self.forget_removed(&pools, &routes);
+        for gone in self.kv_events.keys().filter(|pool| !kv_events.contains_key(*pool)) {
+            self.metrics.forget_kv_events(gone);
+        }
         self.metrics.admission_limit().set(i64::try_from(config.server.max_in_flight).unwrap_or(i64::MAX));
         Ok(Self {
             config,
@@ -240,6 +300,7 @@ impl App {
             homes: Arc::clone(&self.homes),
             verifier: Arc::clone(&self.verifier),
             local,
+            kv_events,
             draining: Arc::clone(&self.draining),
             admission: Arc::clone(&self.admission),
             watch: Arc::clone(&self.watch),
@@ -395,5 +456,42 @@ mod tests {
         assert_eq!(admission.in_flight(), 0);
         let unbounded: Vec<Admitted> = (0..5).filter_map(|_| admission.admit(0)).collect();
         assert_eq!(unbounded.len(), 5, "0: no bound");
+    }
+
+    fn kv_config(block_size: u32) -> Loaded {
+        let text = format!(
+            "[pools.prefill]\nendpoints = [\"127.0.0.1:8100#0-1\"]\n[pools.prefill.kv_events]\nport = 5557\n\
+             block_size = {block_size}\n[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n"
+        );
+        crate::config::from_toml(&text, "kv").unwrap()
+    }
+
+    #[test]
+    fn pools_with_kv_events_get_subscribers_kept_by_a_reload_that_changes_neither() {
+        let app = App::new(kv_config(32)).unwrap();
+        let prefill = app.kv_events.get("prefill").unwrap();
+        assert!(!app.kv_events.contains_key("decode"), "no kv_events: no subscribers");
+        assert!(prefill.subscribed("127.0.0.1:8100#0") && prefill.subscribed("127.0.0.1:8100#1"));
+        let same = app.reload(kv_config(32)).unwrap();
+        assert!(Arc::ptr_eq(prefill, same.kv_events.get("prefill").unwrap()), "carried over");
+        let changed = same.reload(kv_config(64)).unwrap();
+        let fresh = changed.kv_events.get("prefill").unwrap();
+        assert!(!Arc::ptr_eq(prefill, fresh) && fresh.settings().block_size == 64, "started anew");
+
+        // A reload without kv_events stops them and removes their series (no alert stays on).
+        let kv_series = |app: &App| {
+            app.registry
+                .gather()
+                .iter()
+                .filter(|f| f.name().starts_with("tokenonce_kv_"))
+                .map(|f| f.get_metric().len())
+                .sum::<usize>()
+        };
+        assert!(kv_series(&changed) > 0);
+        let text =
+            "[pools.prefill]\nendpoints = [\"127.0.0.1:8100#0-1\"]\n[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n";
+        let off = changed.reload(crate::config::from_toml(text, "kv").unwrap()).unwrap();
+        assert!(off.kv_events.is_empty());
+        assert_eq!(kv_series(&off), 0);
     }
 }

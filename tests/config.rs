@@ -516,3 +516,34 @@ fn a_pool_discovers_its_endpoints_by_a_dns_name_or_lists_them_not_both() {
     let with_server = Config::from_toml(&format!("[upstream]\ndns_server = \"127.0.0.1:5353\"\n{POOL}"), "t").unwrap();
     assert_eq!(with_server.upstream.dns_server.as_deref(), Some("127.0.0.1:5353"));
 }
+
+#[test]
+fn kv_events_need_a_port_that_every_rank_can_offset_and_bounded_values() {
+    let pools = |endpoint: &str, kv: &str| {
+        format!("[pools.decode]\nendpoints = [\"{endpoint}\"]\n[pools.decode.kv_events]\n{kv}[pools.prefill]\nendpoints = [\"127.0.0.1:8100\"]\n")
+    };
+    let err =
+        Config::from_toml(&pools("127.0.0.1:8200", "block_size = 0\nmax_blocks = 0\nstale_after_ms = 0\n"), "t.toml")
+            .unwrap_err();
+    assert_problem_keys(
+        &err,
+        &[
+            "pools.decode.kv_events.port",
+            "pools.decode.kv_events.block_size",
+            "pools.decode.kv_events.max_blocks",
+            "pools.decode.kv_events.stale_after_ms",
+        ],
+    );
+    assert!(err.problems[0].message.contains("required"), "{:?}", err.problems[0]);
+    // vLLM publishes rank R on port + R: rank 7 past 65535 is refused, for the replay port too.
+    let err =
+        Config::from_toml(&pools("127.0.0.1:8200#0-7", "port = 65530\nreplay_port = 65529\n"), "t.toml").unwrap_err();
+    assert_problem_keys(&err, &["pools.decode.kv_events.port", "pools.decode.kv_events.replay_port"]);
+    assert!(err.problems[0].message.contains("rank 7"), "{:?}", err.problems[0]);
+    let config =
+        Config::from_toml(&pools("127.0.0.1:8200#0-7", "port = 5557\nstale_after_ms = \"2m\"\n"), "t.toml").unwrap();
+    let kv = config.pools["decode"].kv_events.as_ref().unwrap();
+    assert_eq!((kv.port, kv.replay_port, kv.hash_seed.as_str()), (5557, None, "vllm-none-hash"));
+    assert_eq!((kv.block_size, kv.stale_after_ms), (16, Duration::from_secs(120)));
+    assert!(config.pools["prefill"].kv_events.is_none());
+}

@@ -346,7 +346,11 @@ async fn dashboard_and_alert_metrics_exist_after_real_traffic() {
     let model = tempfile::tempdir().unwrap();
     write_local_model(model.path());
     let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
-    let shadow = format!("tokenizer = {:?}\nlocal_ids = \"shadow\"\n", model.path().display().to_string());
+    // ... and follows KV events (nothing publishes on port 9: the series exist at zero).
+    let shadow = format!(
+        "tokenizer = {:?}\nlocal_ids = \"shadow\"\n[pools.prefill.kv_events]\nport = 9\n",
+        model.path().display().to_string()
+    );
     let config = pd_config(&p, &d, "").replacen("\n\n[pools.decode]", &format!("\n{shadow}\n[pools.decode]"), 1);
     let proxy = TokenOnce::start(&config).await;
     proxy.wait_ready(200).await;

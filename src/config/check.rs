@@ -228,6 +228,23 @@ fn check_pool(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool) {
         ck.at(&format!("{path}.local_ids"), "needs the pool's `tokenizer` (its model folder holds the chat template)");
     }
     ck.range(&format!("{path}.local_ids_verify_after"), u64::from(pool.local_ids_verify_after), 1..=1_000_000);
+    if let Some(kv) = &pool.kv_events {
+        let at = format!("{path}.kv_events");
+        if ck.required(&at, "port") {
+            ck.range(&format!("{at}.port"), u64::from(kv.port), 1..=65535);
+        }
+        // vLLM offsets the ports by the rank: the highest rank's must still be a port.
+        let top_rank = pool.endpoints.iter().filter_map(|e| endpoint_ranks(e)).flat_map(|(_, r)| r).flatten().max();
+        let top = u64::from(top_rank.unwrap_or(0));
+        for (key, port) in [("port", Some(kv.port)), ("replay_port", kv.replay_port)] {
+            if let Some(port) = port.filter(|p| *p > 0 && u64::from(*p) + top > 65535) {
+                ck.at(&format!("{at}.{key}"), format!("{port} + rank {top} is past 65535"));
+            }
+        }
+        ck.range(&format!("{at}.block_size"), u64::from(kv.block_size), 1..=65536);
+        ck.range(&format!("{at}.max_blocks"), kv.max_blocks, 1..=100_000_000);
+        ck.millis(&format!("{at}.stale_after_ms"), kv.stale_after_ms, 86_400_000);
+    }
     if !(0.0..=1.0).contains(&pool.local_ids_recheck) {
         ck.at(&format!("{path}.local_ids_recheck"), "must be between 0 and 1");
     }

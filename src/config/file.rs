@@ -268,6 +268,56 @@ pub struct Pool {
     /// Keeps the check going (a template or engine change shows) at 1 % of the echo's cost.
     #[default(0.01)]
     pub local_ids_recheck: f64,
+    /// Follow the engines' KV cache events (vLLM's `--kv-events-config` with the `zmq`
+    /// publisher): which endpoint holds which prefix blocks, for cache-aware endpoint choice,
+    /// and every published block hash checked against tokenonce's (none: no events).
+    pub kv_events: Option<PoolKvEvents>,
+}
+
+/// `[pools.NAME.kv_events]`: one ZeroMQ subscriber per endpoint (per data-parallel rank) to
+/// its engine's KV events publisher, which must bind (`"endpoint": "tcp://*:PORT"`).
+#[derive(Debug, Clone, PartialEq, SmartDefault, Deserialize)]
+#[serde(default)]
+pub struct PoolKvEvents {
+    /// The publisher's port on each endpoint's host (the port of vLLM's `endpoint`); rank R of
+    /// a `host:port#R` endpoint publishes on this port + R, as vLLM offsets it (required).
+    pub port: u16,
+    /// The replay endpoint's port (vLLM's `replay_endpoint`; rank R: + R), asked for missed
+    /// batches and for what an engine holds when tokenonce connects (none: a gap clears the
+    /// endpoint's entries instead).
+    pub replay_port: Option<u16>,
+    /// The topic the engines publish on (vLLM's `topic`; a prefix match, empty: every message).
+    /// Default: `""`.
+    /// vLLM's default topic is empty.
+    pub topic: String,
+    /// The engines' `PYTHONHASHSEED`: the seed of vLLM's block hashes (`--prefix-caching-hash-algo
+    /// sha256_cbor`). Engines without `PYTHONHASHSEED` hash with vLLM's fixed seed.
+    /// Default: `"vllm-none-hash"`.
+    /// vLLM's seed for `sha256` and `sha256_cbor` when `PYTHONHASHSEED` is unset.
+    #[default(crate::kv::hash::DEFAULT_SEED.into())]
+    pub hash_seed: String,
+    /// The engines' `--block-size` (tokens per KV block; 1 to 65536).
+    /// Default: `16`.
+    /// vLLM's default on GPUs (its CPU backend needs a multiple of 32).
+    #[default(16)]
+    pub block_size: u32,
+    /// Most (endpoint, block) entries the pool's index holds; past it the oldest stored are
+    /// forgotten (1 to 100,000,000). At most about 120 bytes each: the entry, its place in
+    /// the eviction order, and the hash check's memory of one digest.
+    /// Default: `250000`.
+    /// Covers 8 engines of ~30,000 blocks (an 80 GB GPU's KV cache for an 8B model at 16-token
+    /// blocks) in at most ~30 MB.
+    #[default(250_000)]
+    pub max_blocks: u64,
+    /// How long an endpoint's subscriber may stay disconnected before its entries are no
+    /// longer believed (the endpoint then holds nothing for choice; with every endpoint stale
+    /// the pool's events are not used).
+    /// Default: `"30s"`.
+    /// Long enough for an engine's subscriber to reconnect, short enough that a dead engine's
+    /// blocks stop attracting requests.
+    #[serde(deserialize_with = "duration::millis")]
+    #[default(Duration::from_secs(30))]
+    pub stale_after_ms: Duration,
 }
 
 /// `[pools.NAME.tls]`: every connection to the pool's engines is then TLS (the prefill and
@@ -590,4 +640,19 @@ pub struct Tracing {
     /// `service.name` of tokenonce's spans.
     #[default("tokenonce".into())]
     pub service_name: String,
+}
+
+impl PoolKvEvents {
+    /// The subscribers' settings.
+    pub fn settings(&self) -> crate::kv::events::Settings {
+        crate::kv::events::Settings {
+            port: self.port,
+            replay_port: self.replay_port,
+            topic: self.topic.clone(),
+            hash_seed: self.hash_seed.clone(),
+            block_size: self.block_size as usize,
+            max_blocks: usize::try_from(self.max_blocks).unwrap_or(usize::MAX),
+            stale_after: self.stale_after_ms,
+        }
+    }
 }

