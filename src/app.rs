@@ -329,6 +329,17 @@ impl App {
         }
     }
 
+    /// Each pool's KV event subscribers follow its current members (after a discovery round
+    /// changed them).
+    pub fn kv_events_follow_members(&self) {
+        for pool in &self.pools {
+            if let Some(events) = self.kv_events.get(&pool.name) {
+                let members: Vec<String> = pool.endpoints().iter().map(|e| e.name.clone()).collect();
+                events.follow(&members);
+            }
+        }
+    }
+
     /// Sets the gauges read from state at a scrape and each health round: endpoints and
     /// ejected endpoints per pool, the relay cache (its expired entries dropped first).
     pub fn refresh_gauges(&self) {
@@ -413,6 +424,7 @@ impl Upkeep {
         let app = self.app.load_full();
         if let Some(discoverer) = &app.discoverer {
             upstream::discovery::round(discoverer, &app.pools, &app.metrics, &app.homes).await;
+            app.kv_events_follow_members();
         }
         upstream::health::poll_round(&app.client, &app.metrics, &app.homes, &app.pools).await;
         app.routes.compare_models(&app.metrics);
@@ -464,6 +476,24 @@ mod tests {
              block_size = {block_size}\n[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n"
         );
         crate::config::from_toml(&text, "kv").unwrap()
+    }
+
+    #[test]
+    fn kv_events_follow_a_pools_members_as_they_change() {
+        let text = "[pools.prefill]\ndiscover = \"engines.test:8100#0-1\"\n[pools.prefill.kv_events]\nport = 5557\n\
+                    [pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n";
+        let app = App::new(crate::config::from_toml(text, "kv").unwrap()).unwrap();
+        let prefill_pool = app.pools.iter().find(|p| p.name == "prefill").unwrap();
+        let at = |ip: &str| std::net::SocketAddr::new(ip.parse().unwrap(), 8100);
+        prefill_pool.replace_members(&[at("127.0.0.1")]);
+        app.kv_events_follow_members();
+        assert!(app.kv_events.get("prefill").unwrap().subscribed("127.0.0.1:8100#1"), "first members subscribed");
+        prefill_pool.replace_members(&[at("127.0.0.3")]);
+        app.kv_events_follow_members();
+        let events = app.kv_events.get("prefill").unwrap();
+        assert!(events.subscribed("127.0.0.3:8100#0") && events.subscribed("127.0.0.3:8100#1"), "newcomers subscribed");
+        assert!(!events.subscribed("127.0.0.1:8100#0") && !events.subscribed("127.0.0.1:8100#1"), "leavers stopped");
+        assert_eq!(events.len(), 2);
     }
 
     #[test]

@@ -231,6 +231,20 @@ impl PoolKvEvents {
         }
     }
 
+    /// Follows the pool's membership (a discovered pool's set changed): subscribes to members
+    /// not subscribed to yet and stops those no longer members (what they held is forgotten).
+    pub fn follow(&self, members: &[String]) {
+        let gone: Vec<String> = lock(&self.tasks).keys().filter(|n| !members.contains(n)).cloned().collect();
+        for name in &gone {
+            self.remove_endpoint(name);
+        }
+        for name in members.iter().filter(|n| !self.subscribed(n)) {
+            if let Err(e) = self.add_endpoint(name) {
+                tracing::warn!(pool = %self.shared.pool, endpoint = %name, error = %e, "kv events: a new member cannot be subscribed to");
+            }
+        }
+    }
+
     /// Whether a hash mismatch turned this pool's cache-aware choice off.
     pub fn disabled(&self) -> bool {
         self.shared.disabled.load(Ordering::Relaxed)
