@@ -29,9 +29,8 @@ const ENV: &str = "TOKENONCE_FAMILIES_DIR";
 const UNSUPPORTED: &[(&str, &[(&str, &str)])] = &[("llama3_1", &[]), ("gemma3", &[]), ("deepseek_v3", &[])];
 
 fn folder(family: &str) -> PathBuf {
-    let dir = std::env::var_os(ENV).unwrap_or_else(|| {
-        panic!("{ENV} is not set: point it at the folders tests/e2e/families/setup.py builds")
-    });
+    let dir = std::env::var_os(ENV)
+        .unwrap_or_else(|| panic!("{ENV} is not set: point it at the folders tests/e2e/families/setup.py builds"));
     let dir = PathBuf::from(dir).join(family);
     assert!(
         dir.join("tokenizer.json").is_file(),
@@ -50,8 +49,7 @@ fn fixture(family: &str) -> Value {
 
 /// The family's folder holds the files its fixture was recorded from (same sha256s).
 fn check_folder(family: &str, dir: &Path, doc: &Value) {
-    let sources: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("SOURCES.json")).unwrap()).unwrap();
+    let sources: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("SOURCES.json")).unwrap()).unwrap();
     for (file, sum) in doc["folder"].as_object().unwrap() {
         assert_eq!(&sources["files"][file]["sha256"], sum, "{family}: {file} is not the recorded one");
     }
@@ -134,8 +132,11 @@ fn local_decode(dir: &Path, ids: &[u32]) -> String {
 
 fn check(family: &str) {
     let tally = run(family);
-    let reasons: Vec<String> =
-        tally.unsupported.iter().map(|(reason, names)| format!("{reason} {}: {}", names.len(), names.join(", "))).collect();
+    let reasons: Vec<String> = tally
+        .unsupported
+        .iter()
+        .map(|(reason, names)| format!("{reason} {}: {}", names.len(), names.join(", ")))
+        .collect();
     println!(
         "{family}: {} exact, {} unsupported ({}), {} differing",
         tally.exact,
