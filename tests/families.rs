@@ -26,7 +26,8 @@ const ENV: &str = "TOKENONCE_FAMILIES_DIR";
 /// render them exactly: (case, reason label). Every other answered case must be exact, and
 /// every case listed here must still be unsupported for this reason (so this table, and the
 /// one in docs/parity.md, stay true).
-const UNSUPPORTED: &[(&str, &[(&str, &str)])] = &[("llama3_1", &[]), ("gemma3", &[]), ("deepseek_v3", &[])];
+const UNSUPPORTED: &[(&str, &[(&str, &str)])] =
+    &[("llama3_1", &[]), ("gemma3", &[]), ("deepseek_v3", &[]), ("phi3_5", &[])];
 
 /// Families whose folder tokenonce refuses to render for (every request of such a pool goes
 /// as text, and `local_ids` cannot be turned on for it), with the reason.
@@ -170,6 +171,13 @@ fn gemma3_ids_equal_vllms() {
 #[test]
 fn deepseek_v3_ids_equal_vllms() {
     check("deepseek_v3");
+}
+
+/// Phi-3.5 (Llama 2's tokenizer, added tokens that swallow the whitespace after them): every
+/// recorded case exact or unsupported as listed.
+#[test]
+fn phi3_5_ids_equal_vllms() {
+    check("phi3_5");
 }
 
 /// Mistral in vLLM's default mode (mistral-common renders): refused for local rendering,

