@@ -173,8 +173,9 @@ fn deepseek_v3_ids_equal_vllms() {
     check("deepseek_v3");
 }
 
-/// Phi-3.5 (Llama 2's tokenizer, added tokens that swallow the whitespace after them): every
-/// recorded case exact or unsupported as listed.
+/// Phi-3.5's template and added tokens (that swallow the whitespace after them) on a
+/// sentencepiece BPE of its kind (not Phi's own vocabulary, see setup.py): every recorded case
+/// exact or unsupported as listed.
 #[test]
 fn phi3_5_ids_equal_vllms() {
     check("phi3_5");

@@ -433,11 +433,20 @@ fn for_loop(statement: &str) -> Option<(&str, &str)> {
 /// How vLLM's `_detect_content_format` reads the template: `Some(true)` for "openai" when
 /// it certainly says so (a `for` over `M['content']` or `M.content`, `M` the target of a
 /// loop over `messages` or a name set from it, e.g. `loop_messages = messages[1:]`),
-/// `Some(false)` for "string" when no loop iterates anything named like content, `None` when
-/// only vLLM's AST walk can tell (that one is refused).
+/// `Some(false)` for "string" when no loop iterates anything named like content nor a macro's
+/// parameter, `None` when only vLLM's AST walk can tell (that one is refused).
 fn content_format_is_openai(source: &str) -> Option<bool> {
     let statements = statements(source);
     let loops: Vec<(&str, &str)> = statements.iter().filter_map(|s| for_loop(s)).collect();
+    // a macro may be handed a message's content under another name; vLLM follows the calls
+    let macro_params: Vec<&str> = statements
+        .iter()
+        .filter_map(|s| s.strip_prefix("macro ")?.split_once('(')?.1.split_once(')'))
+        .flat_map(|(params, _)| params.split(',').map(|p| p.split('=').next().unwrap_or_default().trim()))
+        .collect();
+    if loops.iter().any(|(_, iter)| macro_params.contains(iter)) {
+        return None;
+    }
     if !loops.iter().any(|(_, iter)| iter.contains("content")) {
         return Some(false);
     }
@@ -913,6 +922,9 @@ mod tests {
         // a loop over something content-like that is not a message's content: only vLLM's AST walk knows
         assert_eq!(content_format_is_openai("{% for c in contents %}{% endfor %}"), None);
         assert_eq!(content_format_is_openai("{# for x in content #}{{ 'for a in content' }}"), Some(false));
+        // a macro looping over its parameter may be handed message.content
+        let in_macro = "{% macro parts(c, sep='') %}{% for p in c %}{% endfor %}{% endmacro %}";
+        assert_eq!(content_format_is_openai(in_macro), None);
     }
 
     fn folder(files: &[(&str, &str)]) -> tempfile::TempDir {

