@@ -13,6 +13,7 @@ and writes tests/fixtures/families/<family>.json:
       {"name", "body", "status", "prompt_token_ids"} | {"name", "body", "status", "error"}]}
 
 `body` is the exact request text sent; `error` vLLM's message when it refused (status != 200).
+After each family's fixed cases come RANDOM_CASES seeded conversations (`random_NN`).
 Output is deterministic: a rerun with the same vLLM, folder and corpus writes the same bytes.
 Python 3 standard library (the venv's python runs the server).
 
@@ -23,6 +24,7 @@ import argparse
 import http.client
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -36,6 +38,7 @@ VENV = os.environ.get("TOKENONCE_VLLM_VENV") or os.path.join(
 HOST = "127.0.0.1"  # loopback only
 PORT = 18470
 START_TIMEOUT_S = 300
+RANDOM_CASES = 16
 
 WEATHER = {
     "type": "function",
@@ -184,6 +187,36 @@ def corpus(family):
             ("assistant_parts", {"messages": [*u, {"role": "assistant", "content": [{"type": "text", "text": " Hi "}]},
                                               {"role": "user", "content": "More"}]}),
         ]
+    return cases + random_cases(family, RANDOM_CASES)
+
+
+PIECES = ["Hello", "naïve café", "Cafe\u0301", "日本語", "Привет", "👍🏽", "👨‍👩‍👧‍👦", "  padded  ", "\n\nnewlines\n",
+          "tab\there", "<b>html</b> & 'quotes'", "x" * 300, "1.50e5", "\u200b zero width", "مرحبا"]
+
+
+def random_cases(family, count, seed=31):
+    """`count` seeded conversations: alternating turns of random pieces (with the family's
+    special-token text now and then), a system prompt or not, tools and one tool call or not,
+    a continued final message or not. Alternating, so templates that insist on it render."""
+    rng = random.Random(f"{seed}:{family}")
+    cases = []
+    for n in range(count):
+        def text():
+            parts = rng.sample(PIECES, rng.randint(1, 3))
+            if rng.random() < 0.2:
+                parts.append(SPECIAL_TEXT[family])
+            return " ".join(parts)
+        msgs = [{"role": "system", "content": text()}] if rng.random() < 0.5 else []
+        for _ in range(rng.randint(0, 4)):
+            msgs += [{"role": "user", "content": text()}, {"role": "assistant", "content": text()}]
+        msgs.append({"role": "user", "content": text()})
+        fields = {"messages": msgs}
+        if rng.random() < 0.3:
+            fields["tools"] = [WEATHER]
+        if rng.random() < 0.2:
+            msgs.append({"role": "assistant", "content": text()})
+            fields.update(continue_final_message=True, add_generation_prompt=False)
+        cases.append((f"random_{n:02d}", fields))
     return cases
 
 
