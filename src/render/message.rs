@@ -118,13 +118,7 @@ fn content_texts(msg: &PyValue, role: &str, openai_parts: bool) -> Result<Vec<St
         Some(PyValue::List(items)) => items.iter().collect(),
         Some(_) => return Err(Unsupported::VllmRejects("content of another type")),
     };
-    let own_keys = |p: &&PyValue| match p {
-        PyValue::Dict(items) => items.iter().any(|(k, _)| {
-            k != "type" && p.get("type").and_then(PyValue::as_str).and_then(text_key) != Some(k.as_str())
-        }),
-        _ => false,
-    };
-    if openai_parts && parts.iter().any(own_keys) {
+    if openai_parts && parts.iter().any(|p| has_own_keys(p)) {
         return Err(Unsupported::Unverified("content part with keys of its own"));
     }
     let mut texts = parts.into_iter().map(part_text).collect::<Result<Vec<_>, _>>()?;
@@ -133,6 +127,15 @@ fn content_texts(msg: &PyValue, role: &str, openai_parts: bool) -> Result<Vec<St
         texts = strip_billing_header(msg, texts);
     }
     Ok(texts.into_iter().flatten().collect())
+}
+
+/// Whether a part object has keys besides its `type` and the key of its text.
+fn has_own_keys(part: &PyValue) -> bool {
+    let text = part.get("type").and_then(PyValue::as_str).and_then(text_key);
+    match part {
+        PyValue::Dict(items) => items.iter().any(|(k, _)| k != "type" && Some(k.as_str()) != text),
+        _ => false,
+    }
 }
 
 /// One content part's text (a string, or a text-like part; `None` when it has none and vLLM
