@@ -194,3 +194,21 @@ fn mistral_is_refused_by_name() {
 fn gptoss_is_refused_by_name() {
     check("gptoss");
 }
+
+/// A pool on each renderable family's folder loads with `local_ids = "shadow"` (Gemma 3's
+/// `extra_special_tokens` included); a gpt-oss pool is refused at `pools.NAME.local_ids`.
+#[test]
+fn family_pools_load_with_local_ids_or_are_refused_by_name() {
+    let pool = |family: &str| {
+        let dir = folder(family).display().to_string();
+        format!("[pools.{family}]\nendpoints = [\"127.0.0.1:1\"]\ntokenizer = {dir:?}\nlocal_ids = \"shadow\"\n")
+    };
+    let decode = "[pools.decode]\nendpoints = [\"127.0.0.1:2\"]\n";
+    let renderable: String = ["llama3_1", "gemma3", "deepseek_v3", "phi3_5"].iter().map(|f| pool(f)).collect();
+    if let Err(e) = tokenonce::config::from_toml(&format!("{decode}{renderable}"), "families") {
+        panic!("{:?}", e.problems);
+    }
+    let err = tokenonce::config::from_toml(&format!("{decode}{}", pool("gptoss")), "families").unwrap_err();
+    assert_eq!(err.problems[0].key, "pools.gptoss.local_ids", "{:?}", err.problems);
+    assert!(err.problems[0].message.contains("Harmony"), "{:?}", err.problems);
+}
