@@ -79,7 +79,13 @@ pub fn render_chat(template: &ChatTemplate, request: &[u8]) -> Result<RenderedCh
     // vLLM's preprocessing: request settings, messages, tools, developer role, template kwargs.
     let req = body(request)?;
     let RenderSettings { add_generation_prompt, continue_final, user_kwargs } = RenderSettings::read(&req)?;
-    let conversation = parse_chat_messages(&req)?;
+    let openai_parts = template.reads_content_parts(false)?;
+    if matches!(req.get("tools"), Some(PyValue::List(t)) if !t.is_empty())
+        && template.reads_content_parts(true)? != openai_parts
+    {
+        return Err(Unsupported::Unverified("content format differs between the tool_use and default templates"));
+    }
+    let conversation = parse_chat_messages(&req, openai_parts)?;
     let message_shape = Shape::of_messages(&conversation);
     let tools = request_tools(&req, template)?;
     let with_tools = tools.is_some();
@@ -162,10 +168,11 @@ fn user_template_kwargs(req: &PyValue) -> Result<Vec<(String, PyValue)>, Unsuppo
     Ok(user_kwargs)
 }
 
-/// `parse_chat_messages`: every message as the template will see it (`message.rs`).
-fn parse_chat_messages(req: &PyValue) -> Result<Vec<Message>, Unsupported> {
+/// `parse_chat_messages`: every message as the template will see it (`message.rs`), its
+/// content as text parts when the template reads `openai_parts`.
+fn parse_chat_messages(req: &PyValue, openai_parts: bool) -> Result<Vec<Message>, Unsupported> {
     match req.get("messages") {
-        Some(PyValue::List(m)) if !m.is_empty() => m.iter().map(parse_message).collect(),
+        Some(PyValue::List(m)) if !m.is_empty() => m.iter().map(|m| parse_message(m, openai_parts)).collect(),
         Some(PyValue::List(_)) => Err(Unsupported::VllmRejects("empty messages")),
         _ => Err(Unsupported::VllmRejects("messages missing or not a list")),
     }
@@ -429,6 +436,21 @@ fn tag_final_message(
             s.push_str(CONTINUE_TAG);
             Ok(sent)
         }
+        // text parts: the last one with a text is continued
+        Some((_, PyValue::List(parts))) => {
+            let text = parts.iter_mut().rev().find_map(|p| match p {
+                PyValue::Dict(items) => items.iter_mut().find(|(k, _)| k == "text").map(|(_, v)| v),
+                _ => None,
+            });
+            match text {
+                Some(PyValue::Str(s)) => {
+                    let sent = s.clone();
+                    s.push_str(CONTINUE_TAG);
+                    Ok(sent)
+                }
+                _ => Err(Unsupported::VllmRejects("continue_final_message: final message has no text")),
+            }
+        }
         _ => Err(Unsupported::VllmRejects("continue_final_message: final message has no content")),
     }
 }
@@ -595,6 +617,29 @@ mod tests {
             r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":""},"b",{"type":"input_text","text":"c"},{"type":"text"}]}]}"#,
         );
         assert_eq!(got.unwrap(), "[user|a\nb\nc]<gen>");
+    }
+
+    /// A template that loops over a message's content gets vLLM's "openai" content format:
+    /// every content a list of text parts, empty ones kept, textless ones skipped; a
+    /// continued final message is cut after its last text part; developer turns merged into
+    /// the system one join their parts with newlines (into a string).
+    #[test]
+    fn a_template_reading_parts_gets_text_parts() {
+        let parts = "{% for m in messages %}[{{ m.role }}{% for p in m.content %}|{{ p.type }}:{{ p.text }}{% endfor %}]{% endfor %}";
+        let t = ChatTemplate::from_source(parts, &[], LoadOptions::default()).unwrap();
+        let r = |body: &str| render_chat(&t, body.as_bytes()).map(|r| r.text);
+        let got = r(
+            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":""},"b",{"type":"text"}]},{"role":"assistant","content":null},{"role":"user","content":"c"}]}"#,
+        );
+        assert_eq!(got.unwrap(), "[user|text:a|text:|text:b][assistant][user|text:c]");
+        let cont = r#"{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":[{"type":"text","text":"x"},{"type":"text","text":"y "}]}],"continue_final_message":true,"add_generation_prompt":false}"#;
+        assert_eq!(r(cont).unwrap(), "[user|text:q][assistant|text:x|text:y ");
+        let dev = r#"{"messages":[{"role":"system","content":[{"type":"text","text":"s1"},{"type":"text","text":"s2"}]},{"role":"user","content":"u"},{"role":"developer","content":"d"}]}"#;
+        // the merged system content is a string again (vLLM's `_consolidate_system_messages`),
+        // so the loop walks its characters
+        assert_eq!(r(dev).unwrap(), format!("[system{}][user|text:u]", "|:".repeat("s1\ns2\n\nd".len())));
+        let own_keys = r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a","cache_control":{}}]}]}"#;
+        assert!(matches!(r(own_keys), Err(Unsupported::Unverified(_))));
     }
 
     #[test]

