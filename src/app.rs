@@ -109,6 +109,9 @@ fn new_pool(config: &Config, resources: &Resources, name: &str) -> Pool {
 /// over a reload has them already).
 fn pool_series(metrics: &Metrics, pool: &Pool) {
     metrics.pool(&pool.name);
+    if pool.is_cache_aware() {
+        pool.count_choices_in(metrics.cache_aware(&pool.name));
+    }
     for e in &pool.endpoints {
         e.count_errors_in(metrics.endpoint(&pool.name, &e.name));
     }
@@ -174,6 +177,7 @@ impl App {
                 let unchanged = self.config.pools.get(name).is_some_and(|old| {
                     old.endpoints == spec.endpoints
                         && old.balance == spec.balance
+                        && old.cache_aware == spec.cache_aware
                         && old.vllm_version == spec.vllm_version
                         && tls(&self.resources) == tls(&resources)
                 });

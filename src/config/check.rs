@@ -223,7 +223,18 @@ fn check_pool(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool) {
     if !(0.0..=1.0).contains(&pool.local_ids_recheck) {
         ck.at(&format!("{path}.local_ids_recheck"), "must be between 0 and 1");
     }
+    let cache_aware = &pool.cache_aware;
+    for (key, weight) in [("prefix_weight", cache_aware.prefix_weight), ("load_weight", cache_aware.load_weight)] {
+        if !(0.0..=MAX_WEIGHT).contains(&weight) {
+            ck.at(&format!("{path}.cache_aware.{key}"), format!("must be between 0 and {MAX_WEIGHT}"));
+        }
+    }
+    ck.range(&format!("{path}.cache_aware.block_size"), u64::from(cache_aware.block_size), 1..=4096);
+    ck.range(&format!("{path}.cache_aware.max_blocks"), u64::from(cache_aware.max_blocks), 1..=100_000_000);
 }
+
+/// Largest weight of a cache-aware score term.
+const MAX_WEIGHT: f64 = 1000.0;
 
 /// `[pools.NAME.tls]` (and an allowlist entry's `tls`): a client certificate with its key, and
 /// a name to check when verification is on and the peer is named by IP (`ip`: which, as a

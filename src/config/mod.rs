@@ -12,7 +12,8 @@ pub mod values;
 pub use crate::toml_read::Problem;
 pub use check::{MAX_ANSWER_MS, MAX_LEG_MS};
 pub use file::{
-    AllowRule, Cache, Config, Defaults, Match, Pool, PoolTls, Prefill, Route, Server, ServerTls, Tracing, Upstream,
+    AllowRule, Cache, CacheAware, Config, Defaults, Match, Pool, PoolTls, Prefill, Route, Server, ServerTls, Tracing,
+    Upstream,
 };
 pub use resources::{AdminToken, PoolResources, Resources};
 pub use values::{

@@ -15,6 +15,7 @@ use bytes::Bytes;
 use pingora::http::RequestHeader;
 
 use super::{Delivery, Endpoint, Exchange, Picked, Pool, RetryBudget, UpstreamClient, UpstreamError};
+use crate::kv::BlockHash;
 use crate::metrics::{ErrorKind, Leg, Metrics, RouteMetrics};
 use crate::telemetry::RequestTrace;
 
@@ -46,7 +47,16 @@ pub enum LegError {
 /// # Errors
 /// [`LegError::NoEndpoint`] when the pool is empty.
 pub fn pick(pool: &Pool, leg: Leg) -> Result<Picked, LegError> {
-    pool.pick().ok_or(LegError::NoEndpoint(leg))
+    pick_for(pool, leg, None)
+}
+
+/// An endpoint of `pool` for `leg` whose prompt has `chain` (its full blocks' hashes, as the
+/// pool names them; `None`: unknown), counted in flight until dropped.
+///
+/// # Errors
+/// [`LegError::NoEndpoint`] when the pool is empty.
+pub fn pick_for(pool: &Pool, leg: Leg, chain: Option<&[BlockHash]>) -> Result<Picked, LegError> {
+    pool.pick_for(Instant::now(), &[], chain).ok_or(LegError::NoEndpoint(leg))
 }
 
 /// A header-named engine, as a one-off endpoint (not in any pool, never ejected), reached
