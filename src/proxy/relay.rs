@@ -52,7 +52,7 @@ async fn annotated_prefill(
         Some(PrefillTarget::Pool(pool)) => pool,
         _ => &route.decode_pool,
     };
-    let endpoint = upstream::pick(pool, Leg::Prefill)?;
+    let endpoint = upstream::pick_for(pool, Leg::Prefill, None)?;
     let Some(body) = plan.body() else {
         return exec::forward(
             session,
@@ -90,7 +90,7 @@ async fn completed_decode(
     plan: &RelayDecode<'_, '_>,
 ) -> Result<(), ProxyError> {
     let (app, route) = (&info.app, &info.route);
-    let endpoint = upstream::pick(&route.decode_pool, Leg::Decode)?;
+    let endpoint = upstream::pick_for(&route.decode_pool, Leg::Decode, None)?;
     let version = if plan.needs_decode_version(app.cache.is_empty()) {
         exec::decode_version(app, route, endpoint.endpoint()).await
     } else {

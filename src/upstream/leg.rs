@@ -42,12 +42,13 @@ pub enum LegError {
     },
 }
 
-/// An endpoint of `pool` for `leg`, counted in flight until dropped.
+/// An endpoint of `pool` for `leg` that carries no prompt to choose by (passthrough),
+/// counted in flight until dropped.
 ///
 /// # Errors
 /// [`LegError::NoEndpoint`] when the pool is empty.
 pub fn pick(pool: &Pool, leg: Leg) -> Result<Picked, LegError> {
-    pick_for(pool, leg, None)
+    pool.pick().ok_or(LegError::NoEndpoint(leg))
 }
 
 /// An endpoint of `pool` for `leg` whose prompt has `chain` (its full blocks' hashes, as the

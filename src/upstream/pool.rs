@@ -409,6 +409,17 @@ impl CacheAwareChoice {
     }
 }
 
+/// What a pick is for, as a cache-aware choice sees it.
+#[derive(Clone, Copy)]
+enum Prompt<'c> {
+    /// Not a prompt's first leg: least in flight, not counted.
+    NotOne,
+    /// A prompt whose blocks are unknown: least in flight, counted `no_ids`.
+    Unknown,
+    /// A prompt of these blocks.
+    Blocks(&'c [BlockHash]),
+}
+
 /// A named pool.
 #[derive(Debug)]
 pub struct Pool {
@@ -514,10 +525,11 @@ impl Pool {
         self.pick_at(Instant::now(), &[])
     }
 
-    /// Chooses an endpoint at `now` for a request whose prompt is unknown: see
-    /// [`Pool::pick_for`].
+    /// Chooses an endpoint at `now` for something other than a prompt's first leg (a
+    /// passthrough request, a failover): a cache-aware pool takes the least in flight and
+    /// counts nothing. See [`Pool::pick_for`].
     pub fn pick_at(&self, now: Instant, tried: &[&str]) -> Option<Picked> {
-        self.pick_for(now, tried, None)
+        self.pick_among(now, tried, Prompt::NotOne)
     }
 
     /// Chooses an endpoint at `now` for a prompt of `chain` (its full blocks' hashes, as
@@ -525,6 +537,11 @@ impl Pool {
     /// endpoint was: endpoints not ejected first (all when every one is), among them healthy
     /// ones first (all when none is), then by the policy.
     pub fn pick_for(&self, now: Instant, tried: &[&str], chain: Option<&[BlockHash]>) -> Option<Picked> {
+        self.pick_among(now, tried, chain.map_or(Prompt::Unknown, Prompt::Blocks))
+    }
+
+    /// [`Pool::pick_for`], for a prompt, one whose blocks are unknown, or no prompt.
+    fn pick_among(&self, now: Instant, tried: &[&str], prompt: Prompt<'_>) -> Option<Picked> {
         let untried = prefer(self.endpoints.iter().collect(), &|e| !tried.contains(&e.name.as_str()));
         let live = prefer(untried, &|e| !e.is_ejected(now));
         let candidates = prefer(live, &|e| e.is_healthy());
@@ -543,9 +560,10 @@ impl Pool {
                 let n = candidates.len();
                 let rotated: Vec<&Arc<Endpoint>> =
                     (0..n).filter_map(|i| candidates.get((turn + i) % n).copied()).collect();
-                match &self.cache_aware {
-                    Some(choice) => choice.choose(&rotated, chain),
-                    None => rotated.iter().copied().min_by_key(|e| e.inflight()),
+                match (&self.cache_aware, prompt) {
+                    (Some(choice), Prompt::Unknown) => choice.choose(&rotated, None),
+                    (Some(choice), Prompt::Blocks(chain)) => choice.choose(&rotated, Some(chain)),
+                    _ => rotated.iter().copied().min_by_key(|e| e.inflight()),
                 }
             }
         }?;
