@@ -720,6 +720,28 @@ mod tests {
         assert_ne!(fallback, "127.0.0.1:9000");
     }
 
+    /// With only an events source that may not be believed (stale, or off after a hash
+    /// mismatch) and no other, the choice is least in flight, counted `unusable`.
+    #[test]
+    fn cache_aware_with_no_usable_source_takes_the_least_loaded() {
+        let registry = prometheus::Registry::new();
+        let metrics = crate::metrics::Metrics::register(&registry).unwrap();
+        let p = pool(Balance::CacheAware, 2);
+        p.count_choices_in(metrics.cache_aware("p"));
+        if let Some(choice) = &p.cache_aware {
+            choice.sources.write().unwrap().clear();
+        }
+        let stale = Arc::new(Oracle { holder: "127.0.0.1:9000", usable: AtomicBool::new(false) });
+        p.add_prefix_source(ChoiceSource::Events, stale);
+        let busy = p.pick_named("127.0.0.1:9000").unwrap();
+        let c = prompt(&p, 0, 4);
+        assert_eq!(p.pick_for(Instant::now(), &[], Some(&c)).unwrap().name(), "127.0.0.1:9001", "not the stale holder");
+        let text = String::from_utf8(crate::metrics::Metrics::render(&registry)).unwrap();
+        let series = r#"tokenonce_cache_aware_choices_total{pool="p",reason="unusable",source="none"} 1"#;
+        assert!(text.contains(series), "{text}");
+        drop(busy);
+    }
+
     #[test]
     fn a_pool_that_is_not_cache_aware_has_no_chain() {
         let p = pool(Balance::LeastInFlight, 2);
