@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use tokenonce::config::{Config, PoolResources};
 use tokenonce::kv::hash::{held_prefix, WireHashMap};
 use tokenonce::kv::{BlockHash, PrefixHolders, SentPrefixes};
-use tokenonce::upstream::{EjectionRule, Pool};
+use tokenonce::upstream::{EjectionRule, Pool, PromptKey};
 
 const ENDPOINTS: usize = 8;
 const PROMPT_TOKENS: u32 = 37_000;
@@ -85,7 +85,7 @@ fn main() {
     let mut seed = 1;
     while approximate.len() + chain.len() < INDEXED_BLOCKS {
         let other = pool.chain(&prompt(seed)).unwrap();
-        let picked = pool.pick_for(Instant::now(), &[], Some(&other)).unwrap();
+        let picked = pool.pick_for(Instant::now(), &[], PromptKey::Tokens(&other)).unwrap();
         let at = exact.names.iter().position(|n| n == picked.name()).unwrap();
         approximate.sent(picked.name(), &other);
         other.iter().for_each(|h| *exact.blocks.entry(h.wire()).or_default() |= 1 << at);
@@ -93,7 +93,7 @@ fn main() {
     }
     approximate.sent("127.0.0.1:9003", &chain);
     chain.iter().for_each(|h| *exact.blocks.entry(h.wire()).or_default() |= 1 << 3);
-    let home = pool.pick_for(Instant::now(), &[], Some(&chain)).unwrap().name().to_owned();
+    let home = pool.pick_for(Instant::now(), &[], PromptKey::Tokens(&chain)).unwrap().name().to_owned();
     println!(
         "indexed: {} blocks (approximate), {} (stand-in); {ENDPOINTS} endpoints\n",
         approximate.len(),
@@ -111,7 +111,7 @@ fn main() {
     report(
         "whole pick: candidates, score, count, sent",
         time(runs, started, || {
-            let picked = pool.pick_for(Instant::now(), &[], Some(&chain)).unwrap();
+            let picked = pool.pick_for(Instant::now(), &[], PromptKey::Tokens(&chain)).unwrap();
             assert_eq!(picked.name(), home);
         }),
     );

@@ -1,8 +1,9 @@
-//! Cache-aware endpoint choice (`balance = "cache_aware"`): with local ids on, each turn of a
-//! conversation goes to the prefill (and decode) that was sent its earlier turns, another
-//! conversation can go elsewhere, load moves a request off a busy holder, and without ids the
-//! choice is least in flight; every choice is counted by source and reason on `/metrics`. A
-//! prefiller named by header gets the prefill whatever any pool holds.
+//! Cache-aware endpoint choice (`balance = "cache_aware"`): with local ids on (by their block
+//! chains) or off (by the messages' text keys), each turn of a conversation goes to the
+//! prefill (and decode) that was sent its earlier turns, another conversation can go
+//! elsewhere, load moves a request off a busy holder, and a prompt known by neither (a
+//! Responses request) goes least in flight; every choice is counted by source and reason on
+//! `/metrics`. A prefiller named by header gets the prefill whatever any pool holds.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -40,10 +41,15 @@ fn choices(pool: &str, source: &str, reason: &str) -> String {
 /// Sends completions `prompt` through `proxy` and returns which of `prefills` got its
 /// prefill (by index).
 async fn send(proxy: &TokenOnce, prefills: &[&FakeVllm], prompt: &str) -> usize {
-    let before: Vec<usize> = prefills.iter().map(|p| p.posts().len()).collect();
     let body = json!({"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 3});
-    let (status, _, text) = post_json(&format!("{}/v1/completions", proxy.url), &body, &[]).await;
-    assert_eq!(status, 200, "{prompt}: {text}");
+    send_to(proxy, prefills, "/v1/completions", &body).await
+}
+
+/// Sends `body` to `path` through `proxy` and returns which of `prefills` got its prefill.
+async fn send_to(proxy: &TokenOnce, prefills: &[&FakeVllm], path: &str, body: &serde_json::Value) -> usize {
+    let before: Vec<usize> = prefills.iter().map(|p| p.posts().len()).collect();
+    let (status, _, text) = post_json(&format!("{}{path}", proxy.url), body, &[]).await;
+    assert_eq!(status, 200, "{body}: {text}");
     let got = prefills.iter().zip(&before).filter(|(p, b)| p.posts().len() > **b).count();
     assert_eq!(got, 1, "one prefill per request");
     prefills.iter().zip(&before).position(|(p, b)| p.posts().len() > *b).unwrap()
@@ -87,10 +93,11 @@ async fn held_at(proxy: &TokenOnce, prefill: &FakeVllm, prompt: &str) -> tokio::
 async fn a_conversation_sticks_to_its_prefill_while_another_goes_elsewhere() {
     let (_dir, [p1, p2, d], proxy) = started(LOCAL_ON, "").await;
     let prefills = [&p1, &p2];
-    // Before trust: text with the echo, no ids at either pick.
+    // Before trust: text with the echo, no ids at either pick, and a prompt under the 128
+    // bytes of one text key.
     send(&proxy, &prefills, "bravo bravo").await;
-    proxy.assert_reaches(&choices("prefill", "none", "no_ids"), 1.0).await;
-    assert_eq!(proxy.metric(&choices("decode", "none", "no_ids")).await, 1.0);
+    proxy.assert_reaches(&choices("prefill", "none", "short_prompt"), 1.0).await;
+    assert_eq!(proxy.metric(&choices("decode", "none", "short_prompt")).await, 1.0);
     proxy.assert_reaches(r#"tokenonce_local_ids_trusted{pool="prefill",shape="completions"}"#, 1.0).await;
 
     let mut turn = String::from("alpha bravo");
@@ -107,7 +114,7 @@ async fn a_conversation_sticks_to_its_prefill_while_another_goes_elsewhere() {
     assert!(proxy.metric(&choices("prefill", "sent", "no_prefix")).await >= 2.0);
 
     send(&proxy, &prefills, "alpha").await;
-    proxy.assert_reaches(&choices("prefill", "none", "short_prompt"), 1.0).await;
+    proxy.assert_reaches(&choices("prefill", "none", "short_prompt"), 2.0).await;
     assert!(d.posts().len() >= 8, "every request was decoded");
 }
 
@@ -156,24 +163,55 @@ async fn hold_one(proxy: &TokenOnce, prefills: &[&FakeVllm], prompt: &str) -> (u
     panic!("no prefill got {prompt}");
 }
 
-/// Without local ids no pick knows the prompt: each goes to the least loaded prefill,
-/// counted `no_ids`.
+/// A Responses request has neither local ids nor text keys: each goes to the least loaded
+/// prefill, counted `no_ids`.
 #[tokio::test(flavor = "multi_thread")]
 async fn without_ids_the_least_loaded_prefill_is_chosen() {
     let (_dir, [p1, p2, _d], proxy) = started("", "").await;
     let prefills = [&p1, &p2];
-    send(&proxy, &prefills, "alpha bravo alpha").await;
+    let body = json!({"model": "tiny-qwen3", "input": "alpha bravo alpha", "max_output_tokens": 3});
     let (busy_one, busy) = hold_one(&proxy, &prefills, "alpha bravo alpha").await;
     for _ in 0..3 {
-        assert_eq!(send(&proxy, &prefills, "alpha bravo alpha").await, 1 - busy_one, "the idle one");
+        assert_eq!(send_to(&proxy, &prefills, "/v1/responses", &body).await, 1 - busy_one, "the idle one");
     }
-    assert_eq!(proxy.metric(&choices("prefill", "none", "no_ids")).await, 5.0);
+    assert_eq!(proxy.metric(&choices("prefill", "none", "no_ids")).await, 3.0);
     assert_eq!(proxy.metric(&choices("prefill", "sent", "prefix")).await, 0.0);
     busy.abort();
 }
 
+/// Without local ids, a chat conversation's turns go where its earlier messages went (their
+/// text keys), counted `source="text"`; a new conversation can go elsewhere.
+#[tokio::test(flavor = "multi_thread")]
+async fn without_local_ids_a_conversation_sticks_by_its_messages() {
+    let (_dir, [p1, p2, _d], proxy) = started("", "").await;
+    let prefills = [&p1, &p2];
+    let url = "/v1/chat/completions";
+    let mut messages = vec![json!({"role": "user", "content": "alpha bravo"})];
+    let body = |m: &Vec<serde_json::Value>| json!({"model": "tiny-qwen3", "messages": m, "max_tokens": 3});
+    let home = send_to(&proxy, &prefills, url, &body(&messages)).await;
+    for i in 0..4 {
+        messages.push(json!({"role": "assistant", "content": format!("bravo {i}")}));
+        messages.push(json!({"role": "user", "content": "alpha"}));
+        assert_eq!(send_to(&proxy, &prefills, url, &body(&messages)).await, home, "turn {i}");
+    }
+    assert_eq!(proxy.metric(&choices("prefill", "text", "prefix")).await, 4.0);
+    assert_eq!(proxy.metric(&choices("decode", "text", "prefix")).await, 4.0);
+    let others: Vec<usize> = new_conversations(&proxy, &prefills, url).await;
+    assert!(others.iter().any(|&o| o != home), "new conversations rotate: {others:?}");
+}
+
+/// Two new one-message conversations, held nowhere: where each went.
+async fn new_conversations(proxy: &TokenOnce, prefills: &[&FakeVllm], url: &str) -> Vec<usize> {
+    let mut went = Vec::new();
+    for word in ["charlie", "delta"] {
+        let body = json!({"model": "tiny-qwen3", "messages": [{"role": "user", "content": word}], "max_tokens": 3});
+        went.push(send_to(proxy, prefills, url, &body).await);
+    }
+    went
+}
+
 /// A route whose prefiller is named by `x-prefiller-host-port` sends every turn there, while
-/// its cache-aware decode pool still chooses (counted).
+/// its cache-aware decode pool still chooses by the turns' text (counted).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_prefiller_named_by_header_wins() {
     let [p1, p2, d] = fakes([FakeConfig::default(), FakeConfig::default(), FakeConfig::default()]).await;
@@ -182,14 +220,15 @@ async fn a_prefiller_named_by_header_wins() {
         d.host_port()
     );
     let proxy = TokenOnce::start(&text).await;
-    let url = format!("{}/v1/completions", proxy.url);
-    let mut turn = String::from("alpha bravo");
+    let url = format!("{}/v1/chat/completions", proxy.url);
+    let mut messages = vec![json!({"role": "user", "content": "alpha bravo"})];
     for _ in 0..3 {
-        turn.push_str(" alpha");
-        let body = json!({"model": "tiny-qwen3", "prompt": turn, "max_tokens": 3});
+        let body = json!({"model": "tiny-qwen3", "messages": messages, "max_tokens": 3});
         let (status, _, answer) = post_json(&url, &body, &[("x-prefiller-host-port", &p2.host_port())]).await;
         assert_eq!(status, 200, "{answer}");
+        messages.push(json!({"role": "assistant", "content": "bravo"}));
+        messages.push(json!({"role": "user", "content": "alpha"}));
     }
     assert_eq!((p1.posts().len(), p2.posts().len()), (0, 3), "every prefill went to the named one");
-    proxy.assert_reaches(&choices("decode", "none", "no_ids"), 3.0).await;
+    proxy.assert_reaches(&choices("decode", "text", "prefix"), 2.0).await;
 }

@@ -204,6 +204,9 @@ label_enum! {
         Events => "events",
         /// Where tokenonce itself sent each prefix.
         Sent => "sent",
+        /// Where tokenonce sent each prompt known by its text only (no ids): chat messages,
+        /// pieces of a completions prompt.
+        Text => "text",
         /// None: the choice fell to least in flight.
         None => "none",
     }

@@ -322,7 +322,7 @@ impl Upstreams {
             cache_aware_choices: counter(
                 registry,
                 "tokenonce_cache_aware_choices_total",
-                "Endpoints chosen by a cache_aware pool, by the source asked (events, sent, none) and why: prefix (a candidate held part of the prompt), no_prefix, or, choosing the least in flight, no_ids, short_prompt, unusable.",
+                "Endpoints chosen by a cache_aware pool, by the source asked (events, sent, text, none) and why: prefix (a candidate held part of the prompt), no_prefix, or, choosing the least in flight, no_ids, short_prompt, unusable.",
                 &["pool", "source", "reason"],
             )?,
             segment_cache_bytes: gauge_vec(

@@ -38,11 +38,13 @@ pub struct CacheAwareMetrics {
 
 impl CacheAwareMetrics {
     /// The source and reason pairs a choice can report.
-    pub const PAIRS: [(ChoiceSource, ChoiceReason); 7] = [
+    pub const PAIRS: [(ChoiceSource, ChoiceReason); 9] = [
         (ChoiceSource::Events, ChoiceReason::Prefix),
         (ChoiceSource::Events, ChoiceReason::NoPrefix),
         (ChoiceSource::Sent, ChoiceReason::Prefix),
         (ChoiceSource::Sent, ChoiceReason::NoPrefix),
+        (ChoiceSource::Text, ChoiceReason::Prefix),
+        (ChoiceSource::Text, ChoiceReason::NoPrefix),
         (ChoiceSource::None, ChoiceReason::NoIds),
         (ChoiceSource::None, ChoiceReason::ShortPrompt),
         (ChoiceSource::None, ChoiceReason::Unusable),

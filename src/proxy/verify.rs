@@ -12,7 +12,7 @@ use crate::local::LocalIds;
 use crate::openai::{Api, PromptIds};
 use crate::plan::Orchestration;
 use crate::routes::PrefillTarget;
-use crate::upstream::Pool;
+use crate::upstream::{Pool, PromptKey};
 
 /// Who made the ids the prefill echoed, which decides what checks them.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -57,6 +57,47 @@ impl PromptChains {
             _ => decode.chain(ids),
         };
         Self { prefill: prefill_chain, decode: decode_chain }
+    }
+}
+
+/// What the cache-aware picks of one request know of its prompt: its local ids' chains, else
+/// its text keys (`openai::prefix`), else nothing.
+#[derive(Default)]
+pub struct PromptKeys {
+    /// Tokenonce's own ids and their chains.
+    pub local: Option<LocalPrompt>,
+    /// The text keys, when there are no local ids and a pool of the route is cache-aware.
+    pub text: Option<Vec<BlockHash>>,
+}
+
+impl PromptKeys {
+    /// The local ids of `info`'s request when a trusted shape has them ([`local_prompt`]),
+    /// else its text keys when a pool of the route chooses by the prompt.
+    pub async fn of(info: &RequestInfo, req: &ApiRequest<'_>) -> Self {
+        let local = local_prompt(info, req).await;
+        let route = &info.route;
+        let prefill_aware = matches!(&route.prefill, Some(crate::routes::PrefillTarget::Pool(p)) if p.is_cache_aware());
+        let wanted = local.is_none() && (prefill_aware || route.decode_pool.is_cache_aware());
+        let text = wanted.then(|| crate::openai::prefix::text_keys(&req.obj, req.view.api)).flatten();
+        Self { local, text }
+    }
+
+    /// What the prefill pool's pick knows.
+    pub fn prefill(&self) -> PromptKey<'_> {
+        self.key(self.local.as_ref().and_then(|l| l.chains.prefill.as_deref()))
+    }
+
+    /// What the decode pool's pick knows.
+    pub fn decode(&self) -> PromptKey<'_> {
+        self.key(self.local.as_ref().and_then(|l| l.chains.decode.as_deref()))
+    }
+
+    fn key<'k>(&'k self, tokens: Option<&'k [BlockHash]>) -> PromptKey<'k> {
+        match (tokens, &self.text) {
+            (Some(chain), _) => PromptKey::Tokens(chain),
+            (None, Some(text)) => PromptKey::Text(text),
+            (None, None) => PromptKey::Unknown,
+        }
     }
 }
 

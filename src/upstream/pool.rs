@@ -324,6 +324,8 @@ pub struct CacheAwareChoice {
     hasher: BlockHasher,
     /// The events source first when installed, then where tokenonce sent each prompt.
     sources: RwLock<Vec<(ChoiceSource, Arc<dyn PrefixHolders>)>>,
+    /// Where tokenonce sent each prompt known by its text keys only (a namespace of its own).
+    text: SentPrefixes,
     /// Its `cache_aware_choices_total` series, resolved when the pool is built in an App.
     metrics: OnceLock<CacheAwareMetrics>,
 }
@@ -350,6 +352,7 @@ impl CacheAwareChoice {
             load_weight: spec.load_weight,
             hasher: BlockHasher::new(&spec.hash_seed, spec.block_size as usize),
             sources: RwLock::new(vec![(ChoiceSource::Sent, sent)]),
+            text: SentPrefixes::new(spec.max_blocks as usize),
             metrics: OnceLock::new(),
         }
     }
@@ -361,19 +364,31 @@ impl CacheAwareChoice {
         }
     }
 
-    /// The candidate scoring best for `chain` (the first in `rotated` order among equals),
-    /// counted by source and reason; every source then hears where the chain went.
-    fn choose<'a>(&self, rotated: &[&'a Arc<Endpoint>], chain: Option<&[BlockHash]>) -> Option<&'a Arc<Endpoint>> {
+    /// The candidate scoring best for `prompt` (the first in `rotated` order among equals),
+    /// counted by source and reason; every source of its kind then hears where it went.
+    fn choose<'a>(&self, rotated: &[&'a Arc<Endpoint>], prompt: PromptKey<'_>) -> Option<&'a Arc<Endpoint>> {
         let least = || rotated.iter().copied().min_by_key(|e| e.inflight());
-        let Some(chain) = chain else {
-            self.count(ChoiceSource::None, ChoiceReason::NoIds);
-            return least();
+        let chain = match prompt {
+            PromptKey::NotAPrompt => return least(),
+            PromptKey::Unknown => {
+                self.count(ChoiceSource::None, ChoiceReason::NoIds);
+                return least();
+            }
+            PromptKey::Tokens(chain) | PromptKey::Text(chain) if chain.is_empty() => {
+                self.count(ChoiceSource::None, ChoiceReason::ShortPrompt);
+                return least();
+            }
+            PromptKey::Text(keys) => {
+                let (chosen, any_held) = self.best(rotated, &self.text, keys);
+                self.count(ChoiceSource::Text, if any_held { ChoiceReason::Prefix } else { ChoiceReason::NoPrefix });
+                let chosen = chosen?;
+                self.text.sent(&chosen.name, keys);
+                return Some(chosen);
+            }
+            PromptKey::Tokens(chain) => chain,
         };
         let Ok(sources) = self.sources.read() else { return least() };
-        let chosen = if chain.is_empty() {
-            self.count(ChoiceSource::None, ChoiceReason::ShortPrompt);
-            least()
-        } else if let Some((kind, source)) = sources.iter().find(|(_, s)| s.usable()) {
+        let chosen = if let Some((kind, source)) = sources.iter().find(|(_, s)| s.usable()) {
             let (chosen, any_held) = self.best(rotated, source.as_ref(), chain);
             self.count(*kind, if any_held { ChoiceReason::Prefix } else { ChoiceReason::NoPrefix });
             chosen
@@ -381,9 +396,7 @@ impl CacheAwareChoice {
             self.count(ChoiceSource::None, ChoiceReason::Unusable);
             least()
         }?;
-        if !chain.is_empty() {
-            sources.iter().for_each(|(_, s)| s.sent(&chosen.name, chain));
-        }
+        sources.iter().for_each(|(_, s)| s.sent(&chosen.name, chain));
         Some(chosen)
     }
 
@@ -409,15 +422,17 @@ impl CacheAwareChoice {
     }
 }
 
-/// What a pick is for, as a cache-aware choice sees it.
-#[derive(Clone, Copy)]
-enum Prompt<'c> {
-    /// Not a prompt's first leg: least in flight, not counted.
-    NotOne,
-    /// A prompt whose blocks are unknown: least in flight, counted `no_ids`.
+/// What a cache-aware pick knows of a request's prompt.
+#[derive(Clone, Copy, Debug)]
+pub enum PromptKey<'c> {
+    /// Not a prompt's first leg (passthrough, a failover): least in flight, not counted.
+    NotAPrompt,
+    /// A prompt known by neither its ids nor its text: least in flight, counted `no_ids`.
     Unknown,
-    /// A prompt of these blocks.
-    Blocks(&'c [BlockHash]),
+    /// Its full blocks' hashes, as [`Pool::chain`] names them: asked of the pool's sources.
+    Tokens(&'c [BlockHash]),
+    /// Its text keys (`openai::prefix`): asked of the pool's own index of text keys.
+    Text(&'c [BlockHash]),
 }
 
 /// A named pool.
@@ -529,19 +544,13 @@ impl Pool {
     /// passthrough request, a failover): a cache-aware pool takes the least in flight and
     /// counts nothing. See [`Pool::pick_for`].
     pub fn pick_at(&self, now: Instant, tried: &[&str]) -> Option<Picked> {
-        self.pick_among(now, tried, Prompt::NotOne)
+        self.pick_for(now, tried, PromptKey::NotAPrompt)
     }
 
-    /// Chooses an endpoint at `now` for a prompt of `chain` (its full blocks' hashes, as
-    /// [`Pool::chain`] names them; `None`: not known), not one of `tried` unless every
-    /// endpoint was: endpoints not ejected first (all when every one is), among them healthy
-    /// ones first (all when none is), then by the policy.
-    pub fn pick_for(&self, now: Instant, tried: &[&str], chain: Option<&[BlockHash]>) -> Option<Picked> {
-        self.pick_among(now, tried, chain.map_or(Prompt::Unknown, Prompt::Blocks))
-    }
-
-    /// [`Pool::pick_for`], for a prompt, one whose blocks are unknown, or no prompt.
-    fn pick_among(&self, now: Instant, tried: &[&str], prompt: Prompt<'_>) -> Option<Picked> {
+    /// Chooses an endpoint at `now` for a request whose prompt is known by `prompt`, not one
+    /// of `tried` unless every endpoint was: endpoints not ejected first (all when every one
+    /// is), among them healthy ones first (all when none is), then by the policy.
+    pub fn pick_for(&self, now: Instant, tried: &[&str], prompt: PromptKey<'_>) -> Option<Picked> {
         let untried = prefer(self.endpoints.iter().collect(), &|e| !tried.contains(&e.name.as_str()));
         let live = prefer(untried, &|e| !e.is_ejected(now));
         let candidates = prefer(live, &|e| e.is_healthy());
@@ -560,10 +569,9 @@ impl Pool {
                 let n = candidates.len();
                 let rotated: Vec<&Arc<Endpoint>> =
                     (0..n).filter_map(|i| candidates.get((turn + i) % n).copied()).collect();
-                match (&self.cache_aware, prompt) {
-                    (Some(choice), Prompt::Unknown) => choice.choose(&rotated, None),
-                    (Some(choice), Prompt::Blocks(chain)) => choice.choose(&rotated, Some(chain)),
-                    _ => rotated.iter().copied().min_by_key(|e| e.inflight()),
+                match &self.cache_aware {
+                    Some(choice) => choice.choose(&rotated, prompt),
+                    None => rotated.iter().copied().min_by_key(|e| e.inflight()),
                 }
             }
         }?;
@@ -648,30 +656,47 @@ mod tests {
     fn cache_aware_sends_a_prompt_where_its_prefix_went() {
         let p = pool(Balance::CacheAware, 3);
         let first = prompt(&p, 0, 8);
-        let home = p.pick_for(Instant::now(), &[], Some(&first[..4])).unwrap().name().to_owned();
+        let home = p.pick_for(Instant::now(), &[], PromptKey::Tokens(&first[..4])).unwrap().name().to_owned();
         for _ in 0..6 {
-            assert_eq!(p.pick_for(Instant::now(), &[], Some(&first)).unwrap().name(), home, "its longer turns follow");
+            assert_eq!(
+                p.pick_for(Instant::now(), &[], PromptKey::Tokens(&first)).unwrap().name(),
+                home,
+                "its longer turns follow"
+            );
         }
         let elsewhere: Vec<String> = (0..3)
-            .map(|i| p.pick_for(Instant::now(), &[], Some(&prompt(&p, 2000 + i * 100, 8))).unwrap().name().to_owned())
+            .map(|i| {
+                p.pick_for(Instant::now(), &[], PromptKey::Tokens(&prompt(&p, 2000 + i * 100, 8)))
+                    .unwrap()
+                    .name()
+                    .to_owned()
+            })
             .collect();
         assert!(elsewhere.iter().any(|n| n != &home), "new prompts rotate: {elsewhere:?}");
         // Tried already (failover): another endpoint, whatever it holds.
-        assert_ne!(p.pick_for(Instant::now(), &[home.as_str()], Some(&first)).unwrap().name(), home);
+        assert_ne!(p.pick_for(Instant::now(), &[home.as_str()], PromptKey::Tokens(&first)).unwrap().name(), home);
     }
 
     #[test]
     fn cache_aware_load_outweighs_a_held_prefix() {
         let p = pool(Balance::CacheAware, 2);
         let c = prompt(&p, 0, 8);
-        let home = p.pick_for(Instant::now(), &[], Some(&c)).unwrap().name().to_owned();
+        let home = p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name().to_owned();
         // Holding the whole prompt is worth 1.0; each request in flight costs 0.25.
         let busy: Vec<Picked> = (0..3).map(|_| p.pick_named(&home).unwrap()).collect();
         for _ in 0..3 {
-            assert_eq!(p.pick_for(Instant::now(), &[], Some(&c)).unwrap().name(), home, "1.0 - 3 x 0.25 > 0");
+            assert_eq!(
+                p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name(),
+                home,
+                "1.0 - 3 x 0.25 > 0"
+            );
         }
         let more: Vec<Picked> = (0..2).map(|_| p.pick_named(&home).unwrap()).collect();
-        assert_ne!(p.pick_for(Instant::now(), &[], Some(&c)).unwrap().name(), home, "1.0 - 5 x 0.25 < 0: it moves");
+        assert_ne!(
+            p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name(),
+            home,
+            "1.0 - 5 x 0.25 < 0: it moves"
+        );
         drop((busy, more));
     }
 
@@ -681,7 +706,11 @@ mod tests {
         let busy = p.pick_named("127.0.0.1:9000").unwrap();
         for _ in 0..4 {
             assert_eq!(p.pick().unwrap().name(), "127.0.0.1:9001");
-            assert_eq!(p.pick_for(Instant::now(), &[], Some(&[])).unwrap().name(), "127.0.0.1:9001", "short prompt");
+            assert_eq!(
+                p.pick_for(Instant::now(), &[], PromptKey::Tokens(&[])).unwrap().name(),
+                "127.0.0.1:9001",
+                "short prompt"
+            );
         }
         drop(busy);
     }
@@ -709,13 +738,17 @@ mod tests {
     fn cache_aware_asks_the_events_source_first_while_it_is_usable() {
         let p = pool(Balance::CacheAware, 3);
         let c = prompt(&p, 0, 8);
-        let sent_home = p.pick_for(Instant::now(), &[], Some(&c)).unwrap().name().to_owned();
+        let sent_home = p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name().to_owned();
         let holder = if sent_home == "127.0.0.1:9002" { "127.0.0.1:9001" } else { "127.0.0.1:9002" };
         let events = Arc::new(Oracle { holder, usable: AtomicBool::new(true) });
         p.add_prefix_source(ChoiceSource::Events, Arc::clone(&events) as Arc<dyn PrefixHolders>);
-        assert_eq!(p.pick_for(Instant::now(), &[], Some(&c)).unwrap().name(), holder, "the events say where it is");
+        assert_eq!(
+            p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name(),
+            holder,
+            "the events say where it is"
+        );
         events.usable.store(false, Ordering::Relaxed);
-        let fallback = p.pick_for(Instant::now(), &[], Some(&c)).unwrap().name().to_owned();
+        let fallback = p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name().to_owned();
         assert!(fallback == sent_home || fallback == holder, "the approximate index: sent to both now ({fallback})");
         assert_ne!(fallback, "127.0.0.1:9000");
     }
@@ -735,7 +768,11 @@ mod tests {
         p.add_prefix_source(ChoiceSource::Events, stale);
         let busy = p.pick_named("127.0.0.1:9000").unwrap();
         let c = prompt(&p, 0, 4);
-        assert_eq!(p.pick_for(Instant::now(), &[], Some(&c)).unwrap().name(), "127.0.0.1:9001", "not the stale holder");
+        assert_eq!(
+            p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name(),
+            "127.0.0.1:9001",
+            "not the stale holder"
+        );
         let text = String::from_utf8(crate::metrics::Metrics::render(&registry)).unwrap();
         let series = r#"tokenonce_cache_aware_choices_total{pool="p",reason="unusable",source="none"} 1"#;
         assert!(text.contains(series), "{text}");
