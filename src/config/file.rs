@@ -282,7 +282,8 @@ pub struct CacheAware {
     #[default("vllm-none-hash".into())]
     pub hash_seed: String,
     /// Blocks the index of where tokenonce sent each prompt keeps (1 to 100,000,000; about
-    /// 40 bytes each); a block not sent again for longest goes first (clock eviction).
+    /// 40 bytes each), and as many text keys the index of prompts known by their text; a
+    /// block not sent again for longest goes first (clock eviction).
     /// Default: `262144`.
     /// About 10 MB: eight engines holding a million tokens each, in blocks of 32.
     #[default(262_144)]
