@@ -91,7 +91,8 @@ fn kv_runtime() -> Option<&'static tokio::runtime::Handle> {
 }
 
 /// The KV events of each pool with `kv_events`: `previous`'s when its endpoints and settings
-/// are the same, else subscribers started anew (the old ones stop when dropped).
+/// are the same, else subscribers started anew (the old ones stop when dropped); each
+/// cache-aware pool is given its pool's events as the first source it asks.
 fn kv_sources(
     config: &Config,
     pools: &[Arc<Pool>],
@@ -121,6 +122,11 @@ fn kv_sources(
             }
             Err(e) => tracing::error!(pool = %pool.name, error = %e, "kv events off for the pool"),
         }
+    }
+    // A cache-aware pool asks its events first (set, replaced after a reload, or removed).
+    for pool in pools {
+        let events = out.get(&pool.name).map(|s| Arc::clone(s) as Arc<dyn kv::PrefixHolders>);
+        pool.set_prefix_source(crate::metrics::ChoiceSource::Events, events);
     }
     out
 }
@@ -187,6 +193,9 @@ fn pool_series(metrics: &Metrics, pool: &Pool) {
     metrics.pool(&pool.name);
     if pool.discovery().is_some() {
         metrics.discovered_pool(&pool.name);
+    }
+    if pool.is_cache_aware() {
+        pool.count_choices_in(metrics.cache_aware(&pool.name));
     }
     for e in pool.endpoints().iter() {
         e.count_errors_in(metrics.endpoint(&pool.name, &e.name));
@@ -262,6 +271,7 @@ impl App {
                         && old.discover == spec.discover
                         && old.discover_interval_ms == spec.discover_interval_ms
                         && old.balance == spec.balance
+                        && old.cache_aware == spec.cache_aware
                         && old.vllm_version == spec.vllm_version
                         && tls(&self.resources) == tls(&resources)
                 });
@@ -494,6 +504,25 @@ mod tests {
         assert!(events.subscribed("127.0.0.3:8100#0") && events.subscribed("127.0.0.3:8100#1"), "newcomers subscribed");
         assert!(!events.subscribed("127.0.0.1:8100#0") && !events.subscribed("127.0.0.1:8100#1"), "leavers stopped");
         assert_eq!(events.len(), 2);
+    }
+
+    #[test]
+    fn a_cache_aware_pool_asks_its_events_first_and_forgets_them_with_the_config() {
+        use crate::metrics::ChoiceSource;
+        let text = |kv: &str| {
+            format!(
+                "[pools.prefill]\nendpoints = [\"127.0.0.1:8100\"]\nbalance = \"cache_aware\"\n{kv}\
+                 [pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n"
+            )
+        };
+        let with_events = || crate::config::from_toml(&text("[pools.prefill.kv_events]\nport = 5557\n"), "kv").unwrap();
+        let app = App::new(with_events()).unwrap();
+        let prefill = |app: &App| Arc::clone(app.pools.iter().find(|p| p.name == "prefill").unwrap());
+        assert_eq!(prefill(&app).prefix_sources(), [ChoiceSource::Events, ChoiceSource::Sent]);
+        let off = app.reload(crate::config::from_toml(&text(""), "kv").unwrap()).unwrap();
+        assert_eq!(prefill(&off).prefix_sources(), [ChoiceSource::Sent], "events gone with their config");
+        let on = off.reload(with_events()).unwrap();
+        assert_eq!(prefill(&on).prefix_sources(), [ChoiceSource::Events, ChoiceSource::Sent], "and back");
     }
 
     #[test]

@@ -162,7 +162,7 @@ pathz = ["/x"]
     let message = |key: &str| &err.problems.iter().find(|p| p.key == key).unwrap().message;
     assert_eq!(message("pools.decode.endpoints"), "required key is missing");
     assert_eq!(message("routes[0].mode"), "`sideways` is not one of: orchestrate, relay, passthrough");
-    assert_eq!(message("pools.decode.balance"), "`random` is not one of: round_robin, least_in_flight");
+    assert_eq!(message("pools.decode.balance"), "`random` is not one of: round_robin, least_in_flight, cache_aware");
     assert_eq!(message("server.threads"), "must be a whole number, not \"two\"");
     assert_eq!(message("routes[1].token_reuse"), "must be true, false or a fraction between 0.0 and 1.0, not \"yes\"");
     assert_eq!(message("routes[1].match.pathz"), "unknown key `pathz`; did you mean `paths`?");
@@ -424,12 +424,12 @@ fn a_misspelt_key_or_choice_gets_a_suggestion() {
             3,
             11,
             "pools.p.balance".into(),
-            "`least-in-flight` is not one of: round_robin, least_in_flight; did you mean `least_in_flight`?".into()
+            "`least-in-flight` is not one of: round_robin, least_in_flight, cache_aware; did you mean `least_in_flight`?".into()
         )
     );
     assert_eq!(
         one_problem("[pools.p]\nendpoints = [\"127.0.0.1:1\"]\nbalance = \"random\"\n").3,
-        "`random` is not one of: round_robin, least_in_flight"
+        "`random` is not one of: round_robin, least_in_flight, cache_aware"
     );
 }
 
@@ -454,7 +454,7 @@ fn a_wrong_type_is_named_in_the_files_words() {
         (
             "[pools.p]\nendpoints = [\"127.0.0.1:1\"]\nbalance = 1\n",
             "pools.p.balance",
-            "must be one of: round_robin, least_in_flight, not 1",
+            "must be one of: round_robin, least_in_flight, cache_aware, not 1",
         ),
         ("cache = 1\n", "cache", "must be a table, not 1"),
         (
@@ -546,4 +546,22 @@ fn kv_events_need_a_port_that_every_rank_can_offset_and_bounded_values() {
     assert_eq!((kv.port, kv.replay_port, kv.hash_seed.as_str()), (5557, None, "vllm-none-hash"));
     assert_eq!((kv.block_size, kv.stale_after_ms), (16, Duration::from_secs(120)));
     assert!(config.pools["prefill"].kv_events.is_none());
+}
+
+/// A cache-aware pool with KV events hashes its prompts as the engines do: its block size and
+/// seed must be the events' (a chain hashed otherwise would never match what they report).
+#[test]
+fn a_cache_aware_pool_with_kv_events_hashes_as_the_events_say() {
+    let config = |cache_aware: &str| {
+        format!(
+            "[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n[pools.prefill]\nendpoints = [\"127.0.0.1:8100\"]\n\
+             balance = \"cache_aware\"\n[pools.prefill.kv_events]\nport = 5557\nblock_size = 32\nhash_seed = \"0\"\n\
+             [pools.prefill.cache_aware]\n{cache_aware}"
+        )
+    };
+    assert!(Config::from_toml(&config("block_size = 32\nhash_seed = \"0\"\n"), "t.toml").is_ok());
+    let err = Config::from_toml(&config(""), "t.toml").unwrap_err();
+    assert_problem_keys(&err, &["pools.prefill.cache_aware.block_size", "pools.prefill.cache_aware.hash_seed"]);
+    assert_eq!(err.problems[0].message, "is 16 but kv_events.block_size is 32: both are the engines' --block-size");
+    assert!(err.problems[1].message.contains("both are the engines' PYTHONHASHSEED"), "{:?}", err.problems[1]);
 }

@@ -151,6 +151,7 @@ fn probes(section: &str) -> Vec<String> {
         "pools.NAME" => vec![POOLS.to_owned()],
         "pools.NAME.tls" => vec![format!("{POOLS}[pools.decode.tls]\nserver_name = \"engine.test\"\n")],
         "pools.NAME.kv_events" => vec![format!("{POOLS}[pools.decode.kv_events]\nport = 5557\n")],
+        "pools.NAME.cache_aware" => vec![format!("{POOLS}[pools.decode.cache_aware]\n")],
         "tracing" => vec![format!("{POOLS}[tracing]\nendpoint = \"http://127.0.0.1:4318/v1/traces\"\n")],
         table => vec![format!("{POOLS}[{table}]\n")],
     }
@@ -238,6 +239,7 @@ fn every_documented_key_is_a_key_the_parser_knows() {
             "upstream",
             "pools.NAME",
             "pools.NAME.tls",
+            "pools.NAME.cache_aware",
             "pools.NAME.kv_events",
             "defaults",
             "routes",

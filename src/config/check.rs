@@ -11,7 +11,7 @@ use std::time::Duration;
 use tracing_subscriber::filter::LevelFilter;
 
 use super::file::{Config, Pool, PoolTls, Prefill, Route};
-use super::values::{AllowTarget, LocalIdsMode, Mode};
+use super::values::{AllowTarget, Balance, LocalIdsMode, Mode};
 use crate::addr::{endpoint_ranks, MAX_RANKS_PER_ENTRY};
 use crate::toml_read::{Doc, Problem};
 
@@ -248,6 +248,31 @@ fn check_pool(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool) {
     if !(0.0..=1.0).contains(&pool.local_ids_recheck) {
         ck.at(&format!("{path}.local_ids_recheck"), "must be between 0 and 1");
     }
+    let cache_aware = &pool.cache_aware;
+    for (key, weight) in [("prefix_weight", cache_aware.prefix_weight), ("load_weight", cache_aware.load_weight)] {
+        if !(0.0..=MAX_WEIGHT).contains(&weight) {
+            ck.at(&format!("{path}.cache_aware.{key}"), format!("must be between 0 and {MAX_WEIGHT}"));
+        }
+    }
+    ck.range(&format!("{path}.cache_aware.block_size"), u64::from(cache_aware.block_size), 1..=4096);
+    ck.range(&format!("{path}.cache_aware.max_blocks"), u64::from(cache_aware.max_blocks), 1..=100_000_000);
+    // The events name blocks as the engines hash them; a chain hashed otherwise never matches.
+    if let (Some(kv), Balance::CacheAware) = (&pool.kv_events, pool.balance) {
+        if cache_aware.block_size != kv.block_size {
+            let message = format!(
+                "is {} but kv_events.block_size is {}: both are the engines' --block-size",
+                cache_aware.block_size, kv.block_size
+            );
+            ck.at(&format!("{path}.cache_aware.block_size"), message);
+        }
+        if cache_aware.hash_seed != kv.hash_seed {
+            let message = format!(
+                "is `{}` but kv_events.hash_seed is `{}`: both are the engines' PYTHONHASHSEED",
+                cache_aware.hash_seed, kv.hash_seed
+            );
+            ck.at(&format!("{path}.cache_aware.hash_seed"), message);
+        }
+    }
 }
 
 /// A pool's `discover`: instead of `endpoints`, a DNS name with a port (and ranks), looked up
@@ -265,6 +290,9 @@ fn check_discovery(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool, discover: 
     let interval = u64::try_from(pool.discover_interval_ms.as_millis()).unwrap_or(u64::MAX);
     ck.range(&format!("{path}.discover_interval_ms"), interval, MIN_DISCOVER_MS..=MAX_CONNECT_MS);
 }
+
+/// Largest weight of a cache-aware score term.
+const MAX_WEIGHT: f64 = 1000.0;
 
 /// `[pools.NAME.tls]` (and an allowlist entry's `tls`): a client certificate with its key, and
 /// a name to check when verification is on and the peer is named by IP (`ip`: which, as a

@@ -233,8 +233,9 @@ pub struct Pool {
     #[serde(deserialize_with = "duration::millis")]
     #[default(Duration::from_millis(5000))]
     pub discover_interval_ms: Duration,
-    /// `round_robin` or `least_in_flight`; unhealthy endpoints are skipped while a healthy one
-    /// exists.
+    /// `round_robin`, `least_in_flight`, or `cache_aware` (the endpoint holding most of the
+    /// request's prompt, against its load: `[pools.NAME.cache_aware]`, and the concepts
+    /// chapter); unhealthy endpoints are skipped while a healthy one exists.
     /// Default: `"round_robin"`.
     /// Round robin needs no state beyond a counter.
     pub balance: Balance,
@@ -268,6 +269,8 @@ pub struct Pool {
     /// Keeps the check going (a template or engine change shows) at 1 % of the echo's cost.
     #[default(0.01)]
     pub local_ids_recheck: f64,
+    /// How `balance = "cache_aware"` scores the pool's endpoints and names a prompt's blocks.
+    pub cache_aware: CacheAware,
     /// Follow the engines' KV cache events (vLLM's `--kv-events-config` with the `zmq`
     /// publisher): which endpoint holds which prefix blocks, for cache-aware endpoint choice,
     /// and every published block hash checked against tokenonce's (none: no events).
@@ -318,6 +321,45 @@ pub struct PoolKvEvents {
     #[serde(deserialize_with = "duration::millis")]
     #[default(Duration::from_secs(30))]
     pub stale_after_ms: Duration,
+}
+
+/// `[pools.NAME.cache_aware]`: read when the pool's `balance` is `cache_aware`. Each candidate
+/// endpoint scores `prefix_weight` times the share of the prompt's full blocks it holds, less
+/// `load_weight` per request it has in flight; the highest wins (ties rotate). Engine queue
+/// depth is not known without scraping the engines, so load is tokenonce's own in-flight count.
+#[derive(Debug, Clone, PartialEq, SmartDefault, Deserialize)]
+#[serde(default)]
+pub struct CacheAware {
+    /// Weight of the share of the prompt an endpoint holds (0 to 1000).
+    /// Default: `1.0`.
+    /// With the default load weight, holding the whole prompt outweighs ten requests in flight.
+    #[default(1.0)]
+    pub prefix_weight: f64,
+    /// Weight of each request an endpoint has in flight (0 to 1000).
+    /// Default: `0.1`.
+    /// A busy holder keeps its prompts until ten more requests wait there than elsewhere.
+    #[default(0.1)]
+    pub load_weight: f64,
+    /// Tokens per block, as the engines' `--block-size` (1 to 4096): a prompt's full blocks
+    /// are what it is matched by. With `kv_events` it must equal `kv_events.block_size`.
+    /// Default: `16`.
+    /// vLLM's default on GPUs, as `kv_events.block_size` (its CPU backend needs a multiple of 32).
+    #[default(16)]
+    pub block_size: u32,
+    /// The seed of the first block's hash: the engines' `PYTHONHASHSEED` (vLLM's own
+    /// `"vllm-none-hash"` when they run without one). Matters where block hashes are compared
+    /// with the engines' KV events: with `kv_events` it must equal `kv_events.hash_seed`.
+    /// Default: `"vllm-none-hash"`.
+    /// What vLLM hashes with (`sha256_cbor`) when `PYTHONHASHSEED` is unset.
+    #[default("vllm-none-hash".into())]
+    pub hash_seed: String,
+    /// Blocks the index of where tokenonce sent each prompt keeps (1 to 100,000,000; about
+    /// 40 bytes each), and as many text keys the index of prompts known by their text; a
+    /// block not sent again for longest goes first (clock eviction).
+    /// Default: `262144`.
+    /// About 10 MB: eight engines holding a million tokens each, in blocks of 32.
+    #[default(262_144)]
+    pub max_blocks: u32,
 }
 
 /// `[pools.NAME.tls]`: every connection to the pool's engines is then TLS (the prefill and

@@ -12,8 +12,8 @@ pub mod values;
 pub use crate::toml_read::Problem;
 pub use check::{MAX_ANSWER_MS, MAX_LEG_MS};
 pub use file::{
-    AllowRule, Cache, Config, Defaults, Match, Pool, PoolKvEvents, PoolTls, Prefill, Route, Server, ServerTls, Tracing,
-    Upstream,
+    AllowRule, Cache, CacheAware, Config, Defaults, Match, Pool, PoolKvEvents, PoolTls, Prefill, Route, Server,
+    ServerTls, Tracing, Upstream,
 };
 pub use resources::{AdminToken, MissingFiles, PoolResources, Resources, SkippedFile};
 pub use values::{

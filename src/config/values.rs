@@ -19,6 +19,9 @@ pub enum Balance {
     RoundRobin,
     /// The endpoint with the fewest requests in flight (ties: round robin).
     LeastInFlight,
+    /// The endpoint that holds most of the request's prompt, weighed against its load
+    /// (`[pools.NAME.cache_aware]`); least in flight when nothing is known of the prompt.
+    CacheAware,
 }
 
 /// What a route does with the requests it takes.

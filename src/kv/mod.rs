@@ -3,16 +3,18 @@
 //!
 //! A source answers one question for endpoint choice: how many leading blocks of a request's
 //! chain an endpoint holds. The exact source is the engines' own KV events; the approximate
-//! one is where tokenonce itself sent each prefix. Both sit below `upstream/`, which asks them
-//! when it picks an endpoint.
+//! one is where tokenonce itself sent each prefix (`sent`). Both sit below `upstream/`, which
+//! asks them when it picks an endpoint.
 
 pub mod check;
 pub mod events;
 pub mod hash;
 pub mod index;
+pub mod sent;
 pub mod wire;
 
 pub use hash::{BlockHash, BlockHasher, ExtraKeys};
+pub use sent::SentPrefixes;
 
 /// Which endpoint holds which blocks, as one source knows it.
 pub trait PrefixHolders: Send + Sync {

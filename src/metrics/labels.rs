@@ -210,6 +210,37 @@ label_enum! {
 }
 
 label_enum! {
+    /// Which source a cache-aware choice asked (`cache_aware_choices_total{source}`).
+    ChoiceSource {
+        /// The engines' KV events: what they hold.
+        Events => "events",
+        /// Where tokenonce itself sent each prefix.
+        Sent => "sent",
+        /// Where tokenonce sent each prompt known by its text only (no ids): chat messages,
+        /// pieces of a completions prompt.
+        Text => "text",
+        /// None: the choice fell to least in flight.
+        None => "none",
+    }
+}
+
+label_enum! {
+    /// Why a cache-aware choice went where it did (`cache_aware_choices_total{reason}`).
+    ChoiceReason {
+        /// Some candidate held part of the prompt: the best score won.
+        Prefix => "prefix",
+        /// No candidate held any of it: the least loaded won.
+        NoPrefix => "no_prefix",
+        /// The prompt's ids were not known at the choice: least in flight.
+        NoIds => "no_ids",
+        /// The prompt is shorter than one block: least in flight.
+        ShortPrompt => "short_prompt",
+        /// No source may be believed now (events stale or off, no other): least in flight.
+        Unusable => "unusable",
+    }
+}
+
+label_enum! {
     /// Result of a config reload (`config_reloads_total{result}`).
     Reload {
         /// The new config is in use.

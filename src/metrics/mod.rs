@@ -17,10 +17,10 @@ mod series;
 
 use labels::{api_label, API_LABELS};
 pub use labels::{
-    served_as, CacheLookup, DnsLookup, ErrorKind, Eviction, FallbackReason, FollowUp, Leg, Listener, LocalIdsResult,
-    Outcome, ParityResult, Release, Reload, SpanExport, Stage, TimeoutStage,
+    served_as, CacheLookup, ChoiceReason, ChoiceSource, DnsLookup, ErrorKind, Eviction, FallbackReason, FollowUp, Leg,
+    Listener, LocalIdsResult, Outcome, ParityResult, Release, Reload, SpanExport, Stage, TimeoutStage,
 };
-pub use series::{EndpointMetrics, FirstBytes, ParityMetrics, RouteMetrics};
+pub use series::{CacheAwareMetrics, EndpointMetrics, FirstBytes, ParityMetrics, RouteMetrics};
 
 /// Latency buckets from 1 ms to 6 h: loopback overheads at the bottom; long prefills, queued
 /// decodes and whole answers above; at the top the longest deadline the config allows
@@ -225,6 +225,7 @@ struct Upstreams {
     segment_cache_bytes: IntGaugeVec,
     local_ids_trusted: IntGaugeVec,
     local_ids_token_in: IntCounterVec,
+    cache_aware_choices: IntCounterVec,
 }
 
 impl Upstreams {
@@ -335,6 +336,12 @@ impl Upstreams {
                 "tokenonce_local_ids_token_in_total",
                 "Prefills sent token-in with tokenonce's own ids (local_ids = \"on\", a trusted shape): the prefill neither rendered, tokenized nor echoed them, and the decode got the same ids.",
                 &["pool", "shape"],
+            )?,
+            cache_aware_choices: counter(
+                registry,
+                "tokenonce_cache_aware_choices_total",
+                "Endpoints chosen by a cache_aware pool, by the source asked (events, sent, text, none) and why: prefix (a candidate held part of the prompt), no_prefix, or, choosing the least in flight, no_ids, short_prompt, unusable.",
+                &["pool", "source", "reason"],
             )?,
             segment_cache_bytes: gauge_vec(
                 registry,
@@ -835,6 +842,17 @@ impl Metrics {
         for result in DnsLookup::ALL {
             let _ = self.upstreams.discovery_lookups.remove_label_values(&[pool, result.as_str()]);
         }
+    }
+
+    /// Resolves (and so creates) the choice series of a `cache_aware` pool: each source with
+    /// the reasons it can give.
+    pub fn cache_aware(&self, pool: &str) -> CacheAwareMetrics {
+        let family = &self.upstreams.cache_aware_choices;
+        let choices = CacheAwareMetrics::PAIRS
+            .iter()
+            .map(|(source, reason)| family.with_label_values(&[pool, source.as_str(), reason.as_str()]))
+            .collect();
+        CacheAwareMetrics { choices }
     }
 
     /// Removes a route's model-identity gauge (the route is gone, or has no prefill pool now).

@@ -8,7 +8,9 @@ use std::time::Duration;
 use prometheus::{Histogram, IntCounter, IntGauge};
 
 use super::labels::{api_index, API_LABELS};
-use super::{ErrorKind, FallbackReason, Outcome, ParityResult, Release, Stage, TimeoutStage};
+use super::{
+    ChoiceReason, ChoiceSource, ErrorKind, FallbackReason, Outcome, ParityResult, Release, Stage, TimeoutStage,
+};
 use crate::openai::Api;
 
 /// One configured endpoint's series (`endpoint_errors_total{pool,endpoint,kind}`).
@@ -22,6 +24,36 @@ impl EndpointMetrics {
     /// Counts one failure of the endpoint.
     pub fn error(&self, kind: ErrorKind) {
         if let Some(c) = self.errors.get(kind as usize) {
+            c.inc();
+        }
+    }
+}
+
+/// A `cache_aware` pool's choices (`cache_aware_choices_total{pool,source,reason}`).
+#[derive(Clone, Debug)]
+pub struct CacheAwareMetrics {
+    /// By [`Self::PAIRS`].
+    pub(super) choices: Vec<IntCounter>,
+}
+
+impl CacheAwareMetrics {
+    /// The source and reason pairs a choice can report.
+    pub const PAIRS: [(ChoiceSource, ChoiceReason); 9] = [
+        (ChoiceSource::Events, ChoiceReason::Prefix),
+        (ChoiceSource::Events, ChoiceReason::NoPrefix),
+        (ChoiceSource::Sent, ChoiceReason::Prefix),
+        (ChoiceSource::Sent, ChoiceReason::NoPrefix),
+        (ChoiceSource::Text, ChoiceReason::Prefix),
+        (ChoiceSource::Text, ChoiceReason::NoPrefix),
+        (ChoiceSource::None, ChoiceReason::NoIds),
+        (ChoiceSource::None, ChoiceReason::ShortPrompt),
+        (ChoiceSource::None, ChoiceReason::Unusable),
+    ];
+
+    /// Counts one choice.
+    pub fn choice(&self, source: ChoiceSource, reason: ChoiceReason) {
+        let at = Self::PAIRS.iter().position(|&p| p == (source, reason));
+        if let Some(c) = at.and_then(|i| self.choices.get(i)) {
             c.inc();
         }
     }

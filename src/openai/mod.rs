@@ -8,6 +8,7 @@ pub mod error;
 pub mod fallback;
 pub mod ids;
 pub mod json;
+pub mod prefix;
 pub mod request;
 pub mod response;
 

@@ -20,7 +20,7 @@ use crate::openai::response::HandoffError;
 use crate::openai::Api;
 use crate::plan::{self, prefiller_from_header, DecodeVersion};
 use crate::routes::{PrefillTarget, Route};
-use crate::upstream::{self, Picked};
+use crate::upstream::{self, Picked, PromptKey};
 
 /// Runs one request of an orchestrate route.
 ///
@@ -43,9 +43,12 @@ pub async fn run(
     let (stored_id, named) = stored.map_or((None, None), |(id, named)| (Some(id), named));
     let rewritten = named.as_ref().or(cleaned.as_ref());
     let obj = rewritten.unwrap_or(&req.obj);
-    let decode = pick_decode(info, req.view.api, obj)?;
+    // The prompt's own ids, when a trusted shape has them (they also send the prefill
+    // token-in), else its text keys: what the cache-aware picks choose by.
+    let keys = verify::PromptKeys::of(info, req).await;
+    let decode = pick_decode(info, req.view.api, obj, keys.decode())?;
     let home = decode.name().to_owned();
-    let result = orchestrate(session, info, rec, req, obj, rewritten.is_some(), decode).await;
+    let result = orchestrate(session, info, rec, req, (obj, rewritten.is_some()), decode, &keys).await;
     if let (Some(id), Ok(())) = (stored_id, &result) {
         if (200..300).contains(&rec.answer.status) {
             app.homes.remember(&id, &home);
@@ -55,8 +58,8 @@ pub async fn run(
 }
 
 /// The decode endpoint: for a Responses follow-up, the one that stored the answer it names
-/// (counted either way), else the pool's choice.
-fn pick_decode(info: &RequestInfo, api: Api, obj: &RawObject<'_>) -> Result<Picked, ProxyError> {
+/// (counted either way), else the pool's choice (by what is known of the `prompt`).
+fn pick_decode(info: &RequestInfo, api: Api, obj: &RawObject<'_>, prompt: PromptKey<'_>) -> Result<Picked, ProxyError> {
     let pool = &info.route.decode_pool;
     if let Some(previous) = (api == Api::Responses).then(|| previous_response_id(obj)).flatten() {
         let home = info.app.homes.home(previous).and_then(|name| pool.pick_named(&name));
@@ -65,22 +68,22 @@ fn pick_decode(info: &RequestInfo, api: Api, obj: &RawObject<'_>) -> Result<Pick
             return Ok(home);
         }
     }
-    Ok(upstream::pick(pool, Leg::Decode)?)
+    Ok(upstream::pick_for(pool, Leg::Decode, prompt)?)
 }
 
-/// [`run`] once the body (`obj`, `rewritten` when it differs from the client's) and the
-/// decode endpoint are set.
+/// [`run`] once the body (`obj`, `rewritten` when it differs from the client's), the decode
+/// endpoint and what is known of the prompt (`keys`) are set.
 async fn orchestrate(
     session: &mut Session,
     info: &RequestInfo,
     rec: &mut Record,
     req: &ApiRequest<'_>,
-    obj: &RawObject<'_>,
-    rewritten: bool,
+    (obj, rewritten): (&RawObject<'_>, bool),
     decode: Picked,
+    keys: &verify::PromptKeys,
 ) -> Result<(), ProxyError> {
     let (app, route) = (&info.app, &info.route);
-    let Some(prefiller) = prefiller(route, req.incoming.headers, info.client_ip)? else {
+    let Some(prefiller) = prefiller(route, req.incoming.headers, info.client_ip, keys.prefill())? else {
         // Header mode without the header: the picker chose decode-only; send it as is.
         let body = if rewritten {
             obj.to_pieces(Some(req.incoming.body), None, None)
@@ -101,7 +104,7 @@ async fn orchestrate(
         version,
         &info.request_id,
     );
-    let plan = verify::token_in(info, req, plan).await;
+    let plan = verify::token_in(info, plan, keys.local.as_ref());
     if let Some(step) = plan.decode_only() {
         reuse::record(info, rec, step.reuse, None);
         return exec::decode(session, info, rec, &req.incoming, &decode, step).await;
@@ -137,12 +140,18 @@ struct Prefiller {
     named: bool,
 }
 
-/// The prefiller: one of the route's pool, or the one its header names (`None`: the header
-/// is absent, so the request is decode-only).
-fn prefiller(route: &Route, headers: &HeaderMap, peer: Option<IpAddr>) -> Result<Option<Prefiller>, ProxyError> {
+/// The prefiller: one of the route's pool (by what is known of the `prompt`), or the one
+/// its header names whatever any pool holds (`None`: the header is absent, so the request is
+/// decode-only).
+fn prefiller(
+    route: &Route,
+    headers: &HeaderMap,
+    peer: Option<IpAddr>,
+    prompt: PromptKey<'_>,
+) -> Result<Option<Prefiller>, ProxyError> {
     match &route.prefill {
         Some(PrefillTarget::Pool(pool)) => {
-            Ok(Some(Prefiller { endpoint: upstream::pick(pool, Leg::Prefill)?, named: false }))
+            Ok(Some(Prefiller { endpoint: upstream::pick_for(pool, Leg::Prefill, prompt)?, named: false }))
         }
         Some(PrefillTarget::Header(rule)) => Ok(prefiller_from_header(headers, rule, peer)?
             .map(|n| Prefiller { endpoint: upstream::named_endpoint(n.addr, n.tls), named: true })),

@@ -13,11 +13,12 @@ use super::{exec, reuse, verify, ApiRequest, Record, RequestInfo};
 use crate::app::App;
 use crate::handoff::{Evicted, Lookup};
 use crate::metrics::Leg;
+use crate::openai::prefix::text_keys;
 use crate::openai::PromptIds;
 use crate::plan::relay::{Found, RelayDecode, RelayPlan, RelayPrefill, Search};
 use crate::plan::DecodeVersion;
 use crate::routes::PrefillTarget;
-use crate::upstream;
+use crate::upstream::{self, PromptKey};
 
 /// Runs one request of a relay route.
 ///
@@ -52,7 +53,8 @@ async fn annotated_prefill(
         Some(PrefillTarget::Pool(pool)) => pool,
         _ => &route.decode_pool,
     };
-    let endpoint = upstream::pick(pool, Leg::Prefill)?;
+    let text = pool.is_cache_aware().then(|| text_keys(&req.obj, req.view.api)).flatten();
+    let endpoint = upstream::pick_for(pool, Leg::Prefill, prompt_key(text.as_deref()))?;
     let Some(body) = plan.body() else {
         return exec::forward(
             session,
@@ -90,7 +92,8 @@ async fn completed_decode(
     plan: &RelayDecode<'_, '_>,
 ) -> Result<(), ProxyError> {
     let (app, route) = (&info.app, &info.route);
-    let endpoint = upstream::pick(&route.decode_pool, Leg::Decode)?;
+    let text = route.decode_pool.is_cache_aware().then(|| text_keys(&req.obj, req.view.api)).flatten();
+    let endpoint = upstream::pick_for(&route.decode_pool, Leg::Decode, prompt_key(text.as_deref()))?;
     let version = if plan.needs_decode_version(app.cache.is_empty()) {
         exec::decode_version(app, route, endpoint.endpoint()).await
     } else {
@@ -123,6 +126,12 @@ async fn completed_decode(
     reuse::record(info, rec, reuse, refused.as_ref());
     let body = body.unwrap_or_else(|| req.incoming.body.clone().into());
     exec::forward(session, info, rec, &req.incoming, Leg::Decode, endpoint, body).await
+}
+
+/// What a relayed leg's cache-aware pick knows of its prompt: its text keys, when it has them
+/// (the ids of a relayed decode are found only after its endpoint is chosen).
+fn prompt_key(text: Option<&[crate::kv::BlockHash]>) -> PromptKey<'_> {
+    text.map_or(PromptKey::Unknown, PromptKey::Text)
 }
 
 /// Counts a cache lookup and evictions, and refreshes the cache gauges.

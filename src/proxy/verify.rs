@@ -1,15 +1,18 @@
 //! What a request's prompt ids feed besides its legs: once the prefill's ids are known, the
 //! parity watch's sample and the local-ids shadow check ([`prompt_ids`], the one call after
-//! the prefill); before it, the local ids a trusted shape has earned send the prefill
-//! token-in ([`token_in`]). Nothing here waits on a check: a full queue drops it, counted.
+//! the prefill); before it, the local ids a trusted shape has earned ([`local_prompt`]) steer
+//! the cache-aware picks (their block chains) and send the prefill token-in ([`token_in`]).
+//! Nothing here waits on a check: a full queue drops it, counted.
 
 use std::sync::Arc;
 
 use super::{ApiRequest, RequestInfo};
+use crate::kv::BlockHash;
 use crate::local::LocalIds;
 use crate::openai::{Api, PromptIds};
 use crate::plan::Orchestration;
 use crate::routes::PrefillTarget;
+use crate::upstream::{Pool, PromptKey};
 
 /// Who made the ids the prefill echoed, which decides what checks them.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -34,33 +37,112 @@ pub fn prompt_ids(info: &RequestInfo, req: &ApiRequest<'_>, ids: &PromptIds, pro
     }
 }
 
-/// With `local_ids = "on"` on the route's prefill pool and a trusted shape that is not
-/// rechecked: `plan` with tokenonce's own ids for the prompt (rendered and tokenized on a
-/// blocking thread, off the proxy's workers), counted when the prefill goes token-in.
-pub async fn token_in<'r, 'a>(
-    info: &RequestInfo,
-    req: &ApiRequest<'_>,
-    plan: Orchestration<'r, 'a>,
-) -> Orchestration<'r, 'a> {
-    let Some((ids, shape)) = local_ids(info, req).await else { return plan };
-    let plan = plan.with_local_ids(PromptIds::from_ids(&ids));
-    if let Some(local) = plan.local_ids().then(|| local_renderer(info)).flatten() {
-        info.app.metrics.local_ids_token_in(&local.pool, shape);
-    }
-    plan
+/// A prompt's full blocks' hashes as each cache-aware pool of its route names them (`None`:
+/// the pool is not cache-aware, or the ids are not known), each computed once.
+#[derive(Default)]
+pub struct PromptChains {
+    /// As the route's prefill pool names blocks.
+    pub prefill: Option<Vec<BlockHash>>,
+    /// As its decode pool does.
+    pub decode: Option<Vec<BlockHash>>,
 }
 
-/// The request's ids and shape from the route's prefill pool's local renderer, when its
-/// shape is trusted and not rechecked.
-async fn local_ids(info: &RequestInfo, req: &ApiRequest<'_>) -> Option<(Vec<u32>, &'static str)> {
+impl PromptChains {
+    /// The chains of prompt `ids` for `prefill` (a pool prefill) and `decode`: once when
+    /// both name blocks alike.
+    pub fn of(prefill: Option<&Pool>, decode: &Pool, ids: &[u32]) -> Self {
+        let prefill_chain = prefill.and_then(|p| p.chain(ids));
+        let decode_chain = match prefill {
+            Some(p) if p.names_blocks_like(decode) => prefill_chain.clone(),
+            _ => decode.chain(ids),
+        };
+        Self { prefill: prefill_chain, decode: decode_chain }
+    }
+}
+
+/// What the cache-aware picks of one request know of its prompt: its local ids' chains, else
+/// its text keys (`openai::prefix`), else nothing.
+#[derive(Default)]
+pub struct PromptKeys {
+    /// Tokenonce's own ids and their chains.
+    pub local: Option<LocalPrompt>,
+    /// The text keys, when there are no local ids and a pool of the route is cache-aware.
+    pub text: Option<Vec<BlockHash>>,
+}
+
+impl PromptKeys {
+    /// The local ids of `info`'s request when a trusted shape has them ([`local_prompt`]),
+    /// else its text keys when a pool of the route chooses by the prompt.
+    pub async fn of(info: &RequestInfo, req: &ApiRequest<'_>) -> Self {
+        let local = local_prompt(info, req).await;
+        let route = &info.route;
+        let prefill_aware = matches!(&route.prefill, Some(crate::routes::PrefillTarget::Pool(p)) if p.is_cache_aware());
+        let wanted = local.is_none() && (prefill_aware || route.decode_pool.is_cache_aware());
+        let text = wanted.then(|| crate::openai::prefix::text_keys(&req.obj, req.view.api)).flatten();
+        Self { local, text }
+    }
+
+    /// What the prefill pool's pick knows.
+    pub fn prefill(&self) -> PromptKey<'_> {
+        self.key(self.local.as_ref().and_then(|l| l.chains.prefill.as_deref()))
+    }
+
+    /// What the decode pool's pick knows.
+    pub fn decode(&self) -> PromptKey<'_> {
+        self.key(self.local.as_ref().and_then(|l| l.chains.decode.as_deref()))
+    }
+
+    fn key<'k>(&'k self, tokens: Option<&'k [BlockHash]>) -> PromptKey<'k> {
+        match (tokens, &self.text) {
+            (Some(chain), _) => PromptKey::Tokens(chain),
+            (None, Some(text)) => PromptKey::Text(text),
+            (None, None) => PromptKey::Unknown,
+        }
+    }
+}
+
+/// Tokenonce's own ids for a request's prompt, with its block chains.
+pub struct LocalPrompt {
+    ids: Vec<u32>,
+    shape: &'static str,
+    /// The chains the cache-aware picks want.
+    pub chains: PromptChains,
+}
+
+/// With `local_ids = "on"` on the route's prefill pool and a trusted shape that is not
+/// rechecked: tokenonce's own ids for the prompt and their chains (rendered, tokenized and
+/// hashed on a blocking thread, off the proxy's workers).
+pub async fn local_prompt(info: &RequestInfo, req: &ApiRequest<'_>) -> Option<LocalPrompt> {
     // No blocking-thread hop and no render before a shape has earned trust.
     let local = local_renderer(info).filter(|l| l.any_trusted())?;
     let api = req.view.api;
     if !matches!(api, Api::Chat | Api::Completions) {
         return None;
     }
+    let Some(crate::routes::PrefillTarget::Pool(prefill)) = &info.route.prefill else { return None };
     let (local, body) = (Arc::clone(local), req.incoming.body.clone());
-    tokio::task::spawn_blocking(move || local.token_in(api, &body)).await.ok().flatten()
+    let (prefill, decode) = (Arc::clone(prefill), Arc::clone(&info.route.decode_pool));
+    let work = move || {
+        let (ids, shape) = local.token_in(api, &body)?;
+        let chains = PromptChains::of(Some(&prefill), &decode, &ids);
+        Some(LocalPrompt { ids, shape, chains })
+    };
+    tokio::task::spawn_blocking(work).await.ok().flatten()
+}
+
+/// `plan` with tokenonce's own ids for the prompt (`local`, from [`local_prompt`]), counted
+/// when the prefill goes token-in.
+pub fn token_in<'r, 'a>(
+    info: &RequestInfo,
+    plan: Orchestration<'r, 'a>,
+    local: Option<&LocalPrompt>,
+) -> Orchestration<'r, 'a> {
+    let Some(LocalPrompt { ids, shape, .. }) = local else { return plan };
+    let plan = plan.with_local_ids(PromptIds::from_ids(ids));
+    if let Some(local) = plan.local_ids().then(|| local_renderer(info)).flatten() {
+        info.app.metrics.local_ids_token_in(&local.pool, shape);
+    }
+    plan
 }
 
 /// The route's prefill pool's local renderer, when it has one.

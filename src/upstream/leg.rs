@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use pingora::http::RequestHeader;
 
+use super::pool::PromptKey;
 use super::{Delivery, Endpoint, Exchange, Picked, Pool, RetryBudget, UpstreamClient, UpstreamError};
 use crate::metrics::{ErrorKind, Leg, Metrics, RouteMetrics};
 use crate::telemetry::RequestTrace;
@@ -41,12 +42,22 @@ pub enum LegError {
     },
 }
 
-/// An endpoint of `pool` for `leg`, counted in flight until dropped.
+/// An endpoint of `pool` for `leg` that carries no prompt to choose by (passthrough),
+/// counted in flight until dropped.
 ///
 /// # Errors
 /// [`LegError::NoEndpoint`] when the pool is empty.
 pub fn pick(pool: &Pool, leg: Leg) -> Result<Picked, LegError> {
     pool.pick().ok_or(LegError::NoEndpoint(leg))
+}
+
+/// An endpoint of `pool` for `leg` whose prompt is known by `prompt`, counted in flight
+/// until dropped.
+///
+/// # Errors
+/// [`LegError::NoEndpoint`] when the pool is empty.
+pub fn pick_for(pool: &Pool, leg: Leg, prompt: PromptKey<'_>) -> Result<Picked, LegError> {
+    pool.pick_for(Instant::now(), &[], prompt).ok_or(LegError::NoEndpoint(leg))
 }
 
 /// A header-named engine, as a one-off endpoint (not in any pool, never ejected), reached

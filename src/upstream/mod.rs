@@ -19,8 +19,8 @@ pub use budget::RetryBudget;
 pub use client::{Delivery, Exchange, SendFailure, UpstreamClient, UpstreamError};
 pub use discovery::{Discoverer, DiscoveryError};
 pub use homes::ResponseHomes;
-pub use leg::{named_endpoint, pick, Failover, LegClient, LegError};
-pub use pool::{EjectionRule, Endpoint, Membership, ModelIdentity, Picked, Pool};
+pub use leg::{named_endpoint, pick, pick_for, Failover, LegClient, LegError};
+pub use pool::{CacheAwareChoice, EjectionRule, Endpoint, Membership, ModelIdentity, Picked, Pool, PromptKey};
 
 /// The header naming the data-parallel rank a vLLM server (one port, several ranks) runs a
 /// request on; read on chat, completions and generate (vLLM 0.32, `X-data-parallel-rank`).

@@ -1,17 +1,19 @@
 //! Pools of engine endpoints (one per data-parallel rank of a server listed with its ranks),
 //! listed in config or discovered by DNS (their members then swapped as a snapshot: see
-//! `discovery`), with round-robin or least-in-flight choice, per-endpoint health and vLLM
-//! version, passive ejection after consecutive failures, and an in-flight guard that counts a
-//! request until dropped.
+//! `discovery`), with round-robin, least-in-flight or cache-aware choice, per-endpoint health
+//! and vLLM version, passive ejection after consecutive failures, and an in-flight guard that
+//! counts a request until dropped.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 
 use super::discovery::Discovery;
 use crate::config::{Balance, PoolResources, Version};
+use crate::kv::{BlockHash, BlockHasher, ExtraKeys, PrefixHolders, SentPrefixes};
+use crate::metrics::{CacheAwareMetrics, ChoiceReason, ChoiceSource};
 
 /// One engine endpoint and what tokenonce knows about it.
 #[derive(Debug)]
@@ -322,6 +324,125 @@ impl Drop for Picked {
     }
 }
 
+/// What a `cache_aware` pool chooses by: the score's weights, how a prompt's blocks are
+/// named, and the sources saying which endpoint holds which blocks, asked in order.
+pub struct CacheAwareChoice {
+    prefix_weight: f64,
+    load_weight: f64,
+    hasher: BlockHasher,
+    /// The events source first when installed, then where tokenonce sent each prompt.
+    sources: RwLock<Vec<(ChoiceSource, Arc<dyn PrefixHolders>)>>,
+    /// Where tokenonce sent each prompt known by its text keys only (a namespace of its own).
+    text: SentPrefixes,
+    /// Its `cache_aware_choices_total` series, resolved when the pool is built in an App.
+    metrics: OnceLock<CacheAwareMetrics>,
+}
+
+impl std::fmt::Debug for CacheAwareChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let sources: Vec<ChoiceSource> =
+            self.sources.read().map(|s| s.iter().map(|(k, _)| *k).collect()).unwrap_or_default();
+        f.debug_struct("CacheAwareChoice")
+            .field("prefix_weight", &self.prefix_weight)
+            .field("load_weight", &self.load_weight)
+            .field("block_size", &self.hasher.block_size())
+            .field("sources", &sources)
+            .finish()
+    }
+}
+
+impl CacheAwareChoice {
+    /// The choice `[pools.NAME.cache_aware]` describes, with the approximate source only.
+    fn new(spec: &crate::config::CacheAware) -> Self {
+        let sent: Arc<dyn PrefixHolders> = Arc::new(SentPrefixes::new(spec.max_blocks as usize));
+        Self {
+            prefix_weight: spec.prefix_weight,
+            load_weight: spec.load_weight,
+            hasher: BlockHasher::new(&spec.hash_seed, spec.block_size as usize),
+            sources: RwLock::new(vec![(ChoiceSource::Sent, sent)]),
+            text: SentPrefixes::new(spec.max_blocks as usize),
+            metrics: OnceLock::new(),
+        }
+    }
+
+    /// Counts one choice (when the pool has series).
+    fn count(&self, source: ChoiceSource, reason: ChoiceReason) {
+        if let Some(m) = self.metrics.get() {
+            m.choice(source, reason);
+        }
+    }
+
+    /// The candidate scoring best for `prompt` (the first in `rotated` order among equals),
+    /// counted by source and reason; every source of its kind then hears where it went.
+    fn choose<'a>(&self, rotated: &[&'a Arc<Endpoint>], prompt: PromptKey<'_>) -> Option<&'a Arc<Endpoint>> {
+        let least = || rotated.iter().copied().min_by_key(|e| e.inflight());
+        let chain = match prompt {
+            PromptKey::NotAPrompt => return least(),
+            PromptKey::Unknown => {
+                self.count(ChoiceSource::None, ChoiceReason::NoIds);
+                return least();
+            }
+            PromptKey::Tokens(chain) | PromptKey::Text(chain) if chain.is_empty() => {
+                self.count(ChoiceSource::None, ChoiceReason::ShortPrompt);
+                return least();
+            }
+            PromptKey::Text(keys) => {
+                let (chosen, any_held) = self.best(rotated, &self.text, keys);
+                self.count(ChoiceSource::Text, if any_held { ChoiceReason::Prefix } else { ChoiceReason::NoPrefix });
+                let chosen = chosen?;
+                self.text.sent(&chosen.name, keys);
+                return Some(chosen);
+            }
+            PromptKey::Tokens(chain) => chain,
+        };
+        let Ok(sources) = self.sources.read() else { return least() };
+        let chosen = if let Some((kind, source)) = sources.iter().find(|(_, s)| s.usable()) {
+            let (chosen, any_held) = self.best(rotated, source.as_ref(), chain);
+            self.count(*kind, if any_held { ChoiceReason::Prefix } else { ChoiceReason::NoPrefix });
+            chosen
+        } else {
+            self.count(ChoiceSource::None, ChoiceReason::Unusable);
+            least()
+        }?;
+        sources.iter().for_each(|(_, s)| s.sent(&chosen.name, chain));
+        Some(chosen)
+    }
+
+    /// The best-scoring candidate by `source`, and whether any candidate holds a block.
+    fn best<'a>(
+        &self,
+        rotated: &[&'a Arc<Endpoint>],
+        source: &dyn PrefixHolders,
+        chain: &[BlockHash],
+    ) -> (Option<&'a Arc<Endpoint>>, bool) {
+        let blocks = chain.len() as f64;
+        let mut best: Option<(&Arc<Endpoint>, f64)> = None;
+        let mut any_held = false;
+        for &e in rotated {
+            let held = source.held(&e.name, chain);
+            any_held |= held > 0;
+            let score = self.prefix_weight * held as f64 / blocks - self.load_weight * e.inflight() as f64;
+            if best.is_none_or(|(_, top)| score > top) {
+                best = Some((e, score));
+            }
+        }
+        (best.map(|(e, _)| e), any_held)
+    }
+}
+
+/// What a cache-aware pick knows of a request's prompt.
+#[derive(Clone, Copy, Debug)]
+pub enum PromptKey<'c> {
+    /// Not a prompt's first leg (passthrough, a failover): least in flight, not counted.
+    NotAPrompt,
+    /// A prompt known by neither its ids nor its text: least in flight, counted `no_ids`.
+    Unknown,
+    /// Its full blocks' hashes, as [`Pool::chain`] names them: asked of the pool's sources.
+    Tokens(&'c [BlockHash]),
+    /// Its text keys (`openai::prefix`): asked of the pool's own index of text keys.
+    Text(&'c [BlockHash]),
+}
+
 /// A named pool.
 #[derive(Debug)]
 pub struct Pool {
@@ -341,6 +462,8 @@ pub struct Pool {
     next: AtomicUsize,
     /// Its ejection rule, shared with every [`Picked`] of this pool.
     ejection: Arc<PoolEjection>,
+    /// With `balance = "cache_aware"`: what it chooses by.
+    cache_aware: Option<CacheAwareChoice>,
 }
 
 impl Pool {
@@ -365,6 +488,60 @@ impl Pool {
             pinned_version: spec.vllm_version,
             next: AtomicUsize::new(0),
             ejection: Arc::new(PoolEjection { name: name.to_owned(), rule }),
+            cache_aware: (spec.balance == Balance::CacheAware).then(|| CacheAwareChoice::new(&spec.cache_aware)),
+        }
+    }
+
+    /// True when it chooses by the prompt's blocks (`balance = "cache_aware"`): its picks then
+    /// want the prompt's [`chain`](Self::chain).
+    pub fn is_cache_aware(&self) -> bool {
+        self.cache_aware.is_some()
+    }
+
+    /// The hashes of the full blocks of prompt `ids`, as this pool names blocks (`None` when
+    /// it is not cache-aware). About 0.3 ms per 1,000 blocks: computed once per request.
+    pub fn chain(&self, ids: &[u32]) -> Option<Vec<BlockHash>> {
+        Some(self.cache_aware.as_ref()?.hasher.chain(ids, &ExtraKeys::default()))
+    }
+
+    /// True when `other` names blocks as this pool does (same seed and block size), so one
+    /// chain serves both.
+    pub fn names_blocks_like(&self, other: &Pool) -> bool {
+        match (&self.cache_aware, &other.cache_aware) {
+            (Some(a), Some(b)) => {
+                a.hasher.block_size() == b.hasher.block_size() && a.hasher.none_hash() == b.hasher.none_hash()
+            }
+            _ => false,
+        }
+    }
+
+    /// Sets its source of `kind` (a no-op unless cache-aware): replaces the one it had, or
+    /// removes it (`None`). The events source goes before the approximate one, so it is asked
+    /// first while usable.
+    pub fn set_prefix_source(&self, kind: ChoiceSource, source: Option<Arc<dyn PrefixHolders>>) {
+        let Some(choice) = &self.cache_aware else { return };
+        if let Ok(mut sources) = choice.sources.write() {
+            sources.retain(|(k, _)| *k != kind);
+            if let Some(source) = source {
+                let at = if kind == ChoiceSource::Events { 0 } else { sources.len() };
+                sources.insert(at, (kind, source));
+            }
+        }
+    }
+
+    /// The kinds of source a cache-aware pool asks, in order (empty: not cache-aware).
+    pub fn prefix_sources(&self) -> Vec<ChoiceSource> {
+        self.cache_aware
+            .as_ref()
+            .and_then(|c| c.sources.read().ok().map(|s| s.iter().map(|(k, _)| *k).collect()))
+            .unwrap_or_default()
+    }
+
+    /// Gives a cache-aware pool its choice series (once: a pool carried over a reload keeps
+    /// the first).
+    pub fn count_choices_in(&self, metrics: CacheAwareMetrics) {
+        if let Some(choice) = &self.cache_aware {
+            let _ = choice.metrics.set(metrics);
         }
     }
 
@@ -442,10 +619,17 @@ impl Pool {
         self.pick_at(Instant::now(), &[])
     }
 
-    /// Chooses an endpoint at `now`, not one of `tried` unless every endpoint was: endpoints
-    /// not ejected first (all when every one is), among them healthy ones first (all when
-    /// none is), then by the policy.
+    /// Chooses an endpoint at `now` for something other than a prompt's first leg (a
+    /// passthrough request, a failover): a cache-aware pool takes the least in flight and
+    /// counts nothing. See [`Pool::pick_for`].
     pub fn pick_at(&self, now: Instant, tried: &[&str]) -> Option<Picked> {
+        self.pick_for(now, tried, PromptKey::NotAPrompt)
+    }
+
+    /// Chooses an endpoint at `now` for a request whose prompt is known by `prompt`, not one
+    /// of `tried` unless every endpoint was: endpoints not ejected first (all when every one
+    /// is), among them healthy ones first (all when none is), then by the policy.
+    pub fn pick_for(&self, now: Instant, tried: &[&str], prompt: PromptKey<'_>) -> Option<Picked> {
         let members = self.endpoints();
         let untried = prefer(members.iter().collect(), &|e| !tried.contains(&e.name.as_str()));
         let live = prefer(untried, &|e| !e.is_ejected(now));
@@ -460,6 +644,15 @@ impl Pool {
                 // Start the scan at the round-robin position so ties rotate.
                 let n = candidates.len();
                 (0..n).filter_map(|i| candidates.get((turn + i) % n).copied()).min_by_key(|e| e.inflight())
+            }
+            Balance::CacheAware => {
+                let n = candidates.len();
+                let rotated: Vec<&Arc<Endpoint>> =
+                    (0..n).filter_map(|i| candidates.get((turn + i) % n).copied()).collect();
+                match &self.cache_aware {
+                    Some(choice) => choice.choose(&rotated, prompt),
+                    None => rotated.iter().copied().min_by_key(|e| e.inflight()),
+                }
             }
         }?;
         let mut picked = Picked::new(Arc::clone(chosen));
@@ -511,9 +704,13 @@ mod tests {
 
     fn pool(balance: Balance, n: usize) -> Pool {
         let endpoints: Vec<String> = (0..n).map(|i| format!("\"127.0.0.1:{}\"", 9000 + i)).collect();
-        let balance = if balance == Balance::RoundRobin { "round_robin" } else { "least_in_flight" };
+        let balance = match balance {
+            Balance::RoundRobin => "round_robin\"",
+            Balance::LeastInFlight => "least_in_flight\"",
+            Balance::CacheAware => "cache_aware\"\n[pools.p.cache_aware]\nblock_size = 4\nload_weight = 0.25",
+        };
         let text = format!(
-            "[pools.p]\nendpoints = [{}]\nbalance = \"{balance}\"\n[defaults]\npassthrough_pool = \"p\"\n",
+            "[pools.p]\nendpoints = [{}]\nbalance = \"{balance}\n[defaults]\npassthrough_pool = \"p\"\n",
             endpoints.join(", ")
         );
         let config = crate::config::Config::from_toml(&text, "t").unwrap();
@@ -538,6 +735,147 @@ mod tests {
         }
         drop(first);
         assert_eq!(p.endpoints().iter().map(|e| e.inflight()).sum::<usize>(), 0);
+    }
+
+    /// The chain of a prompt of `blocks` blocks of 4 ids from `from`, as `p` names blocks.
+    fn prompt(p: &Pool, from: u32, blocks: u32) -> Vec<BlockHash> {
+        p.chain(&(from..from + blocks * 4).collect::<Vec<u32>>()).unwrap()
+    }
+
+    #[test]
+    fn cache_aware_sends_a_prompt_where_its_prefix_went() {
+        let p = pool(Balance::CacheAware, 3);
+        let first = prompt(&p, 0, 8);
+        let home = p.pick_for(Instant::now(), &[], PromptKey::Tokens(&first[..4])).unwrap().name().to_owned();
+        for _ in 0..6 {
+            assert_eq!(
+                p.pick_for(Instant::now(), &[], PromptKey::Tokens(&first)).unwrap().name(),
+                home,
+                "its longer turns follow"
+            );
+        }
+        let elsewhere: Vec<String> = (0..3)
+            .map(|i| {
+                p.pick_for(Instant::now(), &[], PromptKey::Tokens(&prompt(&p, 2000 + i * 100, 8)))
+                    .unwrap()
+                    .name()
+                    .to_owned()
+            })
+            .collect();
+        assert!(elsewhere.iter().any(|n| n != &home), "new prompts rotate: {elsewhere:?}");
+        // Tried already (failover): another endpoint, whatever it holds.
+        assert_ne!(p.pick_for(Instant::now(), &[home.as_str()], PromptKey::Tokens(&first)).unwrap().name(), home);
+    }
+
+    #[test]
+    fn cache_aware_load_outweighs_a_held_prefix() {
+        let p = pool(Balance::CacheAware, 2);
+        let c = prompt(&p, 0, 8);
+        let home = p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name().to_owned();
+        // Holding the whole prompt is worth 1.0; each request in flight costs 0.25.
+        let busy: Vec<Picked> = (0..3).map(|_| p.pick_named(&home).unwrap()).collect();
+        for _ in 0..3 {
+            assert_eq!(
+                p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name(),
+                home,
+                "1.0 - 3 x 0.25 > 0"
+            );
+        }
+        let more: Vec<Picked> = (0..2).map(|_| p.pick_named(&home).unwrap()).collect();
+        assert_ne!(
+            p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name(),
+            home,
+            "1.0 - 5 x 0.25 < 0: it moves"
+        );
+        drop((busy, more));
+    }
+
+    #[test]
+    fn cache_aware_without_a_chain_takes_the_least_loaded() {
+        let p = pool(Balance::CacheAware, 2);
+        let busy = p.pick_named("127.0.0.1:9000").unwrap();
+        for _ in 0..4 {
+            assert_eq!(p.pick().unwrap().name(), "127.0.0.1:9001");
+            assert_eq!(
+                p.pick_for(Instant::now(), &[], PromptKey::Tokens(&[])).unwrap().name(),
+                "127.0.0.1:9001",
+                "short prompt"
+            );
+        }
+        drop(busy);
+    }
+
+    /// A source that holds everything for one endpoint and can be switched off.
+    struct Oracle {
+        holder: &'static str,
+        usable: AtomicBool,
+    }
+
+    impl PrefixHolders for Oracle {
+        fn held(&self, endpoint: &str, chain: &[BlockHash]) -> usize {
+            if endpoint == self.holder {
+                chain.len()
+            } else {
+                0
+            }
+        }
+        fn usable(&self) -> bool {
+            self.usable.load(Ordering::Relaxed)
+        }
+    }
+
+    #[test]
+    fn cache_aware_asks_the_events_source_first_while_it_is_usable() {
+        let p = pool(Balance::CacheAware, 3);
+        let c = prompt(&p, 0, 8);
+        let sent_home = p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name().to_owned();
+        let holder = if sent_home == "127.0.0.1:9002" { "127.0.0.1:9001" } else { "127.0.0.1:9002" };
+        let events = Arc::new(Oracle { holder, usable: AtomicBool::new(true) });
+        p.set_prefix_source(ChoiceSource::Events, Some(Arc::clone(&events) as Arc<dyn PrefixHolders>));
+        assert_eq!(
+            p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name(),
+            holder,
+            "the events say where it is"
+        );
+        events.usable.store(false, Ordering::Relaxed);
+        let fallback = p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name().to_owned();
+        assert!(fallback == sent_home || fallback == holder, "the approximate index: sent to both now ({fallback})");
+        assert_ne!(fallback, "127.0.0.1:9000");
+    }
+
+    /// With only an events source that may not be believed (stale, or off after a hash
+    /// mismatch) and no other, the choice is least in flight, counted `unusable`.
+    #[test]
+    fn cache_aware_with_no_usable_source_takes_the_least_loaded() {
+        let registry = prometheus::Registry::new();
+        let metrics = crate::metrics::Metrics::register(&registry).unwrap();
+        let p = pool(Balance::CacheAware, 2);
+        p.count_choices_in(metrics.cache_aware("p"));
+        if let Some(choice) = &p.cache_aware {
+            choice.sources.write().unwrap().clear();
+        }
+        let stale = Arc::new(Oracle { holder: "127.0.0.1:9000", usable: AtomicBool::new(false) });
+        p.set_prefix_source(ChoiceSource::Events, Some(stale));
+        let busy = p.pick_named("127.0.0.1:9000").unwrap();
+        let c = prompt(&p, 0, 4);
+        assert_eq!(
+            p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name(),
+            "127.0.0.1:9001",
+            "not the stale holder"
+        );
+        let text = String::from_utf8(crate::metrics::Metrics::render(&registry)).unwrap();
+        let series = r#"tokenonce_cache_aware_choices_total{pool="p",reason="unusable",source="none"} 1"#;
+        assert!(text.contains(series), "{text}");
+        drop(busy);
+    }
+
+    #[test]
+    fn a_pool_that_is_not_cache_aware_has_no_chain() {
+        let p = pool(Balance::LeastInFlight, 2);
+        assert!(!p.is_cache_aware() && p.chain(&[1, 2, 3, 4]).is_none());
+        p.set_prefix_source(ChoiceSource::Events, Some(Arc::new(SentPrefixes::new(1))));
+        assert!(!p.names_blocks_like(&pool(Balance::CacheAware, 1)));
+        assert!(pool(Balance::CacheAware, 1).names_blocks_like(&pool(Balance::CacheAware, 2)));
     }
 
     #[test]

@@ -1,0 +1,234 @@
+//! Cache-aware endpoint choice (`balance = "cache_aware"`): with local ids on (by their block
+//! chains) or off (by the messages' text keys), each turn of a conversation goes to the
+//! prefill (and decode) that was sent its earlier turns, another conversation can go
+//! elsewhere, load moves a request off a busy holder, and a prompt known by neither (a
+//! Responses request) goes least in flight; every choice is counted by source and reason on
+//! `/metrics`. A prefiller named by header gets the prefill whatever any pool holds.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::json;
+use support::*;
+
+/// A pool's balance key (its blocks are of two tokens below: a one-word prompt is shorter).
+const CACHE_AWARE: &str = "balance = \"cache_aware\"\n";
+
+/// Pools `prefill` (the `prefills`) and `decode` (`decode`), both cache-aware with `weights`,
+/// and route `pd` between them; the prefill pool renders locally (`local` keys) from `model`.
+fn config(prefills: &[&FakeVllm], decode: &FakeVllm, model: &std::path::Path, local: &str, weights: &str) -> String {
+    let list = prefills.iter().map(|p| format!("\"{}\"", p.host_port())).collect::<Vec<_>>().join(", ");
+    format!(
+        "[pools.prefill]\nendpoints = [{list}]\ntokenizer = {:?}\n{local}{CACHE_AWARE}[pools.prefill.cache_aware]\nblock_size = 2\n{weights}\
+         [pools.decode]\nendpoints = [\"{}\"]\n{CACHE_AWARE}[pools.decode.cache_aware]\nblock_size = 2\n\
+         [[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n",
+        model.display().to_string(),
+        decode.host_port()
+    )
+}
+
+/// Local ids on and trusted after one match, never rechecked.
+const LOCAL_ON: &str = "local_ids = \"on\"\nlocal_ids_verify_after = 1\nlocal_ids_recheck = 0.0\n";
+
+/// The `cache_aware_choices_total` series of `pool` for `source` and `reason`.
+fn choices(pool: &str, source: &str, reason: &str) -> String {
+    format!(r#"tokenonce_cache_aware_choices_total{{pool="{pool}",reason="{reason}",source="{source}"}}"#)
+}
+
+/// Sends completions `prompt` through `proxy` and returns which of `prefills` got its
+/// prefill (by index).
+async fn send(proxy: &TokenOnce, prefills: &[&FakeVllm], prompt: &str) -> usize {
+    let body = json!({"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 3});
+    send_to(proxy, prefills, "/v1/completions", &body).await
+}
+
+/// Sends `body` to `path` through `proxy` and returns which of `prefills` got its prefill.
+async fn send_to(proxy: &TokenOnce, prefills: &[&FakeVllm], path: &str, body: &serde_json::Value) -> usize {
+    let before: Vec<usize> = prefills.iter().map(|p| p.posts().len()).collect();
+    let (status, _, text) = post_json(&format!("{}{path}", proxy.url), body, &[]).await;
+    assert_eq!(status, 200, "{body}: {text}");
+    let got = prefills.iter().zip(&before).filter(|(p, b)| p.posts().len() > **b).count();
+    assert_eq!(got, 1, "one prefill per request");
+    prefills.iter().zip(&before).position(|(p, b)| p.posts().len() > *b).unwrap()
+}
+
+/// A model folder and the fakes: two prefills and a decode, all known healthy by `proxy`.
+async fn started(local: &str, weights: &str) -> (tempfile::TempDir, [FakeVllm; 3], TokenOnce) {
+    let dir = tempfile::tempdir().unwrap();
+    write_local_model(dir.path());
+    let fakes = fakes([FakeConfig::default(), FakeConfig::default(), FakeConfig::default()]).await;
+    let [p1, p2, d] = &fakes;
+    let proxy = TokenOnce::start(&config(&[p1, p2], d, dir.path(), local, weights)).await;
+    for p in [p1, p2] {
+        proxy.wait_health("prefill", &p.host_port(), true).await;
+    }
+    (dir, fakes, proxy)
+}
+
+/// Sends `prompt` in the background and waits (bounded) until `prefill` holds it in flight.
+async fn held_at(proxy: &TokenOnce, prefill: &FakeVllm, prompt: &str) -> tokio::task::JoinHandle<()> {
+    let before = prefill.posts().len();
+    let url = format!("{}/v1/completions", proxy.url);
+    let body = json!({"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 3});
+    let task = tokio::spawn(async move {
+        post_json(&url, &body, &[]).await;
+    });
+    for _ in 0..500 {
+        if prefill.posts().len() > before {
+            return task;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the prefill never got {prompt}");
+}
+
+/// Turns of one conversation (each repeating the last and adding words) go to one prefill
+/// and are counted as prefix choices; a new conversation, held nowhere, goes by rotation (so
+/// to the other prefill next); a prompt shorter than a block and one sent before its shape was
+/// trusted (no ids) are counted by those reasons.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_conversation_sticks_to_its_prefill_while_another_goes_elsewhere() {
+    let (_dir, [p1, p2, d], proxy) = started(LOCAL_ON, "").await;
+    let prefills = [&p1, &p2];
+    // Before trust: text with the echo, no ids at either pick, and a prompt under the 128
+    // bytes of one text key.
+    send(&proxy, &prefills, "bravo bravo").await;
+    proxy.assert_reaches(&choices("prefill", "none", "short_prompt"), 1.0).await;
+    assert_eq!(proxy.metric(&choices("decode", "none", "short_prompt")).await, 1.0);
+    proxy.assert_reaches(r#"tokenonce_local_ids_trusted{pool="prefill",shape="completions"}"#, 1.0).await;
+
+    let mut turn = String::from("alpha bravo");
+    let home = send(&proxy, &prefills, &turn).await;
+    for _ in 0..4 {
+        turn.push_str(" alpha bravo bravo");
+        assert_eq!(send(&proxy, &prefills, &turn).await, home, "every turn goes where the first went: {turn}");
+    }
+    assert_eq!(proxy.metric(&choices("prefill", "sent", "prefix")).await, 4.0, "the four later turns");
+    assert_eq!(proxy.metric(&choices("decode", "sent", "prefix")).await, 4.0);
+    let other = send(&proxy, &prefills, "bravo alpha alpha").await;
+    let another = send(&proxy, &prefills, "bravo bravo alpha alpha").await;
+    assert!(other != home || another != home, "new conversations rotate");
+    assert!(proxy.metric(&choices("prefill", "sent", "no_prefix")).await >= 2.0);
+
+    send(&proxy, &prefills, "alpha").await;
+    proxy.assert_reaches(&choices("prefill", "none", "short_prompt"), 2.0).await;
+    assert!(d.posts().len() >= 8, "every request was decoded");
+}
+
+/// With a load weight of 0.4, a holder with three requests in flight (1.0 - 1.2) loses the
+/// next turn of its conversation to the idle prefill (0.0); with two (1.0 - 0.8) it keeps it.
+#[tokio::test(flavor = "multi_thread")]
+async fn load_moves_a_turn_off_a_busy_holder() {
+    let (_dir, [p1, p2, _d], proxy) = started(LOCAL_ON, "load_weight = 0.4\n").await;
+    let prefills = [&p1, &p2];
+    send(&proxy, &prefills, "bravo bravo").await; // earns the shape's trust
+    let turn = "alpha bravo alpha bravo";
+    let home = send(&proxy, &prefills, turn).await;
+    let (holder, idle) = (prefills[home], prefills[1 - home]);
+    holder.configure(|c| c.delay = Duration::from_secs(30));
+    let idle_before = idle.posts().len();
+    let mut busy = vec![held_at(&proxy, holder, turn).await, held_at(&proxy, holder, turn).await];
+    // Two in flight: 1.0 - 0.8 beats the idle one's 0.0 (held_at fails if it went elsewhere).
+    busy.push(held_at(&proxy, holder, turn).await);
+    assert_eq!(idle.posts().len(), idle_before);
+    // Three: 1.0 - 1.2 loses.
+    assert_eq!(send(&proxy, &prefills, turn).await, 1 - home, "the idle prefill took the turn");
+    busy.iter().for_each(tokio::task::JoinHandle::abort);
+}
+
+/// Every prefill fake delays its answers; one request is sent and held where it landed; the
+/// others answer at once again. Returns where it landed and its task.
+async fn hold_one(proxy: &TokenOnce, prefills: &[&FakeVllm], prompt: &str) -> (usize, tokio::task::JoinHandle<()>) {
+    prefills.iter().for_each(|p| p.configure(|c| c.delay = Duration::from_secs(30)));
+    let before: Vec<usize> = prefills.iter().map(|p| p.posts().len()).collect();
+    let url = format!("{}/v1/completions", proxy.url);
+    let body = json!({"model": "tiny-qwen3", "prompt": prompt, "max_tokens": 3});
+    let task = tokio::spawn(async move {
+        post_json(&url, &body, &[]).await;
+    });
+    for _ in 0..500 {
+        if let Some(at) = prefills.iter().zip(&before).position(|(p, b)| p.posts().len() > *b) {
+            for (i, p) in prefills.iter().enumerate() {
+                if i != at {
+                    p.configure(|c| c.delay = Duration::ZERO);
+                }
+            }
+            return (at, task);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("no prefill got {prompt}");
+}
+
+/// A Responses request has neither local ids nor text keys: each goes to the least loaded
+/// prefill, counted `no_ids`.
+#[tokio::test(flavor = "multi_thread")]
+async fn without_ids_the_least_loaded_prefill_is_chosen() {
+    let (_dir, [p1, p2, _d], proxy) = started("", "").await;
+    let prefills = [&p1, &p2];
+    let body = json!({"model": "tiny-qwen3", "input": "alpha bravo alpha", "max_output_tokens": 3});
+    let (busy_one, busy) = hold_one(&proxy, &prefills, "alpha bravo alpha").await;
+    for _ in 0..3 {
+        assert_eq!(send_to(&proxy, &prefills, "/v1/responses", &body).await, 1 - busy_one, "the idle one");
+    }
+    assert_eq!(proxy.metric(&choices("prefill", "none", "no_ids")).await, 3.0);
+    assert_eq!(proxy.metric(&choices("prefill", "sent", "prefix")).await, 0.0);
+    busy.abort();
+}
+
+/// Without local ids, a chat conversation's turns go where its earlier messages went (their
+/// text keys), counted `source="text"`; a new conversation can go elsewhere.
+#[tokio::test(flavor = "multi_thread")]
+async fn without_local_ids_a_conversation_sticks_by_its_messages() {
+    let (_dir, [p1, p2, _d], proxy) = started("", "").await;
+    let prefills = [&p1, &p2];
+    let url = "/v1/chat/completions";
+    let mut messages = vec![json!({"role": "user", "content": "alpha bravo"})];
+    let body = |m: &Vec<serde_json::Value>| json!({"model": "tiny-qwen3", "messages": m, "max_tokens": 3});
+    let home = send_to(&proxy, &prefills, url, &body(&messages)).await;
+    for i in 0..4 {
+        messages.push(json!({"role": "assistant", "content": format!("bravo {i}")}));
+        messages.push(json!({"role": "user", "content": "alpha"}));
+        assert_eq!(send_to(&proxy, &prefills, url, &body(&messages)).await, home, "turn {i}");
+    }
+    assert_eq!(proxy.metric(&choices("prefill", "text", "prefix")).await, 4.0);
+    assert_eq!(proxy.metric(&choices("decode", "text", "prefix")).await, 4.0);
+    let others: Vec<usize> = new_conversations(&proxy, &prefills, url).await;
+    assert!(others.iter().any(|&o| o != home), "new conversations rotate: {others:?}");
+}
+
+/// Two new one-message conversations, held nowhere: where each went.
+async fn new_conversations(proxy: &TokenOnce, prefills: &[&FakeVllm], url: &str) -> Vec<usize> {
+    let mut went = Vec::new();
+    for word in ["charlie", "delta"] {
+        let body = json!({"model": "tiny-qwen3", "messages": [{"role": "user", "content": word}], "max_tokens": 3});
+        went.push(send_to(proxy, prefills, url, &body).await);
+    }
+    went
+}
+
+/// A route whose prefiller is named by `x-prefiller-host-port` sends every turn there, while
+/// its cache-aware decode pool still chooses by the turns' text (counted).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_prefiller_named_by_header_wins() {
+    let [p1, p2, d] = fakes([FakeConfig::default(), FakeConfig::default(), FakeConfig::default()]).await;
+    let text = format!(
+        "[pools.decode]\nendpoints = [\"{}\"]\n{CACHE_AWARE}[[routes]]\nname = \"llmd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ header = \"x-prefiller-host-port\", allow = [\"127.0.0.0/8\"] }}\n",
+        d.host_port()
+    );
+    let proxy = TokenOnce::start(&text).await;
+    let url = format!("{}/v1/chat/completions", proxy.url);
+    let mut messages = vec![json!({"role": "user", "content": "alpha bravo"})];
+    for _ in 0..3 {
+        let body = json!({"model": "tiny-qwen3", "messages": messages, "max_tokens": 3});
+        let (status, _, answer) = post_json(&url, &body, &[("x-prefiller-host-port", &p2.host_port())]).await;
+        assert_eq!(status, 200, "{answer}");
+        messages.push(json!({"role": "assistant", "content": "bravo"}));
+        messages.push(json!({"role": "user", "content": "alpha"}));
+    }
+    assert_eq!((p1.posts().len(), p2.posts().len()), (0, 3), "every prefill went to the named one");
+    proxy.assert_reaches(&choices("decode", "text", "prefix"), 2.0).await;
+}
