@@ -4,7 +4,7 @@
 //! `cargo bench --bench peers -- --rounds N` (default 10; `--quick` a short smoke run,
 //! `--only "chat 37k"`, `--peers a,a0,d`, `--baseline PATH` another tokenonce binary measured
 //! beside this one as (a-), `--profile-only "chat 1k non-stream" --seconds S --pid-file F`
-//! only a steady load on tokenonce for a profiler).
+//! only a steady load on tokenonce for a profiler, `--knee` also tokenonce's req/s curve).
 //!
 //! Proxies, all between the same two in-process fake vLLM engines (`tests/support/fake_vllm.rs`),
 //! each started once for the whole run:
@@ -31,9 +31,9 @@
 //! sender, as for the proxies). Reported: per proxy and workload the median over rounds with
 //! its interquartile range, the ratios computed within each round (median and IQR), the host
 //! steal time over the run (`/proc/stat`), client latency, then throughput and latency at 64 and
-//! 256 concurrent clients, tokenonce's req/s curve at 1 and 2 worker threads, and tokenonce's
-//! RSS with 256 concurrent 37k-token requests in flight. Everything is on 127.0.0.1; every loop
-//! is bounded in count and time.
+//! 256 concurrent clients, tokenonce's RSS with 256 concurrent 37k-token requests in flight,
+//! and with `--knee` its req/s curve at 1 and 2 worker threads. Everything is on 127.0.0.1;
+//! every loop is bounded in count and time.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -687,6 +687,8 @@ struct Options {
     profile_only: Option<String>,
     seconds: u64,
     pid_file: Option<PathBuf>,
+    /// Also tokenonce's req/s curve at 1 and 2 worker threads (`--knee`).
+    knee: bool,
 }
 
 fn options() -> Options {
@@ -699,6 +701,7 @@ fn options() -> Options {
         profile_only: None,
         seconds: 30,
         pid_file: None,
+        knee: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -714,6 +717,7 @@ fn options() -> Options {
                 o.seconds = args.next().and_then(|v| v.parse::<u64>().ok()).expect("--seconds N").clamp(1, 600)
             }
             "--pid-file" => o.pid_file = args.next().map(PathBuf::from),
+            "--knee" => o.knee = true,
             other => eprintln!("peers: ignoring unknown argument {other:?}"),
         }
     }
@@ -901,7 +905,9 @@ async fn run(opts: &Options, bench: &Bench, floor_thread: &FloorThread, prefill:
     drop(baseline);
     drop(externals);
 
-    knee(opts, bench, prefill, decode, &b, w).await;
+    if opts.knee {
+        knee(opts, bench, prefill, decode, &b, w).await;
+    }
     drop(tok);
     rss_256(opts, bench, prefill, decode).await;
 }
