@@ -1,14 +1,18 @@
 //! Side-by-side bench: tokenonce next to its peers on the same fake engines and requests.
 //!
 //! Run: `bash benches/peers.sh` once (installs the peers outside the repo), then
-//! `cargo bench --bench peers` (options after `--`: `--rounds N` sequential requests per
-//! workload and proxy, default 60, a quarter of it at 37k; `--quick` a short smoke run).
+//! `cargo bench --bench peers -- --rounds N` (default 10; `--quick` a short smoke run,
+//! `--only "chat 37k"`, `--peers a,a0,d`, `--baseline PATH` another tokenonce binary measured
+//! beside this one as (a-), `--profile-only "chat 1k non-stream" --seconds S --pid-file F`
+//! only a steady load on tokenonce for a profiler, `--knee` also tokenonce's req/s curve).
 //!
-//! Proxies, all between the same two in-process fake vLLM engines (`tests/support/fake_vllm.rs`):
+//! Proxies, all between the same two in-process fake vLLM engines (`tests/support/fake_vllm.rs`),
+//! each started once for the whole run:
 //! - (b) floor: the client sends the prefill, then the decode with the echoed ids itself (the
 //!   bench's own handoff work between the legs is excluded from its time and its CPU);
-//! - (a) tokenonce (orchestrate, token reuse on), (a0) the same with reuse off, and (a1) with
-//!   reuse on and `server.work_stealing = false`;
+//! - (a) tokenonce (orchestrate, token reuse on), (a0) the same with reuse off (a plain relay
+//!   of both legs: the handoff's cost is (a) ÷ (a0)), (a1) reuse on and
+//!   `server.work_stealing = false`, (a-) reuse on from `--baseline`'s binary;
 //! - (c) vLLM's `toy_proxy_server.py` (Python, FastAPI + httpx, no reuse);
 //! - (d) vLLM Router (PyPI `vllm-router`, Rust, `--vllm-pd-disaggregation`, no reuse).
 //!
@@ -16,22 +20,20 @@
 //! `toy_proxy_server.py`, what `benches/peers.sh` installs); a missing one is skipped loudly,
 //! its columns printed as "absent".
 //!
-//! Per workload (chat and completions, streamed and not, ~1k and ~37k tokens) each proxy gets
-//! `rounds` sequential requests, interleaved with the other proxies in blocks of 5 (after one
-//! untimed warm request), each paired with a floor request right before it (so machine noise
-//! hits all alike). Latency added = proxy − floor quantiles (client wall clock to the last
-//! byte); proxy CPU per request = the median over blocks of the on-CPU time of all the proxy
-//! process's threads (`/proc/PID/task/*/schedstat`, ns) during the block ÷ 5. The paired floor
-//! requests run on a thread of their own (its own current-thread runtime and connection pool,
-//! the fakes on theirs), and the floor's CPU per request is measured alike: that thread's CPU
-//! clock (`CLOCK_THREAD_CPUTIME_ID`, the same on-CPU ns as schedstat) over its two legs, median
-//! over the blocks of the workload. It is what a client sending both legs itself spends
-//! (syscalls included; on loopback a send also runs the receiver's TCP path, charged to the
-//! sender, as for the proxies); a proxy does at least that plus its server side. Then throughput at
-//! concurrency 64 (1k chat, not streamed), the req/s curve of tokenonce at 1 and 2 worker
-//! threads (its knee: the lowest concurrency reaching 90 % of the peak), and tokenonce's RSS
-//! with 256 concurrent 37k-token requests in flight. Everything is on 127.0.0.1; every loop is
-//! bounded in count and time.
+//! Rounds interleave: each round gives every proxy a batch of every workload (chat and
+//! completions, streamed and not, ~1k and ~37k tokens), sequential requests after one untimed,
+//! with the order of workloads and of proxies rotated by one each round, so the machine's load
+//! (on shared VMs host steal time swings from 1 % to 27 % within minutes) falls on all alike.
+//! A proxy's CPU per request in a round = the on-CPU time of all its process's threads
+//! (`/proc/PID/task/*/schedstat`, ns) over the batch ÷ its requests; the floor's, its client
+//! thread's CPU clock (`CLOCK_THREAD_CPUTIME_ID`) over its two legs: what a client sending both
+//! legs itself spends (on loopback a send also runs the receiver's TCP path, charged to the
+//! sender, as for the proxies). Reported: per proxy and workload the median over rounds with
+//! its interquartile range, the ratios computed within each round (median and IQR), the host
+//! steal time over the run (`/proc/stat`), client latency, then throughput and latency at 64 and
+//! 256 concurrent clients, tokenonce's RSS with 256 concurrent 37k-token requests in flight,
+//! and with `--knee` its req/s curve at 1 and 2 worker threads. Everything is on 127.0.0.1;
+//! every loop is bounded in count and time.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -46,7 +48,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde_json::{json, Value};
-use support::{fmt_num, fmt_signed, pd_config, words, FakeConfig, FakeVllm, Settings, TokenOnce};
+use support::{fmt_num, pd_config, words, FakeConfig, FakeVllm, Settings, TokenOnce};
 
 const MAX_TOKENS: u64 = 16;
 const SIZES: [usize; 2] = [1_000, 37_000];
@@ -57,19 +59,19 @@ enum Peer {
     Tokenonce,
     NoReuse,
     NoSteal,
+    Baseline,
     Toy,
     Router,
 }
-
-const PEERS: [Peer; 6] = [Peer::Floor, Peer::Tokenonce, Peer::NoReuse, Peer::NoSteal, Peer::Toy, Peer::Router];
 
 impl Peer {
     fn name(self) -> &'static str {
         match self {
             Self::Floor => "(b) floor",
             Self::Tokenonce => "(a) tokenonce",
-            Self::NoReuse => "(a0) tokenonce reuse off",
-            Self::NoSteal => "(a1) tokenonce work_stealing = false",
+            Self::NoReuse => "(a0) plain relay (reuse off)",
+            Self::NoSteal => "(a1) work_stealing = false",
+            Self::Baseline => "(a-) baseline binary",
             Self::Toy => "(c) toy proxy",
             Self::Router => "(d) vllm-router",
         }
@@ -351,32 +353,30 @@ impl Bench {
     }
 }
 
-/// A proxy under test: base URL and process id.
+/// A proxy under test: base URL and process id (the floor has neither: its requests run on
+/// [`FloorThread`], its CPU is that thread's clock).
 struct Target {
     peer: Peer,
     url: String,
     pid: u32,
 }
 
-/// Results of one (workload, proxy).
-#[derive(Clone, Default)]
-struct Cell {
-    /// Proxy − floor, ms: p50, p99 of each side's samples.
-    added: [f64; 2],
-    /// Median of paired differences, ms.
-    paired: f64,
-    floor_p50: f64,
-    cpu_us: f64,
-    error: Option<String>,
-}
-
 fn quantile(v: &[f64], q: f64) -> f64 {
-    let mut s = v.to_vec();
+    let mut s: Vec<f64> = v.iter().copied().filter(|x| !x.is_nan()).collect();
     s.sort_by(f64::total_cmp);
     if s.is_empty() {
         return f64::NAN;
     }
     s[((q * s.len() as f64).ceil() as usize).clamp(1, s.len()) - 1]
+}
+
+/// `median [p25–p75]` of `v`.
+fn med_iqr(v: &[f64]) -> String {
+    let m = quantile(v, 0.5);
+    if m.is_nan() {
+        return "–".into();
+    }
+    format!("{} [{}–{}]", fmt_num(m), fmt_num(quantile(v, 0.25)), fmt_num(quantile(v, 0.75)))
 }
 
 fn well_formed(w: Workload, body: &[u8]) -> bool {
@@ -387,95 +387,168 @@ fn well_formed(w: Workload, body: &[u8]) -> bool {
     }
 }
 
-/// One workload's results: the floor's CPU µs per request (median over all its blocks, every
-/// target's pairs pooled) and each proxy's cell.
-struct Row {
-    w: Workload,
-    floor_cpu_us: f64,
-    cells: Vec<(Peer, Cell)>,
+/// The host's CPU time from `/proc/stat`'s `cpu` line: (steal, all), in ticks.
+fn host_ticks() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let v: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    (v.get(7).copied().unwrap_or(0), v.iter().sum())
 }
 
-/// Checks each target answers `w` well (3 requests), then measures them interleaved in
-/// blocks: each round gives every target [`BLOCK`] requests in a row (after one untimed
-/// request, so its threads and caches are warm, as under steady traffic), each request
-/// paired with a floor request (on `floor`'s thread) right before it. A change in the
-/// machine's load thus falls on all targets alike. CPU per request is the median over blocks
-/// of (the block's on-CPU time ÷ its requests): a block where something else woke the proxy
-/// does not move it. The floor's likewise, over its requests of each block.
+/// Steal time between two [`host_ticks`] readings, % of all CPU time.
+fn steal_pct(before: (u64, u64), after: (u64, u64)) -> f64 {
+    let all = after.1.saturating_sub(before.1);
+    if all == 0 {
+        return f64::NAN;
+    }
+    after.0.saturating_sub(before.0) as f64 * 100.0 / all as f64
+}
+
+/// Requests a target gets in a row per workload and round (after one untimed one).
+fn batch(w: Workload, quick: bool) -> usize {
+    match (w.words > 10_000, quick) {
+        (true, true) => 2,
+        (true, false) => 4,
+        (false, true) => 4,
+        (false, false) => 10,
+    }
+}
+
+/// One (workload, target) over the run: CPU µs per request of each round, and every
+/// request's client latency (ms to the last byte).
+#[derive(Clone, Default)]
+struct Series {
+    cpu_us: Vec<f64>,
+    ms: Vec<f64>,
+    error: Option<String>,
+}
+
+/// Everything the interleaved rounds measured: `series[workload][target]`, and the steal time
+/// of each round.
+struct Measured {
+    workloads: Vec<Workload>,
+    peers: Vec<Peer>,
+    series: Vec<Vec<Series>>,
+    round_steal: Vec<f64>,
+    steal: f64,
+}
+
+impl Measured {
+    fn get(&self, w: usize, peer: Peer) -> Option<&Series> {
+        let i = self.peers.iter().position(|p| *p == peer)?;
+        self.series[w].get(i).filter(|s| s.error.is_none())
+    }
+
+    /// The per-round ratios `a ÷ b` of workload `w`'s CPU per request.
+    fn ratios(&self, w: usize, a: Peer, b: Peer) -> Vec<f64> {
+        match (self.get(w, a), self.get(w, b)) {
+            (Some(a), Some(b)) => a.cpu_us.iter().zip(&b.cpu_us).map(|(a, b)| a / b).collect(),
+            _ => Vec::new(),
+        }
+    }
+}
+
+/// One batch of `n` requests of `w` through `t` (the floor when `t` is `None`), after one
+/// untimed: its CPU µs per request and each request's ms.
+async fn one_batch(
+    bench: &Bench,
+    floor_thread: &FloorThread,
+    t: Option<&Target>,
+    w: Workload,
+    b: &Arc<Bodies>,
+    n: usize,
+) -> Result<(f64, Vec<f64>), String> {
+    let mut ms = Vec::with_capacity(n);
+    match t {
+        None => {
+            floor_thread.floor(w, b).await?;
+            let mut spent = 0u64;
+            for _ in 0..n {
+                let f = floor_thread.floor(w, b).await?;
+                spent += f.cpu_ns;
+                ms.push(f.ms);
+            }
+            Ok((spent as f64 / 1e3 / n as f64, ms))
+        }
+        Some(t) => {
+            bench.via(&t.url, w, b).await?;
+            let before = cpu_ns(t.pid);
+            for _ in 0..n {
+                ms.push(bench.via(&t.url, w, b).await?.0);
+            }
+            Ok((cpu_ns(t.pid).saturating_sub(before) as f64 / 1e3 / n as f64, ms))
+        }
+    }
+}
+
+/// Checks each target answers `w` well (3 requests), then runs `rounds` interleaved rounds:
+/// each round gives every target a batch of every workload, workloads and targets in an order
+/// rotated by one each round, so a change in the machine's load falls on all alike and no
+/// proxy always follows the same one. CPU per request of a round = the batch's on-CPU time of
+/// all the proxy's threads (`/proc/PID/task/*/schedstat`) ÷ its requests; ratios are taken
+/// within a round, then their median over rounds.
 async fn measure(
+    opts: &Options,
     bench: &Bench,
     floor_thread: &FloorThread,
     fakes: [&FakeVllm; 2],
     targets: &[Target],
-    w: Workload,
-    b: &Arc<Bodies>,
-    rounds: usize,
-) -> Row {
-    let mut failed: Vec<Option<String>> = Vec::new();
-    for t in targets {
-        failed.push(warm(bench, t, w, b).await.err());
+    workloads: &[Workload],
+) -> Measured {
+    let bodies: Vec<Arc<Bodies>> = workloads.iter().map(|w| Arc::new(Bodies::new(*w))).collect();
+    // Index 0 is the floor; 1.. are `targets`.
+    let n = targets.len() + 1;
+    let mut series = vec![vec![Series::default(); n]; workloads.len()];
+    for (wi, (w, b)) in workloads.iter().zip(&bodies).enumerate() {
+        for (ti, t) in targets.iter().enumerate() {
+            if let Err(e) = warm(bench, t, *w, b).await {
+                series[wi][ti + 1].error = Some(e);
+            }
+        }
     }
-    let n = targets.len();
-    let (mut floor, mut proxy, mut cpu) = (vec![Vec::new(); n], vec![Vec::new(); n], vec![Vec::new(); n]);
-    let mut floor_cpu = Vec::new();
+    let (mut round_steal, run_start) = (Vec::new(), host_ticks());
     let started = Instant::now();
-    let budget = Duration::from_secs(60 * n as u64);
-    for _ in 0..rounds.div_ceil(BLOCK) {
+    let budget = Duration::from_secs(600);
+    for round in 0..opts.rounds {
         if started.elapsed() > budget {
+            eprintln!("peers: stopping after {round} rounds (the 10 min budget)");
             break;
         }
-        for (i, t) in targets.iter().enumerate() {
-            if failed[i].is_some() {
-                continue;
-            }
-            if let Err(e) = bench.via(&t.url, w, b).await {
-                failed[i] = Some(e);
-                continue;
-            }
-            let (mut spent, mut floor_spent) = (0u64, 0u64);
-            for _ in 0..BLOCK {
-                let f = floor_thread.floor(w, b).await;
-                let before = cpu_ns(t.pid);
-                let p = bench.via(&t.url, w, b).await;
-                spent += cpu_ns(t.pid).saturating_sub(before);
-                match (f, p) {
-                    (Ok(f), Ok((pm, _))) => {
-                        floor[i].push(f.ms);
-                        floor_spent += f.cpu_ns;
-                        proxy[i].push(pm);
+        let round_start = host_ticks();
+        for k in 0..workloads.len() {
+            let wi = (k + round) % workloads.len();
+            let (w, b) = (workloads[wi], &bodies[wi]);
+            for j in 0..n {
+                let ti = (j + round) % n;
+                if series[wi][ti].error.is_some() {
+                    continue;
+                }
+                let t = ti.checked_sub(1).map(|i| &targets[i]);
+                match one_batch(bench, floor_thread, t, w, b, batch(w, opts.quick)).await {
+                    Ok((cpu, ms)) => {
+                        series[wi][ti].cpu_us.push(cpu);
+                        series[wi][ti].ms.extend(ms);
                     }
-                    (Err(e), _) | (_, Err(e)) => failed[i] = Some(e),
+                    Err(e) => series[wi][ti].error = Some(e),
                 }
             }
-            cpu[i].push(spent as f64 / 1e3 / BLOCK as f64);
-            if failed[i].is_none() {
-                floor_cpu.push(floor_spent as f64 / 1e3 / BLOCK as f64);
-            }
+            // The fakes keep every request they got; a 37k-token round is megabytes.
+            fakes.iter().for_each(|f| f.forget());
         }
-        // The fakes keep every request they got; a 37k-token round is megabytes.
-        fakes.iter().for_each(|f| f.forget());
+        round_steal.push(steal_pct(round_start, host_ticks()));
+        eprintln!("peers: round {}/{} done ({:.0} s)", round + 1, opts.rounds, started.elapsed().as_secs_f64());
     }
-    let cells = (0..n)
-        .map(|i| match failed[i].take() {
-            Some(e) => Cell { error: Some(e), ..Cell::default() },
-            None => {
-                let (p, f) = (&proxy[i], &floor[i]);
-                let diffs: Vec<f64> = p.iter().zip(f).map(|(p, f)| p - f).collect();
-                Cell {
-                    added: [quantile(p, 0.5) - quantile(f, 0.5), quantile(p, 0.99) - quantile(f, 0.99)],
-                    paired: quantile(&diffs, 0.5),
-                    floor_p50: quantile(f, 0.5),
-                    cpu_us: quantile(&cpu[i], 0.5),
-                    error: None,
-                }
-            }
-        })
-        .collect::<Vec<_>>();
-    Row { w, floor_cpu_us: quantile(&floor_cpu, 0.5), cells: targets.iter().map(|t| t.peer).zip(cells).collect() }
+    let mut peers = vec![Peer::Floor];
+    peers.extend(targets.iter().map(|t| t.peer));
+    Measured { workloads: workloads.to_vec(), peers, series, round_steal, steal: steal_pct(run_start, host_ticks()) }
 }
-
-/// Requests a target gets in a row within a round of [`measure`].
-const BLOCK: usize = 5;
 
 /// Three requests through `t`, each answered well.
 async fn warm(bench: &Bench, t: &Target, w: Workload, b: &Bodies) -> Result<(), String> {
@@ -488,8 +561,17 @@ async fn warm(bench: &Bench, t: &Target, w: Workload, b: &Bodies) -> Result<(), 
     Ok(())
 }
 
-/// `total` requests at `concurrency` through `url` (or the floor when `None`): req/s and
-/// the proxy's CPU µs per request.
+/// What [`throughput`] measured: req/s, the proxy's CPU µs per request, client latency p50 and
+/// p99 in ms.
+#[derive(Clone, Copy)]
+struct Load {
+    rps: f64,
+    cpu_us: f64,
+    p50: f64,
+    p99: f64,
+}
+
+/// `total` requests at `concurrency` through `target` (or the floor when `None`).
 async fn throughput(
     bench: &Bench,
     target: Option<&Target>,
@@ -497,7 +579,7 @@ async fn throughput(
     b: &Bodies,
     concurrency: usize,
     total: usize,
-) -> (f64, f64) {
+) -> Load {
     // Warm-up: one request per connection, so opening connections is not measured.
     futures_util::future::join_all((0..concurrency).map(|_| async {
         let _ = match target {
@@ -511,22 +593,28 @@ async fn throughput(
     let next = std::sync::atomic::AtomicUsize::new(0);
     let deadline = started + Duration::from_secs(30);
     let worker = || async {
-        let mut done = 0usize;
+        let mut ms = Vec::new();
         while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < total && Instant::now() < deadline {
             let r = match target {
                 Some(t) => bench.via(&t.url, w, b).await,
                 None => bench.floor(w, b).await.map(|f| (f.ms, f.body)),
             };
-            if r.is_ok() {
-                done += 1;
+            if let Ok((m, _)) = r {
+                ms.push(m);
             }
         }
-        done
+        ms
     };
-    let done: usize = futures_util::future::join_all((0..concurrency).map(|_| worker())).await.into_iter().sum();
+    let ms: Vec<f64> =
+        futures_util::future::join_all((0..concurrency).map(|_| worker())).await.into_iter().flatten().collect();
     let secs = started.elapsed().as_secs_f64();
     let cpu = target.map_or(0, |t| cpu_ns(t.pid).saturating_sub(before));
-    (done as f64 / secs, cpu as f64 / 1e3 / done.max(1) as f64)
+    Load {
+        rps: ms.len() as f64 / secs,
+        cpu_us: cpu as f64 / 1e3 / ms.len().max(1) as f64,
+        p50: quantile(&ms, 0.5),
+        p99: quantile(&ms, 0.99),
+    }
 }
 
 fn tokenonce_binary() -> PathBuf {
@@ -534,10 +622,11 @@ fn tokenonce_binary() -> PathBuf {
 }
 
 async fn spawn_tokenonce(prefill: &FakeVllm, decode: &FakeVllm, reuse: bool, threads: u32) -> TokenOnce {
-    spawn_tokenonce_with(prefill, decode, reuse, threads, true).await
+    spawn_tokenonce_with(&tokenonce_binary(), prefill, decode, reuse, threads, true).await
 }
 
 async fn spawn_tokenonce_with(
+    binary: &std::path::Path,
     prefill: &FakeVllm,
     decode: &FakeVllm,
     reuse: bool,
@@ -548,7 +637,7 @@ async fn spawn_tokenonce_with(
     let settings =
         Settings { health_interval_ms: 1000, log: "warn".into(), threads, server_extra, ..Settings::default() };
     let config = pd_config(prefill, decode, &format!("token_reuse = {reuse}"));
-    let proxy = TokenOnce::spawn(&tokenonce_binary(), &config, &settings).await;
+    let proxy = TokenOnce::spawn(binary, &config, &settings).await;
     proxy.wait_ready(200).await;
     proxy
 }
@@ -582,16 +671,38 @@ fn ratio(a: f64, b: f64) -> String {
 }
 
 struct Options {
+    /// Interleaved rounds (`--rounds N`).
     rounds: usize,
     quick: bool,
     /// Only workloads whose label contains this (`--only "chat 37k"`); skips the rest of the run.
     only: Option<String>,
     /// Only these proxies (`--peers a,a0,c,d`).
     peers: Option<String>,
+    /// Another tokenonce binary measured beside this one as (a-) (`--baseline PATH`): a cut's
+    /// before and after in the same rounds.
+    baseline: Option<PathBuf>,
+    /// Only load tokenonce (a) with this workload, one request at a time, for `seconds`
+    /// (`--profile-only "chat 1k non-stream"`), for a profiler to attach to the pid it writes
+    /// to `pid_file` (`--pid-file F`).
+    profile_only: Option<String>,
+    seconds: u64,
+    pid_file: Option<PathBuf>,
+    /// Also tokenonce's req/s curve at 1 and 2 worker threads (`--knee`).
+    knee: bool,
 }
 
 fn options() -> Options {
-    let mut o = Options { rounds: 60, quick: false, only: None, peers: None };
+    let mut o = Options {
+        rounds: 10,
+        quick: false,
+        only: None,
+        peers: None,
+        baseline: None,
+        profile_only: None,
+        seconds: 30,
+        pid_file: None,
+        knee: false,
+    };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -600,11 +711,18 @@ fn options() -> Options {
             "--quick" => o.quick = true,
             "--only" => o.only = args.next(),
             "--peers" => o.peers = args.next(),
+            "--baseline" => o.baseline = args.next().map(PathBuf::from),
+            "--profile-only" => o.profile_only = args.next(),
+            "--seconds" => {
+                o.seconds = args.next().and_then(|v| v.parse::<u64>().ok()).expect("--seconds N").clamp(1, 600)
+            }
+            "--pid-file" => o.pid_file = args.next().map(PathBuf::from),
+            "--knee" => o.knee = true,
             other => eprintln!("peers: ignoring unknown argument {other:?}"),
         }
     }
     if o.quick {
-        o.rounds = o.rounds.min(10);
+        o.rounds = o.rounds.min(2);
     }
     o
 }
@@ -628,16 +746,75 @@ fn main() {
         decode: format!("http://{}", decode.host_port()),
     };
     let floor_thread = FloorThread::start(bench.prefill.clone(), bench.decode.clone());
-    rt.block_on(run(&opts, &bench, &floor_thread, &prefill, &decode));
+    if opts.profile_only.is_some() {
+        rt.block_on(profile_load(&opts, &bench, &prefill, &decode));
+    } else {
+        rt.block_on(run(&opts, &bench, &floor_thread, &prefill, &decode));
+    }
     drop(floor_thread);
     println!("\nBench run time: {:.0} s (excluding the build).", run_started.elapsed().as_secs_f64());
     drop(fake_rt);
 }
 
+/// Every workload, in the order the tables print them.
+fn all_workloads() -> Vec<Workload> {
+    let mut v = Vec::new();
+    for &words in &SIZES {
+        for chat in [true, false] {
+            for stream in [false, true] {
+                v.push(Workload { chat, stream, words });
+            }
+        }
+    }
+    v
+}
+
+/// `--profile-only`: tokenonce (a) under a steady load of one workload, one request at a
+/// time, for a profiler attached to its pid.
+async fn profile_load(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVllm) {
+    let label = opts.profile_only.as_deref().unwrap_or_default();
+    let Some(w) = all_workloads().into_iter().find(|w| w.label().contains(label)) else {
+        eprintln!("peers: no workload matches {label:?}");
+        return;
+    };
+    let tok = spawn_tokenonce(prefill, decode, true, 2).await;
+    let t = Target { peer: Peer::Tokenonce, url: tok.url.clone(), pid: tok.pid().unwrap() };
+    let b = Bodies::new(w);
+    warm(bench, &t, w, &b).await.expect("tokenonce answers");
+    if let Some(f) = &opts.pid_file {
+        std::fs::write(f, t.pid.to_string()).unwrap();
+    }
+    eprintln!("peers: loading {} pid {} with {} for {} s", t.peer.name(), t.pid, w.label(), opts.seconds);
+    // A profiler started on the pid file gets a moment to attach.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (steal0, cpu0, started) = (host_ticks(), cpu_ns(t.pid), Instant::now());
+    let mut done = 0u64;
+    while started.elapsed() < Duration::from_secs(opts.seconds) {
+        for _ in 0..50 {
+            if bench.via(&t.url, w, &b).await.is_ok() {
+                done += 1;
+            }
+        }
+        prefill.forget();
+        decode.forget();
+    }
+    println!(
+        "profile load: {} {done} requests in {:.1} s, tokenonce CPU {:.0} µs/request, steal {:.1} %",
+        w.label(),
+        started.elapsed().as_secs_f64(),
+        cpu_ns(t.pid).saturating_sub(cpu0) as f64 / 1e3 / done.max(1) as f64,
+        steal_pct(steal0, host_ticks())
+    );
+}
+
 async fn run(opts: &Options, bench: &Bench, floor_thread: &FloorThread, prefill: &FakeVllm, decode: &FakeVllm) {
     let tok = spawn_tokenonce(prefill, decode, true, 2).await;
     let no_reuse = spawn_tokenonce(prefill, decode, false, 2).await;
-    let no_steal = spawn_tokenonce_with(prefill, decode, true, 2, false).await;
+    let no_steal = spawn_tokenonce_with(&tokenonce_binary(), prefill, decode, true, 2, false).await;
+    let baseline = match &opts.baseline {
+        Some(bin) => Some(spawn_tokenonce_with(bin, prefill, decode, true, 2, true).await),
+        None => None,
+    };
     let mut externals = Vec::new();
     let mut absent = Vec::new();
     for peer in [Peer::Toy, Peer::Router] {
@@ -660,6 +837,9 @@ async fn run(opts: &Options, bench: &Bench, floor_thread: &FloorThread, prefill:
         Target { peer: Peer::NoReuse, url: no_reuse.url.clone(), pid: no_reuse.pid().unwrap() },
         Target { peer: Peer::NoSteal, url: no_steal.url.clone(), pid: no_steal.pid().unwrap() },
     ];
+    if let Some(x) = &baseline {
+        targets.push(Target { peer: Peer::Baseline, url: x.url.clone(), pid: x.pid().unwrap() });
+    }
     for (peer, x) in &externals {
         targets.push(Target { peer: *peer, url: x.url.clone(), pid: x.child.id() });
     }
@@ -672,51 +852,62 @@ async fn run(opts: &Options, bench: &Bench, floor_thread: &FloorThread, prefill:
     }
     header(opts);
 
-    // Latency and CPU per workload.
-    let mut rows: Vec<Row> = Vec::new();
-    for &words_n in &SIZES {
-        for chat in [true, false] {
-            for stream in [false, true] {
-                let w = Workload { chat, stream, words: words_n };
-                if opts.only.as_ref().is_some_and(|o| !w.label().contains(o.as_str())) {
-                    continue;
-                }
-                let b = Arc::new(Bodies::new(w));
-                let rounds = if words_n > 10_000 { (opts.rounds / 4).max(5) } else { opts.rounds };
-                eprintln!("peers: {} ...", w.label());
-                rows.push(measure(bench, floor_thread, [prefill, decode], &targets, w, &b, rounds).await);
-            }
-        }
-    }
-    print_latency(&rows);
-    print_cpu(&rows);
-    goals(&rows);
+    let workloads: Vec<Workload> = all_workloads()
+        .into_iter()
+        .filter(|w| opts.only.as_ref().is_none_or(|o| w.label().contains(o.as_str())))
+        .collect();
+    let m = measure(opts, bench, floor_thread, [prefill, decode], &targets, &workloads).await;
+    print_steal(&m);
+    print_cpu(&m);
+    print_ratios(&m);
+    print_latency(&m);
+    goals(&m);
     if opts.only.is_some() {
         return;
     }
 
-    // Throughput at concurrency 64.
+    // Throughput and latency under load, 64 and 256 clients; the proxies interleaved per level.
     let w = Workload { chat: true, stream: false, words: 1_000 };
     let b = Bodies::new(w);
-    let total = if opts.quick { 128 } else { 640 };
-    println!("\n### Throughput at concurrency 64 ({}, {total} requests)\n", w.label());
-    println!("| proxy | req/s | ÷ floor | proxy CPU µs/req under load |\n|---|---:|---:|---:|");
-    let (floor_rps, _) = throughput(bench, None, w, &b, 64, total).await;
-    println!("| {} | {} | 1.00× | – |", Peer::Floor.name(), fmt_num(floor_rps));
-    for t in &targets {
-        let (rps, cpu) = throughput(bench, Some(t), w, &b, 64, total).await;
-        println!("| {} | {} | {} | {} |", t.peer.name(), fmt_num(rps), ratio(rps, floor_rps), fmt_num(cpu));
-        prefill.forget();
-        decode.forget();
-    }
-    for peer in PEERS.iter().filter(|p| absent.iter().any(|(a, _)| a == *p)) {
-        println!("| {} | absent | | |", peer.name());
+    println!("\n### Under load ({}; client latency ms; proxy CPU µs per request)\n", w.label());
+    println!(
+        "| clients | proxy | req/s | ÷ floor | p50 ms | p99 ms | CPU µs/req |\n|---:|---|---:|---:|---:|---:|---:|"
+    );
+    for concurrency in [64usize, 256] {
+        let total = if opts.quick { 2 * concurrency } else { 10 * concurrency };
+        let floor = throughput(bench, None, w, &b, concurrency, total).await;
+        println!(
+            "| {concurrency} | {} | {} | 1.00× | {} | {} | – |",
+            Peer::Floor.name(),
+            fmt_num(floor.rps),
+            fmt_num(floor.p50),
+            fmt_num(floor.p99)
+        );
+        for t in &targets {
+            // The toy proxy answers ~60 req/s: a tenth of the requests.
+            let n = if t.peer == Peer::Toy { total / 10 } else { total };
+            let l = throughput(bench, Some(t), w, &b, concurrency, n).await;
+            println!(
+                "| {concurrency} | {} | {} | {} | {} | {} | {} |",
+                t.peer.name(),
+                fmt_num(l.rps),
+                ratio(l.rps, floor.rps),
+                fmt_num(l.p50),
+                fmt_num(l.p99),
+                fmt_num(l.cpu_us)
+            );
+            prefill.forget();
+            decode.forget();
+        }
     }
     drop(no_reuse);
     drop(no_steal);
+    drop(baseline);
     drop(externals);
 
-    knee(opts, bench, prefill, decode, &b, w).await;
+    if opts.knee {
+        knee(opts, bench, prefill, decode, &b, w).await;
+    }
     drop(tok);
     rss_256(opts, bench, prefill, decode).await;
 }
@@ -737,126 +928,132 @@ fn header(opts: &Options) {
         .lines()
         .find_map(|l| l.strip_prefix("model name").map(|m| m.trim_start_matches([' ', '\t', ':']).to_owned()))
         .unwrap_or_default();
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
     println!("# tokenonce side by side with its peers\n");
-    println!("- command: `cargo bench --bench peers{}`", if opts.quick { " -- --quick" } else { "" });
+    println!("- command: `cargo bench --bench peers -- {}`", args.join(" "));
     println!("- commit {}; tokenonce binary {}", git(&["rev-parse", "--short", "HEAD"]), tokenonce_binary().display());
+    if let Some(b) = &opts.baseline {
+        println!("- (a-) baseline binary {}", b.display());
+    }
     println!(
-        "- {} CPUs ({cpu}); tokenonce threads = 2, log warn; in the bench process: fakes on one 1-worker runtime, the proxies' client on one thread, the paired floor's client on another",
+        "- {} CPUs ({cpu}); tokenonce threads = 2, log warn; in the bench process: fakes on one 1-worker runtime, the proxies' client on one thread, the floor's client on another",
         std::thread::available_parallelism().map_or(0, std::num::NonZero::get)
     );
     println!(
-        "- {} requests per proxy and workload at 1k ({} at 37k), interleaved across proxies in blocks of {BLOCK}, each after a floor request; CPU = median over blocks; max_tokens {MAX_TOKENS}\n",
+        "- {} rounds; each round: every workload, every proxy (orders rotated each round), a batch of {} requests at 1k ({} at 37k) after one untimed; max_tokens {MAX_TOKENS}\n",
         opts.rounds,
-        (opts.rounds / 4).max(5)
+        batch(Workload { chat: true, stream: false, words: 1_000 }, opts.quick),
+        batch(Workload { chat: true, stream: false, words: 37_000 }, opts.quick)
     );
 }
 
-fn cell(cells: &[(Peer, Cell)], peer: Peer) -> Option<&Cell> {
-    cells.iter().find(|(p, c)| *p == peer && c.error.is_none()).map(|(_, c)| c)
-}
-
-fn print_latency(rows: &[Row]) {
-    println!("### Latency added over the floor (ms, client wall clock to the last byte: p50 / p99; paired median)\n");
+fn print_steal(m: &Measured) {
     println!(
-        "| workload | floor p50 | (a) tokenonce | (a0) reuse off | (a1) no stealing | (c) toy | (d) router |\n|---|---:|---:|---:|---:|---:|---:|"
+        "### Host steal time: {:.1} % over the run (per round {} – {} %)\n",
+        m.steal,
+        fmt_num(quantile(&m.round_steal, 0.0)),
+        fmt_num(quantile(&m.round_steal, 1.0))
     );
-    for Row { w, cells, .. } in rows {
-        let floor = cells.iter().find_map(|(_, c)| c.error.is_none().then_some(c.floor_p50)).unwrap_or(f64::NAN);
-        let mut line = format!("| {} | {} |", w.label(), fmt_num(floor));
-        for peer in [Peer::Tokenonce, Peer::NoReuse, Peer::NoSteal, Peer::Toy, Peer::Router] {
-            line.push_str(&match cells.iter().find(|(p, _)| *p == peer) {
-                None => " absent |".into(),
-                Some((_, c)) if c.error.is_some() => format!(" FAILED: {} |", c.error.as_deref().unwrap_or("")),
-                Some((_, c)) => {
-                    format!(" {} / {} ({}) |", fmt_signed(c.added[0]), fmt_signed(c.added[1]), fmt_signed(c.paired))
-                }
-            });
-        }
-        println!("{line}");
+}
+
+const COLUMNS: [Peer; 7] =
+    [Peer::Floor, Peer::Tokenonce, Peer::NoReuse, Peer::NoSteal, Peer::Baseline, Peer::Toy, Peer::Router];
+
+fn present(m: &Measured) -> Vec<Peer> {
+    COLUMNS.into_iter().filter(|p| m.peers.contains(p)).collect()
+}
+
+fn print_cpu(m: &Measured) {
+    let peers = present(m);
+    println!("### CPU per request, µs: median over rounds [IQR] (a proxy: all threads of its process; (b) floor: its client thread over the two legs)\n");
+    println!("| workload | {} |", peers.iter().map(|p| p.name()).collect::<Vec<_>>().join(" | "));
+    println!("|---|{}", "---:|".repeat(peers.len()));
+    for (wi, w) in m.workloads.iter().enumerate() {
+        let cells: Vec<String> = peers
+            .iter()
+            .map(|p| match m.series[wi].get(m.peers.iter().position(|q| q == p).unwrap_or(usize::MAX)) {
+                Some(s) if s.error.is_some() => format!("FAILED: {}", s.error.as_deref().unwrap_or("")),
+                Some(s) => med_iqr(&s.cpu_us),
+                None => "absent".into(),
+            })
+            .collect();
+        println!("| {} | {} |", w.label(), cells.join(" | "));
     }
 }
 
-fn print_cpu(rows: &[Row]) {
+/// The ratios the tables and goals use: (numerator, denominator).
+const RATIOS: [(Peer, Peer); 7] = [
+    (Peer::Tokenonce, Peer::Router),
+    (Peer::Tokenonce, Peer::Toy),
+    (Peer::Tokenonce, Peer::NoReuse),
+    (Peer::Tokenonce, Peer::Floor),
+    (Peer::NoSteal, Peer::Tokenonce),
+    (Peer::Tokenonce, Peer::Baseline),
+    (Peer::Router, Peer::Floor),
+];
+
+fn short(p: Peer) -> &'static str {
+    p.name().split(' ').next().unwrap_or("")
+}
+
+fn print_ratios(m: &Measured) {
+    let ratios: Vec<(Peer, Peer)> =
+        RATIOS.into_iter().filter(|(a, b)| m.peers.contains(a) && m.peers.contains(b)).collect();
+    println!("\n### CPU ratios, computed within each round: median over rounds [IQR]\n");
     println!(
-        "\n### CPU per request (µs; a proxy: all threads of its process; (b) floor: its client thread over the two legs)\n"
+        "| workload | {} |",
+        ratios.iter().map(|(a, b)| format!("{} ÷ {}", short(*a), short(*b))).collect::<Vec<_>>().join(" | ")
     );
-    println!(
-        "| workload | (b) floor | (a) tokenonce | (a0) reuse off | (a1) no stealing | (c) toy | (d) router | (a) ÷ (b) | (a) ÷ (a0) | (a) ÷ (d) | (a) ÷ (c) | (a1) ÷ (a) | (a1) ÷ (d) |"
-    );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    for Row { w, floor_cpu_us: b, cells } in rows {
-        let v = |p| cell(cells, p).map_or(f64::NAN, |c| c.cpu_us);
-        let (a, a0, a1, c, d) = (v(Peer::Tokenonce), v(Peer::NoReuse), v(Peer::NoSteal), v(Peer::Toy), v(Peer::Router));
-        println!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-            w.label(),
-            fmt_num(*b),
-            fmt_num(a),
-            fmt_num(a0),
-            fmt_num(a1),
-            fmt_num(c),
-            fmt_num(d),
-            ratio(a, *b),
-            ratio(a, a0),
-            ratio(a, d),
-            ratio(a, c),
-            ratio(a1, a),
-            ratio(a1, d)
-        );
+    println!("|---|{}", "---:|".repeat(ratios.len()));
+    for (wi, w) in m.workloads.iter().enumerate() {
+        let cells: Vec<String> = ratios.iter().map(|(a, b)| med_iqr(&m.ratios(wi, *a, *b))).collect();
+        println!("| {} | {} |", w.label(), cells.join(" | "));
     }
 }
 
-/// The issue's goals, checked against this run.
-fn goals(rows: &[Row]) {
-    println!("\n### Goals (issue 12), this run\n");
-    let row = |chat: bool, stream: bool, words: usize| {
-        rows.iter().find(|r| r.w.chat == chat && r.w.stream == stream && r.w.words == words)
+fn print_latency(m: &Measured) {
+    let peers = present(m);
+    println!("\n### Latency, one request at a time (ms, client wall clock to the last byte: p50 / p99 over every request of the run)\n");
+    println!("| workload | {} |", peers.iter().map(|p| p.name()).collect::<Vec<_>>().join(" | "));
+    println!("|---|{}", "---:|".repeat(peers.len()));
+    for (wi, w) in m.workloads.iter().enumerate() {
+        let cells: Vec<String> = peers
+            .iter()
+            .map(|p| match m.get(wi, *p) {
+                Some(s) => format!("{} / {}", fmt_num(quantile(&s.ms, 0.5)), fmt_num(quantile(&s.ms, 0.99))),
+                None => "–".into(),
+            })
+            .collect();
+        println!("| {} | {} |", w.label(), cells.join(" | "));
+    }
+}
+
+/// The issue's goals (issue 30), checked against this run's medians of per-round ratios.
+fn goals(m: &Measured) {
+    println!("\n### Goals (issue 30), this run: medians of the per-round ratios\n");
+    let find = |chat: bool, stream: bool, words: usize| {
+        m.workloads.iter().position(|w| w.chat == chat && w.stream == stream && w.words == words)
     };
-    let get = |chat: bool, stream: bool, words: usize, peer: Peer| {
-        row(chat, stream, words).and_then(|r| cell(&r.cells, peer).cloned())
-    };
-    let check = |what: String, value: Option<f64>, limit: f64| match value {
-        Some(v) if !v.is_nan() => {
-            println!(
-                "- {} {what}: {} (goal ≤ {})",
-                if v <= limit { "MET" } else { "NOT MET" },
-                fmt_num(v),
-                fmt_num(limit)
-            )
+    let check = |what: String, v: Vec<f64>, limit: f64| {
+        let med = quantile(&v, 0.5);
+        if med.is_nan() {
+            println!("- UNKNOWN {what}: not measured");
+        } else {
+            let verdict = if med <= limit { "MET" } else { "NOT MET" };
+            println!("- {verdict} {what}: {} (goal ≤ {})", med_iqr(&v), fmt_num(limit));
         }
-        _ => println!("- UNKNOWN {what}: not measured"),
     };
-    for stream in [false, true] {
-        let s = if stream { "streamed" } else { "non-streamed" };
-        let a = get(true, stream, 37_000, Peer::Tokenonce);
-        let a0 = get(true, stream, 37_000, Peer::NoReuse);
-        let d = get(true, stream, 37_000, Peer::Router);
-        check(format!("37k chat {s}: CPU reuse on ÷ off"), a.as_ref().zip(a0).map(|(a, o)| a.cpu_us / o.cpu_us), 1.5);
-        check(format!("37k chat {s}: added p50 ms"), a.as_ref().map(|a| a.added[0]), 0.5);
-        check(format!("37k chat {s}: added p99 ms"), a.as_ref().map(|a| a.added[1]), 2.0);
-        check(format!("37k chat {s}: CPU ÷ router"), a.as_ref().zip(d).map(|(a, d)| a.cpu_us / d.cpu_us), 0.5);
-        let a = get(true, stream, 1_000, Peer::Tokenonce);
-        match row(true, stream, 1_000).map(|r| r.floor_cpu_us).filter(|v| !v.is_nan()) {
-            Some(b) => println!(
-                "- INFO 1k chat {s}: floor CPU µs: {} (a client sending both legs itself; a proxy spends at least this plus its server side)",
-                fmt_num(b)
-            ),
-            None => println!("- UNKNOWN 1k chat {s}: floor CPU µs: not measured"),
+    for chat in [true, false] {
+        let api = if chat { "chat" } else { "completions" };
+        for stream in [false, true] {
+            let s = if stream { "streamed" } else { "non-streamed" };
+            let r =
+                |words: usize, a: Peer, b: Peer| find(chat, stream, words).map_or_else(Vec::new, |w| m.ratios(w, a, b));
+            check(format!("1k {api} {s}: tokenonce ÷ router"), r(1_000, Peer::Tokenonce, Peer::Router), 0.25);
+            check(format!("1k {api} {s}: tokenonce ÷ toy"), r(1_000, Peer::Tokenonce, Peer::Toy), 0.1);
+            check(format!("37k {api} {s}: tokenonce ÷ router"), r(37_000, Peer::Tokenonce, Peer::Router), 0.4);
+            check(format!("37k {api} {s}: reuse on ÷ plain relay"), r(37_000, Peer::Tokenonce, Peer::NoReuse), 1.3);
         }
-        check(format!("1k chat {s}: CPU µs"), a.as_ref().map(|a| a.cpu_us), if stream { 150.0 } else { 100.0 });
-        let d = get(true, stream, 1_000, Peer::Router);
-        let c = get(true, stream, 1_000, Peer::Toy);
-        check(format!("1k chat {s}: CPU ÷ router"), a.as_ref().zip(d).map(|(a, d)| a.cpu_us / d.cpu_us), 0.25);
-        check(format!("1k chat {s}: CPU ÷ toy"), a.as_ref().zip(c).map(|(a, c)| a.cpu_us / c.cpu_us), 0.1);
-        let a1 = get(true, stream, 1_000, Peer::NoSteal);
-        let d = get(true, stream, 1_000, Peer::Router);
-        let limit = if stream { 150.0 } else { 100.0 };
-        check(format!("1k chat {s}, work_stealing = false: CPU µs"), a1.as_ref().map(|a| a.cpu_us), limit);
-        check(
-            format!("1k chat {s}, work_stealing = false: CPU ÷ router"),
-            a1.as_ref().zip(d).map(|(a, d)| a.cpu_us / d.cpu_us),
-            0.25,
-        );
     }
 }
 
@@ -875,7 +1072,7 @@ async fn knee(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVl
         let mut rps = Vec::new();
         for &c in &levels {
             let total = if opts.quick { 32.max(c * 2) } else { 200.max(c * 4) };
-            rps.push(throughput(bench, Some(&t), w, b, c, total).await.0);
+            rps.push(throughput(bench, Some(&t), w, b, c, total).await.rps);
             prefill.forget();
             decode.forget();
         }
@@ -889,7 +1086,12 @@ async fn knee(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVl
     }
 }
 
-/// tokenonce's RSS with 256 concurrent 37k-token chat requests held in flight at the decode.
+/// `server.max_in_flight`'s default, for the memory bound it implies.
+const DEFAULT_MAX_IN_FLIGHT: f64 = 1024.0;
+
+/// tokenonce's RSS with 256 concurrent 37k-token chat requests held in flight at the decode:
+/// its peak, the RSS per request in flight, and what that implies at the default
+/// `max_in_flight`.
 async fn rss_256(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVllm) {
     let n = if opts.quick { 32 } else { 256 };
     let proxy = spawn_tokenonce(prefill, decode, true, 2).await;
@@ -918,11 +1120,14 @@ async fn rss_256(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &Fak
     prefill.forget();
     decode.forget();
     let ok = oks.iter().filter(|o| **o).count();
+    let (peak, idle) = (peak.into_inner() as f64 / 1024.0, idle as f64 / 1024.0);
+    let per = (peak - idle) / n as f64;
     println!(
-        "\n### Memory\n\n- tokenonce RSS with {n} concurrent 37k-token chat requests held 3 s at the decode: peak {:.1} MiB \
-         (idle after one request {:.1} MiB; {ok}/{n} answered 200; {:.1} s)",
-        peak.into_inner() as f64 / 1024.0,
-        idle as f64 / 1024.0,
-        started.elapsed().as_secs_f64()
+        "\n### Memory\n\n- tokenonce RSS with {n} concurrent 37k-token chat requests held 3 s at the decode: peak {peak:.1} MiB \
+         (idle after one request {idle:.1} MiB; {ok}/{n} answered 200; {:.1} s)\n- per request in flight: {:.2} MiB; at the default \
+         max_in_flight ({DEFAULT_MAX_IN_FLIGHT}) of such requests: {:.0} MiB",
+        started.elapsed().as_secs_f64(),
+        per,
+        idle + per * DEFAULT_MAX_IN_FLIGHT
     );
 }

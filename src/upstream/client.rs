@@ -229,6 +229,8 @@ pub struct Exchange {
     pool_key: PoolKey,
     /// `host:port`, for errors.
     addr: String,
+    /// The connection was taken from the idle pool (not dialled for this exchange).
+    pooled: bool,
 }
 
 impl Exchange {
@@ -464,7 +466,7 @@ impl UpstreamClient {
         body: &[Bytes],
         fresh: bool,
         delivery: &Delivery,
-    ) -> Result<(Conn, Answer), SendFailure> {
+    ) -> Result<(Conn, Answer, bool), SendFailure> {
         // The answer to a HEAD has no body whatever its head says (RFC 9112 §6.3).
         let to_head = head.starts_with(b"HEAD ");
         let addr = peer.to_string();
@@ -486,7 +488,7 @@ impl UpstreamClient {
             .read_head(to_head)
             .await
             .map_err(|e| SendFailure { error: UpstreamError::wire(&addr, &e), unstarted: false })?;
-        Ok((conn, answer))
+        Ok((conn, answer, reused))
     }
 
     /// Sends `head` + `body` (its parts written in order, one vectored write) to `to` once
@@ -534,13 +536,14 @@ impl UpstreamClient {
         })?;
         let peer = self.peer(to).await.map_err(|error| SendFailure { error, unstarted: true })?;
         let pool_key = PoolKey::of(&peer, to);
-        let (conn, answer) = self.attempt(&peer, &pool_key, &wire, body, fresh, delivery).await.inspect_err(|f| {
-            // The name may point somewhere else now: the next leg looks it up again.
-            if matches!(f.error, UpstreamError::Connect { .. }) {
-                self.resolver.forget(to.addr);
-            }
-        })?;
-        Ok(Exchange { conn, answer, pool_key, addr: to.addr.to_owned() })
+        let (conn, answer, pooled) =
+            self.attempt(&peer, &pool_key, &wire, body, fresh, delivery).await.inspect_err(|f| {
+                // The name may point somewhere else now: the next leg looks it up again.
+                if matches!(f.error, UpstreamError::Connect { .. }) {
+                    self.resolver.forget(to.addr);
+                }
+            })?;
+        Ok(Exchange { conn, answer, pool_key, addr: to.addr.to_owned(), pooled })
     }
 
     /// Reads the rest of the body (at most `limit` bytes) and returns the connection to the pool.
@@ -583,7 +586,7 @@ impl UpstreamClient {
             // A GET is idempotent: one more try on any failure (a stale pooled connection
             // must not mark an endpoint unhealthy).
             let delivery = Delivery::default();
-            let exchange = match self.send(to, &head, &[], &delivery).await {
+            let mut exchange = match self.send(to, &head, &[], &delivery).await {
                 Ok(exchange) => exchange,
                 Err(SendFailure {
                     error: error @ (UpstreamError::Connect { .. } | UpstreamError::Tls { .. }), ..
@@ -591,7 +594,18 @@ impl UpstreamClient {
                 Err(_) => self.resend(to, &head, &[], &delivery).await.map_err(|f| f.error)?,
             };
             let status = exchange.status();
-            let body = self.read_to_end(exchange, 1 << 20).await?;
+            // A connection this GET dialled is closed, not pooled: the health poller runs on
+            // pingora's background runtime, and a socket stays with the reactor of the runtime
+            // that opened it, so every leg later sent on it would be woken across runtimes
+            // (10 % of tokenonce's CPU at 1k when the first connection to an engine was a poll's).
+            let pooled = exchange.pooled;
+            let read = exchange.conn.read_to_end(&mut exchange.answer, 1 << 20).await;
+            let body = read
+                .map_err(|e| UpstreamError::wire(&exchange.addr, &e))?
+                .ok_or_else(|| UpstreamError::TooLarge { addr: exchange.addr.clone(), limit: 1 << 20 })?;
+            if pooled {
+                self.release(exchange);
+            }
             Ok((status, body))
         };
         match tokio::time::timeout(timeout, work).await {
