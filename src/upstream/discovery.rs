@@ -1,5 +1,5 @@
 //! Pools whose endpoints a DNS name gives (`discover`, a Kubernetes headless Service): what
-//! the name is ([`Discovery`]), the resolver that asks it ([`Discoverer`]: hickory, reading
+//! the name is (`dns_name`), the resolver that asks it ([`Discoverer`]: hickory, reading
 //! `/etc/resolv.conf` like getaddrinfo, or the one server `upstream.dns_server` names), and
 //! the round the upkeep runs before each health round ([`round`]).
 //!
@@ -13,7 +13,7 @@
 //! empty a pool that still has engines serving.
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hickory_resolver::config::{NameServerConfig, ResolverConfig, ResolverOpts};
@@ -30,49 +30,6 @@ pub const LOOKUP_LIMIT: Duration = Duration::from_secs(3);
 
 /// How long one query to the named `upstream.dns_server` waits before its one retry.
 const QUERY_TIMEOUT: Duration = Duration::from_secs(1);
-
-/// A pool's DNS name, the port and ranks each of its addresses serves, and when it was last
-/// looked up.
-#[derive(Debug)]
-pub struct Discovery {
-    name: String,
-    port: u16,
-    ranks: Vec<Option<u32>>,
-    interval: Duration,
-    last_lookup: Mutex<Option<Instant>>,
-}
-
-impl Discovery {
-    /// The discovery a pool's `discover` entry (`name:port`, `name:port#R`,
-    /// `name:port#FIRST-LAST`) describes, looked up every `interval`; `None` when the entry is
-    /// malformed (config validation refuses it first).
-    pub fn parse(entry: &str, interval: Duration) -> Option<Self> {
-        let (addr, ranks) = crate::addr::endpoint_ranks(entry)?;
-        let (name, port) = addr.rsplit_once(':')?;
-        Some(Self { name: name.to_owned(), port: port.parse().ok()?, ranks, interval, last_lookup: Mutex::new(None) })
-    }
-
-    /// The name looked up.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// The ranks each address serves (`[None]`: the whole server).
-    pub fn ranks(&self) -> &[Option<u32>] {
-        &self.ranks
-    }
-
-    /// True when a lookup is due at `now` (never looked up, or `interval` ago); marks it
-    /// looked up then.
-    fn take_turn(&self, now: Instant) -> bool {
-        let Ok(mut last) = self.last_lookup.lock() else { return false };
-        let due = last.is_none_or(|at| now.saturating_duration_since(at) >= self.interval);
-        if due {
-            *last = Some(now);
-        }
-        due
-    }
-}
 
 /// Why a lookup gave no endpoints.
 #[derive(Debug, thiserror::Error)]
@@ -214,29 +171,4 @@ async fn refresh(discoverer: &Discoverer, pool: &Pool, metrics: &Metrics, homes:
         tracing::info!(pool = %pool.name, endpoint = %e.name, in_flight = e.inflight(), "endpoint left its DNS name: chosen no more");
     }
     metrics.pool_endpoints(&pool.name, pool.endpoints().len());
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_discover_entry_gives_its_name_port_and_ranks() {
-        let d = Discovery::parse("vllm-prefill.llm.svc.cluster.local:8100#0-3", Duration::from_secs(5)).unwrap();
-        assert_eq!((d.name(), d.port), ("vllm-prefill.llm.svc.cluster.local", 8100));
-        assert_eq!(d.ranks(), &[Some(0), Some(1), Some(2), Some(3)]);
-        let plain = Discovery::parse("engines:8000", Duration::from_secs(5)).unwrap();
-        assert_eq!(plain.ranks(), &[None]);
-        assert!(Discovery::parse("engines", Duration::from_secs(5)).is_none());
-    }
-
-    #[test]
-    fn a_lookup_is_due_once_per_interval() {
-        let d = Discovery::parse("engines:8000", Duration::from_secs(5)).unwrap();
-        let t0 = Instant::now();
-        assert!(d.take_turn(t0), "never looked up");
-        assert!(!d.take_turn(t0 + Duration::from_secs(4)));
-        assert!(d.take_turn(t0 + Duration::from_secs(5)));
-        assert!(!d.take_turn(t0 + Duration::from_secs(6)));
-    }
 }

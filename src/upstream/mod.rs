@@ -8,6 +8,7 @@
 pub mod budget;
 pub mod client;
 pub mod discovery;
+pub mod dns_name;
 pub mod h1;
 pub mod health;
 pub mod homes;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 
-use super::discovery::Discovery;
+use super::dns_name::Discovery;
 use crate::config::{Balance, PoolResources, Version};
 use crate::kv::{BlockHash, BlockHasher, ExtraKeys, PrefixHolders, SentPrefixes};
 use crate::metrics::{CacheAwareMetrics, ChoiceReason, ChoiceSource};
