@@ -346,13 +346,19 @@ async fn dashboard_and_alert_metrics_exist_after_real_traffic() {
     let model = tempfile::tempdir().unwrap();
     write_local_model(model.path());
     let (p, d) = (FakeVllm::start(FakeConfig::default()).await, FakeVllm::start(FakeConfig::default()).await);
-    // ... and follows KV events (nothing publishes on port 9: the series exist at zero).
+    // ... chooses cache-aware and follows KV events (nothing publishes on port 9: the series
+    // exist at zero); a spare pool is discovered through a DNS server that never answers (its
+    // failed lookups counted).
     let shadow = format!(
-        "tokenizer = {:?}\nlocal_ids = \"shadow\"\n[pools.prefill.kv_events]\nport = 9\n",
+        "tokenizer = {:?}\nlocal_ids = \"shadow\"\nbalance = \"cache_aware\"\n[pools.prefill.kv_events]\nport = 9\n",
         model.path().display().to_string()
     );
-    let config = pd_config(&p, &d, "").replacen("\n\n[pools.decode]", &format!("\n{shadow}\n[pools.decode]"), 1);
-    let proxy = TokenOnce::start(&config).await;
+    let config = format!(
+        "{}\n[pools.spare]\ndiscover = \"engines.test:8000\"\n",
+        pd_config(&p, &d, "").replacen("\n\n[pools.decode]", &format!("\n{shadow}\n[pools.decode]"), 1)
+    );
+    let dns = Settings { upstream_extra: "dns_server = \"127.0.0.1:9\"\n".into(), ..Settings::default() };
+    let proxy = TokenOnce::start_with(&config, &dns).await;
     proxy.wait_ready(200).await;
     let sent = send_traffic(&proxy, &p).await;
     // The shadow checks run off the request path: wait (bounded) for the verifier's counts.
@@ -481,7 +487,7 @@ async fn dashboard_and_alert_metrics_exist_after_real_traffic() {
                 "release",
             ],
         ),
-        ("pool", &["prefill", "decode"]),
+        ("pool", &["prefill", "decode", "spare"]),
     ];
     for s in &scrape.samples {
         for (k, v) in &s.labels {
