@@ -181,8 +181,9 @@ impl LocalIds {
         if !self.shape_trust(rendered.shape)?.trusted.load(Ordering::Relaxed) || self.recheck_now() {
             return None;
         }
-        // No ids (an empty completions prompt): vLLM refuses an empty prompt, so it goes as
-        // text and the engine answers in its own words.
+        // No ids: vLLM takes no empty token prompt (`prompt: []`) as it takes the text, so it
+        // goes as text and the engine answers in its own words. (An empty prompt never gets
+        // here: `render_completion` refuses it, as vLLM does before tokenizing.)
         let ids = self.encode(&rendered).ok().filter(|ids| !ids.is_empty())?;
         Some((ids, rendered.shape))
     }
