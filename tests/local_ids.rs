@@ -159,9 +159,10 @@ async fn on_sends_trusted_shapes_token_in_and_a_mismatch_ends_the_trust() {
     assert_eq!(proxy.metric(token_in).await, 1.0);
 }
 
-/// An empty completions prompt of a trusted shape has no ids: vLLM refuses an empty prompt,
-/// so it goes to the prefill as text (for the engine to refuse in its own words), never as
-/// `prompt: []`.
+/// An empty completions prompt of a trusted shape is not rendered: vLLM refuses an empty
+/// prompt when it reads the request, so it goes to the prefill as text (for the engine to
+/// refuse in its own words), never as `prompt: []` (tests/refusals.rs: also where `""` has
+/// a BOS id).
 #[tokio::test(flavor = "multi_thread")]
 async fn an_empty_prompt_of_a_trusted_shape_goes_as_text() {
     let dir = tempfile::tempdir().unwrap();
