@@ -212,3 +212,39 @@ fn family_pools_load_with_local_ids_or_are_refused_by_name() {
     assert_eq!(err.problems[0].key, "pools.gptoss.local_ids", "{:?}", err.problems);
     assert!(err.problems[0].message.contains("Harmony"), "{:?}", err.problems);
 }
+
+/// vLLM's request-time refusals (recorded on the tier's Qwen3 as tests/fixtures/vllm/refuse_*)
+/// are refused by name for every family tokenonce renders, never rendered, so never sent
+/// token-in: the decision is the request's, not the family's (an empty completions prompt
+/// too, which Llama 3.1's tokenizer would give a BOS id). Left out: the refusals tokenonce
+/// sends as they are (tests/refusals.rs says why).
+#[test]
+fn vllms_request_refusals_are_refused_for_every_family() {
+    const SENT_AS_THEY_ARE: &[&str] = &[
+        "refuse_tool_choice_required_no_parser",
+        "refuse_top_logprobs_without_logprobs",
+        "refuse_completions_stream_options_without_stream",
+        "refuse_completions_prompt_logprobs_with_stream",
+    ];
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vllm");
+    let mut refusals: Vec<(String, Api, String)> = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let doc: Value = serde_json::from_str(&std::fs::read_to_string(entry.unwrap().path()).unwrap()).unwrap();
+        let name = doc["name"].as_str().unwrap();
+        if name.starts_with("refuse_") && !SENT_AS_THEY_ARE.contains(&name) {
+            let api = if doc["path"] == "/v1/completions" { Api::Completions } else { Api::Chat };
+            refusals.push((name.to_owned(), api, doc["request_body"].as_str().unwrap().to_owned()));
+        }
+    }
+    assert!(refusals.len() >= 10, "{} refusals", refusals.len());
+    for family in ["llama3_1", "gemma3", "deepseek_v3", "phi3_5"] {
+        let dir = folder(family);
+        let template = ChatTemplate::load(&dir, LoadOptions::default()).unwrap();
+        let tokenizer = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
+        let policy = Policy { mode: LocalIdsMode::Shadow, verify_after: 1, recheck: 0.0 };
+        let local = LocalIds::new(family, Arc::new(template), Arc::new(tokenizer), policy).unwrap();
+        for (name, api, body) in &refusals {
+            assert_eq!(local.ids(*api, body.as_bytes()).map(|_| ()), Err("vllm_rejects"), "{family}: {name}");
+        }
+    }
+}

@@ -159,9 +159,10 @@ async fn on_sends_trusted_shapes_token_in_and_a_mismatch_ends_the_trust() {
     assert_eq!(proxy.metric(token_in).await, 1.0);
 }
 
-/// An empty completions prompt of a trusted shape has no ids: vLLM refuses an empty prompt,
-/// so it goes to the prefill as text (for the engine to refuse in its own words), never as
-/// `prompt: []`.
+/// An empty completions prompt of a trusted shape is not rendered: vLLM refuses an empty
+/// prompt when it reads the request, so it goes to the prefill as text (for the engine to
+/// refuse in its own words), never as `prompt: []` (tests/refusals.rs: also where `""` has
+/// a BOS id).
 #[tokio::test(flavor = "multi_thread")]
 async fn an_empty_prompt_of_a_trusted_shape_goes_as_text() {
     let dir = tempfile::tempdir().unwrap();
@@ -220,4 +221,67 @@ async fn trust_survives_a_reload_of_the_unchanged_pool_only() {
     proxy.assert_reaches(trusted, 1.0).await;
     proxy.reload(&config(5)).await;
     assert_eq!(proxy.metric(trusted).await, 0.0, "another policy: the shape earns its trust again");
+}
+
+/// History drift, on a family that drops reasoning from history: Qwen3's template renders an
+/// assistant turn with its `<think>` part while it is the latest turn (as it was generated),
+/// and without it once a user turn follows. A checked follow-up turn counts the tokens of the
+/// earlier conversation it renders otherwise, from the `<think>` on; under a template that
+/// repeats its history (the plain ChatML one) the same kind of turn counts as `same`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_follow_up_turn_counts_the_history_its_template_renders_otherwise() {
+    let messages = json!([
+        {"role": "user", "content": "Hello there!"},
+        {"role": "assistant", "content": "<think>\nYou are terse.\n</think>\n\nHi"},
+        {"role": "user", "content": "Hello there!"},
+    ]);
+    let body = json!({"model": "tiny-qwen3", "messages": messages, "max_tokens": 3});
+    let series = |name: &str| format!("tokenonce_prompt_history_{name}{{pool=\"prefill\"}}");
+    let turns = |result: &str| format!(r#"tokenonce_prompt_history_turns_total{{pool="prefill",result="{result}"}}"#);
+
+    for (family, write) in [("qwen3", write_qwen3_model as fn(&std::path::Path)), ("chatml", write_local_model)] {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path());
+        let template = tokenonce::render::ChatTemplate::load(dir.path(), Default::default()).unwrap();
+        let tokenizer = tokenonce::parity::Tokenizer::load(&dir.path().join("tokenizer.json")).unwrap();
+        let policy =
+            tokenonce::local::Policy { mode: tokenonce::config::LocalIdsMode::Shadow, verify_after: 1, recheck: 0.0 };
+        let local = tokenonce::local::LocalIds::new("t", template.into(), tokenizer.into(), policy).unwrap();
+        let (now, shape) = local.ids(tokenonce::openai::Api::Chat, &serde_json::to_vec(&body).unwrap()).unwrap();
+        assert_eq!(shape, "chat_multi_turn");
+        // The prefill engine tokenizes as tokenonce does, so the check matches.
+        let p = FakeVllm::start(FakeConfig {
+            text_prompt_ids: Some(now.iter().map(|&i| u64::from(i)).collect()),
+            ..FakeConfig::default()
+        })
+        .await;
+        let d = FakeVllm::start(FakeConfig::default()).await;
+        let proxy = TokenOnce::start(&local_config(&p, &d, dir.path(), "local_ids = \"shadow\"\n")).await;
+        assert_eq!(proxy.metric(&turns("drift")).await, 0.0, "{family}: shown from the first scrape");
+        let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
+        assert_eq!(status, 200, "{text}");
+        let matched = r#"tokenonce_local_ids_checks_total{pool="prefill",result="match",shape="chat_multi_turn"}"#;
+        proxy.assert_reaches(matched, 1.0).await;
+        if family == "chatml" {
+            proxy.assert_reaches(&turns("same"), 1.0).await;
+            assert_eq!(proxy.metric(&series("drift_tokens_total")).await, 0.0);
+            continue;
+        }
+        proxy.assert_reaches(&turns("drift"), 1.0).await;
+        let at = proxy.metric(&series("drift_start_tokens_total")).await as usize;
+        let changed = proxy.metric(&series("drift_tokens_total")).await as usize;
+        // Up to the assistant turn's header both agree; there the generated form has its
+        // reasoning, which the follow-up dropped.
+        let vocab = tokenizers::Tokenizer::from_file(dir.path().join("tokenizer.json")).unwrap();
+        let text_now = vocab.decode(&now[..at], false).unwrap();
+        assert!(text_now.ends_with("<|im_start|> assistant"), "drift starts after the assistant header: {text_now:?}");
+        assert_eq!(vocab.decode(&now[at..at + 1], false).unwrap(), "Hi", "the follow-up goes on without the reasoning");
+        // The conversation as generated: from `at` on, its reasoning, answer and end of turn.
+        let previous = tokenonce::local::drift::previous_turn(&serde_json::to_vec(&body).unwrap()).unwrap();
+        let (then, _) = local.ids(tokenonce::openai::Api::Chat, &previous).unwrap();
+        assert_eq!(then[..at], now[..at]);
+        assert_eq!(then.len(), at + changed, "every token of it from the first difference");
+        let generated = vocab.decode(&then[at..], false).unwrap();
+        assert_eq!(generated, "<think> You are terse. </think> Hi <|im_end|>", "{changed} tokens");
+    }
 }

@@ -7,6 +7,11 @@
 //! matched `local_ids_verify_after` times in a row is trusted: its requests' prefills go
 //! token-in with these ids (`LocalIds::token_in`), but for a recheck share; a mismatch ends
 //! the trust until the shape has matched that many times again.
+//!
+//! A checked follow-up chat turn that matched also has its history drift measured
+//! (`drift`): the conversation before it rendered again as it stood when its last assistant
+//! turn was generated, compared with the echo (one more render and encode per such check, its
+//! shared segments cache hits).
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
@@ -21,6 +26,10 @@ use crate::openai::{Api, PromptIds};
 use crate::parity::Tokenizer;
 use crate::render::{self, ChatTemplate, Shape};
 use crate::tokens::{SegmentCache, Segmenter};
+
+pub mod drift;
+
+pub use drift::Drift;
 
 /// Bytes of segment ids (and their texts) kept per pool: a 45k-token conversation holds about
 /// 380 KB, so this keeps a few hundred conversations' turns.
@@ -181,8 +190,9 @@ impl LocalIds {
         if !self.shape_trust(rendered.shape)?.trusted.load(Ordering::Relaxed) || self.recheck_now() {
             return None;
         }
-        // No ids (an empty completions prompt): vLLM refuses an empty prompt, so it goes as
-        // text and the engine answers in its own words.
+        // No ids: vLLM takes no empty token prompt (`prompt: []`) as it takes the text, so it
+        // goes as text and the engine answers in its own words. (An empty prompt never gets
+        // here: `render_completion` refuses it, as vLLM does before tokenizing.)
         let ids = self.encode(&rendered).ok().filter(|ids| !ids.is_empty())?;
         Some((ids, rendered.shape))
     }
@@ -237,6 +247,7 @@ impl LocalIds {
         for shape in SHAPES {
             metrics.local_ids_trusted(&self.pool, shape, self.trusted(shape));
         }
+        metrics.prompt_history_seen(&self.pool);
     }
 
     /// The ids tokenonce computes for `body` on `api`, and the request's shape label.
@@ -246,6 +257,15 @@ impl LocalIds {
     pub fn ids(&self, api: Api, body: &[u8]) -> Result<(Vec<u32>, &'static str), &'static str> {
         let rendered = self.render(api, body)?;
         Ok((self.encode(&rendered)?, rendered.shape))
+    }
+
+    /// How a chat follow-up's prompt ids (`now`) leave the conversation before it as it stood
+    /// when its last assistant turn was generated ([`drift::previous_turn`], rendered and
+    /// encoded here); `None` when `body` has no such turn or it does not render.
+    pub fn history_drift(&self, body: &[u8], now: &[u32]) -> Option<Drift> {
+        let then = drift::previous_turn(body)?;
+        let (ids, _) = self.ids(Api::Chat, &then).ok()?;
+        Some(Drift::between(&ids, now))
     }
 
     /// Compares what tokenonce computes for `body` with the ids the prefill `echoed`.
@@ -327,8 +347,20 @@ fn work(rx: &Mutex<Receiver<Sample>>, metrics: &Metrics) {
             Err(_) => return,
         };
         let Ok(sample) = next else { return };
-        let (shape, verdict) = sample.local.verify(sample.api, &sample.body, &sample.echoed.to_vec());
+        let echoed = sample.echoed.to_vec();
+        let (shape, verdict) = sample.local.verify(sample.api, &sample.body, &echoed);
         let pool = &sample.local.pool;
+        // The echo is tokenonce's own ids here, so the history is compared with what the
+        // engine got.
+        if verdict == Verdict::Match && sample.api == Api::Chat {
+            if let Some(drift) = sample.local.history_drift(&sample.body, &echoed) {
+                metrics.prompt_history(pool, drift.at, drift.changed);
+                if drift.changed > 0 {
+                    tracing::debug!(request_id = %sample.request_id, pool = %pool, at = drift.at, changed = drift.changed,
+                        "a follow-up turn renders its history otherwise than it was generated");
+                }
+            }
+        }
         match sample.local.record(shape, &verdict) {
             Some(true) => {
                 tracing::info!(pool = %pool, shape, "local ids trusted for the shape: it matched its echo enough times in a row")

@@ -188,6 +188,17 @@ label_enum! {
 }
 
 label_enum! {
+    /// What a follow-up turn's render did to the conversation before it
+    /// (`prompt_history_turns_total{result}`).
+    HistoryResult {
+        /// It repeats the earlier conversation token for token.
+        Same => "same",
+        /// It renders part of it otherwise (a prefix-cache miss the template causes).
+        Drift => "drift",
+    }
+}
+
+label_enum! {
     /// Where a Responses follow-up naming a stored answer went (`response_followups_total{result}`).
     FollowUp {
         /// To the decode endpoint that stored it.

@@ -17,8 +17,9 @@ mod series;
 
 use labels::{api_label, API_LABELS};
 pub use labels::{
-    served_as, CacheLookup, ChoiceReason, ChoiceSource, DnsLookup, ErrorKind, Eviction, FallbackReason, FollowUp, Leg,
-    Listener, LocalIdsResult, Outcome, ParityResult, Release, Reload, SpanExport, Stage, TimeoutStage,
+    served_as, CacheLookup, ChoiceReason, ChoiceSource, DnsLookup, ErrorKind, Eviction, FallbackReason, FollowUp,
+    HistoryResult, Leg, Listener, LocalIdsResult, Outcome, ParityResult, Release, Reload, SpanExport, Stage,
+    TimeoutStage,
 };
 pub use series::{CacheAwareMetrics, EndpointMetrics, FirstBytes, ParityMetrics, RouteMetrics};
 
@@ -225,6 +226,9 @@ struct Upstreams {
     segment_cache_bytes: IntGaugeVec,
     local_ids_trusted: IntGaugeVec,
     local_ids_token_in: IntCounterVec,
+    prompt_history_turns: IntCounterVec,
+    prompt_history_drift_tokens: IntCounterVec,
+    prompt_history_drift_start: IntCounterVec,
     cache_aware_choices: IntCounterVec,
 }
 
@@ -336,6 +340,24 @@ impl Upstreams {
                 "tokenonce_local_ids_token_in_total",
                 "Prefills sent token-in with tokenonce's own ids (local_ids = \"on\", a trusted shape): the prefill neither rendered, tokenized nor echoed them, and the decode got the same ids.",
                 &["pool", "shape"],
+            )?,
+            prompt_history_turns: counter(
+                registry,
+                "tokenonce_prompt_history_turns_total",
+                "Follow-up chat turns (local ids, checked and matching the echo) whose conversation before them tokenonce rendered again as it stood when its last assistant turn was generated, by pool and result: same (repeated token for token) or drift (the template renders part of it otherwise).",
+                &["pool", "result"],
+            )?,
+            prompt_history_drift_tokens: counter(
+                registry,
+                "tokenonce_prompt_history_drift_tokens_total",
+                "Tokens of the earlier conversation that follow-up turns render otherwise than when it was generated, from the first difference on: prefix-cache misses the chat template causes, by pool.",
+                &["pool"],
+            )?,
+            prompt_history_drift_start: counter(
+                registry,
+                "tokenonce_prompt_history_drift_start_tokens_total",
+                "Sum over drifting follow-up turns of the position of their first differing token (over prompt_history_turns_total{result=\"drift\"}: where drift starts, on average), by pool.",
+                &["pool"],
             )?,
             cache_aware_choices: counter(
                 registry,
@@ -908,6 +930,29 @@ impl Metrics {
     pub fn local_ids_trusted(&self, pool: &str, shape: &str, trusted: bool) {
         self.upstreams.local_ids_trusted.with_label_values(&[pool, shape]).set(i64::from(trusted));
         self.upstreams.local_ids_token_in.with_label_values(&[pool, shape]).inc_by(0);
+    }
+
+    /// Counts one follow-up turn whose history was rendered again: `changed` tokens of it from
+    /// position `at` on render otherwise (0: none).
+    pub fn prompt_history(&self, pool: &str, at: usize, changed: usize) {
+        let u = &self.upstreams;
+        let result = if changed == 0 { HistoryResult::Same } else { HistoryResult::Drift };
+        u.prompt_history_turns.with_label_values(&[pool, result.as_str()]).inc();
+        if changed > 0 {
+            u.prompt_history_drift_tokens.with_label_values(&[pool]).inc_by(changed as u64);
+            u.prompt_history_drift_start.with_label_values(&[pool]).inc_by(at as u64);
+        }
+    }
+
+    /// Shows a local-ids pool's history series from its first scrape (0 until a follow-up
+    /// turn is checked, instead of a gap).
+    pub fn prompt_history_seen(&self, pool: &str) {
+        let u = &self.upstreams;
+        for result in HistoryResult::ALL {
+            u.prompt_history_turns.with_label_values(&[pool, result.as_str()]).inc_by(0);
+        }
+        u.prompt_history_drift_tokens.with_label_values(&[pool]).inc_by(0);
+        u.prompt_history_drift_start.with_label_values(&[pool]).inc_by(0);
     }
 
     /// Counts one prefill sent token-in with tokenonce's ids.

@@ -43,5 +43,9 @@ label_enum! {
         ParityReuseOff => "parity_reuse_off",
         /// The prefill and decode pools serve different models (`GET /v1/models`).
         ModelMismatch => "model_mismatch",
+        /// vLLM refuses the request for a field the prefill leg rewrites (`stream_options`
+        /// without `stream`, `prompt_logprobs` with `stream`): sent to the decode alone, as
+        /// sent, for vLLM to refuse in its own words (no prefill spent on it).
+        VllmRefuses => "vllm_refuses",
     }
 }

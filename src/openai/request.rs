@@ -44,6 +44,9 @@ pub struct RequestView {
     /// Responses: the request needs server-side state the prefill engine does not have
     /// (`previous_response_id`, `conversation`, `background: true`).
     pub stateful: bool,
+    /// vLLM refuses the request when it reads it, for a field the prefill leg rewrites
+    /// ([`rewrite_hides_refusal`]): the prefill would take it, the decode would refuse it.
+    pub rewrite_hides_refusal: bool,
 }
 
 #[derive(Deserialize)]
@@ -124,6 +127,28 @@ fn responses_input_has_media(raw: &str) -> Result<bool, ApiError> {
     Ok(false)
 }
 
+/// Whether vLLM 0.32's chat and completions request models refuse `obj` for a field the
+/// prefill leg rewrites (it sets `stream: false` and drops `stream_options`), so only the
+/// decode would refuse it: `stream_options` set (Python-truthy) without `stream`
+/// (`validate_stream_options`), or `prompt_logprobs` above 0 or -1 with `stream`
+/// (`check_logprobs`).
+pub fn rewrite_hides_refusal(obj: &RawObject<'_>, stream: bool) -> bool {
+    let stream_options = obj.get("stream_options").is_some_and(truthy);
+    let prompt_logprobs =
+        obj.get("prompt_logprobs").and_then(|raw| raw.trim().parse::<f64>().ok()).is_some_and(|v| v > 0.0 || v == -1.0);
+    (stream_options && !stream) || (prompt_logprobs && stream)
+}
+
+/// Python's truth value of a JSON value's text: false for null, false, zero, `""`, `{}`, `[]`.
+fn truthy(raw: &str) -> bool {
+    let raw = raw.trim();
+    let empty_container = |open: char, close: char| {
+        raw.strip_prefix(open).and_then(|r| r.strip_suffix(close)).is_some_and(|inner| inner.trim().is_empty())
+    };
+    let zero = raw.parse::<f64>().is_ok_and(|v| v == 0.0);
+    !(matches!(raw, "null" | "false" | "\"\"") || zero || empty_container('{', '}') || empty_container('[', ']'))
+}
+
 fn prompt_shape(raw: Option<&str>) -> PromptShape {
     let Some(raw) = raw.map(str::trim) else {
         return PromptShape::Text;
@@ -175,7 +200,8 @@ impl RequestView {
             && (obj.has_non_null("previous_response_id")
                 || obj.has_non_null("conversation")
                 || field::<bool>(obj, "background")?.unwrap_or(false));
-        Ok(Self { api, model, stream, n, echo, has_media, prompt, return_token_ids, stateful })
+        let rewrite_hides_refusal = matches!(api, Api::Chat | Api::Completions) && rewrite_hides_refusal(obj, stream);
+        Ok(Self { api, model, stream, n, echo, has_media, prompt, return_token_ids, stateful, rewrite_hides_refusal })
     }
 
     /// The view of a generate request: `token_ids` (its prompt, always ids) and
@@ -202,6 +228,7 @@ impl RequestView {
             prompt: PromptShape::Tokens,
             return_token_ids: false,
             stateful: false,
+            rewrite_hides_refusal: false,
         })
     }
 
@@ -429,6 +456,33 @@ mod tests {
 
     fn view(api: Api, body: &str) -> RequestView {
         RequestView::parse(api, &RawObject::parse(body).unwrap()).unwrap()
+    }
+
+    /// The refusals only the decode would make (the prefill leg sets `stream: false` and
+    /// drops `stream_options`), read with Python's truth values as vLLM's validators read them.
+    #[test]
+    fn refusals_the_prefill_rewrite_hides_are_seen() {
+        let hides =
+            |api, fields: &str| view(api, &format!(r#"{{"messages":[],"prompt":"x"{fields}}}"#)).rewrite_hides_refusal;
+        for (fields, refused) in [
+            (r#","stream_options":{"include_usage":true}"#, true),
+            (r#","stream_options":{"include_usage":true},"stream":false"#, true),
+            (r#","stream_options":{"include_usage":true},"stream":true"#, false),
+            (r#","stream_options":{ }"#, false),
+            (r#","stream_options":null"#, false),
+            (r#","stream_options":0"#, false),
+            (r#","stream_options":" ""#, true),
+            (r#","prompt_logprobs":1,"stream":true"#, true),
+            (r#","prompt_logprobs":-1,"stream":true"#, true),
+            (r#","prompt_logprobs":0,"stream":true"#, false),
+            (r#","prompt_logprobs":1"#, false),
+            ("", false),
+        ] {
+            assert_eq!(hides(Api::Chat, fields), refused, "chat {fields}");
+            assert_eq!(hides(Api::Completions, fields), refused, "completions {fields}");
+        }
+        let responses = view(Api::Responses, r#"{"input":"x","stream_options":{"include_usage":true}}"#);
+        assert!(!responses.rewrite_hides_refusal, "only chat and completions");
     }
 
     #[test]

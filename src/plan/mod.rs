@@ -222,7 +222,10 @@ fn version_gate(api: Api, version: DecodeVersion) -> Option<FallbackReason> {
 /// Responses, with nothing else already blocking reuse): only then is it worth asking
 /// `GET /version`.
 pub fn needs_decode_version(view: &RequestView, policy: &ReusePolicy, canary_key: &str) -> bool {
-    view.api != Api::Completions && !view.stateful && request_gate(view, policy, canary_key).is_none()
+    view.api != Api::Completions
+        && !view.stateful
+        && !view.rewrite_hides_refusal
+        && request_gate(view, policy, canary_key).is_none()
 }
 
 /// The reuse gate of an orchestrated request. Completions go token-in on every vLLM version
@@ -230,6 +233,9 @@ pub fn needs_decode_version(view: &RequestView, policy: &ReusePolicy, canary_key
 pub fn gate(view: &RequestView, policy: &ReusePolicy, decode: DecodeVersion, canary_key: &str) -> Gate {
     if view.stateful {
         return Gate::Fallback(FallbackReason::Stateful);
+    }
+    if view.rewrite_hides_refusal {
+        return Gate::Fallback(FallbackReason::VllmRefuses);
     }
     let blocker = match request_gate(view, policy, canary_key) {
         Some(reason) => Some(reason),
@@ -288,8 +294,17 @@ impl Orchestration<'_, '_> {
     /// decode's response store (`previous_response_id`, `conversation`, `background`). The
     /// prefill engine does not hold the earlier answers (its legs are `store: false`, and a
     /// stored id lives on the engine that decoded it), so a prefill leg would fail with 404.
+    ///
+    /// Also a request vLLM refuses for a field the prefill leg rewrites
+    /// ([`RequestView::rewrite_hides_refusal`]): the prefill would take it, and hold its KV
+    /// for a decode that refuses it; the decode alone refuses it in vLLM's words.
     pub fn decode_only(&self) -> Option<DecodeStep> {
-        (self.gate == Gate::Fallback(FallbackReason::Stateful)).then(|| self.text_decode(FallbackReason::Stateful))
+        match self.gate {
+            Gate::Fallback(reason @ (FallbackReason::Stateful | FallbackReason::VllmRefuses)) => {
+                Some(self.text_decode(reason))
+            }
+            _ => None,
+        }
     }
 
     /// The decode leg alone, after a failed prefill (`on_prefill_failure = "decode_alone"`):

@@ -546,6 +546,24 @@ fn stateful_responses_go_to_the_decode_alone() {
     assert!(orchestrate(Request { obj: &obj, view: &view, source: None }, &ON, V32, "req").decode_only().is_none());
 }
 
+/// A request vLLM refuses for a field the prefill leg rewrites goes to the decode alone, as
+/// sent (the decode refuses it in vLLM's words; no prefill holds KV for it), without asking
+/// the decode's version.
+#[test]
+fn refusals_the_prefill_would_hide_go_to_the_decode_alone() {
+    for (api, body) in [
+        (Api::Chat, r#"{"messages":[{"role":"user","content":"hi"}],"stream_options":{"include_usage":true}}"#),
+        (Api::Completions, r#"{"prompt":"hi","prompt_logprobs":1,"stream":true}"#),
+    ] {
+        let (obj, view) = parsed(api, body);
+        assert!(!needs_decode_version(&view, &ON, "req"), "{body}");
+        let plan = orchestrate(Request { obj: &obj, view: &view, source: None }, &ON, V32, "req");
+        let step = plan.decode_only().unwrap_or_else(|| panic!("{body}"));
+        assert_eq!(step.reuse, Reuse::Fallback(FallbackReason::VllmRefuses));
+        assert_eq!(step.body.to_bytes(), body.as_bytes());
+    }
+}
+
 /// A fractional `token_reuse` admits a share of request ids, the same ids every time, and a
 /// larger share admits a superset. Deterministic: fixed ids, fixed-key hash, so the bound
 /// below cannot flake (for 20,000 ids the binomial standard deviation at 0.3 is 0.0032;

@@ -55,7 +55,10 @@ pub struct RenderedCompletion {
 /// The text of a completions request body (`prompt` a string), or why not.
 ///
 /// # Errors
-/// [`Unsupported`]: lists, token ids, embeddings, `suffix`, `echo`, truncation.
+/// [`Unsupported`]: lists, token ids, embeddings, `suffix`, `echo`, truncation; an empty or
+/// missing prompt, which vLLM's request model refuses (`validate_prompt_and_prompt_embeds`)
+/// whatever the tokenizer would make of it (a tokenizer that adds BOS gives `""` one id, which
+/// vLLM would take token-in).
 pub fn render_completion(request: &[u8]) -> Result<RenderedCompletion, Unsupported> {
     let req = body(request)?;
     if flag(&req, "echo", false)? {
@@ -72,6 +75,7 @@ pub fn render_completion(request: &[u8]) -> Result<RenderedCompletion, Unsupport
     }
     let add_special_tokens = flag(&req, "add_special_tokens", true)?;
     match req.get("prompt") {
+        Some(PyValue::Str(s)) if s.is_empty() => Err(Unsupported::VllmRejects("empty prompt")),
         Some(PyValue::Str(s)) => Ok(RenderedCompletion { text: s.clone(), add_special_tokens }),
         Some(PyValue::List(_)) => Err(Unsupported::Unverified("prompt list or token ids")),
         _ => Err(Unsupported::VllmRejects("prompt missing")),
@@ -88,5 +92,15 @@ mod tests {
         assert_eq!(c, RenderedCompletion { text: "<|im_start|>x".into(), add_special_tokens: true });
         assert_eq!(render_completion(br#"{"prompt":[1,2]}"#).map_err(|e| e.label()), Err("unverified_shape"));
         assert_eq!(render_completion(br#"{"prompt":"x","echo":true}"#).map_err(|e| e.label()), Err("echo"));
+    }
+
+    /// vLLM refuses an empty or missing prompt when it reads the request, before tokenizing:
+    /// never rendered, so never sent token-in, whatever ids the tokenizer gives `""`.
+    #[test]
+    fn an_empty_prompt_is_refused_as_vllm_does() {
+        for body in [r#"{"prompt":""}"#, r#"{"prompt":null}"#, "{}"] {
+            assert_eq!(render_completion(body.as_bytes()).map_err(|e| e.label()), Err("vllm_rejects"), "{body}");
+        }
+        assert!(render_completion(br#"{"prompt":" "}"#).is_ok(), "a space is a prompt");
     }
 }

@@ -16,6 +16,9 @@ Usage:
         [--only apis]   (only the /v1/responses and /v1/messages group, names responses_*, messages_*)
         [--only generate]   (only /inference/v1/generate, names generate_*; the servers run
                              with --enable-scale-out, as start.sh starts them)
+        [--only refusals]   (only the requests vLLM refuses when it reads them, names refuse_*,
+                             and their token-in forms, names tokenin_*; one server, no KV
+                             connector needed, no --tool-call-parser: as start.sh starts it)
 
 With --port2, every decode leg (the names containing "decode") is sent to the second
 server, as a P/D sidecar would; everything else goes to --port. A token-in decode leg carries
@@ -206,6 +209,79 @@ def record_generate(r, ids):
     r.record("err_generate_no_sampling_params", GEN, generate(ids))
 
 
+# Requests vLLM 0.32 refuses when it reads them (its request models' validators, or the
+# chat serving's tool-choice check before any rendering), each sent as a client sends it.
+REFUSED_CHAT = {
+    "refuse_tool_choice_unknown_tool":
+        {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+    "refuse_tool_choice_required_without_tools": {"tool_choice": "required"},
+    "refuse_tool_choice_auto_without_tools": {"tool_choice": "auto"},
+    "refuse_tool_choice_named_without_tools":
+        {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    "refuse_tool_choice_empty_name":
+        {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": ""}}},
+    "refuse_tool_choice_unknown_string": {"tools": [WEATHER_TOOL], "tool_choice": "sometimes"},
+    "refuse_tools_empty": {"tools": []},
+    "refuse_tools_empty_choice_none": {"tools": [], "tool_choice": "none"},
+    # accepted by the request model; refused by the serving without --tool-call-parser
+    "refuse_tool_choice_required_no_parser": {"tools": [WEATHER_TOOL], "tool_choice": "required"},
+    "refuse_top_logprobs_without_logprobs": {"top_logprobs": 2},
+}
+REFUSED_CONTINUE = {"messages": MESSAGES + [{"role": "assistant", "content": "Hi"}],
+                    "continue_final_message": True, "add_generation_prompt": True}
+REFUSED_COMPLETIONS = {
+    "refuse_completions_empty_prompt": {"prompt": ""},
+    "refuse_completions_stream_options_without_stream":
+        {"prompt": "Hello there!", "stream_options": {"include_usage": True}},
+    "refuse_completions_prompt_logprobs_with_stream":
+        {"prompt": "Hello there!", "prompt_logprobs": 1, "stream": True},
+}
+
+
+def prefill_token_in(body, prompt_ids):
+    """The prefill leg as tokenonce sends it token-in (local ids): no echo asked, the ids in
+    kv_transfer_params (chat) or as the prompt (completions)."""
+    leg = {**body, "max_tokens": 1, "temperature": 0, "stream": False, "kv_transfer_params": dict(PREFILL_KV)}
+    if "messages" in body:
+        leg["kv_transfer_params"]["prompt_token_ids"] = prompt_ids
+    else:
+        leg["prompt"] = prompt_ids
+    return leg
+
+
+def record_refusals(r, check):
+    """What vLLM answers the requests it refuses before rendering (as a client sends them), and
+    what it would answer their token-in forms: the chat validators run on the token-in body
+    too; an empty completions prompt is refused as text but its ids are not (a BOS-only
+    prompt, which is what "" tokenizes to for a family whose tokenizer adds BOS, is answered)."""
+    CHAT, COMPL = "/v1/chat/completions", "/v1/completions"
+    _, _, raw = r.send(1, "POST", CHAT, dumps(prefill(chat())).encode("utf-8"))
+    chat_ids = json.loads(raw)["prompt_token_ids"]  # the chat fixtures' prompt, not recorded again
+    for name, fields in REFUSED_CHAT.items():
+        r.record(name, CHAT, chat(max_tokens=5, temperature=0, **fields))
+    r.record("refuse_continue_final_with_generation_prompt", CHAT, {**chat(max_tokens=5, temperature=0),
+                                                                    **REFUSED_CONTINUE})
+    for name, fields in REFUSED_COMPLETIONS.items():
+        r.record(name, COMPL, {"model": MODEL, "max_tokens": 5, "temperature": 0, **fields})
+    for name in ("refuse_tool_choice_unknown_tool", "refuse_tool_choice_required_no_parser"):
+        r.record("tokenin_" + name[len("refuse_"):], CHAT,
+                 prefill_token_in(chat(max_tokens=5, temperature=0, **REFUSED_CHAT[name]), chat_ids))
+    empty = {"model": MODEL, "prompt": "", "max_tokens": 5, "temperature": 0}
+    r.record("tokenin_completions_empty_ids", COMPL, prefill_token_in(empty, []))
+    # Qwen3's <|endoftext|>, standing in for a BOS a tokenizer adds to "".
+    r.record("tokenin_completions_bos_only", COMPL, prefill_token_in(empty, [151643]))
+    for name in list(REFUSED_CHAT) + ["refuse_continue_final_with_generation_prompt"] + list(REFUSED_COMPLETIONS):
+        f = r.results[name]
+        check(f"{name} is a 400", f["status"] == 400, f["response_body"][:200])
+    for name in ("tool_choice_unknown_tool", "tool_choice_required_no_parser"):
+        check(f"tokenin_{name} answers as refuse_{name}",
+              r.results["tokenin_" + name]["response_body"] == r.results["refuse_" + name]["response_body"])
+    check("tokenin_completions_bos_only is answered (200)", r.results["tokenin_completions_bos_only"]["status"] == 200)
+    for name in sorted(r.results):
+        f = r.results[name]
+        print(f"INFO  {name}: {f['status']} {f['response_body'][:160]}")
+
+
 def check_generate(r, ids, check):
     pre = r.json_body("generate_prefill")
     check("generate_prefill hands over kv_transfer_params with remote blocks",
@@ -351,8 +427,8 @@ def main():
     ap.add_argument("--port", type=int, required=True, help="vLLM server on 127.0.0.1 (prefill and plain requests)")
     ap.add_argument("--port2", type=int, help="optional second server on 127.0.0.1 for the decode legs")
     ap.add_argument("--out", required=True, help="output folder, e.g. tests/fixtures/vllm")
-    ap.add_argument("--only", choices=["apis", "generate"],
-                    help="record only the /v1/responses and /v1/messages group, or only generate")
+    ap.add_argument("--only", choices=["apis", "generate", "refusals"],
+                    help="record only the /v1/responses and /v1/messages group, only generate, or only refusals")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     r = Recorder(args.port, args.port2, args.out)
@@ -363,6 +439,9 @@ def main():
         if not ok:
             failures.append(label)
 
+    if args.only == "refusals":
+        record_refusals(r, check)
+        sys.exit(1 if failures else 0)
     if args.only == "generate":
         _, _, raw = r.send(1, "POST", "/v1/chat/completions", dumps(prefill(chat())).encode("utf-8"))
         ids = json.loads(raw)["prompt_token_ids"]  # the chat fixtures' prompt, not recorded again

@@ -41,6 +41,9 @@ pub struct FakeConfig {
     pub corrupt_prompt_ids: Option<String>,
     /// Take only the first N prompt ids, as if the prompt were that short (echo and usage agree).
     pub echo_only_first_ids: Option<usize>,
+    /// Tokenize a text prompt to these ids, as a real engine with a real tokenizer would
+    /// (echo and usage agree); prompts sent as ids keep theirs.
+    pub text_prompt_ids: Option<Vec<u64>>,
     /// Wait before answering.
     pub delay: Duration,
     /// Wait between SSE events.
@@ -67,6 +70,9 @@ pub struct FakeConfig {
     pub dp_size: u32,
     /// The rank whose engine fails: its requests get a 503.
     pub failing_rank: Option<u32>,
+    /// The server runs a tool parser (`--enable-auto-tool-choice --tool-call-parser`);
+    /// without one, a chat `tool_choice` other than "none" is refused as vLLM refuses it.
+    pub tool_parser: bool,
 }
 
 impl Default for FakeConfig {
@@ -81,6 +87,7 @@ impl Default for FakeConfig {
             omit_prompt_ids: false,
             corrupt_prompt_ids: None,
             echo_only_first_ids: None,
+            text_prompt_ids: None,
             delay: Duration::ZERO,
             chunk_delay: Duration::ZERO,
             split_every: None,
@@ -93,6 +100,7 @@ impl Default for FakeConfig {
             keep_requests: true,
             dp_size: 1,
             failing_rank: None,
+            tool_parser: true,
         }
     }
 }
@@ -194,6 +202,149 @@ fn error_body(status: u16, kind: &str, message: &str, param: Option<&str>) -> (u
     let param = param.map_or("null".to_owned(), |p| serde_json::to_string(p).unwrap());
     let message = serde_json::to_string(message).unwrap();
     (status, format!("{{\"error\":{{\"message\":{message},\"type\":\"{kind}\",\"param\":{param},\"code\":{status}}}}}"))
+}
+
+/// vLLM's `VLLMValidationError` as its server answers it: the parameter named in the message
+/// and in `param`.
+fn validation_error(message: &str, param: Option<&str>) -> (u16, String) {
+    let message = match param {
+        Some(p) => format!("{message} (parameter={p})"),
+        None => message.to_owned(),
+    };
+    error_body(400, "BadRequestError", &message, param)
+}
+
+/// Python's truth value of a JSON value, as vLLM's validators test `data.get(key)`.
+fn truthy(v: Option<&Value>) -> bool {
+    match v {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(Value::Number(n)) => n.as_f64() != Some(0.0),
+        Some(Value::String(s)) => !s.is_empty(),
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(Value::Object(o)) => !o.is_empty(),
+    }
+}
+
+/// What vLLM 0.32 refuses when it reads a chat or completions request, before any rendering
+/// (the request models' validators, and the chat serving's tool-choice check), in its words
+/// (recorded: `refuse_*`, `tokenin_*`). The validators read the body as sent, so a token-in
+/// chat body is refused as its text form is.
+fn refusal(config: &FakeConfig, body: &Value, chat: bool) -> Option<(u16, String)> {
+    if truthy(body.get("stream_options")) && !truthy(body.get("stream")) {
+        return Some(validation_error(
+            "Stream options can only be defined when `stream=True`.",
+            Some("stream_options"),
+        ));
+    }
+    let logprob = |key: &str| body.get(key).and_then(Value::as_f64).filter(|&v| v > 0.0 || v == -1.0);
+    if logprob("prompt_logprobs").is_some() && truthy(body.get("stream")) {
+        return Some(validation_error(
+            "`prompt_logprobs` are not available when `stream=True`.",
+            Some("prompt_logprobs"),
+        ));
+    }
+    if !chat {
+        let empty = matches!(body.get("prompt"), None | Some(Value::Null)) || body["prompt"] == "";
+        return empty.then(|| {
+            validation_error("Either prompt or prompt_embeds must be provided and non-empty.", Some("prompt"))
+        });
+    }
+    if logprob("top_logprobs").is_some() && !truthy(body.get("logprobs")) {
+        return Some(validation_error(
+            "when using `top_logprobs`, `logprobs` must be set to true.",
+            Some("top_logprobs"),
+        ));
+    }
+    if let Some(refused) = tool_usage_refusal(body) {
+        return Some(refused);
+    }
+    if truthy(body.get("continue_final_message")) && truthy(body.get("add_generation_prompt")) {
+        return Some(validation_error(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            None,
+        ));
+    }
+    // The serving's check without a tool parser (an absent choice with tools is "auto").
+    let choice = body.get("tool_choice").cloned().unwrap_or_else(|| {
+        if truthy(body.get("tools")) {
+            Value::from("auto")
+        } else {
+            Value::Null
+        }
+    });
+    if config.tool_parser || choice.is_null() || choice == "none" {
+        return None;
+    }
+    let message = match (&choice, choice["function"]["name"].as_str()) {
+        (Value::String(s), _) if s == "auto" => {
+            "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set".to_owned()
+        }
+        (_, Some(name)) => format!("tool_choice=function \"{name}\" requires --tool-call-parser to be set"),
+        (other, None) => format!("tool_choice={other} requires --tool-call-parser to be set"),
+    };
+    Some(validation_error(&message, None))
+}
+
+/// vLLM's `check_tool_usage` on a chat body.
+fn tool_usage_refusal(body: &Value) -> Option<(u16, String)> {
+    let tools = body.get("tools");
+    if tools.and_then(Value::as_array).is_some_and(Vec::is_empty) {
+        return Some(validation_error(
+            "`tools` must not be an empty array. Either provide at least one tool or omit the field entirely.",
+            Some("tools"),
+        ));
+    }
+    let choice = body.get("tool_choice")?;
+    if choice.is_null() || choice == "none" {
+        return None;
+    }
+    let Some(tools) = tools.filter(|t| !t.is_null()) else {
+        return Some(validation_error("When using `tool_choice`, `tools` must be set.", Some("tool_choice")));
+    };
+    let usage = "Correct usage: `{\"type\": \"function\", \"function\": {\"name\": \"my_function\"}}`";
+    match choice {
+        Value::String(s) if s == "auto" || s == "required" => None,
+        Value::Object(named) => {
+            let Some(function) = named.get("function").and_then(Value::as_object) else {
+                return Some(validation_error(
+                    &format!(
+                        "Invalid value for `function`: `{}` in `tool_choice`! {usage}",
+                        named.get("function").map_or("None".into(), Value::to_string)
+                    ),
+                    Some("tool_choice.function"),
+                ));
+            };
+            let Some(name) = function.get("name") else {
+                return Some(validation_error(
+                    &format!("Expected field `name` in `function` in `tool_choice`! {usage}"),
+                    Some("tool_choice.function.name"),
+                ));
+            };
+            let name = name.as_str().filter(|n| !n.is_empty());
+            let Some(name) = name else {
+                let shown = function["name"].as_str().map_or_else(|| function["name"].to_string(), str::to_owned);
+                return Some(validation_error(
+                    &format!("Invalid `name` in `function`: `{shown}` in `tool_choice`! {usage}"),
+                    Some("tool_choice.function.name"),
+                ));
+            };
+            let named_tool = |t: &Value| t["function"]["name"] == name;
+            (!tools.as_array().is_some_and(|t| t.iter().any(named_tool))).then(|| {
+                validation_error(
+                    "The tool specified in `tool_choice` does not match any of the specified `tools`",
+                    Some("tool_choice"),
+                )
+            })
+        }
+        other => {
+            let shown = other.as_str().map_or_else(|| other.to_string(), str::to_owned);
+            Some(validation_error(
+                &format!("Invalid value for `tool_choice`: {shown}! Only named tools, \"none\", \"auto\" or \"required\" are supported."),
+                Some("tool_choice"),
+            ))
+        }
+    }
 }
 
 fn ids_json(ids: &[u64]) -> String {
@@ -470,13 +621,8 @@ fn completion(config: &FakeConfig, headers: &HeaderMap, raw: &[u8], chat: bool) 
         }
     }
     let stream = body["stream"].as_bool().unwrap_or(false);
-    if body.get("stream_options").is_some_and(|v| !v.is_null()) && !stream {
-        return Err(error_body(
-            400,
-            "BadRequestError",
-            "Stream options can only be defined when `stream=True`.",
-            Some("stream_options"),
-        ));
+    if let Some(refused) = refusal(config, &body, chat) {
+        return Err(refused);
     }
     let max_tokens =
         body["max_completion_tokens"].as_u64().or(body["max_tokens"].as_u64()).unwrap_or(if chat { 8 } else { 16 });
@@ -517,11 +663,16 @@ fn completion(config: &FakeConfig, headers: &HeaderMap, raw: &[u8], chat: bool) 
                 Some("kv_transfer_params.prompt_token_ids"),
             )
         })?
+    } else if let Some(ids) = config.text_prompt_ids.clone().filter(|_| chat || body["prompt"].is_string()) {
+        ids
     } else if chat {
         fake_tokenize(&fake_render_chat(&body))
     } else {
         match &body["prompt"] {
             Value::String(s) => fake_tokenize(s),
+            Value::Array(a) if a.is_empty() => {
+                return Err(error_body(400, "BadRequestError", "You must pass at least one prompt", None))
+            }
             Value::Array(a) if a.iter().all(Value::is_u64) => a.iter().filter_map(Value::as_u64).collect(),
             Value::Array(a) => a.first().and_then(Value::as_str).map(fake_tokenize).unwrap_or_default(),
             _ => return Err(error_body(400, "BadRequestError", "You must pass at least one prompt", None)),
