@@ -143,8 +143,7 @@ fn run(family: &str) -> Tally {
 
 fn local_decode(dir: &Path, ids: &[u32]) -> String {
     let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
-    let text = tokenizer.decode(&ids[..ids.len().min(24)], false).unwrap_or_default();
-    text
+    tokenizer.decode(&ids[..ids.len().min(24)], false).unwrap_or_default()
 }
 
 fn check(family: &str) {

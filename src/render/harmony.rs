@@ -487,3 +487,103 @@ fn shape_of(chat: &[ChatMessage], tools: bool, continue_final: bool) -> Shape {
         continue_final,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::render::pyjson;
+
+    fn message(json: &str) -> Result<ChatMessage, Unsupported> {
+        ChatMessage::read(&pyjson::loads(json).unwrap())
+    }
+
+    fn harmony_of(messages: &[&str]) -> Vec<Message> {
+        let chat: Vec<ChatMessage> = messages.iter().map(|m| message(m).unwrap()).collect();
+        let names = tool_id_names(&chat);
+        let mut out = Vec::new();
+        for m in &chat {
+            m.to_harmony(&names, &mut out);
+        }
+        out
+    }
+
+    /// What vLLM answers with a 400, and what is not reproduced, is refused by name.
+    #[test]
+    fn messages_vllm_refuses_or_not_reproduced_are_refused_by_name() {
+        let label = |json: &str| message(json).err().map(|e| e.label());
+        assert_eq!(label(r#"{"role": "narrator", "content": "x"}"#), Some("vllm_rejects"));
+        assert_eq!(label(r#"{"role": "user", "content": null}"#), Some("vllm_rejects"));
+        assert_eq!(
+            label(r#"{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}"#),
+            Some("media")
+        );
+        assert_eq!(
+            label(r#"{"role": "assistant", "content": "a", "reasoning": "r", "reasoning_content": "r"}"#),
+            Some("unverified_shape")
+        );
+        assert_eq!(label(r#"{"role": "assistant", "content": null}"#), None);
+        let effort = |v: &str| reasoning_effort(&pyjson::loads(&format!(r#"{{"reasoning_effort": {v}}}"#)).unwrap());
+        assert_eq!(effort(r#""none""#).unwrap_err().label(), "vllm_rejects");
+        assert_eq!(effort(r#""high""#).unwrap(), Some(ReasoningEffort::High));
+    }
+
+    /// A call's reasoning goes to analysis, its arguments as sent to `functions.NAME`; the
+    /// tool's answer comes from the tool its id names (the last call with that id).
+    #[test]
+    fn tool_calls_and_results_become_harmony_messages() {
+        let out = harmony_of(&[
+            r#"{"role": "assistant", "reasoning_content": "think", "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{\"x\":1}"}},
+                {"id": "a", "type": "function", "function": {"name": "g", "arguments": ""}}]}"#,
+            r#"{"role": "tool", "tool_call_id": "a", "content": [{"type": "text", "text": "o"}, {"type": "text", "text": "k"}]}"#,
+        ]);
+        let summary: Vec<(String, Option<&str>, Option<&str>)> = out
+            .iter()
+            .map(|m| {
+                (
+                    m.author.name.clone().unwrap_or(m.author.role.to_string()),
+                    m.channel.as_deref(),
+                    m.recipient.as_deref(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                ("assistant".into(), Some("analysis"), None),
+                ("assistant".into(), Some("commentary"), Some("functions.f")),
+                ("assistant".into(), Some("commentary"), Some("functions.g")),
+                ("functions.g".into(), Some("commentary to=assistant"), None),
+            ]
+        );
+        assert_eq!(out[1].content, vec![Content::from("{\"x\":1}")]);
+        assert_eq!(out[3].content, vec![Content::from("ok")]);
+    }
+
+    /// vLLM's `auto_drop_analysis_messages`: analysis before the last final answer goes, the
+    /// analysis after it stays.
+    #[test]
+    fn analysis_before_the_last_final_answer_is_dropped() {
+        let out = harmony_of(&[
+            r#"{"role": "user", "content": "q1"}"#,
+            r#"{"role": "assistant", "content": "a1", "reasoning": "r1"}"#,
+            r#"{"role": "user", "content": "q2"}"#,
+            r#"{"role": "assistant", "content": "a2", "reasoning": "r2"}"#,
+            r#"{"role": "user", "content": "q3"}"#,
+            r#"{"role": "assistant", "content": "", "reasoning": "r3"}"#,
+        ]);
+        let kept = drop_earlier_analysis(out);
+        let kept: Vec<Option<&str>> = kept.iter().map(|m| m.channel.as_deref()).collect();
+        assert_eq!(kept, [None, Some("final"), None, Some("final"), None, Some("analysis")]);
+    }
+
+    /// Tool parameters reach the crate as Python's `json.dumps` would hand them to serde_json:
+    /// key order kept, a huge integer as serde_json's float, NaN refused.
+    #[test]
+    fn tool_parameters_reach_the_crate_as_from_python() {
+        let v =
+            to_json(&pyjson::loads(r#"{"b": 1, "a": 123456789012345678901234567890, "b": 2.50}"#).unwrap()).unwrap();
+        assert_eq!(serde_json::to_string(&v).unwrap(), r#"{"b":2.5,"a":1.2345678901234568e+29}"#);
+        assert_eq!(to_json(&pyjson::loads(r#"{"d": NaN}"#).unwrap()).unwrap_err().label(), "unverified_shape");
+    }
+}
