@@ -33,12 +33,6 @@ const UNSUPPORTED: &[(&str, &[(&str, &str)])] =
 /// as text, and `local_ids` cannot be turned on for it), with the reason.
 const REFUSED_AT_LOAD: &[(&str, &str)] = &[("mistral", "mistral")];
 
-/// The day tests/fixtures/families/gptoss.json was recorded, for a fixture recorded before
-/// record.py wrote `recorded_on`: vLLM writes the date into Harmony's system message
-/// (`datetime.now()`), tokenonce the date of the request; the test gives tokenonce the
-/// recording's date, as `VLLM_SYSTEM_START_DATE` pins vLLM's.
-const GPTOSS_RECORDED_ON: &str = "2026-12-03";
-
 fn folder(family: &str) -> PathBuf {
     let dir = std::env::var_os(ENV)
         .unwrap_or_else(|| panic!("{ENV} is not set: point it at the folders tests/e2e/families/setup.py builds"));
@@ -81,9 +75,14 @@ fn run(family: &str) -> Tally {
     let expected: BTreeMap<&str, &str> =
         UNSUPPORTED.iter().find(|(f, _)| *f == family).map(|(_, c)| c.iter().copied().collect()).unwrap_or_default();
     let mut tally = Tally::default();
-    let recorded_on = doc["recorded_on"].as_str().unwrap_or(GPTOSS_RECORDED_ON);
+    // vLLM writes its server's date into Harmony's system message (`datetime.now()`),
+    // tokenonce the date of the request: the renderer gets the recording's date, as
+    // `VLLM_SYSTEM_START_DATE` pins vLLM's.
     let options = match family {
-        "gptoss" => LoadOptions { system_start_date: Some(recorded_on.into()), ..LoadOptions::default() },
+        "gptoss" => {
+            let recorded_on = doc["recorded_on"].as_str().expect("record.py writes the recording's date");
+            LoadOptions { system_start_date: Some(recorded_on.into()), ..LoadOptions::default() }
+        }
         _ => LoadOptions::default(),
     };
     let local = match ChatTemplate::load(&dir, options) {
