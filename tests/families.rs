@@ -27,11 +27,11 @@ const ENV: &str = "TOKENONCE_FAMILIES_DIR";
 /// every case listed here must still be unsupported for this reason (so this table, and the
 /// one in docs/parity.md, stay true).
 const UNSUPPORTED: &[(&str, &[(&str, &str)])] =
-    &[("llama3_1", &[]), ("gemma3", &[]), ("deepseek_v3", &[]), ("phi3_5", &[])];
+    &[("llama3_1", &[]), ("gemma3", &[]), ("deepseek_v3", &[]), ("phi3_5", &[]), ("gptoss", &[])];
 
 /// Families whose folder tokenonce refuses to render for (every request of such a pool goes
 /// as text, and `local_ids` cannot be turned on for it), with the reason.
-const REFUSED_AT_LOAD: &[(&str, &str)] = &[("mistral", "mistral"), ("gptoss", "harmony")];
+const REFUSED_AT_LOAD: &[(&str, &str)] = &[("mistral", "mistral")];
 
 fn folder(family: &str) -> PathBuf {
     let dir = std::env::var_os(ENV)
@@ -75,7 +75,17 @@ fn run(family: &str) -> Tally {
     let expected: BTreeMap<&str, &str> =
         UNSUPPORTED.iter().find(|(f, _)| *f == family).map(|(_, c)| c.iter().copied().collect()).unwrap_or_default();
     let mut tally = Tally::default();
-    let local = match ChatTemplate::load(&dir, LoadOptions::default()) {
+    // vLLM writes its server's date into Harmony's system message (`datetime.now()`),
+    // tokenonce the date of the request: the renderer gets the recording's date, as
+    // `VLLM_SYSTEM_START_DATE` pins vLLM's.
+    let options = match family {
+        "gptoss" => {
+            let recorded_on = doc["recorded_on"].as_str().expect("record.py writes the recording's date");
+            LoadOptions { system_start_date: Some(recorded_on.into()), ..LoadOptions::default() }
+        }
+        _ => LoadOptions::default(),
+    };
+    let local = match ChatTemplate::load(&dir, options) {
         Ok(template) => {
             let tokenizer = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
             let policy = Policy { mode: LocalIdsMode::Shadow, verify_after: 1, recheck: 0.0 };
@@ -134,8 +144,7 @@ fn run(family: &str) -> Tally {
 
 fn local_decode(dir: &Path, ids: &[u32]) -> String {
     let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
-    let text = tokenizer.decode(&ids[..ids.len().min(24)], false).unwrap_or_default();
-    text
+    tokenizer.decode(&ids[..ids.len().min(24)], false).unwrap_or_default()
 }
 
 fn check(family: &str) {
@@ -188,15 +197,27 @@ fn mistral_is_refused_by_name() {
     check("mistral");
 }
 
-/// gpt-oss (vLLM renders Harmony through openai-harmony): refused for local rendering, every
-/// recorded case counted under `harmony`.
+/// gpt-oss (vLLM renders Harmony through openai-harmony, as tokenonce does with the same
+/// crate): every recorded case exact or unsupported as listed, vLLM's refusals never rendered.
 #[test]
-fn gptoss_is_refused_by_name() {
+fn gptoss_ids_equal_vllms() {
     check("gptoss");
 }
 
-/// A pool on each renderable family's folder loads with `local_ids = "shadow"` (Gemma 3's
-/// `extra_special_tokens` included); a gpt-oss pool is refused at `pools.NAME.local_ids`.
+/// A gpt-oss folder without its Harmony vocabulary (`o200k_base.tiktoken`) is a load error
+/// naming the file: openai-harmony would otherwise download it.
+#[test]
+fn gptoss_without_its_vocabulary_is_a_load_error() {
+    let dir = tempfile::tempdir().unwrap();
+    for file in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(folder("gptoss").join(file), dir.path().join(file)).unwrap();
+    }
+    let err = ChatTemplate::load(dir.path(), LoadOptions::default()).unwrap_err();
+    assert!(matches!(err, LoadError::Io { .. }) && err.to_string().contains("o200k_base.tiktoken"), "{err}");
+}
+
+/// A pool on each renderable family's folder (gpt-oss's too) loads with `local_ids =
+/// "shadow"` (Gemma 3's `extra_special_tokens` included).
 #[test]
 fn family_pools_load_with_local_ids_or_are_refused_by_name() {
     let pool = |family: &str| {
@@ -204,13 +225,11 @@ fn family_pools_load_with_local_ids_or_are_refused_by_name() {
         format!("[pools.{family}]\nendpoints = [\"127.0.0.1:1\"]\ntokenizer = {dir:?}\nlocal_ids = \"shadow\"\n")
     };
     let decode = "[pools.decode]\nendpoints = [\"127.0.0.1:2\"]\n";
-    let renderable: String = ["llama3_1", "gemma3", "deepseek_v3", "phi3_5"].iter().map(|f| pool(f)).collect();
+    let renderable: String =
+        ["llama3_1", "gemma3", "deepseek_v3", "phi3_5", "gptoss"].iter().map(|f| pool(f)).collect();
     if let Err(e) = tokenonce::config::from_toml(&format!("{decode}{renderable}"), "families") {
         panic!("{:?}", e.problems);
     }
-    let err = tokenonce::config::from_toml(&format!("{decode}{}", pool("gptoss")), "families").unwrap_err();
-    assert_eq!(err.problems[0].key, "pools.gptoss.local_ids", "{:?}", err.problems);
-    assert!(err.problems[0].message.contains("Harmony"), "{:?}", err.problems);
 }
 
 /// vLLM's request-time refusals (recorded on the tier's Qwen3 as tests/fixtures/vllm/refuse_*)

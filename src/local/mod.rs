@@ -86,10 +86,12 @@ pub struct LocalIds {
     recheck_acc: AtomicU64,
 }
 
-/// A request rendered, not yet tokenized.
+/// A request rendered, not yet tokenized (or, for Harmony, rendered straight to ids).
 pub struct Rendered {
     text: String,
     add_special_tokens: bool,
+    /// The ids when the renderer gives them itself (gpt-oss); `text` is then empty.
+    ids: Option<Vec<u32>>,
     /// Its shape label (one of [`SHAPES`]).
     pub shape: &'static str,
 }
@@ -157,12 +159,20 @@ impl LocalIds {
     pub fn render(&self, api: Api, body: &[u8]) -> Result<Rendered, &'static str> {
         match api {
             Api::Chat => {
+                if let Some(harmony) = self.template.harmony() {
+                    let chat = render::render_harmony(harmony, body).map_err(|e| e.label())?;
+                    let shape = shape_label(&chat.shape);
+                    return Ok(Rendered { text: String::new(), add_special_tokens: false, ids: Some(chat.ids), shape });
+                }
                 let chat = render::render_chat(&self.template, body).map_err(|e| e.label())?;
-                Ok(Rendered { text: chat.text, add_special_tokens: false, shape: shape_label(&chat.shape) })
+                Ok(Rendered { text: chat.text, add_special_tokens: false, ids: None, shape: shape_label(&chat.shape) })
             }
+            // gpt-oss's completions prompts are not recorded: not proven equal
+            Api::Completions if self.template.harmony().is_some() => Err(render::Unsupported::Harmony.label()),
             Api::Completions => {
                 let prompt = render::render_completion(body).map_err(|e| e.label())?;
-                Ok(Rendered { text: prompt.text, add_special_tokens: prompt.add_special_tokens, shape: "completions" })
+                let add_special_tokens = prompt.add_special_tokens;
+                Ok(Rendered { text: prompt.text, add_special_tokens, ids: None, shape: "completions" })
             }
             Api::Responses | Api::Messages | Api::Generate => Err("api"),
         }
@@ -173,7 +183,9 @@ impl LocalIds {
     /// # Errors
     /// `encode` when the tokenizer fails.
     pub fn encode(&self, rendered: &Rendered) -> Result<Vec<u32>, &'static str> {
-        if rendered.add_special_tokens {
+        if let Some(ids) = &rendered.ids {
+            Ok(ids.clone())
+        } else if rendered.add_special_tokens {
             render::encode(self.tokenizer.library(), &rendered.text, true).map_err(|_| "encode")
         } else {
             self.cache.encode(&self.segmenter, &rendered.text).map_err(|_| "encode")

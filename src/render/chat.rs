@@ -225,7 +225,7 @@ fn request_tools(req: &PyValue, template: &ChatTemplate) -> Result<Option<Vec<Py
 /// rendering and answers 400): a choice other than `none` needs `tools`; a string must be
 /// `auto` or `required`; a named choice needs `function.name`, a non-empty string naming one
 /// of `tools`. Such a request is sent as text, for vLLM to refuse in its own words.
-fn check_tool_choice(req: &PyValue) -> Result<(), Unsupported> {
+pub(super) fn check_tool_choice(req: &PyValue) -> Result<(), Unsupported> {
     let choice = match req.get("tool_choice") {
         None | Some(PyValue::Null) => return Ok(()),
         Some(PyValue::Str(s)) if s == "none" => return Ok(()),
@@ -251,7 +251,7 @@ fn check_tool_choice(req: &PyValue) -> Result<(), Unsupported> {
 }
 
 /// `ChatCompletionToolsParam(**tool).model_dump()`.
-fn tool_dump(tool: &PyValue) -> Result<PyValue, Unsupported> {
+pub(super) fn tool_dump(tool: &PyValue) -> Result<PyValue, Unsupported> {
     let PyValue::Dict(_) = tool else {
         return Err(Unsupported::VllmRejects("tool not an object"));
     };

@@ -9,18 +9,22 @@
 //! - `chat`: a chat request rendered in vLLM's steps (settings, messages, tools, developer
 //!   role, template kwargs, render, post-processing).
 //! - `message`: vLLM's preprocessing of one chat message before the template sees it.
+//! - `harmony`: gpt-oss, which vLLM renders without its template: Harmony messages encoded
+//!   to ids by the `openai-harmony` crate.
 //!
 //! Tokenizing the rendered text is `tokenizers` `encode(text, add_special_tokens=false)` for
 //! chat and `encode(prompt, add_special_tokens=true)` for a completions string (see
 //! [`encode`]).
 
 mod chat;
+mod harmony;
 mod message;
 pub mod pyjson;
 mod request;
 mod template;
 
 pub use chat::{render_chat, RenderedChat, Shape};
+pub use harmony::{render_harmony, render_harmony_on, Harmony, RenderedHarmony};
 pub use request::{render_completion, RenderedCompletion};
 pub use template::{ChatTemplate, LoadError, LoadOptions};
 
@@ -80,8 +84,9 @@ pub enum Unsupported {
     /// The model's tokenizer mode is Mistral (vLLM renders with mistral-common).
     #[error("Mistral tokenizer")]
     Mistral,
-    /// The model is gpt-oss (vLLM renders Harmony).
-    #[error("Harmony (gpt-oss)")]
+    /// A request to a gpt-oss (Harmony) pool of a kind not proven equal to vLLM here (a
+    /// completions prompt).
+    #[error("Harmony (gpt-oss) request not rendered here")]
     Harmony,
     /// A `--tokenizer-mode` other than auto/hf (deepseek_v32, kimi_k3, cohere, ...).
     #[error("tokenizer mode {0:?}")]

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use minijinja::value::{Kwargs, Rest, ValueKind};
 use minijinja::{AutoEscape, Environment, Error, ErrorKind, State, UndefinedBehavior, Value};
 
+use super::harmony::Harmony;
 use super::pyjson::{self, DumpsOptions, PyValue, Writer};
 use super::Unsupported;
 
@@ -35,6 +36,9 @@ pub struct LoadOptions {
     /// `--chat-template`, as text (vLLM reads a path's file): a template name the folder
     /// defines picks that one, any other text is the template for every request.
     pub chat_template: Option<String>,
+    /// gpt-oss: the date of Harmony's system message (vLLM's `VLLM_SYSTEM_START_DATE`,
+    /// `YYYY-MM-DD`); `None`: the UTC date at the request.
+    pub system_start_date: Option<String>,
 }
 
 /// Why a model folder's template cannot be loaded for local rendering.
@@ -75,13 +79,15 @@ struct Variant {
     content_parts: bool,
 }
 
-/// A model's chat template(s), compiled, with the special tokens the template context gets.
+/// A model's chat template(s), compiled, with the special tokens the template context gets;
+/// for gpt-oss, which vLLM renders without its template, the Harmony renderer instead.
 pub struct ChatTemplate {
     env: Environment<'static>,
     default: Option<Variant>,
     tool_use: Option<Variant>,
     special_tokens: Vec<(String, String)>,
     pub(crate) options: LoadOptions,
+    harmony: Option<Harmony>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -118,7 +124,18 @@ impl ChatTemplate {
     /// [`LoadError`]: unreadable files, or a model vLLM renders another way
     /// ([`LoadError::Unsupported`]).
     pub fn load(folder: &Path, options: LoadOptions) -> Result<Self, LoadError> {
-        refuse_other_renderers(folder, &options)?;
+        if refuse_other_renderers(folder, &options)? == Renderer::Harmony {
+            let harmony = Harmony::load(folder, &options)?;
+            let env = new_environment()?;
+            return Ok(ChatTemplate {
+                env,
+                default: None,
+                tool_use: None,
+                special_tokens: Vec::new(),
+                options,
+                harmony: Some(harmony),
+            });
+        }
         let config = TokenizerConfig::read(folder)?;
         let named = named_templates(folder, &config)?;
         let (default_src, tool_use_src) = match &options.chat_template {
@@ -140,7 +157,7 @@ impl ChatTemplate {
         let mut env = new_environment()?;
         let default = default_src.map(|source| Variant::compile(&mut env, "default", source)).transpose()?;
         let tool_use = tool_use_src.map(|source| Variant::compile(&mut env, "tool_use", source)).transpose()?;
-        Ok(ChatTemplate { env, default, tool_use, special_tokens, options })
+        Ok(ChatTemplate { env, default, tool_use, special_tokens, options, harmony: None })
     }
 
     /// A template from its text alone (tests; a folder is the real source).
@@ -156,6 +173,7 @@ impl ChatTemplate {
             tool_use: None,
             special_tokens: special_tokens.iter().map(|(k, v)| ((*k).to_string(), (*v).to_string())).collect(),
             options,
+            harmony: None,
         })
     }
 
@@ -165,7 +183,16 @@ impl ChatTemplate {
         fn sources(t: &ChatTemplate) -> (Option<&str>, Option<&str>) {
             (t.default.as_ref().map(|v| v.source.as_str()), t.tool_use.as_ref().map(|v| v.source.as_str()))
         }
-        sources(self) == sources(other) && self.special_tokens == other.special_tokens
+        let harmony_same = match (&self.harmony, &other.harmony) {
+            (Some(a), Some(b)) => a.same_as(b),
+            (a, b) => a.is_none() && b.is_none(),
+        };
+        sources(self) == sources(other) && self.special_tokens == other.special_tokens && harmony_same
+    }
+
+    /// gpt-oss's Harmony renderer, when this folder's model is rendered by it.
+    pub fn harmony(&self) -> Option<&Harmony> {
+        self.harmony.as_ref()
     }
 
     /// The special tokens the template context gets, as (name, string).
@@ -227,10 +254,17 @@ impl ChatTemplate {
     }
 }
 
-/// Refuses a model vLLM renders without its chat template: a tokenizer mode other than
-/// auto/hf, Mistral (mistral-common), gpt-oss (Harmony), or a processor (multimodal)
-/// template, which vLLM prefers when there are no tools.
-fn refuse_other_renderers(folder: &Path, options: &LoadOptions) -> Result<(), LoadError> {
+/// How vLLM renders a model's chat requests: its chat template, or (gpt-oss) Harmony.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Renderer {
+    Template,
+    Harmony,
+}
+
+/// Refuses a model vLLM renders without its chat template in a way not done here: a
+/// tokenizer mode other than auto/hf, Mistral (mistral-common), or a processor (multimodal)
+/// template, which vLLM prefers when there are no tools; gpt-oss is rendered by Harmony.
+fn refuse_other_renderers(folder: &Path, options: &LoadOptions) -> Result<Renderer, LoadError> {
     match options.tokenizer_mode.as_str() {
         "" | "auto" | "hf" => {}
         other => return Err(LoadError::Unsupported(Unsupported::TokenizerMode(other.to_string()))),
@@ -252,7 +286,7 @@ fn refuse_other_renderers(folder: &Path, options: &LoadOptions) -> Result<(), Lo
         let config = pyjson::loads(&read(&folder.join("config.json"))?)
             .map_err(|e| LoadError::Config { path: "config.json".into(), reason: e.to_string() })?;
         if config.get("model_type").and_then(PyValue::as_str) == Some("gpt_oss") {
-            return Err(LoadError::Unsupported(Unsupported::Harmony));
+            return Ok(Renderer::Harmony);
         }
     }
     for processor_file in ["chat_template.json", "processor_config.json", "preprocessor_config.json"] {
@@ -260,7 +294,7 @@ fn refuse_other_renderers(folder: &Path, options: &LoadOptions) -> Result<(), Lo
             return Err(LoadError::Unsupported(Unsupported::ProcessorTemplate));
         }
     }
-    Ok(())
+    Ok(Renderer::Template)
 }
 
 /// `tokenizer_config.json` as transformers reads it (an empty dict when absent), with its
@@ -984,7 +1018,9 @@ mod tests {
         let ok = ("tokenizer_config.json", r#"{"chat_template": "x", "bos_token": "<s>"}"#);
         assert_eq!(reason(load(&[ok, ("tekken.json", "{}")])), "mistral");
         assert_eq!(reason(load(&[ok, ("tokenizer.model.v3", "")])), "mistral");
-        assert_eq!(reason(load(&[ok, ("config.json", r#"{"model_type": "gpt_oss"}"#)])), "harmony");
+        // gpt-oss renders through Harmony, whose vocabulary the folder must hold
+        let gpt_oss = reason(load(&[ok, ("config.json", r#"{"model_type": "gpt_oss"}"#)]));
+        assert!(gpt_oss.starts_with("error: reading ") && gpt_oss.contains("o200k_base.tiktoken"), "{gpt_oss}");
         assert_eq!(reason(load(&[ok, ("processor_config.json", "{}")])), "processor_template");
         let reads_unk = ("tokenizer_config.json", r#"{"chat_template": "{{ unk_token }}"}"#);
         assert_eq!(reason(load(&[reads_unk])), "special_token_unknown");

