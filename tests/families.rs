@@ -18,7 +18,7 @@ use tokenonce::config::LocalIdsMode;
 use tokenonce::local::{LocalIds, Policy};
 use tokenonce::openai::Api;
 use tokenonce::parity::Tokenizer;
-use tokenonce::render::{ChatTemplate, LoadError, LoadOptions};
+use tokenonce::render::{ChatTemplate, LoadError, LoadOptions, Mistral, Tekken, TEKKEN_FILE};
 
 const ENV: &str = "TOKENONCE_FAMILIES_DIR";
 
@@ -27,11 +27,11 @@ const ENV: &str = "TOKENONCE_FAMILIES_DIR";
 /// every case listed here must still be unsupported for this reason (so this table, and the
 /// one in docs/parity.md, stay true).
 const UNSUPPORTED: &[(&str, &[(&str, &str)])] =
-    &[("llama3_1", &[]), ("gemma3", &[]), ("deepseek_v3", &[]), ("phi3_5", &[])];
+    &[("llama3_1", &[]), ("gemma3", &[]), ("deepseek_v3", &[]), ("phi3_5", &[]), ("mistral", &[])];
 
 /// Families whose folder tokenonce refuses to render for (every request of such a pool goes
 /// as text, and `local_ids` cannot be turned on for it), with the reason.
-const REFUSED_AT_LOAD: &[(&str, &str)] = &[("mistral", "mistral"), ("gptoss", "harmony")];
+const REFUSED_AT_LOAD: &[(&str, &str)] = &[("gptoss", "harmony")];
 
 fn folder(family: &str) -> PathBuf {
     let dir = std::env::var_os(ENV)
@@ -75,12 +75,17 @@ fn run(family: &str) -> Tally {
     let expected: BTreeMap<&str, &str> =
         UNSUPPORTED.iter().find(|(f, _)| *f == family).map(|(_, c)| c.iter().copied().collect()).unwrap_or_default();
     let mut tally = Tally::default();
-    let local = match ChatTemplate::load(&dir, LoadOptions::default()) {
-        Ok(template) => {
+    let policy = Policy { mode: LocalIdsMode::Shadow, verify_after: 1, recheck: 0.0 };
+    let mistral = Mistral::for_folder(&dir, &LoadOptions::default());
+    let loaded = match mistral {
+        Some(mistral) => mistral.map(|m| LocalIds::mistral(family, Arc::new(m), policy)),
+        None => ChatTemplate::load(&dir, LoadOptions::default()).map(|template| {
             let tokenizer = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
-            let policy = Policy { mode: LocalIdsMode::Shadow, verify_after: 1, recheck: 0.0 };
-            Some(LocalIds::new(family, Arc::new(template), Arc::new(tokenizer), policy).unwrap())
-        }
+            LocalIds::new(family, Arc::new(template), Arc::new(tokenizer), policy).unwrap()
+        }),
+    };
+    let local = match loaded {
+        Ok(local) => Some(local),
         Err(LoadError::Unsupported(reason)) => {
             let want = REFUSED_AT_LOAD.iter().find(|(f, _)| *f == family).map(|(_, r)| *r);
             assert_eq!(Some(reason.label()), want, "{family}: the folder is refused for local rendering");
@@ -133,8 +138,12 @@ fn run(family: &str) -> Tally {
 }
 
 fn local_decode(dir: &Path, ids: &[u32]) -> String {
+    let ids = &ids[..ids.len().min(24)];
+    if dir.join(TEKKEN_FILE).is_file() {
+        return Tekken::load(&dir.join(TEKKEN_FILE)).unwrap().decode_lossy(ids);
+    }
     let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
-    let text = tokenizer.decode(&ids[..ids.len().min(24)], false).unwrap_or_default();
+    let text = tokenizer.decode(ids, false).unwrap_or_default();
     text
 }
 
@@ -181,10 +190,10 @@ fn phi3_5_ids_equal_vllms() {
     check("phi3_5");
 }
 
-/// Mistral in vLLM's default mode (mistral-common renders): refused for local rendering,
-/// every recorded case counted under `mistral`.
+/// Mistral Nemo's tekken (v3) in vLLM's default Mistral mode, rendered as mistral-common
+/// encodes it: every recorded case exact, or refused where vLLM refuses it.
 #[test]
-fn mistral_is_refused_by_name() {
+fn mistral_ids_equal_vllms() {
     check("mistral");
 }
 

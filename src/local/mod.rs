@@ -19,7 +19,7 @@ use crate::config::LocalIdsMode;
 use crate::metrics::{LocalIdsResult, Metrics};
 use crate::openai::{Api, PromptIds};
 use crate::parity::Tokenizer;
-use crate::render::{self, ChatTemplate, Shape};
+use crate::render::{self, ChatTemplate, Mistral, Shape};
 use crate::tokens::{SegmentCache, Segmenter};
 
 /// Bytes of segment ids (and their texts) kept per pool: a 45k-token conversation holds about
@@ -57,15 +57,11 @@ pub struct Policy {
     pub recheck: f64,
 }
 
-/// One pool's local rendering: its chat template and tokenizer.
+/// One pool's local rendering: its chat template and tokenizer, or Mistral's renderer.
 pub struct LocalIds {
     /// The pool's name (the metric label).
     pub pool: String,
-    template: Arc<ChatTemplate>,
-    tokenizer: Arc<Tokenizer>,
-    /// The tokenizer with where it may be cut (chat prompts).
-    segmenter: Segmenter,
-    cache: SegmentCache,
+    renderer: Renderer,
     /// Segment hits and misses already counted in the metrics (they are read when scraped).
     counted: [AtomicU64; 2],
     /// Its policy.
@@ -77,12 +73,33 @@ pub struct LocalIds {
     recheck_acc: AtomicU64,
 }
 
-/// A request rendered, not yet tokenized.
+/// How a pool's requests become ids.
+enum Renderer {
+    /// A chat template rendered to text, then the pool's tokenizer.
+    Template {
+        template: Arc<ChatTemplate>,
+        tokenizer: Arc<Tokenizer>,
+        /// The tokenizer with where it may be cut (chat prompts).
+        segmenter: Box<Segmenter>,
+        cache: SegmentCache,
+    },
+    /// vLLM's Mistral tokenizer mode: ids straight from the request.
+    Mistral(Arc<Mistral>),
+}
+
+/// A request rendered, not yet tokenized (or, for Mistral, already ids).
 pub struct Rendered {
-    text: String,
-    add_special_tokens: bool,
+    prompt: Prompt,
     /// Its shape label (one of [`SHAPES`]).
     pub shape: &'static str,
+}
+
+/// What a request rendered to.
+enum Prompt {
+    /// Text for the tokenizer, with or without its special tokens.
+    Text { text: String, add_special_tokens: bool },
+    /// The ids themselves.
+    Ids(Vec<u32>),
 }
 
 /// What the comparison found.
@@ -116,20 +133,30 @@ impl LocalIds {
         let segmenter =
             Segmenter::new(tokenizer.library().clone(), tokenizer.path().to_path_buf()).map_err(|e| e.to_string())?;
         let cache = SegmentCache::new(SEGMENT_CACHE_BYTES, SEGMENT_IDLE);
+        Ok(Self::with_renderer(
+            pool,
+            Renderer::Template { template, tokenizer, segmenter: Box::new(segmenter), cache },
+            policy,
+        ))
+    }
+
+    /// The pool `pool`'s renderer for vLLM's Mistral tokenizer mode.
+    pub fn mistral(pool: &str, mistral: Arc<Mistral>, policy: Policy) -> Self {
+        Self::with_renderer(pool, Renderer::Mistral(mistral), policy)
+    }
+
+    fn with_renderer(pool: &str, renderer: Renderer, policy: Policy) -> Self {
         #[expect(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "0 <= share * 2^32 <= 2^32")]
         let recheck_step = (policy.recheck.clamp(0.0, 1.0) * (1u64 << 32) as f64).ceil() as u64;
-        Ok(Self {
+        Self {
             pool: pool.to_owned(),
-            template,
-            tokenizer,
-            segmenter,
-            cache,
+            renderer,
             counted: Default::default(),
             policy,
             trust: Default::default(),
             recheck_step,
             recheck_acc: AtomicU64::new(0),
-        })
+        }
     }
 
     /// True when `other` renders and tokenizes as this one (same template text, same
@@ -137,8 +164,14 @@ impl LocalIds {
     /// and its cache.
     pub fn same_as(&self, other: &Self) -> bool {
         self.policy == other.policy
-            && self.segmenter.fingerprint() == other.segmenter.fingerprint()
-            && self.template.same_as(&other.template)
+            && match (&self.renderer, &other.renderer) {
+                (
+                    Renderer::Template { template, segmenter, .. },
+                    Renderer::Template { template: other_template, segmenter: other_segmenter, .. },
+                ) => segmenter.fingerprint() == other_segmenter.fingerprint() && template.same_as(other_template),
+                (Renderer::Mistral(mistral), Renderer::Mistral(other)) => mistral.same_as(other),
+                _ => false,
+            }
     }
 
     /// `body` rendered on `api`, with its shape.
@@ -146,16 +179,24 @@ impl LocalIds {
     /// # Errors
     /// The reason label when the request is not rendered here.
     pub fn render(&self, api: Api, body: &[u8]) -> Result<Rendered, &'static str> {
-        match api {
-            Api::Chat => {
-                let chat = render::render_chat(&self.template, body).map_err(|e| e.label())?;
-                Ok(Rendered { text: chat.text, add_special_tokens: false, shape: shape_label(&chat.shape) })
+        let template = match (&self.renderer, api) {
+            (_, Api::Responses | Api::Messages | Api::Generate) => return Err("api"),
+            (Renderer::Mistral(mistral), Api::Chat) => {
+                let (ids, shape) = mistral.render_chat(body).map_err(|e| e.label())?;
+                return Ok(Rendered { prompt: Prompt::Ids(ids), shape: shape_label(&shape) });
             }
-            Api::Completions => {
-                let prompt = render::render_completion(body).map_err(|e| e.label())?;
-                Ok(Rendered { text: prompt.text, add_special_tokens: prompt.add_special_tokens, shape: "completions" })
-            }
-            Api::Responses | Api::Messages | Api::Generate => Err("api"),
+            // vLLM encodes a Mistral completions prompt with its own BOS rule: not proven here
+            (Renderer::Mistral(_), Api::Completions) => return Err(render::Unsupported::MistralCompletions.label()),
+            (Renderer::Template { template, .. }, _) => template,
+        };
+        if api == Api::Chat {
+            let chat = render::render_chat(template, body).map_err(|e| e.label())?;
+            let prompt = Prompt::Text { text: chat.text, add_special_tokens: false };
+            Ok(Rendered { prompt, shape: shape_label(&chat.shape) })
+        } else {
+            let completion = render::render_completion(body).map_err(|e| e.label())?;
+            let prompt = Prompt::Text { text: completion.text, add_special_tokens: completion.add_special_tokens };
+            Ok(Rendered { prompt, shape: "completions" })
         }
     }
 
@@ -164,10 +205,15 @@ impl LocalIds {
     /// # Errors
     /// `encode` when the tokenizer fails.
     pub fn encode(&self, rendered: &Rendered) -> Result<Vec<u32>, &'static str> {
-        if rendered.add_special_tokens {
-            render::encode(self.tokenizer.library(), &rendered.text, true).map_err(|_| "encode")
-        } else {
-            self.cache.encode(&self.segmenter, &rendered.text).map_err(|_| "encode")
+        match (&rendered.prompt, &self.renderer) {
+            (Prompt::Ids(ids), _) => Ok(ids.clone()),
+            (Prompt::Text { text, add_special_tokens: true }, Renderer::Template { tokenizer, .. }) => {
+                render::encode(tokenizer.library(), text, true).map_err(|_| "encode")
+            }
+            (Prompt::Text { text, .. }, Renderer::Template { segmenter, cache, .. }) => {
+                cache.encode(segmenter, text).map_err(|_| "encode")
+            }
+            (Prompt::Text { .. }, Renderer::Mistral(_)) => Err("encode"),
         }
     }
 
@@ -229,11 +275,13 @@ impl LocalIds {
     /// Counts the segment cache's hits and misses since the last call, and sets its size
     /// (at a scrape).
     pub fn report(&self, metrics: &Metrics) {
-        let stats = self.cache.stats();
-        let [hits, misses] = &self.counted;
-        let new_hits = stats.hits.saturating_sub(hits.swap(stats.hits, Ordering::Relaxed));
-        let new_misses = stats.misses.saturating_sub(misses.swap(stats.misses, Ordering::Relaxed));
-        metrics.segment_cache(&self.pool, new_hits, new_misses, stats.bytes);
+        if let Renderer::Template { cache, .. } = &self.renderer {
+            let stats = cache.stats();
+            let [hits, misses] = &self.counted;
+            let new_hits = stats.hits.saturating_sub(hits.swap(stats.hits, Ordering::Relaxed));
+            let new_misses = stats.misses.saturating_sub(misses.swap(stats.misses, Ordering::Relaxed));
+            metrics.segment_cache(&self.pool, new_hits, new_misses, stats.bytes);
+        }
         for shape in SHAPES {
             metrics.local_ids_trusted(&self.pool, shape, self.trusted(shape));
         }

@@ -9,6 +9,8 @@
 //! - `chat`: a chat request rendered in vLLM's steps (settings, messages, tools, developer
 //!   role, template kwargs, render, post-processing).
 //! - `message`: vLLM's preprocessing of one chat message before the template sees it.
+//! - `mistral`, `tekken`: Mistral's tokenizer mode, ids straight from the request
+//!   (mistral-common's instruct encoding over the tekken tokenizer), no template.
 //!
 //! Tokenizing the rendered text is `tokenizers` `encode(text, add_special_tokens=false)` for
 //! chat and `encode(prompt, add_special_tokens=true)` for a completions string (see
@@ -16,12 +18,16 @@
 
 mod chat;
 mod message;
+mod mistral;
 pub mod pyjson;
 mod request;
+mod tekken;
 mod template;
 
 pub use chat::{render_chat, RenderedChat, Shape};
+pub use mistral::{Mistral, MistralLoadError};
 pub use request::{render_completion, RenderedCompletion};
+pub use tekken::{Tekken, TekkenError, TEKKEN_FILE};
 pub use template::{ChatTemplate, LoadError, LoadOptions};
 
 /// Why a request cannot be rendered here with proof of equality to vLLM. Each variant is one
@@ -77,9 +83,13 @@ pub enum Unsupported {
     /// The template printed a float whose minijinja text differs from Python's `str()`.
     #[error("template printed a float Python writes differently")]
     FloatDisplay,
-    /// The model's tokenizer mode is Mistral (vLLM renders with mistral-common).
+    /// The model's tokenizer mode is Mistral (vLLM renders with mistral-common) and its
+    /// folder is not one rendered here (a sentencepiece file, a tekken version other than v3).
     #[error("Mistral tokenizer")]
     Mistral,
+    /// A completions prompt on a Mistral pool (vLLM's `MistralTokenizer.encode`, not proven).
+    #[error("completions prompt with a Mistral tokenizer")]
+    MistralCompletions,
     /// The model is gpt-oss (vLLM renders Harmony).
     #[error("Harmony (gpt-oss)")]
     Harmony,
@@ -123,6 +133,7 @@ impl Unsupported {
             Unsupported::TemplateRaised(_) => "template_raised",
             Unsupported::FloatDisplay => "float_display",
             Unsupported::Mistral => "mistral",
+            Unsupported::MistralCompletions => "mistral_completions",
             Unsupported::Harmony => "harmony",
             Unsupported::TokenizerMode(_) => "tokenizer_mode",
             Unsupported::ProcessorTemplate => "processor_template",
