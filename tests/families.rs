@@ -76,7 +76,10 @@ fn run(family: &str) -> Tally {
         UNSUPPORTED.iter().find(|(f, _)| *f == family).map(|(_, c)| c.iter().copied().collect()).unwrap_or_default();
     let mut tally = Tally::default();
     let policy = Policy { mode: LocalIdsMode::Shadow, verify_after: 1, recheck: 0.0 };
-    let mistral = Mistral::for_folder(&dir, &LoadOptions::default());
+    // a Mistral folder's pool tokenizer is its tekken.json, which the renderer shares
+    let pool_tokenizer = Tokenizer::load(&dir).ok();
+    let tekken = pool_tokenizer.as_ref().and_then(Tokenizer::tekken);
+    let mistral = Mistral::for_folder(&dir, &LoadOptions::default(), tekken);
     let loaded = match mistral {
         Some(mistral) => mistral.map(|m| LocalIds::mistral(family, Arc::new(m), policy)),
         None => ChatTemplate::load(&dir, LoadOptions::default()).map(|template| {
@@ -205,7 +208,8 @@ fn gptoss_is_refused_by_name() {
 }
 
 /// A pool on each renderable family's folder loads with `local_ids = "shadow"` (Gemma 3's
-/// `extra_special_tokens` included); a gpt-oss pool is refused at `pools.NAME.local_ids`.
+/// `extra_special_tokens` included, Mistral's folder with only its `tekken.json`); a gpt-oss
+/// pool is refused at `pools.NAME.local_ids`.
 #[test]
 fn family_pools_load_with_local_ids_or_are_refused_by_name() {
     let pool = |family: &str| {
@@ -213,7 +217,8 @@ fn family_pools_load_with_local_ids_or_are_refused_by_name() {
         format!("[pools.{family}]\nendpoints = [\"127.0.0.1:1\"]\ntokenizer = {dir:?}\nlocal_ids = \"shadow\"\n")
     };
     let decode = "[pools.decode]\nendpoints = [\"127.0.0.1:2\"]\n";
-    let renderable: String = ["llama3_1", "gemma3", "deepseek_v3", "phi3_5"].iter().map(|f| pool(f)).collect();
+    let renderable: String =
+        ["llama3_1", "gemma3", "deepseek_v3", "phi3_5", "mistral"].iter().map(|f| pool(f)).collect();
     if let Err(e) = tokenonce::config::from_toml(&format!("{decode}{renderable}"), "families") {
         panic!("{:?}", e.problems);
     }

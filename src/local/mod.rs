@@ -130,8 +130,8 @@ impl LocalIds {
         tokenizer: Arc<Tokenizer>,
         policy: Policy,
     ) -> Result<Self, String> {
-        let segmenter =
-            Segmenter::new(tokenizer.library().clone(), tokenizer.path().to_path_buf()).map_err(|e| e.to_string())?;
+        let library = tokenizer.library().ok_or("a chat template needs a Hugging Face tokenizer")?;
+        let segmenter = Segmenter::new(library.clone(), tokenizer.path().to_path_buf()).map_err(|e| e.to_string())?;
         let cache = SegmentCache::new(SEGMENT_CACHE_BYTES, SEGMENT_IDLE);
         Ok(Self::with_renderer(
             pool,
@@ -208,7 +208,8 @@ impl LocalIds {
         match (&rendered.prompt, &self.renderer) {
             (Prompt::Ids(ids), _) => Ok(ids.clone()),
             (Prompt::Text { text, add_special_tokens: true }, Renderer::Template { tokenizer, .. }) => {
-                render::encode(tokenizer.library(), text, true).map_err(|_| "encode")
+                let library = tokenizer.library().ok_or("encode")?;
+                render::encode(library, text, true).map_err(|_| "encode")
             }
             (Prompt::Text { text, .. }, Renderer::Template { segmenter, cache, .. }) => {
                 cache.encode(segmenter, text).map_err(|_| "encode")

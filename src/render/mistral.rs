@@ -7,6 +7,7 @@
 //! load. Anything not proven equal is an [`Unsupported`].
 
 use std::path::Path;
+use std::sync::Arc;
 
 use super::pyjson::{self, DumpsOptions, PyValue};
 use super::request::{body, flag, is_set};
@@ -56,7 +57,7 @@ struct Controls {
 /// One pool's Mistral renderer: its tekken tokenizer and control tokens.
 #[derive(Debug)]
 pub struct Mistral {
-    tekken: Tekken,
+    tekken: Arc<Tekken>,
     controls: Controls,
 }
 
@@ -68,12 +69,21 @@ impl Mistral {
     /// # Errors
     /// [`LoadError::Unsupported`] ([`Unsupported::Mistral`]) for a Mistral folder rendered
     /// otherwise than here (sentencepiece, a tekken version other than v3);
-    /// [`LoadError::Config`] when its `tekken.json` does not load.
-    pub fn for_folder(folder: &Path, options: &LoadOptions) -> Option<Result<Self, LoadError>> {
+    /// [`LoadError::Config`] when its `tekken.json` does not load. `loaded` is the folder's
+    /// tekken when the caller has it already (the pool's tokenizer).
+    pub fn for_folder(
+        folder: &Path,
+        options: &LoadOptions,
+        loaded: Option<&Arc<Tekken>>,
+    ) -> Option<Result<Self, LoadError>> {
         if !matches!(options.tokenizer_mode.as_str(), "" | "auto" | "mistral") || !is_mistral_folder(folder) {
             return None;
         }
-        Some(Self::load(folder).map_err(|e| match e {
+        let mistral = match loaded {
+            Some(tekken) => Self::new(Arc::clone(tekken)),
+            None => Self::load(folder),
+        };
+        Some(mistral.map_err(|e| match e {
             MistralLoadError::Tekken(e) => LoadError::Config { path: TEKKEN_FILE.into(), reason: e.to_string() },
             MistralLoadError::Version(_) | MistralLoadError::MissingToken(_) => {
                 LoadError::Unsupported(Unsupported::Mistral)
@@ -86,7 +96,14 @@ impl Mistral {
     /// # Errors
     /// [`MistralLoadError`]: unreadable, or a version not rendered here.
     pub fn load(folder: &Path) -> Result<Self, MistralLoadError> {
-        let tekken = Tekken::load(&folder.join(TEKKEN_FILE))?;
+        Self::new(Arc::new(Tekken::load(&folder.join(TEKKEN_FILE))?))
+    }
+
+    /// The renderer over a loaded tekken tokenizer.
+    ///
+    /// # Errors
+    /// [`MistralLoadError`]: a version not rendered here, or a control token missing.
+    pub fn new(tekken: Arc<Tekken>) -> Result<Self, MistralLoadError> {
         if tekken.version() != "v3" {
             return Err(MistralLoadError::Version(tekken.version().to_owned()));
         }
