@@ -728,3 +728,108 @@ fn shape_of(messages: &[Message], tools: bool, continue_final: bool) -> Shape {
         continue_final,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use base64::Engine;
+
+    use super::*;
+
+    /// A v3 tekken folder over a byte-level vocabulary (every byte its own token, no merges)
+    /// and mistral-common's default special tokens.
+    fn folder() -> (tempfile::TempDir, Mistral) {
+        let engine = base64::engine::general_purpose::STANDARD;
+        let vocab: Vec<String> = (0u8..=255)
+            .map(|b| format!("{{\"rank\":{b},\"token_bytes\":\"{}\",\"token_str\":null}}", engine.encode([b])))
+            .collect();
+        let text = format!(
+            "{{\"config\":{{\"pattern\":\"(?s).\",\"num_vocab_tokens\":256,\"default_vocab_size\":1256,\
+             \"default_num_special_tokens\":1000,\"version\":\"v3\"}},\"vocab\":[{}]}}",
+            vocab.join(",")
+        );
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(TEKKEN_FILE), text).unwrap();
+        let mistral = Mistral::load(dir.path()).unwrap();
+        (dir, mistral)
+    }
+
+    /// The request's prompt as text, control tokens by name.
+    fn render(mistral: &Mistral, body: &str) -> Result<String, &'static str> {
+        let (ids, _) = mistral.render_chat(body.as_bytes()).map_err(|e| e.label())?;
+        Ok(mistral.tekken().decode_lossy(&ids))
+    }
+
+    /// mistral-common's normalizer: same-role runs joined by a blank line, the system
+    /// prompts gathered before the last user turn's text, assistant text right-stripped of
+    /// spaces and closed by `</s>`.
+    #[test]
+    fn runs_merge_and_the_system_prompt_joins_the_last_user_turn() {
+        let (_dir, mistral) = folder();
+        // a system message ends a run of user turns (mistral-common's output, read from it)
+        let body = r#"{"messages":[{"role":"system","content":"S1"},{"role":"user","content":"a"},
+            {"role":"assistant","content":"b  "},{"role":"user","content":"c"},{"role":"user","content":"c2"},
+            {"role":"developer","content":"S2"},
+            {"role":"user","content":[{"type":"text","text":"d"},{"type":"text","text":"e"}]}]}"#;
+        let want = "<s>[INST]a[/INST]b</s>[INST]c\n\nc2[/INST][INST]S1\n\nS2\n\nd\n\ne[/INST]";
+        assert_eq!(render(&mistral, body).unwrap(), want);
+        // an assistant turn cannot be followed by a system one
+        let misplaced = r#"{"messages":[{"role":"user","content":"a"},{"role":"assistant","content":"b"},
+            {"role":"system","content":"S"},{"role":"user","content":"c"}]}"#;
+        assert_eq!(render(&mistral, misplaced), Err("vllm_rejects"));
+        let assistant_first = r#"{"messages":[{"role":"assistant","content":"hi"},{"role":"user","content":"u"}]}"#;
+        assert_eq!(render(&mistral, assistant_first).unwrap(), "<s>[INST][/INST]hi</s>[INST]u[/INST]");
+        let continued = r#"{"messages":[{"role":"user","content":"u"},{"role":"assistant","content":"go on "}],
+            "continue_final_message":true,"add_generation_prompt":false}"#;
+        assert_eq!(render(&mistral, continued).unwrap(), "<s>[INST]u[/INST]go on");
+    }
+
+    /// Tools go before the last `[INST]`; vLLM keeps a long tool-call id's last 9
+    /// characters; calls and results are JSON written again by Python's rules.
+    #[test]
+    fn tools_calls_and_results_take_their_control_tokens() {
+        let (_dir, mistral) = folder();
+        let body = r#"{"messages":[{"role":"user","content":"q"},
+            {"role":"assistant","content":null,"tool_calls":[{"id":"call_abcdefghi","type":"function",
+              "function":{"name":"f","arguments":"{\"x\":1.50,\"y\":\"é\"}"}}]},
+            {"role":"tool","tool_call_id":"call_abcdefghi","content":"{\"ok\":true}"},
+            {"role":"user","content":"r"}],
+            "tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object"}}}]}"#;
+        assert_eq!(
+            render(&mistral, body).unwrap(),
+            "<s>[INST]q[/INST][TOOL_CALLS][{\"name\": \"f\", \"arguments\": {\"x\": 1.5, \"y\": \"é\"}, \"id\": \"abcdefghi\"}]</s>\
+             [TOOL_RESULTS]{\"content\": {\"ok\": true}, \"call_id\": \"abcdefghi\"}[/TOOL_RESULTS]\
+             [AVAILABLE_TOOLS][{\"type\": \"function\", \"function\": {\"name\": \"f\", \"description\": \"\", \
+             \"parameters\": {\"type\": \"object\"}}}][/AVAILABLE_TOOLS][INST]r[/INST]"
+        );
+    }
+
+    /// What vLLM's Mistral mode answers with a 400 is never rendered (it goes as text).
+    #[test]
+    fn what_vllm_refuses_is_not_rendered() {
+        let (_dir, mistral) = folder();
+        let call = |id: &str| {
+            format!(
+                r#"{{"role":"assistant","tool_calls":[{{"id":"{id}","type":"function","function":{{"name":"f","arguments":"{{}}"}}}}]}}"#
+            )
+        };
+        let refused = [
+            r#"{"messages":[{"role":"user","content":"u"},{"role":"assistant","content":"a"}]}"#.to_owned(),
+            r#"{"messages":[{"role":"user","content":"u"},{"role":"assistant","content":"a"}],"add_generation_prompt":false}"#
+                .to_owned(),
+            format!(r#"{{"messages":[{{"role":"user","content":"u"}},{},{{"role":"tool","tool_call_id":"call_0","content":"x"}}]}}"#, call("call_0")),
+            r#"{"messages":[{"role":"user","content":"u"},{"role":"assistant","content":"a","reasoning_content":"r"},{"role":"user","content":"v"}]}"#.to_owned(),
+            r#"{"messages":[{"role":"user","content":"u"}],"chat_template_kwargs":{}}"#.to_owned(),
+            r#"{"messages":[{"role":"user","content":"u"},{"role":"tool","tool_call_id":"abcdefghi","content":"x"}]}"#.to_owned(),
+            r#"{"messages":[{"role":"narrator","content":"u"}]}"#.to_owned(),
+            r#"{"messages":[{"role":"user","content":null}]}"#.to_owned(),
+        ];
+        for body in &refused {
+            assert_eq!(render(&mistral, body), Err("vllm_rejects"), "{body}");
+        }
+        let answered = format!(
+            r#"{{"messages":[{{"role":"user","content":"u"}},{},{{"role":"tool","tool_call_id":"xyzabcdefghi","content":"x"}}]}}"#,
+            call("abcdefghi")
+        );
+        assert!(render(&mistral, &answered).is_ok(), "{answered}");
+    }
+}
