@@ -179,13 +179,22 @@ impl Mistral {
                         ids.push(c.tools_end);
                     }
                     ids.push(c.inst);
+                    // an empty system prompt is Python-false: nothing is added
                     match system_prompt {
-                        Some(system) if is_last => ids.extend(self.text(&format!("{system}{JOIN}{content}"))?),
+                        Some(system) if is_last && !system.is_empty() => {
+                            ids.extend(self.text(&format!("{system}{JOIN}{content}"))?);
+                        }
                         _ => ids.extend(self.text(content)?),
                     }
                     ids.push(c.inst_end);
                 }
                 Turn::Assistant { content, calls, prefix } => {
+                    // a merged run may hold both, or only empty text parts: v3 raises
+                    if calls.is_empty() == content.is_empty() {
+                        return Err(Unsupported::VllmRejects(
+                            "assistant turn with both or neither content and tool calls",
+                        ));
+                    }
                     if calls.is_empty() {
                         ids.extend(self.text(content.trim_end_matches(' '))?);
                     } else {
@@ -561,12 +570,11 @@ fn validate(messages: &[Message]) -> Result<(), Unsupported> {
             return Err(rejects("a lone message that is not user or system"));
         }
         [_] => {}
-        [.., last] => {
-            let continued = last.role == Role::Assistant && last.prefix;
-            if !(matches!(last.role, Role::User | Role::Tool) || continued) {
-                return Err(rejects("last message not user or tool (or assistant to continue)"));
-            }
+        // mistral-common refuses only a last assistant turn it is not to continue
+        [.., last] if last.role == Role::Assistant && !last.prefix => {
+            return Err(rejects("last message an assistant turn not to continue"));
         }
+        [..] => {}
     }
     // message order
     for (before, after) in messages.iter().zip(messages.iter().skip(1)) {
@@ -772,6 +780,10 @@ mod tests {
             {"role":"user","content":[{"type":"text","text":"d"},{"type":"text","text":"e"}]}]}"#;
         let want = "<s>[INST]a[/INST]b</s>[INST]c\n\nc2[/INST][INST]S1\n\nS2\n\nd\n\ne[/INST]";
         assert_eq!(render(&mistral, body).unwrap(), want);
+        // an empty system prompt adds nothing; a conversation may end on a system message
+        let empty_system = r#"{"messages":[{"role":"system","content":[{"type":"text","text":""}]},
+            {"role":"user","content":"u"},{"role":"system","content":""}]}"#;
+        assert_eq!(render(&mistral, empty_system).unwrap(), "<s>[INST]u[/INST]");
         // an assistant turn cannot be followed by a system one
         let misplaced = r#"{"messages":[{"role":"user","content":"a"},{"role":"assistant","content":"b"},
             {"role":"system","content":"S"},{"role":"user","content":"c"}]}"#;
@@ -821,6 +833,8 @@ mod tests {
             r#"{"messages":[{"role":"user","content":"u"}],"chat_template_kwargs":{}}"#.to_owned(),
             r#"{"messages":[{"role":"user","content":"u"},{"role":"tool","tool_call_id":"abcdefghi","content":"x"}]}"#.to_owned(),
             r#"{"messages":[{"role":"narrator","content":"u"}]}"#.to_owned(),
+            // two assistant messages merge into one turn holding text and a call
+            format!(r#"{{"messages":[{{"role":"user","content":"u"}},{{"role":"assistant","content":"a"}},{},{{"role":"tool","tool_call_id":"abcdefghi","content":"x"}}]}}"#, call("abcdefghi")),
             r#"{"messages":[{"role":"user","content":null}]}"#.to_owned(),
         ];
         for body in &refused {
