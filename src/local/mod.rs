@@ -415,6 +415,25 @@ mod tests {
         Arc::new(LocalIds::new("p", Arc::new(template), Arc::new(tokenizer), policy).unwrap())
     }
 
+    /// A Mistral pool's renderer gives the request's ids straight (no tokenizer pass), by
+    /// shape; a completions prompt is not rendered for it; a reload of the same tekken file
+    /// keeps it.
+    #[test]
+    fn a_mistral_pool_renders_chat_to_ids_and_refuses_completions_by_name() {
+        let (dir, mistral) = crate::render::mistral_testing::folder();
+        let policy = Policy { mode: LocalIdsMode::Shadow, verify_after: 1, recheck: 0.0 };
+        let local = LocalIds::mistral("m", Arc::new(mistral), policy);
+        let body = br#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u"}]}"#;
+        let (ids, shape) = local.ids(Api::Chat, body).unwrap();
+        assert_eq!(shape, "chat_system");
+        let Renderer::Mistral(renderer) = &local.renderer else { panic!("not Mistral's renderer") };
+        assert_eq!(renderer.tekken().decode_lossy(&ids), "<s>[INST]S\n\nu[/INST]");
+        assert_eq!(local.verify(Api::Chat, body, &ids).1, Verdict::Match);
+        assert_eq!(local.ids(Api::Completions, br#"{"prompt":"u"}"#).err(), Some("mistral_completions"));
+        let reloaded = LocalIds::mistral("m", Arc::new(crate::render::Mistral::load(dir.path()).unwrap()), policy);
+        assert!(local.same_as(&reloaded));
+    }
+
     /// A verifier whose one worker is busy drops what its queue cannot hold, counted as
     /// `dropped`; the request never waits (each submit returns at once).
     #[test]

@@ -738,14 +738,16 @@ fn shape_of(messages: &[Message], tools: bool, continue_final: bool) -> Shape {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod testing {
+    //! A small Mistral folder written to a temporary directory.
+
     use base64::Engine;
 
     use super::*;
 
     /// A v3 tekken folder over a byte-level vocabulary (every byte its own token, no merges)
-    /// and mistral-common's default special tokens.
-    fn folder() -> (tempfile::TempDir, Mistral) {
+    /// and mistral-common's default special tokens, with its renderer.
+    pub(crate) fn folder() -> (tempfile::TempDir, Mistral) {
         let engine = base64::engine::general_purpose::STANDARD;
         let vocab: Vec<String> = (0u8..=255)
             .map(|b| format!("{{\"rank\":{b},\"token_bytes\":\"{}\",\"token_str\":null}}", engine.encode([b])))
@@ -760,6 +762,12 @@ mod tests {
         let mistral = Mistral::load(dir.path()).unwrap();
         (dir, mistral)
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::folder;
+    use super::*;
 
     /// The request's prompt as text, control tokens by name.
     fn render(mistral: &Mistral, body: &str) -> Result<String, &'static str> {

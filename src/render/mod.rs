@@ -25,6 +25,8 @@ mod tekken;
 mod template;
 
 pub use chat::{render_chat, RenderedChat, Shape};
+#[cfg(test)]
+pub(crate) use mistral::testing as mistral_testing;
 pub use mistral::{Mistral, MistralLoadError};
 pub use request::{render_completion, RenderedCompletion};
 pub use tekken::{Tekken, TekkenError, TEKKEN_FILE};
