@@ -401,10 +401,9 @@ fn parse_content(content: Option<&PyValue>) -> Result<Content, Unsupported> {
 
 /// A tool call of the body (`ToolCall.from_openai`, after vLLM cut its id).
 fn parse_call(call: &PyValue) -> Result<Call, Unsupported> {
-    if !matches!(call.get("type"), None | Some(PyValue::Null))
-        && call.get("type").and_then(PyValue::as_str) != Some("function")
-    {
-        return Err(Unsupported::VllmRejects("tool call type not function"));
+    // OpenAI's schema requires the type; whether vLLM's pydantic defaults it is not checked
+    if call.get("type").and_then(PyValue::as_str) != Some("function") {
+        return Err(Unverified("tool call type missing or not function"));
     }
     let id = match call.get("id") {
         Some(PyValue::Str(id)) => last_nine(id),
