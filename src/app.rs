@@ -141,17 +141,18 @@ fn local_renderers(
 ) -> std::collections::BTreeMap<String, Arc<local::LocalIds>> {
     let mut out = std::collections::BTreeMap::new();
     for (name, p) in &resources.pools {
-        let (Some(template), Some(tokenizer), Some(spec)) =
-            (p.template.clone(), p.tokenizer.clone(), config.pools.get(name))
-        else {
-            continue;
-        };
+        let Some(spec) = config.pools.get(name) else { continue };
         let policy = local::Policy {
             mode: spec.local_ids,
             verify_after: spec.local_ids_verify_after,
             recheck: spec.local_ids_recheck,
         };
-        match local::LocalIds::new(name, template, tokenizer, policy) {
+        let fresh = match (p.template.clone(), p.tokenizer.clone(), p.mistral.clone()) {
+            (_, _, Some(mistral)) => Ok(local::LocalIds::mistral(name, mistral, policy)),
+            (Some(template), Some(tokenizer), None) => local::LocalIds::new(name, template, tokenizer, policy),
+            _ => continue,
+        };
+        match fresh {
             Ok(fresh) => {
                 let kept = previous.and_then(|m| m.get(name)).filter(|old| old.same_as(&fresh));
                 out.insert(name.clone(), kept.map_or_else(|| Arc::new(fresh), Arc::clone));

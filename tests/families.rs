@@ -18,7 +18,7 @@ use tokenonce::config::LocalIdsMode;
 use tokenonce::local::{LocalIds, Policy};
 use tokenonce::openai::Api;
 use tokenonce::parity::Tokenizer;
-use tokenonce::render::{ChatTemplate, LoadError, LoadOptions};
+use tokenonce::render::{ChatTemplate, LoadError, LoadOptions, Mistral, Tekken, TEKKEN_FILE};
 
 const ENV: &str = "TOKENONCE_FAMILIES_DIR";
 
@@ -27,11 +27,12 @@ const ENV: &str = "TOKENONCE_FAMILIES_DIR";
 /// every case listed here must still be unsupported for this reason (so this table, and the
 /// one in docs/parity.md, stay true).
 const UNSUPPORTED: &[(&str, &[(&str, &str)])] =
-    &[("llama3_1", &[]), ("gemma3", &[]), ("deepseek_v3", &[]), ("phi3_5", &[]), ("gptoss", &[])];
+    &[("llama3_1", &[]), ("gemma3", &[]), ("deepseek_v3", &[]), ("phi3_5", &[]), ("gptoss", &[]), ("mistral", &[])];
 
 /// Families whose folder tokenonce refuses to render for (every request of such a pool goes
-/// as text, and `local_ids` cannot be turned on for it), with the reason.
-const REFUSED_AT_LOAD: &[(&str, &str)] = &[("mistral", "mistral")];
+/// as text, and `local_ids` cannot be turned on for it), with the reason: none of the
+/// recorded ones now.
+const REFUSED_AT_LOAD: &[(&str, &str)] = &[];
 
 fn folder(family: &str) -> PathBuf {
     let dir = std::env::var_os(ENV)
@@ -85,12 +86,20 @@ fn run(family: &str) -> Tally {
         }
         _ => LoadOptions::default(),
     };
-    let local = match ChatTemplate::load(&dir, options) {
-        Ok(template) => {
+    let policy = Policy { mode: LocalIdsMode::Shadow, verify_after: 1, recheck: 0.0 };
+    // a Mistral folder's pool tokenizer is its tekken.json, which the renderer shares
+    let pool_tokenizer = Tokenizer::load(&dir).ok();
+    let tekken = pool_tokenizer.as_ref().and_then(Tokenizer::tekken);
+    let mistral = Mistral::for_folder(&dir, &options, tekken);
+    let loaded = match mistral {
+        Some(mistral) => mistral.map(|m| LocalIds::mistral(family, Arc::new(m), policy)),
+        None => ChatTemplate::load(&dir, options).map(|template| {
             let tokenizer = Tokenizer::load(&dir.join("tokenizer.json")).unwrap();
-            let policy = Policy { mode: LocalIdsMode::Shadow, verify_after: 1, recheck: 0.0 };
-            Some(LocalIds::new(family, Arc::new(template), Arc::new(tokenizer), policy).unwrap())
-        }
+            LocalIds::new(family, Arc::new(template), Arc::new(tokenizer), policy).unwrap()
+        }),
+    };
+    let local = match loaded {
+        Ok(local) => Some(local),
         Err(LoadError::Unsupported(reason)) => {
             let want = REFUSED_AT_LOAD.iter().find(|(f, _)| *f == family).map(|(_, r)| *r);
             assert_eq!(Some(reason.label()), want, "{family}: the folder is refused for local rendering");
@@ -143,8 +152,12 @@ fn run(family: &str) -> Tally {
 }
 
 fn local_decode(dir: &Path, ids: &[u32]) -> String {
+    let ids = &ids[..ids.len().min(24)];
+    if dir.join(TEKKEN_FILE).is_file() {
+        return Tekken::load(&dir.join(TEKKEN_FILE)).unwrap().decode_lossy(ids);
+    }
     let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
-    tokenizer.decode(&ids[..ids.len().min(24)], false).unwrap_or_default()
+    tokenizer.decode(ids, false).unwrap_or_default()
 }
 
 fn check(family: &str) {
@@ -190,10 +203,10 @@ fn phi3_5_ids_equal_vllms() {
     check("phi3_5");
 }
 
-/// Mistral in vLLM's default mode (mistral-common renders): refused for local rendering,
-/// every recorded case counted under `mistral`.
+/// Mistral Nemo's tekken (v3) in vLLM's default Mistral mode, rendered as mistral-common
+/// encodes it: every recorded case exact, or refused where vLLM refuses it.
 #[test]
-fn mistral_is_refused_by_name() {
+fn mistral_ids_equal_vllms() {
     check("mistral");
 }
 
@@ -216,8 +229,8 @@ fn gptoss_without_its_vocabulary_is_a_load_error() {
     assert!(matches!(err, LoadError::Io { .. }) && err.to_string().contains("o200k_base.tiktoken"), "{err}");
 }
 
-/// A pool on each renderable family's folder (gpt-oss's too) loads with `local_ids =
-/// "shadow"` (Gemma 3's `extra_special_tokens` included).
+/// A pool on each renderable family's folder loads with `local_ids = "shadow"` (Gemma 3's
+/// `extra_special_tokens` included, gpt-oss's, Mistral's folder with only its `tekken.json`).
 #[test]
 fn family_pools_load_with_local_ids_or_are_refused_by_name() {
     let pool = |family: &str| {
@@ -226,7 +239,7 @@ fn family_pools_load_with_local_ids_or_are_refused_by_name() {
     };
     let decode = "[pools.decode]\nendpoints = [\"127.0.0.1:2\"]\n";
     let renderable: String =
-        ["llama3_1", "gemma3", "deepseek_v3", "phi3_5", "gptoss"].iter().map(|f| pool(f)).collect();
+        ["llama3_1", "gemma3", "deepseek_v3", "phi3_5", "gptoss", "mistral"].iter().map(|f| pool(f)).collect();
     if let Err(e) = tokenonce::config::from_toml(&format!("{decode}{renderable}"), "families") {
         panic!("{:?}", e.problems);
     }

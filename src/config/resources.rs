@@ -11,7 +11,7 @@ use std::sync::Arc;
 use super::file::{Config, PoolTls};
 use super::values::LocalIdsMode;
 use crate::parity::Tokenizer;
-use crate::render::{ChatTemplate, LoadOptions};
+use crate::render::{ChatTemplate, LoadOptions, Mistral};
 use crate::tls::{self, Identity, UpstreamTls};
 use crate::toml_read::{Doc, Problem};
 
@@ -61,6 +61,9 @@ pub struct PoolResources {
     pub tokenizer: Option<Arc<Tokenizer>>,
     /// The model's chat template, with `local_ids` on.
     pub template: Option<Arc<ChatTemplate>>,
+    /// With `local_ids` on, a Mistral model's renderer (vLLM's Mistral tokenizer mode, no
+    /// chat template), in place of `template`.
+    pub mistral: Option<Arc<Mistral>>,
 }
 
 /// The secret state-changing admin requests must carry; never printed.
@@ -141,13 +144,19 @@ pub(super) fn load(config: &Config, doc: &Doc<'_>, problems: &mut Vec<Problem>, 
             let at = format!("pools.{name}.tls");
             present(&tls_files(&at, t).each()).then(|| pool_tls(&at, t, &mut fail)).flatten()
         });
-        let template = match (tokenizer_path, pool.local_ids) {
+        let renderer = match (tokenizer_path, pool.local_ids) {
             (Some(path), LocalIdsMode::Shadow | LocalIdsMode::On) => {
-                chat_template(Path::new(path)).map_err(|why| fail(&format!("pools.{name}.local_ids"), why)).ok()
+                let loaded = tokenizer.as_ref().and_then(|t| t.tekken());
+                renderer(Path::new(path), loaded).map_err(|why| fail(&format!("pools.{name}.local_ids"), why)).ok()
             }
             _ => None,
         };
-        pools.insert(name.clone(), PoolResources { tls, tokenizer, template });
+        let (template, mistral) = match renderer {
+            Some(Renderer::Template(template)) => (Some(template), None),
+            Some(Renderer::Mistral(mistral)) => (None, Some(mistral)),
+            None => (None, None),
+        };
+        pools.insert(name.clone(), PoolResources { tls, tokenizer, template, mistral });
     }
     let mut allow_tls = BTreeMap::new();
     for (i, route) in config.routes.iter().enumerate() {
@@ -204,12 +213,23 @@ fn identity(
     Identity::load(cert, key).map_err(|why| fail(cert_key, why)).ok()
 }
 
-/// The chat template of the model folder `tokenizer` names (the folder, or the file's folder).
-fn chat_template(tokenizer: &Path) -> Result<Arc<ChatTemplate>, String> {
+/// How a pool's requests are rendered locally.
+enum Renderer {
+    Template(Arc<ChatTemplate>),
+    Mistral(Arc<Mistral>),
+}
+
+/// The renderer of the model folder `tokenizer` names (the folder, or the file's folder):
+/// Mistral's when vLLM would serve it in its Mistral mode (over `loaded`, the pool's tekken
+/// tokenizer, when it is one), else its chat template.
+fn renderer(tokenizer: &Path, loaded: Option<&Arc<crate::render::Tekken>>) -> Result<Renderer, String> {
     let folder = if tokenizer.is_dir() { tokenizer } else { tokenizer.parent().unwrap_or(Path::new(".")) };
-    ChatTemplate::load(folder, LoadOptions::default())
-        .map(Arc::new)
-        .map_err(|e| format!("cannot render locally with `{}`: {e}", folder.display()))
+    let options = LoadOptions::default();
+    let loaded = match Mistral::for_folder(folder, &options, loaded) {
+        Some(mistral) => mistral.map(|m| Renderer::Mistral(Arc::new(m))),
+        None => ChatTemplate::load(folder, options).map(|t| Renderer::Template(Arc::new(t))),
+    };
+    loaded.map_err(|e| format!("cannot render locally with `{}`: {e}", folder.display()))
 }
 
 /// `[pools.NAME.tls]`'s (or an allowlist entry's `tls`) CA bundle and client certificate.

@@ -24,7 +24,7 @@ use crate::config::LocalIdsMode;
 use crate::metrics::{LocalIdsResult, Metrics};
 use crate::openai::{Api, PromptIds};
 use crate::parity::Tokenizer;
-use crate::render::{self, ChatTemplate, Shape};
+use crate::render::{self, ChatTemplate, Mistral, Shape};
 use crate::tokens::{SegmentCache, Segmenter};
 
 pub mod drift;
@@ -66,15 +66,11 @@ pub struct Policy {
     pub recheck: f64,
 }
 
-/// One pool's local rendering: its chat template and tokenizer.
+/// One pool's local rendering: its chat template and tokenizer, or Mistral's renderer.
 pub struct LocalIds {
     /// The pool's name (the metric label).
     pub pool: String,
-    template: Arc<ChatTemplate>,
-    tokenizer: Arc<Tokenizer>,
-    /// The tokenizer with where it may be cut (chat prompts).
-    segmenter: Segmenter,
-    cache: SegmentCache,
+    renderer: Renderer,
     /// Segment hits and misses already counted in the metrics (they are read when scraped).
     counted: [AtomicU64; 2],
     /// Its policy.
@@ -86,14 +82,33 @@ pub struct LocalIds {
     recheck_acc: AtomicU64,
 }
 
-/// A request rendered, not yet tokenized (or, for Harmony, rendered straight to ids).
+/// How a pool's requests become ids.
+enum Renderer {
+    /// A chat template rendered to text, then the pool's tokenizer.
+    Template {
+        template: Arc<ChatTemplate>,
+        tokenizer: Arc<Tokenizer>,
+        /// The tokenizer with where it may be cut (chat prompts).
+        segmenter: Box<Segmenter>,
+        cache: SegmentCache,
+    },
+    /// vLLM's Mistral tokenizer mode: ids straight from the request.
+    Mistral(Arc<Mistral>),
+}
+
+/// A request rendered, not yet tokenized (or, for Mistral and Harmony, already ids).
 pub struct Rendered {
-    text: String,
-    add_special_tokens: bool,
-    /// The ids when the renderer gives them itself (gpt-oss); `text` is then empty.
-    ids: Option<Vec<u32>>,
+    prompt: Prompt,
     /// Its shape label (one of [`SHAPES`]).
     pub shape: &'static str,
+}
+
+/// What a request rendered to.
+enum Prompt {
+    /// Text for the tokenizer, with or without its special tokens.
+    Text { text: String, add_special_tokens: bool },
+    /// The ids themselves.
+    Ids(Vec<u32>),
 }
 
 /// What the comparison found.
@@ -124,23 +139,33 @@ impl LocalIds {
         tokenizer: Arc<Tokenizer>,
         policy: Policy,
     ) -> Result<Self, String> {
-        let segmenter =
-            Segmenter::new(tokenizer.library().clone(), tokenizer.path().to_path_buf()).map_err(|e| e.to_string())?;
+        let library = tokenizer.library().ok_or("a chat template needs a Hugging Face tokenizer")?;
+        let segmenter = Segmenter::new(library.clone(), tokenizer.path().to_path_buf()).map_err(|e| e.to_string())?;
         let cache = SegmentCache::new(SEGMENT_CACHE_BYTES, SEGMENT_IDLE);
+        Ok(Self::with_renderer(
+            pool,
+            Renderer::Template { template, tokenizer, segmenter: Box::new(segmenter), cache },
+            policy,
+        ))
+    }
+
+    /// The pool `pool`'s renderer for vLLM's Mistral tokenizer mode.
+    pub fn mistral(pool: &str, mistral: Arc<Mistral>, policy: Policy) -> Self {
+        Self::with_renderer(pool, Renderer::Mistral(mistral), policy)
+    }
+
+    fn with_renderer(pool: &str, renderer: Renderer, policy: Policy) -> Self {
         #[expect(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "0 <= share * 2^32 <= 2^32")]
         let recheck_step = (policy.recheck.clamp(0.0, 1.0) * (1u64 << 32) as f64).ceil() as u64;
-        Ok(Self {
+        Self {
             pool: pool.to_owned(),
-            template,
-            tokenizer,
-            segmenter,
-            cache,
+            renderer,
             counted: Default::default(),
             policy,
             trust: Default::default(),
             recheck_step,
             recheck_acc: AtomicU64::new(0),
-        })
+        }
     }
 
     /// True when `other` renders and tokenizes as this one (same template text, same
@@ -148,8 +173,14 @@ impl LocalIds {
     /// and its cache.
     pub fn same_as(&self, other: &Self) -> bool {
         self.policy == other.policy
-            && self.segmenter.fingerprint() == other.segmenter.fingerprint()
-            && self.template.same_as(&other.template)
+            && match (&self.renderer, &other.renderer) {
+                (
+                    Renderer::Template { template, segmenter, .. },
+                    Renderer::Template { template: other_template, segmenter: other_segmenter, .. },
+                ) => segmenter.fingerprint() == other_segmenter.fingerprint() && template.same_as(other_template),
+                (Renderer::Mistral(mistral), Renderer::Mistral(other)) => mistral.same_as(other),
+                _ => false,
+            }
     }
 
     /// `body` rendered on `api`, with its shape.
@@ -157,24 +188,32 @@ impl LocalIds {
     /// # Errors
     /// The reason label when the request is not rendered here.
     pub fn render(&self, api: Api, body: &[u8]) -> Result<Rendered, &'static str> {
-        match api {
-            Api::Chat => {
-                if let Some(harmony) = self.template.harmony() {
-                    let chat = render::render_harmony(harmony, body).map_err(|e| e.label())?;
-                    let shape = shape_label(&chat.shape);
-                    return Ok(Rendered { text: String::new(), add_special_tokens: false, ids: Some(chat.ids), shape });
-                }
-                let chat = render::render_chat(&self.template, body).map_err(|e| e.label())?;
-                Ok(Rendered { text: chat.text, add_special_tokens: false, ids: None, shape: shape_label(&chat.shape) })
+        let template = match (&self.renderer, api) {
+            (_, Api::Responses | Api::Messages | Api::Generate) => return Err("api"),
+            (Renderer::Mistral(mistral), Api::Chat) => {
+                let (ids, shape) = mistral.render_chat(body).map_err(|e| e.label())?;
+                return Ok(Rendered { prompt: Prompt::Ids(ids), shape: shape_label(&shape) });
             }
+            // vLLM encodes a Mistral completions prompt with its own BOS rule: not proven here
+            (Renderer::Mistral(_), Api::Completions) => return Err(render::Unsupported::MistralCompletions.label()),
+            (Renderer::Template { template, .. }, _) => template,
+        };
+        if let Some(harmony) = template.harmony() {
             // gpt-oss's completions prompts are not recorded: not proven equal
-            Api::Completions if self.template.harmony().is_some() => Err(render::Unsupported::Harmony.label()),
-            Api::Completions => {
-                let prompt = render::render_completion(body).map_err(|e| e.label())?;
-                let add_special_tokens = prompt.add_special_tokens;
-                Ok(Rendered { text: prompt.text, add_special_tokens, ids: None, shape: "completions" })
+            if api != Api::Chat {
+                return Err(render::Unsupported::Harmony.label());
             }
-            Api::Responses | Api::Messages | Api::Generate => Err("api"),
+            let chat = render::render_harmony(harmony, body).map_err(|e| e.label())?;
+            return Ok(Rendered { prompt: Prompt::Ids(chat.ids), shape: shape_label(&chat.shape) });
+        }
+        if api == Api::Chat {
+            let chat = render::render_chat(template, body).map_err(|e| e.label())?;
+            let prompt = Prompt::Text { text: chat.text, add_special_tokens: false };
+            Ok(Rendered { prompt, shape: shape_label(&chat.shape) })
+        } else {
+            let completion = render::render_completion(body).map_err(|e| e.label())?;
+            let prompt = Prompt::Text { text: completion.text, add_special_tokens: completion.add_special_tokens };
+            Ok(Rendered { prompt, shape: "completions" })
         }
     }
 
@@ -183,12 +222,16 @@ impl LocalIds {
     /// # Errors
     /// `encode` when the tokenizer fails.
     pub fn encode(&self, rendered: &Rendered) -> Result<Vec<u32>, &'static str> {
-        if let Some(ids) = &rendered.ids {
-            Ok(ids.clone())
-        } else if rendered.add_special_tokens {
-            render::encode(self.tokenizer.library(), &rendered.text, true).map_err(|_| "encode")
-        } else {
-            self.cache.encode(&self.segmenter, &rendered.text).map_err(|_| "encode")
+        match (&rendered.prompt, &self.renderer) {
+            (Prompt::Ids(ids), _) => Ok(ids.clone()),
+            (Prompt::Text { text, add_special_tokens: true }, Renderer::Template { tokenizer, .. }) => {
+                let library = tokenizer.library().ok_or("encode")?;
+                render::encode(library, text, true).map_err(|_| "encode")
+            }
+            (Prompt::Text { text, .. }, Renderer::Template { segmenter, cache, .. }) => {
+                cache.encode(segmenter, text).map_err(|_| "encode")
+            }
+            (Prompt::Text { .. }, Renderer::Mistral(_)) => Err("encode"),
         }
     }
 
@@ -251,11 +294,13 @@ impl LocalIds {
     /// Counts the segment cache's hits and misses since the last call, and sets its size
     /// (at a scrape).
     pub fn report(&self, metrics: &Metrics) {
-        let stats = self.cache.stats();
-        let [hits, misses] = &self.counted;
-        let new_hits = stats.hits.saturating_sub(hits.swap(stats.hits, Ordering::Relaxed));
-        let new_misses = stats.misses.saturating_sub(misses.swap(stats.misses, Ordering::Relaxed));
-        metrics.segment_cache(&self.pool, new_hits, new_misses, stats.bytes);
+        if let Renderer::Template { cache, .. } = &self.renderer {
+            let stats = cache.stats();
+            let [hits, misses] = &self.counted;
+            let new_hits = stats.hits.saturating_sub(hits.swap(stats.hits, Ordering::Relaxed));
+            let new_misses = stats.misses.saturating_sub(misses.swap(stats.misses, Ordering::Relaxed));
+            metrics.segment_cache(&self.pool, new_hits, new_misses, stats.bytes);
+        }
         for shape in SHAPES {
             metrics.local_ids_trusted(&self.pool, shape, self.trusted(shape));
         }
@@ -408,6 +453,25 @@ mod tests {
         let tokenizer = crate::parity::testing::word_tokenizer(&["user", "word"], &["<|im_start|>", "<|im_end|>"]);
         let policy = Policy { mode: LocalIdsMode::Shadow, verify_after: 1, recheck: 0.0 };
         Arc::new(LocalIds::new("p", Arc::new(template), Arc::new(tokenizer), policy).unwrap())
+    }
+
+    /// A Mistral pool's renderer gives the request's ids straight (no tokenizer pass), by
+    /// shape; a completions prompt is not rendered for it; a reload of the same tekken file
+    /// keeps it.
+    #[test]
+    fn a_mistral_pool_renders_chat_to_ids_and_refuses_completions_by_name() {
+        let (dir, mistral) = crate::render::mistral_testing::folder();
+        let policy = Policy { mode: LocalIdsMode::Shadow, verify_after: 1, recheck: 0.0 };
+        let local = LocalIds::mistral("m", Arc::new(mistral), policy);
+        let body = br#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u"}]}"#;
+        let (ids, shape) = local.ids(Api::Chat, body).unwrap();
+        assert_eq!(shape, "chat_system");
+        let Renderer::Mistral(renderer) = &local.renderer else { panic!("not Mistral's renderer") };
+        assert_eq!(renderer.tekken().decode_lossy(&ids), "<s>[INST]S\n\nu[/INST]");
+        assert_eq!(local.verify(Api::Chat, body, &ids).1, Verdict::Match);
+        assert_eq!(local.ids(Api::Completions, br#"{"prompt":"u"}"#).err(), Some("mistral_completions"));
+        let reloaded = LocalIds::mistral("m", Arc::new(crate::render::Mistral::load(dir.path()).unwrap()), policy);
+        assert!(local.same_as(&reloaded));
     }
 
     /// A verifier whose one worker is busy drops what its queue cannot hold, counted as

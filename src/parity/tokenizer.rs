@@ -1,16 +1,19 @@
-//! A pool's tokenizer (a Hugging Face `tokenizer.json`), loaded once per config load with the
-//! `tokenizers` crate: its vocabulary bound gates relayed ids, its decoder feeds the parity
-//! watch.
+//! A pool's tokenizer (a Hugging Face `tokenizer.json`, or a Mistral folder's `tekken.json`),
+//! loaded once per config load: its vocabulary bound gates relayed ids, its decoder feeds the
+//! parity watch.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::render::{Tekken, TEKKEN_FILE};
 
 /// The file name looked for when `tokenizer` names a model folder.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
 /// A loaded tokenizer and the bound every id must stay below.
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    inner: Library,
     /// One past the largest id of the vocabulary, added tokens included.
     vocab_bound: u32,
     path: PathBuf,
@@ -22,12 +25,27 @@ impl fmt::Debug for Tokenizer {
     }
 }
 
+/// The library a tokenizer runs on.
+enum Library {
+    /// Hugging Face `tokenizers`.
+    Hf(Box<tokenizers::Tokenizer>),
+    /// Mistral's tekken (vLLM's Mistral tokenizer mode).
+    Tekken(Arc<Tekken>),
+}
+
 impl Tokenizer {
-    /// Loads `path`: a `tokenizer.json`, or a folder holding one (a model folder).
+    /// Loads `path`: a `tokenizer.json`, or a folder holding one (a model folder), else the
+    /// folder's `tekken.json` (a Mistral model folder).
     ///
     /// # Errors
     /// A sentence saying why (missing file, not a tokenizer, empty vocabulary).
     pub fn load(path: &Path) -> Result<Self, String> {
+        let tekken = path.join(TEKKEN_FILE);
+        if path.is_dir() && !path.join(TOKENIZER_FILE).exists() && tekken.is_file() {
+            let loaded = Tekken::load(&tekken).map_err(|e| format!("cannot load tokenizer: {e}"))?;
+            let vocab_bound = loaded.vocab_bound();
+            return Ok(Self { inner: Library::Tekken(Arc::new(loaded)), vocab_bound, path: tekken });
+        }
         let file = if path.is_dir() { path.join(TOKENIZER_FILE) } else { path.to_path_buf() };
         let inner = tokenizers::Tokenizer::from_file(&file)
             .map_err(|e| format!("cannot load tokenizer `{}`: {e}", file.display()))?;
@@ -43,7 +61,7 @@ impl Tokenizer {
         let vocab_bound = largest
             .and_then(|id| id.checked_add(1))
             .ok_or_else(|| format!("tokenizer `{}` has an empty vocabulary", path.display()))?;
-        Ok(Self { inner, vocab_bound, path })
+        Ok(Self { inner: Library::Hf(Box::new(inner)), vocab_bound, path })
     }
 
     /// One past the largest id (ids at or above it are out of the vocabulary).
@@ -59,14 +77,31 @@ impl Tokenizer {
     /// The text of `ids`, special tokens kept (the chat template's markers stay visible).
     ///
     /// # Errors
-    /// The decoder's complaint.
+    /// The decoder's complaint; for tekken always: mistral-common moves the system prompt
+    /// to the last user turn and writes tool JSON again, so the parity watch's contents in
+    /// order would read as mismatches (its checks of such a pool are skipped).
     pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
-        self.inner.decode(ids, false).map_err(|e| e.to_string())
+        match &self.inner {
+            Library::Hf(inner) => inner.decode(ids, false).map_err(|e| e.to_string()),
+            Library::Tekken(_) => Err("Mistral prompts are not compared by content".to_owned()),
+        }
     }
 
-    /// The library's tokenizer (local ids encode with it).
-    pub fn library(&self) -> &tokenizers::Tokenizer {
-        &self.inner
+    /// The Hugging Face tokenizer (local ids encode chat templates' text with it); `None`
+    /// for tekken.
+    pub fn library(&self) -> Option<&tokenizers::Tokenizer> {
+        match &self.inner {
+            Library::Hf(inner) => Some(inner),
+            Library::Tekken(_) => None,
+        }
+    }
+
+    /// The tekken tokenizer of a Mistral folder.
+    pub fn tekken(&self) -> Option<&Arc<Tekken>> {
+        match &self.inner {
+            Library::Tekken(tekken) => Some(tekken),
+            Library::Hf(_) => None,
+        }
     }
 }
 
@@ -100,7 +135,8 @@ pub(crate) mod testing {
 
     /// Ids of `text` under `tk` (special tokens recognized).
     pub fn encode(tk: &super::Tokenizer, text: &str) -> Vec<u32> {
-        tk.inner.encode(text, false).map(|e| e.get_ids().to_vec()).unwrap_or_default()
+        let encoded = tk.library().map(|inner| inner.encode(text, false));
+        encoded.and_then(Result::ok).map(|e| e.get_ids().to_vec()).unwrap_or_default()
     }
 }
 
@@ -125,7 +161,7 @@ mod tests {
         let tk = word_tokenizer(&["a"], &[]);
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join(TOKENIZER_FILE);
-        tk.inner.save(&file, false).unwrap();
+        tk.library().unwrap().save(&file, false).unwrap();
         assert_eq!(Tokenizer::load(&file).unwrap().vocab_bound(), 2);
         assert_eq!(Tokenizer::load(dir.path()).unwrap().vocab_bound(), 2);
         let bad = dir.path().join("bad.json");

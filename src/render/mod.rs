@@ -11,6 +11,8 @@
 //! - `message`: vLLM's preprocessing of one chat message before the template sees it.
 //! - `harmony`: gpt-oss, which vLLM renders without its template: Harmony messages encoded
 //!   to ids by the `openai-harmony` crate.
+//! - `mistral`, `tekken`: Mistral's tokenizer mode, ids straight from the request
+//!   (mistral-common's instruct encoding over the tekken tokenizer), no template.
 //!
 //! Tokenizing the rendered text is `tokenizers` `encode(text, add_special_tokens=false)` for
 //! chat and `encode(prompt, add_special_tokens=true)` for a completions string (see
@@ -19,13 +21,19 @@
 mod chat;
 mod harmony;
 mod message;
+mod mistral;
 pub mod pyjson;
 mod request;
+mod tekken;
 mod template;
 
 pub use chat::{render_chat, RenderedChat, Shape};
 pub use harmony::{render_harmony, render_harmony_on, Harmony, RenderedHarmony};
+#[cfg(test)]
+pub(crate) use mistral::testing as mistral_testing;
+pub use mistral::{Mistral, MistralLoadError};
 pub use request::{render_completion, RenderedCompletion};
+pub use tekken::{Tekken, TekkenError, TEKKEN_FILE};
 pub use template::{ChatTemplate, LoadError, LoadOptions};
 
 /// Why a request cannot be rendered here with proof of equality to vLLM. Each variant is one
@@ -81,9 +89,13 @@ pub enum Unsupported {
     /// The template printed a float whose minijinja text differs from Python's `str()`.
     #[error("template printed a float Python writes differently")]
     FloatDisplay,
-    /// The model's tokenizer mode is Mistral (vLLM renders with mistral-common).
+    /// The model's tokenizer mode is Mistral (vLLM renders with mistral-common) and its
+    /// folder is not one rendered here (a sentencepiece file, a tekken version other than v3).
     #[error("Mistral tokenizer")]
     Mistral,
+    /// A completions prompt on a Mistral pool (vLLM's `MistralTokenizer.encode`, not proven).
+    #[error("completions prompt with a Mistral tokenizer")]
+    MistralCompletions,
     /// A request to a gpt-oss (Harmony) pool of a kind not proven equal to vLLM here (a
     /// completions prompt).
     #[error("Harmony (gpt-oss) request not rendered here")]
@@ -128,6 +140,7 @@ impl Unsupported {
             Unsupported::TemplateRaised(_) => "template_raised",
             Unsupported::FloatDisplay => "float_display",
             Unsupported::Mistral => "mistral",
+            Unsupported::MistralCompletions => "mistral_completions",
             Unsupported::Harmony => "harmony",
             Unsupported::TokenizerMode(_) => "tokenizer_mode",
             Unsupported::ProcessorTemplate => "processor_template",
