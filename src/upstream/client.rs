@@ -417,8 +417,9 @@ impl UpstreamClient {
         body_len: usize,
     ) -> Result<RequestHeader, UpstreamError> {
         let io = |e: pingora::BError| UpstreamError::io(addr, &e);
-        let mut head =
-            RequestHeader::build(method, path_and_query.as_bytes(), Some(client_headers.len() + 3)).map_err(io)?;
+        // No case map: `encode_head` writes the HeaderMap's names, never the map's.
+        let mut head = RequestHeader::build_no_case(method, path_and_query.as_bytes(), Some(client_headers.len() + 3))
+            .map_err(io)?;
         for (name, value) in client_headers {
             let n = name.as_str();
             if DROPPED_REQUEST_HEADERS.contains(&n) || extra_drop.contains(&n) {
