@@ -31,9 +31,10 @@
 //! sender, as for the proxies). Reported: per proxy and workload the median over rounds with
 //! its interquartile range, the ratios computed within each round (median and IQR), the host
 //! steal time over the run (`/proc/stat`), client latency, then throughput and latency at 64 and
-//! 256 concurrent clients, tokenonce's RSS with 256 concurrent 37k-token requests in flight,
-//! and with `--knee` its req/s curve at 1 and 2 worker threads. Everything is on 127.0.0.1;
-//! every loop is bounded in count and time.
+//! 256 concurrent clients (interleaved rounds too; tokenonce ÷ vllm-router within each round),
+//! tokenonce's RSS with 256 concurrent 37k-token requests in flight, and with `--knee` its
+//! req/s curve at 1 and 2 worker threads. Everything is on 127.0.0.1; every loop is bounded in
+//! count and time.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
@@ -561,33 +562,34 @@ async fn warm(bench: &Bench, t: &Target, w: Workload, b: &Bodies) -> Result<(), 
     Ok(())
 }
 
-/// What [`throughput`] measured: req/s, the proxy's CPU µs per request, client latency p50 and
-/// p99 in ms.
-#[derive(Clone, Copy)]
+/// What [`throughput`] measured: req/s, the proxy's CPU µs per request, and every request's
+/// client latency in ms.
+#[derive(Clone)]
 struct Load {
     rps: f64,
     cpu_us: f64,
-    p50: f64,
-    p99: f64,
+    ms: Vec<f64>,
 }
 
-/// `total` requests at `concurrency` through `target` (or the floor when `None`).
+/// `total` requests at `concurrency` through `target` (or the floor when `None`); with `warm`,
+/// one untimed request per connection first, so opening connections is not measured.
 async fn throughput(
     bench: &Bench,
     target: Option<&Target>,
     w: Workload,
     b: &Bodies,
-    concurrency: usize,
-    total: usize,
+    (concurrency, total): (usize, usize),
+    warm: bool,
 ) -> Load {
-    // Warm-up: one request per connection, so opening connections is not measured.
-    futures_util::future::join_all((0..concurrency).map(|_| async {
-        let _ = match target {
-            Some(t) => bench.via(&t.url, w, b).await,
-            None => bench.floor(w, b).await.map(|f| (f.ms, f.body)),
-        };
-    }))
-    .await;
+    if warm {
+        futures_util::future::join_all((0..concurrency).map(|_| async {
+            let _ = match target {
+                Some(t) => bench.via(&t.url, w, b).await,
+                None => bench.floor(w, b).await.map(|f| (f.ms, f.body)),
+            };
+        }))
+        .await;
+    }
     let before = target.map_or(0, |t| cpu_ns(t.pid));
     let started = Instant::now();
     let next = std::sync::atomic::AtomicUsize::new(0);
@@ -609,11 +611,89 @@ async fn throughput(
         futures_util::future::join_all((0..concurrency).map(|_| worker())).await.into_iter().flatten().collect();
     let secs = started.elapsed().as_secs_f64();
     let cpu = target.map_or(0, |t| cpu_ns(t.pid).saturating_sub(before));
-    Load {
-        rps: ms.len() as f64 / secs,
-        cpu_us: cpu as f64 / 1e3 / ms.len().max(1) as f64,
-        p50: quantile(&ms, 0.5),
-        p99: quantile(&ms, 0.99),
+    Load { rps: ms.len() as f64 / secs, cpu_us: cpu as f64 / 1e3 / ms.len().max(1) as f64, ms }
+}
+
+/// Rounds of the under-load section, and the requests a proxy gets per round and connection.
+fn load_rounds(quick: bool) -> (usize, usize) {
+    if quick {
+        (2, 1)
+    } else {
+        (6, 4)
+    }
+}
+
+/// Throughput and latency at 64 and 256 concurrent clients (chat 1k non-streamed), in
+/// interleaved rounds as the CPU section: each round gives the floor and every proxy a batch
+/// (clients × a few requests), the order rotated by one each round, so load drift falls on
+/// all alike. Reported per proxy: req/s and CPU per request, median over rounds [IQR]; p50
+/// and p99 of every timed request of the run; then tokenonce ÷ the router within each round.
+async fn under_load(opts: &Options, bench: &Bench, targets: &[Target], prefill: &FakeVllm, decode: &FakeVllm) {
+    let w = Workload { chat: true, stream: false, words: 1_000 };
+    let b = Bodies::new(w);
+    let (rounds, per_client) = load_rounds(opts.quick);
+    println!(
+        "\n### Under load ({}; {rounds} interleaved rounds, each a batch of {per_client} × clients requests per proxy, orders rotated; req/s, ÷ floor and CPU µs per request: median over rounds [IQR]; p50 and p99: of all rounds' requests, ms)\n",
+        w.label()
+    );
+    println!(
+        "| clients | proxy | req/s | ÷ floor | p50 ms | p99 ms | CPU µs/req |\n|---:|---|---:|---:|---:|---:|---:|"
+    );
+    // Slot 0 is the floor, slot i + 1 is targets[i].
+    let slots = targets.len() + 1;
+    let target_of = |slot: usize| slot.checked_sub(1).and_then(|i| targets.get(i));
+    let mut versus_router = Vec::new();
+    for concurrency in [64usize, 256] {
+        let mut loads: Vec<Vec<Load>> = vec![Vec::new(); slots];
+        for round in 0..rounds {
+            for k in 0..slots {
+                let slot = (k + round) % slots;
+                let t = target_of(slot);
+                // The toy proxy answers ~60 req/s: a tenth of the requests.
+                let n = concurrency * per_client / if t.is_some_and(|t| t.peer == Peer::Toy) { 10 } else { 1 };
+                loads[slot].push(throughput(bench, t, w, &b, (concurrency, n), round == 0).await);
+                prefill.forget();
+                decode.forget();
+            }
+        }
+        let floor_rps: Vec<f64> = loads[0].iter().map(|l| l.rps).collect();
+        for (slot, runs) in loads.iter().enumerate() {
+            let name = target_of(slot).map_or(Peer::Floor.name(), |t| t.peer.name());
+            let rps: Vec<f64> = runs.iter().map(|l| l.rps).collect();
+            let per_floor: Vec<f64> = rps.iter().zip(&floor_rps).map(|(a, f)| a / f).collect();
+            let ms: Vec<f64> = runs.iter().flat_map(|l| l.ms.iter().copied()).collect();
+            let cpu = match slot {
+                0 => "–".to_owned(),
+                _ => med_iqr(&runs.iter().map(|l| l.cpu_us).collect::<Vec<_>>()),
+            };
+            println!(
+                "| {concurrency} | {name} | {} | {} | {} | {} | {cpu} |",
+                med_iqr(&rps),
+                med_iqr(&per_floor),
+                fmt_num(quantile(&ms, 0.5)),
+                fmt_num(quantile(&ms, 0.99))
+            );
+        }
+        let slot_of = |peer: Peer| (1..slots).find(|&s| target_of(s).is_some_and(|t| t.peer == peer));
+        if let (Some(a), Some(d)) = (slot_of(Peer::Tokenonce), slot_of(Peer::Router)) {
+            let per_round = |f: &dyn Fn(&Load) -> f64| -> Vec<f64> {
+                loads[a].iter().zip(&loads[d]).map(|(a, d)| f(a) / f(d)).collect()
+            };
+            versus_router.push(format!(
+                "| {concurrency} | {} | {} | {} | {} |",
+                med_iqr(&per_round(&|l| l.rps)),
+                med_iqr(&per_round(&|l| quantile(&l.ms, 0.5))),
+                med_iqr(&per_round(&|l| quantile(&l.ms, 0.99))),
+                med_iqr(&per_round(&|l| l.cpu_us))
+            ));
+        }
+    }
+    if !versus_router.is_empty() {
+        println!("\n(a) tokenonce ÷ (d) vllm-router within each round, median [IQR] (req/s above 1 and latency below 1 favour tokenonce):\n");
+        println!("| clients | req/s | p50 | p99 | CPU µs/req |\n|---:|---:|---:|---:|---:|");
+        for row in versus_router {
+            println!("{row}");
+        }
     }
 }
 
@@ -660,14 +740,6 @@ async fn wait_answering(client: &reqwest::Client, url: &str) -> Result<(), Strin
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     Err(format!("not answering within 30 s: {last}"))
-}
-
-fn ratio(a: f64, b: f64) -> String {
-    if a.is_nan() || b.is_nan() || b == 0.0 {
-        "–".into()
-    } else {
-        format!("{:.2}×", a / b)
-    }
 }
 
 struct Options {
@@ -866,47 +938,15 @@ async fn run(opts: &Options, bench: &Bench, floor_thread: &FloorThread, prefill:
         return;
     }
 
-    // Throughput and latency under load, 64 and 256 clients; the proxies interleaved per level.
-    let w = Workload { chat: true, stream: false, words: 1_000 };
-    let b = Bodies::new(w);
-    println!("\n### Under load ({}; client latency ms; proxy CPU µs per request)\n", w.label());
-    println!(
-        "| clients | proxy | req/s | ÷ floor | p50 ms | p99 ms | CPU µs/req |\n|---:|---|---:|---:|---:|---:|---:|"
-    );
-    for concurrency in [64usize, 256] {
-        let total = if opts.quick { 2 * concurrency } else { 10 * concurrency };
-        let floor = throughput(bench, None, w, &b, concurrency, total).await;
-        println!(
-            "| {concurrency} | {} | {} | 1.00× | {} | {} | – |",
-            Peer::Floor.name(),
-            fmt_num(floor.rps),
-            fmt_num(floor.p50),
-            fmt_num(floor.p99)
-        );
-        for t in &targets {
-            // The toy proxy answers ~60 req/s: a tenth of the requests.
-            let n = if t.peer == Peer::Toy { total / 10 } else { total };
-            let l = throughput(bench, Some(t), w, &b, concurrency, n).await;
-            println!(
-                "| {concurrency} | {} | {} | {} | {} | {} | {} |",
-                t.peer.name(),
-                fmt_num(l.rps),
-                ratio(l.rps, floor.rps),
-                fmt_num(l.p50),
-                fmt_num(l.p99),
-                fmt_num(l.cpu_us)
-            );
-            prefill.forget();
-            decode.forget();
-        }
-    }
+    under_load(opts, bench, &targets, prefill, decode).await;
     drop(no_reuse);
     drop(no_steal);
     drop(baseline);
     drop(externals);
 
     if opts.knee {
-        knee(opts, bench, prefill, decode, &b, w).await;
+        let w = Workload { chat: true, stream: false, words: 1_000 };
+        knee(opts, bench, prefill, decode, &Bodies::new(w), w).await;
     }
     drop(tok);
     rss_256(opts, bench, prefill, decode).await;
@@ -1072,7 +1112,7 @@ async fn knee(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVl
         let mut rps = Vec::new();
         for &c in &levels {
             let total = if opts.quick { 32.max(c * 2) } else { 200.max(c * 4) };
-            rps.push(throughput(bench, Some(&t), w, b, c, total).await.rps);
+            rps.push(throughput(bench, Some(&t), w, b, (c, total), true).await.rps);
             prefill.forget();
             decode.forget();
         }

@@ -78,11 +78,20 @@ fn field<'a, T: Deserialize<'a>>(obj: &'a RawObject<'a>, key: &'static str) -> R
     }
 }
 
+/// False when `raw` (messages or input items) provably has no typed content part, so needs
+/// no second parse: every part has a `"type"` key, and text inside strings has its quotes
+/// escaped, so only the bare token `"type"` or a `\u` escape (`"typ\u0065"` is `"type"` too)
+/// can make one. One pass over its quotes and backslashes.
+fn may_hold_typed_parts(raw: &str) -> bool {
+    let bytes = raw.as_bytes();
+    memchr::memchr2_iter(b'"', b'\\', bytes).any(|at| {
+        let from = bytes.get(at..).unwrap_or_default();
+        from.starts_with(b"\"type\"") || from.starts_with(b"\\u")
+    })
+}
+
 fn messages_have_media(raw: &str) -> Result<bool, ApiError> {
-    // Every content part has a "type" key; text inside strings has its quotes escaped, so a
-    // body without the bare token `"type"` has no parts and needs no second parse, unless a
-    // key is spelled with `\u` escapes (`"typ\u0065"` is `"type"` too).
-    if !raw.contains("\"type\"") && !raw.contains("\\u") {
+    if !may_hold_typed_parts(raw) {
         return Ok(false);
     }
     let messages: Vec<Message<'_>> = serde_json::from_str(raw)
@@ -107,7 +116,7 @@ fn messages_have_media(raw: &str) -> Result<bool, ApiError> {
 /// `reasoning_text`, `summary_text`, `refusal`, a chat-style `text`) is media
 /// (`input_image`, `input_file`, `input_audio`, ...).
 fn responses_input_has_media(raw: &str) -> Result<bool, ApiError> {
-    if !raw.contains("\"type\"") && !raw.contains("\\u") {
+    if !may_hold_typed_parts(raw) {
         return Ok(false);
     }
     let items: Vec<Message<'_>> = serde_json::from_str(raw).map_err(|e| {
@@ -523,6 +532,26 @@ mod tests {
         }
         let text = r#"{"messages":[{"role":"user","content":"caf\u00e9"}]}"#;
         assert_eq!(view(Api::Chat, text).reuse_blocker(), None);
+    }
+
+    #[test]
+    fn the_parts_prefilter_finds_what_either_token_scan_finds() {
+        let cases = [
+            r#"[{"role":"user","content":"plain"}]"#,
+            r#"[{"role":"user","content":[{"type":"text","text":"a"}]}]"#,
+            r#"[{"role":"user","content":"say \"type\" twice"}]"#,
+            r#"[{"role":"user","content":"caf\u00e9"}]"#,
+            r#"[{"role":"user","content":"a \\ b \" c"}]"#,
+            r#"[{"role":"user","content":"ends in a quote\""}]"#,
+            r#""type""#,
+            r#"\u"#,
+            r#"\"#,
+            "",
+        ];
+        for raw in cases {
+            let either = raw.contains("\"type\"") || raw.contains("\\u");
+            assert_eq!(may_hold_typed_parts(raw), either, "{raw}");
+        }
     }
 
     #[test]

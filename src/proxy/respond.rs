@@ -3,6 +3,7 @@
 //! buffered only when its `cached_tokens` is rewritten), every read and write bounded.
 //! Failures are returned to the caller; `rescue::fail` is what answers them.
 
+use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -174,28 +175,66 @@ const SMALL_ANSWER: usize = 64 * 1024;
 /// the engine's own count.
 pub const REWRITE_LIMIT: usize = 16 * 1024 * 1024;
 
+/// The stream idle timeout of one relayed answer: one timer for the whole answer, moved
+/// forward only when it fires early, instead of one armed and cancelled around every read
+/// (each a lock of the time driver, and a wake-up of the thread parked on it when no other
+/// timer is due sooner).
+struct IdleWatch {
+    limit: Duration,
+    /// When the read now waiting (or the last one) started.
+    read_started: tokio::time::Instant,
+    timer: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl IdleWatch {
+    fn new(limit: Duration) -> Self {
+        let now = tokio::time::Instant::now();
+        Self { limit, read_started: now, timer: Box::pin(tokio::time::sleep_until(now + limit)) }
+    }
+
+    /// A read starts now: it may wait `limit` from here.
+    fn read_starts(&mut self) {
+        self.read_started = tokio::time::Instant::now();
+    }
+
+    /// Resolves once the current read has waited `limit` (a timer armed for an earlier read
+    /// is pushed to this read's deadline when it fires).
+    async fn expired(&mut self) {
+        loop {
+            self.timer.as_mut().await;
+            let deadline = self.read_started + self.limit;
+            if tokio::time::Instant::now() >= deadline {
+                return;
+            }
+            self.timer.as_mut().reset(deadline);
+        }
+    }
+}
+
 /// The next body chunk of `exchange` (`None`: the body ended), waiting at most the route's
-/// stream idle timeout while watching the client.
+/// stream idle timeout (`idle`) while watching the client.
 async fn next_chunk(
     session: &mut Session,
-    info: &RequestInfo,
     rec: &mut Record,
     exchange: &mut Exchange,
+    idle: &mut IdleWatch,
     leg: Leg,
 ) -> Result<Option<Bytes>, ProxyError> {
-    let idle = info.route.stream_idle_timeout;
+    idle.read_starts();
     let read = tokio::select! {
-        r = tokio::time::timeout(idle, exchange.read_body()) => r,
+        // The read first: a chunk already buffered never waits on the other two.
+        biased;
+        r = exchange.read_body() => r,
+        () = idle.expired() => return Err(ProxyError::StreamIdle { leg, after: idle.limit }),
         // Dropping `exchange` closes the engine connection; vLLM aborts the request.
         _ = client_gone(session) => return Err(ProxyError::ClientGone),
     };
     match read {
-        Err(_) => Err(ProxyError::StreamIdle { leg, after: idle }),
-        Ok(Ok(chunk)) => {
+        Ok(chunk) => {
             rec.legs.answer_started |= chunk.as_ref().is_some_and(|c| !c.is_empty());
             Ok(chunk)
         }
-        Ok(Err(source)) => Err(ProxyError::StreamBroken { leg, source }),
+        Err(source) => Err(ProxyError::StreamBroken { leg, source }),
     }
 }
 
@@ -250,7 +289,8 @@ async fn relay_through(
     // With tracing on, an answer of at most USAGE_TAP_LIMIT is kept to read its `usage`.
     let mut tap = rec.trace.is_on().then(|| vec![prefix.clone()]);
     let mut tapped = prefix.len();
-    while let Some(chunk) = next_chunk(session, info, rec, &mut exchange, leg).await? {
+    let mut idle = IdleWatch::new(info.route.stream_idle_timeout);
+    while let Some(chunk) = next_chunk(session, rec, &mut exchange, &mut idle, leg).await? {
         tapped += chunk.len();
         match tap.as_mut() {
             Some(_) if tapped > USAGE_TAP_LIMIT => tap = None,
@@ -288,9 +328,10 @@ async fn relay_buffered(
     leg: Leg,
 ) -> Result<(), ProxyError> {
     let mut body = bytes::BytesMut::new();
+    let mut idle = IdleWatch::new(info.route.stream_idle_timeout);
     loop {
         // Nothing went to the client yet: a broken body is the engine being unavailable.
-        let chunk = next_chunk(session, info, rec, &mut exchange, leg).await.map_err(|e| match e {
+        let chunk = next_chunk(session, rec, &mut exchange, &mut idle, leg).await.map_err(|e| match e {
             ProxyError::StreamBroken { leg, source } => ProxyError::upstream(leg, source),
             other => other,
         })?;
@@ -341,8 +382,9 @@ async fn relay_stream(
     let metrics = &info.route.metrics;
     // When the last content event was written (none yet: the next one is the first token).
     let mut last_content: Option<Instant> = None;
+    let mut idle = IdleWatch::new(info.route.stream_idle_timeout);
     loop {
-        let chunk = match next_chunk(session, info, rec, &mut exchange, leg).await {
+        let chunk = match next_chunk(session, rec, &mut exchange, &mut idle, leg).await {
             Ok(chunk) => chunk,
             Err(e) => {
                 let dropped = framing.broken();

@@ -459,8 +459,9 @@ pub fn parse_head(buf: &[u8], to_head: bool) -> Result<Option<(Answer, usize)>, 
         Err(_) => return Err(WireError::Malformed("bad response head")),
     };
     let status = parsed.code.ok_or(WireError::Malformed("no status"))?;
-    let mut head =
-        ResponseHeader::build(status, Some(parsed.headers.len())).map_err(|_| WireError::Malformed("bad status"))?;
+    // No case map: this head is only read (the client's head is built from its HeaderMap).
+    let mut head = ResponseHeader::build_no_case(status, Some(parsed.headers.len()))
+        .map_err(|_| WireError::Malformed("bad status"))?;
     let mut framing_headers = FramingHeaders::default();
     for h in parsed.headers.iter() {
         let name = http::HeaderName::from_bytes(h.name.as_bytes()).map_err(|_| WireError::Malformed("bad header"))?;

@@ -154,6 +154,10 @@ impl LegClient<'_> {
     /// Runs `work` on `endpoint` (`leg`'s exchange, and reading its answer) until `deadline`;
     /// `None` when the deadline passed first, a failure of `endpoint` for its ejection, as
     /// no answer is: an engine that accepts and never answers is ejected like one that refuses.
+    ///
+    /// The deadline is pingora's fast timer (10 ms buckets, armed only if `work` waits), as
+    /// pingora's own session timeouts are: arming a tokio timer locks the time driver and,
+    /// when no other timer is due sooner, wakes the thread parked on it, once per leg.
     pub async fn before<T>(
         &self,
         leg: Leg,
@@ -161,7 +165,8 @@ impl LegClient<'_> {
         deadline: tokio::time::Instant,
         work: impl Future<Output = T>,
     ) -> Option<T> {
-        let result = tokio::time::timeout_at(deadline, work).await.ok();
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let result = pingora::prelude::fast_timeout::fast_timeout(left, work).await.ok();
         if result.is_none() {
             self.failed(leg, endpoint, ErrorKind::Timeout);
         }
