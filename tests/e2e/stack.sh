@@ -192,7 +192,7 @@ start_tokenonce() {
   local t0=$SECONDS
   until answers "$ADMIN_PORT" /readyz; do
     kill -0 "$(cat "$RUN_DIR/tokenonce.pid")" 2>/dev/null || { tail -n 20 "$RUN_DIR/tokenonce.log" >&2; die "tokenonce exited"; }
-    [ $((SECONDS - t0)) -lt 30 ] || { tail -n 20 "$RUN_DIR/tokenonce.log" >&2; die "tokenonce not ready after 30 s"; }
+    [ $((SECONDS - t0)) -lt 60 ] || { tail -n 20 "$RUN_DIR/tokenonce.log" >&2; die "tokenonce not ready after 60 s"; }
     sleep 0.2
   done
   say "tokenonce ready on 127.0.0.1:$LISTEN_PORT (admin $ADMIN_PORT, pid $(cat "$RUN_DIR/tokenonce.pid"), log $RUN_DIR/tokenonce.log)"
