@@ -7,7 +7,8 @@
 //! - **ZeroMQ client**: the `zeromq` crate (pure Rust on tokio, SUB and DEALER, maintained under
 //!   the zeromq organisation): no C library in the build or the image, and a subscriber is a
 //!   tokio task rather than a thread per endpoint. vLLM binds (`tcp://*:PORT`) and each
-//!   subscriber connects to `host:port+R` (rank R), the replay DEALER to `host:replay_port+R`.
+//!   subscriber connects to `host:port+R` (rank R), the replay DEALER to `host:replay_port+R`;
+//!   an endpoint sharing its host with another has ports of its own (`endpoint_ports`).
 //! - **Continuity**: the reconnect loop is ours (not the crate's), so every connection starts
 //!   the same way: the endpoint's entries are cleared and its engine's replay buffer is asked
 //!   from sequence 0 (vLLM keeps its last `buffer_steps` batches, 10,000 by default). That
