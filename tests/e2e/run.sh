@@ -26,7 +26,7 @@
 #      and a one-line summary with the wall time.
 # Exits non-zero on any failure. Usage: bash tests/e2e/run.sh [extra pytest args]
 # Env: E2E_RUN_DIR (logs, pid files; default ${TMPDIR:-/tmp}/tokenonce-e2e),
-#      E2E_PYTEST_TIMEOUT (seconds, default 600), TOKENONCE_VLLM_VENV.
+#      E2E_PYTEST_TIMEOUT (seconds, default 900: two prefill restarts take minutes on a loaded machine), TOKENONCE_VLLM_VENV.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -113,7 +113,7 @@ phase stack-up "$t"
 t=$SECONDS
 say "pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py tests/e2e/test_tracing_e2e.py tests/e2e/test_pd_e2e.py tests/e2e/test_generate_e2e.py tests/e2e/test_parity_e2e.py tests/e2e/test_local_ids_e2e.py tests/e2e/test_error_formats_e2e.py tests/e2e/test_kv_routing_e2e.py tests/e2e/test_kv_paths_e2e.py"
 set +e
-timeout "${E2E_PYTEST_TIMEOUT:-600}" "$VENV/bin/python" -m pytest "$HERE/test_e2e.py" "$HERE/test_relay_e2e.py" \
+timeout "${E2E_PYTEST_TIMEOUT:-900}" "$VENV/bin/python" -m pytest "$HERE/test_e2e.py" "$HERE/test_relay_e2e.py" \
   "$HERE/test_tracing_e2e.py" "$HERE/test_pd_e2e.py" "$HERE/test_generate_e2e.py" "$HERE/test_parity_e2e.py" \
   "$HERE/test_local_ids_e2e.py" \
   "$HERE/test_error_formats_e2e.py" "$HERE/test_kv_routing_e2e.py" "$HERE/test_kv_paths_e2e.py" \
