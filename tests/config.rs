@@ -548,6 +548,42 @@ fn kv_events_need_a_port_that_every_rank_can_offset_and_bounded_values() {
     assert!(config.pools["prefill"].kv_events.is_none());
 }
 
+/// Engines sharing a host publish on ports of their own: `endpoint_ports` and
+/// `endpoint_replay_ports` name a listed endpoint's `host:port` (its ranks offset the port as
+/// they offset `port`); another address, or a port a rank would push past 65535, is refused.
+#[test]
+fn kv_events_ports_of_their_own_name_listed_endpoints() {
+    let pools = |ports: &str| {
+        format!(
+            "[pools.prefill]\nendpoints = [\"127.0.0.1:8100\", \"127.0.0.1:8300#0-1\"]\n[pools.prefill.kv_events]\nport = 5557\n\
+             replay_port = 5558\n{ports}[defaults]\npassthrough_pool = \"prefill\"\n"
+        )
+    };
+    let config = Config::from_toml(
+        &pools(
+            "endpoint_ports = { \"127.0.0.1:8300\" = 5567 }\nendpoint_replay_ports = { \"127.0.0.1:8300\" = 5568 }\n",
+        ),
+        "t.toml",
+    )
+    .unwrap();
+    let settings = config.pools["prefill"].kv_events.as_ref().unwrap().settings();
+    assert_eq!(settings.endpoint_ports.get("127.0.0.1:8300"), Some(&5567));
+    assert_eq!(settings.endpoint_replay_ports.get("127.0.0.1:8300"), Some(&5568));
+    let err = Config::from_toml(
+        &pools(
+            "endpoint_ports = { \"127.0.0.1:8200\" = 5567 }\nendpoint_replay_ports = { \"127.0.0.1:8300\" = 65535 }\n",
+        ),
+        "t.toml",
+    )
+    .unwrap_err();
+    assert_problem_keys(
+        &err,
+        &["pools.prefill.kv_events.endpoint_ports", "pools.prefill.kv_events.endpoint_replay_ports"],
+    );
+    assert!(err.problems[0].message.contains("not a host:port of the pool's `endpoints`"), "{:?}", err.problems[0]);
+    assert!(err.problems[1].message.contains("rank 1"), "{:?}", err.problems[1]);
+}
+
 /// A cache-aware pool with KV events hashes its prompts as the engines do: its block size and
 /// seed must be the events' (a chain hashed otherwise would never match what they report).
 #[test]

@@ -116,6 +116,8 @@ fn settings(f: &Fixture, port: u16, replay_port: u16) -> Settings {
     Settings {
         port,
         replay_port: Some(replay_port),
+        endpoint_ports: Default::default(),
+        endpoint_replay_ports: Default::default(),
         topic: "kv".into(),
         hash_seed: f.pythonhashseed.clone(),
         block_size: f.block_size,

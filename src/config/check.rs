@@ -241,6 +241,21 @@ fn check_pool(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool) {
                 ck.at(&format!("{at}.{key}"), format!("{port} + rank {top} is past 65535"));
             }
         }
+        // A per-endpoint port names an endpoint the pool lists (a discovered pool's engines
+        // share `port`).
+        let listed: Vec<&str> = pool.endpoints.iter().filter_map(|e| endpoint_ranks(e)).map(|(addr, _)| addr).collect();
+        for (key, ports) in
+            [("endpoint_ports", &kv.endpoint_ports), ("endpoint_replay_ports", &kv.endpoint_replay_ports)]
+        {
+            for (endpoint, port) in ports {
+                if !listed.contains(&endpoint.as_str()) {
+                    ck.at(&format!("{at}.{key}"), format!("`{endpoint}` is not a host:port of the pool's `endpoints`"));
+                }
+                if *port == 0 || u64::from(*port) + top > 65535 {
+                    ck.at(&format!("{at}.{key}"), format!("{port} for `{endpoint}` is not a port (rank {top} added)"));
+                }
+            }
+        }
         ck.range(&format!("{at}.block_size"), u64::from(kv.block_size), 1..=65536);
         ck.range(&format!("{at}.max_blocks"), kv.max_blocks, 1..=100_000_000);
         ck.millis(&format!("{at}.stale_after_ms"), kv.stale_after_ms, 86_400_000);

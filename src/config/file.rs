@@ -289,6 +289,13 @@ pub struct PoolKvEvents {
     /// batches and for what an engine holds when tokenonce connects (none: a gap clears the
     /// endpoint's entries instead).
     pub replay_port: Option<u16>,
+    /// Per endpoint (`host:port` as its `endpoints` entry gives it), a publisher port other
+    /// than `port`: engines sharing a host (several servers on one node, or on loopback) each
+    /// bind a port of their own, e.g. `{ "127.0.0.1:8300" = 5567 }`. Ranks offset it as they
+    /// offset `port`.
+    pub endpoint_ports: BTreeMap<String, u16>,
+    /// Per endpoint, as `endpoint_ports`, a replay port other than `replay_port`.
+    pub endpoint_replay_ports: BTreeMap<String, u16>,
     /// The topic the engines publish on (vLLM's `topic`; a prefix match, empty: every message).
     /// Default: `""`.
     /// vLLM's default topic is empty.
@@ -690,6 +697,8 @@ impl PoolKvEvents {
         crate::kv::events::Settings {
             port: self.port,
             replay_port: self.replay_port,
+            endpoint_ports: self.endpoint_ports.clone(),
+            endpoint_replay_ports: self.endpoint_replay_ports.clone(),
             topic: self.topic.clone(),
             hash_seed: self.hash_seed.clone(),
             block_size: self.block_size as usize,

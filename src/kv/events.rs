@@ -7,7 +7,8 @@
 //! - **ZeroMQ client**: the `zeromq` crate (pure Rust on tokio, SUB and DEALER, maintained under
 //!   the zeromq organisation): no C library in the build or the image, and a subscriber is a
 //!   tokio task rather than a thread per endpoint. vLLM binds (`tcp://*:PORT`) and each
-//!   subscriber connects to `host:port+R` (rank R), the replay DEALER to `host:replay_port+R`.
+//!   subscriber connects to `host:port+R` (rank R), the replay DEALER to `host:replay_port+R`;
+//!   an endpoint sharing its host with another has ports of its own (`endpoint_ports`).
 //! - **Continuity**: the reconnect loop is ours (not the crate's), so every connection starts
 //!   the same way: the endpoint's entries are cleared and its engine's replay buffer is asked
 //!   from sequence 0 (vLLM keeps its last `buffer_steps` batches, 10,000 by default). That
@@ -27,7 +28,7 @@
 //!   first (see `index.rs`). Only the device (GPU) cache of the first KV cache group is indexed:
 //!   blocks offloaded to CPU or storage are not what prefix caching reuses on arrival.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -62,6 +63,11 @@ pub struct Settings {
     pub port: u16,
     /// The replay endpoint's port (rank R: `replay_port + R`); none: gaps are not replayed.
     pub replay_port: Option<u16>,
+    /// By endpoint address (`host:port`): a publisher port other than `port` (engines
+    /// sharing a host bind ports of their own).
+    pub endpoint_ports: BTreeMap<String, u16>,
+    /// By endpoint address: a replay port other than `replay_port`.
+    pub endpoint_replay_ports: BTreeMap<String, u16>,
     /// The topic subscribed to (vLLM's `topic`; empty: every message).
     pub topic: String,
     /// The engines' `PYTHONHASHSEED`, or vLLM's default seed when they run without it.
@@ -101,6 +107,8 @@ pub struct Metrics {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EndpointAddr {
     pub name: String,
+    /// Its `host:port`, without the rank.
+    pub addr: String,
     pub host: String,
     pub rank: u16,
 }
@@ -114,7 +122,20 @@ impl EndpointAddr {
             [Some(r)] => u16::try_from(*r).ok()?,
             _ => return None,
         };
-        Some(EndpointAddr { name: name.to_owned(), host: crate::addr::host_of(addr).to_owned(), rank })
+        Some(EndpointAddr {
+            name: name.to_owned(),
+            addr: addr.to_owned(),
+            host: crate::addr::host_of(addr).to_owned(),
+            rank,
+        })
+    }
+
+    /// Its publisher's and replay endpoint's URLs under `settings` (its own ports where they
+    /// name its address), each offset by its rank.
+    fn urls(&self, settings: &Settings) -> (String, Option<String>) {
+        let port = settings.endpoint_ports.get(&self.addr).copied().unwrap_or(settings.port);
+        let replay = settings.endpoint_replay_ports.get(&self.addr).copied().or(settings.replay_port);
+        (self.url(port), replay.map(|p| self.url(p)))
     }
 
     fn url(&self, port: u16) -> String {
@@ -430,8 +451,7 @@ impl Sequencer {
 
 /// One endpoint's subscriber, for as long as the task lives: connect, replay, follow.
 async fn subscribe(shared: Arc<Shared>, slot: usize, addr: EndpointAddr) {
-    let url = addr.url(shared.settings.port);
-    let replay_url = shared.settings.replay_port.map(|p| addr.url(p));
+    let (url, replay_url) = addr.urls(&shared.settings);
     let mut backoff = BACKOFF_MIN;
     let mut connected_before = false;
     loop {
@@ -628,5 +648,28 @@ mod tests {
         assert_eq!(ranked.as_ref().map(|a| a.url(5557)), Some("tcp://[::1]:5560".to_owned()));
         assert_eq!(EndpointAddr::parse("host:8000#0-3"), None, "one rank per endpoint");
         assert_eq!(EndpointAddr::parse("nope"), None);
+    }
+
+    /// Engines sharing a host publish on ports of their own: an endpoint named in
+    /// `endpoint_ports` / `endpoint_replay_ports` is subscribed there (rank offset kept), the
+    /// others on the pool's ports.
+    #[test]
+    fn an_endpoint_with_ports_of_its_own_is_subscribed_there() {
+        let settings = Settings {
+            port: 5557,
+            replay_port: Some(5558),
+            endpoint_ports: BTreeMap::from([("127.0.0.1:8300".to_owned(), 5567)]),
+            endpoint_replay_ports: BTreeMap::from([("127.0.0.1:8300".to_owned(), 5568)]),
+            topic: String::new(),
+            hash_seed: "0".into(),
+            block_size: 32,
+            max_blocks: 10,
+            stale_after: Duration::from_secs(1),
+        };
+        let urls = |name: &str| EndpointAddr::parse(name).map(|a| a.urls(&settings));
+        let url = |s: &str| s.to_owned();
+        assert_eq!(urls("127.0.0.1:8100"), Some((url("tcp://127.0.0.1:5557"), Some(url("tcp://127.0.0.1:5558")))));
+        assert_eq!(urls("127.0.0.1:8300"), Some((url("tcp://127.0.0.1:5567"), Some(url("tcp://127.0.0.1:5568")))));
+        assert_eq!(urls("127.0.0.1:8300#2"), Some((url("tcp://127.0.0.1:5569"), Some(url("tcp://127.0.0.1:5570")))));
     }
 }

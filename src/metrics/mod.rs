@@ -230,6 +230,7 @@ struct Upstreams {
     prompt_history_drift_tokens: IntCounterVec,
     prompt_history_drift_start: IntCounterVec,
     cache_aware_choices: IntCounterVec,
+    cache_aware_predicted_tokens: IntCounterVec,
 }
 
 impl Upstreams {
@@ -364,6 +365,12 @@ impl Upstreams {
                 "tokenonce_cache_aware_choices_total",
                 "Endpoints chosen by a cache_aware pool, by the source asked (events, sent, text, none) and why: prefix (a candidate held part of the prompt), no_prefix, or, choosing the least in flight, no_ids, short_prompt, unusable.",
                 &["pool", "source", "reason"],
+            )?,
+            cache_aware_predicted_tokens: counter(
+                registry,
+                "tokenonce_cache_aware_predicted_tokens_total",
+                "Prompt tokens a cache_aware pool's chosen endpoint was predicted to hold (its full blocks held, times the block size), by the source that said so (events, sent): with events, what the engines' prefix caches should report as hits (vllm:prefix_cache_hits_total, usage cached_tokens).",
+                &["pool", "source"],
             )?,
             segment_cache_bytes: gauge_vec(
                 registry,
@@ -874,7 +881,12 @@ impl Metrics {
             .iter()
             .map(|(source, reason)| family.with_label_values(&[pool, source.as_str(), reason.as_str()]))
             .collect();
-        CacheAwareMetrics { choices }
+        let family = &self.upstreams.cache_aware_predicted_tokens;
+        let predicted = CacheAwareMetrics::PREDICTING
+            .iter()
+            .map(|source| family.with_label_values(&[pool, source.as_str()]))
+            .collect();
+        CacheAwareMetrics { choices, predicted }
     }
 
     /// Removes a route's model-identity gauge (the route is gone, or has no prefill pool now).

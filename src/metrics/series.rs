@@ -34,6 +34,8 @@ impl EndpointMetrics {
 pub struct CacheAwareMetrics {
     /// By [`Self::PAIRS`].
     pub(super) choices: Vec<IntCounter>,
+    /// `cache_aware_predicted_tokens_total{pool,source}`, by [`Self::PREDICTING`].
+    pub(super) predicted: Vec<IntCounter>,
 }
 
 impl CacheAwareMetrics {
@@ -49,6 +51,17 @@ impl CacheAwareMetrics {
         (ChoiceSource::None, ChoiceReason::ShortPrompt),
         (ChoiceSource::None, ChoiceReason::Unusable),
     ];
+
+    /// The sources whose predictions are counted in tokens (text keys are not tokens).
+    pub const PREDICTING: [ChoiceSource; 2] = [ChoiceSource::Events, ChoiceSource::Sent];
+
+    /// Counts the `tokens` of a prompt that `source` predicted the chosen endpoint holds.
+    pub fn predicted(&self, source: ChoiceSource, tokens: u64) {
+        let at = Self::PREDICTING.iter().position(|&s| s == source);
+        if let Some(c) = at.and_then(|i| self.predicted.get(i)) {
+            c.inc_by(tokens);
+        }
+    }
 
     /// Counts one choice.
     pub fn choice(&self, source: ChoiceSource, reason: ChoiceReason) {

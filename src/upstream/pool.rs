@@ -387,7 +387,7 @@ impl CacheAwareChoice {
                 return least();
             }
             PromptKey::Text(keys) => {
-                let (chosen, any_held) = self.best(rotated, &self.text, keys);
+                let (chosen, any_held, _) = self.best(rotated, &self.text, keys);
                 self.count(ChoiceSource::Text, if any_held { ChoiceReason::Prefix } else { ChoiceReason::NoPrefix });
                 let chosen = chosen?;
                 self.text.sent(&chosen.name, keys);
@@ -397,8 +397,12 @@ impl CacheAwareChoice {
         };
         let Ok(sources) = self.sources.read() else { return least() };
         let chosen = if let Some((kind, source)) = sources.iter().find(|(_, s)| s.usable()) {
-            let (chosen, any_held) = self.best(rotated, source.as_ref(), chain);
+            let (chosen, any_held, held) = self.best(rotated, source.as_ref(), chain);
             self.count(*kind, if any_held { ChoiceReason::Prefix } else { ChoiceReason::NoPrefix });
+            if let Some(m) = self.metrics.get() {
+                let tokens = held.saturating_mul(self.hasher.block_size());
+                m.predicted(*kind, u64::try_from(tokens).unwrap_or(u64::MAX));
+            }
             chosen
         } else {
             self.count(ChoiceSource::None, ChoiceReason::Unusable);
@@ -408,25 +412,26 @@ impl CacheAwareChoice {
         Some(chosen)
     }
 
-    /// The best-scoring candidate by `source`, and whether any candidate holds a block.
+    /// The best-scoring candidate by `source`, whether any candidate holds a block, and how
+    /// many leading blocks the chosen one holds.
     fn best<'a>(
         &self,
         rotated: &[&'a Arc<Endpoint>],
         source: &dyn PrefixHolders,
         chain: &[BlockHash],
-    ) -> (Option<&'a Arc<Endpoint>>, bool) {
+    ) -> (Option<&'a Arc<Endpoint>>, bool, usize) {
         let blocks = chain.len() as f64;
-        let mut best: Option<(&Arc<Endpoint>, f64)> = None;
+        let mut best: Option<(&Arc<Endpoint>, f64, usize)> = None;
         let mut any_held = false;
         for &e in rotated {
             let held = source.held(&e.name, chain);
             any_held |= held > 0;
             let score = self.prefix_weight * held as f64 / blocks - self.load_weight * e.inflight() as f64;
-            if best.is_none_or(|(_, top)| score > top) {
-                best = Some((e, score));
+            if best.is_none_or(|(_, top, _)| score > top) {
+                best = Some((e, score, held));
             }
         }
-        (best.map(|(e, _)| e), any_held)
+        (best.map(|(e, _, _)| e), any_held, best.map_or(0, |(_, _, held)| held))
     }
 }
 
@@ -841,6 +846,32 @@ mod tests {
         let fallback = p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name().to_owned();
         assert!(fallback == sent_home || fallback == holder, "the approximate index: sent to both now ({fallback})");
         assert_ne!(fallback, "127.0.0.1:9000");
+    }
+
+    /// Each choice counts the tokens its source predicts the chosen endpoint holds: the
+    /// holder's whole prompt (8 blocks of 4), then nothing more once load sends the prompt to
+    /// the endpoint holding none of it.
+    #[test]
+    fn cache_aware_counts_the_tokens_the_chosen_endpoint_is_predicted_to_hold() {
+        let registry = prometheus::Registry::new();
+        let metrics = crate::metrics::Metrics::register(&registry).unwrap();
+        let p = pool(Balance::CacheAware, 2);
+        p.count_choices_in(metrics.cache_aware("p"));
+        let events = Arc::new(Oracle { holder: "127.0.0.1:9001", usable: AtomicBool::new(true) });
+        p.set_prefix_source(ChoiceSource::Events, Some(events));
+        let c = prompt(&p, 0, 8);
+        let predicted = || {
+            let text = String::from_utf8(crate::metrics::Metrics::render(&registry)).unwrap();
+            let series = r#"tokenonce_cache_aware_predicted_tokens_total{pool="p",source="events"} "#;
+            let line = text.lines().find(|l| l.starts_with(series)).unwrap_or_else(|| panic!("{text}"));
+            line[series.len()..].parse::<u64>().unwrap()
+        };
+        assert_eq!(p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name(), "127.0.0.1:9001");
+        assert_eq!(predicted(), 32);
+        let busy: Vec<Picked> = (0..5).map(|_| p.pick_named("127.0.0.1:9001").unwrap()).collect();
+        assert_eq!(p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name(), "127.0.0.1:9000");
+        assert_eq!(predicted(), 32, "the idle endpoint chosen holds none of it");
+        drop(busy);
     }
 
     /// With only an events source that may not be believed (stale, or off after a hash

@@ -6,7 +6,7 @@ A benchmark command, not a test. Uses the tier's pair (tests/e2e/stack.sh: prefi
 decode vLLM :18200, NixlConnector on CPU; started here with E2E_TRACING=0 if not up, and stopped
 again at the end). In front of them, interleaved round by round:
 
-  toy proxy          vLLM's tests/v1/kv_connector/nixl_integration/toy_proxy_server.py on :18300
+  toy proxy          vLLM's tests/v1/kv_connector/nixl_integration/toy_proxy_server.py on :18500
                      (found at $TOKENONCE_PEERS/toy_proxy_server.py; benches/peers.sh fetches it)
   tokenonce          the release build (target/release/tokenonce, else the debug one, said in
                      the output) on :18010: prefill with the echo, decode token-in
@@ -54,7 +54,7 @@ import bench_ttft  # noqa: E402  (post, build_messages, summary)
 
 HOST = "127.0.0.1"
 PREFILL, DECODE, PREFILL_PIPE, DECODE_PIPE = 18100, 18200, 18102, 18202
-TOKENONCE, TOKENONCE_ADMIN, TOY = 18010, 18910, 18300
+TOKENONCE, TOKENONCE_ADMIN, TOY = 18010, 18910, 18500  # 18300: the second prefill
 STACK = os.path.join(HERE, "stack.sh")
 RUN_DIR = os.environ.get("E2E_RUN_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), "tokenonce-e2e"))
 VENV = os.environ.get("TOKENONCE_VLLM_VENV", os.path.expanduser("~/.cache/tokenonce-vllm-venv"))

