@@ -16,7 +16,9 @@
 //!   at ~720 and 355-415 ms at ~2,100; docs/performance.md: a warm 45k prefix plus 204 new tokens
 //!   prefills in 57.9 ms, the decode's TTFT 63-66 ms). Every duration (engine times, think time)
 //!   is divided by `--scale` in the run and every measured time multiplied back by it.
-//! - Trace: each client runs one agentic session of `--turns` chat requests: one of
+//! - Trace: each client runs `--sessions` (2) agentic sessions of `--turns` chat requests back
+//!   to back, the first joined at turn `client % turns` (so sessions are at every stage at
+//!   once, a steady state, and a session's turns meet a cache that did not see its start): one of
 //!   `--systems` (4) shared system prompts of `--system-tokens` (2,000), then per turn a user
 //!   message (a tool result, 70 % of the growth) and, after the answer, an assistant message
 //!   (30 %), growing to `--max-tokens`; think time between turns uniform in 0.5-1.5 x
@@ -97,6 +99,7 @@ impl Policy {
 struct Options {
     clients: usize,
     turns: usize,
+    sessions: usize,
     max_tokens: usize,
     system_tokens: usize,
     systems: usize,
@@ -113,6 +116,7 @@ fn options() -> Options {
     let mut o = Options {
         clients: 256,
         turns: 10,
+        sessions: 2,
         max_tokens: 37_000,
         system_tokens: 2_000,
         systems: 4,
@@ -139,6 +143,7 @@ fn options() -> Options {
             "--bench" => {}
             "--clients" => o.clients = num(args.next(), "--clients").clamp(1.0, 4096.0) as usize,
             "--turns" => o.turns = num(args.next(), "--turns").clamp(1.0, 200.0) as usize,
+            "--sessions" => o.sessions = num(args.next(), "--sessions").clamp(1.0, 100.0) as usize,
             "--max-tokens" => o.max_tokens = num(args.next(), "--max-tokens").clamp(256.0, 40_000.0) as usize,
             "--system-tokens" => o.system_tokens = num(args.next(), "--system-tokens").clamp(0.0, 20_000.0) as usize,
             "--systems" => o.systems = num(args.next(), "--systems").clamp(1.0, 1000.0) as usize,
@@ -311,13 +316,16 @@ struct ClientRun {
     errors: usize,
 }
 
-/// One agentic session: `turns` requests, its history growing, think time between.
-async fn session(
+/// One client: `--sessions` agentic sessions back to back, each `turns` requests with its
+/// history growing and think time between. The first joins its session at turn `id % turns`
+/// (its earlier turns were never sent here), so at any time the fleet's sessions are at every
+/// stage, as in a steady state.
+async fn client_run(
     o: Arc<Options>,
     client: reqwest::Client,
     url: String,
     id: usize,
-    home: Option<String>,
+    homes: Vec<String>,
     end: Instant,
 ) -> ClientRun {
     let mut rng = (id as u64 + 1).wrapping_mul(0x2545_F491_4F6C_DD1D);
@@ -331,31 +339,40 @@ async fn session(
     tokio::time::sleep(scaled(&o, o.think_ms * uniform())).await;
     let growth = (o.max_tokens - o.system_tokens) / o.turns;
     let (user, assistant) = (growth * 7 / 10, growth - growth * 7 / 10);
-    let system = id % o.systems;
-    let mut messages = vec![json!({"role": "system", "content": text(1_000_000 + system as u64, o.system_tokens)})];
-    for turn in 0..o.turns {
-        if Instant::now() >= end {
-            break;
+    for s in 0..o.sessions {
+        let session = id * o.sessions + s;
+        // The oracle's home prefill for this session (none: tokenonce chooses).
+        let home = homes.get(session % homes.len().max(1));
+        let joined = if s == 0 { id % o.turns } else { 0 };
+        let system = session % o.systems;
+        let mut messages = vec![json!({"role": "system", "content": text(1_000_000 + system as u64, o.system_tokens)})];
+        for turn in 0..o.turns {
+            let seed = (session as u64) << 20 | (turn as u64) << 1;
+            messages.push(json!({"role": "user", "content": text(seed, user)}));
+            if turn >= joined {
+                if Instant::now() >= end {
+                    return run;
+                }
+                let body =
+                    serde_json::to_vec(&json!({"model": "tiny-qwen3", "messages": messages, "max_tokens": 1})).unwrap();
+                let mut request = client.post(&url).header("content-type", "application/json").body(body);
+                if let Some(home) = home {
+                    request = request.header("x-prefiller-host-port", home);
+                }
+                let sent = Instant::now();
+                let ok = match request.send().await {
+                    Ok(answer) => answer.status() == 200 && answer.bytes().await.is_ok(),
+                    Err(_) => false,
+                };
+                if ok {
+                    run.ttft_ms.push(sent.elapsed().as_secs_f64() * 1000.0 * o.scale);
+                } else {
+                    run.errors += 1;
+                }
+                tokio::time::sleep(scaled(&o, o.think_ms * (0.5 + uniform()))).await;
+            }
+            messages.push(json!({"role": "assistant", "content": text(seed | 1, assistant)}));
         }
-        let seed = (id as u64) << 20 | (turn as u64) << 1;
-        messages.push(json!({"role": "user", "content": text(seed, user)}));
-        let body = serde_json::to_vec(&json!({"model": "tiny-qwen3", "messages": messages, "max_tokens": 1})).unwrap();
-        let mut request = client.post(&url).header("content-type", "application/json").body(body);
-        if let Some(home) = &home {
-            request = request.header("x-prefiller-host-port", home);
-        }
-        let sent = Instant::now();
-        let ok = match request.send().await {
-            Ok(answer) => answer.status() == 200 && answer.bytes().await.is_ok(),
-            Err(_) => false,
-        };
-        if ok {
-            run.ttft_ms.push(sent.elapsed().as_secs_f64() * 1000.0 * o.scale);
-        } else {
-            run.errors += 1;
-        }
-        messages.push(json!({"role": "assistant", "content": text(seed | 1, assistant)}));
-        tokio::time::sleep(scaled(&o, o.think_ms * (0.5 + uniform()))).await;
     }
     run
 }
@@ -439,8 +456,12 @@ async fn run_policy(
     let end = started + o.deadline;
     let mut tasks = Vec::new();
     for id in 0..o.clients {
-        let home = (policy == Policy::Oracle).then(|| fleet.prefills[id % fleet.prefills.len()].host_port());
-        tasks.push(tokio::spawn(session(Arc::clone(&o), client.clone(), url.clone(), id, home, end)));
+        let homes = if policy == Policy::Oracle {
+            fleet.prefills.iter().map(FakeVllm::host_port).collect()
+        } else {
+            Vec::new()
+        };
+        tasks.push(tokio::spawn(client_run(Arc::clone(&o), client.clone(), url.clone(), id, homes, end)));
     }
     let (mut ttft, mut errors) = (Vec::new(), 0);
     for t in tasks {
@@ -512,11 +533,12 @@ fn main() {
     write_model(model.path());
     let working_set = o.clients as f64 * o.max_tokens as f64 / o.prefills as f64;
     println!(
-        "fleet: {} prefills + {} decodes, {} clients x {} turns growing to {} tokens ({} shared system prompts of {}), \
+        "fleet: {} prefills + {} decodes, {} clients x {} sessions of {} turns growing to {} tokens ({} shared system prompts of {}), \
          think {:.0} ms, cache per prefill {:.0} tokens ({} of its share of the final working set), time scale 1/{}",
         o.prefills,
         o.decodes,
         o.clients,
+        o.sessions,
         o.turns,
         o.max_tokens,
         o.systems,
