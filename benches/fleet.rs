@@ -493,9 +493,14 @@ async fn run_policy(
         .collect::<Vec<_>>()
         .join(", ");
     let local_ids = format!(
-        "match {}, mismatch {}",
+        "match {}, mismatch {}; KV hash checks: match {}, mismatch {}, choice off {}; events gaps {}, reconnects {}",
         sum_series(&scrape, "tokenonce_local_ids_checks_total", &["result=\"match\""]),
-        sum_series(&scrape, "tokenonce_local_ids_checks_total", &["result=\"mismatch\""])
+        sum_series(&scrape, "tokenonce_local_ids_checks_total", &["result=\"mismatch\""]),
+        sum_series(&scrape, "tokenonce_kv_hash_checks_total", &["result=\"match\""]),
+        sum_series(&scrape, "tokenonce_kv_hash_checks_total", &["result=\"mismatch\""]),
+        sum_series(&scrape, "tokenonce_kv_cache_aware_disabled", &[]),
+        sum_series(&scrape, "tokenonce_kv_events_gaps_total", &[]),
+        sum_series(&scrape, "tokenonce_kv_events_reconnects_total", &[]),
     );
     if let Some(line) = proxy.log_text().lines().find(|l| l.contains("differ from the prefill's echo")) {
         eprintln!("fleet: tokenonce's local ids differ from the engines' echo (picks then go by text keys): {line}");

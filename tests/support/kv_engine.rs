@@ -158,16 +158,24 @@ impl KvEngine {
         self.prompt_tokens.fetch_add(ids.len() as u64, Ordering::Relaxed);
         self.cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
 
-        let mut stored = Vec::new();
+        // Runs of consecutive blocks this request stored (index of the first, hashes).
+        let mut stored: Vec<(usize, Vec<u64>)> = Vec::new();
         let mut removed = Vec::new();
         {
             let mut cache = self.cache.lock().unwrap();
-            for h in &chain {
+            for (i, h) in chain.iter().enumerate() {
                 let wire = h.wire();
                 if !cache.used.contains_key(&wire) {
-                    stored.push(wire);
+                    match stored.last_mut() {
+                        Some((first, run)) if *first + run.len() == i => run.push(wire),
+                        _ => stored.push((i, vec![wire])),
+                    }
                 }
-                cache.touch(wire);
+            }
+            // Last block first, as vLLM frees a request's blocks: a chain is evicted from its
+            // tail, so what stays held is always a prefix.
+            for h in chain.iter().rev() {
+                cache.touch(h.wire());
             }
             while cache.used.len() > self.config.capacity_blocks {
                 match cache.evict_oldest() {
@@ -181,14 +189,13 @@ impl KvEngine {
             if !removed.is_empty() {
                 batch.push(Ev::BlockRemoved { block_hashes: removed, medium: Some("GPU".into()) });
             }
-            if !stored.is_empty() {
-                let first = held;
-                let bs = self.config.block_size;
+            let bs = self.config.block_size;
+            for (first, run) in stored {
                 batch.push(Ev::BlockStored {
-                    extra_keys: vec![None; stored.len()],
+                    extra_keys: vec![None; run.len()],
                     parent_block_hash: first.checked_sub(1).map(|p| chain[p].wire()),
-                    token_ids: ids[first * bs..(first + stored.len()) * bs].to_vec(),
-                    block_hashes: stored,
+                    token_ids: ids[first * bs..(first + run.len()) * bs].to_vec(),
+                    block_hashes: run,
                     block_size: bs,
                     lora_id: None,
                     medium: Some("GPU".into()),
