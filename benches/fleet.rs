@@ -2,8 +2,8 @@
 //! that keep a real prefix cache, with an agentic trace of many clients.
 //!
 //! Run: `cargo bench --bench fleet -- [--clients 256] [--turns 10] [--max-tokens 37000]
-//! [--scale 2] [--think-ms 20000] [--cache-share 0.5] [--policies rr,lif,ca,ca-sent,oracle]
-//! [--deadline-s 1500]`.
+//! [--sessions 2] [--scale 4] [--think-ms 20000] [--cache-share 1.0]
+//! [--policies rr,lif,ca,ca-sent,oracle] [--deadline-s 1500]` (defaults shown).
 //!
 //! - Engines: `--prefills` (8) prefill fakes, each on its own loopback address (127.0.0.2 ...),
 //!   keeping a prefix cache of vLLM's blocks (`tests/support/kv_engine.rs`: 32-token blocks
@@ -25,8 +25,10 @@
 //!   `--think-ms`; clients start spread over one think time. Words come from an 8,192-word
 //!   vocabulary the bench writes as a word-level tokenizer with a chat template that renders as
 //!   the fakes "render", so tokenonce's local ids equal the engines' echo.
-//! - Each engine's cache holds `--cache-share` (0.5) of its share of the trace's final working
-//!   set (clients x max tokens / prefills): the caches cannot hold every conversation.
+//! - Each engine's cache holds `--cache-share` (1.0) of its share of the trace's final working
+//!   set (clients x max tokens / prefills): about twice what its share of the live sessions
+//!   (half grown on average) needs, far from the 8 copies spreading every session over every
+//!   engine would need.
 //! - Policies, each on fresh engines and a fresh tokenonce (the release binary, a child process,
 //!   2 threads, `local_ids = "on"` trusted after one match): `rr` round robin, `lif` least in
 //!   flight, `ca` cache-aware with the engines' KV events, `ca-sent` cache-aware on tokenonce's
@@ -121,8 +123,8 @@ fn options() -> Options {
         system_tokens: 2_000,
         systems: 4,
         think_ms: 20_000.0,
-        scale: 2.0,
-        cache_share: 0.5,
+        scale: 4.0,
+        cache_share: 1.0,
         prefills: 8,
         decodes: 8,
         policies: vec![
