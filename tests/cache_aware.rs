@@ -232,3 +232,74 @@ async fn a_prefiller_named_by_header_wins() {
     assert_eq!((p1.posts().len(), p2.posts().len()), (0, 3), "every prefill went to the named one");
     proxy.assert_reaches(&choices("decode", "text", "prefix"), 2.0).await;
 }
+
+/// `conf/kv-aware.toml` with its loopback engines replaced by `prefills` and `decode`, its
+/// events ports by theirs, its model folder by `model`, and local ids trusted after one match
+/// (the file's own `[server]` gives way to the harness's listeners). Every replaced piece must
+/// be in the file: an example that changes shape fails here until this follows it.
+fn shipped_kv_aware(prefills: &[&FakeVllm], decode: &FakeVllm, model: &std::path::Path, ports: (u16, u16)) -> String {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("conf/kv-aware.toml");
+    let mut text = std::fs::read_to_string(path).unwrap();
+    let list = prefills.iter().map(|p| format!("\"{}\"", p.host_port())).collect::<Vec<_>>().join(", ");
+    let replacements = [
+        ("[server]\nlisten = \"127.0.0.1:8000\"\nadmin_listen = \"127.0.0.1:9000\"\n", String::new()),
+        ("[\"127.0.0.1:8100#0-1\"]", format!("[{list}]")),
+        ("[\"127.0.0.1:8200\"]", format!("[\"{}\"]", decode.host_port())),
+        ("\"/models/Qwen3-0.6B\"", format!("{:?}", model.display().to_string())),
+        ("local_ids = \"on\"\n", LOCAL_ON.to_owned()),
+        ("port = 5557 ", format!("port = {} ", ports.0)),
+        ("replay_port = 5567 ", format!("replay_port = {} ", ports.1)),
+    ];
+    for (from, to) in replacements {
+        assert!(text.contains(from), "conf/kv-aware.toml no longer has {from:?}");
+        text = text.replacen(from, &to, 1);
+    }
+    text
+}
+
+/// The shipped `conf/kv-aware.toml` runs as written but for its addresses: two prefill fakes
+/// on their own loopback addresses keep a prefix cache (blocks of the file's 32 tokens, hashed
+/// with its seed) and publish what they store as vLLM's KV events over ZeroMQ on one port,
+/// as the file's pool expects; each turn of a conversation goes where the events say its
+/// earlier turns are held (`source="events"`), and every published hash checks out.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_shipped_kv_aware_example_follows_the_engines_kv_events() {
+    use support::kv_engine::{KvEngine, KvEngineConfig};
+    let dir = tempfile::tempdir().unwrap();
+    write_local_model(dir.path());
+    let engine = KvEngineConfig {
+        seed: "0".into(),
+        block_size: 32,
+        capacity_blocks: 10_000,
+        per_uncached_token: Duration::ZERO,
+        per_request: Duration::ZERO,
+    };
+    let (e1, port, replay) = KvEngine::publishing(engine.clone(), "127.0.0.2", 0, 0, "kv").await;
+    let (e2, _, _) = KvEngine::publishing(engine, "127.0.0.3", port, replay, "kv").await;
+    let mut prefills = Vec::new();
+    for (host, e) in [("127.0.0.2", &e1), ("127.0.0.3", &e2)] {
+        let config = FakeConfig { kv_engine: Some(std::sync::Arc::clone(e)), ..FakeConfig::default() };
+        prefills.push(FakeVllm::start_at(format!("{host}:0").parse().unwrap(), config).await.unwrap());
+    }
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let prefills: Vec<&FakeVllm> = prefills.iter().collect();
+    let proxy = TokenOnce::start(&shipped_kv_aware(&prefills, &d, dir.path(), (port, replay))).await;
+    for p in &prefills {
+        proxy.wait_health("prefill", &p.host_port(), true).await;
+    }
+    send(&proxy, &prefills, "bravo bravo").await; // earns the completions shape's trust
+    proxy.assert_reaches(r#"tokenonce_local_ids_trusted{pool="prefill",shape="completions"}"#, 1.0).await;
+
+    let blocks = || (e1.blocks() + e2.blocks()) as f64;
+    let mut turn = "alpha bravo ".repeat(20); // 40 tokens: one full block
+    let home = send(&proxy, &prefills, &turn).await;
+    for _ in 0..3 {
+        proxy.assert_reaches(r#"tokenonce_kv_blocks{pool="prefill"}"#, blocks()).await;
+        turn.push_str(&"bravo alpha alpha ".repeat(12));
+        assert_eq!(send(&proxy, &prefills, &turn).await, home, "every turn goes where its blocks are held");
+    }
+    assert_eq!(proxy.metric(&choices("prefill", "events", "prefix")).await, 3.0);
+    assert_eq!([&e1, &e2][home].blocks(), turn.split_whitespace().count() / 32);
+    proxy.assert_reaches(r#"tokenonce_kv_hash_checks_total{pool="prefill",result="match"}"#, blocks()).await;
+    assert_eq!(proxy.metric(r#"tokenonce_kv_hash_checks_total{pool="prefill",result="mismatch"}"#).await, 0.0);
+}

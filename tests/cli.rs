@@ -90,6 +90,11 @@ fn check_command_reports_problems_with_locations() {
         let out = tokenonce(&["check", file]);
         assert!(out.status.success(), "{file}: {}", String::from_utf8_lossy(&out.stderr));
     }
+    // The cache-aware example names a model folder of the machine it documents.
+    let out = tokenonce(&["check", "--skip-missing-files", "conf/kv-aware.toml"]);
+    let text = stdout(&out);
+    assert!(text.contains(": ok (2 pools, 1 routes)"), "conf/kv-aware.toml: {out:?}");
+    assert!(text.contains("skipped pools.prefill.tokenizer `/models/Qwen3-0.6B`"), "{text}");
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("bad.toml");
     std::fs::write(&bad, "[pools.decode]\nendpoints = [\"nohost\"]\n\n[[routes]]\nname = \"r\"\nmode = \"sideways\"\ndecode_pool = \"nope\"\n").unwrap();

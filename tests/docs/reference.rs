@@ -305,7 +305,9 @@ not apply in a warn line ([operations](operations.md#reload)). Examples, each ch
 [`conf/pd-pools.toml`](../conf/pd-pools.toml) (plain P/D pools, per-model and per-tenant
 routes), [`conf/llmd-header.toml`](../conf/llmd-header.toml) (llm-d's endpoint picker names the
 prefiller in `x-prefiller-host-port`), [`conf/relay.toml`](../conf/relay.toml) (behind an
-orchestrator that sends both legs), and the embedded default at the end of this page.
+orchestrator that sends both legs), [`conf/kv-aware.toml`](../conf/kv-aware.toml) (cache-aware
+choice over the engines' KV events, the engine flags it needs), and the embedded default at
+the end of this page.
 
 A *duration* is a string with a unit, `\"500ms\"`, `\"30s\"`, `\"2m\"`, `\"1h\"`, with a fraction
 (`\"1.5s\"`) or several in a row (`\"1m30s\"`), or an integer in the unit its key ends with:

@@ -73,6 +73,9 @@ pub struct FakeConfig {
     /// The server runs a tool parser (`--enable-auto-tool-choice --tool-call-parser`);
     /// without one, a chat `tool_choice` other than "none" is refused as vLLM refuses it.
     pub tool_parser: bool,
+    /// A prefix cache that each chat and completions request is prefilled through (its time
+    /// taken from the tokens it did not hold, its blocks published as KV events).
+    pub kv_engine: Option<Arc<super::kv_engine::KvEngine>>,
 }
 
 impl Default for FakeConfig {
@@ -101,6 +104,7 @@ impl Default for FakeConfig {
             dp_size: 1,
             failing_rank: None,
             tool_parser: true,
+            kv_engine: None,
         }
     }
 }
@@ -160,6 +164,22 @@ pub fn fake_tokenize(text: &str) -> Vec<u64> {
             h.finish() % 150_000
         })
         .collect()
+}
+
+/// The prompt ids a chat or completions request is prefilled with, as [`completion`] finds them
+/// (none for another path or a body that is not JSON).
+fn engine_prompt_ids(path: &str, body: &[u8]) -> Option<Vec<u32>> {
+    let body: Value = serde_json::from_slice(body).ok()?;
+    let ids = match (path, &body["prompt"]) {
+        ("/v1/chat/completions", _) => match body["kv_transfer_params"].get("prompt_token_ids") {
+            Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).collect(),
+            _ => fake_tokenize(&fake_render_chat(&body)),
+        },
+        ("/v1/completions", Value::String(s)) => fake_tokenize(s),
+        ("/v1/completions", Value::Array(a)) => a.iter().filter_map(Value::as_u64).collect(),
+        _ => return None,
+    };
+    Some(ids.into_iter().map(|i| i as u32).collect())
 }
 
 /// The text the fake "renders" a chat request to before tokenizing (template stand-in).
@@ -518,6 +538,11 @@ async fn handle(
         guard.done = true;
         let (status, body) = error_body(503, "ServiceUnavailableError", "engine dead", None);
         return respond(status, "application/json", Body::from(body));
+    }
+    if let Some(engine) = &config.kv_engine {
+        if let Some(ids) = engine_prompt_ids(uri.path(), &body) {
+            engine.prefill(&ids).await;
+        }
     }
     let result = match uri.path() {
         "/v1/chat/completions" => completion(&config, &headers, &body, true),

@@ -6,6 +6,7 @@
 
 pub mod fake_vllm;
 pub mod fault_engine;
+pub mod kv_engine;
 pub mod tls;
 pub mod toy_proxy;
 
