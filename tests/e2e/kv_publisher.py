@@ -47,6 +47,28 @@ def free_port():
         return s.getsockname()[1]
 
 
+def bindable(port):
+    with socket.socket() as s:
+        try:
+            s.bind((HOST, port))
+            return True
+        except OSError:
+            return False
+
+
+def free_ports(rank):
+    """Two base ports P, Q with P..P+rank and Q..Q+rank all free and apart: rank R binds P + R
+    and Q + R, and the OS's P + 1 may be taken (by Q, or by another process)."""
+    for _ in range(BIND_ATTEMPTS):
+        bases = (free_port(), free_port())
+        spans = [range(b, b + rank + 1) for b in bases]
+        if set(spans[0]) & set(spans[1]) or max(bases) + rank > 65535:
+            continue
+        if all(bindable(p) for span in spans for p in span):
+            return bases
+    raise RuntimeError(f"no two free port spans of {rank + 1} on {HOST}")
+
+
 def event(e):
     kind = e["type"]
     if kind == "BlockStored":
@@ -89,7 +111,7 @@ def main():
         op = cmd["op"]
         if op == "start":
             if ports is None:
-                ports = (free_port(), free_port())
+                ports = free_ports(cmd.get("rank", 0))
             # A restart binds the ports the stopped publisher's sockets held: libzmq closes
             # them in its own thread, so a bind right after may find them still in use.
             for attempt in range(BIND_ATTEMPTS):
