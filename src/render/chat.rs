@@ -9,7 +9,7 @@ use minijinja::Value;
 
 use super::message::{developer_to_system, parse_message, role_of, Message};
 use super::pyjson::{self, PyValue};
-use super::request::{body, flag, is_set};
+use super::request::{body, flag, is_set, refuse_unrendered_fields};
 use super::template::{to_value, ChatTemplate, Rendering};
 use super::Unsupported;
 
@@ -127,18 +127,7 @@ impl RenderSettings {
         if is_set(req, "chat_template") {
             return Err(Unsupported::RequestChatTemplate);
         }
-        if flag(req, "echo", false)? {
-            return Err(Unsupported::Echo);
-        }
-        if flag(req, "add_special_tokens", false)? {
-            return Err(Unsupported::AddSpecialTokens);
-        }
-        if is_set(req, "truncate_prompt_tokens") {
-            return Err(Unsupported::Truncation);
-        }
-        if req.get("kv_transfer_params").and_then(|k| k.get("prompt_token_ids")).is_some() {
-            return Err(Unsupported::ClientPromptIds);
-        }
+        refuse_unrendered_fields(req)?;
         let add_generation_prompt = flag(req, "add_generation_prompt", true)?;
         let continue_final = flag(req, "continue_final_message", false)?;
         if continue_final && add_generation_prompt {

@@ -14,7 +14,7 @@ use openai_harmony::{load_harmony_encoding, HarmonyEncoding, HarmonyEncodingName
 
 use super::chat::{check_tool_choice, tool_dump, Shape};
 use super::pyjson::PyValue;
-use super::request::{body, flag, is_set};
+use super::request::{body, flag, is_set, refuse_unrendered_fields};
 use super::template::{strftime, LoadError, LoadOptions};
 use super::Unsupported;
 
@@ -170,18 +170,7 @@ fn check_settings(req: &PyValue) -> Result<(), Unsupported> {
     if is_set(req, "chat_template") {
         return Err(Unsupported::RequestChatTemplate);
     }
-    if flag(req, "echo", false)? {
-        return Err(Unsupported::Echo);
-    }
-    if flag(req, "add_special_tokens", false)? {
-        return Err(Unsupported::AddSpecialTokens);
-    }
-    if is_set(req, "truncate_prompt_tokens") {
-        return Err(Unsupported::Truncation);
-    }
-    if req.get("kv_transfer_params").and_then(|k| k.get("prompt_token_ids")).is_some() {
-        return Err(Unsupported::ClientPromptIds);
-    }
+    refuse_unrendered_fields(req)?;
     // Harmony renders the same with or without these; the pair is refused as elsewhere
     // (not recorded for gpt-oss).
     if flag(req, "continue_final_message", false)? && flag(req, "add_generation_prompt", true)? {

@@ -10,7 +10,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::pyjson::{self, DumpsOptions, PyValue};
-use super::request::{body, flag, is_set};
+use super::request::{body, flag, is_set, refuse_unrendered_fields};
 use super::tekken::{Tekken, TekkenError, TEKKEN_FILE};
 use super::{LoadError, LoadOptions, Shape, Unsupported};
 
@@ -237,18 +237,7 @@ impl Settings {
         if is_set(req, "chat_template") || is_set(req, "chat_template_kwargs") {
             return Err(Unsupported::VllmRejects("chat_template with a Mistral tokenizer"));
         }
-        if flag(req, "echo", false)? {
-            return Err(Unsupported::Echo);
-        }
-        if flag(req, "add_special_tokens", false)? {
-            return Err(Unsupported::AddSpecialTokens);
-        }
-        if is_set(req, "truncate_prompt_tokens") {
-            return Err(Unsupported::Truncation);
-        }
-        if req.get("kv_transfer_params").and_then(|k| k.get("prompt_token_ids")).is_some() {
-            return Err(Unsupported::ClientPromptIds);
-        }
+        refuse_unrendered_fields(req)?;
         if is_set(req, "reasoning_effort") {
             return Err(Unsupported::Unverified("reasoning_effort with a Mistral tokenizer"));
         }

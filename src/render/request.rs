@@ -42,6 +42,24 @@ pub(super) fn is_set(req: &PyValue, key: &str) -> bool {
     !matches!(req.get(key), None | Some(PyValue::Null))
 }
 
+/// Refuses the chat fields that change the ids in ways no renderer here does (echo, special
+/// tokens added to a chat prompt, truncation, the client's own prompt ids): every family.
+pub(super) fn refuse_unrendered_fields(req: &PyValue) -> Result<(), Unsupported> {
+    if flag(req, "echo", false)? {
+        return Err(Unsupported::Echo);
+    }
+    if flag(req, "add_special_tokens", false)? {
+        return Err(Unsupported::AddSpecialTokens);
+    }
+    if is_set(req, "truncate_prompt_tokens") {
+        return Err(Unsupported::Truncation);
+    }
+    if req.get("kv_transfer_params").and_then(|k| k.get("prompt_token_ids")).is_some() {
+        return Err(Unsupported::ClientPromptIds);
+    }
+    Ok(())
+}
+
 /// A completions request's prompt as vLLM tokenizes it: a single string prompt, as is, to be
 /// encoded with `add_special_tokens` (the request's, default true).
 #[derive(Debug, Clone, PartialEq, Eq)]
