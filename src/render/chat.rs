@@ -9,7 +9,7 @@ use minijinja::Value;
 
 use super::message::{developer_to_system, parse_message, role_of, Message};
 use super::pyjson::{self, PyValue};
-use super::request::{body, flag, is_set, refuse_unrendered_fields};
+use super::request::{body, check_tool_choice, flag, is_set, refuse_unrendered_fields, tool_dump, Shape};
 use super::template::{to_value, ChatTemplate, Rendering};
 use super::Unsupported;
 
@@ -22,25 +22,6 @@ pub struct RenderedChat {
     pub shape: Shape,
     /// The template read the clock (`strftime_now`): the text depends on the time of day.
     pub reads_clock: bool,
-}
-
-/// The request shape, as the issue counts it.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Shape {
-    /// A system (or developer) message.
-    pub system: bool,
-    /// More than one user turn.
-    pub multi_turn: bool,
-    /// Tool definitions passed to the template.
-    pub tools: bool,
-    /// Assistant tool calls in the history.
-    pub tool_calls: bool,
-    /// Tool results in the history.
-    pub tool_results: bool,
-    /// `enable_thinking` as the template gets it (`None`: not set).
-    pub thinking: Option<bool>,
-    /// `continue_final_message`.
-    pub continue_final: bool,
 }
 
 /// transformers' marker for `continue_final_message`.
@@ -208,91 +189,6 @@ fn request_tools(req: &PyValue, template: &ChatTemplate) -> Result<Option<Vec<Py
     };
     let excluded = tool_choice_none && template.options.exclude_tools_when_tool_choice_none;
     Ok(if excluded { None } else { tools })
-}
-
-/// The `tool_choice` rules of vLLM's `check_tool_usage` (it validates the request before any
-/// rendering and answers 400): a choice other than `none` needs `tools`; a string must be
-/// `auto` or `required`; a named choice needs `function.name`, a non-empty string naming one
-/// of `tools`. Such a request is sent as text, for vLLM to refuse in its own words.
-pub(super) fn check_tool_choice(req: &PyValue) -> Result<(), Unsupported> {
-    let choice = match req.get("tool_choice") {
-        None | Some(PyValue::Null) => return Ok(()),
-        Some(PyValue::Str(s)) if s == "none" => return Ok(()),
-        Some(choice) => choice,
-    };
-    let Some(PyValue::List(tools)) = req.get("tools") else {
-        return Err(Unsupported::VllmRejects("tool_choice without tools"));
-    };
-    match choice {
-        PyValue::Str(s) if s == "auto" || s == "required" => Ok(()),
-        PyValue::Dict(_) => {
-            let Some(PyValue::Str(name)) = choice.get("function").and_then(|f| f.get("name")) else {
-                return Err(Unsupported::VllmRejects("tool_choice without a function name"));
-            };
-            let named = |tool: &PyValue| matches!(tool.get("function").and_then(|f| f.get("name")), Some(PyValue::Str(n)) if n == name);
-            if name.is_empty() || !tools.iter().any(named) {
-                return Err(Unsupported::VllmRejects("tool_choice names no tool of tools"));
-            }
-            Ok(())
-        }
-        _ => Err(Unsupported::VllmRejects("tool_choice not none, auto, required or a named tool")),
-    }
-}
-
-/// `ChatCompletionToolsParam(**tool).model_dump()`.
-pub(super) fn tool_dump(tool: &PyValue) -> Result<PyValue, Unsupported> {
-    let PyValue::Dict(_) = tool else {
-        return Err(Unsupported::VllmRejects("tool not an object"));
-    };
-    match tool.get("type") {
-        None => {}
-        Some(PyValue::Str(t)) if t == "function" => {}
-        _ => return Err(Unsupported::VllmRejects("tool type not \"function\"")),
-    }
-    let opt_bool = |v: Option<&PyValue>| -> Result<Option<bool>, Unsupported> {
-        match v {
-            None | Some(PyValue::Null) => Ok(None),
-            Some(PyValue::Bool(b)) => Ok(Some(*b)),
-            Some(_) => Err(Unsupported::Unverified("tool flag not a bool")),
-        }
-    };
-    let top_defer = opt_bool(tool.get("defer_loading"))?;
-    let function = match tool.get("function") {
-        Some(f @ PyValue::Dict(_)) => f,
-        _ => return Err(Unsupported::VllmRejects("tool without a function object")),
-    };
-    let name = match function.get("name") {
-        Some(PyValue::Str(s)) => s.clone(),
-        _ => return Err(Unsupported::VllmRejects("tool function without a string name")),
-    };
-    let description = match function.get("description") {
-        None | Some(PyValue::Null) => PyValue::Null,
-        Some(d @ PyValue::Str(_)) => d.clone(),
-        Some(_) => return Err(Unsupported::Unverified("tool description not a string")),
-    };
-    let parameters = match function.get("parameters") {
-        None | Some(PyValue::Null) => PyValue::Null,
-        Some(p @ PyValue::Dict(_)) => p.clone(),
-        Some(_) => return Err(Unsupported::Unverified("tool parameters not an object")),
-    };
-    let strict = opt_bool(function.get("strict"))?;
-    let defer = opt_bool(function.get("defer_loading"))?.or(top_defer);
-    let mut f = vec![
-        ("name".into(), PyValue::Str(name)),
-        ("description".into(), description),
-        ("parameters".into(), parameters),
-    ];
-    if let Some(s) = strict {
-        f.push(("strict".into(), PyValue::Bool(s)));
-    }
-    if let Some(d) = defer {
-        f.push(("defer_loading".into(), PyValue::Bool(d)));
-    }
-    let mut out = vec![("type".into(), PyValue::Str("function".into())), ("function".into(), PyValue::Dict(f))];
-    if let Some(d) = top_defer {
-        out.push(("defer_loading".into(), PyValue::Bool(d)));
-    }
-    Ok(PyValue::Dict(out))
 }
 
 /// vLLM's developer role: messages become system ones when the template does not name the
@@ -555,7 +451,7 @@ fn cut_at_continue_tag(text: &mut String, final_content: &str) -> Result<(), Uns
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::render::template::LoadOptions;
+    use crate::render::load::LoadOptions;
 
     const ECHO: &str = "{% for m in messages %}[{{ m.role }}|{{ m.content }}{% if m.tool_calls %}|{% for c in m.tool_calls %}{{ c.function.arguments | tojson }}{% endfor %}{% endif %}{% if m.reasoning_content is defined %}|r={{ m.reasoning_content }}{% endif %}]{% endfor %}{% if tools %}{% for t in tools %}{{ t | tojson }}{% endfor %}{% endif %}{% if add_generation_prompt %}<gen>{% endif %}{% if enable_thinking is defined %}think={{ enable_thinking }}{% endif %}";
 

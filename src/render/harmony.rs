@@ -12,10 +12,10 @@ use openai_harmony::chat::{
 };
 use openai_harmony::{load_harmony_encoding, HarmonyEncoding, HarmonyEncodingName};
 
-use super::chat::{check_tool_choice, tool_dump, Shape};
+use super::load::{LoadError, LoadOptions};
 use super::pyjson::PyValue;
-use super::request::{body, flag, is_set, refuse_unrendered_fields};
-use super::template::{strftime, LoadError, LoadOptions};
+use super::request::{body, check_tool_choice, flag, is_set, refuse_unrendered_fields, tool_dump, Shape};
+use super::strftime::strftime;
 use super::Unsupported;
 
 /// The vocabulary file openai-harmony reads for gpt-oss (o200k_base), in the model folder.

@@ -5,7 +5,10 @@
 //! - `pyjson`: CPython's `json.loads`/`json.dumps` (order, duplicate keys, float repr).
 //! - `template`: the model folder's chat template and the minijinja environment that renders
 //!   it as transformers does.
-//! - `request`: the request body as vLLM reads it, and the completions prompt.
+//! - `request`: the request body as vLLM reads it (its tool checks, the shape), and the
+//!   completions prompt.
+//! - `load`: the server flags a folder is loaded with, and why a folder cannot be.
+//! - `strftime`: the UTC dates templates and Harmony's system message print.
 //! - `chat`: a chat request rendered in vLLM's steps (settings, messages, tools, developer
 //!   role, template kwargs, render, post-processing).
 //! - `message`: vLLM's preprocessing of one chat message before the template sees it.
@@ -20,21 +23,24 @@
 
 mod chat;
 mod harmony;
+mod load;
 mod message;
 mod mistral;
 pub mod pyjson;
 mod request;
+mod strftime;
 mod tekken;
 mod template;
 
-pub use chat::{render_chat, RenderedChat, Shape};
+pub use chat::{render_chat, RenderedChat};
 pub use harmony::{render_harmony, render_harmony_on, Harmony, RenderedHarmony};
+pub use load::{LoadError, LoadOptions};
 #[cfg(test)]
 pub(crate) use mistral::testing as mistral_testing;
 pub use mistral::{Mistral, MistralLoadError};
-pub use request::{render_completion, RenderedCompletion};
+pub use request::{render_completion, RenderedCompletion, Shape};
 pub use tekken::{Tekken, TekkenError, TEKKEN_FILE};
-pub use template::{ChatTemplate, LoadError, LoadOptions};
+pub use template::ChatTemplate;
 
 /// Why a request cannot be rendered here with proof of equality to vLLM. Each variant is one
 /// fallback reason; [`Unsupported::label`] is its metric label.
