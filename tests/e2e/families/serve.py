@@ -322,6 +322,8 @@ def main():
                     help="use vLLM servers already running on the ports (started by an earlier run by hand)")
     ap.add_argument("families", nargs="*", default=list(PORTS))
     args = ap.parse_args()
+    # run.sh's `timeout` sends SIGTERM: leave through `finally`, which stops what was started
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.monotonic()
     models = os.environ.get("TOKENONCE_FAMILIES_DIR") or os.path.join(VENV, "models", "families")
     run_dir = os.path.join(os.environ.get("E2E_RUN_DIR") or os.path.join(os.environ.get("TMPDIR", "/tmp"),
