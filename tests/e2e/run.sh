@@ -30,7 +30,8 @@
 #      with the wall time.
 # Exits non-zero on any failure. Usage: bash tests/e2e/run.sh [extra pytest args]
 # Env: E2E_RUN_DIR (logs, pid files; default ${TMPDIR:-/tmp}/tokenonce-e2e),
-#      E2E_PYTEST_TIMEOUT (seconds, default 900: two prefill restarts take minutes on a loaded machine), TOKENONCE_VLLM_VENV.
+#      E2E_PYTEST_TIMEOUT (seconds, default 900: two prefill restarts take minutes on a loaded machine), TOKENONCE_VLLM_VENV,
+#      E2E_FAMILIES_SERVE (the families families/serve.py serves, space-separated; default all six).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -139,7 +140,8 @@ phase stop "$t"
 t=$SECONDS
 say "families token-in (tests/e2e/families/serve.py)"
 set +e
-timeout 900 "$VENV/bin/python" "$HERE/families/serve.py"
+# shellcheck disable=SC2086  # E2E_FAMILIES_SERVE: the families to serve, space-separated (default: all)
+timeout 900 "$VENV/bin/python" "$HERE/families/serve.py" ${E2E_FAMILIES_SERVE:-}
 rc=$?
 set -e
 phase families-serve "$t"
