@@ -21,12 +21,17 @@
 #      hash check, a prefill restarted), then tests/e2e/test_kv_paths_e2e.py
 #      (client gone before/after the decode had its request, the decode killed mid-stream and
 #      started again, the prefill killed between relayed legs: last, it leaves no prefill)
-#   5. stack.sh down (always: trap on EXIT), then README's quick start as written
-#      (tests/e2e/quickstart.sh: its own servers on 8100/8200, tokenonce on the embedded default),
-#      and a one-line summary with the wall time.
+#   5. stack.sh down (always: trap on EXIT), then each model family served token-in
+#      (tests/e2e/families/serve.py: one vLLM per family folder on 18601-18606, dummy weights,
+#      prefill and decode in one; tokenonce :18610 with local_ids = "on": every trusted shape's
+#      second request goes token-in and answers as a direct call; a family vLLM cannot serve is
+#      named with the reason), then README's quick start as written (tests/e2e/quickstart.sh:
+#      its own servers on 8100/8200, tokenonce on the embedded default), and a one-line summary
+#      with the wall time.
 # Exits non-zero on any failure. Usage: bash tests/e2e/run.sh [extra pytest args]
 # Env: E2E_RUN_DIR (logs, pid files; default ${TMPDIR:-/tmp}/tokenonce-e2e),
-#      E2E_PYTEST_TIMEOUT (seconds, default 900: two prefill restarts take minutes on a loaded machine), TOKENONCE_VLLM_VENV.
+#      E2E_PYTEST_TIMEOUT (seconds, default 900: two prefill restarts take minutes on a loaded machine), TOKENONCE_VLLM_VENV,
+#      E2E_FAMILIES_SERVE (the families families/serve.py serves, space-separated; default all six).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -130,6 +135,18 @@ t=$SECONDS
 STARTED=0
 bash "$HERE/stack.sh" down
 phase stop "$t"
+
+# each family served by vLLM, its trusted shapes token-in with the text path's answer (issue 31)
+t=$SECONDS
+say "families token-in (tests/e2e/families/serve.py)"
+set +e
+# shellcheck disable=SC2086  # E2E_FAMILIES_SERVE: the families to serve, space-separated (default: all)
+timeout 900 "$VENV/bin/python" "$HERE/families/serve.py" ${E2E_FAMILIES_SERVE:-}
+rc=$?
+set -e
+phase families-serve "$t"
+[ "$rc" = 0 ] || { say "ERROR: a family's token-in check failed (exit $rc); logs in $E2E_RUN_DIR/families"; exit "$rc"; }
+
 t=$SECONDS
 say "README quick start (tests/e2e/quickstart.sh)"
 set +e
