@@ -37,7 +37,7 @@
 #   E2E_TRACING=0 no OTLP receiver, no `--otlp-traces-endpoint`, no `[tracing]` (bench_ttft.py)
 #   TOKENONCE_VLLM_VENV, TOKENONCE_VLLM_START_TIMEOUT (passed to vllm/start.sh)
 #   E2E_PREFILL_KV_BLOCKS=N  both prefills get a KV cache of N blocks of 128 tokens
-#                 (`--kv-cache-memory-bytes`, N x 64 KiB for tiny-qwen3: 2 layers x K and V x
+#                 (vllm/start.sh's TOKENONCE_VLLM_KV_CACHE_BYTES, N x 64 KiB for tiny-qwen3: 2 layers x K and V x
 #                 one 64-wide head x 128 tokens x 2 bytes) and a context of at most N x 128
 #                 tokens, so that a workload can outgrow them (bench_kv_routing.py); unset: the
 #                 1 GiB of vllm/start.sh (16384 blocks), as the tier's tests run
@@ -101,12 +101,13 @@ start_vllm() {  # port, extra args...
     [[ "$E2E_PREFILL_KV_BLOCKS" =~ ^[1-9][0-9]*$ ]] || die "E2E_PREFILL_KV_BLOCKS must be a positive number of blocks"
     local context=$((E2E_PREFILL_KV_BLOCKS * 128))
     [ "$context" -le 49152 ] || context=49152
-    kv+=(--kv-cache-memory-bytes "$((E2E_PREFILL_KV_BLOCKS * 65536))" --max-model-len "$context")
+    kv+=(--max-model-len "$context")
   fi
   [ "$TRACING" = 1 ] && tracing=(--otlp-traces-endpoint "http://127.0.0.1:$OTLP_PORT/v1/traces")
   ( vllm_env "$port"
     export OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf OTEL_SERVICE_NAME="$service" OTEL_BSP_SCHEDULE_DELAY=200
     [ ${#kv[@]} -gt 0 ] && export PYTHONHASHSEED="$KV_HASH_SEED"
+    [ ${#kv[@]} -gt 0 ] && [ -n "${E2E_PREFILL_KV_BLOCKS:-}" ] && export TOKENONCE_VLLM_KV_CACHE_BYTES=$((E2E_PREFILL_KV_BLOCKS * 65536))
     exec bash "$HERE/vllm/start.sh" "$port" -- "${VLLM_FLAGS[@]}" "${tracing[@]}" "${kv[@]}" "$@" )
 }
 
