@@ -38,8 +38,8 @@
 #   TOKENONCE_VLLM_VENV, TOKENONCE_VLLM_START_TIMEOUT (passed to vllm/start.sh)
 #   E2E_PREFILL_KV_BLOCKS=N  both prefills get a KV cache of N blocks of 128 tokens
 #                 (vllm/start.sh's TOKENONCE_VLLM_KV_CACHE_BYTES, N x 64 KiB for tiny-qwen3: 2 layers x K and V x
-#                 one 64-wide head x 128 tokens x 2 bytes) and a context of at most N x 128
-#                 tokens, so that a workload can outgrow them (bench_kv_routing.py); unset: the
+#                 one 64-wide head x 128 tokens x 2 bytes) and a context of N x 64 tokens (a
+#                 request may take half the cache), so that a workload can outgrow them (bench_kv_routing.py); unset: the
 #                 1 GiB of vllm/start.sh (16384 blocks), as the tier's tests run
 #
 # Both servers run with
@@ -99,7 +99,7 @@ start_vllm() {  # port, extra args...
   [ ${#kv[@]} -gt 0 ] && kv+=(--enable-prompt-tokens-details --prefix-caching-hash-algo sha256_cbor)
   if [ ${#kv[@]} -gt 0 ] && [ -n "${E2E_PREFILL_KV_BLOCKS:-}" ]; then
     [[ "$E2E_PREFILL_KV_BLOCKS" =~ ^[1-9][0-9]*$ ]] || die "E2E_PREFILL_KV_BLOCKS must be a positive number of blocks"
-    local context=$((E2E_PREFILL_KV_BLOCKS * 128))
+    local context=$((E2E_PREFILL_KV_BLOCKS * 64))  # half the cache (vLLM keeps a block back)
     [ "$context" -le 49152 ] || context=49152
     kv+=(--max-model-len "$context")
   fi
