@@ -36,11 +36,12 @@
 #   E2E_BUILD=0   do not run cargo build (use the existing target/debug/tokenonce)
 #   E2E_TRACING=0 no OTLP receiver, no `--otlp-traces-endpoint`, no `[tracing]` (bench_ttft.py)
 #   TOKENONCE_VLLM_VENV, TOKENONCE_VLLM_START_TIMEOUT (passed to vllm/start.sh)
-#   E2E_PREFILL_KV_BLOCKS=N  both prefills get a KV cache of N blocks of 128 tokens
-#                 (vllm/start.sh's TOKENONCE_VLLM_KV_CACHE_BYTES, N x 64 KiB for tiny-qwen3: 2 layers x K and V x
+#   E2E_PREFILL_KV_BLOCKS=N  both prefills get a KV cache of N blocks of 128 tokens (vllm/start.sh's
+#                 TOKENONCE_VLLM_KV_CACHE_BYTES: N x 64 KiB for tiny-qwen3, 2 layers x K and V x
 #                 one 64-wide head x 128 tokens x 2 bytes) and a context of N x 64 tokens (a
-#                 request may take half the cache), so that a workload can outgrow them (bench_kv_routing.py); unset: the
-#                 1 GiB of vllm/start.sh (16384 blocks), as the tier's tests run
+#                 request may take half the cache), so that a workload can outgrow them
+#                 (bench_kv_routing.py); unset: the 1 GiB of vllm/start.sh (16384 blocks), as
+#                 the tier's tests run
 #
 # Both servers run with
 #   --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3
