@@ -23,7 +23,7 @@ output) on :18020 (admin :18920) with one route per policy, chosen by `x-bench-p
 
 and one vLLM Router per policy (`router_round_robin`, `router_cache_aware`, `router_kv_aware`:
 `--vllm-pd-disaggregation --prefill-policy P`, kv_aware with `--pd-kv-events` naming the same
-publishers tokenonce follows) on :18030-18032. A missing `vllm-router` (benches/peers.sh installs
+publishers tokenonce follows) on :18030-18032 (Prometheus :18430-18432). A missing `vllm-router` (benches/peers.sh installs
 it in ~/.cache/tokenonce-peers) leaves those out, said loudly.
 
 The workload: --conversations chat conversations (a shared system prompt, then distinct user
@@ -184,7 +184,7 @@ def router_command(policy, port):
     cmd = [ROUTER_BIN, "--vllm-pd-disaggregation", "--host", HOST, "--port", str(port),
            "--decode", f"http://{HOST}:{DECODE}", "--prefill-policy", prefill_policy, "--decode-policy", "round_robin",
            "--worker-startup-check-interval", "1", "--log-level", "warning",
-           "--prometheus-host", HOST, "--prometheus-port", str(port + 900)]
+           "--prometheus-host", HOST, "--prometheus-port", str(port + 400)]
     for p in PREFILLS:
         cmd += ["--prefill", f"http://{HOST}:{p}"]
     if prefill_policy == "kv_aware":
