@@ -359,6 +359,22 @@ def run(policy, seed, args):
             "last_prompt_tokens": [c["prompt_tokens"] for c in conversations]}
 
 
+def diagnostics(routers):
+    """What the cache-aware choosers say they did, for the record: tokenonce's choices by source
+    and reason and its events index, vLLM Router's kv_aware lookups."""
+    print("\ntokenonce (pool kv):")
+    text = httpx.get(f"http://{HOST}:{ADMIN}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if re.match(r'^tokenonce_(cache_aware_|kv_)\S*\{[^}]*pool="kv"', line) and not line.endswith(" 0"):
+            print("  " + line)
+    if "router_kv_aware" in routers:
+        port = ROUTER_PORTS["router_kv_aware"] + 400
+        print("vLLM Router kv_aware:")
+        for line in httpx.get(f"http://{HOST}:{port}/metrics", timeout=10).text.splitlines():
+            if re.match(r'^vllm_router_(kv_|policy_decisions|pd_prefill_requests)', line):
+                print("  " + line)
+
+
 def system_prompt_blocks():
     """Full blocks of the shared system prompt alone (as vLLM renders it), counted once in the
     workload's total."""
@@ -386,46 +402,47 @@ def main():
         wait_http(port, "/health", deadline_s=5)
     started = time.monotonic()
     results = []
-    with tempfile.TemporaryDirectory(prefix="bench-kv-routing-") as tmp:
-        proc, binary = start_tokenonce(tmp)
-        routers = {}
-        try:
-            routers = start_routers(tmp, policies)
-            policies = [p for p in policies if p not in ROUTER_PORTS or p in routers]
-            capacity = capacity_blocks()
-            sys_blocks = system_prompt_blocks()
-            print(f"tokenonce {binary}; vllm-router {ROUTER_BIN if routers else '(not run)'}")
-            print(f"{args.conversations} conversations x {args.turns} turns, {args.clients} clients, "
-                  f"{args.words} words a turn; prefill KV capacity {capacity} blocks of {BLOCK} tokens; "
-                  f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-            # One warm-up conversation through the cache-aware route: its shapes earn trust.
-            run("cache_aware", 0, argparse.Namespace(**{**vars(args), "conversations": 1, "turns": 2, "clients": 1}))
-            for r in range(args.rounds):
-                order = policies[r % len(policies):] + policies[:r % len(policies)]
-                for policy in order:
-                    if time.monotonic() - started > 60 * args.minutes:
-                        print(f"  --minutes {args.minutes} reached: no more runs")
-                        break
-                    res = run(policy, 1000 * (r + 1) + POLICIES.index(policy), args)
-                    res["round"] = r
-                    res["workload_blocks"] = sum(t // BLOCK - sys_blocks for t in res["last_prompt_tokens"]) + sys_blocks
-                    results.append(res)
-                    print(f"  r{r} {policy:19} hit {100 * res['hit_rate']:5.1f} %  computed {res['computed_tokens']:7.0f}"
-                          f"  prefill p50 {res['prefill_p50_ms']:6.1f} p90 {res['prefill_p90_ms']:6.1f} ms"
-                          f"  TTFT p50 {res['ttft_p50_ms']:6.1f} p90 {res['ttft_p90_ms']:6.1f} ms"
-                          f"  busier {100 * res['busier_share']:3.0f} %  load {res['load_1m']:.1f}"
-                          f"  ({res['wall_s']:.0f} s, workload {res['workload_blocks']} blocks)", flush=True)
-                else:
-                    continue
-                break
-        finally:
-            for p in [proc, *routers.values()]:
-                p.terminate()
-            for p in [proc, *routers.values()]:
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+    tmp = tempfile.mkdtemp(prefix="bench-kv-routing-")  # kept: the logs of tokenonce and the routers
+    proc, binary = start_tokenonce(tmp)
+    routers = {}
+    try:
+        routers = start_routers(tmp, policies)
+        policies = [p for p in policies if p not in ROUTER_PORTS or p in routers]
+        capacity = capacity_blocks()
+        sys_blocks = system_prompt_blocks()
+        print(f"tokenonce {binary}; vllm-router {ROUTER_BIN if routers else '(not run)'}; logs in {tmp}")
+        print(f"{args.conversations} conversations x {args.turns} turns, {args.clients} clients, "
+              f"{args.words} words a turn; prefill KV capacity {capacity} blocks of {BLOCK} tokens; "
+              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+        # One warm-up conversation through the cache-aware route: its shapes earn trust.
+        run("cache_aware", 0, argparse.Namespace(**{**vars(args), "conversations": 1, "turns": 2, "clients": 1}))
+        for r in range(args.rounds):
+            order = policies[r % len(policies):] + policies[:r % len(policies)]
+            for policy in order:
+                if time.monotonic() - started > 60 * args.minutes:
+                    print(f"  --minutes {args.minutes} reached: no more runs")
+                    break
+                res = run(policy, 1000 * (r + 1) + POLICIES.index(policy), args)
+                res["round"] = r
+                res["workload_blocks"] = sum(t // BLOCK - sys_blocks for t in res["last_prompt_tokens"]) + sys_blocks
+                results.append(res)
+                print(f"  r{r} {policy:19} hit {100 * res['hit_rate']:5.1f} %  computed {res['computed_tokens']:7.0f}"
+                      f"  prefill p50 {res['prefill_p50_ms']:6.1f} p90 {res['prefill_p90_ms']:6.1f} ms"
+                      f"  TTFT p50 {res['ttft_p50_ms']:6.1f} p90 {res['ttft_p90_ms']:6.1f} ms"
+                      f"  busier {100 * res['busier_share']:3.0f} %  load {res['load_1m']:.1f}"
+                      f"  ({res['wall_s']:.0f} s, workload {res['workload_blocks']} blocks)", flush=True)
+            else:
+                continue
+            break
+        diagnostics(routers)
+    finally:
+        for p in [proc, *routers.values()]:
+            p.terminate()
+        for p in [proc, *routers.values()]:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
     oracle = [r for r in results if r["policy"] == "oracle"]
     print(f"\nmedian over rounds (capacity {capacity} blocks per prefill; workload "
           f"{statistics.median(r['workload_blocks'] for r in results) if results else 0:.0f} blocks):")
