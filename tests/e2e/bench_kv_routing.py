@@ -89,6 +89,7 @@ log_level = "warn"
 
 [pools.decode]
 endpoints = ["{host}:{decode}"]
+tokenizer = "{model_dir}"
 
 [pools.rr]
 endpoints = [{prefills}]
