@@ -368,6 +368,17 @@ def diagnostics(routers):
     for line in text.splitlines():
         if re.match(r'^tokenonce_(cache_aware_|kv_)\S*\{[^}]*pool="kv"', line) and not line.endswith(" 0"):
             print("  " + line)
+    sums = {}
+    for line in text.splitlines():
+        m = re.match(r'^tokenonce_stage_duration_seconds_(sum|count)\{([^}]*)\} (\S+)$', line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            key = (labels.get("route"), labels.get("stage"))
+            sums.setdefault(key, {})[m.group(1)] = float(m.group(3))
+    print("tokenonce stage means over the whole bench (ms):")
+    for (route, stage), v in sorted(sums.items()):
+        if route in TOKENONCE_POLICIES and v.get("count"):
+            print(f"  {route:16} {stage:18} {1000 * v['sum'] / v['count']:8.1f}  ({v['count']:.0f})")
     if "router_kv_aware" in routers:
         port = ROUTER_PORTS["router_kv_aware"] + 400
         print("vLLM Router kv_aware:")
