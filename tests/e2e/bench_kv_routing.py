@@ -28,8 +28,9 @@ it in ~/.cache/tokenonce-peers) leaves those out, said loudly.
 
 The workload: --conversations chat conversations (a shared system prompt, then distinct user
 turns of --words words each), --turns turns each, sent by --clients client threads; a client
-takes the next conversation whose previous turn has been answered, so turns of different
-conversations interleave. Every run has conversations of its own (a fresh seed), so no run finds
+takes a conversation whose previous turn has been answered, at random (seeded), so turns of
+different conversations interleave and no fixed order lets round robin send a conversation's
+turns to one prefill by accident (in lockstep, an even number of conversations would). Every run has conversations of its own (a fresh seed), so no run finds
 another's history cached (the shared system prompt aside). Round r runs every policy once, in an
 order rotated by r; --minutes bounds the whole (no run starts after it).
 
@@ -296,6 +297,7 @@ def run(policy, seed, args):
     conversations = [{"id": c, "history": [SYSTEM], "turn": 0, "rng": random.Random(rng.random()), "prompt_tokens": 0}
                      for c in range(args.conversations)]
     ready = list(conversations)  # whose next turn may be sent
+    pick = random.Random(rng.random())  # which of them goes next: no lockstep that round robin could follow
     lock = threading.Condition()
     ttfts = []
     errors = []
@@ -315,7 +317,7 @@ def run(policy, seed, args):
                         lock.wait(timeout=1.0)
                     if not ready or errors:
                         return
-                    conv = ready.pop(0)
+                    conv = ready.pop(pick.randrange(len(ready)))
                 conv["turn"] += 1
                 conv["history"].append(user_turn(conv["rng"], args.words, f"{seed}/{conv['id']}/{conv['turn']}"))
                 headers = {"x-bench-policy": policy}
