@@ -111,6 +111,7 @@ balance = "cache_aware"
 [pools.kv.cache_aware]
 block_size = 128
 hash_seed = "0"
+load_weight = {load_weight}
 [pools.kv.kv_events]
 port = 18110
 replay_port = 18111
@@ -162,13 +163,14 @@ def wait_http(port, path, deadline_s=90, proc=None):
     sys.exit(f"nothing answered 200 on :{port}{path} within {deadline_s} s")
 
 
-def start_tokenonce(tmp):
+def start_tokenonce(tmp, load_weight):
     binary = next((b for b in (os.path.join(ROOT, "target/release/tokenonce"), os.path.join(ROOT, "target/debug/tokenonce"))
                    if os.access(b, os.X_OK)), None)
     if binary is None:
         sys.exit("no tokenonce binary: cargo build --release")
     prefills = ", ".join(f'"{HOST}:{p}"' for p in PREFILLS)
-    text = CONFIG.format(host=HOST, port=TOKENONCE, admin=ADMIN, decode=DECODE, prefills=prefills, model_dir=MODEL_DIR)
+    text = CONFIG.format(host=HOST, port=TOKENONCE, admin=ADMIN, decode=DECODE, prefills=prefills, model_dir=MODEL_DIR,
+                         load_weight=load_weight)
     text += "".join(ROUTE.format(name=name, prefill=PREFILL_OF[name]) for name in TOKENONCE_POLICIES)
     conf = os.path.join(tmp, "bench-kv-routing.toml")
     with open(conf, "w") as f:
@@ -405,6 +407,8 @@ def main():
     ap.add_argument("--words", type=int, default=400, help="words per user turn (about 1.6 tokens each)")
     ap.add_argument("--minutes", type=float, default=40.0, help="no run starts after this many minutes")
     ap.add_argument("--run-limit-s", type=float, default=600.0, help="a run's clients stop after this")
+    ap.add_argument("--load-weight", type=float, default=0.1,
+                    help="the cache-aware pool's load_weight (tokenonce's default 0.1)")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -417,7 +421,7 @@ def main():
     started = time.monotonic()
     results = []
     tmp = tempfile.mkdtemp(prefix="bench-kv-routing-")  # kept: the logs of tokenonce and the routers
-    proc, binary = start_tokenonce(tmp)
+    proc, binary = start_tokenonce(tmp, args.load_weight)
     routers = {}
     try:
         routers = start_routers(tmp, policies)
@@ -426,6 +430,7 @@ def main():
         sys_blocks = system_prompt_blocks()
         print(f"tokenonce {binary}; vllm-router {ROUTER_BIN if routers else '(not run)'}; logs in {tmp}")
         print(f"{args.conversations} conversations x {args.turns} turns, {args.clients} clients, "
+              f"cache-aware load_weight {args.load_weight}, "
               f"{args.words} words a turn; prefill KV capacity {capacity} blocks of {BLOCK} tokens; "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         # One warm-up conversation through the cache-aware route: its shapes earn trust.
