@@ -45,7 +45,8 @@ conversation's last prompt, from the usage the answers report, the shared system
 counted once).
 
 Usage: VENV/bin/python tests/e2e/bench_kv_routing.py [--rounds 3] [--conversations 16]
-       [--turns 6] [--clients 6] [--words 400] [--minutes 40] [--policies a,b] [--json FILE]
+       [--turns 6] [--clients 6] [--words 400] [--minutes 40] [--load-weight 0.1]
+       [--policies a,b] [--json FILE]
 """
 
 import argparse
