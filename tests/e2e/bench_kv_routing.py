@@ -365,9 +365,16 @@ def run(policy, seed, args):
             "last_prompt_tokens": [c["prompt_tokens"] for c in conversations]}
 
 
-def diagnostics(routers):
+def diagnostics(routers, log_path):
     """What the cache-aware choosers say they did, for the record: tokenonce's choices by source
-    and reason and its events index, vLLM Router's kv_aware lookups."""
+    and reason and its events index, vLLM Router's kv_aware lookups. A replay of an engine's
+    events that failed is said loudly: blocks the engine stored before (the shared system
+    prompt) are then unknown to the index, and cache-aware choice suffers."""
+    with open(log_path) as f:
+        missed = [line.strip() for line in f if "replay failed" in line]
+    if missed:
+        print(f"\n*** {len(missed)} KV event replay(s) failed in tokenonce (its index misses what the engines "
+              f"stored before); the cache-aware numbers above are not the steady state: {missed[0][:160]} ***")
     print("\ntokenonce (pool kv):")
     text = httpx.get(f"http://{HOST}:{ADMIN}/metrics", timeout=10).text
     for line in text.splitlines():
@@ -454,7 +461,7 @@ def main():
             else:
                 continue
             break
-        diagnostics(routers)
+        diagnostics(routers, os.path.join(tmp, "tokenonce.log"))
     finally:
         for p in [proc, *routers.values()]:
             p.terminate()
