@@ -36,6 +36,13 @@
 #   E2E_BUILD=0   do not run cargo build (use the existing target/debug/tokenonce)
 #   E2E_TRACING=0 no OTLP receiver, no `--otlp-traces-endpoint`, no `[tracing]` (bench_ttft.py)
 #   TOKENONCE_VLLM_VENV, TOKENONCE_VLLM_START_TIMEOUT (passed to vllm/start.sh)
+#   E2E_PREFILL_KV_BLOCKS=N  both prefills get a KV cache of N blocks of 128 tokens (vllm/start.sh's
+#                 TOKENONCE_VLLM_KV_CACHE_BYTES: N x 64 KiB for tiny-qwen3, 2 layers x K and V x
+#                 one 64-wide head x 128 tokens x 2 bytes) and every server a context of N x 64
+#                 tokens (a request may take half the cache; one context, as tokenonce exchanges
+#                 ids only between pools whose /v1/models agree), so that a workload can outgrow them
+#                 (bench_kv_routing.py); unset: the 1 GiB of vllm/start.sh (16384 blocks), as
+#                 the tier's tests run
 #
 # Both servers run with
 #   --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3
@@ -92,11 +99,19 @@ start_vllm() {  # port, extra args...
     "$PREFILL2_PORT") service=vllm-prefill-2; kv=(--kv-events-config "$(kv_events_config "$KV_EVENTS_PORT2")") ;;
   esac
   [ ${#kv[@]} -gt 0 ] && kv+=(--enable-prompt-tokens-details --prefix-caching-hash-algo sha256_cbor)
+  local context=()  # with small prefill caches, every server's context (one model identity)
+  if [ -n "${E2E_PREFILL_KV_BLOCKS:-}" ]; then
+    [[ "$E2E_PREFILL_KV_BLOCKS" =~ ^[1-9][0-9]*$ ]] || die "E2E_PREFILL_KV_BLOCKS must be a positive number of blocks"
+    local tokens=$((E2E_PREFILL_KV_BLOCKS * 64))  # half the cache (vLLM keeps a block back)
+    [ "$tokens" -le 49152 ] || tokens=49152
+    context=(--max-model-len "$tokens")
+  fi
   [ "$TRACING" = 1 ] && tracing=(--otlp-traces-endpoint "http://127.0.0.1:$OTLP_PORT/v1/traces")
   ( vllm_env "$port"
     export OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf OTEL_SERVICE_NAME="$service" OTEL_BSP_SCHEDULE_DELAY=200
     [ ${#kv[@]} -gt 0 ] && export PYTHONHASHSEED="$KV_HASH_SEED"
-    exec bash "$HERE/vllm/start.sh" "$port" -- "${VLLM_FLAGS[@]}" "${tracing[@]}" "${kv[@]}" "$@" )
+    [ ${#kv[@]} -gt 0 ] && [ -n "${E2E_PREFILL_KV_BLOCKS:-}" ] && export TOKENONCE_VLLM_KV_CACHE_BYTES=$((E2E_PREFILL_KV_BLOCKS * 65536))
+    exec bash "$HERE/vllm/start.sh" "$port" -- "${VLLM_FLAGS[@]}" "${tracing[@]}" "${kv[@]}" "${context[@]}" "$@" )
 }
 
 # A prefill's --kv-events-config: its publisher bound on 127.0.0.1:$1, its replay endpoint on

@@ -13,6 +13,9 @@
 #   TOKENONCE_VLLM_MODEL_NAME    served model name       (default tiny-qwen3)
 #   TOKENONCE_VLLM_MAX_MODEL_LEN context length, tokens  (default 49152; at most 65536)
 #   VLLM_CPU_KVCACHE_SPACE       vLLM's own KV cache size in GiB (default here: 1)
+#   TOKENONCE_VLLM_KV_CACHE_BYTES  the KV cache size in bytes instead (`--kv-cache-memory-bytes`;
+#                                VLLM_CPU_KVCACHE_SPACE, whole GiB only, would override it, so it
+#                                is then unset)
 #   TOKENONCE_VLLM_SCALE_OUT     1 (default): --enable-scale-out, i.e. /inference/v1/generate,
 #                                /v1/*/render, /v1/*/derender; 0: those answer 403
 #   TOKENONCE_VLLM_START_TIMEOUT seconds to wait for /health (default 300)
@@ -81,9 +84,16 @@ fi
 
 # The `vllm` console script of vllm-cpu 0.32.0 crashes (it asks importlib.metadata for a
 # distribution named "vllm"; this one is "vllm-cpu"), so run the API server module.
+KV_SIZE_ENV=(VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}")
+UNSET_ENV=()
+if [ -n "${TOKENONCE_VLLM_KV_CACHE_BYTES:-}" ]; then
+  KV_SIZE_ENV=()
+  UNSET_ENV=(-u VLLM_CPU_KVCACHE_SPACE)
+  EXTRA+=(--kv-cache-memory-bytes "$TOKENONCE_VLLM_KV_CACHE_BYTES")
+fi
 SERVER_ENV=(HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
             VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_HOST_IP=127.0.0.1
-            VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+            "${KV_SIZE_ENV[@]}"
             PYTHONWARNINGS="ignore::DeprecationWarning,ignore::FutureWarning"
             "${KV_ENV[@]}")
 SERVER=("$VENV/bin/python" -m vllm.entrypoints.openai.api_server
@@ -101,7 +111,7 @@ if [ "$PRINT" = 1 ]; then  # the environment on one line, the command on the nex
 fi
 mkdir -p "$(dirname "$LOG")" "$(dirname "$PIDFILE")"
 T0=$(date +%s)
-env "${SERVER_ENV[@]}" setsid "${SERVER[@]}" </dev/null >"$LOG" 2>&1 &
+env "${UNSET_ENV[@]}" "${SERVER_ENV[@]}" setsid "${SERVER[@]}" </dev/null >"$LOG" 2>&1 &
 PID=$!
 echo "$PID" >"$PIDFILE"
 
