@@ -303,3 +303,70 @@ async fn the_shipped_kv_aware_example_follows_the_engines_kv_events() {
     proxy.assert_reaches(r#"tokenonce_kv_hash_checks_total{pool="prefill",result="match"}"#, blocks()).await;
     assert_eq!(proxy.metric(r#"tokenonce_kv_hash_checks_total{pool="prefill",result="mismatch"}"#).await, 0.0);
 }
+
+/// An engine's replay endpoint that leaves a subscriber's first ask unanswered (a busy engine,
+/// or a buffer too long to read in time) is asked again a second later: the blocks it stored
+/// before tokenonce subscribed (a shared system prompt's, which no later request stores again)
+/// come back, and what came live meanwhile stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_left_unanswered_is_asked_again() {
+    use support::kv_engine::{KvEngine, KvEngineConfig};
+    use tokenonce::kv::events::{PoolKvEvents, Settings};
+    use tokenonce::kv::hash::{BlockHasher, ExtraKeys};
+    use tokenonce::kv::PrefixHolders;
+    let engine = KvEngineConfig {
+        seed: "0".into(),
+        block_size: 4,
+        capacity_blocks: 1000,
+        per_uncached_token: Duration::ZERO,
+        per_request: Duration::ZERO,
+    };
+    let (engine, port, replay_port) = KvEngine::publishing(engine, "127.0.0.1", 0, 0, "kv").await;
+    engine.leave_replays_unanswered(1);
+    let system: Vec<u32> = (0..16).collect();
+    engine.prefill(&system).await; // 4 blocks, published before anyone subscribed
+
+    let settings = Settings {
+        port,
+        replay_port: Some(replay_port),
+        endpoint_ports: Default::default(),
+        endpoint_replay_ports: Default::default(),
+        topic: "kv".into(),
+        hash_seed: "0".into(),
+        block_size: 4,
+        max_blocks: 10_000,
+        stale_after: Duration::from_secs(60),
+    };
+    let registry = prometheus::Registry::new();
+    let metrics = tokenonce::metrics::Metrics::register(&registry).unwrap().kv_events("prefill");
+    let endpoint = "127.0.0.1:8000";
+    let kv = PoolKvEvents::start(
+        "prefill",
+        &[endpoint.to_owned()],
+        settings,
+        metrics.clone(),
+        &tokio::runtime::Handle::current(),
+    )
+    .unwrap();
+    let hasher = BlockHasher::new("0", 4);
+    let held = |ids: &[u32]| kv.held(endpoint, &hasher.chain(ids, &ExtraKeys::default()));
+    // Polls `cond` every 50 ms for at most 60 s.
+    async fn until(what: &str, cond: impl Fn() -> bool) {
+        for _ in 0..1200 {
+            if cond() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("never: {what}");
+    }
+
+    until("the first replay failed", || metrics.replays_failed.get() == 1).await;
+    assert_eq!(held(&system), 0, "the unanswered replay brought nothing");
+    let turn: Vec<u32> = (100..108).collect();
+    engine.prefill(&turn).await;
+    until("the system prompt's blocks, by the replay asked again", || held(&system) == 4).await;
+    assert_eq!(held(&turn), 2, "what came live is kept");
+    assert_eq!(metrics.replays_failed.get(), 1);
+    assert!(metrics.replays.get() >= 2, "asked twice: {}", metrics.replays.get());
+}

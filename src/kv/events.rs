@@ -48,8 +48,17 @@ const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// How long one connection attempt (TCP and ZMTP handshake) may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// How long a replay answer may take, end marker included.
-const REPLAY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a replay answer may stay silent: before its first batch, between two, before its
+/// end marker.
+const REPLAY_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest a whole replay answer may take: an engine's full buffer (10,000 batches of a
+/// request's blocks, their token ids included) read by a busy process takes tens of seconds.
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(300);
+/// First wait before a failed replay is asked again; doubled per failure up to
+/// [`REPLAY_RETRY_MAX`].
+const REPLAY_RETRY_MIN: Duration = Duration::from_secs(1);
+/// Longest wait between two asks of a replay that keeps failing.
+const REPLAY_RETRY_MAX: Duration = Duration::from_secs(60);
 /// Most batches one replay answer is read for (vLLM keeps 10,000 by default).
 const REPLAY_MAX_BATCHES: usize = 1_000_000;
 /// Digests the hash check remembers per `max_blocks` entry of the index (parents of later
@@ -93,6 +102,8 @@ pub struct Metrics {
     pub gaps: IntCounter,
     /// Replays asked (each connection's and each gap's).
     pub replays: IntCounter,
+    /// Replays that brought no answer (asked again later).
+    pub replays_failed: IntCounter,
     /// Connections made again after one was lost.
     pub reconnects: IntCounter,
     /// Blocks whose published hash tokenonce computed again: the same.
@@ -479,13 +490,14 @@ async fn subscribe(shared: Arc<Shared>, slot: usize, addr: EndpointAddr) {
 
         let mut sequencer = Sequencer::default();
         shared.clear(slot);
-        resync(&shared, slot, replay_url.as_deref(), 0, &mut sequencer).await;
+        let mut retry = ReplayRetry::default();
+        retry.after(Some(resync(&shared, slot, replay_url.as_deref(), Replay::Start, &mut sequencer).await));
         loop {
             tokio::select! {
                 message = socket.recv() => match message {
                     Ok(message) => {
                         let frames = message.into_vec();
-                        follow(&shared, slot, &addr, replay_url.as_deref(), &mut sequencer, &frames).await;
+                        retry.after(follow(&shared, slot, &addr, replay_url.as_deref(), &mut sequencer, &frames).await);
                     }
                     Err(_) => break,
                 },
@@ -493,6 +505,13 @@ async fn subscribe(shared: Arc<Shared>, slot: usize, addr: EndpointAddr) {
                     Some(SocketEvent::Disconnected(_)) | None => break,
                     Some(_) => {}
                 },
+                // A replay that brought nothing left the endpoint with only what came live
+                // since: what the engine held before (a shared system prompt's blocks, never
+                // stored again) is asked again, the whole buffer applied in order over it.
+                () = retry.due() => {
+                    tracing::info!(pool = %shared.pool, endpoint = %addr.name, "kv events: asking the failed replay again");
+                    retry.after(Some(resync(&shared, slot, replay_url.as_deref(), Replay::Start, &mut sequencer).await));
+                }
             }
         }
         shared.set_connected(slot, false);
@@ -501,7 +520,46 @@ async fn subscribe(shared: Arc<Shared>, slot: usize, addr: EndpointAddr) {
     }
 }
 
-/// One live message.
+/// How a replay went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Resync {
+    /// Nothing to replay, or it answered (whether or not its buffer reached back).
+    Done,
+    /// It brought no answer (unreachable, silent, cut): worth asking again.
+    Failed,
+}
+
+/// When a failed replay is asked again: after a wait doubling per failure.
+#[derive(Default)]
+struct ReplayRetry {
+    /// When, and the wait after the next failure.
+    next: Option<(tokio::time::Instant, Duration)>,
+}
+
+impl ReplayRetry {
+    /// Notes how a replay went: a failure schedules (or backs off) the next ask, an answer
+    /// ends the retries. A live message that needed no replay changes nothing.
+    fn after(&mut self, outcome: Option<Resync>) {
+        match outcome {
+            Some(Resync::Done) => self.next = None,
+            Some(Resync::Failed) => {
+                let wait = self.next.map_or(REPLAY_RETRY_MIN, |(_, wait)| wait);
+                self.next = Some((tokio::time::Instant::now() + wait, (wait * 2).min(REPLAY_RETRY_MAX)));
+            }
+            None => {}
+        }
+    }
+
+    /// Resolves when the next ask is due; never when none is scheduled.
+    async fn due(&self) {
+        match self.next {
+            Some((at, _)) => tokio::time::sleep_until(at).await,
+            None => std::future::pending().await,
+        }
+    }
+}
+
+/// One live message; how its gap's replay went, if it had one.
 async fn follow(
     shared: &Shared,
     slot: usize,
@@ -509,12 +567,12 @@ async fn follow(
     replay_url: Option<&str>,
     sequencer: &mut Sequencer,
     frames: &[bytes::Bytes],
-) {
+) -> Option<Resync> {
     let (seq, batch) = match wire::decode_message(frames) {
         Ok(decoded) => decoded,
         Err(e) => {
             tracing::warn!(pool = %shared.pool, endpoint = %addr.name, error = %e, "kv events: a message skipped");
-            return;
+            return None;
         }
     };
     match sequencer.live(seq) {
@@ -523,36 +581,65 @@ async fn follow(
         Step::Gap { from } => {
             shared.metrics.gaps.inc();
             tracing::info!(pool = %shared.pool, endpoint = %addr.name, from, to = seq, "kv events: gap; replaying");
-            resync(shared, slot, replay_url, from, sequencer).await;
+            let outcome = resync(shared, slot, replay_url, Replay::Gap { from }, sequencer).await;
             if sequencer.live(seq) == Step::Apply {
                 shared.apply(slot, &batch);
             }
+            return Some(outcome);
         }
     }
+    None
 }
 
-/// Replays from `from` and applies what continues the sequence; when the replay cannot bring
+/// What a replay is asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Replay {
+    /// The whole buffer: a first contact, or one whose replay failed, asked again.
+    Start,
+    /// The batches from `from` on, missed on the live connection.
+    Gap { from: u64 },
+}
+
+/// Replays and applies what continues the sequence. After a gap, when the replay cannot bring
 /// the endpoint to continuity (no replay port, no answer, the buffer no longer reaching back
-/// to `from`), clears the endpoint and starts over from the next live message.
-async fn resync(shared: &Shared, slot: usize, replay_url: Option<&str>, from: u64, sequencer: &mut Sequencer) {
-    let replayed = match replay_url {
+/// to `from`), clears the endpoint and starts over from the next live message. From the start
+/// the whole buffer is applied in order over what the endpoint holds, which ends it in the
+/// engine's state; a failure there leaves the endpoint and its continuity as they were.
+async fn resync(
+    shared: &Shared,
+    slot: usize,
+    replay_url: Option<&str>,
+    ask: Replay,
+    sequencer: &mut Sequencer,
+) -> Resync {
+    let from = match ask {
+        Replay::Start => 0,
+        Replay::Gap { from } => from,
+    };
+    let (replayed, outcome) = match replay_url {
         Some(url) => {
             shared.metrics.replays.inc();
-            replay(url, from)
-                .await
-                .map_err(|e| tracing::warn!(pool = %shared.pool, error = %e, "kv events: replay failed"))
-                .ok()
+            match replay(url, from).await {
+                Ok(batches) => (Some(batches), Resync::Done),
+                Err(e) => {
+                    shared.metrics.replays_failed.inc();
+                    tracing::warn!(pool = %shared.pool, error = %e, "kv events: replay failed; asking again later");
+                    (None, Resync::Failed)
+                }
+            }
         }
-        None => None,
+        None => (None, Resync::Done),
     };
     let Some(batches) = replayed else {
-        shared.clear(slot);
-        sequencer.resume_at(None);
-        return;
+        if matches!(ask, Replay::Gap { .. }) {
+            shared.clear(slot);
+            sequencer.resume_at(None);
+        }
+        return outcome;
     };
-    // From 0 (a new connection, the endpoint just cleared) whatever is buffered is a start,
-    // and an empty buffer means nothing was published yet: the next live batch must be 0 (one
-    // published before this subscription reached the publisher then shows as a gap).
+    // From the start whatever is buffered is a start, and an empty buffer means nothing was
+    // published yet: the next live batch must be 0 (one published before this subscription
+    // reached the publisher then shows as a gap).
     let fills = from == 0 || batches.first().is_some_and(|(seq, _)| *seq <= from);
     if !fills {
         shared.clear(slot);
@@ -565,6 +652,7 @@ async fn resync(shared: &Shared, slot: usize, replay_url: Option<&str>, from: u6
         }
     }
     sequencer.resume_at(next);
+    Resync::Done
 }
 
 /// Why a replay failed.
@@ -572,6 +660,8 @@ async fn resync(shared: &Shared, slot: usize, replay_url: Option<&str>, from: u6
 pub enum ReplayError {
     #[error("replay endpoint: {0}")]
     Socket(#[from] zeromq::ZmqError),
+    #[error("replay: silent for {0:?}")]
+    Silent(Duration),
     #[error("replay: no end marker within {0:?}")]
     Timeout(Duration),
     #[error("replay: more than {0} batches")]
@@ -593,7 +683,10 @@ pub async fn replay(url: &str, from: u64) -> Result<Vec<(u64, EventBatch)>, Repl
         dealer.send(request).await?;
         let mut batches = Vec::new();
         while batches.len() <= REPLAY_MAX_BATCHES {
-            let frames = dealer.recv().await?.into_vec();
+            let frames = tokio::time::timeout(REPLAY_IDLE_TIMEOUT, dealer.recv())
+                .await
+                .map_err(|_| ReplayError::Silent(REPLAY_IDLE_TIMEOUT))??
+                .into_vec();
             let frames = frames.get(1..).unwrap_or_default();
             if frames.get(1).is_some_and(|seq| wire::sequence(seq).ok() == Some(wire::REPLAY_END)) {
                 return Ok(batches);

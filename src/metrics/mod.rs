@@ -500,6 +500,7 @@ struct KvFamilies {
     lag: prometheus::GaugeVec,
     gaps: IntCounterVec,
     replays: IntCounterVec,
+    replays_failed: IntCounterVec,
     reconnects: IntCounterVec,
     hash_checks: IntCounterVec,
     disabled: IntGaugeVec,
@@ -540,6 +541,12 @@ impl KvFamilies {
                 registry,
                 "tokenonce_kv_events_replays_total",
                 "KV events: replays asked of an engine (each connection's and each gap's), by pool.",
+                &["pool"],
+            )?,
+            replays_failed: counter(
+                registry,
+                "tokenonce_kv_events_replays_failed_total",
+                "KV events: replays that brought no answer (unreachable, silent, cut), by pool; each is asked again later.",
                 &["pool"],
             )?,
             reconnects: counter(
@@ -840,6 +847,7 @@ impl Metrics {
             lag: kv.lag.with_label_values(&[pool]),
             gaps: kv.gaps.with_label_values(&[pool]),
             replays: kv.replays.with_label_values(&[pool]),
+            replays_failed: kv.replays_failed.with_label_values(&[pool]),
             reconnects: kv.reconnects.with_label_values(&[pool]),
             checks_matched: checks("match"),
             checks_mismatched: checks("mismatch"),
@@ -851,7 +859,7 @@ impl Metrics {
     /// no alert stays firing on a gauge nothing updates.
     pub fn forget_kv_events(&self, pool: &str) {
         let kv = &self.kv;
-        for family in [&kv.evicted, &kv.gaps, &kv.replays, &kv.reconnects] {
+        for family in [&kv.evicted, &kv.gaps, &kv.replays, &kv.replays_failed, &kv.reconnects] {
             let _ = family.remove_label_values(&[pool]);
         }
         let _ = kv.blocks.remove_label_values(&[pool]);

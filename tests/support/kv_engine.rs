@@ -5,7 +5,7 @@
 //! taken from the tokens it did not hold, one prefill at a time.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -38,6 +38,8 @@ pub struct KvEngine {
     /// One prefill computes at a time; the rest wait their turn (FIFO).
     compute: tokio::sync::Mutex<()>,
     events: Option<mpsc::UnboundedSender<Vec<Ev>>>,
+    /// Replay requests to leave unanswered (a busy engine, a buffer too long to read in time).
+    unanswered_replays: Arc<AtomicUsize>,
     /// Prompt tokens prefilled, and how many of them were found cached.
     pub prompt_tokens: AtomicU64,
     pub cached_tokens: AtomicU64,
@@ -126,8 +128,15 @@ impl KvEngine {
             _ => unreachable!("bound on tcp"),
         };
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(publish(publisher, replay, rx, Bytes::copy_from_slice(topic.as_bytes())));
-        (Arc::new(Self::build(config, Some(tx))), port_of(&bound), port_of(&replay_bound))
+        let engine = Self::build(config, Some(tx));
+        let unanswered = Arc::clone(&engine.unanswered_replays);
+        tokio::spawn(publish(publisher, replay, rx, Bytes::copy_from_slice(topic.as_bytes()), unanswered));
+        (Arc::new(engine), port_of(&bound), port_of(&replay_bound))
+    }
+
+    /// The next `n` replay requests get no answer.
+    pub fn leave_replays_unanswered(&self, n: usize) {
+        self.unanswered_replays.store(n, Ordering::SeqCst);
     }
 
     fn build(config: KvEngineConfig, events: Option<mpsc::UnboundedSender<Vec<Ev>>>) -> Self {
@@ -137,6 +146,7 @@ impl KvEngine {
             cache: Mutex::new(Lru::default()),
             compute: tokio::sync::Mutex::new(()),
             events,
+            unanswered_replays: Arc::new(AtomicUsize::new(0)),
             prompt_tokens: AtomicU64::new(0),
             cached_tokens: AtomicU64::new(0),
         }
@@ -221,6 +231,7 @@ async fn publish(
     mut replay: zeromq::RouterSocket,
     mut rx: mpsc::UnboundedReceiver<Vec<Ev>>,
     topic: Bytes,
+    unanswered: Arc<AtomicUsize>,
 ) {
     let mut seq: u64 = 0;
     let mut buffer: std::collections::VecDeque<(u64, Bytes)> = std::collections::VecDeque::new();
@@ -242,6 +253,9 @@ async fn publish(
             }
             request = replay.recv() => {
                 let Ok(request) = request else { continue };
+                if unanswered.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
+                    continue;
+                }
                 let frames = request.into_vec();
                 let (Some(identity), Some(start)) = (frames.first(), frames.get(2)) else { continue };
                 let from = <[u8; 8]>::try_from(start.as_ref()).map_or(0, u64::from_be_bytes);
