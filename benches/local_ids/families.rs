@@ -87,9 +87,9 @@ impl Family {
 /// The family folders present: `TOKENONCE_FAMILIES_DIR` (default: the e2e venv's), Qwen3
 /// from the tokenizer the Qwen3 bench reads.
 fn families(qwen3_tokenizer: &Path) -> Vec<Family> {
-    let dir = std::env::var_os(FAMILIES_ENV).map(PathBuf::from).unwrap_or_else(|| {
-        qwen3_tokenizer.parent().and_then(Path::parent).unwrap_or(Path::new(".")).join("families")
-    });
+    let dir = std::env::var_os(FAMILIES_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| qwen3_tokenizer.parent().and_then(Path::parent).unwrap_or(Path::new(".")).join("families"));
     let mut found = Vec::new();
     let qwen3 = if qwen3_tokenizer.is_dir() { qwen3_tokenizer } else { qwen3_tokenizer.parent().unwrap() };
     let named = std::iter::once(("qwen3", qwen3.to_path_buf()))
@@ -97,7 +97,10 @@ fn families(qwen3_tokenizer: &Path) -> Vec<Family> {
         .filter(|(name, _)| super::picked(name));
     for (name, folder) in named {
         if !folder.is_dir() {
-            println!("{name}: no folder at {} (python3 tests/e2e/families/setup.py builds them), skipped", folder.display());
+            println!(
+                "{name}: no folder at {} (python3 tests/e2e/families/setup.py builds them), skipped",
+                folder.display()
+            );
             continue;
         }
         let (load, family) = cpu(|| Family::load(name, &folder));
@@ -223,13 +226,14 @@ pub fn run(qwen3_tokenizer: &Path, runs: usize, requests_out: Option<&str>) {
     }
     let all = conversation();
     let built: Vec<Requests> = families.iter().map(|f| requests(f, &all)).collect();
-    write_requests(requests_out.unwrap_or(REQUESTS_OUT), &families, &built);
+    let requests_out = Path::new(requests_out.unwrap_or(REQUESTS_OUT));
+    write_requests(requests_out, &families, &built);
 
     let deadline = Instant::now() + Duration::from_secs(MAX_SECONDS);
     let mut first_times: Vec<Times> = families.iter().map(|_| Times::default()).collect();
     let mut follow_times: Vec<Times> = families.iter().map(|_| Times::default()).collect();
-    let mut thread_sum = Duration::ZERO;
-    let process_start = process_cpu();
+    // the process's CPU over the same calls: work on other threads would show here
+    let (mut thread_sum, mut process_sum) = (Duration::ZERO, Duration::ZERO);
     // One untimed round first (tokenizer word caches, allocator), then interleaved rounds:
     // each family in turn, a fresh pool renderer per round.
     for round in 0..=runs {
@@ -239,10 +243,12 @@ pub fn run(qwen3_tokenizer: &Path, runs: usize, requests_out: Option<&str>) {
         }
         for (i, (family, req)) in families.iter().zip(&built).enumerate() {
             let local = family.fresh();
+            let process_before = process_cpu();
             let (r1, rendered) = cpu(|| local.render(Api::Chat, req.first.as_bytes()).unwrap());
             let (e1, ids1) = cpu(|| local.encode(&rendered).unwrap());
             let (r2, rendered) = cpu(|| local.render(Api::Chat, req.follow_up.as_bytes()).unwrap());
             let (e2, ids2) = cpu(|| local.encode(&rendered).unwrap());
+            process_sum += process_cpu() - process_before;
             assert!(ids1 == req.first_ids, "{}: first request ids differ from the uncached ones", family.name);
             assert!(ids2 == req.follow_up_ids, "{}: follow-up ids differ from the uncached ones", family.name);
             thread_sum += r1 + e1 + r2 + e2;
@@ -254,7 +260,6 @@ pub fn run(qwen3_tokenizer: &Path, runs: usize, requests_out: Option<&str>) {
             }
         }
     }
-    let process = process_cpu() - process_start;
 
     let rounds = first_times.first().map_or(0, |t| t.render.len());
     if rounds == 0 {
@@ -268,7 +273,10 @@ pub fn run(qwen3_tokenizer: &Path, runs: usize, requests_out: Option<&str>) {
         "| {:<12} | {:<9} | {:>8} | {:>6} | {:>8} | {:>8} | {:>8} | {:>8} | {:>8} |",
         "family", "request", "messages", "tokens", "render", "tokenize", "min", "median", "p90"
     );
-    println!("|{:-<14}|{:-<11}|{:->10}|{:->8}|{:->10}|{:->10}|{:->10}|{:->10}|{:->10}|", "", "", "", "", "", "", "", "", "");
+    println!(
+        "|{:-<14}|{:-<11}|{:->10}|{:->8}|{:->10}|{:->10}|{:->10}|{:->10}|{:->10}|",
+        "", "", "", "", "", "", "", "", ""
+    );
     for (i, (family, req)) in families.iter().zip(&built).enumerate() {
         for (kind, times, tokens, messages) in [
             ("first", &first_times[i], req.first_ids.len(), req.messages),
@@ -289,18 +297,37 @@ pub fn run(qwen3_tokenizer: &Path, runs: usize, requests_out: Option<&str>) {
             );
         }
     }
+    let results = json!({
+        "build": if cfg!(debug_assertions) { "debug" } else { "release" },
+        "rounds": rounds,
+        "families": families.iter().zip(&built).enumerate().map(|(i, (family, req))| json!({
+            "family": family.name,
+            "first": result(&first_times[i], req.first_ids.len(), req.messages),
+            "follow_up": result(&follow_times[i], req.follow_up_ids.len(), req.messages + 2),
+        })).collect::<Vec<_>>(),
+    });
+    let results_out = requests_out.with_file_name("tokenonce.json");
+    std::fs::write(&results_out, results.to_string()).unwrap();
     println!(
-        "\n(render and tokenize: medians; min/median/p90: their sum per request.) Process CPU over the rounds {:.0} ms, \
-         the bench thread's {:.0} ms: {:.1} % of it on other threads (0 means nothing was left out of the thread timing)",
-        process.as_secs_f64() * 1e3,
+        "\n(render and tokenize: medians; min/median/p90: their sum per request.) Over the timed calls the process \
+         used {:.0} ms of CPU, the bench thread {:.0} ms: {:.1} % on other threads (0: the thread times miss nothing)",
+        process_sum.as_secs_f64() * 1e3,
         thread_sum.as_secs_f64() * 1e3,
-        (process.as_secs_f64() - thread_sum.as_secs_f64()).max(0.0) / process.as_secs_f64() * 100.0
+        (process_sum.as_secs_f64() - thread_sum.as_secs_f64()).max(0.0) / process_sum.as_secs_f64() * 100.0
     );
+}
+
+/// One request kind's numbers for `tokenonce.json` (beside the requests file), which
+/// `render_cost.py` puts beside vLLM's.
+fn result(times: &Times, tokens: usize, messages: usize) -> serde_json::Value {
+    let [min, median_ms, p90] = stats(&times.total());
+    json!({"tokens": tokens, "messages": messages, "render_ms": median(&times.render),
+           "tokenize_ms": median(&times.encode), "min_ms": min, "median_ms": median_ms, "p90_ms": p90})
 }
 
 /// The requests file `render_cost.py` reads: per family its folder, the two bodies as sent,
 /// and the ids tokenonce computed for them.
-fn write_requests(path: &str, families: &[Family], built: &[Requests]) {
+fn write_requests(path: &Path, families: &[Family], built: &[Requests]) {
     let doc = json!({
         "target_tokens": TARGET_TOKENS,
         "families": families.iter().zip(built).map(|(family, req)| json!({
@@ -312,7 +339,6 @@ fn write_requests(path: &str, families: &[Family], built: &[Requests]) {
             ],
         })).collect::<Vec<_>>(),
     });
-    let path = Path::new(path);
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).unwrap();
     }
