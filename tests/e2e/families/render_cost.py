@@ -4,7 +4,8 @@ bench measures tokenonce on (issue 31 point 4): per family, vLLM's GPU-less rend
 (started as record.py starts it) gets the same two chat requests, a ~32k-token first request
 and its follow-up turn, on `/v1/chat/completions/render`, the code path `vllm serve`'s chat
 endpoint runs before the engine (request parsing and validation, message preprocessing, the
-chat template or Harmony/Mistral, tokenizing) plus writing the ids back as JSON.
+chat template or Harmony/Mistral, tokenizing) plus writing the ids back as JSON (measured
+apart too, REPLY_COST: `vllm serve` hands them to its engine instead).
 
 CPU is the server's, read from /proc: every thread of the server process and of any process
 under it, on-CPU nanoseconds per request (`/proc/PID/task/TID/schedstat`) for min/median/p90,
@@ -15,6 +16,7 @@ file) outside the measurement.
 
     cargo bench --bench local_ids -- --families-only     # writes target/bench-families/*.json
     python3 tests/e2e/families/render_cost.py [--rounds N] [FAMILY ...]
+    python3 tests/e2e/families/render_cost.py --table-only   # after a new bench run
 
 Reads target/bench-families/requests.json (bodies and tokenonce's ids) and, when present,
 tokenonce.json beside it (the bench's times) to print both side by side; writes vllm.json
@@ -27,6 +29,7 @@ import http.client
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -100,6 +103,32 @@ def stats(values):
     return {"min_ms": v[0], "median_ms": v[len(v) // 2], "p90_ms": v[min(len(v) * 9 // 10, len(v) - 1)]}
 
 
+# What the render server spends on its answer and `vllm serve` does not (it hands the ids to
+# the engine instead): the ids into a pydantic model, dumped, written as JSON (starlette's
+# JSONResponse), median thread CPU ms of 25 in the venv's python.
+REPLY_COST = """
+import json, sys, time
+from pydantic import BaseModel
+from starlette.responses import JSONResponse
+class Reply(BaseModel):
+    request_id: str
+    token_ids: list[int]
+ids = json.load(sys.stdin)
+times = []
+for _ in range(25):
+    t = time.thread_time()
+    JSONResponse(content=Reply(request_id="chatcmpl-0", token_ids=ids).model_dump())
+    times.append(time.thread_time() - t)
+print(sorted(times)[len(times) // 2] * 1e3)
+"""
+
+
+def reply_cost(venv, ids):
+    out = subprocess.run([os.path.join(venv, "bin", "python"), "-c", REPLY_COST], input=json.dumps(ids),
+                         capture_output=True, text=True, check=True)
+    return float(out.stdout)
+
+
 def measure(entry, venv, port, rounds):
     family, folder = entry["family"], entry["folder"]
     log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tokenonce-render-cost-{family}.log")
@@ -116,7 +145,7 @@ def measure(entry, venv, port, rounds):
                 if status != 200:
                     sys.exit(f"render_cost: {family} {req['name']}: vLLM answered {status}: {data}")
                 ids = data["token_ids"]
-                checks[req["name"]] = {"tokens": len(ids), "equal": ids == req["ids"],
+                checks[req["name"]] = {"tokens": len(ids), "equal": ids == req["ids"], "reply_ms": reply_cost(venv, ids),
                                        "first_difference": None if ids == req["ids"] else first_difference(ids, req["ids"])}
             for _ in range(WARMUP - 1):
                 for req in requests:
@@ -154,6 +183,7 @@ def main():
     ap.add_argument("--requests", default=REQUESTS)
     ap.add_argument("--port", type=int, default=PORT)
     ap.add_argument("--rounds", type=int, default=ROUNDS)
+    ap.add_argument("--table-only", action="store_true", help="print the table from the last vllm.json")
     ap.add_argument("families", nargs="*")
     args = ap.parse_args()
     if not 18800 <= args.port <= 18899:
@@ -166,6 +196,11 @@ def main():
     if os.path.exists(ours_path):
         with open(ours_path, encoding="utf-8") as f:
             ours = {e["family"]: e for e in json.load(f)["families"]}
+    out = os.path.join(os.path.dirname(args.requests), "vllm.json")
+    if args.table_only:
+        with open(out, encoding="utf-8") as f:
+            table(json.load(f)["families"], ours)
+        return
     results = []
     for entry in entries:
         result = measure(entry, args.venv, args.port, args.rounds)
@@ -173,25 +208,29 @@ def main():
         for name, r in result["requests"].items():
             print(f"[render_cost] {entry['family']} {name}: {r['tokens']} tokens, ids equal tokenonce's: {r['equal']}; "
                   f"vLLM CPU ms min {r['min_ms']:.1f} median {r['median_ms']:.1f} p90 {r['p90_ms']:.1f} "
-                  f"(mean from ticks {r['mean_ms_from_ticks']:.1f}); idle {result['idle_ms_per_s']:.2f} ms/s, "
+                  f"(mean from ticks {r['mean_ms_from_ticks']:.1f}; of which writing the ids ~{r['reply_ms']:.1f}); idle {result['idle_ms_per_s']:.2f} ms/s, "
                   f"{result['processes']} process(es)", flush=True)
-    out = os.path.join(os.path.dirname(args.requests), "vllm.json")
     with open(out, "w", encoding="utf-8") as f:
         json.dump({"load_average": os.getloadavg(), "families": results}, f, indent=1)
     print(f"\nload average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; vLLM's numbers in {out}\n")
+    table(results, ours)
+    if not all(r["equal"] for result in results for r in result["requests"].values()):
+        sys.exit("render_cost: vLLM's ids differ from tokenonce's for some request")
+
+
+def table(results, ours):
+    """vLLM's numbers beside tokenonce's (the bench's tokenonce.json), markdown."""
     print("| family | request | tokens | tokenonce CPU ms (min / median / p90) | vLLM CPU ms (min / median / p90; mean) "
-          "| vLLM / tokenonce (medians) | ids equal |")
-    print("|---|---|---:|---|---|---:|---|")
+          "| of which the ids as JSON | vLLM / tokenonce (medians) | ids equal |")
+    print("|---|---|---:|---|---|---:|---:|---|")
     for result in results:
         for name, r in result["requests"].items():
             t = ours.get(result["family"], {}).get(name)
             mine = f"{t['min_ms']:.2f} / {t['median_ms']:.2f} / {t['p90_ms']:.2f}" if t else "-"
-            ratio = f"{r['median_ms'] / t['median_ms']:.0f}x" if t and t["median_ms"] > 0 else "-"
+            ratio = f"{r['median_ms'] / t['median_ms']:.1f}x" if t and t["median_ms"] > 0 else "-"
             print(f"| {result['family']} | {name.replace('_', '-')} | {r['tokens']} | {mine} | "
                   f"{r['min_ms']:.1f} / {r['median_ms']:.1f} / {r['p90_ms']:.1f}; {r['mean_ms_from_ticks']:.1f} | "
-                  f"{ratio} | {'yes' if r['equal'] else 'NO, from id ' + str(r['first_difference'])} |")
-    if not all(r["equal"] for result in results for r in result["requests"].values()):
-        sys.exit("render_cost: vLLM's ids differ from tokenonce's for some request")
+                  f"{r['reply_ms']:.1f} | {ratio} | {'yes' if r['equal'] else 'NO, from id ' + str(r['first_difference'])} |")
 
 
 if __name__ == "__main__":
