@@ -2,7 +2,8 @@
 //! (`LocalIds::render` then `LocalIds::encode`: the chat template and the pool's segment cache,
 //! Harmony's and Mistral's renderers straight to ids), for (a) a long first request, a
 //! multi-turn conversation grown to `TARGET_TOKENS` in the family's own tokenizer, on a cold
-//! cache, and (b) its follow-up turn (an answer and a new question) on the cache (a) warmed.
+//! segment cache (the pool having served one other conversation, as a running pool has), and
+//! (b) its follow-up turn (an answer and a new question) on the cache (a) warmed.
 //! The requests and their ids go to a JSON file that `tests/e2e/families/render_cost.py`
 //! sends to vLLM's render server, which measures vLLM's CPU for the same requests and checks
 //! vLLM's ids equal these.
@@ -117,10 +118,10 @@ fn families(qwen3_tokenizer: &Path) -> Vec<Family> {
 
 /// The conversation every family gets, longest first: a system prompt and exchanges (each
 /// family takes the shortest prefix reaching `TARGET_TOKENS`), with where each exchange ends.
-fn conversation() -> Conversation {
+fn conversation(seed: u64) -> Conversation {
     /// Enough for 32k tokens in the least dense of these tokenizers (~2.6 bytes a token).
     const BYTES: usize = TARGET_TOKENS * 5;
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rng = Rng(seed);
     let mut messages = vec![("system".to_owned(), format!("You are a careful assistant. {}", sentences(&mut rng, 12)))];
     let mut ends = Vec::new();
     while messages.iter().map(|(_, c)| c.len()).sum::<usize>() < BYTES {
@@ -159,6 +160,11 @@ fn body(family: &str, messages: &[(String, String)]) -> String {
 
 /// The two requests of one family with their ids and token counts.
 struct Requests {
+    /// Another conversation of as many exchanges, served first by each fresh pool: its
+    /// tokenizer's word cache warm, as a pool's is after earlier conversations.
+    other: String,
+    other_tokens: usize,
+    other_messages: usize,
     first: String,
     follow_up: String,
     first_ids: Vec<u32>,
@@ -168,7 +174,7 @@ struct Requests {
 
 /// The shortest conversation prefix whose rendering reaches `TARGET_TOKENS`, and its
 /// follow-up (binary search over whole exchanges, on one renderer whose cache the probes share).
-fn requests(family: &Family, all: &Conversation) -> Requests {
+fn requests(family: &Family, all: &Conversation, other: &Conversation) -> Requests {
     let probe = family.fresh();
     let tokens = |n: usize| probe.ids(Api::Chat, body(&family.name, all.request(n)).as_bytes()).unwrap().0.len();
     let (mut lo, mut hi) = (1, all.ends.len());
@@ -188,7 +194,19 @@ fn requests(family: &Family, all: &Conversation) -> Requests {
     let follow_up = body(&family.name, &grown);
     let first_ids = family.reference_ids(first.as_bytes());
     let follow_up_ids = family.reference_ids(follow_up.as_bytes());
-    Requests { first, follow_up, first_ids, follow_up_ids, messages: messages.len() }
+    let other_messages = other.request(lo.min(other.ends.len()));
+    let other = body(&family.name, other_messages);
+    let other_tokens = family.reference_ids(other.as_bytes()).len();
+    Requests {
+        other,
+        other_tokens,
+        other_messages: other_messages.len(),
+        first,
+        follow_up,
+        first_ids,
+        follow_up_ids,
+        messages: messages.len(),
+    }
 }
 
 /// CPU times of one request kind over the rounds.
@@ -224,12 +242,13 @@ pub fn run(qwen3_tokenizer: &Path, runs: usize, requests_out: Option<&str>) {
         println!("no family folder found: nothing to measure");
         return;
     }
-    let all = conversation();
-    let built: Vec<Requests> = families.iter().map(|f| requests(f, &all)).collect();
+    let (all, other) = (conversation(0x9e37_79b9_7f4a_7c15), conversation(0x2545_f491_4f6c_dd1d));
+    let built: Vec<Requests> = families.iter().map(|f| requests(f, &all, &other)).collect();
     let requests_out = Path::new(requests_out.unwrap_or(REQUESTS_OUT));
     write_requests(requests_out, &families, &built);
 
     let deadline = Instant::now() + Duration::from_secs(MAX_SECONDS);
+    let mut new_pool_times: Vec<Times> = families.iter().map(|_| Times::default()).collect();
     let mut first_times: Vec<Times> = families.iter().map(|_| Times::default()).collect();
     let mut follow_times: Vec<Times> = families.iter().map(|_| Times::default()).collect();
     // the process's CPU over the same calls: work on other threads would show here
@@ -243,6 +262,9 @@ pub fn run(qwen3_tokenizer: &Path, runs: usize, requests_out: Option<&str>) {
         }
         for (i, (family, req)) in families.iter().zip(&built).enumerate() {
             let local = family.fresh();
+            // a new pool's first request: everything cold (reported, not compared)
+            let (r0, rendered) = cpu(|| local.render(Api::Chat, req.other.as_bytes()).unwrap());
+            let (e0, _) = cpu(|| local.encode(&rendered).unwrap());
             let process_before = process_cpu();
             let (r1, rendered) = cpu(|| local.render(Api::Chat, req.first.as_bytes()).unwrap());
             let (e1, ids1) = cpu(|| local.encode(&rendered).unwrap());
@@ -253,6 +275,8 @@ pub fn run(qwen3_tokenizer: &Path, runs: usize, requests_out: Option<&str>) {
             assert!(ids2 == req.follow_up_ids, "{}: follow-up ids differ from the uncached ones", family.name);
             thread_sum += r1 + e1 + r2 + e2;
             if round > 0 {
+                new_pool_times[i].render.push(r0);
+                new_pool_times[i].encode.push(e0);
                 first_times[i].render.push(r1);
                 first_times[i].encode.push(e1);
                 follow_times[i].render.push(r2);
@@ -266,8 +290,10 @@ pub fn run(qwen3_tokenizer: &Path, runs: usize, requests_out: Option<&str>) {
         return;
     }
     println!(
-        "\nCPU per request ({rounds} rounds, interleaved; render = template or Harmony/Mistral to text or ids, \
-         tokenize = segment cache or none), ms:\n"
+        "\nCPU per request ({rounds} rounds, interleaved; per round each family gets a fresh pool renderer: \
+         \"new pool\" is its first request (another conversation, everything cold), \"first\" the measured \
+         conversation on a cold segment cache with the tokenizer's word cache warm, \"follow-up\" its next \
+         turn; render = template or Harmony/Mistral to text or ids, tokenize = segment cache or none), ms:\n"
     );
     println!(
         "| {:<12} | {:<9} | {:>8} | {:>6} | {:>8} | {:>8} | {:>8} | {:>8} | {:>8} |",
@@ -279,6 +305,7 @@ pub fn run(qwen3_tokenizer: &Path, runs: usize, requests_out: Option<&str>) {
     );
     for (i, (family, req)) in families.iter().zip(&built).enumerate() {
         for (kind, times, tokens, messages) in [
+            ("new pool", &new_pool_times[i], req.other_tokens, req.other_messages),
             ("first", &first_times[i], req.first_ids.len(), req.messages),
             ("follow-up", &follow_times[i], req.follow_up_ids.len(), req.messages + 2),
         ] {
@@ -302,6 +329,7 @@ pub fn run(qwen3_tokenizer: &Path, runs: usize, requests_out: Option<&str>) {
         "rounds": rounds,
         "families": families.iter().zip(&built).enumerate().map(|(i, (family, req))| json!({
             "family": family.name,
+            "new_pool": result(&new_pool_times[i], req.other_tokens, req.other_messages),
             "first": result(&first_times[i], req.first_ids.len(), req.messages),
             "follow_up": result(&follow_times[i], req.follow_up_ids.len(), req.messages + 2),
         })).collect::<Vec<_>>(),

@@ -88,10 +88,19 @@ def cpu(pids):
 
 
 def send(conn, body):
-    conn.request("POST", "/v1/chat/completions/render", body=body.encode(),
-                 headers={"content-type": "application/json"})
-    r = conn.getresponse()
-    return r.status, json.loads(r.read())
+    """One render request; once again on a new connection if the server closed an idle one
+    (its keep-alive is 5 s)."""
+    for attempt in range(2):
+        try:
+            conn.request("POST", "/v1/chat/completions/render", body=body.encode(),
+                         headers={"content-type": "application/json"})
+            r = conn.getresponse()
+            return r.status, json.loads(r.read())
+        except (ConnectionError, http.client.RemoteDisconnected):
+            conn.close()
+            if attempt == 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def first_difference(a, b):
@@ -145,7 +154,7 @@ def measure(entry, venv, port, rounds):
                 if status != 200:
                     sys.exit(f"render_cost: {family} {req['name']}: vLLM answered {status}: {data}")
                 ids = data["token_ids"]
-                checks[req["name"]] = {"tokens": len(ids), "equal": ids == req["ids"], "reply_ms": reply_cost(venv, ids),
+                checks[req["name"]] = {"tokens": len(ids), "equal": ids == req["ids"], "ids": ids,
                                        "first_difference": None if ids == req["ids"] else first_difference(ids, req["ids"])}
             for _ in range(WARMUP - 1):
                 for req in requests:
@@ -169,6 +178,8 @@ def measure(entry, venv, port, rounds):
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)
+    for check in checks.values():
+        check["reply_ms"] = reply_cost(venv, check.pop("ids"))
     return {
         "family": family, "processes": processes, "idle_ms_per_s": idle_ms_per_s, "rounds": rounds,
         "requests": {name: dict(checks[name], **stats(p["ns"]),
