@@ -3,11 +3,16 @@
 //! (~45k tokens of its 49,152): (a) a first turn with a cold segment cache, (b) a follow-up
 //! adding ~200 tokens with the cache warm from the first, each against (c) no cache (the
 //! whole text encoded, `encode(text, false)` without offsets). Then a 10-turn conversation on
-//! one cache: its hit rate and CPU per turn.
+//! one cache: its hit rate and CPU per turn. Then, per model family (Qwen3 and each folder
+//! `tests/e2e/families/setup.py` builds under `TOKENONCE_FAMILIES_DIR`), the whole local-ids
+//! cost of a 32k-token first request and of its follow-up turn (`local_ids/families.rs`), the
+//! requests written for `tests/e2e/families/render_cost.py` (vLLM's CPU for the same ones).
 //!
 //! Run: `cargo bench --bench local_ids` (after `bash tests/e2e/vllm/setup.sh` installed the
 //! model; `TOKENONCE_TOKENIZER=path` names another `tokenizer.json` or model folder; `--runs N`
-//! interleaved rounds, default 20). Times are the bench thread's CPU time
+//! interleaved rounds, default 20; `--families-only` or `--no-families` runs one part;
+//! `--family NAME` (repeatable) picks families; `--requests-out PATH` names the requests file,
+//! default `target/bench-families/requests.json`). Times are the bench thread's CPU time
 //! (`CLOCK_THREAD_CPUTIME_ID`: steadier than wall time on a shared machine; encoding is
 //! single-threaded), min / median / p90 in ms. Every id list is checked against the uncached
 //! one outside the timing. Timings are printed, never asserted.
@@ -16,6 +21,8 @@
 
 #[path = "common/mod.rs"]
 mod common;
+#[path = "local_ids/families.rs"]
+mod families;
 
 use std::time::{Duration, Instant};
 
@@ -34,6 +41,29 @@ const MAX_SECONDS: u64 = 240;
 fn thread_cpu() -> Duration {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
     Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
+/// The whole process's CPU time (every thread).
+fn process_cpu() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
+/// Whether a command-line flag is given.
+fn flag(name: &str) -> bool {
+    std::env::args().any(|a| a == name)
+}
+
+/// The value after each `name` on the command line.
+fn values(name: &str) -> Vec<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.windows(2).filter(|w| w[0] == name).map(|w| w[1].clone()).collect()
+}
+
+/// Whether the family `name` is measured (`--family` names some, else all).
+fn picked(name: &str) -> bool {
+    let picked = values("--family");
+    picked.is_empty() || picked.iter().any(|p| p == name)
 }
 
 /// CPU time of `f`, and its value.
@@ -217,6 +247,16 @@ impl Row {
 
 fn main() {
     let path = common::tokenizer_path();
+    if !flag("--families-only") {
+        qwen3_segments(&path);
+    }
+    if !flag("--no-families") {
+        families::run(&path, common::runs(20), values("--requests-out").last().map(String::as_str));
+    }
+}
+
+/// The Qwen3 segment-cache measurements (the first part).
+fn qwen3_segments(path: &std::path::Path) {
     if !path.exists() {
         eprintln!(
             "local_ids: no tokenizer at {} (run `bash tests/e2e/vllm/setup.sh`, or set TOKENONCE_TOKENIZER to a tokenizer.json or model folder)",
@@ -224,7 +264,7 @@ fn main() {
         );
         std::process::exit(2);
     }
-    let (load, tk) = cpu(|| Segmenter::load(&path).unwrap());
+    let (load, tk) = cpu(|| Segmenter::load(path).unwrap());
     println!("tokenizer {} loaded in {:.0} ms CPU, {:?}", path.display(), load.as_secs_f64() * 1e3, tk.splitting());
 
     let messages = conversation(&tk);

@@ -250,13 +250,15 @@ def request(conn, body):
     return r.status, data
 
 
-def start(folder, family, port, venv, log):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+def start(folder, family, port, venv, log, args=None, extra_env=None):
+    """vLLM's render server on `folder`, served with the family's flags (or `args`), once it
+    answers /health."""
+    env = dict(os.environ, **(extra_env or {}), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                PYTHONWARNINGS="ignore::DeprecationWarning,ignore::FutureWarning",
                # openai-harmony's vocabulary (gpt-oss), from the folder: no download
                TIKTOKEN_ENCODINGS_BASE=folder)
     cmd = [os.path.join(venv, "bin", "python"), "-m", "vllm.entrypoints.launchers.render.entry", "--model", folder,
-           "--served-model-name", family, "--host", HOST, "--port", str(port), "--disable-uvicorn-access-log", *SERVER_ARGS[family]]
+           "--served-model-name", family, "--host", HOST, "--port", str(port), "--disable-uvicorn-access-log", *(SERVER_ARGS[family] if args is None else args)]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     t0 = time.time()
     while time.time() - t0 < START_TIMEOUT_S:
