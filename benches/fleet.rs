@@ -4,7 +4,9 @@
 //! Run: `cargo bench --bench fleet -- [--clients 256] [--turns 10] [--max-tokens 37000]
 //! [--sessions 2] [--scale 4] [--think-ms 20000] [--cache-share 1.0]
 //! [--policies rr,lif,ca,ca-sent,oracle] [--deadline-s 1500] [--prefix-weight 1.0]
-//! [--load-weight 0.1]` (defaults shown; the weights are the cache-aware prefill pool's).
+//! [--load-weight 0.1] [--kv-max-blocks N]` (defaults shown; the weights are the cache-aware
+//! prefill pool's; the events index holds by default a quarter more than the engines' blocks
+//! together). `TOKENONCE_BIN` names another tokenonce binary than this build's.
 //!
 //! - Engines: `--prefills` (8) prefill fakes, each on its own loopback address (127.0.0.2 ...),
 //!   keeping a prefix cache of vLLM's blocks (`tests/support/kv_engine.rs`: 32-token blocks
@@ -117,6 +119,8 @@ struct Options {
     /// The cache-aware prefill pool's `prefix_weight` and `load_weight`.
     prefix_weight: f64,
     load_weight: f64,
+    /// The events index's `max_blocks` (default: the engines' blocks together, and a quarter).
+    kv_max_blocks: Option<usize>,
 }
 
 fn options() -> Options {
@@ -142,6 +146,7 @@ fn options() -> Options {
         deadline: Duration::from_secs(1500),
         prefix_weight: 1.0,
         load_weight: 0.1,
+        kv_max_blocks: None,
     };
     let mut args = std::env::args().skip(1);
     let num = |v: Option<String>, what: &str| -> f64 {
@@ -166,6 +171,9 @@ fn options() -> Options {
             }
             "--prefix-weight" => o.prefix_weight = num(args.next(), "--prefix-weight").clamp(0.0, 1000.0),
             "--load-weight" => o.load_weight = num(args.next(), "--load-weight").clamp(0.0, 1000.0),
+            "--kv-max-blocks" => {
+                o.kv_max_blocks = Some(num(args.next(), "--kv-max-blocks").clamp(1.0, 100_000_000.0) as usize)
+            }
             "--policies" => {
                 o.policies = args
                     .next()
@@ -242,6 +250,8 @@ struct Fleet {
     prefills: Vec<FakeVllm>,
     decodes: Vec<FakeVllm>,
     events: (u16, u16),
+    /// Blocks every prefill's cache holds, together.
+    capacity_blocks: usize,
 }
 
 async fn start_fleet(o: &Options) -> Fleet {
@@ -279,7 +289,8 @@ async fn start_fleet(o: &Options) -> Fleet {
         };
         decodes.push(FakeVllm::start(config).await);
     }
-    Fleet { engines, prefills, decodes, events }
+    let capacity_blocks = engine.capacity_blocks * o.prefills;
+    Fleet { engines, prefills, decodes, events, capacity_blocks }
 }
 
 fn list(fakes: &[FakeVllm]) -> String {
@@ -303,8 +314,11 @@ fn config(o: &Options, policy: Policy, fleet: &Fleet, model: &std::path::Path) -
     );
     if policy == Policy::CacheAwareEvents {
         text.push_str(&format!(
-            "[pools.prefill.kv_events]\nport = {}\nreplay_port = {}\ntopic = \"kv\"\nblock_size = {BLOCK_SIZE}\nhash_seed = \"{SEED}\"\n",
-            fleet.events.0, fleet.events.1
+            "[pools.prefill.kv_events]\nport = {}\nreplay_port = {}\ntopic = \"kv\"\nblock_size = {BLOCK_SIZE}\nhash_seed = \"{SEED}\"\n\
+             max_blocks = {}\n",
+            fleet.events.0,
+            fleet.events.1,
+            o.kv_max_blocks.unwrap_or(fleet.capacity_blocks * 5 / 4)
         ));
     }
     let prefill = if policy == Policy::Oracle {
@@ -455,7 +469,9 @@ async fn run_policy(
         fake_rt.spawn(async move { start_fleet(&o).await }).await.unwrap()
     };
     let settings = Settings { health_interval_ms: 1000, log: "warn".into(), threads: 2, ..Settings::default() };
-    let binary = std::path::PathBuf::from(env!("CARGO_BIN_EXE_tokenonce"));
+    // TOKENONCE_BIN: another build of tokenonce (a release binary in front of dev-built fakes).
+    let binary = std::env::var_os("TOKENONCE_BIN")
+        .map_or_else(|| std::path::PathBuf::from(env!("CARGO_BIN_EXE_tokenonce")), std::path::PathBuf::from);
     let proxy = TokenOnce::spawn(&binary, &config(&o, policy, &fleet, model), &settings).await;
     proxy.wait_ready(200).await;
     if policy != Policy::Oracle {
