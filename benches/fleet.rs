@@ -3,7 +3,10 @@
 //!
 //! Run: `cargo bench --bench fleet -- [--clients 256] [--turns 10] [--max-tokens 37000]
 //! [--sessions 2] [--scale 4] [--think-ms 20000] [--cache-share 1.0]
-//! [--policies rr,lif,ca,ca-sent,oracle] [--deadline-s 1500]` (defaults shown).
+//! [--policies rr,lif,ca,ca-sent,oracle] [--deadline-s 1500] [--prefix-weight 1.0]
+//! [--load-weight 0.1] [--kv-max-blocks N]` (defaults shown; the weights are the cache-aware
+//! prefill pool's; the events index holds by default a quarter more than the engines' blocks
+//! together). `TOKENONCE_BIN` names another tokenonce binary than this build's.
 //!
 //! - Engines: `--prefills` (8) prefill fakes, each on its own loopback address (127.0.0.2 ...),
 //!   keeping a prefix cache of vLLM's blocks (`tests/support/kv_engine.rs`: 32-token blocks
@@ -35,7 +38,8 @@
 //!   own index of where it sent each prompt (no events), `oracle` every turn of a session on
 //!   its home prefill, named by llm-d's `x-prefiller-host-port` header.
 //! - Reported per policy: client TTFT p50 / p99 (a non-streamed request of one output token:
-//!   its whole time), prefix hit rate (cached / prompt tokens, from the engines' caches), prefill
+//!   its whole time) and its mean split into tokenonce's prefill leg, decode leg and the rest
+//!   (tokenonce's own work before and between the legs, and the client's), prefix hit rate (cached / prompt tokens, from the engines' caches), prefill
 //!   tokens computed, tokenonce's CPU per request (`/proc/PID/task/*/schedstat`), its RSS and the
 //!   events index size (`tokenonce_kv_blocks`), and how the cache-aware picks chose.
 //!
@@ -112,6 +116,11 @@ struct Options {
     decodes: usize,
     policies: Vec<Policy>,
     deadline: Duration,
+    /// The cache-aware prefill pool's `prefix_weight` and `load_weight`.
+    prefix_weight: f64,
+    load_weight: f64,
+    /// The events index's `max_blocks` (default: the engines' blocks together, and a quarter).
+    kv_max_blocks: Option<usize>,
 }
 
 fn options() -> Options {
@@ -135,6 +144,9 @@ fn options() -> Options {
             Policy::Oracle,
         ],
         deadline: Duration::from_secs(1500),
+        prefix_weight: 1.0,
+        load_weight: 0.1,
+        kv_max_blocks: None,
     };
     let mut args = std::env::args().skip(1);
     let num = |v: Option<String>, what: &str| -> f64 {
@@ -156,6 +168,11 @@ fn options() -> Options {
             "--decodes" => o.decodes = num(args.next(), "--decodes").clamp(1.0, 200.0) as usize,
             "--deadline-s" => {
                 o.deadline = Duration::from_secs_f64(num(args.next(), "--deadline-s").clamp(10.0, 7200.0))
+            }
+            "--prefix-weight" => o.prefix_weight = num(args.next(), "--prefix-weight").clamp(0.0, 1000.0),
+            "--load-weight" => o.load_weight = num(args.next(), "--load-weight").clamp(0.0, 1000.0),
+            "--kv-max-blocks" => {
+                o.kv_max_blocks = Some(num(args.next(), "--kv-max-blocks").clamp(1.0, 100_000_000.0) as usize)
             }
             "--policies" => {
                 o.policies = args
@@ -233,6 +250,8 @@ struct Fleet {
     prefills: Vec<FakeVllm>,
     decodes: Vec<FakeVllm>,
     events: (u16, u16),
+    /// Blocks every prefill's cache holds, together.
+    capacity_blocks: usize,
 }
 
 async fn start_fleet(o: &Options) -> Fleet {
@@ -270,14 +289,15 @@ async fn start_fleet(o: &Options) -> Fleet {
         };
         decodes.push(FakeVllm::start(config).await);
     }
-    Fleet { engines, prefills, decodes, events }
+    let capacity_blocks = engine.capacity_blocks * o.prefills;
+    Fleet { engines, prefills, decodes, events, capacity_blocks }
 }
 
 fn list(fakes: &[FakeVllm]) -> String {
     fakes.iter().map(|f| format!("\"{}\"", f.host_port())).collect::<Vec<_>>().join(", ")
 }
 
-fn config(policy: Policy, fleet: &Fleet, model: &std::path::Path) -> String {
+fn config(o: &Options, policy: Policy, fleet: &Fleet, model: &std::path::Path) -> String {
     let balance = match policy {
         Policy::RoundRobin | Policy::Oracle => "round_robin",
         Policy::LeastInFlight => "least_in_flight",
@@ -286,14 +306,19 @@ fn config(policy: Policy, fleet: &Fleet, model: &std::path::Path) -> String {
     let mut text = format!(
         "[pools.prefill]\nendpoints = [{}]\ntokenizer = {:?}\nlocal_ids = \"on\"\nlocal_ids_verify_after = 1\n\
          local_ids_recheck = 0.0\nbalance = \"{balance}\"\n[pools.prefill.cache_aware]\nblock_size = {BLOCK_SIZE}\n\
-         hash_seed = \"{SEED}\"\n",
+         hash_seed = \"{SEED}\"\nprefix_weight = {:?}\nload_weight = {:?}\n",
         list(&fleet.prefills),
-        model.display().to_string()
+        model.display().to_string(),
+        o.prefix_weight,
+        o.load_weight
     );
     if policy == Policy::CacheAwareEvents {
         text.push_str(&format!(
-            "[pools.prefill.kv_events]\nport = {}\nreplay_port = {}\ntopic = \"kv\"\nblock_size = {BLOCK_SIZE}\nhash_seed = \"{SEED}\"\n",
-            fleet.events.0, fleet.events.1
+            "[pools.prefill.kv_events]\nport = {}\nreplay_port = {}\ntopic = \"kv\"\nblock_size = {BLOCK_SIZE}\nhash_seed = \"{SEED}\"\n\
+             max_blocks = {}\n",
+            fleet.events.0,
+            fleet.events.1,
+            o.kv_max_blocks.unwrap_or(fleet.capacity_blocks * 5 / 4)
         ));
     }
     let prefill = if policy == Policy::Oracle {
@@ -418,6 +443,8 @@ struct Outcome {
     kv_blocks: f64,
     choices: String,
     local_ids: String,
+    /// The client's mean TTFT split into tokenonce's legs and the rest (ms, real-engine time).
+    split: String,
     wall_s: f64,
 }
 
@@ -442,8 +469,10 @@ async fn run_policy(
         fake_rt.spawn(async move { start_fleet(&o).await }).await.unwrap()
     };
     let settings = Settings { health_interval_ms: 1000, log: "warn".into(), threads: 2, ..Settings::default() };
-    let binary = std::path::PathBuf::from(env!("CARGO_BIN_EXE_tokenonce"));
-    let proxy = TokenOnce::spawn(&binary, &config(policy, &fleet, model), &settings).await;
+    // TOKENONCE_BIN: another build of tokenonce (a release binary in front of dev-built fakes).
+    let binary = std::env::var_os("TOKENONCE_BIN")
+        .map_or_else(|| std::path::PathBuf::from(env!("CARGO_BIN_EXE_tokenonce")), std::path::PathBuf::from);
+    let proxy = TokenOnce::spawn(&binary, &config(&o, policy, &fleet, model), &settings).await;
     proxy.wait_ready(200).await;
     if policy != Policy::Oracle {
         for p in &fleet.prefills {
@@ -504,6 +533,23 @@ async fn run_policy(
         sum_series(&scrape, "tokenonce_kv_events_gaps_total", &[]),
         sum_series(&scrape, "tokenonce_kv_events_reconnects_total", &[]),
     );
+    // Mean per request of each timed stage (tokenonce's histograms), against the client's mean.
+    let stage_ms = |stage: &str| {
+        let want = format!("stage=\"{stage}\"");
+        let sum = sum_series(&scrape, "tokenonce_stage_duration_seconds_sum", &[&want]);
+        let count = sum_series(&scrape, "tokenonce_stage_duration_seconds_count", &[&want]);
+        if count > 0.0 {
+            sum / count * 1000.0 * o.scale
+        } else {
+            0.0
+        }
+    };
+    let client_mean = ttft.iter().sum::<f64>() / ttft.len().max(1) as f64;
+    let (prefill_ms, handoff_ms, decode_ms) = (stage_ms("prefill"), stage_ms("handoff"), stage_ms("decode_total"));
+    let split = format!(
+        "mean TTFT {client_mean:.0} ms = prefill leg {prefill_ms:.0} + handoff {handoff_ms:.0} + decode leg {decode_ms:.0} + rest {:.0}",
+        client_mean - prefill_ms - handoff_ms - decode_ms
+    );
     if let Some(line) = proxy.log_text().lines().find(|l| l.contains("differ from the prefill's echo")) {
         eprintln!("fleet: tokenonce's local ids differ from the engines' echo (picks then go by text keys): {line}");
     }
@@ -520,6 +566,7 @@ async fn run_policy(
         kv_blocks: sum_series(&scrape, "tokenonce_kv_blocks", &["pool=\"prefill\""]),
         choices,
         local_ids,
+        split,
         wall_s,
     };
     drop(proxy);
@@ -541,7 +588,7 @@ fn main() {
     let working_set = o.clients as f64 * o.max_tokens as f64 / o.prefills as f64;
     println!(
         "fleet: {} prefills + {} decodes, {} clients x {} sessions of {} turns growing to {} tokens ({} shared system prompts of {}), \
-         think {:.0} ms, cache per prefill {:.0} tokens ({} of its share of the final working set), time scale 1/{}",
+         think {:.0} ms, cache per prefill {:.0} tokens ({} of its share of the final working set), time scale 1/{}, cache-aware weights: prefix {}, load {}",
         o.prefills,
         o.decodes,
         o.clients,
@@ -553,19 +600,22 @@ fn main() {
         o.think_ms,
         o.cache_share * working_set,
         o.cache_share,
-        o.scale
+        o.scale,
+        o.prefix_weight,
+        o.load_weight
     );
     let mut outcomes = Vec::new();
     for &policy in &o.policies {
         let outcome = rt.block_on(run_policy(Arc::clone(&o), policy, model.path(), &fake_rt));
         println!(
-            "  {}: {} requests ({} errors) in {:.0} s; TTFT p50 {:.0} ms, p99 {:.0} ms; hit rate {:.1} %; picks: {}; local ids: {}",
+            "  {}: {} requests ({} errors) in {:.0} s; TTFT p50 {:.0} ms, p99 {:.0} ms; {}; hit rate {:.1} %; picks: {}; local ids: {}",
             policy.label(),
             outcome.requests,
             outcome.errors,
             outcome.wall_s,
             outcome.p50,
             outcome.p99,
+            outcome.split,
             outcome.hit_rate * 100.0,
             if outcome.choices.is_empty() { "-" } else { &outcome.choices },
             outcome.local_ids

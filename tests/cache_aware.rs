@@ -370,3 +370,63 @@ async fn a_replay_left_unanswered_is_asked_again() {
     assert_eq!(metrics.replays_failed.get(), 1);
     assert!(metrics.replays.get() >= 2, "asked twice: {}", metrics.replays.get());
 }
+
+/// A prefill that goes down (its `/health` fails) has lost its cache: tokenonce drops what its
+/// KV events said it held (`tokenonce_kv_blocks` falls to the other prefill's, none), so when
+/// it comes back restarted, empty, before any event could say so, the next turn of the
+/// conversation it held is predicted held nowhere (`reason="no_prefix"`) instead of sent there
+/// for blocks it no longer has.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_prefill_that_went_down_stops_attracting_its_conversations() {
+    use support::kv_engine::{KvEngine, KvEngineConfig};
+    let dir = tempfile::tempdir().unwrap();
+    write_local_model(dir.path());
+    let engine = KvEngineConfig {
+        seed: "0".into(),
+        block_size: 32,
+        capacity_blocks: 10_000,
+        per_uncached_token: Duration::ZERO,
+        per_request: Duration::ZERO,
+    };
+    let (e1, port, replay) = KvEngine::publishing(engine.clone(), "127.0.0.2", 0, 0, "kv").await;
+    let (e2, _, _) = KvEngine::publishing(engine, "127.0.0.3", port, replay, "kv").await;
+    let mut prefills = Vec::new();
+    for (host, e) in [("127.0.0.2", &e1), ("127.0.0.3", &e2)] {
+        let config = FakeConfig { kv_engine: Some(std::sync::Arc::clone(e)), ..FakeConfig::default() };
+        prefills.push(FakeVllm::start_at(format!("{host}:0").parse().unwrap(), config).await.unwrap());
+    }
+    let d = FakeVllm::start(FakeConfig::default()).await;
+    let prefills: Vec<&FakeVllm> = prefills.iter().collect();
+    let proxy = TokenOnce::start(&shipped_kv_aware(&prefills, &d, dir.path(), (port, replay))).await;
+    for p in &prefills {
+        proxy.wait_health("prefill", &p.host_port(), true).await;
+    }
+    send(&proxy, &prefills, "bravo bravo").await; // earns the completions shape's trust
+    proxy.assert_reaches(r#"tokenonce_local_ids_trusted{pool="prefill",shape="completions"}"#, 1.0).await;
+
+    let engines = [&e1, &e2];
+    let blocks = || (e1.blocks() + e2.blocks()) as f64;
+    let mut turn = "alpha bravo ".repeat(20); // 40 tokens: one full block
+    let home = send(&proxy, &prefills, &turn).await;
+    proxy.assert_reaches(r#"tokenonce_kv_blocks{pool="prefill"}"#, blocks()).await;
+    turn.push_str(&"bravo alpha alpha ".repeat(12));
+    assert_eq!(send(&proxy, &prefills, &turn).await, home, "held there: the turn follows");
+    proxy.assert_reaches(r#"tokenonce_kv_blocks{pool="prefill"}"#, blocks()).await;
+    assert_eq!(proxy.metric(&choices("prefill", "events", "prefix")).await, 1.0);
+    let no_prefix = proxy.metric(&choices("prefill", "events", "no_prefix")).await;
+
+    // Down, then back restarted: its cache is empty and no event said so.
+    prefills[home].configure(|c| c.healthy = false);
+    proxy.wait_health("prefill", &prefills[home].host_port(), false).await;
+    let other = 1 - home;
+    proxy.assert_reaches(r#"tokenonce_kv_blocks{pool="prefill"}"#, engines[other].blocks() as f64).await;
+    engines[home].restart();
+    prefills[home].configure(|c| c.healthy = true);
+    proxy.wait_health("prefill", &prefills[home].host_port(), true).await;
+
+    turn.push_str(&"alpha alpha bravo ".repeat(12));
+    send(&proxy, &prefills, &turn).await;
+    assert_eq!(proxy.metric(&choices("prefill", "events", "no_prefix")).await, no_prefix + 1.0, "held nowhere now");
+    assert_eq!(proxy.metric(&choices("prefill", "events", "prefix")).await, 1.0, "not predicted at the old home");
+    assert_eq!(proxy.metric(r#"tokenonce_kv_hash_checks_total{pool="prefill",result="mismatch"}"#).await, 0.0);
+}

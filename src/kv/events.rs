@@ -349,6 +349,13 @@ impl PrefixHolders for PoolKvEvents {
         lock(&self.shared.check).expect(chain);
     }
 
+    fn forget(&self, endpoint: &str) {
+        let slot = read(&self.shared.state).endpoints.get(endpoint).map(|e| e.slot);
+        if let Some(slot) = slot {
+            self.shared.clear(slot);
+        }
+    }
+
     fn usable(&self) -> bool {
         let after = self.shared.settings.stale_after;
         !self.disabled() && read(&self.shared.state).endpoints.values().any(|e| !e.stale(after))

@@ -30,6 +30,13 @@ pub trait PrefixHolders: Send + Sync {
         let _ = (endpoint, chain);
     }
 
+    /// The endpoint named `endpoint` lost what its cache held (it went down, and an engine
+    /// that comes back restarted starts empty): it holds nothing here until it is sent prompts
+    /// or reports blocks again.
+    fn forget(&self, endpoint: &str) {
+        let _ = endpoint;
+    }
+
     /// False while this source must not be believed (events stale, or cache-aware choice
     /// turned off after a hash mismatch): choice then falls to the next source.
     fn usable(&self) -> bool {

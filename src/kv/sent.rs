@@ -145,6 +145,14 @@ impl PrefixHolders for SentPrefixes {
             index.record(block.wire(), bit, self.max_blocks);
         }
     }
+
+    /// Clears the endpoint's bit on every block (its blocks stay in the ring for the others).
+    fn forget(&self, endpoint: &str) {
+        let Ok(mut index) = self.index.write() else { return };
+        let Some(&n) = index.names.get(endpoint) else { return };
+        let bit = 1u64 << n;
+        index.blocks.values_mut().for_each(|b| b.endpoints &= !bit);
+    }
 }
 
 #[cfg(test)]
@@ -186,6 +194,21 @@ mod tests {
         assert_eq!(index.len(), 8, "never over the bound");
         assert_eq!(index.held("a:1", &hot), 4, "the block sent again survives");
         assert_eq!(index.held("a:1", &old), 0, "the oldest, never sent again, went");
+    }
+
+    #[test]
+    fn a_forgotten_endpoint_holds_nothing_and_learns_again() {
+        let index = SentPrefixes::new(100);
+        let c = chain(0, 6);
+        index.sent("a:1", &c);
+        index.sent("b:1", &c);
+        index.forget("a:1");
+        assert_eq!(index.held("a:1", &c), 0, "what it was sent is gone");
+        assert_eq!(index.held("b:1", &c), 6, "another's is not");
+        index.forget("never:1");
+        index.sent("a:1", &c[..2]);
+        assert_eq!(index.held("a:1", &c), 2, "sent again, held again");
+        assert_eq!(index.len(), 6);
     }
 
     #[test]

@@ -131,8 +131,10 @@ impl Probe<'_> {
             if was_healthy {
                 endpoint.forget_version();
                 endpoint.forget_model();
-                // vLLM keeps stored responses in memory: an engine that went down lost them.
+                // vLLM keeps stored responses and its prefix cache in memory: an engine that
+                // went down lost them.
                 self.homes.forget_endpoint(&endpoint.name);
+                pool.forget_cache_of(&endpoint.name);
             }
             return;
         }

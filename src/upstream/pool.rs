@@ -534,6 +534,17 @@ impl Pool {
         }
     }
 
+    /// Forgets what every source of a cache-aware pool says the endpoint named `name` holds:
+    /// it went down, and an engine that comes back (restarted) starts with an empty cache
+    /// before its events can say so.
+    pub fn forget_cache_of(&self, name: &str) {
+        let Some(choice) = &self.cache_aware else { return };
+        if let Ok(sources) = choice.sources.read() {
+            sources.iter().for_each(|(_, s)| s.forget(name));
+        }
+        choice.text.forget(name);
+    }
+
     /// The kinds of source a cache-aware pool asks, in order (empty: not cache-aware).
     pub fn prefix_sources(&self) -> Vec<ChoiceSource> {
         self.cache_aware

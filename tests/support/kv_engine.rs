@@ -219,6 +219,12 @@ impl KvEngine {
         cached
     }
 
+    /// A restart: the cache emptied, with no event said (a restarted vLLM's new publisher
+    /// starts afresh; its subscribers learn nothing of what the old one held).
+    pub fn restart(&self) {
+        *self.cache.lock().unwrap() = Lru::default();
+    }
+
     /// Blocks held now.
     pub fn blocks(&self) -> usize {
         self.cache.lock().unwrap().used.len()
