@@ -257,6 +257,49 @@ fn shipped_kv_aware(prefills: &[&FakeVllm], decode: &FakeVllm, model: &std::path
     text
 }
 
+/// The shipped `conf/kv-aware.toml` running as written but for its addresses: two prefill
+/// fakes on 127.0.0.2 and .3 that keep a prefix cache (the file's 32-token blocks, hashed with
+/// its seed) and publish what they store as vLLM's KV events on the file's one port, and a
+/// decode; the completions shape already trusted.
+struct ShippedKvAware {
+    _dir: tempfile::TempDir,
+    engines: [std::sync::Arc<support::kv_engine::KvEngine>; 2],
+    prefills: Vec<FakeVllm>,
+    _decode: FakeVllm,
+    proxy: TokenOnce,
+}
+
+impl ShippedKvAware {
+    async fn start() -> Self {
+        use support::kv_engine::{KvEngine, KvEngineConfig};
+        let dir = tempfile::tempdir().unwrap();
+        write_local_model(dir.path());
+        let engine = KvEngineConfig {
+            seed: "0".into(),
+            block_size: 32,
+            capacity_blocks: 10_000,
+            per_uncached_token: Duration::ZERO,
+            per_request: Duration::ZERO,
+        };
+        let (e1, port, replay) = KvEngine::publishing(engine.clone(), "127.0.0.2", 0, 0, "kv").await;
+        let (e2, _, _) = KvEngine::publishing(engine, "127.0.0.3", port, replay, "kv").await;
+        let mut prefills = Vec::new();
+        for (host, e) in [("127.0.0.2", &e1), ("127.0.0.3", &e2)] {
+            let config = FakeConfig { kv_engine: Some(std::sync::Arc::clone(e)), ..FakeConfig::default() };
+            prefills.push(FakeVllm::start_at(format!("{host}:0").parse().unwrap(), config).await.unwrap());
+        }
+        let decode = FakeVllm::start(FakeConfig::default()).await;
+        let refs: Vec<&FakeVllm> = prefills.iter().collect();
+        let proxy = TokenOnce::start(&shipped_kv_aware(&refs, &decode, dir.path(), (port, replay))).await;
+        for p in &refs {
+            proxy.wait_health("prefill", &p.host_port(), true).await;
+        }
+        send(&proxy, &refs, "bravo bravo").await; // earns the completions shape's trust
+        proxy.assert_reaches(r#"tokenonce_local_ids_trusted{pool="prefill",shape="completions"}"#, 1.0).await;
+        ShippedKvAware { _dir: dir, engines: [e1, e2], prefills, _decode: decode, proxy }
+    }
+}
+
 /// The shipped `conf/kv-aware.toml` runs as written but for its addresses: two prefill fakes
 /// on their own loopback addresses keep a prefix cache (blocks of the file's 32 tokens, hashed
 /// with its seed) and publish what they store as vLLM's KV events over ZeroMQ on one port,
@@ -264,39 +307,17 @@ fn shipped_kv_aware(prefills: &[&FakeVllm], decode: &FakeVllm, model: &std::path
 /// earlier turns are held (`source="events"`), and every published hash checks out.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_shipped_kv_aware_example_follows_the_engines_kv_events() {
-    use support::kv_engine::{KvEngine, KvEngineConfig};
-    let dir = tempfile::tempdir().unwrap();
-    write_local_model(dir.path());
-    let engine = KvEngineConfig {
-        seed: "0".into(),
-        block_size: 32,
-        capacity_blocks: 10_000,
-        per_uncached_token: Duration::ZERO,
-        per_request: Duration::ZERO,
-    };
-    let (e1, port, replay) = KvEngine::publishing(engine.clone(), "127.0.0.2", 0, 0, "kv").await;
-    let (e2, _, _) = KvEngine::publishing(engine, "127.0.0.3", port, replay, "kv").await;
-    let mut prefills = Vec::new();
-    for (host, e) in [("127.0.0.2", &e1), ("127.0.0.3", &e2)] {
-        let config = FakeConfig { kv_engine: Some(std::sync::Arc::clone(e)), ..FakeConfig::default() };
-        prefills.push(FakeVllm::start_at(format!("{host}:0").parse().unwrap(), config).await.unwrap());
-    }
-    let d = FakeVllm::start(FakeConfig::default()).await;
-    let prefills: Vec<&FakeVllm> = prefills.iter().collect();
-    let proxy = TokenOnce::start(&shipped_kv_aware(&prefills, &d, dir.path(), (port, replay))).await;
-    for p in &prefills {
-        proxy.wait_health("prefill", &p.host_port(), true).await;
-    }
-    send(&proxy, &prefills, "bravo bravo").await; // earns the completions shape's trust
-    proxy.assert_reaches(r#"tokenonce_local_ids_trusted{pool="prefill",shape="completions"}"#, 1.0).await;
+    let shipped = ShippedKvAware::start().await;
+    let ([e1, e2], proxy) = (&shipped.engines, &shipped.proxy);
+    let prefills: Vec<&FakeVllm> = shipped.prefills.iter().collect();
 
     let blocks = || (e1.blocks() + e2.blocks()) as f64;
     let mut turn = "alpha bravo ".repeat(20); // 40 tokens: one full block
-    let home = send(&proxy, &prefills, &turn).await;
+    let home = send(proxy, &prefills, &turn).await;
     for _ in 0..3 {
         proxy.assert_reaches(r#"tokenonce_kv_blocks{pool="prefill"}"#, blocks()).await;
         turn.push_str(&"bravo alpha alpha ".repeat(12));
-        assert_eq!(send(&proxy, &prefills, &turn).await, home, "every turn goes where its blocks are held");
+        assert_eq!(send(proxy, &prefills, &turn).await, home, "every turn goes where its blocks are held");
     }
     assert_eq!(proxy.metric(&choices("prefill", "events", "prefix")).await, 3.0);
     assert_eq!([&e1, &e2][home].blocks(), turn.split_whitespace().count() / 32);
@@ -378,39 +399,17 @@ async fn a_replay_left_unanswered_is_asked_again() {
 /// for blocks it no longer has.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_prefill_that_went_down_stops_attracting_its_conversations() {
-    use support::kv_engine::{KvEngine, KvEngineConfig};
-    let dir = tempfile::tempdir().unwrap();
-    write_local_model(dir.path());
-    let engine = KvEngineConfig {
-        seed: "0".into(),
-        block_size: 32,
-        capacity_blocks: 10_000,
-        per_uncached_token: Duration::ZERO,
-        per_request: Duration::ZERO,
-    };
-    let (e1, port, replay) = KvEngine::publishing(engine.clone(), "127.0.0.2", 0, 0, "kv").await;
-    let (e2, _, _) = KvEngine::publishing(engine, "127.0.0.3", port, replay, "kv").await;
-    let mut prefills = Vec::new();
-    for (host, e) in [("127.0.0.2", &e1), ("127.0.0.3", &e2)] {
-        let config = FakeConfig { kv_engine: Some(std::sync::Arc::clone(e)), ..FakeConfig::default() };
-        prefills.push(FakeVllm::start_at(format!("{host}:0").parse().unwrap(), config).await.unwrap());
-    }
-    let d = FakeVllm::start(FakeConfig::default()).await;
-    let prefills: Vec<&FakeVllm> = prefills.iter().collect();
-    let proxy = TokenOnce::start(&shipped_kv_aware(&prefills, &d, dir.path(), (port, replay))).await;
-    for p in &prefills {
-        proxy.wait_health("prefill", &p.host_port(), true).await;
-    }
-    send(&proxy, &prefills, "bravo bravo").await; // earns the completions shape's trust
-    proxy.assert_reaches(r#"tokenonce_local_ids_trusted{pool="prefill",shape="completions"}"#, 1.0).await;
+    let shipped = ShippedKvAware::start().await;
+    let ([e1, e2], proxy) = (&shipped.engines, &shipped.proxy);
+    let prefills: Vec<&FakeVllm> = shipped.prefills.iter().collect();
 
     let engines = [&e1, &e2];
     let blocks = || (e1.blocks() + e2.blocks()) as f64;
     let mut turn = "alpha bravo ".repeat(20); // 40 tokens: one full block
-    let home = send(&proxy, &prefills, &turn).await;
+    let home = send(proxy, &prefills, &turn).await;
     proxy.assert_reaches(r#"tokenonce_kv_blocks{pool="prefill"}"#, blocks()).await;
     turn.push_str(&"bravo alpha alpha ".repeat(12));
-    assert_eq!(send(&proxy, &prefills, &turn).await, home, "held there: the turn follows");
+    assert_eq!(send(proxy, &prefills, &turn).await, home, "held there: the turn follows");
     proxy.assert_reaches(r#"tokenonce_kv_blocks{pool="prefill"}"#, blocks()).await;
     assert_eq!(proxy.metric(&choices("prefill", "events", "prefix")).await, 1.0);
     let no_prefix = proxy.metric(&choices("prefill", "events", "no_prefix")).await;
@@ -425,7 +424,7 @@ async fn a_prefill_that_went_down_stops_attracting_its_conversations() {
     proxy.wait_health("prefill", &prefills[home].host_port(), true).await;
 
     turn.push_str(&"alpha alpha bravo ".repeat(12));
-    send(&proxy, &prefills, &turn).await;
+    send(proxy, &prefills, &turn).await;
     assert_eq!(proxy.metric(&choices("prefill", "events", "no_prefix")).await, no_prefix + 1.0, "held nowhere now");
     assert_eq!(proxy.metric(&choices("prefill", "events", "prefix")).await, 1.0, "not predicted at the old home");
     assert_eq!(proxy.metric(r#"tokenonce_kv_hash_checks_total{pool="prefill",result="mismatch"}"#).await, 0.0);
