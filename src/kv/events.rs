@@ -545,7 +545,7 @@ struct ReplayRetry {
 
 impl ReplayRetry {
     /// Notes how a replay went: a failure schedules (or backs off) the next ask, an answer
-    /// ends the retries. A live message that needed no replay changes nothing.
+    /// from the start ends the retries; none (a live message) changes nothing.
     fn after(&mut self, outcome: Option<Resync>) {
         match outcome {
             Some(Resync::Done) => self.next = None,
@@ -566,7 +566,9 @@ impl ReplayRetry {
     }
 }
 
-/// One live message; how its gap's replay went, if it had one.
+/// One live message; `Failed` when it showed a gap whose replay brought nothing. A gap's
+/// replay that answered says nothing of an earlier failed replay from the start (it covers
+/// only the gap), so it never ends those retries.
 async fn follow(
     shared: &Shared,
     slot: usize,
@@ -592,7 +594,7 @@ async fn follow(
             if sequencer.live(seq) == Step::Apply {
                 shared.apply(slot, &batch);
             }
-            return Some(outcome);
+            return (outcome == Resync::Failed).then_some(outcome);
         }
     }
     None
