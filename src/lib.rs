@@ -39,6 +39,7 @@ mod labels;
 pub mod addr;
 pub mod app;
 pub mod config;
+pub mod deadline;
 pub mod drain;
 
 /// What this binary is: its version and the build facts `build.rs` recorded, as

@@ -13,46 +13,74 @@ impl Event {
         &self.raw
     }
 
-    /// The `data` field: the event's `data:` lines joined with `\n` (one leading space after
-    /// the colon removed, as the SSE spec says); `None` for events without data (comments).
+    /// The `data` field: see [`data_of`].
     pub fn data(&self) -> Option<Vec<u8>> {
-        let mut data: Option<Vec<u8>> = None;
-        for line in lines(&self.raw) {
-            let Some(rest) = line.strip_prefix(b"data") else {
-                continue;
-            };
-            let value = match rest.first() {
-                None => &[][..],
-                Some(b':') => {
-                    let v = rest.get(1..).unwrap_or_default();
-                    v.strip_prefix(b" ").unwrap_or(v)
-                }
-                Some(_) => continue, // a field named e.g. "database", not "data"
-            };
-            match data.as_mut() {
-                Some(d) => {
-                    d.push(b'\n');
-                    d.extend_from_slice(value);
-                }
-                None => data = Some(value.to_vec()),
-            }
-        }
-        data
+        data_of(&self.raw)
+    }
+
+    /// The lines other than `data`: see [`other_lines_of`].
+    pub fn other_lines(&self) -> impl Iterator<Item = &[u8]> {
+        other_lines_of(&self.raw)
     }
 }
 
-impl Event {
-    /// The event's lines other than `data` (`event:`, `id:`, `retry:`, comments), in order,
-    /// without their line ends: what a rewrite of the data must keep (Responses streams name
-    /// every event, `event: response.completed`).
-    pub fn other_lines(&self) -> impl Iterator<Item = &[u8]> {
-        // A line of nothing but CRs carries no field, and written back with a LF it would
-        // read as the blank line that ends the event.
-        lines(&self.raw).filter(|line| {
-            line.iter().any(|&b| b != b'\r')
-                && line.strip_prefix(b"data").is_none_or(|rest| rest.first().is_some_and(|&b| b != b':'))
-        })
+/// The `data` field of the event `raw`: its `data:` lines joined with `\n` (one leading
+/// space after the colon removed, as the SSE spec says); `None` for events without data
+/// (comments).
+pub fn data_of(raw: &[u8]) -> Option<Vec<u8>> {
+    let mut data: Option<Vec<u8>> = None;
+    for line in lines(raw) {
+        let Some(rest) = line.strip_prefix(b"data") else {
+            continue;
+        };
+        let value = match rest.first() {
+            None => &[][..],
+            Some(b':') => {
+                let v = rest.get(1..).unwrap_or_default();
+                v.strip_prefix(b" ").unwrap_or(v)
+            }
+            Some(_) => continue, // a field named e.g. "database", not "data"
+        };
+        match data.as_mut() {
+            Some(d) => {
+                d.push(b'\n');
+                d.extend_from_slice(value);
+            }
+            None => data = Some(value.to_vec()),
+        }
     }
+    data
+}
+
+/// The lines of the event `raw` other than `data` (`event:`, `id:`, `retry:`, comments), in
+/// order, without their line ends: what a rewrite of the data must keep (Responses streams
+/// name every event, `event: response.completed`).
+pub fn other_lines_of(raw: &[u8]) -> impl Iterator<Item = &[u8]> {
+    // A line of nothing but CRs carries no field, and written back with a LF it would
+    // read as the blank line that ends the event.
+    lines(raw).filter(|line| {
+        line.iter().any(|&b| b != b'\r')
+            && line.strip_prefix(b"data").is_none_or(|rest| rest.first().is_some_and(|&b| b != b':'))
+    })
+}
+
+/// Finds the events in `data`, whose current line starts at `line_start`, looking for line
+/// ends from `from` (before it, none); hands each event to `each`. Returns where the last
+/// event ended (0: none did) and where the unfinished line starts. An event ends at a blank
+/// line (CR before its LF allowed); blank lines before an event's first field belong to it.
+fn scan_events(data: &[u8], mut line_start: usize, from: usize, each: &mut impl FnMut(&[u8])) -> (usize, usize) {
+    let mut event_start = 0;
+    for at in memchr::memchr_iter(b'\n', data.get(from..).unwrap_or_default()) {
+        let end = from + at;
+        let line = data.get(line_start..end).unwrap_or_default();
+        let blank = line.is_empty() || line == b"\r";
+        if blank && line_start > event_start {
+            each(data.get(event_start..=end).unwrap_or_default());
+            event_start = end + 1;
+        }
+        line_start = end + 1;
+    }
+    (event_start, line_start)
 }
 
 fn lines(raw: &[u8]) -> impl Iterator<Item = &[u8]> {
@@ -82,35 +110,28 @@ impl SseDecoder {
 
     /// Adds `chunk` and returns every event it completed, in order.
     pub fn feed(&mut self, chunk: &[u8]) -> Vec<Event> {
-        self.buf.extend_from_slice(chunk);
         let mut events = Vec::new();
-        let mut event_start = 0;
-        let mut i = self.scan;
-        while let Some(&b) = self.buf.get(i) {
-            match b {
-                b'\n' => {
-                    let line = self.buf.get(self.line_start..i).unwrap_or_default();
-                    let line = line.strip_suffix(b"\r").unwrap_or(line);
-                    if line.is_empty() && self.line_start > event_start {
-                        events.push(Event { raw: self.buf.get(event_start..=i).unwrap_or_default().to_vec() });
-                        event_start = i + 1;
-                    } else if line.is_empty() {
-                        // Blank line with no event before it: keep it as part of the next event.
-                    }
-                    self.line_start = i + 1;
-                }
-                b'\r' if self.buf.get(i + 1).is_none() => break, // maybe CRLF: wait for more
-                _ => {}
-            }
-            i += 1;
-        }
-        if event_start > 0 {
-            self.buf.drain(..event_start);
-            i -= event_start;
-            self.line_start -= event_start;
-        }
-        self.scan = i;
+        self.feed_each(chunk, |raw| events.push(Event { raw: raw.to_vec() }));
         events
+    }
+
+    /// Adds `chunk` and hands every event it completed to `each`, in order, as its raw bytes.
+    /// With nothing held back from earlier chunks the events are slices of `chunk` itself:
+    /// only an unfinished tail is copied, to wait for the rest.
+    pub fn feed_each(&mut self, chunk: &[u8], mut each: impl FnMut(&[u8])) {
+        if self.buf.is_empty() {
+            let (event_end, line_start) = scan_events(chunk, 0, 0, &mut each);
+            let tail = chunk.get(event_end..).unwrap_or_default();
+            self.buf.extend_from_slice(tail);
+            self.line_start = line_start - event_end;
+            self.scan = tail.len();
+            return;
+        }
+        self.buf.extend_from_slice(chunk);
+        let (event_end, line_start) = scan_events(&self.buf, self.line_start, self.scan, &mut each);
+        self.buf.drain(..event_end);
+        self.line_start = line_start - event_end;
+        self.scan = self.buf.len();
     }
 
     /// Ends the stream: `Ok` when nothing (or only blank lines) is left over.

@@ -483,3 +483,101 @@ async fn decode_follows_the_relayed_ids_not_the_messages() {
     assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["usage"]["prompt_tokens"], 3);
     assert_eq!(proxy.metric(r#"tokenonce_reused_prompt_tokens_total{route="pd"}"#).await, 3.0);
 }
+
+/// The SSE events of a streamed chat answer, as a decode engine writes them.
+const BURST_EVENTS: [&str; 5] = [
+    "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n",
+    "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"One\"}}]}\n\n",
+    "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\" two\"}}]}\n\n",
+    "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+    "data: [DONE]\n\n",
+];
+
+/// A raw decode engine answering every POST with [`BURST_EVENTS`], each its own HTTP chunk:
+/// the first `together` in one write, the rest in a second write 300 ms later.
+async fn bursting_decode(together: usize) -> String {
+    use tokio::io::AsyncWriteExt;
+    let serve = move |mut sock: tokio::net::TcpStream| async move {
+        // Bounded: one connection serves at most 10 requests.
+        for _ in 0..10 {
+            let Some(req) = fault_engine::read_request(&mut sock).await else { return };
+            if req.method != "POST" {
+                let body = "{\"version\":\"0.32.0\"}";
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                    body.len()
+                );
+                let _ = sock.write_all(format!("{head}{body}").as_bytes()).await;
+                continue;
+            }
+            let chunk = |e: &str| format!("{:x}\r\n{e}\r\n", e.len());
+            let mut first = String::from(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+            );
+            first.extend(BURST_EVENTS[..together].iter().map(|e| chunk(e)));
+            let mut second: String = BURST_EVENTS[together..].iter().map(|e| chunk(e)).collect();
+            second.push_str("0\r\n\r\n");
+            if sock.write_all(first.as_bytes()).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            if sock.write_all(second.as_bytes()).await.is_err() {
+                return;
+            }
+        }
+    };
+    raw_engine(20, serve).await
+}
+
+/// The data of each HTTP chunk of a raw chunked response (head skipped), in order.
+fn chunks_of(raw: &[u8]) -> Vec<String> {
+    let text = String::from_utf8_lossy(raw);
+    let (_, mut rest) = text.split_once("\r\n\r\n").unwrap();
+    let mut chunks = Vec::new();
+    // Bounded by the body's length: every pass consumes a chunk.
+    while let Some((size, after)) = rest.split_once("\r\n") {
+        let size = usize::from_str_radix(size, 16).unwrap();
+        if size == 0 {
+            break;
+        }
+        chunks.push(after[..size].to_owned());
+        rest = &after[size + 2..];
+    }
+    chunks
+}
+
+/// Posts a streamed chat request on a raw connection and reads the answer to its last chunk.
+async fn raw_stream(proxy: &TokenOnce) -> Vec<u8> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = chat_body("Count to two.", json!({"stream": true, "max_tokens": 4})).to_string();
+    let mut sock = tokio::net::TcpStream::connect(proxy.url.trim_start_matches("http://")).await.unwrap();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    sock.write_all(request.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 1 << 16];
+    let read_all = async {
+        while !got.ends_with(b"0\r\n\r\n") {
+            let n = sock.read(&mut buf).await.unwrap();
+            assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&got));
+            got.extend_from_slice(&buf[..n]);
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), read_all).await.unwrap();
+    got
+}
+
+/// Events that reach tokenonce in one read go to the client in one write (one HTTP chunk,
+/// not one per event: a send and a client wake-up each), and events that come apart are not
+/// held back to be joined: each burst is written when it arrives, with its exact bytes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_burst_of_engine_events_is_written_in_one_piece_and_nothing_waits_for_more() {
+    let [prefill] = fakes([FakeConfig::default()]).await;
+    let decode = bursting_decode(3).await;
+    let proxy = TokenOnce::start(&pools_config(&[prefill.host_port()], &[decode], "")).await;
+    let raw = raw_stream(&proxy).await;
+    let chunks = chunks_of(&raw);
+    assert_eq!(chunks, [BURST_EVENTS[..3].concat(), BURST_EVENTS[3..].concat()], "{}", String::from_utf8_lossy(&raw));
+}

@@ -3,11 +3,13 @@
 //! buffered only when its `cached_tokens` is rewritten), every read and write bounded.
 //! Failures are returned to the caller; `rescue::fail` is what answers them.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use pingora::http::ResponseHeader;
+use pingora::prelude::fast_timeout::fast_sleep;
 use pingora::proxy::Session;
 
 use super::error::ProxyError;
@@ -176,37 +178,36 @@ const SMALL_ANSWER: usize = 64 * 1024;
 pub const REWRITE_LIMIT: usize = 16 * 1024 * 1024;
 
 /// The stream idle timeout of one relayed answer: one timer for the whole answer, moved
-/// forward only when it fires early, instead of one armed and cancelled around every read
-/// (each a lock of the time driver, and a wake-up of the thread parked on it when no other
-/// timer is due sooner).
+/// forward only when it fires early, instead of one armed and cancelled around every read.
+/// It is pingora's fast timer (10 ms buckets), not tokio's: arming a tokio timer locks the
+/// time driver and, when no other timer is due sooner, wakes the thread parked on it.
 struct IdleWatch {
     limit: Duration,
     /// When the read now waiting (or the last one) started.
-    read_started: tokio::time::Instant,
-    timer: Pin<Box<tokio::time::Sleep>>,
+    read_started: Instant,
+    timer: Pin<Box<dyn Future<Output = ()> + Send>>,
 }
 
 impl IdleWatch {
     fn new(limit: Duration) -> Self {
-        let now = tokio::time::Instant::now();
-        Self { limit, read_started: now, timer: Box::pin(tokio::time::sleep_until(now + limit)) }
+        Self { limit, read_started: Instant::now(), timer: Box::pin(fast_sleep(limit)) }
     }
 
     /// A read starts now: it may wait `limit` from here.
     fn read_starts(&mut self) {
-        self.read_started = tokio::time::Instant::now();
+        self.read_started = Instant::now();
     }
 
     /// Resolves once the current read has waited `limit` (a timer armed for an earlier read
-    /// is pushed to this read's deadline when it fires).
+    /// is re-armed for what is left of this read's when it fires).
     async fn expired(&mut self) {
         loop {
             self.timer.as_mut().await;
-            let deadline = self.read_started + self.limit;
-            if tokio::time::Instant::now() >= deadline {
+            let left = (self.read_started + self.limit).saturating_duration_since(Instant::now());
+            if left.is_zero() {
                 return;
             }
-            self.timer.as_mut().reset(deadline);
+            self.timer = Box::pin(fast_sleep(left));
         }
     }
 }
@@ -402,7 +403,21 @@ async fn relay_stream(
             return Ok(());
         };
         let content_before = framing.content_events();
-        let out = framing.feed(&chunk);
+        let mut out = Vec::with_capacity(chunk.len());
+        framing.feed_into(&chunk, &mut out);
+        // The pieces that came with this read (an engine's burst of events, each its own
+        // HTTP chunk) go out in the same write: one send instead of one per event.
+        let mut broke = None;
+        while !framing.too_long() {
+            match exchange.read_buffered_body() {
+                Ok(Some(more)) => framing.feed_into(&more, &mut out),
+                Ok(None) => break,
+                Err(source) => {
+                    broke = Some(ProxyError::StreamBroken { leg, source });
+                    break;
+                }
+            }
+        }
         rec.answer.next_sequence = framing.next_sequence();
         rec.trace.usage(&out);
         if !out.is_empty() {
@@ -417,6 +432,11 @@ async fn relay_stream(
             }
             (1..content).for_each(|_| metrics.inter_token(api, Duration::ZERO));
             last_content = Some(now);
+        }
+        if let Some(e) = broke {
+            let dropped = framing.broken();
+            tracing::debug!(request_id = %info.request_id, dropped, "unfinished event of a broken stream dropped");
+            return Err(e);
         }
         if framing.too_long() {
             return Err(ProxyError::EventTooLarge { leg, limit });

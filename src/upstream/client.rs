@@ -256,6 +256,15 @@ impl Exchange {
     pub async fn read_body(&mut self) -> Result<Option<Bytes>, UpstreamError> {
         self.conn.read_body(&mut self.answer).await.map_err(|e| UpstreamError::wire(&self.addr, &e))
     }
+
+    /// The next piece of the body if it arrived with the last read (`None`: wait with
+    /// [`Self::read_body`]); pieces read together can then be written together.
+    ///
+    /// # Errors
+    /// [`UpstreamError::Io`] when the framing is broken.
+    pub fn read_buffered_body(&mut self) -> Result<Option<Bytes>, UpstreamError> {
+        self.conn.buffered_body(&mut self.answer).map_err(|e| UpstreamError::wire(&self.addr, &e))
+    }
 }
 
 /// What an idle connection is kept under: pingora's reuse hash of its peer (address, scheme,

@@ -275,6 +275,19 @@ impl Conn {
         }
     }
 
+    /// The next piece of the body if it is already read (no wait, no read of the socket);
+    /// `None` when the next one must be read, or the body ended ([`Self::read_body`] then
+    /// says which, without a read at the end).
+    ///
+    /// # Errors
+    /// [`WireError::Malformed`] on bad chunk framing.
+    pub fn buffered_body(&mut self, answer: &mut Answer) -> Result<Option<Bytes>, WireError> {
+        match body_step(&mut answer.framing, &mut self.buf)? {
+            Step::Piece(piece) => Ok(Some(piece)),
+            Step::More | Step::End => Ok(None),
+        }
+    }
+
     /// The whole body, at most `limit` bytes; `Ok(None)`: it is over `limit`. A declared
     /// length over `limit` is refused before reading; the buffer grows with the bytes that
     /// arrive, never from the declared length (an engine cannot make us reserve memory by

@@ -165,8 +165,7 @@ impl LegClient<'_> {
         deadline: tokio::time::Instant,
         work: impl Future<Output = T>,
     ) -> Option<T> {
-        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let result = pingora::prelude::fast_timeout::fast_timeout(left, work).await.ok();
+        let result = crate::before_deadline!(deadline, work);
         if result.is_none() {
             self.failed(leg, endpoint, ErrorKind::Timeout);
         }

@@ -4,7 +4,7 @@
 
 use super::rewrite::rewrite_usage_cached;
 use crate::openai::Api;
-use crate::sse::{Event, SseDecoder};
+use crate::sse::{data_of, other_lines_of, SseDecoder};
 
 fn is_json_ws(b: u8) -> bool {
     matches!(b, b' ' | b'\t' | b'\n' | b'\r')
@@ -26,11 +26,9 @@ impl<F: FnMut(&str) -> Option<Vec<u8>>> SseRewriter<F> {
 
     /// Feeds upstream bytes; returns the bytes ready for the client (possibly empty).
     pub fn feed(&mut self, chunk: &[u8]) -> Vec<u8> {
-        let events = self.decoder.feed(chunk);
         let mut out = Vec::with_capacity(chunk.len() + 64);
-        for event in events {
-            emit(&event, &mut self.rewrite, &mut out);
-        }
+        let rewrite = &mut self.rewrite;
+        self.decoder.feed_each(chunk, |raw| emit(raw, rewrite, &mut out));
         out
     }
 
@@ -48,18 +46,19 @@ fn may_hold_usage(raw: &[u8]) -> bool {
     memchr::memmem::find(raw, b"usage").is_some() || memchr::memmem::find(raw, b"\\u").is_some()
 }
 
-/// Appends `event` to `out`: `rewrite`'s version of its JSON data, else its exact bytes.
-fn emit(event: &Event, rewrite: &mut impl FnMut(&str) -> Option<Vec<u8>>, out: &mut Vec<u8>) {
-    let rewritten = Some(event)
-        .filter(|e| may_hold_usage(e.raw()))
-        .and_then(Event::data)
+/// Appends the event `raw` to `out`: `rewrite`'s version of its JSON data, else its exact
+/// bytes.
+fn emit(raw: &[u8], rewrite: &mut impl FnMut(&str) -> Option<Vec<u8>>, out: &mut Vec<u8>) {
+    let rewritten = Some(raw)
+        .filter(|raw| may_hold_usage(raw))
+        .and_then(data_of)
         .filter(|d| d.iter().find(|b| !is_json_ws(**b)) == Some(&b'{'))
         .and_then(|d| String::from_utf8(d).ok())
         .and_then(|d| rewrite(&d));
     match rewritten {
         Some(data) => {
             // The event's other fields first (`event: response.completed` names the event).
-            for line in event.other_lines() {
+            for line in other_lines_of(raw) {
                 out.extend_from_slice(line);
                 // A line read as ending in CR came with CRLF after it: written back with a
                 // bare LF it would lose that CR and read as another field.
@@ -71,7 +70,7 @@ fn emit(event: &Event, rewrite: &mut impl FnMut(&str) -> Option<Vec<u8>>, out: &
             out.extend(data.iter().map(|&b| if b == b'\n' || b == b'\r' { b' ' } else { b }));
             out.extend_from_slice(b"\n\n");
         }
-        None => out.extend_from_slice(event.raw()),
+        None => out.extend_from_slice(raw),
     }
 }
 
@@ -183,25 +182,32 @@ impl StreamFraming {
     /// Feeds engine bytes; returns the complete events among them (possibly none), up to
     /// the first one over the limit.
     pub fn feed(&mut self, chunk: &[u8]) -> Vec<u8> {
-        let events = self.decoder.feed(chunk);
         let mut out = Vec::with_capacity(chunk.len());
-        for event in &events {
-            if self.overlong || event.raw().len() > self.max_event {
-                self.overlong = true;
-                break;
-            }
-            match self.cached_tokens {
-                Some(n) => emit(event, &mut |d: &str| rewrite_usage_cached(self.api, d, n), &mut out),
-                None => out.extend_from_slice(event.raw()),
-            }
-            if self.api == Api::Responses {
-                self.next_sequence = sequence_number(event.raw()).map_or(self.next_sequence + 1, |n| n + 1);
-            }
-            if carries_content(self.api, event.raw()) {
-                self.content_events += 1;
-            }
-        }
+        self.feed_into(chunk, &mut out);
         out
+    }
+
+    /// [`Self::feed`], appending to `out` (several engine reads framed into one write).
+    pub fn feed_into(&mut self, chunk: &[u8], out: &mut Vec<u8>) {
+        let Self { decoder, cached_tokens, api, max_event, overlong, next_sequence, content_events } = self;
+        let (api, max_event) = (*api, *max_event);
+        decoder.feed_each(chunk, |raw| {
+            // Every event after one over the limit is dropped too.
+            if *overlong || raw.len() > max_event {
+                *overlong = true;
+                return;
+            }
+            match *cached_tokens {
+                Some(n) => emit(raw, &mut |d: &str| rewrite_usage_cached(api, d, n), out),
+                None => out.extend_from_slice(raw),
+            }
+            if api == Api::Responses {
+                *next_sequence = sequence_number(raw).map_or(*next_sequence + 1, |n| n + 1);
+            }
+            if carries_content(api, raw) {
+                *content_events += 1;
+            }
+        });
     }
 
     /// How many of the events passed so far carry generated content ([`carries_content`]).
