@@ -14,13 +14,14 @@ use super::ids::count_compact;
 /// One cut: where its `[]` sits in the rest, the ids it stands for and their count.
 struct Cut<'a> {
     at: usize,
-    ids: &'a str,
+    ids: &'a [u8],
     count: usize,
 }
 
 /// Ids that a cut stood for, validated and counted.
 pub(crate) struct CutIds<'a> {
-    pub(crate) raw: &'a str,
+    /// The array's text, validated: ASCII digits, commas and brackets.
+    pub(crate) raw: &'a [u8],
     pub(crate) count: usize,
 }
 
@@ -47,8 +48,8 @@ impl<'a> CutAnswer<'a> {
             let end = open + close + 1;
             let Some(array) = body.get(open..end) else { break };
             let Some(count) = count_compact(array, vocab) else { continue };
-            // Validated as ASCII digits, commas and brackets: never fails.
-            let Ok(ids) = std::str::from_utf8(array) else { continue };
+            // Validated as ASCII digits, commas and brackets (no UTF-8 check over 232 KB at 37k).
+            let ids = array;
             if rest.capacity() == 0 {
                 rest.reserve(body.len().saturating_sub(array.len()) + 64);
             }
@@ -109,7 +110,7 @@ mod tests {
         let cut = CutAnswer::new(body, KEY, None).unwrap();
         assert_eq!(cut.rest(), br#"{"a":1,"prompt_token_ids":[],"kv":{"x":[1]}}"#);
         let ids = cut.ids_of(value(cut.rest(), "prompt_token_ids")).unwrap();
-        assert_eq!((ids.raw, ids.count), ("[5,6,7]", 3));
+        assert_eq!((ids.raw, ids.count), (&b"[5,6,7]"[..], 3));
         assert!(!cut.spans_a_cut(value(cut.rest(), "kv").get()));
         assert!(cut.spans_a_cut(std::str::from_utf8(cut.rest()).unwrap()), "the whole rest holds the cut");
         assert!(!cut.spans_a_cut("[]"), "a text from elsewhere holds no cut");
@@ -140,13 +141,13 @@ mod tests {
         let body = br#"{"kv":{"prompt_token_ids":[9,9]},"prompt_token_ids":[1,2]}"#;
         let cut = CutAnswer::new(body, KEY, None).unwrap();
         let top = cut.ids_of(value(cut.rest(), "prompt_token_ids")).unwrap();
-        assert_eq!((top.raw, top.count), ("[1,2]", 2));
+        assert_eq!((top.raw, top.count), (&b"[1,2]"[..], 2));
         assert!(cut.spans_a_cut(value(cut.rest(), "kv").get()));
         assert!(cut.ids_of(value(cut.rest(), "kv")).is_none());
         // A string that merely contains the key's text is never cut (its quotes are escaped).
         let body = br#"{"note":"\"prompt_token_ids\":[1]","prompt_token_ids":[3]}"#;
         let cut = CutAnswer::new(body, KEY, None).unwrap();
-        assert_eq!(cut.ids_of(value(cut.rest(), "prompt_token_ids")).unwrap().raw, "[3]");
+        assert_eq!(cut.ids_of(value(cut.rest(), "prompt_token_ids")).unwrap().raw, b"[3]");
         assert_eq!(value(cut.rest(), "note").get(), r#""\"prompt_token_ids\":[1]""#);
     }
 }

@@ -68,13 +68,14 @@ impl PromptIds {
     /// Ids whose text `raw` a scanner already validated and counted (`count`); checks the
     /// count against `expected`.
     pub(crate) fn counted(raw: &str, count: usize, expected: Option<u64>) -> Result<Self, IdsError> {
-        Self::counted_in(None, raw, count, expected)
+        Self::counted_in(None, raw.as_bytes(), count, expected)
     }
 
     /// [`Self::counted`], keeping `raw` as a slice of `source` (no copy) when it lies inside.
+    /// `raw` is the validated array text (ASCII: digits, commas, brackets, JSON whitespace).
     pub(crate) fn counted_in(
         source: Option<&Bytes>,
-        raw: &str,
+        raw: &[u8],
         count: usize,
         expected: Option<u64>,
     ) -> Result<Self, IdsError> {
@@ -86,9 +87,9 @@ impl PromptIds {
                 return Err(IdsError::CountMismatch { count, expected });
             }
         }
-        let raw = match source.filter(|s| lies_inside(s, raw.as_bytes())) {
-            Some(source) => source.slice_ref(raw.as_bytes()),
-            None => Bytes::copy_from_slice(raw.as_bytes()),
+        let raw = match source.filter(|s| lies_inside(s, raw)) {
+            Some(source) => source.slice_ref(raw),
+            None => Bytes::copy_from_slice(raw),
         };
         Ok(Self { raw, count })
     }
