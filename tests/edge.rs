@@ -79,6 +79,33 @@ async fn content_length_with_chunked_cannot_smuggle_a_request() {
     assert!(d.posts().iter().chain(&p.posts()).all(|r| r.path == "/v1/chat/completions"));
 }
 
+/// A body that comes in several chunked pieces is put back together whole: both legs get the
+/// client's messages byte for byte (the first piece alone is kept without a copy; a second one
+/// starts the buffer).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_body_in_several_pieces_reaches_both_legs_whole() {
+    let (p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
+    let body = serde_json::to_string(&chat_body(&"alpha bravo ".repeat(200), json!({}))).unwrap();
+    let (a, rest) = body.split_at(7);
+    let (b, c) = rest.split_at(rest.len() / 2);
+    let chunks: String = [a, b, c].iter().map(|piece| format!("{:x}\r\n{piece}\r\n", piece.len())).collect();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n{chunks}0\r\n\r\n"
+    );
+    let response = tokio::task::spawn_blocking({
+        let url = proxy.url.clone();
+        move || raw_exchange(&url, request.as_bytes())
+    })
+    .await
+    .unwrap();
+    assert_eq!(status_of(&response), 200, "{response}");
+    let sent: serde_json::Value = serde_json::from_str(&body).unwrap();
+    for leg in [p.posts(), d.posts()] {
+        assert_eq!(leg.len(), 1);
+        assert!(leg[0].text().contains(&serde_json::to_string(&sent["messages"]).unwrap()), "{}", leg[0].text());
+    }
+}
+
 /// Two different Content-Length values: refused, nothing sent upstream.
 #[tokio::test(flavor = "multi_thread")]
 async fn conflicting_content_lengths_are_refused() {

@@ -39,15 +39,18 @@ impl<'a> CutAnswer<'a> {
         let mut rest = Vec::new();
         let mut cuts = Vec::new();
         let mut copied = 0usize;
-        for found in memchr::memmem::find_iter(body, key) {
+        // Each search starts past the last array read (no scan of a cut array's ids for the
+        // key: a compact array cannot hold it) or past the last key's `[`.
+        let finder = memchr::memmem::Finder::new(key);
+        let mut from = 0usize;
+        while let Some(found) = body.get(from..).and_then(|tail| finder.find(tail)).map(|at| at + from) {
             let open = found + key.len() - 1;
-            if open < copied {
-                continue;
-            }
+            from = open + 1;
             let Some(close) = body.get(open..).and_then(|tail| memchr::memchr(b']', tail)) else { break };
             let end = open + close + 1;
             let Some(array) = body.get(open..end) else { break };
             let Some(count) = count_compact(array, vocab) else { continue };
+            from = end;
             // Validated as ASCII digits, commas and brackets (no UTF-8 check over 232 KB at 37k).
             let ids = array;
             if rest.capacity() == 0 {
@@ -96,6 +99,7 @@ impl<'a> CutAnswer<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::{prop_assert, prop_assert_eq, Just};
 
     const KEY: &[u8] = b"\"prompt_token_ids\":[";
 
@@ -149,5 +153,57 @@ mod tests {
         let cut = CutAnswer::new(body, KEY, None).unwrap();
         assert_eq!(cut.ids_of(value(cut.rest(), "prompt_token_ids")).unwrap().raw, b"[3]");
         assert_eq!(value(cut.rest(), "note").get(), r#""\"prompt_token_ids\":[1]""#);
+    }
+
+    /// The rest with each cut's `[]` replaced by its ids, back in order.
+    fn rejoined(cut: &CutAnswer<'_>) -> Vec<u8> {
+        let (mut whole, mut copied) = (Vec::new(), 0);
+        for c in &cut.cuts {
+            whole.extend_from_slice(&cut.rest[copied..c.at]);
+            whole.extend_from_slice(c.ids);
+            copied = c.at + 2;
+        }
+        whole.extend_from_slice(&cut.rest[copied..]);
+        whole
+    }
+
+    proptest::proptest! {
+        /// Whatever the body, the cuts put back give it byte for byte, and the arrays cut are
+        /// exactly the compact arrays that follow the key.
+        #[test]
+        fn cuts_rejoin_to_the_body_and_miss_no_array(parts in proptest::collection::vec(
+            proptest::prop_oneof![
+                "\"prompt_token_ids\":\\[[1-9][0-9]{0,3}(,[0-9]{1,4}){0,4}\\]",
+                Just("\"prompt_token_ids\":[".to_owned()),
+                Just("\"prompt_token_ids\":".to_owned()),
+                "[0-9,]{0,12}",
+                Just("]".to_owned()),
+                Just("[".to_owned()),
+                "[a-z\" :{}]{0,6}",
+            ],
+            0..16,
+        )) {
+            let body = parts.concat().into_bytes();
+            let expected: Vec<usize> = body
+                .windows(KEY.len())
+                .enumerate()
+                .filter(|(_, w)| *w == KEY)
+                .map(|(at, _)| at + KEY.len() - 1)
+                .filter(|&open| {
+                    let array = memchr::memchr(b']', &body[open..]).map(|c| &body[open..=open + c]);
+                    array.and_then(|a| count_compact(a, None)).is_some()
+                })
+                .collect();
+            let Some(cut) = CutAnswer::new(&body, KEY, None) else {
+                prop_assert!(expected.is_empty());
+                return Ok(());
+            };
+            prop_assert_eq!(rejoined(&cut), body.clone());
+            let found: Vec<usize> = cut.cuts.iter().map(|c| c.ids.as_ptr() as usize - body.as_ptr() as usize).collect();
+            prop_assert_eq!(found, expected);
+            for c in &cut.cuts {
+                prop_assert_eq!(count_compact(c.ids, None), Some(c.count));
+            }
+        }
     }
 }

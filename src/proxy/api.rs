@@ -31,12 +31,24 @@ async fn read_body_unbounded(session: &mut Session, limit: usize) -> Result<Byte
     super::edge::continue_if_expected(session)
         .await
         .map_err(|e| ApiError::invalid(format!("reading the body failed: {}", e.etype().as_str()), None))?;
-    let mut body = BytesMut::with_capacity(declared.unwrap_or(0).min(BODY_RESERVE));
+    // A body that arrives in one piece (most: pingora reads up to 64 KiB at once) is kept as
+    // that piece; a buffer and a copy only when a second one comes.
+    let mut first: Option<Bytes> = None;
+    let mut body = BytesMut::new();
     loop {
         match session.read_request_body().await {
-            Ok(Some(chunk)) if body.len() + chunk.len() > limit => return Err(ApiError::BodyTooLarge { limit }),
-            Ok(Some(chunk)) => append_within(&mut body, &chunk, declared),
-            Ok(None) => return Ok(body.freeze()),
+            Ok(Some(chunk)) if body.len() + first.as_ref().map_or(0, Bytes::len) + chunk.len() > limit => {
+                return Err(ApiError::BodyTooLarge { limit })
+            }
+            Ok(Some(chunk)) if first.is_none() && body.is_empty() => first = Some(chunk),
+            Ok(Some(chunk)) => {
+                if let Some(first) = first.take() {
+                    body.reserve(declared.unwrap_or(0).min(BODY_RESERVE));
+                    append_within(&mut body, &first, declared);
+                }
+                append_within(&mut body, &chunk, declared);
+            }
+            Ok(None) => return Ok(first.unwrap_or_else(|| body.freeze())),
             Err(e) => return Err(ApiError::invalid(format!("reading the body failed: {}", e.etype().as_str()), None)),
         }
     }

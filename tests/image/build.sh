@@ -8,7 +8,7 @@
 #   bash tests/image/build.sh          # image localhost/tokenonce:dev, ~/.cache/tokenonce-image/tokenonce.oci.tar
 #
 # TOKENONCE_BIN=path     use this binary instead of `cargo build --release` (no build; CI
-#                        passes tier 1's dev build: a release build is 13-24 min cold here)
+#                        passes tier 1's dev build: a release build is ~17 min cold here)
 # TOKENONCE_IMAGE_DEBUG  CARGO_PROFILE_RELEASE_DEBUG of that build (default 0: no debug info)
 # TOKENONCE_IMAGE_TAG    image name (default localhost/tokenonce:dev)
 # TOKENONCE_IMAGE_DIR    work and output folder (default ~/.cache/tokenonce-image)
