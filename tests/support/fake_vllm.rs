@@ -371,6 +371,9 @@ fn ids_json(ids: &[u64]) -> String {
     serde_json::to_string(ids).unwrap()
 }
 
+/// The accept backlog uvicorn (so vLLM) listens with.
+const UVICORN_BACKLOG: u32 = 2048;
+
 impl FakeVllm {
     /// Starts a fake on an ephemeral loopback port.
     pub async fn start(config: FakeConfig) -> Self {
@@ -381,7 +384,14 @@ impl FakeVllm {
     /// DNS name serve one port on their own addresses; `None` when `at` is taken.
     pub async fn start_at(at: std::net::SocketAddr, config: FakeConfig) -> Option<Self> {
         let shared = Arc::new(Shared { config: Mutex::new(config), ..Default::default() });
-        let listener = tokio::net::TcpListener::bind(at).await.ok()?;
+        // Uvicorn's accept backlog (2048, what vLLM listens with), not mio's 128: a burst of
+        // connects (a proxy whose pooled connections idled out, at 256 clients) overflowed 128
+        // and waited out a 1 s SYN retransmission.
+        let socket =
+            if at.is_ipv4() { tokio::net::TcpSocket::new_v4() } else { tokio::net::TcpSocket::new_v6() }.ok()?;
+        socket.set_reuseaddr(true).ok()?;
+        socket.bind(at).ok()?;
+        let listener = socket.listen(UVICORN_BACKLOG).ok()?;
         let addr = listener.local_addr().unwrap();
         let app = axum::Router::new().fallback(handle).with_state(Arc::clone(&shared));
         tokio::spawn(async move {
