@@ -30,6 +30,12 @@ fn raw_exchange(url: &str, request: &[u8]) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// [`raw_exchange`] off the test's runtime (its reads block).
+async fn exchange(url: &str, request: impl Into<Vec<u8>>) -> String {
+    let (url, request) = (url.to_owned(), request.into());
+    tokio::task::spawn_blocking(move || raw_exchange(&url, &request)).await.unwrap()
+}
+
 fn status_of(response: &str) -> u16 {
     response.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0)
 }
@@ -66,12 +72,7 @@ async fn content_length_with_chunked_cannot_smuggle_a_request() {
         "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n{smuggled}",
         body.len()
     );
-    let response = tokio::task::spawn_blocking({
-        let url = proxy.url.clone();
-        move || raw_exchange(&url, request.as_bytes())
-    })
-    .await
-    .unwrap();
+    let response = exchange(&proxy.url, request).await;
     assert_eq!(status_of(&response), 200, "{response}");
     assert_eq!(response.matches("HTTP/1.1 ").count(), 1, "one answer, then the connection closes: {response}");
     assert_eq!(p.posts().len(), 1);
@@ -92,12 +93,7 @@ async fn a_body_in_several_pieces_reaches_both_legs_whole() {
     let request = format!(
         "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n{chunks}0\r\n\r\n"
     );
-    let response = tokio::task::spawn_blocking({
-        let url = proxy.url.clone();
-        move || raw_exchange(&url, request.as_bytes())
-    })
-    .await
-    .unwrap();
+    let response = exchange(&proxy.url, request).await;
     assert_eq!(status_of(&response), 200, "{response}");
     let sent: serde_json::Value = serde_json::from_str(&body).unwrap();
     for leg in [p.posts(), d.posts()] {
@@ -112,12 +108,7 @@ async fn conflicting_content_lengths_are_refused() {
     let (p, d, proxy) = pd_setup(FakeConfig::default(), FakeConfig::default(), "").await;
     let request =
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}".to_vec();
-    let response = tokio::task::spawn_blocking({
-        let url = proxy.url.clone();
-        move || raw_exchange(&url, &request)
-    })
-    .await
-    .unwrap();
+    let response = exchange(&proxy.url, request).await;
     let status = status_of(&response);
     assert!(status == 400 || (status == 0 && response.is_empty()), "refused or closed: {response}");
     assert!(p.posts().is_empty() && d.posts().is_empty());
@@ -156,18 +147,12 @@ async fn a_stalled_body_is_408_at_the_deadline() {
     let settings = support::Settings { server_extra: "body_read_timeout_ms = 300\n".into(), ..Default::default() };
     let proxy = support::TokenOnce::start_with(&support::pd_config(&p, &d, ""), &settings).await;
     let started = std::time::Instant::now();
-    let response = tokio::task::spawn_blocking({
-        let url = proxy.url.clone();
-        move || {
-            // 100 bytes announced, 10 sent, then silence (the connection stays open).
-            raw_exchange(
-                &url,
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\":",
-            )
-        }
-    })
-    .await
-    .unwrap();
+    // 100 bytes announced, 10 sent, then silence (the connection stays open).
+    let response = exchange(
+        &proxy.url,
+        &b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\":"[..],
+    )
+    .await;
     assert_eq!(status_of(&response), 408, "{response}");
     assert!(response.contains("request_timeout"), "{response}");
     assert!(started.elapsed() < Duration::from_secs(4), "cut at the deadline, not by the client");
