@@ -9,7 +9,7 @@
 
 use serde_json::value::RawValue;
 
-use super::ids::count_compact;
+use super::ids::compact_array_at;
 
 /// One cut: where its `[]` sits in the rest, the ids it stands for and their count.
 struct Cut<'a> {
@@ -46,10 +46,9 @@ impl<'a> CutAnswer<'a> {
         while let Some(found) = body.get(from..).and_then(|tail| finder.find(tail)).map(|at| at + from) {
             let open = found + key.len() - 1;
             from = open + 1;
-            let Some(close) = body.get(open..).and_then(|tail| memchr::memchr(b']', tail)) else { break };
-            let end = open + close + 1;
+            let Some((len, count)) = body.get(open..).and_then(|tail| compact_array_at(tail, vocab)) else { continue };
+            let end = open + len;
             let Some(array) = body.get(open..end) else { break };
-            let Some(count) = count_compact(array, vocab) else { continue };
             from = end;
             // Validated as ASCII digits, commas and brackets (no UTF-8 check over 232 KB at 37k).
             let ids = array;
@@ -99,6 +98,7 @@ impl<'a> CutAnswer<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::openai::ids::count_compact;
     use proptest::prelude::{prop_assert, prop_assert_eq, Just};
 
     const KEY: &[u8] = b"\"prompt_token_ids\":[";
