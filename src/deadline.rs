@@ -5,27 +5,27 @@
 use std::future::Future;
 use std::time::Duration;
 
+use futures_util::future::{Either, FutureExt};
+
 /// The longest wait put on pingora's fast timer at once: past it, pingora's `fast_timeout`
 /// would arm a tokio timer instead (the non-streamed decode's 30 min deadline did, on every
 /// request: a lock of the time driver and a wake-up of the thread parked on it).
 pub const FAST_TIMER_SLICE: Duration = pingora::prelude::fast_timeout::DEFAULT_FAST_TIMEOUT_TO_TOKIO_THRESHOLD;
 
 /// `work`'s output, or `None` once `deadline` passes first, on pingora's fast timer: at
-/// most [`FAST_TIMER_SLICE`] ahead, as pingora's `fast_timeout` takes it. Past that, pass the
-/// work boxed to [`in_slices`] (a macro, not a function taking `work`: an async fn holding
-/// `work` as its argument and again inside the timeout doubles the size of the future, which
-/// in a debug build overflowed the stack).
-#[macro_export]
-macro_rules! before_deadline {
-    ($deadline:expr, $work:expr) => {{
-        let deadline: tokio::time::Instant = $deadline;
-        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        if left <= $crate::deadline::FAST_TIMER_SLICE {
-            pingora::prelude::fast_timeout::fast_timeout(left, $work).await.ok()
-        } else {
-            $crate::deadline::in_slices(deadline, $crate::deadline::FAST_TIMER_SLICE, Box::pin($work)).await
-        }
-    }};
+/// most [`FAST_TIMER_SLICE`] ahead at once, as pingora's `fast_timeout` takes it; a longer
+/// deadline is waited in slices ([`in_slices`], `work` boxed).
+///
+/// A plain function, not an async one: an async fn holds `work` as its argument and again
+/// inside the timeout, which doubled the size of every leg's future (copied at each await
+/// up the chain; in a debug build it overflowed the stack).
+pub fn before<F: Future>(deadline: tokio::time::Instant, work: F) -> impl Future<Output = Option<F::Output>> {
+    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+    if left <= FAST_TIMER_SLICE {
+        Either::Left(pingora::prelude::fast_timeout::fast_timeout(left, work).map(Result::ok))
+    } else {
+        Either::Right(in_slices(deadline, FAST_TIMER_SLICE, Box::pin(work)))
+    }
 }
 
 /// `work`'s output, or `None` once `deadline` passes first: waited on pingora's fast timer in
@@ -59,7 +59,7 @@ mod tests {
             tokio::task::yield_now().await;
             7
         };
-        assert_eq!(crate::before_deadline!(deadline, work), Some(7));
+        assert_eq!(before(deadline, work).await, Some(7));
     }
 
     #[tokio::test]

@@ -19,7 +19,8 @@ use crate::upstream;
 /// Reads the whole request body within `deadline`, refusing more than `limit` bytes.
 async fn read_body(session: &mut Session, limit: usize, deadline: Duration) -> Result<Bytes, ApiError> {
     let ms = u64::try_from(deadline.as_millis()).unwrap_or(u64::MAX);
-    crate::before_deadline!(tokio::time::Instant::now() + deadline, read_body_unbounded(session, limit))
+    crate::deadline::before(tokio::time::Instant::now() + deadline, read_body_unbounded(session, limit))
+        .await
         .unwrap_or(Err(ApiError::RequestTimeout(ms)))
 }
 

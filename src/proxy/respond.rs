@@ -340,7 +340,8 @@ async fn relay_buffered(
             Some(chunk) if body.len() + chunk.len() > REWRITE_LIMIT => {
                 tracing::info!(request_id = %info.request_id, limit = REWRITE_LIMIT, "answer too large to rewrite: relayed as is");
                 body.extend_from_slice(&chunk);
-                return relay_through(session, info, rec, exchange, head, body.freeze(), leg).await;
+                // Boxed: this rare path would otherwise size every buffered answer's future.
+                return Box::pin(relay_through(session, info, rec, exchange, head, body.freeze(), leg)).await;
             }
             Some(chunk) => body.extend_from_slice(&chunk),
             None => break,

@@ -450,7 +450,9 @@ impl UpstreamClient {
         if let Some(conn) = (!fresh).then(|| self.idle.take(key, self.idle_timeout)).flatten() {
             return Ok((conn, true));
         }
-        self.connector.new_stream(peer).await.map(|io| (Conn::new(io), false))
+        // Boxed: pingora's dial (TCP, TLS) is a ~2 KB future that every leg's future would
+        // otherwise carry, and copy at each await up the chain, though most legs are pooled.
+        Box::pin(self.connector.new_stream(peer)).await.map(|io| (Conn::new(io), false))
     }
 
     /// One attempt: connect (or take a pooled connection), write the request, read the

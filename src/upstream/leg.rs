@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::FutureExt;
 use pingora::http::RequestHeader;
 
 use super::pool::PromptKey;
@@ -158,18 +159,20 @@ impl LegClient<'_> {
     /// The deadline is pingora's fast timer (10 ms buckets, armed only if `work` waits), as
     /// pingora's own session timeouts are: arming a tokio timer locks the time driver and,
     /// when no other timer is due sooner, wakes the thread parked on it, once per leg.
-    pub async fn before<T>(
-        &self,
+    pub fn before<'a, T>(
+        &'a self,
         leg: Leg,
-        endpoint: &Picked,
+        endpoint: &'a Picked,
         deadline: tokio::time::Instant,
-        work: impl Future<Output = T>,
-    ) -> Option<T> {
-        let result = crate::before_deadline!(deadline, work);
-        if result.is_none() {
-            self.failed(leg, endpoint, ErrorKind::Timeout);
-        }
-        result
+        work: impl Future<Output = T> + 'a,
+    ) -> impl Future<Output = Option<T>> + 'a {
+        // A combinator, not an async block: one awaiting `work` would hold it twice.
+        crate::deadline::before(deadline, work).map(move |result| {
+            if result.is_none() {
+                self.failed(leg, endpoint, ErrorKind::Timeout);
+            }
+            result
+        })
     }
 
     /// The next endpoint `failover` allows, counted and logged as a prefill failover; `None`
