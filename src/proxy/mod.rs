@@ -228,7 +228,7 @@ impl ProxyHttp for Proxy {
         let header = session.req_header();
         ctx.info.request_id = header
             .headers
-            .get("x-request-id")
+            .get(crate::upstream::REQUEST_ID_HEADER)
             .and_then(|v| v.to_str().ok())
             .filter(|v| !v.is_empty())
             .map_or_else(|| uuid::Uuid::new_v4().simple().to_string(), str::to_owned);

@@ -8,6 +8,7 @@ use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use pingora::http::ResponseHeader;
 use pingora::prelude::fast_timeout::fast_sleep;
 use pingora::proxy::Session;
@@ -18,7 +19,7 @@ use crate::metrics::{Leg, Outcome, Stage, TimeoutStage};
 use crate::openai::response::{rewrite_usage_cached, StreamFraming};
 use crate::openai::Api;
 use crate::upstream::client::DROPPED_RESPONSE_HEADERS;
-use crate::upstream::Exchange;
+use crate::upstream::{Exchange, REQUEST_ID_HEADER};
 
 /// Waits until the client has gone (FIN or reset while we have nothing to read).
 pub async fn client_gone(session: &mut Session) {
@@ -69,8 +70,8 @@ pub fn client_head(upstream: &ResponseHeader, request_id: &str) -> Option<Respon
             head.append_header(name.clone(), value.clone()).ok()?;
         }
     }
-    if head.headers.get("x-request-id").is_none() {
-        head.insert_header("x-request-id", request_id).ok()?;
+    if head.headers.get(REQUEST_ID_HEADER).is_none() {
+        head.insert_header(REQUEST_ID_HEADER, request_id).ok()?;
     }
     Some(head)
 }
@@ -85,7 +86,7 @@ pub async fn write_buffered(
     body: Bytes,
 ) {
     let status = head.status.as_u16();
-    if head.insert_header("content-length", body.len().to_string()).is_err() {
+    if head.insert_header(CONTENT_LENGTH, http::HeaderValue::from(body.len())).is_err() {
         rec.answer.outcome.get_or_insert(Outcome::ServerError);
         return;
     }
@@ -151,13 +152,11 @@ pub async fn relay(
     leg: Leg,
 ) -> Result<(), ProxyError> {
     let ok = (200..300).contains(&exchange.status());
-    let is_sse = exchange.header("content-type").is_some_and(|ct| ct.starts_with("text/event-stream"));
+    let is_sse = exchange.header(CONTENT_TYPE).is_some_and(|ct| ct.starts_with("text/event-stream"));
     let head = client_head(exchange.head(), &info.request_id)
         .ok_or_else(|| ProxyError::Internal("engine response head cannot be copied".into()))?;
-    let small = exchange
-        .header("content-length")
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .is_some_and(|n| n <= SMALL_ANSWER);
+    let small =
+        exchange.header(CONTENT_LENGTH).and_then(|v| v.trim().parse::<usize>().ok()).is_some_and(|n| n <= SMALL_ANSWER);
     match (is_sse && ok, cached_tokens.filter(|_| ok)) {
         (true, _) => relay_stream(session, info, rec, exchange, head, cached_tokens, leg).await,
         (false, cached) if cached.is_some() || small => {

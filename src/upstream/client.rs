@@ -240,7 +240,7 @@ impl Exchange {
     }
 
     /// A response header value.
-    pub fn header(&self, name: &str) -> Option<&str> {
+    pub fn header(&self, name: impl http::header::AsHeaderName) -> Option<&str> {
         self.answer.head.headers.get(name).and_then(|v| v.to_str().ok())
     }
 
@@ -436,10 +436,10 @@ impl UpstreamClient {
             }
             head.append_header(name.clone(), value.clone()).map_err(io)?;
         }
-        head.insert_header("host", addr).map_err(io)?;
-        head.insert_header("x-request-id", request_id).map_err(io)?;
+        head.insert_header(http::header::HOST, addr).map_err(io)?;
+        head.insert_header(super::REQUEST_ID_HEADER, request_id).map_err(io)?;
         if method != "GET" || body_len > 0 {
-            head.insert_header("content-length", body_len.to_string()).map_err(io)?;
+            head.insert_header(http::header::CONTENT_LENGTH, http::HeaderValue::from(body_len)).map_err(io)?;
         }
         Ok(head)
     }

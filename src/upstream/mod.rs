@@ -23,6 +23,10 @@ pub use homes::ResponseHomes;
 pub use leg::{named_endpoint, pick, pick_for, Failover, LegClient, LegError};
 pub use pool::{CacheAwareChoice, EjectionRule, Endpoint, Membership, ModelIdentity, Picked, Pool, PromptKey};
 
+/// The request id header tokenonce reads from clients and sends on every leg and answer, as a
+/// ready name (a `&str` name is parsed on every lookup and insert).
+pub const REQUEST_ID_HEADER: http::HeaderName = http::HeaderName::from_static("x-request-id");
+
 /// The header naming the data-parallel rank a vLLM server (one port, several ranks) runs a
 /// request on; read on chat, completions and generate (vLLM 0.32, `X-data-parallel-rank`).
 pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
