@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::HeaderMap;
-use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::http::ResponseHeader;
 use pingora::proxy::Session;
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -24,9 +24,9 @@ use crate::openai::json::Pieces;
 use crate::openai::response::HandoffError;
 use crate::plan::{DecodeStep, DecodeVersion, Orchestration};
 use crate::routes::Route;
-use crate::upstream::client::CREDENTIAL_HEADERS;
+use crate::upstream::client::{RequestHead, CREDENTIAL_HEADERS};
 use crate::upstream::health::learn_version;
-use crate::upstream::{Delivery, Endpoint, Exchange, Failover, LegClient, Picked, Pool, UpstreamClient};
+use crate::upstream::{Delivery, Endpoint, Exchange, Failover, LegClient, Picked, Pool};
 
 /// Largest prefill response accepted (a 128k-token prompt echoed is about 1 MB).
 const PREFILL_RESPONSE_LIMIT: usize = 64 * 1024 * 1024;
@@ -49,15 +49,27 @@ pub struct Incoming<'a> {
 }
 
 impl Incoming<'_> {
-    /// The head of a leg to `addr`: this request's path and end-to-end headers, `request_id`
-    /// as `X-Request-Id`, and the leg's body length.
-    fn head(&self, addr: &str, request_id: &str, body_len: usize) -> Result<RequestHeader, ProxyError> {
+    /// The head of a leg: this request's path and end-to-end headers (minus `drop`),
+    /// `request_id` as `X-Request-Id`, and the leg's body length.
+    fn head<'h>(&'h self, drop: &'h [&'h str], request_id: &'h str, body_len: usize) -> RequestHead<'h> {
+        RequestHead {
+            method: "POST",
+            path_and_query: self.path_and_query,
+            client_headers: self.headers,
+            drop,
+            request_id,
+            body_len,
+        }
+    }
+
+    /// The header names this request's legs never forward (the route's
+    /// `x-prefiller-host-port`; the client's credentials, to a header-named prefiller).
+    fn dropped(&self) -> Vec<&str> {
         let mut drop: Vec<&str> = self.drop_header.into_iter().collect();
         if self.drop_credentials {
             drop.extend_from_slice(CREDENTIAL_HEADERS);
         }
-        UpstreamClient::request_head("POST", self.path_and_query, addr, self.headers, &drop, request_id, body_len)
-            .map_err(|e| ProxyError::Internal(format!("building the leg's head: {e}")))
+        drop
     }
 }
 
@@ -118,7 +130,8 @@ async fn exchange(
     delivery: &Delivery,
     limit: Option<Duration>,
 ) -> Result<Exchange, ProxyError> {
-    let head = out.req.head(out.endpoint.addr(), &info.request_id, out.body.len())?;
+    let drop = out.req.dropped();
+    let head = out.req.head(&drop, &info.request_id, out.body.len());
     Ok(leg_client(info, rec).send(out.leg, out.endpoint, head, out.body.parts(), delivery, limit).await?)
 }
 

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use bytes::{Buf, Bytes, BytesMut};
 use nix::sys::socket::{recv, MsgFlags};
-use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::http::ResponseHeader;
 use pingora::protocols::Stream;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -490,30 +490,6 @@ pub fn parse_head(buf: &[u8], to_head: bool) -> Result<Option<(Answer, usize)>, 
 /// The last comma-separated token of a header value.
 fn last_token(value: &[u8]) -> &[u8] {
     value.rsplit(|&b| b == b',').next().unwrap_or_default().trim_ascii()
-}
-
-/// The request line and headers of `head` on the wire.
-///
-/// # Errors
-/// A path with a space or line break (it would split the request line).
-pub fn encode_head(head: &RequestHeader) -> Result<Vec<u8>, &'static str> {
-    let path = head.raw_path();
-    if path.iter().any(|&b| matches!(b, b' ' | b'\r' | b'\n')) {
-        return Err("request path holds a space or line break");
-    }
-    let mut out = Vec::with_capacity(64 + path.len() + head.headers.len() * 48);
-    out.extend_from_slice(head.method.as_str().as_bytes());
-    out.push(b' ');
-    out.extend_from_slice(path);
-    out.extend_from_slice(b" HTTP/1.1\r\n");
-    for (name, value) in &head.headers {
-        out.extend_from_slice(name.as_str().as_bytes());
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(value.as_bytes());
-        out.extend_from_slice(b"\r\n");
-    }
-    out.extend_from_slice(b"\r\n");
-    Ok(out)
 }
 
 #[cfg(test)]

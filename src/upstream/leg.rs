@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures_util::FutureExt;
-use pingora::http::RequestHeader;
 
+use super::client::RequestHead;
 use super::pool::PromptKey;
 use super::{Delivery, Endpoint, Exchange, Picked, Pool, RetryBudget, UpstreamClient, UpstreamError};
 use crate::metrics::{ErrorKind, Leg, Metrics, RouteMetrics};
@@ -125,17 +125,19 @@ impl LegClient<'_> {
         &self,
         leg: Leg,
         endpoint: &Picked,
-        mut head: RequestHeader,
+        head: RequestHead<'_>,
         body: &[Bytes],
         delivery: &Delivery,
         limit: Option<Duration>,
     ) -> Result<Exchange, LegError> {
-        for (name, value) in self.trace.headers_for(leg) {
-            head.insert_header(name, value).map_err(|e| LegError::Head(format!("trace header: {e}")))?;
-        }
-        if let Some((name, value)) = endpoint.endpoint().rank_header() {
-            head.insert_header(name, value).map_err(|e| LegError::Head(format!("rank header: {e}")))?;
-        }
+        let trace = self.trace.headers_for(leg);
+        let rank = endpoint.endpoint().rank_header();
+        let extra: Vec<(&str, &str)> = trace
+            .iter()
+            .map(|(name, value)| (name.as_str(), value.as_str()))
+            .chain(rank.as_ref().map(|(name, value)| (*name, value.as_str())))
+            .collect();
+        let head = head.wire(endpoint.addr(), &extra).map_err(|e| LegError::Head(format!("{leg} leg head: {e}")))?;
         let exchange = async {
             let result = self.send_and_resend(leg, endpoint, &head, body, delivery).await;
             match &result {
@@ -210,7 +212,7 @@ impl LegClient<'_> {
         &self,
         leg: Leg,
         to: &Picked,
-        head: &RequestHeader,
+        head: &[u8],
         body: &[Bytes],
         delivery: &Delivery,
     ) -> Result<Exchange, UpstreamError> {
