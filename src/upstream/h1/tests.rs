@@ -156,6 +156,32 @@ async fn a_declared_length_reserves_nothing_before_the_bytes_arrive() {
     }
 }
 
+#[tokio::test]
+async fn a_long_body_is_read_whole_and_a_false_length_reserves_at_most_4x_what_came() {
+    // 240 KB declared and sent (a 37k prefill answer): read whole, in one buffer.
+    let body: Vec<u8> = (0..240_000u32).map(|i| b'a' + (i % 26) as u8).collect();
+    let (mut conn, mut engine) = pair().await;
+    let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
+    let sent = body.clone();
+    let writer = tokio::spawn(async move {
+        engine.write_all(head.as_bytes()).await.unwrap();
+        engine.write_all(&sent).await.unwrap();
+        engine
+    });
+    let mut answer = conn.read_head(false).await.unwrap();
+    let read = conn.read_to_end(&mut answer, 64 << 20).await.unwrap().unwrap();
+    assert_eq!(read, body);
+    drop(writer.await.unwrap());
+    // 60 MiB announced, 100 KB sent, then the engine closes: at most 4x what came reserved.
+    let (mut conn, mut engine) = pair().await;
+    engine.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 62914560\r\n\r\n").await.unwrap();
+    engine.write_all(&[b'x'; 100_000]).await.unwrap();
+    drop(engine);
+    let mut answer = conn.read_head(false).await.unwrap();
+    assert!(matches!(conn.read_to_end(&mut answer, 64 << 20).await, Err(WireError::Closed)));
+    assert!(conn.buf.capacity() <= 4 * 100_000 + READ_SIZE, "{} bytes reserved", conn.buf.capacity());
+}
+
 #[test]
 fn the_head_keeps_status_and_headers() {
     let answer =
