@@ -76,6 +76,12 @@ NOT_SERVED = {}
 # `decoder_start_token_id` and `use_unified_vision_chunk` of the config, nothing else).
 HF_OVERRIDES = {"deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64}}
 
+# vLLM flags a family needs on some CPUs. On a host with AMX tiles vLLM's CPU build picks its
+# AMX MLA backend for DeepSeek V3, whose weight packing refuses the folder's 16-wide
+# `qk_nope_head_dim` ("invalid weight input features 16", platforms/cpu.py
+# `get_attn_backend_cls`); the reference CPU MLA backend, what hosts without AMX get, serves it.
+CPU_ARGS = {"deepseek_v3": ["--attention-backend", "CPU_MLA"]}
+
 # Shapes tokenonce does not render for a family, so never sends token-in: (shape, reason label).
 TEXT_ONLY = {"gptoss": {"completions": "harmony"}, "mistral": {"completions": "mistral_completions"}}
 
@@ -144,6 +150,7 @@ def start_vllm(family, folder, log_dir):
            "--disable-uvicorn-access-log", *SERVER_ARGS[family]]
     if family in HF_OVERRIDES:
         cmd += ["--hf-overrides", json.dumps(HF_OVERRIDES[family])]
+    cmd += CPU_ARGS.get(family, [])
     log = open(os.path.join(log_dir, f"vllm-{family}.log"), "w")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)
