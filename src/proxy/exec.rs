@@ -24,7 +24,7 @@ use crate::openai::json::Pieces;
 use crate::openai::response::HandoffError;
 use crate::plan::{DecodeStep, DecodeVersion, Orchestration};
 use crate::routes::Route;
-use crate::upstream::client::{RequestHead, CREDENTIAL_HEADERS};
+use crate::upstream::client::RequestHead;
 use crate::upstream::health::learn_version;
 use crate::upstream::{Delivery, Endpoint, Exchange, Failover, LegClient, Picked, Pool};
 
@@ -49,27 +49,19 @@ pub struct Incoming<'a> {
 }
 
 impl Incoming<'_> {
-    /// The head of a leg: this request's path and end-to-end headers (minus `drop`),
+    /// The head of a leg: this request's path and end-to-end headers (minus the route's
+    /// `x-prefiller-host-port`, and the credentials to a header-named prefiller),
     /// `request_id` as `X-Request-Id`, and the leg's body length.
-    fn head<'h>(&'h self, drop: &'h [&'h str], request_id: &'h str, body_len: usize) -> RequestHead<'h> {
+    fn head<'h>(&'h self, request_id: &'h str, body_len: usize) -> RequestHead<'h> {
         RequestHead {
             method: "POST",
             path_and_query: self.path_and_query,
             client_headers: self.headers,
-            drop,
+            drop: self.drop_header,
+            drop_credentials: self.drop_credentials,
             request_id,
             body_len,
         }
-    }
-
-    /// The header names this request's legs never forward (the route's
-    /// `x-prefiller-host-port`; the client's credentials, to a header-named prefiller).
-    fn dropped(&self) -> Vec<&str> {
-        let mut drop: Vec<&str> = self.drop_header.into_iter().collect();
-        if self.drop_credentials {
-            drop.extend_from_slice(CREDENTIAL_HEADERS);
-        }
-        drop
     }
 }
 
@@ -130,8 +122,7 @@ async fn exchange(
     delivery: &Delivery,
     limit: Option<Duration>,
 ) -> Result<Exchange, ProxyError> {
-    let drop = out.req.dropped();
-    let head = out.req.head(&drop, &info.request_id, out.body.len());
+    let head = out.req.head(&info.request_id, out.body.len());
     Ok(leg_client(info, rec).send(out.leg, out.endpoint, head, out.body.parts(), delivery, limit).await?)
 }
 

@@ -221,10 +221,13 @@ pub struct RequestHead<'a> {
     /// Path and query, as the client sent them (or ours).
     pub path_and_query: &'a str,
     /// The client's headers: its end-to-end ones are forwarded, lower-case, minus
-    /// `DROPPED_REQUEST_HEADERS`, `drop` and those the leg sets itself.
+    /// `DROPPED_REQUEST_HEADERS`, `drop`, the credentials when `drop_credentials`, and those
+    /// the leg sets itself.
     pub client_headers: &'a HeaderMap,
-    /// More header names never forwarded (lower-case).
-    pub drop: &'a [&'a str],
+    /// One more header name never forwarded (lower-case; a route's `x-prefiller-host-port`).
+    pub drop: Option<&'a str>,
+    /// Leave out `CREDENTIAL_HEADERS` (a leg to a prefiller a request header named).
+    pub drop_credentials: bool,
     /// Sent as `x-request-id`.
     pub request_id: &'a str,
     /// Sent as `content-length` (not on a `GET` without a body).
@@ -260,13 +263,17 @@ impl RequestHead<'_> {
         };
         for (name, value) in self.client_headers {
             let n = name.as_str();
-            if DROPPED_REQUEST_HEADERS.contains(&n) || self.drop.contains(&n) || extra.iter().any(|(e, _)| *e == n) {
+            let dropped = DROPPED_REQUEST_HEADERS.contains(&n)
+                || self.drop == Some(n)
+                || (self.drop_credentials && CREDENTIAL_HEADERS.contains(&n))
+                || extra.iter().any(|(e, _)| *e == n);
+            if dropped {
                 continue;
             }
             line(n.as_bytes(), value.as_bytes());
         }
         line(b"host", addr.as_bytes());
-        line(b"x-request-id", self.request_id.as_bytes());
+        line(super::REQUEST_ID_HEADER.as_str().as_bytes(), self.request_id.as_bytes());
         if self.method != "GET" || self.body_len > 0 {
             line(b"content-length", self.body_len.to_string().as_bytes());
         }
@@ -633,7 +640,8 @@ impl UpstreamClient {
                 method: "GET",
                 path_and_query: path,
                 client_headers: &no_headers,
-                drop: &[],
+                drop: None,
+                drop_credentials: false,
                 request_id: "tokenonce-health",
                 body_len: 0,
             };
@@ -695,6 +703,7 @@ mod tests {
             ("x-request-id", "theirs"),
             ("authorization", "Bearer k"),
             ("traceparent", "00-client"),
+            ("x-prefiller-host-port", "10.0.0.1:8000"),
         ] {
             client.append(name, value.parse().unwrap());
         }
@@ -702,7 +711,8 @@ mod tests {
             method: "POST",
             path_and_query: "/v1/chat/completions?x=1",
             client_headers: &client,
-            drop: &["authorization"],
+            drop: Some("x-prefiller-host-port"),
+            drop_credentials: true,
             request_id: "r1",
             body_len: 2,
         };
@@ -713,7 +723,7 @@ mod tests {
              host: 127.0.0.1:8000\r\nx-request-id: r1\r\ncontent-length: 2\r\ntraceparent: 00-ours\r\n\r\n"
         );
         // A GET without a body has no length; the client's traceparent goes on when the leg sets none.
-        let get = RequestHead { method: "GET", body_len: 0, drop: &[], ..head };
+        let get = RequestHead { method: "GET", body_len: 0, drop: None, drop_credentials: false, ..head };
         let wire = String::from_utf8(get.wire("e:1", &[]).unwrap()).unwrap();
         assert!(wire.starts_with("GET /v1/chat/completions?x=1 HTTP/1.1\r\n"), "{wire}");
         assert!(wire.contains("traceparent: 00-client\r\n") && wire.contains("authorization: Bearer k\r\n"));
@@ -727,7 +737,8 @@ mod tests {
             method: "POST",
             path_and_query: path,
             client_headers: &none,
-            drop: &[],
+            drop: None,
+            drop_credentials: false,
             request_id: "r",
             body_len: 0,
         };
