@@ -4,12 +4,15 @@
 //! `cargo bench --bench peers -- --rounds N` (default 10; `--quick` a short smoke run,
 //! `--only "chat 37k"`, `--peers a,a0,d`, `--baseline PATH` another tokenonce binary measured
 //! beside this one as (a-), `--profile-only "chat 1k non-stream" --seconds S --pid-file F`
-//! only a steady load on tokenonce for a profiler, `--knee` also tokenonce's req/s curve).
+//! only a steady load on tokenonce for a profiler (`--profile-as a0` or `a1`: on that variant),
+//! `--knee` also tokenonce's req/s curve).
 //!
 //! Proxies, all between the same two in-process fake vLLM engines (`tests/support/fake_vllm.rs`),
 //! each started once for the whole run:
 //! - (b) floor: the client sends the prefill, then the decode with the echoed ids itself (the
-//!   bench's own handoff work between the legs is excluded from its time and its CPU);
+//!   bench's own handoff work between the legs is excluded from its time and its CPU); (b0) the
+//!   same client sending the text decode (no ids asked, none sent): (b) − (b0) is what moving
+//!   the ids' bytes costs a client that does nothing else, beside (a) − (a0);
 //! - (a) tokenonce (orchestrate, token reuse on), (a0) the same with reuse off (a plain relay
 //!   of both legs: the handoff's cost is (a) ÷ (a0)), (a1) reuse on and
 //!   `server.work_stealing = false`, (a-) reuse on from `--baseline`'s binary;
@@ -57,6 +60,7 @@ const SIZES: [usize; 2] = [1_000, 37_000];
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Peer {
     Floor,
+    FloorText,
     Tokenonce,
     NoReuse,
     NoSteal,
@@ -69,6 +73,7 @@ impl Peer {
     fn name(self) -> &'static str {
         match self {
             Self::Floor => "(b) floor",
+            Self::FloorText => "(b0) floor, text decode",
             Self::Tokenonce => "(a) tokenonce",
             Self::NoReuse => "(a0) plain relay (reuse off)",
             Self::NoSteal => "(a1) work_stealing = false",
@@ -104,10 +109,12 @@ impl Workload {
     }
 }
 
-/// A workload's client body and the floor's prefill body.
+/// A workload's client body and the floor's prefill bodies.
 struct Bodies {
     client: Bytes,
     prefill: Bytes,
+    /// The prefill body without `return_token_ids`, for the text decode (b0).
+    prefill_text: Bytes,
     client_json: Value,
 }
 
@@ -126,25 +133,28 @@ impl Bodies {
         let mut prefill = client.clone();
         prefill["max_tokens"] = json!(1);
         prefill["stream"] = json!(false);
-        prefill["return_token_ids"] = json!(true);
         prefill["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false,
             "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null});
+        let prefill_text = Bytes::from(serde_json::to_vec(&prefill).unwrap());
+        prefill["return_token_ids"] = json!(true);
         Self {
+            prefill_text,
             client: Bytes::from(serde_json::to_vec(&client).unwrap()),
             prefill: Bytes::from(serde_json::to_vec(&prefill).unwrap()),
             client_json: client,
         }
     }
 
-    /// The floor's decode body: the client's body with the prefill's kv params and its ids in
-    /// token-in form (chat: `kv_transfer_params.prompt_token_ids`; completions: `prompt`).
-    fn decode(&self, chat: bool, prefill_answer: &[u8]) -> Bytes {
+    /// The floor's decode body: the client's body with the prefill's kv params and, when
+    /// `ids`, its ids in token-in form (chat: `kv_transfer_params.prompt_token_ids`;
+    /// completions: `prompt`).
+    fn decode(&self, chat: bool, ids: bool, prefill_answer: &[u8]) -> Bytes {
         let answer: Value = serde_json::from_slice(prefill_answer).unwrap();
         let mut body = self.client_json.clone();
         let mut kv = answer["kv_transfer_params"].clone();
-        if chat {
+        if ids && chat {
             kv["prompt_token_ids"] = answer["prompt_token_ids"].clone();
-        } else {
+        } else if ids {
             body["prompt"] = answer["choices"][0]["prompt_token_ids"].clone();
         }
         body["kv_transfer_params"] = kv;
@@ -270,7 +280,8 @@ struct FloorRun {
     body: Bytes,
 }
 
-type FloorJob = (Workload, Arc<Bodies>, tokio::sync::oneshot::Sender<Result<FloorRun, String>>);
+/// A floor request: its workload and bodies, whether it hands the ids over, where to answer.
+type FloorJob = (Workload, Arc<Bodies>, bool, tokio::sync::oneshot::Sender<Result<FloorRun, String>>);
 
 /// The paired floor's client on an OS thread of its own, with its own current-thread runtime
 /// and connection pool (so their connection tasks run there too): that thread runs nothing but
@@ -289,8 +300,8 @@ impl FloorThread {
                 let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
                 let bench = Bench { client: client(), prefill, decode };
                 rt.block_on(async {
-                    while let Some((w, b, reply)) = rx.recv().await {
-                        let _ = reply.send(bench.floor(w, &b).await);
+                    while let Some((w, b, ids, reply)) = rx.recv().await {
+                        let _ = reply.send(bench.floor(w, &b, ids).await);
                     }
                 });
             })
@@ -298,10 +309,10 @@ impl FloorThread {
         Self { jobs: Some(jobs), thread: Some(thread) }
     }
 
-    async fn floor(&self, w: Workload, b: &Arc<Bodies>) -> Result<FloorRun, String> {
+    async fn floor(&self, w: Workload, b: &Arc<Bodies>, ids: bool) -> Result<FloorRun, String> {
         let (reply, answer) = tokio::sync::oneshot::channel();
         let gone = || "floor thread gone".to_owned();
-        self.jobs.as_ref().ok_or_else(gone)?.send((w, Arc::clone(b), reply)).map_err(|_| gone())?;
+        self.jobs.as_ref().ok_or_else(gone)?.send((w, Arc::clone(b), ids, reply)).map_err(|_| gone())?;
         answer.await.map_err(|_| gone())?
     }
 }
@@ -335,14 +346,16 @@ async fn post(client: &reqwest::Client, url: &str, body: Bytes) -> Result<(f64, 
 }
 
 impl Bench {
-    /// The floor: prefill, then decode, timed without the client's handoff work between. Its
-    /// `cpu_ns` is this thread's over the two legs: meaningful only on a thread doing nothing
-    /// else meanwhile ([`FloorThread`]); a concurrent caller ignores it.
-    async fn floor(&self, w: Workload, b: &Bodies) -> Result<FloorRun, String> {
+    /// The floor: prefill, then decode (token-in when `ids`, else text), timed without the
+    /// client's handoff work between. Its `cpu_ns` is this thread's over the two legs:
+    /// meaningful only on a thread doing nothing else meanwhile ([`FloorThread`]); a concurrent
+    /// caller ignores it.
+    async fn floor(&self, w: Workload, b: &Bodies, ids: bool) -> Result<FloorRun, String> {
         let cpu = thread_cpu_ns();
-        let (p_ms, answer) = post(&self.client, &format!("{}{}", self.prefill, w.path()), b.prefill.clone()).await?;
+        let prefill = if ids { b.prefill.clone() } else { b.prefill_text.clone() };
+        let (p_ms, answer) = post(&self.client, &format!("{}{}", self.prefill, w.path()), prefill).await?;
         let p_cpu = thread_cpu_ns().saturating_sub(cpu);
-        let decode = b.decode(w.chat, &answer);
+        let decode = b.decode(w.chat, ids, &answer);
         let cpu = thread_cpu_ns();
         let (d_ms, body) = post(&self.client, &format!("{}{}", self.decode, w.path()), decode).await?;
         let cpu_ns = p_cpu + thread_cpu_ns().saturating_sub(cpu);
@@ -454,31 +467,46 @@ impl Measured {
             _ => Vec::new(),
         }
     }
+
+    /// The per-round differences `a − b` of workload `w`'s CPU µs per request.
+    fn differences(&self, w: usize, a: Peer, b: Peer) -> Vec<f64> {
+        match (self.get(w, a), self.get(w, b)) {
+            (Some(a), Some(b)) => a.cpu_us.iter().zip(&b.cpu_us).map(|(a, b)| a - b).collect(),
+            _ => Vec::new(),
+        }
+    }
 }
 
-/// One batch of `n` requests of `w` through `t` (the floor when `t` is `None`), after one
-/// untimed: its CPU µs per request and each request's ms.
+/// Who a batch goes through: the floor's client (token-in decode when `ids`) or a proxy.
+#[derive(Clone, Copy)]
+enum Slot<'a> {
+    Floor { ids: bool },
+    Proxy(&'a Target),
+}
+
+/// One batch of `n` requests of `w` through `slot`, after one untimed: its CPU µs per request
+/// and each request's ms.
 async fn one_batch(
     bench: &Bench,
     floor_thread: &FloorThread,
-    t: Option<&Target>,
+    slot: Slot<'_>,
     w: Workload,
     b: &Arc<Bodies>,
     n: usize,
 ) -> Result<(f64, Vec<f64>), String> {
     let mut ms = Vec::with_capacity(n);
-    match t {
-        None => {
-            floor_thread.floor(w, b).await?;
+    match slot {
+        Slot::Floor { ids } => {
+            floor_thread.floor(w, b, ids).await?;
             let mut spent = 0u64;
             for _ in 0..n {
-                let f = floor_thread.floor(w, b).await?;
+                let f = floor_thread.floor(w, b, ids).await?;
                 spent += f.cpu_ns;
                 ms.push(f.ms);
             }
             Ok((spent as f64 / 1e3 / n as f64, ms))
         }
-        Some(t) => {
+        Slot::Proxy(t) => {
             bench.via(&t.url, w, b).await?;
             let before = cpu_ns(t.pid);
             for _ in 0..n {
@@ -504,13 +532,18 @@ async fn measure(
     workloads: &[Workload],
 ) -> Measured {
     let bodies: Vec<Arc<Bodies>> = workloads.iter().map(|w| Arc::new(Bodies::new(*w))).collect();
-    // Index 0 is the floor; 1.. are `targets`.
-    let n = targets.len() + 1;
+    // Index 0 is the floor, 1 the floor's text decode; 2.. are `targets`.
+    const FLOORS: usize = 2;
+    let n = targets.len() + FLOORS;
+    let slot_of = |ti: usize| match ti.checked_sub(FLOORS) {
+        Some(i) => Slot::Proxy(&targets[i]),
+        None => Slot::Floor { ids: ti == 0 },
+    };
     let mut series = vec![vec![Series::default(); n]; workloads.len()];
     for (wi, (w, b)) in workloads.iter().zip(&bodies).enumerate() {
         for (ti, t) in targets.iter().enumerate() {
             if let Err(e) = warm(bench, t, *w, b).await {
-                series[wi][ti + 1].error = Some(e);
+                series[wi][ti + FLOORS].error = Some(e);
             }
         }
     }
@@ -531,8 +564,7 @@ async fn measure(
                 if series[wi][ti].error.is_some() {
                     continue;
                 }
-                let t = ti.checked_sub(1).map(|i| &targets[i]);
-                match one_batch(bench, floor_thread, t, w, b, batch(w, opts.quick)).await {
+                match one_batch(bench, floor_thread, slot_of(ti), w, b, batch(w, opts.quick)).await {
                     Ok((cpu, ms)) => {
                         series[wi][ti].cpu_us.push(cpu);
                         series[wi][ti].ms.extend(ms);
@@ -546,7 +578,7 @@ async fn measure(
         round_steal.push(steal_pct(round_start, host_ticks()));
         eprintln!("peers: round {}/{} done ({:.0} s)", round + 1, opts.rounds, started.elapsed().as_secs_f64());
     }
-    let mut peers = vec![Peer::Floor];
+    let mut peers = vec![Peer::Floor, Peer::FloorText];
     peers.extend(targets.iter().map(|t| t.peer));
     Measured { workloads: workloads.to_vec(), peers, series, round_steal, steal: steal_pct(run_start, host_ticks()) }
 }
@@ -585,7 +617,7 @@ async fn throughput(
         futures_util::future::join_all((0..concurrency).map(|_| async {
             let _ = match target {
                 Some(t) => bench.via(&t.url, w, b).await,
-                None => bench.floor(w, b).await.map(|f| (f.ms, f.body)),
+                None => bench.floor(w, b, true).await.map(|f| (f.ms, f.body)),
             };
         }))
         .await;
@@ -599,7 +631,7 @@ async fn throughput(
         while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < total && Instant::now() < deadline {
             let r = match target {
                 Some(t) => bench.via(&t.url, w, b).await,
-                None => bench.floor(w, b).await.map(|f| (f.ms, f.body)),
+                None => bench.floor(w, b, true).await.map(|f| (f.ms, f.body)),
             };
             if let Ok((m, _)) = r {
                 ms.push(m);
@@ -757,6 +789,9 @@ struct Options {
     /// (`--profile-only "chat 1k non-stream"`), for a profiler to attach to the pid it writes
     /// to `pid_file` (`--pid-file F`).
     profile_only: Option<String>,
+    /// Which tokenonce to load (`--profile-as a0`: the plain relay, whose difference from (a)
+    /// is the handoff's cost; `a1`: without work stealing).
+    profile_as: Peer,
     seconds: u64,
     pid_file: Option<PathBuf>,
     /// Also tokenonce's req/s curve at 1 and 2 worker threads (`--knee`).
@@ -771,6 +806,7 @@ fn options() -> Options {
         peers: None,
         baseline: None,
         profile_only: None,
+        profile_as: Peer::Tokenonce,
         seconds: 30,
         pid_file: None,
         knee: false,
@@ -785,6 +821,13 @@ fn options() -> Options {
             "--peers" => o.peers = args.next(),
             "--baseline" => o.baseline = args.next().map(PathBuf::from),
             "--profile-only" => o.profile_only = args.next(),
+            "--profile-as" => {
+                o.profile_as = match args.next().as_deref() {
+                    Some("a0") => Peer::NoReuse,
+                    Some("a1") => Peer::NoSteal,
+                    _ => Peer::Tokenonce,
+                }
+            }
             "--seconds" => {
                 o.seconds = args.next().and_then(|v| v.parse::<u64>().ok()).expect("--seconds N").clamp(1, 600)
             }
@@ -849,8 +892,11 @@ async fn profile_load(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode:
         eprintln!("peers: no workload matches {label:?}");
         return;
     };
-    let tok = spawn_tokenonce(prefill, decode, true, 2).await;
-    let t = Target { peer: Peer::Tokenonce, url: tok.url.clone(), pid: tok.pid().unwrap() };
+    let peer = opts.profile_as;
+    let tok =
+        spawn_tokenonce_with(&tokenonce_binary(), prefill, decode, peer != Peer::NoReuse, 2, peer != Peer::NoSteal)
+            .await;
+    let t = Target { peer, url: tok.url.clone(), pid: tok.pid().unwrap() };
     let b = Bodies::new(w);
     warm(bench, &t, w, &b).await.expect("tokenonce answers");
     if let Some(f) = &opts.pid_file {
@@ -932,6 +978,7 @@ async fn run(opts: &Options, bench: &Bench, floor_thread: &FloorThread, prefill:
     print_steal(&m);
     print_cpu(&m);
     print_ratios(&m);
+    print_handoff(&m);
     print_latency(&m);
     goals(&m);
     if opts.only.is_some() {
@@ -996,8 +1043,16 @@ fn print_steal(m: &Measured) {
     );
 }
 
-const COLUMNS: [Peer; 7] =
-    [Peer::Floor, Peer::Tokenonce, Peer::NoReuse, Peer::NoSteal, Peer::Baseline, Peer::Toy, Peer::Router];
+const COLUMNS: [Peer; 8] = [
+    Peer::Floor,
+    Peer::FloorText,
+    Peer::Tokenonce,
+    Peer::NoReuse,
+    Peer::NoSteal,
+    Peer::Baseline,
+    Peer::Toy,
+    Peer::Router,
+];
 
 fn present(m: &Measured) -> Vec<Peer> {
     COLUMNS.into_iter().filter(|p| m.peers.contains(p)).collect()
@@ -1022,10 +1077,11 @@ fn print_cpu(m: &Measured) {
 }
 
 /// The ratios the tables and goals use: (numerator, denominator).
-const RATIOS: [(Peer, Peer); 7] = [
+const RATIOS: [(Peer, Peer); 8] = [
     (Peer::Tokenonce, Peer::Router),
     (Peer::Tokenonce, Peer::Toy),
     (Peer::Tokenonce, Peer::NoReuse),
+    (Peer::Floor, Peer::FloorText),
     (Peer::Tokenonce, Peer::Floor),
     (Peer::NoSteal, Peer::Tokenonce),
     (Peer::Tokenonce, Peer::Baseline),
@@ -1048,6 +1104,18 @@ fn print_ratios(m: &Measured) {
     for (wi, w) in m.workloads.iter().enumerate() {
         let cells: Vec<String> = ratios.iter().map(|(a, b)| med_iqr(&m.ratios(wi, *a, *b))).collect();
         println!("| {} | {} |", w.label(), cells.join(" | "));
+    }
+}
+
+/// What handing the ids over adds per request, for tokenonce and for the floor's client: the
+/// proxy's extra beside the bare cost of moving the same bytes.
+fn print_handoff(m: &Measured) {
+    println!("\n### What the ids' handoff adds, µs per request: (a) − (a0) and (b) − (b0), computed within each round: median over rounds [IQR]\n");
+    println!("| workload | (a) − (a0) tokenonce | (b) − (b0) floor client |\n|---|---:|---:|");
+    for (wi, w) in m.workloads.iter().enumerate() {
+        let a = m.differences(wi, Peer::Tokenonce, Peer::NoReuse);
+        let b = m.differences(wi, Peer::Floor, Peer::FloorText);
+        println!("| {} | {} | {} |", w.label(), med_iqr(&a), med_iqr(&b));
     }
 }
 
