@@ -5,7 +5,8 @@
 //! `--only "chat 37k"`, `--peers a,a0,d`, `--baseline PATH` another tokenonce binary measured
 //! beside this one as (a-), `--profile-only "chat 1k non-stream" --seconds S --pid-file F`
 //! only a steady load on tokenonce for a profiler (`--profile-as a0` or `a1`: on that variant),
-//! `--knee` also tokenonce's req/s curve).
+//! `--knee` also tokenonce's req/s curve, `--load-only` only the under-load section,
+//! `--load-rounds N` its rounds).
 //!
 //! Proxies, all between the same two in-process fake vLLM engines (`tests/support/fake_vllm.rs`),
 //! each started once for the whole run:
@@ -664,6 +665,7 @@ async fn under_load(opts: &Options, bench: &Bench, targets: &[Target], prefill: 
     let w = Workload { chat: true, stream: false, words: 1_000 };
     let b = Bodies::new(w);
     let (rounds, per_client) = load_rounds(opts.quick);
+    let rounds = opts.load_rounds.unwrap_or(rounds);
     println!(
         "\n### Under load ({}; {rounds} interleaved rounds, each a batch of {per_client} × clients requests per proxy, orders rotated; req/s, ÷ floor and CPU µs per request: median over rounds [IQR]; p50 and p99: of all rounds' requests, ms)\n",
         w.label()
@@ -674,7 +676,9 @@ async fn under_load(opts: &Options, bench: &Bench, targets: &[Target], prefill: 
     // Slot 0 is the floor, slot i + 1 is targets[i].
     let slots = targets.len() + 1;
     let target_of = |slot: usize| slot.checked_sub(1).and_then(|i| targets.get(i));
-    let mut versus_router = Vec::new();
+    // tokenonce within each round against the router and against the build before.
+    let pairs = [(Peer::Router, "(d) vllm-router"), (Peer::Baseline, "(a-) the baseline binary")];
+    let mut versus: Vec<Vec<String>> = vec![Vec::new(); pairs.len()];
     for concurrency in [64usize, 256] {
         let mut loads: Vec<Vec<Load>> = vec![Vec::new(); slots];
         for round in 0..rounds {
@@ -707,11 +711,12 @@ async fn under_load(opts: &Options, bench: &Bench, targets: &[Target], prefill: 
             );
         }
         let slot_of = |peer: Peer| (1..slots).find(|&s| target_of(s).is_some_and(|t| t.peer == peer));
-        if let (Some(a), Some(d)) = (slot_of(Peer::Tokenonce), slot_of(Peer::Router)) {
+        for ((other, _), rows) in pairs.iter().zip(&mut versus) {
+            let (Some(a), Some(d)) = (slot_of(Peer::Tokenonce), slot_of(*other)) else { continue };
             let per_round = |f: &dyn Fn(&Load) -> f64| -> Vec<f64> {
                 loads[a].iter().zip(&loads[d]).map(|(a, d)| f(a) / f(d)).collect()
             };
-            versus_router.push(format!(
+            rows.push(format!(
                 "| {concurrency} | {} | {} | {} | {} |",
                 med_iqr(&per_round(&|l| l.rps)),
                 med_iqr(&per_round(&|l| quantile(&l.ms, 0.5))),
@@ -720,10 +725,13 @@ async fn under_load(opts: &Options, bench: &Bench, targets: &[Target], prefill: 
             ));
         }
     }
-    if !versus_router.is_empty() {
-        println!("\n(a) tokenonce ÷ (d) vllm-router within each round, median [IQR] (req/s above 1 and latency below 1 favour tokenonce):\n");
+    for ((_, name), rows) in pairs.iter().zip(versus) {
+        if rows.is_empty() {
+            continue;
+        }
+        println!("\n(a) tokenonce ÷ {name} within each round, median [IQR] (req/s above 1 and latency below 1 favour tokenonce):\n");
         println!("| clients | req/s | p50 | p99 | CPU µs/req |\n|---:|---:|---:|---:|---:|");
-        for row in versus_router {
+        for row in rows {
             println!("{row}");
         }
     }
@@ -796,6 +804,9 @@ struct Options {
     pid_file: Option<PathBuf>,
     /// Also tokenonce's req/s curve at 1 and 2 worker threads (`--knee`).
     knee: bool,
+    /// Only the under-load section (`--load-only`), in this many rounds (`--load-rounds N`).
+    load_only: bool,
+    load_rounds: Option<usize>,
 }
 
 fn options() -> Options {
@@ -810,6 +821,8 @@ fn options() -> Options {
         seconds: 30,
         pid_file: None,
         knee: false,
+        load_only: false,
+        load_rounds: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -833,6 +846,11 @@ fn options() -> Options {
             }
             "--pid-file" => o.pid_file = args.next().map(PathBuf::from),
             "--knee" => o.knee = true,
+            "--load-only" => o.load_only = true,
+            "--load-rounds" => {
+                o.load_rounds =
+                    Some(args.next().and_then(|v| v.parse::<usize>().ok()).expect("--load-rounds N").clamp(1, 60))
+            }
             other => eprintln!("peers: ignoring unknown argument {other:?}"),
         }
     }
@@ -969,6 +987,10 @@ async fn run(opts: &Options, bench: &Bench, floor_thread: &FloorThread, prefill:
         eprintln!("peers: {} pid {}", t.peer.name(), t.pid);
     }
     header(opts);
+    if opts.load_only {
+        under_load(opts, bench, &targets, prefill, decode).await;
+        return;
+    }
 
     let workloads: Vec<Workload> = all_workloads()
         .into_iter()
