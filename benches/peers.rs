@@ -6,7 +6,7 @@
 //! beside this one as (a-), `--profile-only "chat 1k non-stream" --seconds S --pid-file F`
 //! only a steady load on tokenonce for a profiler (`--profile-as a0` or `a1`: on that variant),
 //! `--knee` also tokenonce's req/s curve, `--load-only` only the under-load section,
-//! `--load-rounds N` its rounds).
+//! `--load-rounds N` its rounds, `--cached-tokens N` the fake prefill reports N cached tokens).
 //!
 //! Proxies, all between the same two in-process fake vLLM engines (`tests/support/fake_vllm.rs`),
 //! each started once for the whole run:
@@ -807,6 +807,10 @@ struct Options {
     /// Only the under-load section (`--load-only`), in this many rounds (`--load-rounds N`).
     load_only: bool,
     load_rounds: Option<usize>,
+    /// The fake prefill reports this many cached prompt tokens (`--cached-tokens N`), as vLLM
+    /// with `--enable-prompt-tokens-details` does: tokenonce then sets the decode answer's
+    /// `cached_tokens` to it.
+    cached_tokens: Option<u64>,
 }
 
 fn options() -> Options {
@@ -823,6 +827,7 @@ fn options() -> Options {
         knee: false,
         load_only: false,
         load_rounds: None,
+        cached_tokens: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -847,6 +852,9 @@ fn options() -> Options {
             "--pid-file" => o.pid_file = args.next().map(PathBuf::from),
             "--knee" => o.knee = true,
             "--load-only" => o.load_only = true,
+            "--cached-tokens" => {
+                o.cached_tokens = Some(args.next().and_then(|v| v.parse::<u64>().ok()).expect("--cached-tokens N"))
+            }
             "--load-rounds" => {
                 o.load_rounds =
                     Some(args.next().and_then(|v| v.parse::<usize>().ok()).expect("--load-rounds N").clamp(1, 60))
@@ -871,7 +879,7 @@ fn main() {
         .build()
         .unwrap();
     let engine = FakeConfig { connector: true, ..FakeConfig::default() };
-    let prefill = fake_rt.block_on(FakeVllm::start(engine.clone()));
+    let prefill = fake_rt.block_on(FakeVllm::start(FakeConfig { cached_tokens: opts.cached_tokens, ..engine.clone() }));
     let decode = fake_rt.block_on(FakeVllm::start(engine));
     let bench = Bench {
         client: client(),
