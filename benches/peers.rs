@@ -5,7 +5,8 @@
 //! `--only "chat 37k"`, `--peers a,a0,d`, `--baseline PATH` another tokenonce binary measured
 //! beside this one as (a-), `--profile-only "chat 1k non-stream" --seconds S --pid-file F`
 //! only a steady load on tokenonce for a profiler (`--profile-as a0` or `a1`: on that variant),
-//! `--knee` also tokenonce's req/s curve, `--load-only` only the under-load section,
+//! `--knee` also tokenonce's req/s curve, `--instances K` the CPU section K times over, each
+//! with every proxy started afresh, rounds pooled, `--load-only` only the under-load section,
 //! `--load-rounds N` its rounds, `--cached-tokens N` the fake prefill reports N cached tokens).
 //!
 //! Proxies, all between the same two in-process fake vLLM engines (`tests/support/fake_vllm.rs`),
@@ -447,6 +448,7 @@ struct Series {
 
 /// Everything the interleaved rounds measured: `series[workload][target]`, and the steal time
 /// of each round.
+#[derive(Clone)]
 struct Measured {
     workloads: Vec<Workload>,
     peers: Vec<Peer>,
@@ -467,6 +469,25 @@ impl Measured {
             (Some(a), Some(b)) => a.cpu_us.iter().zip(&b.cpu_us).map(|(a, b)| a / b).collect(),
             _ => Vec::new(),
         }
+    }
+
+    /// Adds another instance's rounds (the same workloads; its proxies matched by name).
+    fn absorb(&mut self, other: &Measured) {
+        for (wi, row) in self.series.iter_mut().enumerate() {
+            for (pi, s) in row.iter_mut().enumerate() {
+                let theirs =
+                    other.peers.iter().position(|p| *p == self.peers[pi]).and_then(|i| other.series[wi].get(i));
+                match theirs {
+                    Some(t) if t.error.is_none() => {
+                        s.cpu_us.extend(&t.cpu_us);
+                        s.ms.extend(&t.ms);
+                    }
+                    Some(t) => s.error = s.error.take().or_else(|| t.error.clone()),
+                    None => s.error = s.error.take().or_else(|| Some("absent in a later instance".into())),
+                }
+            }
+        }
+        self.round_steal.extend(&other.round_steal);
     }
 
     /// The per-round differences `a − b` of workload `w`'s CPU µs per request.
@@ -806,6 +827,9 @@ struct Options {
     knee: bool,
     /// Only the under-load section (`--load-only`), in this many rounds (`--load-rounds N`).
     load_only: bool,
+    /// Independent instances of the CPU section (`--instances K`), every proxy started afresh
+    /// for each, their rounds pooled.
+    instances: usize,
     load_rounds: Option<usize>,
     /// The fake prefill reports this many cached prompt tokens (`--cached-tokens N`), as vLLM
     /// with `--enable-prompt-tokens-details` does: tokenonce then sets the decode answer's
@@ -826,6 +850,7 @@ fn options() -> Options {
         pid_file: None,
         knee: false,
         load_only: false,
+        instances: 1,
         load_rounds: None,
         cached_tokens: None,
     };
@@ -852,6 +877,9 @@ fn options() -> Options {
             "--pid-file" => o.pid_file = args.next().map(PathBuf::from),
             "--knee" => o.knee = true,
             "--load-only" => o.load_only = true,
+            "--instances" => {
+                o.instances = args.next().and_then(|v| v.parse::<usize>().ok()).expect("--instances K").clamp(1, 10)
+            }
             "--cached-tokens" => {
                 o.cached_tokens = Some(args.next().and_then(|v| v.parse::<u64>().ok()).expect("--cached-tokens N"))
             }
@@ -951,7 +979,18 @@ async fn profile_load(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode:
     );
 }
 
-async fn run(opts: &Options, bench: &Bench, floor_thread: &FloorThread, prefill: &FakeVllm, decode: &FakeVllm) {
+/// Every proxy of one instance, started (each process stopped when this drops), and the
+/// targets the rounds go through.
+struct Started {
+    tok: TokenOnce,
+    others: Vec<TokenOnce>,
+    externals: Vec<(Peer, External)>,
+    targets: Vec<Target>,
+}
+
+/// Starts every proxy once (those `--peers` leaves out too, as the rounds skip them); with
+/// `announce`, says which peers are absent and how to install them.
+async fn start_all(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVllm, announce: bool) -> Started {
     let tok = spawn_tokenonce(prefill, decode, true, 2).await;
     let no_reuse = spawn_tokenonce(prefill, decode, false, 2).await;
     let no_steal = spawn_tokenonce_with(&tokenonce_binary(), prefill, decode, true, 2, false).await;
@@ -970,7 +1009,7 @@ async fn run(opts: &Options, bench: &Bench, floor_thread: &FloorThread, prefill:
             Err(e) => absent.push((peer, e)),
         }
     }
-    for (peer, why) in &absent {
+    for (peer, why) in absent.iter().filter(|_| announce) {
         println!(
             "**SKIPPED: {}** ({why}). Install the peers with `bash benches/peers.sh` (or point TOKENONCE_PEERS at them).\n",
             peer.name()
@@ -994,9 +1033,20 @@ async fn run(opts: &Options, bench: &Bench, floor_thread: &FloorThread, prefill:
     for t in &targets {
         eprintln!("peers: {} pid {}", t.peer.name(), t.pid);
     }
+    Started {
+        tok,
+        others: [Some(no_reuse), Some(no_steal), baseline].into_iter().flatten().collect(),
+        externals,
+        targets,
+    }
+}
+
+async fn run(opts: &Options, bench: &Bench, floor_thread: &FloorThread, prefill: &FakeVllm, decode: &FakeVllm) {
+    let run_start = host_ticks();
+    let mut started = start_all(opts, bench, prefill, decode, true).await;
     header(opts);
     if opts.load_only {
-        under_load(opts, bench, &targets, prefill, decode).await;
+        under_load(opts, bench, &started.targets, prefill, decode).await;
         return;
     }
 
@@ -1004,21 +1054,35 @@ async fn run(opts: &Options, bench: &Bench, floor_thread: &FloorThread, prefill:
         .into_iter()
         .filter(|w| opts.only.as_ref().is_none_or(|o| w.label().contains(o.as_str())))
         .collect();
-    let m = measure(opts, bench, floor_thread, [prefill, decode], &targets, &workloads).await;
+    let mut m = measure(opts, bench, floor_thread, [prefill, decode], &started.targets, &workloads).await;
+    let mut per_instance = vec![m.clone()];
+    for instance in 2..=opts.instances {
+        // Every proxy stopped and started afresh: a process's own luck (where its threads and
+        // memory land) moves its CPU per request by 10-20 % from one start to the next.
+        drop(started);
+        eprintln!("peers: instance {instance}/{}", opts.instances);
+        started = start_all(opts, bench, prefill, decode, false).await;
+        let more = measure(opts, bench, floor_thread, [prefill, decode], &started.targets, &workloads).await;
+        m.absorb(&more);
+        per_instance.push(more);
+    }
+    m.steal = steal_pct(run_start, host_ticks());
     print_steal(&m);
     print_cpu(&m);
     print_ratios(&m);
     print_handoff(&m);
     print_latency(&m);
+    if per_instance.len() > 1 {
+        print_instances(&per_instance);
+    }
     goals(&m);
     if opts.only.is_some() {
         return;
     }
 
-    under_load(opts, bench, &targets, prefill, decode).await;
-    drop(no_reuse);
-    drop(no_steal);
-    drop(baseline);
+    under_load(opts, bench, &started.targets, prefill, decode).await;
+    let Started { tok, others, externals, .. } = started;
+    drop(others);
     drop(externals);
 
     if opts.knee {
@@ -1027,6 +1091,24 @@ async fn run(opts: &Options, bench: &Bench, floor_thread: &FloorThread, prefill:
     }
     drop(tok);
     rss_256(opts, bench, prefill, decode).await;
+}
+
+/// The goal ratios' medians in each instance alone (its own proxy processes), beside the
+/// pooled ones the tables give.
+fn print_instances(each: &[Measured]) {
+    println!("\n### Each instance alone (its own processes): (a) ÷ (d) and (a) ÷ (a0), medians of its rounds\n");
+    let cols: Vec<String> = (1..=each.len()).map(|i| format!("instance {i}")).collect();
+    println!("| workload | {} |\n|---|{}", cols.join(" | "), "---:|".repeat(cols.len()));
+    for (wi, w) in each[0].workloads.iter().enumerate() {
+        let cells: Vec<String> = each
+            .iter()
+            .map(|m| {
+                let r = |a, b| fmt_num(quantile(&m.ratios(wi, a, b), 0.5));
+                format!("{} / {}", r(Peer::Tokenonce, Peer::Router), r(Peer::Tokenonce, Peer::NoReuse))
+            })
+            .collect();
+        println!("| {} | {} |", w.label(), cells.join(" | "));
+    }
 }
 
 fn header(opts: &Options) {
@@ -1057,8 +1139,9 @@ fn header(opts: &Options) {
         std::thread::available_parallelism().map_or(0, std::num::NonZero::get)
     );
     println!(
-        "- {} rounds; each round: every workload, every proxy (orders rotated each round), a batch of {} requests at 1k ({} at 37k) after one untimed; max_tokens {MAX_TOKENS}\n",
+        "- {} rounds in each of {} instance(s) (every proxy started afresh per instance, rounds pooled); each round: every workload, every proxy (orders rotated each round), a batch of {} requests at 1k ({} at 37k) after one untimed; max_tokens {MAX_TOKENS}\n",
         opts.rounds,
+        opts.instances,
         batch(Workload { chat: true, stream: false, words: 1_000 }, opts.quick),
         batch(Workload { chat: true, stream: false, words: 37_000 }, opts.quick)
     );
@@ -1191,6 +1274,17 @@ fn goals(m: &Measured) {
             check(format!("1k {api} {s}: tokenonce ÷ toy"), r(1_000, Peer::Tokenonce, Peer::Toy), 0.1);
             check(format!("37k {api} {s}: tokenonce ÷ router"), r(37_000, Peer::Tokenonce, Peer::Router), 0.4);
             check(format!("37k {api} {s}: reuse on ÷ plain relay"), r(37_000, Peer::Tokenonce, Peer::NoReuse), 1.3);
+            // Not the issue's: what the handoff adds beside what the same bytes cost a bare
+            // client, per round ((a) − (a0)) ÷ ((b) − (b0)).
+            if let Some(w) = find(chat, stream, 37_000) {
+                let extra = m.differences(w, Peer::Tokenonce, Peer::NoReuse);
+                let bare = m.differences(w, Peer::Floor, Peer::FloorText);
+                let v: Vec<f64> = extra.iter().zip(&bare).map(|(a, b)| a / b).collect();
+                println!(
+                    "- INFO 37k {api} {s}: the handoff's extra ÷ the bare client's for the same bytes: {}",
+                    med_iqr(&v)
+                );
+            }
         }
     }
 }
