@@ -27,8 +27,9 @@
 //!
 //! Rounds interleave: each round gives every proxy a batch of every workload (chat and
 //! completions, streamed and not, ~1k and ~37k tokens), sequential requests after one untimed,
-//! with the order of workloads and of proxies rotated by one each round, so the machine's load
-//! (on shared VMs host steal time swings from 1 % to 27 % within minutes) falls on all alike.
+//! the order of workloads rotated by one each round and the proxies' shuffled afresh for each
+//! batch, so the machine's load (on shared VMs host steal time swings from 1 % to 27 % within
+//! minutes) falls on all alike and no proxy always follows the same one.
 //! A proxy's CPU per request in a round = the on-CPU time of all its process's threads
 //! (`/proc/PID/task/*/schedstat`, ns) over the batch ÷ its requests; the floor's, its client
 //! thread's CPU clock (`CLOCK_THREAD_CPUTIME_ID`) over its two legs: what a client sending both
@@ -499,6 +500,27 @@ impl Measured {
     }
 }
 
+/// `0..n` in an order drawn afresh for each `round` and `salt` (a seeded Fisher-Yates
+/// shuffle, the same every run): no proxy always follows the same one. A rotation kept the
+/// neighbours fixed, and two processes of one binary then differed by 3-6 % per request.
+fn shuffled(n: usize, round: usize, salt: usize) -> Vec<usize> {
+    let mut state =
+        (round as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (salt as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    let mut next = || {
+        // splitmix64
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let mut order: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        order.swap(i, (next() % (i as u64 + 1)) as usize);
+    }
+    order
+}
+
 /// Who a batch goes through: the floor's client (token-in decode when `ids`) or a proxy.
 #[derive(Clone, Copy)]
 enum Slot<'a> {
@@ -540,9 +562,9 @@ async fn one_batch(
 }
 
 /// Checks each target answers `w` well (3 requests), then runs `rounds` interleaved rounds:
-/// each round gives every target a batch of every workload, workloads and targets in an order
-/// rotated by one each round, so a change in the machine's load falls on all alike and no
-/// proxy always follows the same one. CPU per request of a round = the batch's on-CPU time of
+/// each round gives every target a batch of every workload, workloads in an order rotated by
+/// one each round and targets in one [`shuffled`] for each, so a change in the machine's load
+/// falls on all alike and no proxy always follows the same one. CPU per request of a round = the batch's on-CPU time of
 /// all the proxy's threads (`/proc/PID/task/*/schedstat`) ÷ its requests; ratios are taken
 /// within a round, then their median over rounds.
 async fn measure(
@@ -581,8 +603,7 @@ async fn measure(
         for k in 0..workloads.len() {
             let wi = (k + round) % workloads.len();
             let (w, b) = (workloads[wi], &bodies[wi]);
-            for j in 0..n {
-                let ti = (j + round) % n;
+            for ti in shuffled(n, round, k) {
                 if series[wi][ti].error.is_some() {
                     continue;
                 }
@@ -679,7 +700,7 @@ fn load_rounds(quick: bool) -> (usize, usize) {
 
 /// Throughput and latency at 64 and 256 concurrent clients (chat 1k non-streamed), in
 /// interleaved rounds as the CPU section: each round gives the floor and every proxy a batch
-/// (clients × a few requests), the order rotated by one each round, so load drift falls on
+/// (clients × a few requests), in an order [`shuffled`] each round, so load drift falls on
 /// all alike. Reported per proxy: req/s and CPU per request, median over rounds [IQR]; p50
 /// and p99 of every timed request of the run; then tokenonce ÷ the router within each round.
 async fn under_load(opts: &Options, bench: &Bench, targets: &[Target], prefill: &FakeVllm, decode: &FakeVllm) {
@@ -688,7 +709,7 @@ async fn under_load(opts: &Options, bench: &Bench, targets: &[Target], prefill: 
     let (rounds, per_client) = load_rounds(opts.quick);
     let rounds = opts.load_rounds.unwrap_or(rounds);
     println!(
-        "\n### Under load ({}; {rounds} interleaved rounds, each a batch of {per_client} × clients requests per proxy, orders rotated; req/s, ÷ floor and CPU µs per request: median over rounds [IQR]; p50 and p99: of all rounds' requests, ms)\n",
+        "\n### Under load ({}; {rounds} interleaved rounds, each a batch of {per_client} × clients requests per proxy, orders shuffled; req/s, ÷ floor and CPU µs per request: median over rounds [IQR]; p50 and p99: of all rounds' requests, ms)\n",
         w.label()
     );
     println!(
@@ -703,8 +724,7 @@ async fn under_load(opts: &Options, bench: &Bench, targets: &[Target], prefill: 
     for concurrency in [64usize, 256] {
         let mut loads: Vec<Vec<Load>> = vec![Vec::new(); slots];
         for round in 0..rounds {
-            for k in 0..slots {
-                let slot = (k + round) % slots;
+            for slot in shuffled(slots, round, concurrency) {
                 let t = target_of(slot);
                 // The toy proxy answers ~60 req/s: a tenth of the requests.
                 let n = concurrency * per_client / if t.is_some_and(|t| t.peer == Peer::Toy) { 10 } else { 1 };
@@ -990,14 +1010,30 @@ struct Started {
 
 /// Starts every proxy once (those `--peers` leaves out too, as the rounds skip them); with
 /// `announce`, says which peers are absent and how to install them.
-async fn start_all(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &FakeVllm, announce: bool) -> Started {
-    let tok = spawn_tokenonce(prefill, decode, true, 2).await;
-    let no_reuse = spawn_tokenonce(prefill, decode, false, 2).await;
-    let no_steal = spawn_tokenonce_with(&tokenonce_binary(), prefill, decode, true, 2, false).await;
-    let baseline = match &opts.baseline {
-        Some(bin) => Some(spawn_tokenonce_with(bin, prefill, decode, true, 2, true).await),
-        None => None,
-    };
+async fn start_all(opts: &Options, bench: &Bench, fakes: [&FakeVllm; 2], instance: usize) -> Started {
+    let [prefill, decode] = fakes;
+    let announce = instance == 0;
+    // The tokenonce variants start in an order rotated by one each instance, as the rounds
+    // rotate theirs: no variant always starts first.
+    let kinds = [Peer::Tokenonce, Peer::NoReuse, Peer::NoSteal, Peer::Baseline];
+    let mut spawned: Vec<(Peer, TokenOnce)> = Vec::new();
+    for k in 0..kinds.len() {
+        let kind = kinds[(k + instance) % kinds.len()];
+        let proxy = match kind {
+            Peer::NoReuse => spawn_tokenonce(prefill, decode, false, 2).await,
+            Peer::NoSteal => spawn_tokenonce_with(&tokenonce_binary(), prefill, decode, true, 2, false).await,
+            Peer::Baseline => match &opts.baseline {
+                Some(bin) => spawn_tokenonce_with(bin, prefill, decode, true, 2, true).await,
+                None => continue,
+            },
+            _ => spawn_tokenonce(prefill, decode, true, 2).await,
+        };
+        spawned.push((kind, proxy));
+    }
+    let mut take = |kind: Peer| spawned.iter().position(|(k, _)| *k == kind).map(|i| spawned.swap_remove(i).1);
+    let (tok, no_reuse, no_steal) =
+        (take(Peer::Tokenonce).unwrap(), take(Peer::NoReuse).unwrap(), take(Peer::NoSteal).unwrap());
+    let baseline = take(Peer::Baseline);
     let mut externals = Vec::new();
     let mut absent = Vec::new();
     for peer in [Peer::Toy, Peer::Router] {
@@ -1043,7 +1079,7 @@ async fn start_all(opts: &Options, bench: &Bench, prefill: &FakeVllm, decode: &F
 
 async fn run(opts: &Options, bench: &Bench, floor_thread: &FloorThread, prefill: &FakeVllm, decode: &FakeVllm) {
     let run_start = host_ticks();
-    let mut started = start_all(opts, bench, prefill, decode, true).await;
+    let mut started = start_all(opts, bench, [prefill, decode], 0).await;
     header(opts);
     if opts.load_only {
         under_load(opts, bench, &started.targets, prefill, decode).await;
@@ -1061,7 +1097,7 @@ async fn run(opts: &Options, bench: &Bench, floor_thread: &FloorThread, prefill:
         // memory land) moves its CPU per request by 10-20 % from one start to the next.
         drop(started);
         eprintln!("peers: instance {instance}/{}", opts.instances);
-        started = start_all(opts, bench, prefill, decode, false).await;
+        started = start_all(opts, bench, [prefill, decode], instance - 1).await;
         let more = measure(opts, bench, floor_thread, [prefill, decode], &started.targets, &workloads).await;
         m.absorb(&more);
         per_instance.push(more);
@@ -1139,7 +1175,7 @@ fn header(opts: &Options) {
         std::thread::available_parallelism().map_or(0, std::num::NonZero::get)
     );
     println!(
-        "- {} rounds in each of {} instance(s) (every proxy started afresh per instance, rounds pooled); each round: every workload, every proxy (orders rotated each round), a batch of {} requests at 1k ({} at 37k) after one untimed; max_tokens {MAX_TOKENS}\n",
+        "- {} rounds in each of {} instance(s) (every proxy started afresh per instance, rounds pooled); each round: every workload, every proxy (workloads rotated, proxies shuffled each round), a batch of {} requests at 1k ({} at 37k) after one untimed; max_tokens {MAX_TOKENS}\n",
         opts.rounds,
         opts.instances,
         batch(Workload { chat: true, stream: false, words: 1_000 }, opts.quick),
