@@ -34,36 +34,32 @@ pub fn rewrite_usage_cached(api: Api, text: &str, cached: u64) -> Option<Vec<u8>
             let response_text = top.get("response").filter(|r| !is_null(Some(r)))?;
             let response = RawObject::parse(response_text).ok()?;
             let rewritten = with_usage_detail(response_text, &response, "input_tokens_details", cached)?;
-            splice(text, response_text, &rewritten)
+            replace_member(text, &top, "response", rewritten)
         }
     }
 }
 
 /// `text`, the object `obj` was parsed from, with `usage.<details>.cached_tokens` set to
-/// `cached`: only the `usage` value is rewritten, every other byte copied as it came (a 1k
-/// answer re-serialized member by member cost ~2 % of its request); `None` when `obj` has no
-/// non-null `usage`. A repeated `usage` (never vLLM's) is written once, as the last one set.
+/// `cached`; `None` when `obj` has no non-null `usage`.
 fn with_usage_detail(text: &str, obj: &RawObject<'_>, details_key: &str, cached: u64) -> Option<Vec<u8>> {
     let usage = obj.get("usage").filter(|u| !is_null(Some(u)))?;
-    let rewritten = usage_with_detail(usage, details_key, cached)?;
-    if obj.keys().filter(|k| *k == "usage").nth(1).is_some() {
-        let mut obj = obj.clone();
-        obj.set_raw("usage", String::from_utf8(rewritten).ok()?);
-        return Some(obj.to_bytes());
-    }
-    splice(text, usage, &rewritten)
+    replace_member(text, obj, "usage", usage_with_detail(usage, details_key, cached)?)
 }
 
-/// `text` with `part` (a slice of it) replaced by `with`; `None` when `part` is not in `text`.
-fn splice(text: &str, part: &str, with: &[u8]) -> Option<Vec<u8>> {
-    let start = (part.as_ptr() as usize).checked_sub(text.as_ptr() as usize)?;
-    let end = start + part.len();
-    let (before, after) = (text.as_bytes().get(..start)?, text.as_bytes().get(end..)?);
-    let mut out = Vec::with_capacity(before.len() + with.len() + after.len());
-    out.extend_from_slice(before);
-    out.extend_from_slice(with);
-    out.extend_from_slice(after);
-    Some(out)
+/// `text`, the object `obj` was parsed from, with the value of member `key` (which `obj` has)
+/// replaced by `value`, every other byte as it came (written member by member, keys were
+/// re-quoted and the whitespace between members dropped). A repeated `key` (never vLLM's) is
+/// written once, at its first place, as parsers read the last.
+fn replace_member(text: &str, obj: &RawObject<'_>, key: &str, value: Vec<u8>) -> Option<Vec<u8>> {
+    let old = obj.get(key)?;
+    let start = (old.as_ptr() as usize).checked_sub(text.as_ptr() as usize)?;
+    let (before, after) = (text.as_bytes().get(..start)?, text.as_bytes().get(start + old.len()..)?);
+    if obj.keys().filter(|k| *k == key).nth(1).is_some() {
+        let mut obj = obj.clone();
+        obj.set_raw(key, String::from_utf8(value).ok()?);
+        return Some(obj.to_bytes());
+    }
+    Some([before, &value, after].concat())
 }
 
 /// The `usage` object `usage_text` with `<details>.cached_tokens` set (the details object
@@ -178,6 +174,11 @@ mod tests {
         // A repeated key: the last one is what parsers read; it is set, and written once.
         let out = rewrite_cached_tokens(r#"{"usage":{"x":1},"a":0,"usage":{"y":2}}"#, 4).unwrap();
         assert_eq!(out, br#"{"usage":{"y":2,"prompt_tokens_details":{"cached_tokens":4}},"a":0}"#);
+        let event = "{\"response\": {\"usage\": {\"input_tokens\": 5}}, \"type\": \"response.completed\"}";
+        assert_eq!(
+            String::from_utf8(rewrite_usage_cached(Api::Responses, event, 2).unwrap()).unwrap(),
+            "{\"response\": {\"usage\": {\"input_tokens\":5,\"input_tokens_details\":{\"cached_tokens\":2}}}, \"type\": \"response.completed\"}"
+        );
     }
 
     #[test]
