@@ -466,10 +466,7 @@ impl Measured {
 
     /// The per-round ratios `a ÷ b` of workload `w`'s CPU per request.
     fn ratios(&self, w: usize, a: Peer, b: Peer) -> Vec<f64> {
-        match (self.get(w, a), self.get(w, b)) {
-            (Some(a), Some(b)) => a.cpu_us.iter().zip(&b.cpu_us).map(|(a, b)| a / b).collect(),
-            _ => Vec::new(),
-        }
+        self.per_round(w, a, b, |a, b| a / b)
     }
 
     /// Adds another instance's rounds (the same workloads; its proxies matched by name).
@@ -493,8 +490,13 @@ impl Measured {
 
     /// The per-round differences `a − b` of workload `w`'s CPU µs per request.
     fn differences(&self, w: usize, a: Peer, b: Peer) -> Vec<f64> {
+        self.per_round(w, a, b, |a, b| a - b)
+    }
+
+    /// `op(a, b)` of workload `w`'s CPU µs per request, round by round.
+    fn per_round(&self, w: usize, a: Peer, b: Peer, op: fn(f64, f64) -> f64) -> Vec<f64> {
         match (self.get(w, a), self.get(w, b)) {
-            (Some(a), Some(b)) => a.cpu_us.iter().zip(&b.cpu_us).map(|(a, b)| a - b).collect(),
+            (Some(a), Some(b)) => a.cpu_us.iter().zip(&b.cpu_us).map(|(a, b)| op(*a, *b)).collect(),
             _ => Vec::new(),
         }
     }

@@ -51,14 +51,14 @@ fn with_usage_detail(text: &str, obj: &RawObject<'_>, details_key: &str, cached:
 /// re-quoted and the whitespace between members dropped). A repeated `key` (never vLLM's) is
 /// written once, at its first place, as parsers read the last.
 fn replace_member(text: &str, obj: &RawObject<'_>, key: &str, value: Vec<u8>) -> Option<Vec<u8>> {
-    let old = obj.get(key)?;
-    let start = (old.as_ptr() as usize).checked_sub(text.as_ptr() as usize)?;
-    let (before, after) = (text.as_bytes().get(..start)?, text.as_bytes().get(start + old.len()..)?);
     if obj.keys().filter(|k| *k == key).nth(1).is_some() {
         let mut obj = obj.clone();
         obj.set_raw(key, String::from_utf8(value).ok()?);
         return Some(obj.to_bytes());
     }
+    let old = obj.get(key)?;
+    let start = (old.as_ptr() as usize).checked_sub(text.as_ptr() as usize)?;
+    let (before, after) = (text.as_bytes().get(..start)?, text.as_bytes().get(start + old.len()..)?);
     Some([before, &value, after].concat())
 }
 
