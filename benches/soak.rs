@@ -28,9 +28,10 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
+use parking_lot::Mutex;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -129,7 +130,7 @@ struct Tally {
 impl Tally {
     fn error(&self, what: String) {
         self.errors.fetch_add(1, Ordering::Relaxed);
-        let mut first = self.first_errors.lock().unwrap();
+        let mut first = self.first_errors.lock();
         if first.len() < 10 {
             first.push(what);
         }
@@ -181,7 +182,7 @@ async fn worker(
         let started = Instant::now();
         match tokio::time::timeout(REQUEST_TIMEOUT, one(&client, &url, kind, &request_id)).await {
             Ok(Ok(())) => {
-                tally.latencies.lock().unwrap().push(started.elapsed().as_secs_f64() * 1000.0);
+                tally.latencies.lock().push(started.elapsed().as_secs_f64() * 1000.0);
                 tally.done.fetch_add(1, Ordering::Relaxed);
                 tally.tokens.fetch_add(kind.tokens as u64, Ordering::Relaxed);
             }
@@ -265,7 +266,7 @@ async fn soak(proxy: &TokenOnce, opts: &Options, tally: &Arc<Tally>) -> Vec<Repo
         let next = (started + every * u32::try_from(i).unwrap()).min(end + Duration::from_millis(1));
         tokio::time::sleep_until(next.into()).await;
         let now = Instant::now();
-        let mut lat = std::mem::take(&mut *tally.latencies.lock().unwrap());
+        let mut lat = std::mem::take(&mut *tally.latencies.lock());
         lat.sort_by(f64::total_cmp);
         let (done, errors) = (tally.done.load(Ordering::Relaxed), tally.errors.load(Ordering::Relaxed));
         let rate = (done - last_done) as f64 / now.duration_since(last_at).as_secs_f64();
@@ -348,7 +349,7 @@ fn main() {
     );
     let own: Vec<String> = own.iter().map(|(o, v)| format!("{o} {v}")).collect();
     println!("tokenonce requests_total by outcome: {}", own.join(", "));
-    for e in tally.first_errors.lock().unwrap().iter() {
+    for e in tally.first_errors.lock().iter() {
         println!("error: {e}");
     }
     let rss = rss_verdict(&reports, opts.seconds);

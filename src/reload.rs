@@ -6,8 +6,9 @@
 //! counted in `config_reloads_total{result}` and recorded in `config_last_reload_success` and
 //! `config_last_reload_timestamp_seconds`.
 
+use parking_lot::Mutex;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -87,7 +88,7 @@ impl Reloader {
     /// # Errors
     /// [`Refused`]: why the running config was kept.
     pub fn reload(&self, trigger: Trigger) -> Result<Applied, Refused> {
-        let _one = self.one_at_a_time.lock().unwrap_or_else(PoisonError::into_inner);
+        let _one = self.one_at_a_time.lock();
         let current = self.app.load_full();
         let outcome = self.apply(&current, trigger);
         current.metrics.reload(if outcome.is_ok() { Reload::Success } else { Reload::Failure });

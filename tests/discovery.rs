@@ -11,11 +11,12 @@
 
 mod support;
 
+use parking_lot::Mutex;
 use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
@@ -64,7 +65,7 @@ impl Dns {
             let lines = Arc::clone(&log);
             std::thread::spawn(move || {
                 for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                    lines.lock().unwrap().push(line);
+                    lines.lock().push(line);
                 }
             });
             let dns = Self { child, addr: SocketAddr::from(([127, 0, 0, 1], port)), hosts, log, _dir: dir };
@@ -72,7 +73,7 @@ impl Dns {
                 return dns;
             }
             // Not up (its port taken, most likely): killed on drop; another port.
-            eprintln!("dnsmasq did not come up: {:?}", dns.log.lock().unwrap());
+            eprintln!("dnsmasq did not come up: {:?}", dns.log.lock());
         }
         panic!("dnsmasq did not start");
     }
@@ -82,7 +83,7 @@ impl Dns {
         let deadline = Instant::now() + Duration::from_secs(10);
         let hosts = self.hosts.display().to_string();
         while Instant::now() < deadline {
-            let reads = self.log.lock().unwrap().iter().filter(|l| l.contains("read ") && l.contains(&hosts)).count();
+            let reads = self.log.lock().iter().filter(|l| l.contains("read ") && l.contains(&hosts)).count();
             if reads >= n {
                 return true;
             }
@@ -94,7 +95,7 @@ impl Dns {
     /// Publishes `ips` under [`NAME`] (none: the name has no address) and waits until dnsmasq
     /// read them.
     async fn publish(&self, ips: &[&str]) {
-        let before = self.log.lock().unwrap().iter().filter(|l| l.contains("read ")).count();
+        let before = self.log.lock().iter().filter(|l| l.contains("read ")).count();
         write_hosts(&self.hosts, ips);
         let status = Command::new("kill").arg("-HUP").arg(self.child.id().to_string()).status().unwrap();
         assert!(status.success());

@@ -29,12 +29,12 @@ enum Second {
 /// by the value of their `x-request-id`.
 struct RawEngine {
     addr: String,
-    read_whole: Arc<std::sync::Mutex<Vec<String>>>,
+    read_whole: Arc<parking_lot::Mutex<Vec<String>>>,
 }
 
 impl RawEngine {
     async fn start(second: Second) -> Self {
-        let read_whole = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let read_whole = Arc::new(parking_lot::Mutex::new(Vec::new()));
         let seen = Arc::clone(&read_whole);
         let addr = raw_engine(50, move |sock| serve(sock, second, Arc::clone(&seen))).await;
         Self { addr, read_whole }
@@ -42,11 +42,11 @@ impl RawEngine {
 
     /// How many times a request with this `x-request-id` was read whole.
     fn seen(&self, request_id: &str) -> usize {
-        self.read_whole.lock().unwrap().iter().filter(|id| *id == request_id).count()
+        self.read_whole.lock().iter().filter(|id| *id == request_id).count()
     }
 }
 
-async fn serve(mut sock: TcpStream, second: Second, seen: Arc<std::sync::Mutex<Vec<String>>>) {
+async fn serve(mut sock: TcpStream, second: Second, seen: Arc<parking_lot::Mutex<Vec<String>>>) {
     let Some((method, id)) = fault_engine::read_request(&mut sock).await.map(|r| {
         let id = fault_engine::header(&r.head, "x-request-id").unwrap_or_default().to_owned();
         (r.method, id)
@@ -65,7 +65,7 @@ async fn serve(mut sock: TcpStream, second: Second, seen: Arc<std::sync::Mutex<V
         let _ = sock.write_all(resp("connection: close\r\n").as_bytes()).await;
         return;
     }
-    seen.lock().unwrap().push(id);
+    seen.lock().push(id);
     let resp = resp("");
     if sock.write_all(resp.as_bytes()).await.is_err() {
         return;
@@ -80,7 +80,7 @@ async fn serve(mut sock: TcpStream, second: Second, seen: Arc<std::sync::Mutex<V
         }
         Second::CloseAfterRead => {
             if let Some(r) = fault_engine::read_request(&mut sock).await {
-                seen.lock().unwrap().push(fault_engine::header(&r.head, "x-request-id").unwrap_or_default().to_owned());
+                seen.lock().push(fault_engine::header(&r.head, "x-request-id").unwrap_or_default().to_owned());
             }
         }
     }

@@ -597,7 +597,7 @@ async fn over_long_sse_event_ends_the_stream_with_an_error_event() {
 async fn health_polls_of_hung_endpoints_run_at_once() {
     const HOLES: usize = 4;
     // What the black holes saw, in order: (which, true: a connection came, false: it closed).
-    let seen: Arc<std::sync::Mutex<Vec<(usize, bool)>>> = Arc::default();
+    let seen: Arc<parking_lot::Mutex<Vec<(usize, bool)>>> = Arc::default();
     let mut addrs = Vec::new();
     for i in 0..HOLES {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -606,7 +606,7 @@ async fn health_polls_of_hung_endpoints_run_at_once() {
         tokio::spawn(async move {
             for _ in 0..64 {
                 let Ok((mut sock, _)) = listener.accept().await else { return };
-                seen.lock().unwrap().push((i, true));
+                seen.lock().push((i, true));
                 let seen = Arc::clone(&seen);
                 tokio::spawn(async move {
                     let mut buf = [0u8; 4096];
@@ -614,7 +614,7 @@ async fn health_polls_of_hung_endpoints_run_at_once() {
                         while sock.read(&mut buf).await.is_ok_and(|n| n > 0) {}
                     });
                     let _ = hold.await;
-                    seen.lock().unwrap().push((i, false));
+                    seen.lock().push((i, false));
                 });
             }
         });
@@ -628,11 +628,11 @@ async fn health_polls_of_hung_endpoints_run_at_once() {
     );
     let _proxy = TokenOnce::start(&config).await;
     let deadline = Instant::now() + Duration::from_secs(10);
-    while seen.lock().unwrap().iter().filter(|(_, came)| !came).count() < HOLES {
-        assert!(Instant::now() < deadline, "the polls never gave up: {:?}", seen.lock().unwrap());
+    while seen.lock().iter().filter(|(_, came)| !came).count() < HOLES {
+        assert!(Instant::now() < deadline, "the polls never gave up: {:?}", seen.lock());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let seen = seen.lock().unwrap().clone();
+    let seen = seen.lock().clone();
     let first_round: Vec<(usize, bool)> = seen.iter().copied().take(HOLES).collect();
     let mut came: Vec<usize> = first_round.iter().filter(|(_, c)| *c).map(|(i, _)| *i).collect();
     came.sort_unstable();

@@ -9,7 +9,8 @@
 
 mod support;
 
-use std::sync::{Arc, Mutex};
+use parking_lot::Mutex;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
@@ -43,7 +44,7 @@ async fn receiver() -> (String, Received) {
                         .unwrap_or_default();
                     for scope in resource.scope_spans {
                         for span in scope.spans {
-                            store.0.lock().unwrap().push((service.clone(), span));
+                            store.0.lock().push((service.clone(), span));
                         }
                     }
                 }
@@ -93,7 +94,7 @@ impl Received {
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
             let spans: Vec<(String, Span)> =
-                self.0.lock().unwrap().iter().filter(|(_, s)| hex(&s.trace_id) == trace).cloned().collect();
+                self.0.lock().iter().filter(|(_, s)| hex(&s.trace_id) == trace).cloned().collect();
             if spans.iter().any(|(_, s)| s.name == name) {
                 return spans;
             }

@@ -3,8 +3,8 @@
 //! hit is only returned when the decode's prompt fingerprint equals the prefill's, so a
 //! reused or colliding request id can never hand one request another request's ids.
 
+use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::key::CacheKey;
@@ -117,7 +117,7 @@ impl IdCache {
     /// Stores `ids` under every key in `keys`, for the prompt with `fingerprint`; evicts the
     /// oldest entries when over capacity. An entry larger than the whole capacity is refused.
     pub fn insert(&self, keys: Vec<CacheKey>, fingerprint: u64, ids: Vec<u32>, now: Instant) -> Evicted {
-        let Ok(mut inner) = self.inner.lock() else { return Evicted::default() };
+        let mut inner = self.inner.lock();
         let mut evicted = Evicted { ttl: inner.expire(now, self.ttl), capacity: 0 };
         let bytes = Self::entry_bytes(ids.len());
         if bytes > self.capacity_bytes || keys.is_empty() {
@@ -145,7 +145,7 @@ impl IdCache {
     /// Finds the entry for the first key (in order) that names one, and takes it when its
     /// fingerprint matches and it has not expired.
     pub fn take(&self, keys: &[CacheKey], fingerprint: u64, now: Instant) -> (Lookup, Evicted) {
-        let Ok(mut inner) = self.inner.lock() else { return (Lookup::Miss, Evicted::default()) };
+        let mut inner = self.inner.lock();
         let Some(id) = keys.iter().find_map(|k| inner.by_key.get(k).copied()) else {
             let ttl = inner.expire(now, self.ttl);
             return (Lookup::Miss, Evicted { ttl, capacity: 0 });
@@ -165,7 +165,7 @@ impl IdCache {
 
     /// Drops expired entries now.
     pub fn purge(&self, now: Instant) -> Evicted {
-        let ttl = self.inner.lock().map(|mut i| i.expire(now, self.ttl)).unwrap_or(0);
+        let ttl = self.inner.lock().expire(now, self.ttl);
         Evicted { ttl, capacity: 0 }
     }
 
@@ -176,7 +176,8 @@ impl IdCache {
 
     /// (entries, bytes) held.
     pub fn stats(&self) -> (usize, usize) {
-        self.inner.lock().map(|i| (i.entries.len(), i.bytes)).unwrap_or((0, 0))
+        let inner = self.inner.lock();
+        (inner.entries.len(), inner.bytes)
     }
 }
 

@@ -28,9 +28,10 @@
 //!   first (see `index.rs`). Only the device (GPU) cache of the first KV cache group is indexed:
 //!   blocks offloaded to CPU or storage are not what prefix caching reuses on arrival.
 
+use parking_lot::{Mutex, RwLock};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures_util::StreamExt as _;
@@ -250,10 +251,10 @@ impl PoolKvEvents {
 
     /// Stops subscribing to an endpoint and forgets what it held.
     pub fn remove_endpoint(&self, name: &str) {
-        if let Some(task) = lock(&self.tasks).remove(name) {
+        if let Some(task) = self.tasks.lock().remove(name) {
             task.abort();
         }
-        let mut state = write(&self.shared.state);
+        let mut state = self.shared.state.write();
         if let Some(slot) = state.endpoints.get_mut(name).map(|e| {
             e.removed = true;
             e.slot
@@ -266,7 +267,7 @@ impl PoolKvEvents {
     /// Follows the pool's membership (a discovered pool's set changed): subscribes to members
     /// not subscribed to yet and stops those no longer members (what they held is forgotten).
     pub fn follow(&self, members: &[String]) {
-        let gone: Vec<String> = lock(&self.tasks).keys().filter(|n| !members.contains(n)).cloned().collect();
+        let gone: Vec<String> = self.tasks.lock().keys().filter(|n| !members.contains(n)).cloned().collect();
         for name in &gone {
             self.remove_endpoint(name);
         }
@@ -284,7 +285,7 @@ impl PoolKvEvents {
 
     /// Whether the endpoint named `name` is connected now.
     pub fn connected(&self, name: &str) -> bool {
-        read(&self.shared.state).endpoints.get(name).is_some_and(|e| e.connected && !e.removed)
+        self.shared.state.read().endpoints.get(name).is_some_and(|e| e.connected && !e.removed)
     }
 
     /// The pool's settings.
@@ -294,12 +295,12 @@ impl PoolKvEvents {
 
     /// Whether the endpoint named `name` is subscribed to.
     pub fn subscribed(&self, name: &str) -> bool {
-        lock(&self.tasks).contains_key(name)
+        self.tasks.lock().contains_key(name)
     }
 
     /// How many endpoints are subscribed to.
     pub fn len(&self) -> usize {
-        lock(&self.tasks).len()
+        self.tasks.lock().len()
     }
 
     /// True when no endpoint is.
@@ -308,12 +309,12 @@ impl PoolKvEvents {
     }
 
     fn add(&self, addr: EndpointAddr) {
-        let mut tasks = lock(&self.tasks);
+        let mut tasks = self.tasks.lock();
         if tasks.contains_key(&addr.name) {
             return;
         }
         let slot = {
-            let mut state = write(&self.shared.state);
+            let mut state = self.shared.state.write();
             let slot = match state.endpoints.get(&addr.name) {
                 Some(known) => known.slot,
                 None => state.index.add_slot(),
@@ -330,7 +331,7 @@ impl PoolKvEvents {
 
 impl Drop for PoolKvEvents {
     fn drop(&mut self) {
-        for (_, task) in lock(&self.tasks).drain() {
+        for (_, task) in self.tasks.lock().drain() {
             task.abort();
         }
     }
@@ -338,7 +339,7 @@ impl Drop for PoolKvEvents {
 
 impl PrefixHolders for PoolKvEvents {
     fn held(&self, endpoint: &str, chain: &[BlockHash]) -> usize {
-        let state = read(&self.shared.state);
+        let state = self.shared.state.read();
         match state.endpoints.get(endpoint) {
             Some(e) if !e.stale(self.shared.settings.stale_after) => state.index.held(e.slot, chain),
             _ => 0,
@@ -346,11 +347,11 @@ impl PrefixHolders for PoolKvEvents {
     }
 
     fn sent(&self, _endpoint: &str, chain: &[BlockHash]) {
-        lock(&self.shared.check).expect(chain);
+        self.shared.check.lock().expect(chain);
     }
 
     fn forget(&self, endpoint: &str) {
-        let slot = read(&self.shared.state).endpoints.get(endpoint).map(|e| e.slot);
+        let slot = self.shared.state.read().endpoints.get(endpoint).map(|e| e.slot);
         if let Some(slot) = slot {
             self.shared.clear(slot);
         }
@@ -358,13 +359,13 @@ impl PrefixHolders for PoolKvEvents {
 
     fn usable(&self) -> bool {
         let after = self.shared.settings.stale_after;
-        !self.disabled() && read(&self.shared.state).endpoints.values().any(|e| !e.stale(after))
+        !self.disabled() && self.shared.state.read().endpoints.values().any(|e| !e.stale(after))
     }
 }
 
 impl Shared {
     fn set_connected(&self, slot: usize, connected: bool) {
-        let mut state = write(&self.state);
+        let mut state = self.state.write();
         if let Some(e) = state.endpoints.values_mut().find(|e| e.slot == slot) {
             e.connected = connected;
             e.since = Instant::now();
@@ -372,7 +373,7 @@ impl Shared {
     }
 
     fn clear(&self, slot: usize) {
-        let mut state = write(&self.state);
+        let mut state = self.state.write();
         state.index.clear(slot);
         self.metrics.blocks.set(gauge_value(state.index.len()));
     }
@@ -381,7 +382,7 @@ impl Shared {
     fn apply(&self, slot: usize, batch: &EventBatch) {
         let mut drifts = Vec::new();
         {
-            let mut state = write(&self.state);
+            let mut state = self.state.write();
             for event in &batch.events {
                 match event {
                     Event::BlockStored(stored) => {
@@ -389,7 +390,7 @@ impl Shared {
                             let evicted = state.index.store(slot, stored.block_hashes.iter().map(|h| h.0));
                             self.metrics.evicted.inc_by(evicted as u64);
                         }
-                        let outcome = lock(&self.check).check(stored);
+                        let outcome = self.check.lock().check(stored);
                         self.metrics.checks_matched.inc_by(outcome.matched);
                         self.metrics.checks_mismatched.inc_by(outcome.mismatched);
                         drifts.extend(outcome.drift);
@@ -709,18 +710,6 @@ pub async fn replay(url: &str, from: u64) -> Result<Vec<(u64, EventBatch)>, Repl
 
 fn gauge_value(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
-    l.read().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
-    l.write().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[cfg(test)]

@@ -8,8 +8,8 @@
 //! through its parents): it binary-searches the chain for the last block the endpoint was
 //! sent, so a choice over a 1,000-block chain costs about ten map lookups per endpoint.
 
+use parking_lot::RwLock;
 use std::collections::HashMap;
-use std::sync::RwLock;
 
 use super::hash::{BlockHash, WireHashMap};
 use super::PrefixHolders;
@@ -54,7 +54,7 @@ impl SentPrefixes {
 
     /// Blocks indexed now.
     pub fn len(&self) -> usize {
-        self.index.read().map_or(0, |i| i.blocks.len())
+        self.index.read().blocks.len()
     }
 
     /// True when no block is indexed.
@@ -127,7 +127,7 @@ impl Index {
 
 impl PrefixHolders for SentPrefixes {
     fn held(&self, endpoint: &str, chain: &[BlockHash]) -> usize {
-        let Ok(index) = self.index.read() else { return 0 };
+        let index = self.index.read();
         let Some(&n) = index.names.get(endpoint) else { return 0 };
         let bit = 1u64 << n;
         // The held blocks are a prefix: find its end by binary search, the last block first
@@ -139,7 +139,7 @@ impl PrefixHolders for SentPrefixes {
     }
 
     fn sent(&self, endpoint: &str, chain: &[BlockHash]) {
-        let Ok(mut index) = self.index.write() else { return };
+        let mut index = self.index.write();
         let bit = index.bit(endpoint);
         for block in chain {
             index.record(block.wire(), bit, self.max_blocks);
@@ -148,7 +148,7 @@ impl PrefixHolders for SentPrefixes {
 
     /// Clears the endpoint's bit on every block (its blocks stay in the ring for the others).
     fn forget(&self, endpoint: &str) {
-        let Ok(mut index) = self.index.write() else { return };
+        let mut index = self.index.write();
         let Some(&n) = index.names.get(endpoint) else { return };
         let bit = 1u64 << n;
         index.blocks.values_mut().for_each(|b| b.endpoints &= !bit);

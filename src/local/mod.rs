@@ -13,9 +13,10 @@
 //! turn was generated, compared with the echo (one more render and encode per such check, its
 //! shared segments cache hits).
 
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -399,11 +400,8 @@ impl Verifier {
 /// A worker: verifies samples until every sender is gone.
 fn work(rx: &Mutex<Receiver<Sample>>, metrics: &Metrics) {
     loop {
-        let next = match rx.lock() {
-            Ok(rx) => rx.recv(),
-            Err(_) => return,
-        };
-        let Ok(sample) = next else { return };
+        // The guard is a temporary: the lock is released before the sample is worked on.
+        let Ok(sample) = rx.lock().recv() else { return };
         let echoed = sample.echoed.to_vec();
         let (shape, verdict) = sample.local.verify(sample.api, &sample.body, &echoed);
         let pool = &sample.local.pool;

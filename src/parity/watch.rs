@@ -2,9 +2,10 @@
 //! and the bounded worker pool ([`Watch`]) that decodes sampled ids off the request path. A
 //! full queue drops the sample (counted); the request never waits.
 
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -31,12 +32,12 @@ pub struct ParityHold(Mutex<Option<Instant>>);
 impl ParityHold {
     /// True while reuse is held off.
     pub fn is_held(&self) -> bool {
-        self.0.lock().is_ok_and(|off| off.is_some())
+        self.0.lock().is_some()
     }
 
     /// Holds reuse off until at least `until`; true when it was not held before.
     pub fn hold_until(&self, until: Instant) -> bool {
-        let Ok(mut off) = self.0.lock() else { return false };
+        let mut off = self.0.lock();
         let was_free = off.is_none();
         *off = Some(until);
         was_free
@@ -44,7 +45,7 @@ impl ParityHold {
 
     /// Ends the hold if its cool-down passed at `now`; true when it ended.
     fn release_after_cooldown(&self, now: Instant) -> bool {
-        let Ok(mut off) = self.0.lock() else { return false };
+        let mut off = self.0.lock();
         if off.is_some_and(|until| now >= until) {
             *off = None;
             return true;
@@ -206,11 +207,8 @@ impl Watch {
 /// A worker: takes samples until every sender is gone.
 fn work(rx: &Mutex<Receiver<Sample>>) {
     loop {
-        let next = match rx.lock() {
-            Ok(rx) => rx.recv(),
-            Err(_) => return,
-        };
-        let Ok(sample) = next else { return };
+        // The guard is a temporary: the lock is released before the sample is worked on.
+        let Ok(sample) = rx.lock().recv() else { return };
         sample.route.run(&sample);
     }
 }

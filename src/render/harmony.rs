@@ -4,7 +4,9 @@
 //! its o200k vocabulary read from the model folder, never downloaded.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use openai_harmony::chat::{
     Author, Content, Conversation, DeveloperContent, Message, ReasoningEffort, Role, SystemContent, TextContent,
@@ -57,7 +59,7 @@ impl Harmony {
         let path = vocab.display().to_string();
         let bytes = std::fs::read(&vocab).map_err(|source| LoadError::Io { path: path.clone(), source })?;
         let sha = sha256_hex(&bytes);
-        let mut loaded = LOADED.lock().map_err(|_| LoadError::Config { path: path.clone(), reason: "lock".into() })?;
+        let mut loaded = LOADED.lock();
         if let Some((_, encoding)) = loaded.iter().find(|(s, _)| *s == sha) {
             return Ok(Harmony { encoding: Arc::clone(encoding), start_date, exclude_tools_when_tool_choice_none });
         }

@@ -11,10 +11,10 @@
 //! bytes as its ids), which the byte bound counts. A strong 128-bit hash would drop the texts
 //! but costs more CPU than comparing on this path (a 45k-token prompt is ~180 KB to hash).
 
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::segment::{Piece, Segmenter};
@@ -413,14 +413,14 @@ impl SegmentCache {
         // High bits pick the shard; the map uses the low ones (and the top 7 as tags).
         let index = usize::try_from((hash >> 40) % len64(self.shards.len())).ok()?;
         // No code panics while holding a shard, so a poisoned one is still consistent.
-        self.shards.get(index).map(|m| m.lock().unwrap_or_else(PoisonError::into_inner))
+        self.shards.get(index).map(|m| m.lock())
     }
 
     /// Drops every entry idle for the TTL or longer, now; returns how many.
     pub fn purge(&self, now: Instant) -> u64 {
         let mut dropped = 0;
         for shard in self.shards.iter() {
-            dropped += shard.lock().unwrap_or_else(PoisonError::into_inner).expire(now, self.ttl);
+            dropped += shard.lock().expire(now, self.ttl);
         }
         add(&self.counters.evicted_ttl, dropped);
         dropped
@@ -430,7 +430,7 @@ impl SegmentCache {
     pub fn stats(&self) -> CacheStats {
         let (mut entries, mut bytes) = (0, 0);
         for shard in self.shards.iter() {
-            let s = shard.lock().unwrap_or_else(PoisonError::into_inner);
+            let s = shard.lock();
             entries += s.slots.len();
             bytes += s.bytes;
         }

@@ -2,7 +2,7 @@
 //! sent plus a small floor per second, so a failing engine is not hit twice as hard and a
 //! quiet route can still retry. Pure (time is passed in), so tests need no clock.
 
-use std::sync::Mutex;
+use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
 /// Tokens are kept in thousandths of a retry, so a 20 % share is a whole number per send.
@@ -54,14 +54,13 @@ impl RetryBudget {
 
     /// A leg was sent (its first attempt): earns the share.
     pub fn sent(&self) {
-        if let Ok(mut s) = self.state.lock() {
-            s.milli = (s.milli + self.per_send).min(self.cap);
-        }
+        let mut s = self.state.lock();
+        s.milli = (s.milli + self.per_send).min(self.cap);
     }
 
     /// Asks for one retry at `now`: true (and spent) when the bucket holds one.
     pub fn try_retry(&self, now: Instant) -> bool {
-        let Ok(mut s) = self.state.lock() else { return false };
+        let mut s = self.state.lock();
         let elapsed = now.saturating_duration_since(s.refilled_at);
         let earned = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX).saturating_mul(self.per_second) / MILLI;
         if earned > 0 || self.per_second == 0 {
@@ -78,7 +77,7 @@ impl RetryBudget {
 
     /// Retries available now, rounded down (for tests and logs).
     pub fn available(&self, now: Instant) -> u64 {
-        let Ok(s) = self.state.lock() else { return 0 };
+        let s = self.state.lock();
         let elapsed = now.saturating_duration_since(s.refilled_at).min(Duration::from_secs(CAP_SECONDS));
         let earned = u64::try_from(elapsed.as_millis()).unwrap_or(0) * self.per_second / MILLI;
         (s.milli + earned).min(self.cap) / MILLI

@@ -4,9 +4,9 @@
 //! whether the engine provably never got the request (the executor decides whether to
 //! re-send; only the idempotent `get` retries here).
 
+use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -375,7 +375,7 @@ impl IdlePool {
     fn take(&self, key: &PoolKey, idle_timeout: Duration) -> Option<Conn> {
         let mut stale = Vec::new();
         let found = {
-            let mut by_peer = self.by_peer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut by_peer = self.by_peer.lock();
             let idle = by_peer.get_mut(key)?;
             let mut found = None;
             while let Some(conn) = idle.pop_back() {
@@ -395,7 +395,7 @@ impl IdlePool {
     fn close_expired(&self, idle_timeout: Duration) {
         let mut stale = Vec::new();
         {
-            let mut by_peer = self.by_peer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut by_peer = self.by_peer.lock();
             for idle in by_peer.values_mut() {
                 while idle.front().is_some_and(|c| c.idle_since.elapsed() >= idle_timeout) {
                     stale.extend(idle.pop_front());
@@ -409,7 +409,7 @@ impl IdlePool {
     /// Connections kept, over all peers.
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.by_peer.lock().unwrap_or_else(std::sync::PoisonError::into_inner).values().map(VecDeque::len).sum()
+        self.by_peer.lock().values().map(VecDeque::len).sum()
     }
 
     /// Keeps `conn` for reuse, dropping connections to `key` idle past `idle_timeout`.
@@ -417,7 +417,7 @@ impl IdlePool {
         conn.idle_since = Instant::now();
         let mut stale = Vec::new();
         {
-            let mut by_peer = self.by_peer.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut by_peer = self.by_peer.lock();
             let idle = by_peer.entry(key).or_default();
             while idle.front().is_some_and(|c| c.idle_since.elapsed() >= idle_timeout)
                 || idle.len() >= MAX_IDLE_PER_PEER
@@ -802,6 +802,6 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(20)).await;
         pool.close_expired(Duration::from_millis(10));
         assert_eq!(pool.len(), 0);
-        assert!(pool.by_peer.lock().unwrap().is_empty(), "empty peers are forgotten");
+        assert!(pool.by_peer.lock().is_empty(), "empty peers are forgotten");
     }
 }

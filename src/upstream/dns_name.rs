@@ -1,7 +1,7 @@
 //! A discovered pool's DNS name: the port and ranks each of its addresses serves, and when it
 //! is due for its next lookup (`discovery` looks it up; `pool` expands its ranks).
 
-use std::sync::Mutex;
+use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
 /// A pool's DNS name, the port and ranks each of its addresses serves, and when it was last
@@ -39,7 +39,7 @@ impl Discovery {
     /// True when a lookup is due at `now` (never looked up, or `interval` ago); marks it
     /// looked up then.
     pub fn take_turn(&self, now: Instant) -> bool {
-        let Ok(mut last) = self.last_lookup.lock() else { return false };
+        let mut last = self.last_lookup.lock();
         let due = last.is_none_or(|at| now.saturating_duration_since(at) >= self.interval);
         if due {
             *last = Some(now);

@@ -4,8 +4,8 @@
 //! first), and an endpoint's entries go when a health poll finds it down: an engine that
 //! restarted has an empty store.
 
+use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
 
 /// Entries kept: a few MB (an id and an address each), far past the answers a decode pod
 /// keeps in memory in a day of agentic traffic.
@@ -39,7 +39,7 @@ impl ResponseHomes {
 
     /// `endpoint` stored the response `id`.
     pub fn remember(&self, id: &str, endpoint: &str) {
-        let Ok(mut homes) = self.inner.lock() else { return };
+        let mut homes = self.inner.lock();
         if homes.by_id.insert(id.to_owned(), endpoint.to_owned()).is_none() {
             homes.order.push_back(id.to_owned());
         }
@@ -56,19 +56,17 @@ impl ResponseHomes {
 
     /// The endpoint that stored `id`, if known.
     pub fn home(&self, id: &str) -> Option<String> {
-        self.inner.lock().ok()?.by_id.get(id).cloned()
+        self.inner.lock().by_id.get(id).cloned()
     }
 
     /// Forgets every response `endpoint` stored (it was seen down).
     pub fn forget_endpoint(&self, endpoint: &str) {
-        if let Ok(mut homes) = self.inner.lock() {
-            homes.by_id.retain(|_, home| home != endpoint);
-        }
+        self.inner.lock().by_id.retain(|_, home| home != endpoint);
     }
 
     /// Entries kept.
     pub fn len(&self) -> usize {
-        self.inner.lock().map_or(0, |h| h.by_id.len())
+        self.inner.lock().by_id.len()
     }
 
     /// True when no entry is kept.
@@ -95,6 +93,6 @@ mod tests {
             homes.remember(&format!("x{i}"), "e3:1");
         }
         assert_eq!(homes.len(), 2);
-        assert!(homes.inner.lock().unwrap().order.len() <= 4, "the order list stays bounded");
+        assert!(homes.inner.lock().order.len() <= 4, "the order list stays bounded");
     }
 }

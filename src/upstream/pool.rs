@@ -4,8 +4,9 @@
 //! and vLLM version, passive ejection after consecutive failures, and an in-flight guard that
 //! counts a request until dropped.
 
+use parking_lot::RwLock;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -151,14 +152,12 @@ impl Endpoint {
 
     /// True while an ejection is running at `now`.
     pub fn is_ejected(&self, now: Instant) -> bool {
-        self.outlier.read().ok().and_then(|o| o.until).is_some_and(|until| now < until)
+        self.outlier.read().until.is_some_and(|until| now < until)
     }
 
     /// Records a request the endpoint served (an answer below 500): ends any ejection streak.
     pub fn request_succeeded(&self) {
-        if let Ok(mut o) = self.outlier.write() {
-            *o = Outlier::default();
-        }
+        *self.outlier.write() = Outlier::default();
     }
 
     /// Records a request the endpoint failed (no answer, or a 5xx) at `now`. At `rule.after`
@@ -166,7 +165,7 @@ impl Endpoint {
     /// every failure after that ejection ended, each time for twice as long (up to
     /// [`EJECT_MAX`]). Returns true when this failure ejected it.
     pub fn request_failed(&self, now: Instant, rule: EjectionRule) -> bool {
-        let Ok(mut o) = self.outlier.write() else { return false };
+        let mut o = self.outlier.write();
         o.failures = o.failures.saturating_add(1);
         let running = o.until.is_some_and(|until| now < until);
         if rule.after == 0 || o.failures < rule.after || running {
@@ -194,75 +193,59 @@ impl Endpoint {
 
     /// The vLLM version learned from `GET /version`.
     pub fn version(&self) -> Option<Version> {
-        self.version.read().ok().and_then(|v| *v)
+        *self.version.read()
     }
 
     /// True when `/version` may be asked now: never failed, or failed over `pause` ago.
     pub fn may_ask_version(&self, pause: std::time::Duration) -> bool {
-        self.version_failed_at.read().ok().and_then(|t| *t).is_none_or(|t| t.elapsed() >= pause)
+        (*self.version_failed_at.read()).is_none_or(|t| t.elapsed() >= pause)
     }
 
     /// Records that `/version` gave nothing usable.
     pub fn version_failed(&self) {
-        if let Ok(mut t) = self.version_failed_at.write() {
-            *t = Some(std::time::Instant::now());
-        }
+        *self.version_failed_at.write() = Some(std::time::Instant::now());
     }
 
     /// Records the version.
     pub fn set_version(&self, version: Version) {
-        if let Ok(mut v) = self.version.write() {
-            *v = Some(version);
-        }
-        if let Ok(mut t) = self.version_learned_at.write() {
-            *t = Some(std::time::Instant::now());
-        }
+        *self.version.write() = Some(version);
+        *self.version_learned_at.write() = Some(std::time::Instant::now());
     }
 
     /// True when the version was learned over `age` ago (or never).
     pub fn version_older_than(&self, age: std::time::Duration) -> bool {
-        self.version_learned_at.read().ok().and_then(|t| *t).is_none_or(|t| t.elapsed() >= age)
+        (*self.version_learned_at.read()).is_none_or(|t| t.elapsed() >= age)
     }
 
     /// Forgets the version: the engine went away and may come back as another vLLM.
     pub fn forget_version(&self) {
-        if let Ok(mut v) = self.version.write() {
-            *v = None;
-        }
-        if let Ok(mut t) = self.version_learned_at.write() {
-            *t = None;
-        }
+        *self.version.write() = None;
+        *self.version_learned_at.write() = None;
     }
 
     /// The model `GET /v1/models` reported, if known.
     pub fn model(&self) -> Option<ModelIdentity> {
-        self.model.read().ok().and_then(|m| m.clone().flatten())
+        self.model.read().clone().flatten()
     }
 
     /// True once `/v1/models` was asked (since the endpoint last turned healthy).
     pub fn model_asked(&self) -> bool {
-        self.model.read().is_ok_and(|m| m.is_some())
+        self.model.read().is_some()
     }
 
     /// Records what `/v1/models` said (`None`: nothing usable).
     pub fn set_model(&self, model: Option<ModelIdentity>) {
-        if let Ok(mut m) = self.model.write() {
-            *m = Some(model);
-        }
+        *self.model.write() = Some(model);
     }
 
     /// Forgets the model: the engine went away and may come back serving another.
     pub fn forget_model(&self) {
-        if let Ok(mut m) = self.model.write() {
-            *m = None;
-        }
+        *self.model.write() = None;
     }
 
     /// Ends the pause after a failed `/version` (the engine answers `/health` again).
     pub fn end_version_pause(&self) {
-        if let Ok(mut t) = self.version_failed_at.write() {
-            *t = None;
-        }
+        *self.version_failed_at.write() = None;
     }
 }
 
@@ -340,8 +323,7 @@ pub struct CacheAwareChoice {
 
 impl std::fmt::Debug for CacheAwareChoice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let sources: Vec<ChoiceSource> =
-            self.sources.read().map(|s| s.iter().map(|(k, _)| *k).collect()).unwrap_or_default();
+        let sources: Vec<ChoiceSource> = self.sources.read().iter().map(|(k, _)| *k).collect();
         f.debug_struct("CacheAwareChoice")
             .field("prefix_weight", &self.prefix_weight)
             .field("load_weight", &self.load_weight)
@@ -395,7 +377,7 @@ impl CacheAwareChoice {
             }
             PromptKey::Tokens(chain) => chain,
         };
-        let Ok(sources) = self.sources.read() else { return least() };
+        let sources = self.sources.read();
         let chosen = if let Some((kind, source)) = sources.iter().find(|(_, s)| s.usable()) {
             let (chosen, any_held, held) = self.best(rotated, source.as_ref(), chain);
             self.count(*kind, if any_held { ChoiceReason::Prefix } else { ChoiceReason::NoPrefix });
@@ -525,12 +507,11 @@ impl Pool {
     /// first while usable.
     pub fn set_prefix_source(&self, kind: ChoiceSource, source: Option<Arc<dyn PrefixHolders>>) {
         let Some(choice) = &self.cache_aware else { return };
-        if let Ok(mut sources) = choice.sources.write() {
-            sources.retain(|(k, _)| *k != kind);
-            if let Some(source) = source {
-                let at = if kind == ChoiceSource::Events { 0 } else { sources.len() };
-                sources.insert(at, (kind, source));
-            }
+        let mut sources = choice.sources.write();
+        sources.retain(|(k, _)| *k != kind);
+        if let Some(source) = source {
+            let at = if kind == ChoiceSource::Events { 0 } else { sources.len() };
+            sources.insert(at, (kind, source));
         }
     }
 
@@ -539,18 +520,13 @@ impl Pool {
     /// before its events can say so.
     pub fn forget_cache_of(&self, name: &str) {
         let Some(choice) = &self.cache_aware else { return };
-        if let Ok(sources) = choice.sources.read() {
-            sources.iter().for_each(|(_, s)| s.forget(name));
-        }
+        choice.sources.read().iter().for_each(|(_, s)| s.forget(name));
         choice.text.forget(name);
     }
 
     /// The kinds of source a cache-aware pool asks, in order (empty: not cache-aware).
     pub fn prefix_sources(&self) -> Vec<ChoiceSource> {
-        self.cache_aware
-            .as_ref()
-            .and_then(|c| c.sources.read().ok().map(|s| s.iter().map(|(k, _)| *k).collect()))
-            .unwrap_or_default()
+        self.cache_aware.as_ref().map(|c| c.sources.read().iter().map(|(k, _)| *k).collect()).unwrap_or_default()
     }
 
     /// Gives a cache-aware pool its choice series (once: a pool carried over a reload keeps
@@ -894,7 +870,7 @@ mod tests {
         let p = pool(Balance::CacheAware, 2);
         p.count_choices_in(metrics.cache_aware("p"));
         if let Some(choice) = &p.cache_aware {
-            choice.sources.write().unwrap().clear();
+            choice.sources.write().clear();
         }
         let stale = Arc::new(Oracle { holder: "127.0.0.1:9000", usable: AtomicBool::new(false) });
         p.set_prefix_source(ChoiceSource::Events, Some(stale));

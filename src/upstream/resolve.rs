@@ -2,10 +2,10 @@
 //! Kubernetes service name) is looked up once per [`RESOLVE_TTL`], not on every leg
 //! (`getaddrinfo` on tokio's blocking pool); an IP literal is parsed, never looked up.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// How long a looked-up address is used before the name is looked up again: short enough
@@ -55,9 +55,7 @@ impl Resolver {
 
     /// Drops what is remembered of `addr` (its connect failed: the next leg looks it up).
     pub fn forget(&self, addr: &str) {
-        if let Ok(mut names) = self.names.lock() {
-            names.remove(addr);
-        }
+        self.names.lock().remove(addr);
     }
 
     /// Lookups made so far (tests).
@@ -66,12 +64,12 @@ impl Resolver {
     }
 
     fn remembered(&self, addr: &str) -> Option<SocketAddr> {
-        let names = self.names.lock().ok()?;
+        let names = self.names.lock();
         names.get(addr).filter(|(_, at)| at.elapsed() < RESOLVE_TTL).map(|(a, _)| *a)
     }
 
     fn remember(&self, addr: &str, found: SocketAddr) {
-        let Ok(mut names) = self.names.lock() else { return };
+        let mut names = self.names.lock();
         if names.len() >= MAX_NAMES && !names.contains_key(addr) {
             names.retain(|_, (_, at)| at.elapsed() < RESOLVE_TTL);
             if names.len() >= MAX_NAMES {
@@ -109,6 +107,6 @@ mod tests {
         r.resolve("localhost:9").await.unwrap();
         r.resolve("localhost:9").await.unwrap();
         assert_eq!(r.lookups(), 2);
-        assert_eq!(r.names.lock().unwrap().len(), MAX_NAMES);
+        assert_eq!(r.names.lock().len(), MAX_NAMES);
     }
 }

@@ -3,12 +3,13 @@
 //! a deterministic word hash, takes `kv_transfer_params.prompt_token_ids` on chat (>= 0.27)
 //! and `prompt: [ids]` on completions the way vLLM does, and records every request it got.
 
+use parking_lot::Mutex;
 use std::collections::hash_map::DefaultHasher;
 use std::convert::Infallible;
 use std::hash::{Hash, Hasher};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
@@ -412,17 +413,17 @@ impl FakeVllm {
 
     /// Changes the behaviour.
     pub fn configure(&self, f: impl FnOnce(&mut FakeConfig)) {
-        f(&mut self.shared.config.lock().unwrap());
+        f(&mut self.shared.config.lock());
     }
 
     /// Every request received so far.
     pub fn requests(&self) -> Vec<Recorded> {
-        self.shared.requests.lock().unwrap().clone()
+        self.shared.requests.lock().clone()
     }
 
     /// Drops the requests recorded so far (long benches would otherwise keep every body).
     pub fn forget(&self) {
-        self.shared.requests.lock().unwrap().clear();
+        self.shared.requests.lock().clear();
     }
 
     /// POST requests received so far.
@@ -491,9 +492,9 @@ async fn handle(
     body: Bytes,
 ) -> Response {
     let path = uri.path_and_query().map_or(uri.path().to_owned(), |p| p.as_str().to_owned());
-    let config = shared.config.lock().unwrap().clone();
+    let config = shared.config.lock().clone();
     if config.keep_requests {
-        shared.requests.lock().unwrap().push(Recorded {
+        shared.requests.lock().push(Recorded {
             method: method.to_string(),
             path,
             headers: headers.clone(),
@@ -562,7 +563,7 @@ async fn handle(
             Ok(v) if uri.path() == "/v1/responses" => {
                 let reply = apis::responses(&config, &headers, &v);
                 if reply.is_ok() && config.store_responses && v["store"].as_bool() != Some(false) {
-                    shared.config.lock().unwrap().stored_responses.push(apis::response_id(&headers, &v));
+                    shared.config.lock().stored_responses.push(apis::response_id(&headers, &v));
                 }
                 reply
             }

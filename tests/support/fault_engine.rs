@@ -5,9 +5,10 @@
 //! stalled at a chosen byte. It can go down (connections refused) and come back on the same
 //! address, and records every POST it read whole and how each exchange ended.
 
+use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -157,28 +158,28 @@ impl FaultEngine {
 
     /// Every POST from now on (after those queued) meets `fault`.
     pub fn set(&self, fault: Fault) {
-        self.state.lock().unwrap().default = Some(fault);
+        self.state.lock().default = Some(fault);
     }
 
     /// The next POST meets `fault` (then the next queued, then the default).
     pub fn then(&self, fault: Fault) {
-        self.state.lock().unwrap().queue.push_back(fault);
+        self.state.lock().queue.push_back(fault);
     }
 
     /// The POSTs read whole so far.
     pub fn posts(&self) -> Vec<Seen> {
-        self.state.lock().unwrap().seen.clone()
+        self.state.lock().seen.clone()
     }
 
     /// How many exchanges ended `end`.
     pub fn ended(&self, end: End) -> usize {
-        self.state.lock().unwrap().seen.iter().filter(|s| s.end == end).count()
+        self.state.lock().seen.iter().filter(|s| s.end == end).count()
     }
 
     /// Goes down like a dead engine: open connections dropped, new connects refused (the port
     /// stays bound, not listening, so nothing else takes it).
     pub async fn stop(&self) {
-        let tasks: Vec<AbortHandle> = self.state.lock().unwrap().tasks.drain(..).collect();
+        let tasks: Vec<AbortHandle> = self.state.lock().tasks.drain(..).collect();
         tasks.iter().for_each(AbortHandle::abort);
         // The aborted accept task drops the listener; bind the port again as soon as it is free.
         let socket = reusable_socket();
@@ -187,12 +188,12 @@ impl FaultEngine {
             assert!(std::time::Instant::now() < deadline, "port {} not released", self.addr);
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        self.state.lock().unwrap().parked = Some(socket);
+        self.state.lock().parked = Some(socket);
     }
 
     /// Comes back up on the same address (after [`Self::stop`]).
     pub fn restart(&self) {
-        let socket = self.state.lock().unwrap().parked.take().expect("restart() after stop()");
+        let socket = self.state.lock().parked.take().expect("restart() after stop()");
         self.listen(socket);
     }
 
@@ -200,15 +201,13 @@ impl FaultEngine {
         let listener = socket.listen(1024).unwrap();
         let (state, inner) = (Arc::clone(&self.state), self.inner);
         let task = tokio::spawn(accept_loop(listener, inner, Arc::clone(&state)));
-        state.lock().unwrap().tasks.push(task.abort_handle());
+        state.lock().tasks.push(task.abort_handle());
     }
 }
 
 impl Drop for FaultEngine {
     fn drop(&mut self) {
-        if let Ok(mut state) = self.state.lock() {
-            state.tasks.drain(..).for_each(|t| t.abort());
-        }
+        self.state.lock().tasks.drain(..).for_each(|t| t.abort());
     }
 }
 
@@ -223,7 +222,7 @@ async fn accept_loop(listener: TcpListener, inner: SocketAddr, state: Arc<Mutex<
         let Ok((sock, _)) = listener.accept().await else { return };
         let _ = sock.set_nodelay(true);
         let task = tokio::spawn(serve(sock, inner, Arc::clone(&state)));
-        let mut state = state.lock().unwrap();
+        let mut state = state.lock();
         state.tasks.retain(|t| !t.is_finished());
         state.tasks.push(task.abort_handle());
     }
@@ -245,7 +244,7 @@ async fn serve(mut sock: TcpStream, inner: SocketAddr, state: Arc<Mutex<State>>)
     for _ in 0..MAX_REQUESTS_PER_CONNECTION {
         let Some(req) = read_request(&mut sock).await else { return };
         let (fault, index) = if req.method == "POST" {
-            let mut s = state.lock().unwrap();
+            let mut s = state.lock();
             let fault = s.queue.pop_front().or(s.default).unwrap_or(Fault::Pass);
             s.seen.push(Seen {
                 path: req.path.clone(),
@@ -259,7 +258,7 @@ async fn serve(mut sock: TcpStream, inner: SocketAddr, state: Arc<Mutex<State>>)
         };
         let (end, keep_alive) = apply(&mut sock, inner, &req, &fault).await;
         if let Some(i) = index {
-            state.lock().unwrap().seen[i].end = end;
+            state.lock().seen[i].end = end;
         }
         if !keep_alive {
             return;

@@ -4,9 +4,10 @@
 //! vLLM's three frames and msgpack batches, a ROUTER replay endpoint), and a prefill's time
 //! taken from the tokens it did not hold, one prefill at a time.
 
+use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -159,7 +160,7 @@ impl KvEngine {
         let chain = self.hasher.chain(ids, &ExtraKeys::default());
         let _turn = self.compute.lock().await;
         let held = {
-            let cache = self.cache.lock().unwrap();
+            let cache = self.cache.lock();
             chain.iter().take_while(|h| cache.used.contains_key(&h.wire())).count()
         };
         let cached = held * self.config.block_size;
@@ -172,7 +173,7 @@ impl KvEngine {
         let mut stored: Vec<(usize, Vec<u64>)> = Vec::new();
         let mut removed = Vec::new();
         {
-            let mut cache = self.cache.lock().unwrap();
+            let mut cache = self.cache.lock();
             for (i, h) in chain.iter().enumerate() {
                 let wire = h.wire();
                 if !cache.used.contains_key(&wire) {
@@ -222,12 +223,12 @@ impl KvEngine {
     /// A restart: the cache emptied, with no event said (a restarted vLLM's new publisher
     /// starts afresh; its subscribers learn nothing of what the old one held).
     pub fn restart(&self) {
-        *self.cache.lock().unwrap() = Lru::default();
+        *self.cache.lock() = Lru::default();
     }
 
     /// Blocks held now.
     pub fn blocks(&self) -> usize {
-        self.cache.lock().unwrap().used.len()
+        self.cache.lock().used.len()
     }
 }
 
