@@ -128,8 +128,8 @@ fn drain(config: Option<&std::path::Path>, wait_seconds: u64, admin: Option<&str
 }
 
 /// mimalloc: glibc's malloc serves the ~0.2–0.5 MB bodies of a long prompt from fresh mmaps,
-/// so each such request paid page faults and zeroing for its buffers (~15 % of the CPU of a
-/// 37k-token request in a profile); mimalloc keeps and reuses those pages.
+/// so each such request paid page faults and zeroing for its buffers; mimalloc keeps and
+/// reuses those pages (what it saved: docs/performance.md).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -31,9 +31,8 @@
 //! definite lengths with the shortest head for each length and integer, which is what `cbor2`
 //! emits with `canonical=True` (no maps, floats or tags occur, so key ordering and float
 //! shortening never apply). Encoding straight into one reused buffer also keeps the cost to one
-//! SHA-256 over ~100-200 bytes per block with no allocation per block.
-//! Measured: ~0.3 ms per 1,000 blocks of 32 ids (32k tokens), ~0.36 ms with a LoRA and a salt
-//! (release build, this 2-core VM under load, best of 50).
+//! SHA-256 over ~100-200 bytes per block with no allocation per block (its cost per 1,000
+//! blocks: docs/performance.md).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};

@@ -212,8 +212,8 @@ pub const DROPPED_RESPONSE_HEADERS: &[&str] =
     &["connection", "keep-alive", "transfer-encoding", "content-length", "trailer", "upgrade"];
 
 /// What a request head to an engine is made of; [`RequestHead::wire`] writes it as HTTP/1.1
-/// straight from the client's header map (a pingora `RequestHeader` built per leg, then
-/// encoded, was ~2 % of a 1k request's CPU).
+/// straight from the client's header map: no pingora `RequestHeader` is built and encoded per
+/// leg (its cost: docs/performance.md, "Costs the code's comments used to carry").
 #[derive(Clone, Copy)]
 pub struct RequestHead<'a> {
     /// `POST`, `GET`.
@@ -524,8 +524,7 @@ impl UpstreamClient {
     ) -> Result<(Conn, Answer, bool), SendFailure> {
         // The answer to a HEAD has no body whatever its head says (RFC 9112 §6.3).
         let to_head = head.starts_with(b"HEAD ");
-        // The peer as errors name it: formatted only when one happens (`HttpPeer`'s Display
-        // was ~1 % of a 1k request's CPU when formatted on every leg).
+        // The peer as errors name it: formatted only when one happens, not on every leg.
         let addr = || peer.to_string();
         let (mut conn, reused) = self
             .connection(peer, key, fresh)
