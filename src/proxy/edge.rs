@@ -2,7 +2,8 @@
 //! request head may carry, and how long its body may take to arrive (a slowloris body); the
 //! count of requests served at once is `app::Admission`, shared across reloads.
 //! pingora itself caps a head at 256 fields and 1 MiB and waits at most 60 s per read.
-//! And the one interim answer tokenonce writes itself: `100 Continue`.
+//! And the one interim answer tokenonce writes itself, `100 Continue`, and the watch for a
+//! client that leaves ([`client_gone`], raced by every wait on an engine).
 
 use std::time::Duration;
 
@@ -85,6 +86,12 @@ pub async fn continue_if_expected(session: &mut Session) -> pingora::Result<()> 
         written?;
     }
     Ok(())
+}
+
+/// Waits until the client has gone (FIN or reset while we have nothing to read).
+pub async fn client_gone(session: &mut Session) {
+    // With abort_on_close set, a FIN is an error; data after the body is an error too.
+    let _ = session.as_downstream_mut().read_body_or_idle(true).await;
 }
 
 #[cfg(test)]
