@@ -1,9 +1,10 @@
-//! Limits at the client edge, checked before any leg: how many header fields and bytes a
-//! request head may carry, and how long its body may take to arrive (a slowloris body); the
-//! count of requests served at once is `app::Admission`, shared across reloads.
-//! pingora itself caps a head at 256 fields and 1 MiB and waits at most 60 s per read.
-//! And the one interim answer tokenonce writes itself, `100 Continue`, and the watch for a
-//! client that leaves ([`client_gone`], raced by every wait on an engine).
+//! The client edge: limits checked before any leg (header fields and bytes of a request head,
+//! how long its body may take), the one interim answer tokenonce writes (`100 Continue`), and
+//! the watch for a client that leaves ([`client_gone`], raced by every wait on an engine).
+//!
+//! A slow body is a slowloris; the count of requests served at once is `app::Admission`,
+//! shared across reloads. pingora itself caps a head at 256 fields and 1 MiB and waits at
+//! most 60 s per read.
 
 use std::time::Duration;
 

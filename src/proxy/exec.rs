@@ -1,9 +1,10 @@
-//! The executor: sends the legs a plan decided. Builds each leg's head and sends it through
-//! the [`LegClient`] (where the retry, budget and ejection rules are), waits within the leg's
-//! deadline while watching the client, fails a pool prefill over to another endpoint, reads
-//! the prefill's answer, sends the release leg, and records the stage timings. A decode's or
-//! forwarded leg's answer is handed back for `respond` to relay. Every failure is returned
-//! as a [`ProxyError`] for the one error exit.
+//! The executor: sends the legs a plan decided (heads, deadlines, prefill failover, the
+//! release leg, stage timings) and hands a decode's or forwarded leg's answer back for
+//! `respond` to relay. Every failure is returned as a [`ProxyError`] for the one error exit.
+//!
+//! Each leg goes through the [`LegClient`] (where the retry, budget and ejection rules are),
+//! within its deadline while the client is watched; a pool prefill fails over to another
+//! endpoint, and its answer is read whole here.
 
 use std::time::{Duration, Instant};
 
@@ -321,7 +322,7 @@ pub struct DecodeLeg<'r> {
 }
 
 impl DecodeLeg<'_> {
-    /// Sends the decode leg, its response head awaited within [`head_deadline`], and records
+    /// Sends the decode leg, its response head awaited within `head_deadline`, and records
     /// its first-byte timings. With the answer, whether the engine got the request whole
     /// (for [`ended`](Self::ended)).
     pub async fn send(&self, call: &mut Call<'_>) -> (Result<Exchange, ProxyError>, bool) {
@@ -342,7 +343,7 @@ impl DecodeLeg<'_> {
 
     /// Ends the leg once its answer was relayed (or failed, `result`); when the client left
     /// before the engine's answer began, sees to the prefill's KV blocks
-    /// ([`after_client_gone`](Self::after_client_gone)). `delivered` is [`send`](Self::send)'s.
+    /// (`after_client_gone`). `delivered` is [`send`](Self::send)'s.
     pub async fn ended(&self, call: &mut Call<'_>, result: &Result<(), ProxyError>, delivered: bool) {
         call.rec.trace.leg_done(Leg::Decode);
         if matches!(result, Err(ProxyError::ClientGone)) && !call.rec.legs.answer_started {
@@ -420,7 +421,7 @@ const RELEASE_ANSWER_LIMIT: usize = 1024 * 1024;
 
 /// Sends `body` to `endpoint` on `leg`, for its answer to be relayed unchanged (passthrough
 /// with a read body, decode-only, relay legs). The response head is awaited within
-/// [`head_deadline`] (a relay prefill forwarded as is: its prefill timeout).
+/// `head_deadline` (a relay prefill forwarded as is: its prefill timeout).
 ///
 /// # Errors
 /// [`ProxyError`] when the engine fails or the client leaves.

@@ -1,7 +1,9 @@
-//! The pingora glue. `Proxy` is the client-facing service: `request_filter` reads API bodies
-//! and runs them itself (pingora cannot replay a body read that early once it is over 64 KiB,
-//! so API requests never enter its upstream pipeline); every other request goes through pingora's
-//! pipeline to the route's pool, byte for byte. `Admin` (admin.rs) serves the operator API.
+//! The pingora glue. `Proxy` is the client-facing service: `request_filter` answers API
+//! requests itself; every other request goes through pingora's pipeline to the route's pool,
+//! byte for byte. `Admin` (admin.rs) serves the operator API.
+//!
+//! API requests never enter pingora's upstream pipeline: it cannot replay a body read that
+//! early once it is over 64 KiB.
 //!
 //! Phases used: request_filter (route; API requests answered here) → upstream_peer
 //! (passthrough only) → fail_to_proxy (passthrough errors, through the one error exit) →

@@ -1,7 +1,9 @@
 //! An orchestrated request, top to bottom: pick the engines, plan, prefill leg, handoff,
-//! decode leg, relay. Decisions come from `plan`; sending and waiting from `exec`; the
-//! decode's answer from `respond`; what the prompt ids feed besides the legs from `verify`;
-//! reuse accounting from `reuse`.
+//! decode leg, relay.
+//!
+//! Decisions come from `plan`; sending and waiting from `exec`; the decode's answer from
+//! `respond`; what the prompt ids feed besides the legs from `verify`; reuse accounting from
+//! `reuse`.
 
 use std::net::IpAddr;
 use std::time::Instant;

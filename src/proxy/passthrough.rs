@@ -1,7 +1,9 @@
 //! Bounds for requests pingora's own pipeline proxies (passthrough routes and unmatched
-//! paths): the route's body limit (declared up front, counted while it streams), per-read and
-//! per-write engine timeouts on the peer, and what its failures mean for the error exit; and
-//! the endpoint of a stored Responses answer a path names.
+//! paths), what its failures mean for the error exit, and the endpoint of a stored Responses
+//! answer a path names.
+//!
+//! The bounds: the route's body limit (declared up front, counted while it streams), and
+//! per-read and per-write engine timeouts on the peer.
 
 use std::time::Duration;
 

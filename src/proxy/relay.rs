@@ -1,6 +1,7 @@
-//! Relay mode, top to bottom: an existing orchestrator sends both legs through tokenonce. A
-//! prefill is asked to echo its ids, which are cached (or returned inside
-//! `kv_transfer_params`); a decode finds them and goes token-in. Decisions come from
+//! Relay mode, top to bottom: an existing orchestrator sends both legs through tokenonce; a
+//! prefill echoes its ids, kept for its decode, which then goes token-in.
+//!
+//! The ids are cached (or returned inside `kv_transfer_params`). Decisions come from
 //! `plan::relay`; this module sends the legs and touches the cache.
 
 use std::time::Instant;

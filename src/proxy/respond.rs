@@ -1,8 +1,9 @@
 //! Writing to the client: complete bodies (tokenonce's own and an engine's buffered answer),
-//! and relaying an engine's answer (streamed through; SSE framed event by event; JSON
-//! buffered only when its `cached_tokens` is rewritten), every read and write bounded; the
-//! legs whose answer is the client's ([`decode`], [`forward`]) are sent by `exec`, settled
-//! by `reuse` and relayed here. Failures are returned; `rescue::fail` is what answers them.
+//! and an engine's answer relayed, with the legs it comes from ([`decode`], [`forward`]: sent
+//! by `exec`, reuse settled by `reuse`). Failures are returned; `rescue::fail` answers them.
+//!
+//! A relayed body is streamed through, SSE framed event by event, JSON buffered only when
+//! its `cached_tokens` is rewritten; every read and write is bounded.
 
 use std::future::Future;
 use std::pin::Pin;
