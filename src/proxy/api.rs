@@ -8,8 +8,8 @@ use bytes::{Bytes, BytesMut};
 use pingora::proxy::Session;
 
 use super::error::ProxyError;
-use super::exec::{self, Incoming};
-use super::{orchestrate, relay, ApiRequest, Ctx};
+use super::exec::Incoming;
+use super::{orchestrate, relay, respond, ApiRequest, Call, Ctx};
 use crate::config::Mode;
 use crate::metrics::Leg;
 use crate::openai::{Api, ApiError, RawObject, RequestView};
@@ -117,17 +117,18 @@ pub async fn handle(session: &mut Session, ctx: &mut Ctx, api: Api) -> Result<()
         streamed: view.as_ref().and_then(|v| v.as_ref().ok()).is_some_and(|v| v.stream),
     };
 
+    let call = &mut Call { session, info, rec };
     if route.mode == Mode::Passthrough {
         // The body was read to choose the route: forward it unchanged ourselves.
         let endpoint = upstream::pick(&route.decode_pool, Leg::Passthrough)?;
-        return exec::forward(session, info, rec, &incoming, Leg::Passthrough, endpoint, body.clone().into()).await;
+        return respond::forward(call, &incoming, Leg::Passthrough, endpoint, body.clone().into()).await;
     }
     let obj = parsed.map_err(|e| ApiError::invalid(format!("body is not a JSON object: {e}"), None))?;
     let view = view.ok_or_else(|| ApiError::invalid("body is not a JSON object", None))??;
     let req = ApiRequest { incoming, obj, view };
     match route.mode {
-        Mode::Relay => relay::handle(session, info, rec, &req).await,
-        _ => orchestrate::run(session, info, rec, &req).await,
+        Mode::Relay => relay::handle(call, &req).await,
+        _ => orchestrate::run(call, &req).await,
     }
 }
 

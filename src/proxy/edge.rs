@@ -1,8 +1,10 @@
-//! Limits at the client edge, checked before any leg: how many header fields and bytes a
-//! request head may carry, and how long its body may take to arrive (a slowloris body); the
-//! count of requests served at once is `app::Admission`, shared across reloads.
-//! pingora itself caps a head at 256 fields and 1 MiB and waits at most 60 s per read.
-//! And the one interim answer tokenonce writes itself: `100 Continue`.
+//! The client edge: limits checked before any leg (header fields and bytes of a request head,
+//! how long its body may take), the one interim answer tokenonce writes (`100 Continue`), and
+//! the watch for a client that leaves ([`client_gone`], raced by every wait on an engine).
+//!
+//! A slow body is a slowloris; the count of requests served at once is `app::Admission`,
+//! shared across reloads. pingora itself caps a head at 256 fields and 1 MiB and waits at
+//! most 60 s per read.
 
 use std::time::Duration;
 
@@ -85,6 +87,12 @@ pub async fn continue_if_expected(session: &mut Session) -> pingora::Result<()> 
         written?;
     }
     Ok(())
+}
+
+/// Waits until the client has gone (FIN or reset while we have nothing to read).
+pub async fn client_gone(session: &mut Session) {
+    // With abort_on_close set, a FIN is an error; data after the body is an error too.
+    let _ = session.as_downstream_mut().read_body_or_idle(true).await;
 }
 
 #[cfg(test)]

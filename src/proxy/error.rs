@@ -1,7 +1,8 @@
 //! Why a request could not be served as planned ([`ProxyError`]), what each error means to
-//! the client ([`ProxyError::api_error`]: status, code, a message that names no upstream
-//! address and carries no internal error chain) and how it is counted ([`count`]); the one
-//! exit that answers with it is `rescue::fail`.
+//! the client ([`ProxyError::api_error`]) and how it is counted ([`count`]); the one exit
+//! that answers with it is `rescue::fail`.
+//!
+//! A client's message names no upstream address and carries no internal error chain.
 
 use std::time::Duration;
 

@@ -1,22 +1,22 @@
-//! The executor: sends the legs a plan decided. Builds each leg's head and sends it through
-//! the [`LegClient`] (where the retry, budget and ejection rules are), waits within the leg's
-//! deadline while watching the client, fails a pool prefill over to another endpoint, reads
-//! the prefill's answer, relays the decode's, and sends the release leg. It records the stage
-//! timings and hands the decode's answer status to reuse accounting ([`reuse::settle`]).
-//! Every failure is returned as a [`ProxyError`] for the one error exit.
+//! The executor: sends the legs a plan decided (heads, deadlines, prefill failover, the
+//! release leg, stage timings) and hands a decode's or forwarded leg's answer back for
+//! `respond` to relay. Every failure is returned as a [`ProxyError`] for the one error exit.
+//!
+//! Each leg goes through the [`LegClient`] (where the retry, budget and ejection rules are),
+//! within its deadline while the client is watched; a pool prefill fails over to another
+//! endpoint, and its answer is read whole here.
 
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::HeaderMap;
 use pingora::http::ResponseHeader;
-use pingora::proxy::Session;
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
+use super::edge::client_gone;
 use super::error::ProxyError;
-use super::respond::{client_gone, ms_since, relay};
-use super::{reuse, Record, RequestInfo};
+use super::{Call, Record, RequestInfo};
 use crate::app::App;
 use crate::config::{OnClientGone, OnPrefillFailure};
 use crate::metrics::{ErrorKind, Leg, Release, Stage, TimeoutStage};
@@ -90,55 +90,117 @@ fn head_deadline(route: &Route, req: &Incoming<'_>) -> Duration {
     }
 }
 
-/// One leg to send: its request, label, endpoint and body.
-struct Outgoing<'r, 'a> {
-    req: &'r Incoming<'a>,
+/// One leg to send: its label, endpoint and body.
+struct Outgoing<'r> {
     leg: Leg,
     endpoint: &'r Picked,
     body: Pieces,
 }
 
-/// The request's leg client: the route's budget and series, the process's connections.
-fn leg_client<'a>(info: &'a RequestInfo, rec: &'a Record) -> LegClient<'a> {
-    LegClient {
-        trace: &rec.trace,
-        client: &info.app.client,
-        metrics: &info.app.metrics,
-        budget: info.route.retry_budget(),
-        route_metrics: &info.route.metrics,
-        route: &info.route.name,
-        request_id: &info.request_id,
+/// What sends this request's legs: what the request is, its trace, and the client request
+/// each leg's head is built from.
+#[derive(Clone, Copy)]
+struct Sender<'r> {
+    info: &'r RequestInfo,
+    rec: &'r Record,
+    req: &'r Incoming<'r>,
+}
+
+impl<'r> Sender<'r> {
+    /// The request's leg client: the route's budget and series, the process's connections.
+    fn client(self) -> LegClient<'r> {
+        let (info, rec) = (self.info, self.rec);
+        LegClient {
+            trace: &rec.trace,
+            client: &info.app.client,
+            metrics: &info.app.metrics,
+            budget: info.route.retry_budget(),
+            route_metrics: &info.route.metrics,
+            route: &info.route.name,
+            request_id: &info.request_id,
+        }
+    }
+
+    /// Sends one leg (its head built from the request, with the trace context) through the
+    /// [`LegClient`], the one sender of every leg: deadline, retry, budget and ejection rules
+    /// live there. The answer head must come within `limit`; `delivery` is marked once the
+    /// request is written whole (see [`DecodeLeg::ended`]).
+    async fn exchange(
+        self,
+        out: &Outgoing<'_>,
+        delivery: &Delivery,
+        limit: Option<Duration>,
+    ) -> Result<Exchange, ProxyError> {
+        let head = self.req.head(&self.info.request_id, out.body.len());
+        Ok(self.client().send(out.leg, out.endpoint, head, out.body.parts(), delivery, limit).await?)
+    }
+
+    /// Failover policy: the prefill goes to `first`; while an attempt [fails
+    /// over](PrefillTry::fails_over) and the route's `prefill_attempts` (at most the pool's
+    /// size) allow, it goes to another endpoint of `pool` (a header-named prefiller has none),
+    /// not one tried already. Each failover is counted; the last attempt's result is returned.
+    async fn prefill_attempts(
+        self,
+        first: &Picked,
+        pool: Option<&Pool>,
+        body: Pieces,
+        deadline: tokio::time::Instant,
+    ) -> PrefillTry {
+        let mut failover = Failover::new(pool, first, self.info.route.prefill_attempts);
+        let mut result = self.prefill_once(first, body.clone(), deadline).await;
+        while result.fails_over() {
+            let Some(next) = self.client().fail_over(&mut failover) else { break };
+            if let PrefillTry::NoAnswer(e) = &result {
+                super::error::count(self.info, e);
+            }
+            result = self.prefill_once(&next, body.clone(), deadline).await;
+        }
+        result
+    }
+
+    /// One prefill attempt on `endpoint` before the prefill's `deadline`; one that passes it
+    /// is a failure of the endpoint (for its ejection).
+    async fn prefill_once(self, endpoint: &Picked, body: Pieces, deadline: tokio::time::Instant) -> PrefillTry {
+        self.client()
+            .before(Leg::Prefill, endpoint, deadline, self.prefill_answer(endpoint, body))
+            .await
+            .unwrap_or(PrefillTry::TimedOut)
+    }
+
+    /// A prefill attempt's exchange: send, then read the whole answer. A 5xx is counted here.
+    async fn prefill_answer(self, endpoint: &Picked, body: Pieces) -> PrefillTry {
+        let info = self.info;
+        let out = Outgoing { leg: Leg::Prefill, endpoint, body };
+        let exchange = match self.exchange(&out, &Delivery::default(), None).await {
+            Ok(exchange) => exchange,
+            Err(e) => return PrefillTry::NoAnswer(e),
+        };
+        let head = Some(exchange.head().clone());
+        if head.as_ref().is_some_and(|h| h.status.as_u16() >= 500) {
+            info.app.metrics.upstream_error(Leg::Prefill, ErrorKind::Status5xx);
+        }
+        let body = info.app.client.read_to_end(exchange, PREFILL_RESPONSE_LIMIT).await;
+        if let Err(e) = &body {
+            endpoint.endpoint().error(e.kind());
+        }
+        PrefillTry::Answered(body.map(|b| (head, b)).map_err(|e| ProxyError::upstream(Leg::Prefill, e)))
     }
 }
 
-/// Sends one leg (its head built from the request, with the trace context) through the
-/// [`LegClient`], the one sender of every leg: deadline, retry, budget and ejection rules
-/// live there. The answer head must come within `limit`; `delivery` is marked once the
-/// request is written whole (see [`decode`]).
-async fn exchange(
-    info: &RequestInfo,
-    rec: &Record,
-    out: &Outgoing<'_, '_>,
-    delivery: &Delivery,
-    limit: Option<Duration>,
-) -> Result<Exchange, ProxyError> {
-    let head = out.req.head(&info.request_id, out.body.len());
-    Ok(leg_client(info, rec).send(out.leg, out.endpoint, head, out.body.parts(), delivery, limit).await?)
-}
-
-/// [`exchange`] within `first_byte_timeout`, racing the client going away; with the result,
-/// whether the request was written whole (the engine may have it) when that ended.
+/// [`Sender::exchange`] of `req`'s leg within `first_byte_timeout`, racing the client going
+/// away; with the result, whether the request was written whole (the engine may have it)
+/// when that ended.
 async fn send(
-    session: &mut Session,
-    info: &RequestInfo,
-    rec: &Record,
-    out: Outgoing<'_, '_>,
+    call: &mut Call<'_>,
+    req: &Incoming<'_>,
+    out: Outgoing<'_>,
     first_byte_timeout: Option<Duration>,
 ) -> (Result<Exchange, ProxyError>, bool) {
     let delivery = Delivery::default();
+    let sender = Sender { info: call.info, rec: call.rec, req };
     let result = tokio::select! {
-        r = exchange(info, rec, &out, &delivery, first_byte_timeout) => r,
-        _ = client_gone(session) => Err(ProxyError::ClientGone),
+        r = sender.exchange(&out, &delivery, first_byte_timeout) => r,
+        _ = client_gone(call.session) => Err(ProxyError::ClientGone),
     };
     (result, delivery.delivered())
 }
@@ -150,24 +212,23 @@ async fn send(
 /// # Errors
 /// [`ProxyError`] on timeout, engine failure, or the client leaving.
 pub async fn prefill_leg(
-    session: &mut Session,
-    info: &RequestInfo,
-    rec: &mut Record,
+    call: &mut Call<'_>,
     req: &Incoming<'_>,
     first: &Picked,
     pool: Option<&Pool>,
     body: Pieces,
 ) -> Result<(ResponseHeader, Bytes), ProxyError> {
-    let route = &info.route;
+    let route = &call.info.route;
     let started = Instant::now();
-    rec.trace.leg_started(Leg::Prefill);
+    call.rec.trace.leg_started(Leg::Prefill);
     let deadline = tokio::time::Instant::now() + route.prefill_timeout;
+    let sender = Sender { info: call.info, rec: call.rec, req };
     let answer = tokio::select! {
-        r = prefill_attempts(info, rec, req, first, pool, body, deadline) => r,
-        _ = client_gone(session) => return Err(ProxyError::ClientGone),
+        r = sender.prefill_attempts(first, pool, body, deadline) => r,
+        _ = client_gone(call.session) => return Err(ProxyError::ClientGone),
     };
-    rec.trace.leg_done(Leg::Prefill);
-    rec.legs.prefill_ms = Some(ms_since(started));
+    call.rec.trace.leg_done(Leg::Prefill);
+    call.rec.legs.prefill_ms = Some(ms_since(started));
     route.metrics.stage(Stage::Prefill, started.elapsed());
     match answer {
         PrefillTry::TimedOut => Err(ProxyError::Timeout { leg: Leg::Prefill, after: route.prefill_timeout }),
@@ -197,71 +258,6 @@ impl PrefillTry {
             Self::Answered(_) | Self::TimedOut => false,
         }
     }
-}
-
-/// Failover policy: the prefill goes to `first`; while an attempt [fails
-/// over](PrefillTry::fails_over) and the route's `prefill_attempts` (at most the pool's size)
-/// allow, it goes to another endpoint of `pool` (a header-named prefiller has none), not
-/// one tried already. Each failover is counted; the last attempt's result is returned.
-async fn prefill_attempts(
-    info: &RequestInfo,
-    rec: &Record,
-    req: &Incoming<'_>,
-    first: &Picked,
-    pool: Option<&Pool>,
-    body: Pieces,
-    deadline: tokio::time::Instant,
-) -> PrefillTry {
-    let mut failover = Failover::new(pool, first, info.route.prefill_attempts);
-    let mut result = prefill_once(info, rec, req, first, body.clone(), deadline).await;
-    while result.fails_over() {
-        let Some(next) = leg_client(info, rec).fail_over(&mut failover) else { break };
-        if let PrefillTry::NoAnswer(e) = &result {
-            super::error::count(info, e);
-        }
-        result = prefill_once(info, rec, req, &next, body.clone(), deadline).await;
-    }
-    result
-}
-
-/// One prefill attempt on `endpoint` before the prefill's `deadline`; one that passes it is
-/// a failure of the endpoint (for its ejection).
-async fn prefill_once(
-    info: &RequestInfo,
-    rec: &Record,
-    req: &Incoming<'_>,
-    endpoint: &Picked,
-    body: Pieces,
-    deadline: tokio::time::Instant,
-) -> PrefillTry {
-    leg_client(info, rec)
-        .before(Leg::Prefill, endpoint, deadline, prefill_answer(info, rec, req, endpoint, body))
-        .await
-        .unwrap_or(PrefillTry::TimedOut)
-}
-
-/// A prefill attempt's exchange: send, then read the whole answer. A 5xx is counted here.
-async fn prefill_answer(
-    info: &RequestInfo,
-    rec: &Record,
-    req: &Incoming<'_>,
-    endpoint: &Picked,
-    body: Pieces,
-) -> PrefillTry {
-    let out = Outgoing { req, leg: Leg::Prefill, endpoint, body };
-    let exchange = match exchange(info, rec, &out, &Delivery::default(), None).await {
-        Ok(exchange) => exchange,
-        Err(e) => return PrefillTry::NoAnswer(e),
-    };
-    let head = Some(exchange.head().clone());
-    if head.as_ref().is_some_and(|h| h.status.as_u16() >= 500) {
-        info.app.metrics.upstream_error(Leg::Prefill, ErrorKind::Status5xx);
-    }
-    let body = info.app.client.read_to_end(exchange, PREFILL_RESPONSE_LIMIT).await;
-    if let Err(e) = &body {
-        endpoint.endpoint().error(e.kind());
-    }
-    PrefillTry::Answered(body.map(|b| (head, b)).map_err(|e| ProxyError::upstream(Leg::Prefill, e)))
 }
 
 /// What an orchestrated request does after its prefill leg.
@@ -313,157 +309,147 @@ pub fn after_prefill(
     Ok(Prefilled::Step(plan.decode_alone()))
 }
 
-/// Sends the planned decode leg (response head within [`head_deadline`]) and relays its
-/// answer.
-///
-/// # Errors
-/// [`ProxyError`] when the decode fails, times out, or the client leaves.
-pub async fn decode(
-    session: &mut Session,
-    info: &RequestInfo,
-    rec: &mut Record,
-    req: &Incoming<'_>,
-    endpoint: &Picked,
-    step: DecodeStep,
-) -> Result<(), ProxyError> {
-    let route = &info.route;
-    let started = Instant::now();
-    rec.legs.decode_sent_at = Some(started);
-    let timeout = Some(head_deadline(route, req));
-    rec.trace.leg_started(Leg::Decode);
-    let out = Outgoing { req, leg: Leg::Decode, endpoint, body: step.body.clone() };
-    let (sent, delivered) = send(session, info, rec, out, timeout).await;
-    reuse::settle(info, rec, sent.as_ref().ok().map(Exchange::status));
-    let result = match sent {
-        Ok(exchange) => {
-            rec.trace.first_byte();
-            rec.legs.decode_first_byte_ms = Some(ms_since(started));
-            route.metrics.stage(Stage::DecodeFirstByte, started.elapsed());
-            let relayed = relay(session, info, rec, exchange, step.cached_tokens, Leg::Decode).await;
-            count_answer_failure(endpoint, &relayed);
-            relayed
-        }
-        Err(e) => Err(e),
-    };
-    rec.trace.leg_done(Leg::Decode);
-    if matches!(result, Err(ProxyError::ClientGone)) && !rec.legs.answer_started {
-        after_client_gone(info, rec, req, endpoint, &step, delivered).await;
-    }
-    result
+/// The decode leg of an orchestrated request: the client request its head is built from,
+/// its endpoint, and the step the plan decided (its body, and whether the prefill holds KV
+/// blocks for it): [`send`](Self::send), the answer relayed, then [`ended`](Self::ended).
+pub struct DecodeLeg<'r> {
+    /// The client request.
+    pub req: &'r Incoming<'r>,
+    /// The decode endpoint.
+    pub endpoint: &'r Picked,
+    /// What the plan decided.
+    pub step: DecodeStep,
 }
 
-/// The client left before the decode answered a body byte, while the prefill may hold KV
-/// blocks for it. A decode engine that got the request whole owns those blocks: vLLM pulls
-/// them when it schedules the request, and one aborted before that tells the prefill to free
-/// them (NixlConnector, vLLM 0.32). A second decode with the same `kv_transfer_params` reads
-/// them again after the prefill freed them (on the real pair: a second NIXL transfer, and the
-/// prefill logs "Potentially invalid KV blocks ... retrieved"), so a release goes only where the
-/// decode provably never had the request (gone before it was written whole); the rest count
-/// `left_to_decode`.
-async fn after_client_gone(
-    info: &RequestInfo,
-    rec: &Record,
-    req: &Incoming<'_>,
-    endpoint: &Picked,
-    step: &DecodeStep,
-    delivered: bool,
-) {
-    if !step.holds_kv {
-        return;
+impl DecodeLeg<'_> {
+    /// Sends the decode leg, its response head awaited within `head_deadline`, and records
+    /// its first-byte timings. With the answer, whether the engine got the request whole
+    /// (for [`ended`](Self::ended)).
+    pub async fn send(&self, call: &mut Call<'_>) -> (Result<Exchange, ProxyError>, bool) {
+        let route = &call.info.route;
+        let started = Instant::now();
+        call.rec.legs.decode_sent_at = Some(started);
+        let timeout = Some(head_deadline(route, self.req));
+        call.rec.trace.leg_started(Leg::Decode);
+        let out = Outgoing { leg: Leg::Decode, endpoint: self.endpoint, body: self.step.body.clone() };
+        let (sent, delivered) = send(call, self.req, out, timeout).await;
+        if sent.is_ok() {
+            call.rec.trace.first_byte();
+            call.rec.legs.decode_first_byte_ms = Some(ms_since(started));
+            route.metrics.stage(Stage::DecodeFirstByte, started.elapsed());
+        }
+        (sent, delivered)
     }
-    if delivered {
-        info.route.metrics.kv_release(Release::LeftToDecode);
-        tracing::info!(request_id = %info.request_id, route = %info.route.name, "client gone after the decode got its request: the decode frees or pulls the KV blocks, no release");
-        return;
+
+    /// Ends the leg once its answer was relayed (or failed, `result`); when the client left
+    /// before the engine's answer began, sees to the prefill's KV blocks
+    /// (`after_client_gone`). `delivered` is [`send`](Self::send)'s.
+    pub async fn ended(&self, call: &mut Call<'_>, result: &Result<(), ProxyError>, delivered: bool) {
+        call.rec.trace.leg_done(Leg::Decode);
+        if matches!(result, Err(ProxyError::ClientGone)) && !call.rec.legs.answer_started {
+            let sender = Sender { info: call.info, rec: call.rec, req: self.req };
+            self.after_client_gone(sender, delivered).await;
+        }
     }
-    release(info, rec, req, endpoint, step).await;
+
+    /// The client left before the decode answered a body byte, while the prefill may hold KV
+    /// blocks for it. A decode engine that got the request whole owns those blocks: vLLM pulls
+    /// them when it schedules the request, and one aborted before that tells the prefill to free
+    /// them (NixlConnector, vLLM 0.32). A second decode with the same `kv_transfer_params` reads
+    /// them again after the prefill freed them (on the real pair: a second NIXL transfer, and the
+    /// prefill logs "Potentially invalid KV blocks ... retrieved"), so a release goes only where the
+    /// decode provably never had the request (gone before it was written whole); the rest count
+    /// `left_to_decode`.
+    async fn after_client_gone(&self, sender: Sender<'_>, delivered: bool) {
+        if !self.step.holds_kv {
+            return;
+        }
+        let info = sender.info;
+        if delivered {
+            info.route.metrics.kv_release(Release::LeftToDecode);
+            tracing::info!(request_id = %info.request_id, route = %info.route.name, "client gone after the decode got its request: the decode frees or pulls the KV blocks, no release");
+            return;
+        }
+        self.release(sender).await;
+    }
+
+    /// The client left after a prefill that holds KV blocks for this decode, before the decode
+    /// leg reached the engine whole. Under the route's `on_client_gone`: `release` sends the
+    /// decode for one token, not streamed, reads and discards the answer within
+    /// `release_timeout_ms`, so the decode pulls the blocks and the prefill frees them now;
+    /// `abandon` sends nothing (they wait for the prefill's lease). Counted in `kv_releases_total`.
+    async fn release(&self, sender: Sender<'_>) {
+        let Some(body) = self.step.release_body() else { return };
+        let (info, endpoint) = (sender.info, self.endpoint);
+        let route = &info.route;
+        if route.on_client_gone == OnClientGone::Abandon {
+            route.metrics.kv_release(Release::Abandoned);
+            tracing::info!(request_id = %info.request_id, route = %route.name, "client gone after the prefill: KV blocks left to their lease");
+            return;
+        }
+        let span = sender.rec.trace.release();
+        let work = async {
+            let out = Outgoing { leg: Leg::Decode, endpoint, body: body.into() };
+            let exchange = sender.exchange(&out, &Delivery::default(), None).await?;
+            let ok = (200..300).contains(&exchange.status());
+            info.app
+                .client
+                .read_to_end(exchange, RELEASE_ANSWER_LIMIT)
+                .await
+                .map_err(|e| ProxyError::upstream(Leg::Decode, e))?;
+            Ok::<bool, ProxyError>(ok)
+        };
+        let deadline = tokio::time::Instant::now() + route.release_timeout;
+        let (result, error) =
+            match sender.client().before(Leg::Decode, endpoint, deadline, work.instrument(span.clone())).await {
+                Some(Ok(true)) => (Release::Released, String::new()),
+                Some(Ok(false)) => (Release::Failed, "answered a non-2xx status".to_owned()),
+                Some(Err(e)) => (Release::Failed, e.to_string()),
+                None => {
+                    route.metrics.timeout(TimeoutStage::Release);
+                    (Release::Timeout, format!("no answer within {} ms", route.release_timeout.as_millis()))
+                }
+            };
+        route.metrics.kv_release(result);
+        span.set_attribute("tokenonce.release.result", result.as_str());
+        tracing::info!(request_id = %info.request_id, route = %route.name, result = result.as_str(), error = %error, "client gone after the prefill: one-token decode sent to release its KV blocks");
+    }
 }
 
 /// Largest answer read (and discarded) from a release leg.
 const RELEASE_ANSWER_LIMIT: usize = 1024 * 1024;
 
-/// The client left after a prefill that holds KV blocks for this decode, before the decode
-/// leg reached the engine whole. Under the route's `on_client_gone`: `release` sends the
-/// decode for one token, not streamed, reads and discards the answer within
-/// `release_timeout_ms`, so the decode pulls the blocks and the prefill frees them now;
-/// `abandon` sends nothing (they wait for the prefill's lease). Counted in `kv_releases_total`.
-async fn release(info: &RequestInfo, rec: &Record, req: &Incoming<'_>, endpoint: &Picked, step: &DecodeStep) {
-    let Some(body) = step.release_body() else { return };
-    let route = &info.route;
-    if route.on_client_gone == OnClientGone::Abandon {
-        route.metrics.kv_release(Release::Abandoned);
-        tracing::info!(request_id = %info.request_id, route = %route.name, "client gone after the prefill: KV blocks left to their lease");
-        return;
-    }
-    let span = rec.trace.release();
-    let work = async {
-        let out = Outgoing { req, leg: Leg::Decode, endpoint, body: body.into() };
-        let exchange = exchange(info, rec, &out, &Delivery::default(), None).await?;
-        let ok = (200..300).contains(&exchange.status());
-        info.app
-            .client
-            .read_to_end(exchange, RELEASE_ANSWER_LIMIT)
-            .await
-            .map_err(|e| ProxyError::upstream(Leg::Decode, e))?;
-        Ok::<bool, ProxyError>(ok)
-    };
-    let deadline = tokio::time::Instant::now() + route.release_timeout;
-    let (result, error) =
-        match leg_client(info, rec).before(Leg::Decode, endpoint, deadline, work.instrument(span.clone())).await {
-            Some(Ok(true)) => (Release::Released, String::new()),
-            Some(Ok(false)) => (Release::Failed, "answered a non-2xx status".to_owned()),
-            Some(Err(e)) => (Release::Failed, e.to_string()),
-            None => {
-                route.metrics.timeout(TimeoutStage::Release);
-                (Release::Timeout, format!("no answer within {} ms", route.release_timeout.as_millis()))
-            }
-        };
-    route.metrics.kv_release(result);
-    span.set_attribute("tokenonce.release.result", result.as_str());
-    tracing::info!(request_id = %info.request_id, route = %route.name, result = result.as_str(), error = %error, "client gone after the prefill: one-token decode sent to release its KV blocks");
-}
-
-/// Sends `body` to `endpoint` on `leg` and relays the answer unchanged (passthrough with a
-/// read body, decode-only, relay legs). The response head is awaited within [`head_deadline`]
-/// (a relay prefill forwarded as is: its prefill timeout).
+/// Sends `body` to `endpoint` on `leg`, for its answer to be relayed unchanged (passthrough
+/// with a read body, decode-only, relay legs). The response head is awaited within
+/// `head_deadline` (a relay prefill forwarded as is: its prefill timeout).
 ///
 /// # Errors
 /// [`ProxyError`] when the engine fails or the client leaves.
-pub async fn forward(
-    session: &mut Session,
-    info: &RequestInfo,
-    rec: &mut Record,
+pub async fn send_forward(
+    call: &mut Call<'_>,
     req: &Incoming<'_>,
     leg: Leg,
-    endpoint: Picked,
+    endpoint: &Picked,
     body: Pieces,
-) -> Result<(), ProxyError> {
+) -> Result<Exchange, ProxyError> {
     // The decode stage's duration is the decode's: a relayed prefill forwarded as is has none.
     if leg == Leg::Decode {
-        rec.legs.decode_sent_at = Some(Instant::now());
+        call.rec.legs.decode_sent_at = Some(Instant::now());
     }
     // A relayed prefill answers as a whole; anything else is bounded to its response head.
     let first_byte = match leg {
-        Leg::Prefill => info.route.prefill_timeout,
-        Leg::Decode | Leg::Passthrough => head_deadline(&info.route, req),
+        Leg::Prefill => call.info.route.prefill_timeout,
+        Leg::Decode | Leg::Passthrough => head_deadline(&call.info.route, req),
     };
-    rec.trace.leg_started(leg);
-    let sent = send(session, info, rec, Outgoing { req, leg, endpoint: &endpoint, body }, Some(first_byte)).await.0;
-    reuse::settle(info, rec, sent.as_ref().ok().map(Exchange::status));
-    let exchange = sent?;
-    rec.trace.first_byte();
-    let relayed = relay(session, info, rec, exchange, None, leg).await;
-    count_answer_failure(&endpoint, &relayed);
-    rec.trace.leg_done(leg);
-    relayed
+    call.rec.trace.leg_started(leg);
+    let sent = send(call, req, Outgoing { leg, endpoint, body }, Some(first_byte)).await.0;
+    if sent.is_ok() {
+        call.rec.trace.first_byte();
+    }
+    sent
 }
 
-/// Counts against `endpoint` an answer that failed after its head (a body that broke, went
-/// silent past the idle timeout, or outgrew its bound), in the kind `upstream_errors_total`
-/// counts it under; the client's own failures are not the engine's. (Failures before the
-/// head are counted by the leg client.)
-fn count_answer_failure(endpoint: &Picked, relayed: &Result<(), ProxyError>) {
-    if let Some((_, kind)) = relayed.as_ref().err().and_then(ProxyError::counted_as) {
-        endpoint.endpoint().error(kind);
-    }
+/// Time since `t` in milliseconds, for the access log.
+fn ms_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1000.0
 }

@@ -1,16 +1,18 @@
-//! The pingora glue. `Proxy` is the client-facing service: `request_filter` reads API bodies
-//! and runs them itself (pingora cannot replay a body read that early once it is over 64 KiB,
-//! so API requests never enter its upstream pipeline); every other request goes through pingora's
-//! pipeline to the route's pool, byte for byte. `Admin` (admin.rs) serves the operator API.
+//! The pingora glue. `Proxy` is the client-facing service: `request_filter` answers API
+//! requests itself; every other request goes through pingora's pipeline to the route's pool,
+//! byte for byte. `Admin` (admin.rs) serves the operator API.
+//!
+//! API requests never enter pingora's upstream pipeline: it cannot replay a body read that
+//! early once it is over 64 KiB.
 //!
 //! Phases used: request_filter (route; API requests answered here) → upstream_peer
 //! (passthrough only) → fail_to_proxy (passthrough errors, through the one error exit) →
 //! logging (metrics, access log).
 //!
 //! The request path: `api::handle` (read, route, dispatch) → `orchestrate::run` or
-//! `relay::handle` (plan, then the legs) → `exec` (send, wait, relay) → `rescue::fail` for
-//! every `Err`. Beside the legs: `verify` (what the prompt ids feed besides them) and
-//! `reuse` (reuse accounting).
+//! `relay::handle` (plan, then the legs) → `exec` (send, wait) and `respond` (relay, write)
+//! → `rescue::fail` for every `Err`; below `request_filter` they pass one [`Call`]. Beside
+//! the legs: `verify` (what the prompt ids feed besides them) and `reuse` (reuse accounting).
 
 pub mod admin;
 mod api;
@@ -50,6 +52,26 @@ pub struct Ctx {
     pub info: RequestInfo,
     /// What it records.
     pub rec: Record,
+}
+
+impl Ctx {
+    /// This request with the client's connection, as the handlers below `request_filter`
+    /// pass it.
+    pub fn call<'a>(&'a mut self, session: &'a mut Session) -> Call<'a> {
+        Call { session, info: &self.info, rec: &mut self.rec }
+    }
+}
+
+/// One request being served, as every handler, leg and writer below `request_filter` takes
+/// it: the three handles that travel together. What is a function's own (the client request
+/// a leg's head is built from, an endpoint, a body) is passed beside it.
+pub struct Call<'a> {
+    /// The client's connection: watched for the client leaving, written with the answer.
+    pub session: &'a mut Session,
+    /// What the request is (only read, so a handler can hold the route while recording).
+    pub info: &'a RequestInfo,
+    /// What it records on its way (read by the error exit and `logging`).
+    pub rec: &'a mut Record,
 }
 
 /// What a request is: set by `request_filter` and the route choice, then only read.
@@ -190,7 +212,7 @@ async fn admit(session: &mut Session, ctx: &mut Ctx) -> bool {
     app.metrics.admission_rejected(if tls { Listener::Tls } else { Listener::Plain });
     session.set_keepalive(None);
     let limit = app.config.server.max_in_flight;
-    rescue::fail(session, &ctx.info, &mut ctx.rec, crate::openai::ApiError::Overloaded(limit).into()).await;
+    rescue::fail(&mut ctx.call(session), crate::openai::ApiError::Overloaded(limit).into()).await;
     false
 }
 
@@ -242,7 +264,7 @@ impl ProxyHttp for Proxy {
         let app = &ctx.info.app;
         if let Err(e) = edge::check_head(&session.req_header().headers, &edge::EdgeLimits::of(&app.config)) {
             session.set_keepalive(None);
-            rescue::fail(session, &ctx.info, &mut ctx.rec, e.into()).await;
+            rescue::fail(&mut ctx.call(session), e.into()).await;
             return Ok(true);
         }
         // Every API request is read and sent by tokenonce, on passthrough routes too: only a
@@ -250,7 +272,7 @@ impl ProxyHttp for Proxy {
         // deadline), and only our leg client feeds outcomes, timeouts too, to ejection.
         if let Some(api) = ctx.info.api {
             if let Err(e) = api::handle(session, ctx, api).await {
-                rescue::fail(session, &ctx.info, &mut ctx.rec, e).await;
+                rescue::fail(&mut ctx.call(session), e).await;
             }
             if ctx.rec.answer.cut {
                 // An error here makes pingora drop the connection without ending the body.
@@ -262,7 +284,7 @@ impl ProxyHttp for Proxy {
         let facts = RequestFacts { path: header.uri.path(), model: None, headers: &header.headers };
         ctx.info.route = Arc::clone(app.routes.select(&facts));
         session.as_downstream_mut().set_write_timeout(Some(ctx.info.route.client_write_timeout));
-        let answered = passthrough::check_declared_length(session, &ctx.info, &mut ctx.rec).await?;
+        let answered = passthrough::check_declared_length(&mut ctx.call(session)).await?;
         if !answered {
             // pingora streams the body to the engine; the client waits for our go.
             edge::continue_if_expected(session).await?;
@@ -382,7 +404,7 @@ impl ProxyHttp for Proxy {
             ProxyError::ClientGone | ProxyError::ClientStalled { .. } => 0,
             ref err => err.api_error().status(),
         };
-        rescue::fail(session, &ctx.info, &mut ctx.rec, err).await;
+        rescue::fail(&mut ctx.call(session), err).await;
         FailToProxy { error_code: code, can_reuse_downstream: false }
     }
 

@@ -1,6 +1,9 @@
 //! An orchestrated request, top to bottom: pick the engines, plan, prefill leg, handoff,
-//! decode leg, relay. Decisions come from `plan`; sending and waiting from `exec`; what the
-//! prompt ids feed besides the legs from `verify`; reuse accounting from `reuse`.
+//! decode leg, relay.
+//!
+//! Decisions come from `plan`; sending and waiting from `exec`; the decode's answer from
+//! `respond`; what the prompt ids feed besides the legs from `verify`; reuse accounting from
+//! `reuse`.
 
 use std::net::IpAddr;
 use std::time::Instant;
@@ -8,11 +11,10 @@ use std::time::Instant;
 use bytes::Bytes;
 use http::HeaderMap;
 use pingora::http::ResponseHeader;
-use pingora::proxy::Session;
 
 use super::error::ProxyError;
-use super::respond::write_engine_answer;
-use super::{exec, reuse, verify, ApiRequest, Record, RequestInfo};
+use super::respond::{self, write_engine_answer};
+use super::{exec, reuse, verify, ApiRequest, Call, RequestInfo};
 use crate::metrics::{FollowUp, Leg, Stage};
 use crate::openai::json::{Pieces, RawObject};
 use crate::openai::request::{previous_response_id, stored_response_id};
@@ -26,12 +28,8 @@ use crate::upstream::{self, Picked, PromptKey};
 ///
 /// # Errors
 /// Any [`ProxyError`]; the caller's error exit answers it.
-pub async fn run(
-    session: &mut Session,
-    info: &RequestInfo,
-    rec: &mut Record,
-    req: &ApiRequest<'_>,
-) -> Result<(), ProxyError> {
+pub async fn run(call: &mut Call<'_>, req: &ApiRequest<'_>) -> Result<(), ProxyError> {
+    let info = call.info;
     let (app, route) = (&info.app, &info.route);
     // The handoff is ours: a client's own kv_transfer_params never reach an engine.
     let cleaned = plan::without_client_handoff(&req.obj, route.client_handoff)?;
@@ -48,9 +46,9 @@ pub async fn run(
     let keys = verify::PromptKeys::of(info, req).await;
     let decode = pick_decode(info, req.view.api, obj, keys.decode())?;
     let home = decode.name().to_owned();
-    let result = orchestrate(session, info, rec, req, (obj, rewritten.is_some()), decode, &keys).await;
+    let result = orchestrate(call, req, (obj, rewritten.is_some()), decode, &keys).await;
     if let (Some(id), Ok(())) = (stored_id, &result) {
-        if (200..300).contains(&rec.answer.status) {
+        if (200..300).contains(&call.rec.answer.status) {
             app.homes.remember(&id, &home);
         }
     }
@@ -74,14 +72,13 @@ fn pick_decode(info: &RequestInfo, api: Api, obj: &RawObject<'_>, prompt: Prompt
 /// [`run`] once the body (`obj`, `rewritten` when it differs from the client's), the decode
 /// endpoint and what is known of the prompt (`keys`) are set.
 async fn orchestrate(
-    session: &mut Session,
-    info: &RequestInfo,
-    rec: &mut Record,
+    call: &mut Call<'_>,
     req: &ApiRequest<'_>,
     (obj, rewritten): (&RawObject<'_>, bool),
     decode: Picked,
     keys: &verify::PromptKeys,
 ) -> Result<(), ProxyError> {
+    let info = call.info;
     let (app, route) = (&info.app, &info.route);
     let Some(prefiller) = prefiller(route, req.incoming.headers, info.client_ip, keys.prefill())? else {
         // Header mode without the header: the picker chose decode-only; send it as is.
@@ -90,7 +87,7 @@ async fn orchestrate(
         } else {
             req.incoming.body.clone().into()
         };
-        return exec::forward(session, info, rec, &req.incoming, Leg::Decode, decode, body).await;
+        return respond::forward(call, &req.incoming, Leg::Decode, decode, body).await;
     };
     let policy = route.policy_now();
     let version = if plan::needs_decode_version(&req.view, &policy, &info.request_id) {
@@ -106,23 +103,21 @@ async fn orchestrate(
     );
     let plan = verify::token_in(info, plan, keys.local.as_ref());
     if let Some(step) = plan.decode_only() {
-        reuse::record(info, rec, step.reuse, None);
-        return exec::decode(session, info, rec, &req.incoming, &decode, step).await;
+        reuse::record(info, call.rec, step.reuse, None);
+        return respond::decode(call, &req.incoming, &decode, step).await;
     }
 
-    let prefilled = guarded_prefill(session, info, rec, &req.incoming, &prefiller, plan.prefill_body.clone()).await;
+    let prefilled = guarded_prefill(call, &req.incoming, &prefiller, plan.prefill_body.clone()).await;
     drop(prefiller);
 
     let handoff_started = Instant::now();
-    let handoff = rec.trace.handoff();
+    let handoff = call.rec.trace.handoff();
     let mut step = match exec::after_prefill(info, &plan, prefilled)? {
         exec::Prefilled::Step(step) => step,
         // The prefill's own error (e.g. vLLM's 400 for a too-long prompt) goes back unchanged.
-        exec::Prefilled::EngineAnswer(head, answer) => {
-            return write_engine_answer(session, info, rec, &head, answer).await
-        }
+        exec::Prefilled::EngineAnswer(head, answer) => return write_engine_answer(call, &head, answer).await,
     };
-    reuse::record(info, rec, step.reuse, step.refused.as_ref());
+    reuse::record(info, call.rec, step.reuse, step.refused.as_ref());
     if let Some(ids) = step.ids.take() {
         let by = if plan.local_ids() { verify::Echoed::Local } else { verify::Echoed::Engine };
         verify::prompt_ids(info, req, &ids, step.prompt_tokens, by);
@@ -130,7 +125,7 @@ async fn orchestrate(
     route.metrics.stage(Stage::Handoff, handoff_started.elapsed());
     drop(handoff);
 
-    exec::decode(session, info, rec, &req.incoming, &decode, step).await
+    respond::decode(call, &req.incoming, &decode, step).await
 }
 
 /// Where the prefill leg goes.
@@ -167,26 +162,23 @@ const NAMED_PREFILLER_ERROR_LIMIT: usize = 64 * 1024;
 /// all read alike (no probing of ports and hosts through tokenonce), and its error bodies are
 /// relayed only up to a bound.
 async fn guarded_prefill(
-    session: &mut Session,
-    info: &RequestInfo,
-    rec: &mut Record,
+    call: &mut Call<'_>,
     req: &exec::Incoming<'_>,
     prefiller: &Prefiller,
     body: Pieces,
 ) -> Result<(ResponseHeader, Bytes), ProxyError> {
-    let route = &info.route;
+    let route = &call.info.route;
     if !prefiller.named {
         let pool = match &route.prefill {
             Some(PrefillTarget::Pool(pool)) => Some(pool.as_ref()),
             _ => None,
         };
-        return exec::prefill_leg(session, info, rec, req, &prefiller.endpoint, pool, body).await;
+        return exec::prefill_leg(call, req, &prefiller.endpoint, pool, body).await;
     }
-    let forward = matches!(&info.route.prefill, Some(PrefillTarget::Header(rule)) if rule.forward_credentials);
+    let forward = matches!(&route.prefill, Some(PrefillTarget::Header(rule)) if rule.forward_credentials);
     let req = exec::Incoming { drop_credentials: !forward, ..*req };
-    let (head, answer) = exec::prefill_leg(session, info, rec, &req, &prefiller.endpoint, None, body)
-        .await
-        .map_err(ProxyError::uniform_connect)?;
+    let (head, answer) =
+        exec::prefill_leg(call, &req, &prefiller.endpoint, None, body).await.map_err(ProxyError::uniform_connect)?;
     if !head.status.is_success() && answer.len() > NAMED_PREFILLER_ERROR_LIMIT {
         return Err(HandoffError(format!("error answer over {NAMED_PREFILLER_ERROR_LIMIT} bytes")).into());
     }

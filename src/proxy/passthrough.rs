@@ -1,7 +1,9 @@
 //! Bounds for requests pingora's own pipeline proxies (passthrough routes and unmatched
-//! paths): the route's body limit (declared up front, counted while it streams), per-read and
-//! per-write engine timeouts on the peer, and what its failures mean for the error exit; and
-//! the endpoint of a stored Responses answer a path names.
+//! paths), what its failures mean for the error exit, and the endpoint of a stored Responses
+//! answer a path names.
+//!
+//! The bounds: the route's body limit (declared up front, counted while it streams), and
+//! per-read and per-write engine timeouts on the peer.
 
 use std::time::Duration;
 
@@ -11,7 +13,7 @@ use pingora::upstreams::peer::HttpPeer;
 
 use super::error::ProxyError;
 use super::rescue;
-use super::{Record, RequestInfo};
+use super::{Call, Record, RequestInfo};
 use crate::metrics::{FollowUp, Leg};
 use crate::openai::ApiError;
 use crate::routes::Route;
@@ -31,14 +33,14 @@ pub fn stored_answer_home(info: &RequestInfo, path: &str) -> Option<Picked> {
 ///
 /// # Errors
 /// Never; `Result` is the phase's signature.
-pub async fn check_declared_length(session: &mut Session, info: &RequestInfo, rec: &mut Record) -> Result<bool> {
-    let limit = info.route.max_body_bytes;
-    let declared = session.req_header().headers.get("content-length").and_then(|v| v.to_str().ok()?.parse().ok());
+pub async fn check_declared_length(call: &mut Call<'_>) -> Result<bool> {
+    let limit = call.info.route.max_body_bytes;
+    let declared = call.session.req_header().headers.get("content-length").and_then(|v| v.to_str().ok()?.parse().ok());
     if declared.is_none_or(|len: usize| len <= limit) {
         return Ok(false);
     }
-    session.set_keepalive(None);
-    rescue::fail(session, info, rec, ApiError::BodyTooLarge { limit }.into()).await;
+    call.session.set_keepalive(None);
+    rescue::fail(call, ApiError::BodyTooLarge { limit }.into()).await;
     Ok(true)
 }
 

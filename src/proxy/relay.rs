@@ -1,15 +1,14 @@
-//! Relay mode, top to bottom: an existing orchestrator sends both legs through tokenonce. A
-//! prefill is asked to echo its ids, which are cached (or returned inside
-//! `kv_transfer_params`); a decode finds them and goes token-in. Decisions come from
+//! Relay mode, top to bottom: an existing orchestrator sends both legs through tokenonce; a
+//! prefill echoes its ids, kept for its decode, which then goes token-in.
+//!
+//! The ids are cached (or returned inside `kv_transfer_params`). Decisions come from
 //! `plan::relay`; this module sends the legs and touches the cache.
 
 use std::time::Instant;
 
-use pingora::proxy::Session;
-
 use super::error::ProxyError;
-use super::respond::write_engine_answer;
-use super::{exec, reuse, verify, ApiRequest, Record, RequestInfo};
+use super::respond::{self, write_engine_answer};
+use super::{exec, reuse, verify, ApiRequest, Call};
 use crate::app::App;
 use crate::handoff::{Evicted, Lookup};
 use crate::metrics::Leg;
@@ -24,31 +23,25 @@ use crate::upstream::{self, PromptKey};
 ///
 /// # Errors
 /// Any [`ProxyError`]; the caller's error exit answers it.
-pub async fn handle(
-    session: &mut Session,
-    info: &RequestInfo,
-    rec: &mut Record,
-    req: &ApiRequest<'_>,
-) -> Result<(), ProxyError> {
+pub async fn handle(call: &mut Call<'_>, req: &ApiRequest<'_>) -> Result<(), ProxyError> {
+    let info = call.info;
     // Only an `X-Request-Id` the orchestrator sent correlates the legs (ours is random).
     let client_id = req.incoming.headers.contains_key("x-request-id").then_some(info.request_id.as_str());
     let policy = info.route.policy_now();
     match crate::plan::relay::plan(req.plan_input(), &policy, client_id, &info.request_id) {
-        RelayPlan::Prefill(plan) => annotated_prefill(session, info, rec, req, &plan).await,
-        RelayPlan::Decode(plan) => completed_decode(session, info, rec, req, &plan).await,
+        RelayPlan::Prefill(plan) => annotated_prefill(call, req, &plan).await,
+        RelayPlan::Decode(plan) => completed_decode(call, req, &plan).await,
     }
 }
 
 /// A relayed prefill: asked to echo its ids, which are kept (cache or inline) and hidden from
 /// the answer unless the orchestrator asked for them.
 async fn annotated_prefill(
-    session: &mut Session,
-    info: &RequestInfo,
-    rec: &mut Record,
+    call: &mut Call<'_>,
     req: &ApiRequest<'_>,
     plan: &RelayPrefill<'_, '_>,
 ) -> Result<(), ProxyError> {
-    let (app, route) = (&info.app, &info.route);
+    let (app, route) = (&call.info.app, &call.info.route);
     let pool = match &route.prefill {
         Some(PrefillTarget::Pool(pool)) => pool,
         _ => &route.decode_pool,
@@ -56,21 +49,12 @@ async fn annotated_prefill(
     let text = pool.is_cache_aware().then(|| text_keys(&req.obj, req.view.api)).flatten();
     let endpoint = upstream::pick_for(pool, Leg::Prefill, prompt_key(text.as_deref()))?;
     let Some(body) = plan.body() else {
-        return exec::forward(
-            session,
-            info,
-            rec,
-            &req.incoming,
-            Leg::Prefill,
-            endpoint,
-            req.incoming.body.clone().into(),
-        )
-        .await;
+        return respond::forward(call, &req.incoming, Leg::Prefill, endpoint, req.incoming.body.clone().into()).await;
     };
-    let (head, answer) = exec::prefill_leg(session, info, rec, &req.incoming, &endpoint, Some(pool), body).await?;
+    let (head, answer) = exec::prefill_leg(call, &req.incoming, &endpoint, Some(pool), body).await?;
     drop(endpoint);
     if !head.status.is_success() {
-        return write_engine_answer(session, info, rec, &head, answer).await;
+        return write_engine_answer(call, &head, answer).await;
     }
     let kept = plan.after_prefill(&answer);
     if let Some(entry) = kept.store {
@@ -78,19 +62,18 @@ async fn annotated_prefill(
         record_cache(app, None, evicted);
     }
     if kept.kept {
-        rec.reuse.log = Some("ids_kept");
+        call.rec.reuse.log = Some("ids_kept");
     }
-    write_engine_answer(session, info, rec, &head, kept.body.unwrap_or(answer)).await
+    write_engine_answer(call, &head, kept.body.unwrap_or(answer)).await
 }
 
 /// A relayed decode: its ids found (inline or in the cache) and sent token-in, else as sent.
 async fn completed_decode(
-    session: &mut Session,
-    info: &RequestInfo,
-    rec: &mut Record,
+    call: &mut Call<'_>,
     req: &ApiRequest<'_>,
     plan: &RelayDecode<'_, '_>,
 ) -> Result<(), ProxyError> {
+    let info = call.info;
     let (app, route) = (&info.app, &info.route);
     let text = route.decode_pool.is_cache_aware().then(|| text_keys(&req.obj, req.view.api)).flatten();
     let endpoint = upstream::pick_for(&route.decode_pool, Leg::Decode, prompt_key(text.as_deref()))?;
@@ -123,9 +106,9 @@ async fn completed_decode(
         other => other,
     };
     let (body, reuse, refused) = plan.step(found);
-    reuse::record(info, rec, reuse, refused.as_ref());
+    reuse::record(info, call.rec, reuse, refused.as_ref());
     let body = body.unwrap_or_else(|| req.incoming.body.clone().into());
-    exec::forward(session, info, rec, &req.incoming, Leg::Decode, endpoint, body).await
+    respond::forward(call, &req.incoming, Leg::Decode, endpoint, body).await
 }
 
 /// What a relayed leg's cache-aware pick knows of its prompt: its text keys, when it has them

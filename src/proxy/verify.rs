@@ -1,8 +1,9 @@
-//! What a request's prompt ids feed besides its legs: once the prefill's ids are known, the
-//! parity watch's sample and the local-ids shadow check ([`prompt_ids`], the one call after
-//! the prefill); before it, the local ids a trusted shape has earned ([`local_prompt`]) steer
-//! the cache-aware picks (their block chains) and send the prefill token-in ([`token_in`]).
-//! Nothing here waits on a check: a full queue drops it, counted.
+//! What a request's prompt ids feed besides its legs: the parity watch's sample and the
+//! local-ids shadow check once they are known ([`prompt_ids`]), and, before the prefill,
+//! the local ids a trusted shape has earned ([`local_prompt`], [`token_in`]).
+//!
+//! The local ids steer the cache-aware picks (their block chains) and send the prefill
+//! token-in. Nothing here waits on a check: a full queue drops it, counted.
 
 use std::sync::Arc;
 
