@@ -662,8 +662,7 @@ impl UpstreamClient {
             let status = exchange.status();
             // A connection this GET dialled is closed, not pooled: the health poller runs on
             // pingora's background runtime, and a socket stays with the reactor of the runtime
-            // that opened it, so every leg later sent on it would be woken across runtimes
-            // (10 % of tokenonce's CPU at 1k when the first connection to an engine was a poll's).
+            // that opened it, so every leg later sent on it would be woken across runtimes.
             let pooled = exchange.pooled;
             let read = exchange.conn.read_to_end(&mut exchange.answer, 1 << 20).await;
             let body = read
