@@ -15,9 +15,10 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 
 use super::client::RequestHead;
+use super::metrics::{LegMetrics, UpstreamMetrics};
 use super::pool::PromptKey;
 use super::{Delivery, Endpoint, Exchange, Picked, Pool, RetryBudget, UpstreamClient, UpstreamError};
-use crate::metrics::{ErrorKind, Leg, Metrics, RouteMetrics};
+use crate::metrics::{ErrorKind, Leg};
 use crate::telemetry::RequestTrace;
 
 /// Why a leg has no answer head.
@@ -89,11 +90,11 @@ pub struct LegClient<'a> {
     /// The connections to the engines.
     pub client: &'a UpstreamClient,
     /// Process-wide series (retries by leg, ejections by pool).
-    pub metrics: &'a Metrics,
+    pub metrics: &'a UpstreamMetrics,
     /// The route's retry budget.
     pub budget: &'a RetryBudget,
-    /// The route's series (budget refusals).
-    pub route_metrics: &'a RouteMetrics,
+    /// The route's leg series (budget refusals, prefill failovers).
+    pub route_metrics: &'a LegMetrics,
     /// The route's name, for logs.
     pub route: &'a str,
     /// The request's id, for logs.
