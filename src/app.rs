@@ -1,7 +1,9 @@
 //! The composition root: [`App`], everything a request needs, built once from a loaded config
 //! and rebuilt on reload (carrying over what was learned at run time), and the background
 //! upkeep that walks it (health rounds, gauges read from state). Lower rooms never import it:
-//! what they need is handed to them here.
+//! what they need is handed to them here. `metrics.rs`: every metric family, registered once.
+
+mod metrics;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -12,8 +14,9 @@ use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 use prometheus::Registry;
 
+pub use metrics::{Metrics, ReloadMetrics};
+
 use crate::config::{Config, Loaded, Resources};
-use crate::metrics::Metrics;
 use crate::routes::{DanglingPool, RouteTable};
 use crate::upstream::{Pool, UpstreamClient};
 use crate::{handoff, kv, local, parity, upstream};
@@ -96,7 +99,7 @@ fn kv_runtime() -> Option<&'static tokio::runtime::Handle> {
 fn kv_sources(
     config: &Config,
     pools: &[Arc<Pool>],
-    metrics: &Metrics,
+    metrics: &kv::metrics::KvMetrics,
     previous: Option<&std::collections::BTreeMap<String, Arc<kv::events::PoolKvEvents>>>,
 ) -> std::collections::BTreeMap<String, Arc<kv::events::PoolKvEvents>> {
     let mut out = std::collections::BTreeMap::new();
@@ -115,8 +118,7 @@ fn kv_sources(
             tracing::error!(pool = %pool.name, "kv events off: their runtime could not start");
             continue;
         };
-        match kv::events::PoolKvEvents::start(&pool.name, &endpoints, settings, metrics.kv_events(&pool.name), runtime)
-        {
+        match kv::events::PoolKvEvents::start(&pool.name, &endpoints, settings, metrics.pool(&pool.name), runtime) {
             Ok(source) => {
                 out.insert(pool.name.clone(), source);
             }
@@ -190,7 +192,7 @@ fn discoverer(
 
 /// Creates `pool`'s series and hands each endpoint its own (an endpoint of a pool carried
 /// over a reload has them already).
-fn pool_series(metrics: &Metrics, pool: &Pool) {
+fn pool_series(metrics: &upstream::metrics::UpstreamMetrics, pool: &Pool) {
     metrics.pool(&pool.name);
     if pool.discovery().is_some() {
         metrics.discovered_pool(&pool.name);
@@ -217,18 +219,18 @@ impl App {
         let metrics = Metrics::register(&registry)?;
         let pools: Vec<Arc<Pool>> =
             config.pools.keys().map(|name| Arc::new(new_pool(&config, &resources, name))).collect();
-        pools.iter().for_each(|p| pool_series(&metrics, p));
+        pools.iter().for_each(|p| pool_series(&metrics.upstream, p));
         let discoverer = discoverer(&config, None)?;
-        let routes = RouteTable::new(&config, &resources, &pools, &metrics, None)?;
+        let routes = RouteTable::new(&config, &resources, &pools, metrics.routes(), None)?;
         let upstream = &config.upstream;
         let client = Arc::new(UpstreamClient::new(upstream.connect_timeout_ms, upstream.idle_timeout_ms));
         let cache = Arc::new(handoff::IdCache::new(config.cache.capacity_bytes, config.cache.ttl_ms));
         metrics.build_info(crate::build::VERSION, crate::build::COMMIT, crate::build::RUSTC, crate::build::PROFILE);
-        metrics.admission_limit().set(i64::try_from(config.server.max_in_flight).unwrap_or(i64::MAX));
+        metrics.requests.admission_limit().set(i64::try_from(config.server.max_in_flight).unwrap_or(i64::MAX));
         let watch = Arc::new(parity::Watch::start(parity::WORKERS, parity::QUEUE)?);
-        let verifier = Arc::new(local::Verifier::start(local::WORKERS, local::QUEUE, &metrics)?);
+        let verifier = Arc::new(local::Verifier::start(local::WORKERS, local::QUEUE, &metrics.local)?);
         let local = local_renderers(&config, &resources, None);
-        let kv_events = kv_sources(&config, &pools, &metrics, None);
+        let kv_events = kv_sources(&config, &pools, &metrics.kv, None);
         let admission = Arc::default();
         Ok(Self {
             kv_events,
@@ -288,16 +290,16 @@ impl App {
                 Arc::new(fresh)
             })
             .collect();
-        pools.iter().for_each(|p| pool_series(&self.metrics, p));
+        pools.iter().for_each(|p| pool_series(&self.metrics.upstream, p));
         let discoverer = discoverer(&config, self.discoverer.as_ref())?;
-        let routes = RouteTable::new(&config, &resources, &pools, &self.metrics, Some(&self.routes))?;
+        let routes = RouteTable::new(&config, &resources, &pools, self.metrics.routes(), Some(&self.routes))?;
         let local = local_renderers(&config, &resources, Some(&self.local));
-        let kv_events = kv_sources(&config, &pools, &self.metrics, Some(&self.kv_events));
+        let kv_events = kv_sources(&config, &pools, &self.metrics.kv, Some(&self.kv_events));
         self.forget_removed(&pools, &routes);
         for gone in self.kv_events.keys().filter(|pool| !kv_events.contains_key(*pool)) {
-            self.metrics.forget_kv_events(gone);
+            self.metrics.kv.forget_pool(gone);
         }
-        self.metrics.admission_limit().set(i64::try_from(config.server.max_in_flight).unwrap_or(i64::MAX));
+        self.metrics.requests.admission_limit().set(i64::try_from(config.server.max_in_flight).unwrap_or(i64::MAX));
         Ok(Self {
             config,
             resources,
@@ -323,19 +325,19 @@ impl App {
     fn forget_removed(&self, pools: &[Arc<Pool>], routes: &RouteTable) {
         for old in &self.pools {
             let Some(new) = pools.iter().find(|p| p.name == old.name) else {
-                self.metrics.forget_pool(&old.name);
-                old.endpoints().iter().for_each(|e| self.metrics.forget_endpoint(&old.name, &e.name));
+                self.metrics.upstream.forget_pool(&old.name);
+                old.endpoints().iter().for_each(|e| self.metrics.upstream.forget_endpoint(&old.name, &e.name));
                 continue;
             };
             let kept = new.endpoints();
             for e in old.endpoints().iter().filter(|e| !kept.iter().any(|n| n.name == e.name)) {
-                self.metrics.forget_endpoint(&old.name, &e.name);
+                self.metrics.upstream.forget_endpoint(&old.name, &e.name);
             }
         }
         for old in self.routes.routes() {
             if !routes.routes().iter().any(|r| r.name == old.name) {
-                self.metrics.forget_models_differ(&old.name);
-                self.metrics.forget_parity_hold(&old.name);
+                self.metrics.parity.forget_models_differ(&old.name);
+                self.metrics.parity.forget_parity_hold(&old.name);
             }
         }
     }
@@ -356,11 +358,11 @@ impl App {
     pub fn refresh_gauges(&self) {
         let now = std::time::Instant::now();
         for p in &self.pools {
-            self.metrics.upstream_ejected(&p.name, p.ejected(now));
-            self.metrics.pool_endpoints(&p.name, p.endpoints().len());
+            self.metrics.upstream.upstream_ejected(&p.name, p.ejected(now));
+            self.metrics.upstream.pool_endpoints(&p.name, p.endpoints().len());
         }
-        self.metrics.response_homes(self.homes.len());
-        self.local.values().for_each(|l| l.report(&self.metrics));
+        self.metrics.upstream.response_homes(self.homes.len());
+        self.local.values().for_each(|l| l.report(&self.metrics.local));
         self.sweep_cache();
     }
 
@@ -381,7 +383,7 @@ impl App {
     pub fn sweep_cache(&self) {
         let evicted = self.cache.purge(std::time::Instant::now());
         let (entries, bytes) = self.cache.stats();
-        self.metrics.cache_state(evicted.ttl, evicted.capacity, entries, bytes);
+        self.metrics.id_cache.state(evicted.ttl, evicted.capacity, entries, bytes);
     }
 }
 
@@ -434,16 +436,16 @@ impl Upkeep {
     pub async fn run_once(&self) {
         let app = self.app.load_full();
         if let Some(discoverer) = &app.discoverer {
-            upstream::discovery::round(discoverer, &app.pools, &app.metrics, &app.homes).await;
+            upstream::discovery::round(discoverer, &app.pools, &app.metrics.upstream, &app.homes).await;
             app.kv_events_follow_members();
         }
-        upstream::health::poll_round(&app.client, &app.metrics, &app.homes, &app.pools).await;
-        app.routes.compare_models(&app.metrics);
+        upstream::health::poll_round(&app.client, &app.metrics.upstream, &app.homes, &app.pools).await;
+        app.routes.compare_models(&app.metrics.parity);
         // Idle engine connections of endpoints no longer used (or removed by a reload) close
         // within one interval past their idle limit.
         app.client.close_expired_idle();
         let ready = app.decode_pools().iter().all(|p| p.any_healthy());
-        app.metrics.ready().set(i64::from(ready));
+        app.metrics.upstream.ready().set(i64::from(ready));
         app.refresh_gauges();
     }
 }

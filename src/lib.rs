@@ -22,7 +22,8 @@
 //! - `parity`: pool tokenizers, the vocabulary bound and the sampled parity watch.
 //! - `telemetry`: logging and OpenTelemetry spans of each request and its legs.
 //! - `handoff`: the relay-mode id cache and correlation keys.
-//! - `metrics`: every exported metric and its label enums.
+//! - `metrics`: what every metric family stands on (registration, buckets, label enums); each
+//!   family lives in its room's `metrics.rs`, `app/metrics.rs` holds them all.
 //! - `openai`: the wire protocol as pure functions on bytes (the API, request view,
 //!   rewrites, handoff extraction, prompt-id validation, fallback reasons, error bodies).
 //! - `config`: the TOML file as typed data, checked, with what it names loaded; the embedded default.

@@ -91,7 +91,7 @@ impl Reloader {
         let _one = self.one_at_a_time.lock();
         let current = self.app.load_full();
         let outcome = self.apply(&current, trigger);
-        current.metrics.reload(if outcome.is_ok() { Reload::Success } else { Reload::Failure });
+        current.metrics.reloads.record(if outcome.is_ok() { Reload::Success } else { Reload::Failure });
         outcome
     }
 

@@ -359,7 +359,7 @@ async fn a_replay_left_unanswered_is_asked_again() {
         stale_after: Duration::from_secs(60),
     };
     let registry = prometheus::Registry::new();
-    let metrics = tokenonce::metrics::Metrics::register(&registry).unwrap().kv_events("prefill");
+    let metrics = tokenonce::kv::metrics::KvMetrics::register(&registry).unwrap().pool("prefill");
     let endpoint = "127.0.0.1:8000";
     let kv = PoolKvEvents::start(
         "prefill",

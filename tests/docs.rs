@@ -298,9 +298,9 @@ fn fallback_table_lists_every_reason() {
     let table = concepts.split("\n## When tokenonce falls back to the text decode\n").nth(1).unwrap();
     let table = table.split("\n## ").next().unwrap();
     let mut rows: Vec<&str> = table.lines().filter_map(|l| l.strip_prefix("| `")?.split('`').next()).collect();
-    let mut reasons: Vec<&str> = tokenonce::metrics::FallbackReason::ALL.iter().map(|r| r.as_str()).collect();
+    let mut reasons: Vec<&str> = tokenonce::openai::FallbackReason::ALL.iter().map(|r| r.as_str()).collect();
     rows.sort_unstable();
     reasons.sort_unstable();
     assert!(reasons.len() > 10, "{reasons:?}");
-    assert_eq!(rows, reasons, "docs/concepts.md fallback table vs metrics::FallbackReason");
+    assert_eq!(rows, reasons, "docs/concepts.md fallback table vs openai::FallbackReason");
 }

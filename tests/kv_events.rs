@@ -16,8 +16,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokenonce::kv::events::{self, PoolKvEvents, Settings};
+use tokenonce::kv::events::{PoolKvEvents, Settings};
 use tokenonce::kv::hash::{BlockHash, BlockHasher, ExtraKeys};
+use tokenonce::kv::metrics::PoolKvMetrics;
 use tokenonce::kv::PrefixHolders;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
@@ -126,9 +127,9 @@ fn settings(f: &Fixture, port: u16, replay_port: u16) -> Settings {
     }
 }
 
-fn source(pool: &str, endpoint: &str, settings: Settings) -> (Arc<PoolKvEvents>, events::Metrics) {
+fn source(pool: &str, endpoint: &str, settings: Settings) -> (Arc<PoolKvEvents>, PoolKvMetrics) {
     let registry = prometheus::Registry::new();
-    let metrics = tokenonce::metrics::Metrics::register(&registry).unwrap().kv_events(pool);
+    let metrics = tokenonce::kv::metrics::KvMetrics::register(&registry).unwrap().pool(pool);
     let source = PoolKvEvents::start(
         pool,
         &[endpoint.to_owned()],

@@ -342,7 +342,7 @@ fn recorded_generate_legs() {
     let plain = fixture("generate_plain");
     let obj = RawObject::parse(&plain.request).unwrap();
     let view = RequestView::parse(Api::Generate, &obj).unwrap();
-    assert_eq!(view.reuse_blocker(), Some(tokenonce::metrics::FallbackReason::PromptIsTokens));
+    assert_eq!(view.reuse_blocker(), Some(tokenonce::openai::FallbackReason::PromptIsTokens));
     let ours = json(std::str::from_utf8(&prefill_body(&obj, None, Api::Generate, false).to_bytes()).unwrap());
     assert_eq!(ours, json(&fixture("generate_prefill").request));
     let prefill = fixture("generate_prefill");

@@ -35,11 +35,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use futures_util::StreamExt as _;
-use prometheus::{Gauge, IntCounter, IntGauge};
 use zeromq::{Socket as _, SocketEvent, SocketRecv as _, SocketSend as _};
 
 use super::check::{Drift, HashCheck};
 use super::index::BlockIndex;
+use super::metrics::PoolKvMetrics;
 use super::wire::{self, Event, EventBatch, WireError};
 use super::{BlockHash, BlockHasher, PrefixHolders};
 
@@ -88,31 +88,6 @@ pub struct Settings {
     pub max_blocks: usize,
     /// How long an endpoint may stay disconnected before its entries are not believed.
     pub stale_after: Duration,
-}
-
-/// One pool's KV event series, resolved for the pool (metrics/ builds them).
-#[derive(Clone)]
-pub struct Metrics {
-    /// (endpoint, block) entries in the index.
-    pub blocks: IntGauge,
-    /// Entries the `max_blocks` bound evicted.
-    pub evicted: IntCounter,
-    /// Seconds between the last batch's publication and its arrival.
-    pub lag: Gauge,
-    /// Sequence jumps seen on a live connection.
-    pub gaps: IntCounter,
-    /// Replays asked (each connection's and each gap's).
-    pub replays: IntCounter,
-    /// Replays that brought no answer (asked again later).
-    pub replays_failed: IntCounter,
-    /// Connections made again after one was lost.
-    pub reconnects: IntCounter,
-    /// Blocks whose published hash tokenonce computed again: the same.
-    pub checks_matched: IntCounter,
-    /// ... and another.
-    pub checks_mismatched: IntCounter,
-    /// 1 for the reason cache-aware choice was turned off, by [`Drift::LABELS`] order.
-    pub disabled: [IntGauge; 2],
 }
 
 /// A pool endpoint to subscribe to: its name (`host:port` or `host:port#R`), host and rank.
@@ -179,7 +154,7 @@ pub struct PoolKvEvents {
 struct Shared {
     pool: String,
     settings: Settings,
-    metrics: Metrics,
+    metrics: PoolKvMetrics,
     state: RwLock<State>,
     check: Mutex<HashCheck>,
     disabled: AtomicBool,
@@ -214,7 +189,7 @@ impl PoolKvEvents {
         pool: &str,
         endpoints: &[String],
         settings: Settings,
-        metrics: Metrics,
+        metrics: PoolKvMetrics,
         runtime: &tokio::runtime::Handle,
     ) -> Result<Arc<Self>, StartError> {
         let addrs = endpoints

@@ -4,12 +4,13 @@
 //! A source answers one question for endpoint choice: how many leading blocks of a request's
 //! chain an endpoint holds. The exact source is the engines' own KV events; the approximate
 //! one is where tokenonce itself sent each prefix (`sent`). Both sit below `upstream/`, which
-//! asks them when it picks an endpoint.
+//! asks them when it picks an endpoint. The events' metric family: `metrics`.
 
 pub mod check;
 pub mod events;
 pub mod hash;
 pub mod index;
+pub mod metrics;
 pub mod sent;
 pub mod wire;
 

@@ -11,7 +11,7 @@
 //! A checked follow-up chat turn that matched also has its history drift measured
 //! (`drift`): the conversation before it rendered again as it stood when its last assistant
 //! turn was generated, compared with the echo (one more render and encode per such check, its
-//! shared segments cache hits).
+//! shared segments cache hits). Every count goes to the local-ids family (`metrics`).
 
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -21,14 +21,16 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use self::metrics::LocalMetrics;
 use crate::config::LocalIdsMode;
-use crate::metrics::{LocalIdsResult, Metrics};
+use crate::metrics::LocalIdsResult;
 use crate::openai::{Api, PromptIds};
 use crate::parity::Tokenizer;
 use crate::render::{self, ChatTemplate, Mistral, Shape};
 use crate::tokens::{SegmentCache, Segmenter};
 
 pub mod drift;
+pub mod metrics;
 
 pub use drift::Drift;
 
@@ -294,7 +296,7 @@ impl LocalIds {
 
     /// Counts the segment cache's hits and misses since the last call, and sets its size
     /// (at a scrape).
-    pub fn report(&self, metrics: &Metrics) {
+    pub fn report(&self, metrics: &LocalMetrics) {
         if let Renderer::Template { cache, .. } = &self.renderer {
             let stats = cache.stats();
             let [hits, misses] = &self.counted;
@@ -303,7 +305,7 @@ impl LocalIds {
             metrics.segment_cache(&self.pool, new_hits, new_misses, stats.bytes);
         }
         for shape in SHAPES {
-            metrics.local_ids_trusted(&self.pool, shape, self.trusted(shape));
+            metrics.trusted(&self.pool, shape, self.trusted(shape));
         }
         metrics.prompt_history_seen(&self.pool);
     }
@@ -371,7 +373,7 @@ pub struct Sample {
 /// The verifier threads; dropping the last handle ends them once the queue is drained.
 pub struct Verifier {
     tx: SyncSender<Sample>,
-    metrics: Metrics,
+    metrics: LocalMetrics,
 }
 
 impl Verifier {
@@ -379,7 +381,7 @@ impl Verifier {
     ///
     /// # Errors
     /// When a thread cannot be spawned.
-    pub fn start(workers: usize, queue: usize, metrics: &Metrics) -> std::io::Result<Self> {
+    pub fn start(workers: usize, queue: usize, metrics: &LocalMetrics) -> std::io::Result<Self> {
         let (tx, rx) = sync_channel::<Sample>(queue);
         let rx = Arc::new(Mutex::new(rx));
         for i in 0..workers.max(1) {
@@ -392,13 +394,13 @@ impl Verifier {
     /// Queues `sample` without waiting; a full queue drops it (counted as `dropped`).
     pub fn submit(&self, sample: Sample) {
         if let Err(TrySendError::Full(sample) | TrySendError::Disconnected(sample)) = self.tx.try_send(sample) {
-            self.metrics.local_ids(&sample.local.pool, "none", LocalIdsResult::Dropped);
+            self.metrics.check(&sample.local.pool, "none", LocalIdsResult::Dropped);
         }
     }
 }
 
 /// A worker: verifies samples until every sender is gone.
-fn work(rx: &Mutex<Receiver<Sample>>, metrics: &Metrics) {
+fn work(rx: &Mutex<Receiver<Sample>>, metrics: &LocalMetrics) {
     loop {
         // The guard is a temporary: the lock is released before the sample is worked on.
         let Ok(sample) = rx.lock().recv() else { return };
@@ -426,13 +428,13 @@ fn work(rx: &Mutex<Receiver<Sample>>, metrics: &Metrics) {
             None => {}
         }
         match verdict {
-            Verdict::Match => metrics.local_ids(pool, shape, LocalIdsResult::Match),
+            Verdict::Match => metrics.check(pool, shape, LocalIdsResult::Match),
             Verdict::Unsupported(reason) => {
-                metrics.local_ids(pool, shape, LocalIdsResult::Unsupported);
-                metrics.local_ids_unsupported(pool, reason);
+                metrics.check(pool, shape, LocalIdsResult::Unsupported);
+                metrics.unsupported(pool, reason);
             }
             Verdict::Mismatch { at, lengths } => {
-                metrics.local_ids(pool, shape, LocalIdsResult::Mismatch);
+                metrics.check(pool, shape, LocalIdsResult::Mismatch);
                 tracing::warn!(request_id = %sample.request_id, pool = %pool, shape, at, local = lengths.0, echoed = lengths.1,
                     "local ids differ from the prefill's echo");
             }
@@ -477,7 +479,7 @@ mod tests {
     #[test]
     fn a_busy_verifier_drops_checks_and_counts_them() {
         let registry = prometheus::Registry::new();
-        let metrics = Metrics::register(&registry).unwrap();
+        let metrics = LocalMetrics::register(&registry).unwrap();
         let verifier = Verifier::start(1, 1, &metrics).unwrap();
         // Each check renders and encodes ~200k words: far slower than 50 submits.
         let body = Bytes::from(format!(
@@ -494,7 +496,7 @@ mod tests {
                 echoed: PromptIds::from_ids(&[1, 2]),
             });
         }
-        let text = String::from_utf8(Metrics::render(&registry)).unwrap();
+        let text = String::from_utf8(crate::metrics::render(&registry)).unwrap();
         let dropped = text
             .lines()
             .find(|l| l.starts_with("tokenonce_local_ids_checks_total{") && l.contains("result=\"dropped\""))

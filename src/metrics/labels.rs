@@ -1,10 +1,6 @@
 //! The label values of every metric, as enums (bounded cardinality): each with its label
 //! string and `ALL` in declaration order, which indexes the per-route handle tables.
 
-use crate::config::Mode;
-use crate::openai::Api;
-pub use crate::openai::FallbackReason;
-
 label_enum! {
     /// Timed stages of an orchestrated request (`stage_duration_seconds{stage}`).
     Stage {
@@ -259,37 +255,4 @@ label_enum! {
         /// The file was rejected; the running config stays.
         Failure => "failure",
     }
-}
-
-/// The `api` label: an orchestrated API, or `other`.
-pub(super) fn api_label(api: Option<Api>) -> &'static str {
-    api.map_or("other", Api::as_str)
-}
-
-/// The `api` label values, in the order [`RouteMetrics`] tables them: every [`Api`], then
-/// `other` (a request passed through).
-#[expect(clippy::indexing_slicing, reason = "evaluated at compile time: a bad index fails the build")]
-pub(super) const API_LABELS: [Option<Api>; Api::ALL.len() + 1] = {
-    let mut labels = [None; Api::ALL.len() + 1];
-    let mut i = 0;
-    while i < Api::ALL.len() {
-        labels[i] = Some(Api::ALL[i]);
-        i += 1;
-    }
-    labels
-};
-
-/// The `mode` label of a request: its route's mode for the OpenAI APIs; every other
-/// request is passed through whatever its route.
-pub fn served_as(api: Option<Api>, route_mode: Mode) -> Mode {
-    if api.is_some() {
-        route_mode
-    } else {
-        Mode::Passthrough
-    }
-}
-
-/// Where `api` stands in [`API_LABELS`].
-pub(super) fn api_index(api: Option<Api>) -> usize {
-    api.map_or(Api::ALL.len(), |api| api as usize)
 }

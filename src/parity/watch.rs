@@ -11,9 +11,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::check::{check, expected_contents, Verdict};
+use super::metrics::RouteParityMetrics;
 use super::Tokenizer;
 use crate::config::ParityPolicy;
-use crate::metrics::{ParityMetrics, ParityResult};
+use crate::metrics::ParityResult;
 use crate::openai::{Api, PromptIds};
 
 /// Worker threads of the watch: a check at 37k tokens takes milliseconds, and the engines'
@@ -65,7 +66,7 @@ pub struct RouteParity {
     cooldown: Duration,
     /// Held while reuse is off after a mismatch (carried across reloads).
     hold: Arc<ParityHold>,
-    metrics: ParityMetrics,
+    metrics: RouteParityMetrics,
 }
 
 /// A reused request to check.
@@ -93,7 +94,7 @@ impl RouteParity {
         share: f64,
         policy: ParityPolicy,
         cooldown: Duration,
-        metrics: ParityMetrics,
+        metrics: RouteParityMetrics,
         hold: Arc<ParityHold>,
     ) -> Self {
         let step = (share.clamp(0.0, 1.0) * (1u64 << 32) as f64).ceil() as u64;
@@ -217,17 +218,18 @@ fn work(rx: &Mutex<Receiver<Sample>>) {
 mod tests {
     use super::super::tokenizer::testing::{encode, word_tokenizer};
     use super::*;
-    use crate::metrics::Metrics;
+    use crate::metrics::render;
+    use crate::parity::metrics::ParityMetrics;
 
     fn parity(share: f64, policy: ParityPolicy, registry: &prometheus::Registry) -> Arc<RouteParity> {
-        let metrics = Metrics::register(registry).unwrap();
+        let metrics = ParityMetrics::register(registry).unwrap();
         let tk = Arc::new(word_tokenizer(&["<|im_start|>user", "hello", "world", "bye"], &["<|im_end|>"]));
         let hold = Arc::default();
-        Arc::new(RouteParity::new("r", tk, share, policy, Duration::from_millis(50), metrics.parity("r"), hold))
+        Arc::new(RouteParity::new("r", tk, share, policy, Duration::from_millis(50), metrics.route("r"), hold))
     }
 
     fn scrape(registry: &prometheus::Registry, result: &str) -> u64 {
-        let text = String::from_utf8(Metrics::render(registry)).unwrap();
+        let text = String::from_utf8(render(registry)).unwrap();
         let line = format!("tokenonce_parity_checks_total{{result=\"{result}\",route=\"r\"}} ");
         text.lines().find_map(|l| l.strip_prefix(&line)).and_then(|v| v.parse().ok()).unwrap_or(0)
     }
@@ -290,7 +292,7 @@ mod tests {
         assert!(p.reuse_off(), "a match inside the cool-down keeps reuse off");
         p.record("c", &Verdict::Match, now + Duration::from_millis(60));
         assert!(!p.reuse_off());
-        let text = String::from_utf8(Metrics::render(&registry)).unwrap();
+        let text = String::from_utf8(render(&registry)).unwrap();
         assert!(text.contains("tokenonce_parity_reuse_disabled_total{route=\"r\"} 1"), "{text}");
         assert!(text.contains("tokenonce_parity_reuse_off{route=\"r\"} 0"), "{text}");
     }

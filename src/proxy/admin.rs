@@ -12,7 +12,6 @@ use pingora::proxy::{ProxyHttp, Session};
 use pingora::upstreams::peer::HttpPeer;
 
 use crate::app::{App, SharedApp};
-use crate::metrics::Metrics;
 use crate::reload::{Refused, Reloader, Trigger};
 
 /// The `wait_seconds` of a `/drain` query, capped at 300 s.
@@ -83,11 +82,11 @@ impl ProxyHttp for Admin {
         let (status, content_type, body): Answer = match head.uri.path() {
             "/metrics" => {
                 app.refresh_gauges();
-                (200, "text/plain; version=0.0.4", Metrics::render(&app.registry))
+                (200, "text/plain; version=0.0.4", crate::metrics::render(&app.registry))
             }
             "/healthz" => (200, "text/plain", b"ok\n".to_vec()),
             "/readyz" if app.draining.load(Ordering::Relaxed) => (503, "text/plain", b"draining\n".to_vec()),
-            "/readyz" if app.metrics.ready().get() == 1 => (200, "text/plain", b"ready\n".to_vec()),
+            "/readyz" if app.metrics.upstream.ready().get() == 1 => (200, "text/plain", b"ready\n".to_vec()),
             "/admin/reload" if head.method != http::Method::POST => {
                 (405, "text/plain", b"method not allowed: POST /admin/reload\n".to_vec())
             }

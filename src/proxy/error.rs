@@ -167,7 +167,7 @@ impl ProxyError {
 /// Counts `err` in `upstream_errors_total` and `timeouts_total` (each where it belongs).
 pub fn count(info: &RequestInfo, err: &ProxyError) {
     if let Some((leg, kind)) = err.counted_as() {
-        info.app.metrics.upstream_error(leg, kind);
+        info.app.metrics.upstream.upstream_error(leg, kind);
     }
     if let Some(stage) = err.timeout_stage() {
         info.route.metrics.timeout(stage);

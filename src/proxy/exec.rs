@@ -113,9 +113,9 @@ impl<'r> Sender<'r> {
         LegClient {
             trace: &rec.trace,
             client: &info.app.client,
-            metrics: &info.app.metrics,
+            metrics: &info.app.metrics.upstream,
             budget: info.route.retry_budget(),
-            route_metrics: &info.route.metrics,
+            leg_metrics: &info.route.leg_metrics,
             route: &info.route.name,
             request_id: &info.request_id,
         }
@@ -177,7 +177,7 @@ impl<'r> Sender<'r> {
         };
         let head = Some(exchange.head().clone());
         if head.as_ref().is_some_and(|h| h.status.as_u16() >= 500) {
-            info.app.metrics.upstream_error(Leg::Prefill, ErrorKind::Status5xx);
+            info.app.metrics.upstream.upstream_error(Leg::Prefill, ErrorKind::Status5xx);
         }
         let body = info.app.client.read_to_end(exchange, PREFILL_RESPONSE_LIMIT).await;
         if let Err(e) = &body {

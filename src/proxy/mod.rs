@@ -39,8 +39,9 @@ pub use admin::Admin;
 pub use error::ProxyError;
 
 use crate::app::{Admitted, App, SharedApp};
-use crate::metrics::{FirstBytes, Leg, Listener, Outcome};
+use crate::metrics::{Leg, Listener, Outcome};
 use crate::openai::{Api, RawObject, RequestView};
+use crate::routes::metrics::FirstBytes;
 use crate::routes::{RequestFacts, Route};
 use crate::upstream::{Picked, UpstreamError};
 
@@ -205,11 +206,11 @@ async fn admit(session: &mut Session, ctx: &mut Ctx) -> bool {
     let app = &ctx.info.app;
     if let Some(slot) = app.admission.admit(app.config.server.max_in_flight) {
         ctx.rec.admitted = Some(slot);
-        app.metrics.inflight().inc();
+        app.metrics.requests.inflight().inc();
         return true;
     }
     let tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
-    app.metrics.admission_rejected(if tls { Listener::Tls } else { Listener::Plain });
+    app.metrics.requests.admission_rejected(if tls { Listener::Tls } else { Listener::Plain });
     session.set_keepalive(None);
     let limit = app.config.server.max_in_flight;
     rescue::fail(&mut ctx.call(session), crate::openai::ApiError::Overloaded(limit).into()).await;
@@ -411,7 +412,7 @@ impl ProxyHttp for Proxy {
     /// Counts the request once, whatever path it took.
     async fn logging(&self, session: &mut Session, _e: Option<&Error>, ctx: &mut Ctx) {
         if ctx.rec.admitted.is_some() {
-            ctx.info.app.metrics.inflight().dec();
+            ctx.info.app.metrics.requests.inflight().dec();
         }
         let status = if ctx.rec.answer.status != 0 {
             ctx.rec.answer.status
@@ -427,7 +428,7 @@ impl ProxyHttp for Proxy {
         let route = &ctx.info.route;
         let first = FirstBytes { head: ctx.rec.answer.first_byte, content: ctx.rec.answer.first_token };
         route.metrics.finished(ctx.info.api, outcome, elapsed, first);
-        let mode = crate::metrics::served_as(ctx.info.api, route.mode).as_str();
+        let mode = crate::routes::metrics::served_as(ctx.info.api, route.mode).as_str();
         ctx.rec.trace.attribute("tokenonce.route", route.name.clone());
         ctx.rec.trace.attribute("tokenonce.api", ctx.info.api.map_or("other", Api::as_str));
         ctx.rec.trace.attribute("tokenonce.mode", mode);

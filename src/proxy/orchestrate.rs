@@ -61,7 +61,7 @@ fn pick_decode(info: &RequestInfo, api: Api, obj: &RawObject<'_>, prompt: Prompt
     let pool = &info.route.decode_pool;
     if let Some(previous) = (api == Api::Responses).then(|| previous_response_id(obj)).flatten() {
         let home = info.app.homes.home(previous).and_then(|name| pool.pick_named(&name));
-        info.app.metrics.response_followup(if home.is_some() { FollowUp::Home } else { FollowUp::Unknown });
+        info.app.metrics.upstream.response_followup(if home.is_some() { FollowUp::Home } else { FollowUp::Unknown });
         if let Some(home) = home {
             return Ok(home);
         }

@@ -24,7 +24,7 @@ use crate::upstream::Picked;
 pub fn stored_answer_home(info: &RequestInfo, path: &str) -> Option<Picked> {
     let id = path.strip_prefix("/v1/responses/")?.split('/').next().filter(|id| !id.is_empty())?;
     let home = info.app.homes.home(id).and_then(|name| info.route.decode_pool.pick_named(&name));
-    info.app.metrics.response_followup(if home.is_some() { FollowUp::Home } else { FollowUp::Unknown });
+    info.app.metrics.upstream.response_followup(if home.is_some() { FollowUp::Home } else { FollowUp::Unknown });
     home
 }
 

@@ -120,8 +120,8 @@ fn prompt_key(text: Option<&[crate::kv::BlockHash]>) -> PromptKey<'_> {
 /// Counts a cache lookup and evictions, and refreshes the cache gauges.
 fn record_cache(app: &App, lookup: Option<&Lookup>, evicted: Evicted) {
     if let Some(l) = lookup {
-        app.metrics.cache_lookup(l.label());
+        app.metrics.id_cache.lookup(l.label());
     }
     let (entries, bytes) = app.cache.stats();
-    app.metrics.cache_state(evicted.ttl, evicted.capacity, entries, bytes);
+    app.metrics.id_cache.state(evicted.ttl, evicted.capacity, entries, bytes);
 }

@@ -141,7 +141,7 @@ pub fn token_in<'r, 'a>(
     let Some(LocalPrompt { ids, shape, .. }) = local else { return plan };
     let plan = plan.with_local_ids(PromptIds::from_ids(ids));
     if let Some(local) = plan.local_ids().then(|| local_renderer(info)).flatten() {
-        info.app.metrics.local_ids_token_in(&local.pool, shape);
+        info.app.metrics.local.token_in(&local.pool, shape);
     }
     plan
 }

@@ -4,6 +4,7 @@
 //! (passthrough to `defaults.passthrough_pool`). `select` is a pure function of the request.
 //! What a route learns at run time is its [`RouteState`] (`state.rs`), carried across reloads.
 
+pub mod metrics;
 mod state;
 
 use std::sync::Arc;
@@ -13,10 +14,12 @@ use http::HeaderMap;
 
 pub use state::{BudgetRule, RouteState};
 
+use self::metrics::{RouteFamilies, RouteMetrics};
 use crate::config::{AllowRule, Config, Match, Mode, ParityPolicy, Resources, Route as RouteSpec};
-use crate::metrics::{Metrics, RouteMetrics};
+use crate::parity::metrics::ParityMetrics;
 use crate::parity::RouteParity;
 use crate::plan::{AllowedPrefiller, ClientHandoff, HeaderRule, ReusePolicy};
+use crate::upstream::metrics::LegMetrics;
 use crate::upstream::{Pool, RetryBudget};
 
 /// The facts a route is chosen on.
@@ -78,6 +81,8 @@ pub struct Route {
     pub max_sse_event_bytes: usize,
     /// This route's series.
     pub metrics: RouteMetrics,
+    /// Its legs' series (retries its budget refused, prefill failovers).
+    pub leg_metrics: LegMetrics,
     /// The parity watch, when the route's pools have a tokenizer (its hold is in `state`).
     pub parity: Option<Arc<RouteParity>>,
     /// What the route learned at run time; carried across reloads while it is unchanged.
@@ -158,7 +163,7 @@ pub struct RouteTable {
 impl RouteTable {
     /// Sets each route's "pools serve different models" flag and gauge from what the
     /// endpoints reported (`GET /v1/models`); a change is logged.
-    pub fn compare_models(&self, metrics: &Metrics) {
+    pub fn compare_models(&self, metrics: &ParityMetrics) {
         for route in self.routes() {
             let Some(PrefillTarget::Pool(prefill)) = &route.prefill else { continue };
             let differ = crate::upstream::health::pools_differ(prefill, &route.decode_pool);
@@ -183,7 +188,7 @@ impl RouteTable {
         config: &Config,
         resources: &Resources,
         pools: &[Arc<Pool>],
-        metrics: &Metrics,
+        metrics: RouteFamilies<'_>,
         previous: Option<&RouteTable>,
     ) -> Result<Self, DanglingPool> {
         let built = Built { config, resources, pools, metrics, previous, now: Instant::now() };
@@ -228,7 +233,7 @@ struct Built<'a> {
     config: &'a Config,
     resources: &'a Resources,
     pools: &'a [Arc<Pool>],
-    metrics: &'a Metrics,
+    metrics: RouteFamilies<'a>,
     /// The table before a reload: unchanged routes keep their state.
     previous: Option<&'a RouteTable>,
     now: Instant,
@@ -279,7 +284,8 @@ impl Built<'_> {
             on_client_gone: o.on_client_gone,
             release_timeout: o.release_timeout_ms,
             max_sse_event_bytes: o.max_sse_event_bytes,
-            metrics: self.metrics.route(&spec.name, spec.mode),
+            metrics: self.metrics.requests.route(&spec.name, spec.mode),
+            leg_metrics: self.metrics.upstream.route_legs(&spec.name),
             parity: None,
             state: RouteState::new(budget, self.now),
         };
@@ -287,7 +293,7 @@ impl Built<'_> {
         if let Some(old) = self.previous.and_then(|t| t.routes.iter().find(|old| route.same_as(old))) {
             route.state = RouteState::carried(&old.state, budget, holds, self.now);
         }
-        route.parity = route_parity(spec, tokenizer, self.metrics, &route.state);
+        route.parity = route_parity(spec, tokenizer, self.metrics.parity, &route.state);
         Ok(route)
     }
 
@@ -315,7 +321,8 @@ impl Built<'_> {
             on_client_gone: d.on_client_gone,
             release_timeout: d.release_timeout_ms,
             max_sse_event_bytes: d.max_sse_event_bytes,
-            metrics: self.metrics.default_route(DEFAULT_ROUTE),
+            metrics: self.metrics.requests.default_route(DEFAULT_ROUTE),
+            leg_metrics: self.metrics.upstream.route_legs(DEFAULT_ROUTE),
             parity: None,
             state: RouteState::new(budget, self.now),
         };
@@ -344,7 +351,7 @@ fn prefill_pool(spec: &RouteSpec) -> Option<&str> {
 fn route_parity(
     spec: &RouteSpec,
     tokenizer: Option<Arc<crate::parity::Tokenizer>>,
-    metrics: &Metrics,
+    metrics: &ParityMetrics,
     state: &RouteState,
 ) -> Option<Arc<RouteParity>> {
     let name = &spec.name;
@@ -354,7 +361,7 @@ fn route_parity(
         metrics.forget_models_differ(name);
     }
     if spec.mode != Mode::Passthrough {
-        metrics.parity(name).show_hold(state.parity_hold().is_held());
+        metrics.route(name).show_hold(state.parity_hold().is_held());
     } else {
         metrics.forget_parity_hold(name);
     }
@@ -365,7 +372,7 @@ fn route_parity(
             spec.parity_sample,
             spec.on_parity_mismatch,
             spec.parity_cooldown_ms,
-            metrics.parity(name),
+            metrics.route(name),
             Arc::clone(state.parity_hold()),
         ))
     })
@@ -417,8 +424,12 @@ decode_pool = "decode"
                 Arc::new(Pool::new(name, p, &Default::default(), crate::upstream::EjectionRule::of(&config.upstream)))
             })
             .collect();
-        let metrics = Metrics::register(&prometheus::Registry::new()).unwrap();
-        RouteTable::new(&config, &none, &pools, &metrics, None).unwrap()
+        let registry = prometheus::Registry::new();
+        let requests = metrics::RequestMetrics::register(&registry).unwrap();
+        let upstream = crate::upstream::metrics::UpstreamMetrics::register(&registry).unwrap();
+        let parity = ParityMetrics::register(&registry).unwrap();
+        let metrics = RouteFamilies { requests: &requests, upstream: &upstream, parity: &parity };
+        RouteTable::new(&config, &none, &pools, metrics, None).unwrap()
     }
 
     fn pick(path: &str, model: Option<&str>, headers: &[(&'static str, &'static str)]) -> Option<String> {

@@ -21,8 +21,9 @@ use hickory_resolver::net::runtime::TokioRuntimeProvider;
 use hickory_resolver::TokioResolver;
 
 use super::homes::ResponseHomes;
+use super::metrics::UpstreamMetrics;
 use super::pool::Pool;
-use crate::metrics::{DnsLookup, Metrics};
+use crate::metrics::DnsLookup;
 
 /// Longest one lookup takes (the resolver's own tries included): a DNS server that does not
 /// answer delays a round by this, once.
@@ -135,7 +136,12 @@ impl Discoverer {
 /// replaces each one's members with the answer: newcomers get their error series, leavers
 /// lose their series and their stored-answer homes (requests holding them finish). A failure
 /// or an empty answer keeps the members, counted and logged.
-pub async fn round(discoverer: &Arc<Discoverer>, pools: &[Arc<Pool>], metrics: &Metrics, homes: &Arc<ResponseHomes>) {
+pub async fn round(
+    discoverer: &Arc<Discoverer>,
+    pools: &[Arc<Pool>],
+    metrics: &UpstreamMetrics,
+    homes: &Arc<ResponseHomes>,
+) {
     let now = Instant::now();
     let mut lookups = tokio::task::JoinSet::new();
     for pool in pools.iter().filter(|p| p.discovery().is_some_and(|d| d.take_turn(now))) {
@@ -147,7 +153,7 @@ pub async fn round(discoverer: &Arc<Discoverer>, pools: &[Arc<Pool>], metrics: &
 }
 
 /// One pool's lookup and what follows from its answer.
-async fn refresh(discoverer: &Discoverer, pool: &Pool, metrics: &Metrics, homes: &ResponseHomes) {
+async fn refresh(discoverer: &Discoverer, pool: &Pool, metrics: &UpstreamMetrics, homes: &ResponseHomes) {
     let Some(discovery) = pool.discovery() else { return };
     let ips = match discoverer.lookup(discovery.name()).await {
         Ok(ips) => ips,

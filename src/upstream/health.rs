@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use super::client::{Target, UpstreamClient};
 use super::homes::ResponseHomes;
+use super::metrics::UpstreamMetrics;
 use super::pool::{Endpoint, ModelIdentity};
 use crate::config::Version;
-use crate::metrics::Metrics;
 
 /// Deadline of one health or version probe.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -91,7 +91,7 @@ pub fn pools_differ(a: &super::Pool, b: &super::Pool) -> bool {
 /// [`ENDPOINT_POLL_LIMIT`]), so hung endpoints delay a round by one limit, not one each.
 pub async fn poll_round(
     client: &Arc<UpstreamClient>,
-    metrics: &Metrics,
+    metrics: &UpstreamMetrics,
     homes: &Arc<ResponseHomes>,
     pools: &[Arc<super::Pool>],
 ) {
@@ -114,7 +114,7 @@ pub async fn poll_round(
 /// What one endpoint's poll reads and writes besides the endpoint itself.
 struct Probe<'a> {
     client: &'a UpstreamClient,
-    metrics: &'a Metrics,
+    metrics: &'a UpstreamMetrics,
     homes: &'a ResponseHomes,
 }
 

@@ -15,9 +15,10 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 
 use super::client::RequestHead;
+use super::metrics::{LegMetrics, UpstreamMetrics};
 use super::pool::PromptKey;
 use super::{Delivery, Endpoint, Exchange, Picked, Pool, RetryBudget, UpstreamClient, UpstreamError};
-use crate::metrics::{ErrorKind, Leg, Metrics, RouteMetrics};
+use crate::metrics::{ErrorKind, Leg};
 use crate::telemetry::RequestTrace;
 
 /// Why a leg has no answer head.
@@ -89,11 +90,11 @@ pub struct LegClient<'a> {
     /// The connections to the engines.
     pub client: &'a UpstreamClient,
     /// Process-wide series (retries by leg, ejections by pool).
-    pub metrics: &'a Metrics,
+    pub metrics: &'a UpstreamMetrics,
     /// The route's retry budget.
     pub budget: &'a RetryBudget,
-    /// The route's series (budget refusals).
-    pub route_metrics: &'a RouteMetrics,
+    /// The route's leg series (budget refusals, prefill failovers).
+    pub leg_metrics: &'a LegMetrics,
     /// The route's name, for logs.
     pub route: &'a str,
     /// The request's id, for logs.
@@ -188,7 +189,7 @@ impl LegClient<'_> {
             failover.pool.and_then(|p| p.pick_at(Instant::now(), &tried)).filter(|n| !tried.contains(&n.name()))?;
         failover.left -= 1;
         failover.tried.push(next.name().to_owned());
-        self.route_metrics.prefill_failover();
+        self.leg_metrics.prefill_failover();
         self.trace.leg_attribute(Leg::Prefill, "tokenonce.failed_over", true);
         tracing::info!(request_id = %self.request_id, route = %self.route, "prefill failed over to another endpoint");
         Some(next)
@@ -226,7 +227,7 @@ impl LegClient<'_> {
             return Err(failure.error);
         }
         if !self.budget.try_retry(Instant::now()) {
-            self.route_metrics.retry_refused();
+            self.leg_metrics.retry_refused();
             tracing::info!(request_id = %self.request_id, route = %self.route, error = %failure.error, "retry budget exhausted");
             return Err(failure.error);
         }

@@ -3,7 +3,7 @@
 //! tokenonce sends itself (`client`, speaking HTTP/1.1 in `h1`) and its name cache (`resolve`),
 //! one leg sent under the deadline, retry, failover and ejection rules (`leg`), the background health, version and
 //! model poller (`health`), the per-route retry budget (`budget`), and where each stored
-//! Responses answer lives (`homes`).
+//! Responses answer lives (`homes`); their metric family (`metrics`).
 
 pub mod budget;
 pub mod client;
@@ -13,6 +13,7 @@ pub mod h1;
 pub mod health;
 pub mod homes;
 pub mod leg;
+pub mod metrics;
 pub mod pool;
 pub mod resolve;
 

@@ -12,9 +12,10 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwap;
 
 use super::dns_name::Discovery;
+use super::metrics::{CacheAwareMetrics, EndpointMetrics};
 use crate::config::{Balance, PoolResources, Version};
 use crate::kv::{BlockHash, BlockHasher, ExtraKeys, PrefixHolders, SentPrefixes};
-use crate::metrics::{CacheAwareMetrics, ChoiceReason, ChoiceSource};
+use crate::metrics::{ChoiceReason, ChoiceSource};
 
 /// One engine endpoint and what tokenonce knows about it.
 #[derive(Debug)]
@@ -45,7 +46,7 @@ pub struct Endpoint {
     model: RwLock<Option<Option<ModelIdentity>>>,
     /// Its `endpoint_errors_total` series, resolved when its pool is built (none: a one-off
     /// endpoint named by a header, or a pool built outside an [`App`](crate::app::App)).
-    errors: std::sync::OnceLock<crate::metrics::EndpointMetrics>,
+    errors: std::sync::OnceLock<EndpointMetrics>,
 }
 
 /// The model an engine serves, from `GET /v1/models` (its first base model): engines whose
@@ -119,7 +120,7 @@ impl Endpoint {
     }
 
     /// Gives it its error series (once: a pool carried over a reload keeps the first).
-    pub fn count_errors_in(&self, series: crate::metrics::EndpointMetrics) {
+    pub fn count_errors_in(&self, series: EndpointMetrics) {
         let _ = self.errors.set(series);
     }
 
@@ -841,14 +842,14 @@ mod tests {
     #[test]
     fn cache_aware_counts_the_tokens_the_chosen_endpoint_is_predicted_to_hold() {
         let registry = prometheus::Registry::new();
-        let metrics = crate::metrics::Metrics::register(&registry).unwrap();
+        let metrics = crate::upstream::metrics::UpstreamMetrics::register(&registry).unwrap();
         let p = pool(Balance::CacheAware, 2);
         p.count_choices_in(metrics.cache_aware("p"));
         let events = Arc::new(Oracle { holder: "127.0.0.1:9001", usable: AtomicBool::new(true) });
         p.set_prefix_source(ChoiceSource::Events, Some(events));
         let c = prompt(&p, 0, 8);
         let predicted = || {
-            let text = String::from_utf8(crate::metrics::Metrics::render(&registry)).unwrap();
+            let text = String::from_utf8(crate::metrics::render(&registry)).unwrap();
             let series = r#"tokenonce_cache_aware_predicted_tokens_total{pool="p",source="events"} "#;
             let line = text.lines().find(|l| l.starts_with(series)).unwrap_or_else(|| panic!("{text}"));
             line[series.len()..].parse::<u64>().unwrap()
@@ -866,7 +867,7 @@ mod tests {
     #[test]
     fn cache_aware_with_no_usable_source_takes_the_least_loaded() {
         let registry = prometheus::Registry::new();
-        let metrics = crate::metrics::Metrics::register(&registry).unwrap();
+        let metrics = crate::upstream::metrics::UpstreamMetrics::register(&registry).unwrap();
         let p = pool(Balance::CacheAware, 2);
         p.count_choices_in(metrics.cache_aware("p"));
         if let Some(choice) = &p.cache_aware {
@@ -881,7 +882,7 @@ mod tests {
             "127.0.0.1:9001",
             "not the stale holder"
         );
-        let text = String::from_utf8(crate::metrics::Metrics::render(&registry)).unwrap();
+        let text = String::from_utf8(crate::metrics::render(&registry)).unwrap();
         let series = r#"tokenonce_cache_aware_choices_total{pool="p",reason="unusable",source="none"} 1"#;
         assert!(text.contains(series), "{text}");
         drop(busy);
