@@ -19,7 +19,8 @@
 //! - `harmony`: gpt-oss, which vLLM renders without its template: Harmony messages encoded
 //!   to ids by the `openai-harmony` crate.
 //! - `mistral`, `tekken`: Mistral's tokenizer mode, ids straight from the request
-//!   (mistral-common's instruct encoding over the tekken tokenizer), no template.
+//!   (mistral-common's instruct encoding over the tekken tokenizer), no template;
+//!   `mistral_tools`: the request's tools as mistral-common reads and checks them.
 //!
 //! Tokenizing the rendered text is `tokenizers` `encode(text, add_special_tokens=false)` for
 //! chat and `encode(prompt, add_special_tokens=true)` for a completions string (see
@@ -31,6 +32,7 @@ mod harmony;
 mod load;
 mod message;
 mod mistral;
+mod mistral_tools;
 pub mod pyjson;
 mod pyshims;
 mod request;
