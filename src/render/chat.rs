@@ -9,8 +9,9 @@ use minijinja::Value;
 
 use super::message::{developer_to_system, parse_message, role_of, Message};
 use super::pyjson::{self, PyValue};
+use super::pyshims::to_value;
 use super::request::{body, check_tool_choice, flag, is_set, refuse_unrendered_fields, tool_dump, Shape};
-use super::template::{to_value, ChatTemplate, Rendering};
+use super::template::{ChatTemplate, Rendering};
 use super::Unsupported;
 
 /// A rendered chat prompt.

@@ -3,11 +3,15 @@
 //! and count). Pure: no pingora, no sockets, no caching (the token cache lives elsewhere).
 //!
 //! - `pyjson`: CPython's `json.loads`/`json.dumps` (order, duplicate keys, float repr).
-//! - `template`: the model folder's chat template and the minijinja environment that renders
-//!   it as transformers does.
+//! - `template`: the model's chat template compiled into minijinja, and its render.
+//! - `pyshims`: what makes minijinja render as jinja2 under transformers (Python's string
+//!   methods, `tojson`, `raise_exception`, `strftime_now`, Python's `str()` of values).
+//! - `content_format`: vLLM's "string" or "openai" content format, read from the template's
+//!   text.
 //! - `request`: the request body as vLLM reads it (its tool checks, the shape), and the
 //!   completions prompt.
-//! - `load`: the server flags a folder is loaded with, and why a folder cannot be.
+//! - `load`: a model folder loaded: the server flags, which renderer vLLM picks, the template
+//!   texts and special tokens its files give, and why a folder cannot be loaded.
 //! - `strftime`: the UTC dates templates and Harmony's system message print.
 //! - `chat`: a chat request rendered in vLLM's steps (settings, messages, tools, developer
 //!   role, template kwargs, render, post-processing).
@@ -15,18 +19,22 @@
 //! - `harmony`: gpt-oss, which vLLM renders without its template: Harmony messages encoded
 //!   to ids by the `openai-harmony` crate.
 //! - `mistral`, `tekken`: Mistral's tokenizer mode, ids straight from the request
-//!   (mistral-common's instruct encoding over the tekken tokenizer), no template.
+//!   (mistral-common's instruct encoding over the tekken tokenizer), no template;
+//!   `mistral_tools`: the request's tools as mistral-common reads and checks them.
 //!
 //! Tokenizing the rendered text is `tokenizers` `encode(text, add_special_tokens=false)` for
 //! chat and `encode(prompt, add_special_tokens=true)` for a completions string (see
 //! [`encode`]).
 
 mod chat;
+mod content_format;
 mod harmony;
 mod load;
 mod message;
 mod mistral;
+mod mistral_tools;
 pub mod pyjson;
+mod pyshims;
 mod request;
 mod strftime;
 mod tekken;

@@ -84,3 +84,19 @@ pub(crate) fn strftime(format: &str, unix: i64) -> Result<String, Error> {
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strftime_formats_utc_dates() {
+        // 2024-02-29 13:05:09 UTC, a Thursday
+        let t = 1_709_211_909;
+        assert_eq!(
+            strftime("%d %b %Y %H:%M:%S %A %j %-d %B %y %p %I", t).unwrap(),
+            "29 Feb 2024 13:05:09 Thursday 060 29 February 24 PM 01"
+        );
+        assert!(strftime("%Z", t).is_err());
+    }
+}
