@@ -8,7 +8,7 @@
 //! bench profile (= release) into `target/release/`, and the bench runs that binary
 //! (`CARGO_BIN_EXE_tokenonce`, so it is never stale; `TOKENONCE_BIN=path` runs another build,
 //! one recent enough to log its bound addresses in a `tokenonce listening` line) as a separate
-//! process, started by the tests' harness (`tests/support/mod.rs`, `TokenOnce::spawn`) on
+//! process, started by the tests' harness (`tests/support/harness.rs`, `TokenOnce::spawn`) on
 //! port-0 listeners.
 //!
 //! Each prompt size gets fresh fakes and a fresh tokenonce (the fakes keep every request
@@ -28,9 +28,6 @@
 //! chunk. Everything is on 127.0.0.1; every loop is bounded in count and time.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
-
-#[path = "../tests/support/mod.rs"]
-mod support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

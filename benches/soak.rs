@@ -4,7 +4,7 @@
 //! length, default 600; `--concurrency N`, requests in flight, default 64; `--report-seconds
 //! S`, default 10). `cargo bench` builds this file and the `tokenonce` binary (release); the
 //! bench runs that binary (`CARGO_BIN_EXE_tokenonce`, or `TOKENONCE_BIN=path`) as a separate
-//! process through the tests' harness (`tests/support/mod.rs`, `TokenOnce::spawn`), between
+//! process through the tests' harness (`tests/support/harness.rs`, `TokenOnce::spawn`), between
 //! two in-process fake vLLM engines (`tests/support/fake_vllm.rs`, on a runtime of their own,
 //! keeping no request bodies), on 127.0.0.1 only.
 //!
@@ -24,9 +24,6 @@
 //! count and time.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
-
-#[path = "../tests/support/mod.rs"]
-mod support;
 
 use parking_lot::Mutex;
 use std::path::{Path, PathBuf};

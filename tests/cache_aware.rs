@@ -7,8 +7,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
 use std::time::Duration;
 
 use serde_json::json;
@@ -371,17 +369,6 @@ async fn a_replay_left_unanswered_is_asked_again() {
     .unwrap();
     let hasher = BlockHasher::new("0", 4);
     let held = |ids: &[u32]| kv.held(endpoint, &hasher.chain(ids, &ExtraKeys::default()));
-    // Polls `cond` every 50 ms for at most 60 s.
-    async fn until(what: &str, cond: impl Fn() -> bool) {
-        for _ in 0..1200 {
-            if cond() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        panic!("never: {what}");
-    }
-
     until("the first replay failed", || metrics.replays_failed.get() == 1).await;
     assert_eq!(held(&system), 0, "the unanswered replay brought nothing");
     let turn: Vec<u32> = (100..108).collect();

@@ -4,8 +4,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
 use std::process::{Command, Output};
 
 fn tokenonce(args: &[&str]) -> Output {

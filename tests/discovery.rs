@@ -9,8 +9,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
 use parking_lot::Mutex;
 use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, SocketAddr};
@@ -159,12 +157,6 @@ async fn proxy(dns: &Dns, text: &str, upstream_extra: &str) -> TokenOnce {
     TokenOnce::start_with(text, &settings).await
 }
 
-async fn chat(proxy: &TokenOnce) -> (u16, String) {
-    let body = chat_body("Hello there!", json!({}));
-    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
-    (status, text)
-}
-
 const ENDPOINTS: &str = r#"tokenonce_pool_endpoints{pool="prefill"}"#;
 const EJECTED: &str = r#"tokenonce_upstream_ejected{pool="prefill"}"#;
 
@@ -214,7 +206,7 @@ async fn members_follow_the_name_and_those_that_stay_keep_their_state() {
     // Appears, probed, used.
     proxy.wait_health("prefill", &ea, true).await;
     assert_eq!(proxy.metric(ENDPOINTS).await, 1.0);
-    assert_eq!(chat(&proxy).await.0, 200);
+    assert_eq!(proxy.chat("Hello there!").await.0, 200);
     assert_eq!(a.posts().len(), 1);
 
     // A slow prefill holds `a` while `a` leaves the name and `b`, `c` join.
@@ -234,7 +226,7 @@ async fn members_follow_the_name_and_those_that_stay_keep_their_state() {
     proxy.wait_health("prefill", &eb, true).await;
     proxy.wait_health("prefill", &ec, true).await;
     for _ in 0..4 {
-        assert_eq!(chat(&proxy).await.0, 200);
+        assert_eq!(proxy.chat("Hello there!").await.0, 200);
     }
     let (status, _, text) = held.await.unwrap();
     assert_eq!(status, 200, "the request holding the leaver finished: {text}");
@@ -246,7 +238,7 @@ async fn members_follow_the_name_and_those_that_stay_keep_their_state() {
     let deadline = Instant::now() + Duration::from_secs(10);
     while proxy.metric(EJECTED).await < 1.0 {
         assert!(Instant::now() < deadline, "b was never ejected");
-        assert_eq!(chat(&proxy).await.0, 200, "a failed prefill fails over to c");
+        assert_eq!(proxy.chat("Hello there!").await.0, 200, "a failed prefill fails over to c");
     }
     b.configure(|f| f.fail_with = None);
     dns.publish(&["127.0.0.2", "127.0.0.3", "127.0.0.4"]).await;
@@ -257,7 +249,7 @@ async fn members_follow_the_name_and_those_that_stay_keep_their_state() {
     a.configure(|f| f.delay = Duration::ZERO);
     proxy.wait_health("prefill", &ea, true).await;
     for _ in 0..4 {
-        assert_eq!(chat(&proxy).await.0, 200);
+        assert_eq!(proxy.chat("Hello there!").await.0, 200);
     }
     assert_eq!(b.posts().len(), before, "an ejected endpoint that stays is still skipped");
 }
@@ -275,7 +267,7 @@ async fn a_dns_failure_or_an_empty_answer_keeps_the_last_set() {
     dns.publish(&[]).await;
     assert!(proxy.metric_reaches_within(&lookups("empty"), 1.0, Duration::from_secs(10)).await >= 1.0);
     assert_eq!(proxy.metric(ENDPOINTS).await, 1.0, "an empty answer keeps the last set");
-    assert_eq!(chat(&proxy).await.0, 200);
+    assert_eq!(proxy.chat("Hello there!").await.0, 200);
 
     dns.stop();
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -284,7 +276,7 @@ async fn a_dns_failure_or_an_empty_answer_keeps_the_last_set() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(reported(&proxy).await, vec![a.host_port()], "a DNS outage keeps the last set");
-    assert_eq!(chat(&proxy).await.0, 200);
+    assert_eq!(proxy.chat("Hello there!").await.0, 200);
     assert!(proxy.metric(&lookups("ok")).await >= 1.0);
 }
 
@@ -299,7 +291,7 @@ async fn a_pool_with_no_answer_yet_serves_nothing_until_its_name_has_an_address(
     let proxy = proxy(&dns, &config(&format!("{NAME}:{port}"), &decode, ""), "").await;
     assert!(proxy.metric_reaches_within(&lookups("empty"), 1.0, Duration::from_secs(10)).await >= 1.0);
     assert_eq!(proxy.metric(ENDPOINTS).await, 0.0);
-    let (status, text) = chat(&proxy).await;
+    let (status, text) = proxy.chat("Hello there!").await;
     assert_eq!(status, 502, "{text}");
     assert_openai_error(&text, "prefill_unavailable");
     assert!(!text.contains("127.0.0."), "no internal address reaches the client: {text}");
@@ -307,7 +299,7 @@ async fn a_pool_with_no_answer_yet_serves_nothing_until_its_name_has_an_address(
 
     dns.publish(&["127.0.0.2"]).await;
     proxy.wait_health("prefill", &a.host_port(), true).await;
-    assert_eq!(chat(&proxy).await.0, 200);
+    assert_eq!(proxy.chat("Hello there!").await.0, 200);
     assert_eq!(a.posts().len(), 1);
 }
 
@@ -329,7 +321,7 @@ async fn ranks_expand_per_address_and_a_reload_keeps_the_discovered_set() {
         proxy.wait_health("prefill", name, true).await;
     }
     for _ in 0..8 {
-        assert_eq!(chat(&proxy).await.0, 200);
+        assert_eq!(proxy.chat("Hello there!").await.0, 200);
     }
     for engine in [&a, &b] {
         let mut ranks: Vec<String> = engine
@@ -350,6 +342,6 @@ async fn ranks_expand_per_address_and_a_reload_keeps_the_discovered_set() {
     proxy.reload(&config(&format!("{NAME}:{port}#0-1"), &decode, "balance = \"least_in_flight\"\n")).await;
     assert_eq!(proxy.metric(ENDPOINTS).await, 4.0, "a rebuilt pool starts from its predecessor's addresses");
     for _ in 0..4 {
-        assert_eq!(chat(&proxy).await.0, 200);
+        assert_eq!(proxy.chat("Hello there!").await.0, 200);
     }
 }

@@ -11,18 +11,15 @@ mod reference;
 use std::path::Path;
 use std::process::Command;
 
+use support::read_repo;
 use tokenonce::config::Config;
-
-fn read(path: &str) -> String {
-    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(path)).unwrap()
-}
 
 #[test]
 fn readme_quick_start_is_the_script_the_tier_runs() {
-    let script = read("tests/e2e/quickstart.sh");
+    let script = read_repo("tests/e2e/quickstart.sh");
     let block = script.split("# --- quick start ---\n").nth(1).unwrap().split("# --- end ---").next().unwrap();
     assert!(block.lines().count() >= 6, "{block}");
-    let readme = read("README.md");
+    let readme = read_repo("README.md");
     assert!(
         readme.contains(&format!("```bash\n{block}```")),
         "README's quick start differs from tests/e2e/quickstart.sh:\n{block}"
@@ -47,7 +44,10 @@ fn readme_shows_the_vllm_command_start_sh_runs() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let printed = String::from_utf8(out.stdout).unwrap();
     assert!(printed.contains("NixlConnector") && printed.contains("--port 8100"), "{printed}");
-    assert!(read("README.md").contains(&format!("```bash\n{printed}```")), "README's vLLM command differs:\n{printed}");
+    assert!(
+        read_repo("README.md").contains(&format!("```bash\n{printed}```")),
+        "README's vLLM command differs:\n{printed}"
+    );
 }
 
 /// Every Markdown file of the book and README (`docs/*.md`).
@@ -76,7 +76,7 @@ fn every_toml_example_is_a_config_that_loads() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut examples = Vec::new();
     for file in markdown_files() {
-        for (i, block) in toml_blocks(&read(&file)).into_iter().enumerate() {
+        for (i, block) in toml_blocks(&read_repo(&file)).into_iter().enumerate() {
             examples.push((format!("{file}, toml block {}", i + 1), block));
         }
     }
@@ -98,7 +98,7 @@ fn every_toml_example_is_a_config_that_loads() {
 }
 
 fn reference_sections() -> Vec<reference::Section> {
-    reference::sections(&read("src/config/file.rs"), &read("src/config/values.rs"))
+    reference::sections(&read_repo("src/config/file.rs"), &read_repo("src/config/values.rs"))
 }
 
 /// `docs/configuration.md` is what the code generates: a key added, removed or renamed in
@@ -106,7 +106,7 @@ fn reference_sections() -> Vec<reference::Section> {
 /// with `TOKENONCE_BLESS=1 cargo test --test docs`.
 #[test]
 fn configuration_reference_is_generated_from_the_code() {
-    let page = reference::render(&reference_sections(), &read("conf/default.toml"));
+    let page = reference::render(&reference_sections(), &read_repo("conf/default.toml"));
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/configuration.md");
     if std::env::var_os("TOKENONCE_BLESS").is_some_and(|v| v == "1") {
         std::fs::write(&path, &page).unwrap();
@@ -269,7 +269,7 @@ fn every_documented_key_is_a_key_the_parser_knows() {
 /// `fixed_settings_changed`, where `tracing` stands for the whole table).
 #[test]
 fn keys_fixed_at_start_are_the_ones_a_reload_names() {
-    let reload = read("src/reload.rs");
+    let reload = read_repo("src/reload.rs");
     let body = reload.split("fn fixed_settings_changed").nth(1).unwrap().split("\n}\n").next().unwrap();
     let mut named: Vec<String> = body.split('"').skip(1).step_by(2).map(str::to_owned).collect();
     let mut marked: Vec<String> = Vec::new();
@@ -294,7 +294,7 @@ fn keys_fixed_at_start_are_the_ones_a_reload_names() {
 /// other.
 #[test]
 fn fallback_table_lists_every_reason() {
-    let concepts = read("docs/concepts.md");
+    let concepts = read_repo("docs/concepts.md");
     let table = concepts.split("\n## When tokenonce falls back to the text decode\n").nth(1).unwrap();
     let table = table.split("\n## ").next().unwrap();
     let mut rows: Vec<&str> = table.lines().filter_map(|l| l.strip_prefix("| `")?.split('`').next()).collect();

@@ -4,8 +4,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
@@ -267,11 +265,7 @@ impl GatedEngine {
                     } else {
                         "{}"
                     };
-                    let head = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-                        body.len()
-                    );
-                    let _ = sock.write_all(format!("{head}{body}").as_bytes()).await;
+                    let _ = sock.write_all(support::fault_engine::json_answer(body, true).as_bytes()).await;
                 });
             }
         });

@@ -7,8 +7,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
 use std::time::{Duration, Instant};
 
 use serde_json::json;
@@ -121,18 +119,11 @@ async fn a_burst_of_first_requests_asks_version_once() {
     assert_eq!(asks, 1, "the burst asked /version {asks} times");
 }
 
-/// Sends a chat request, streamed or not: status and body.
-async fn chat(proxy: &TokenOnce, user: &str, stream: bool) -> (u16, String) {
-    let body = chat_body(user, json!({"stream": stream}));
-    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
-    (status, text)
-}
-
 /// Stops `engine` of `pool` like a dead engine: a chat meanwhile is a 502 with `code`, and
 /// the pool's health polls see it down.
 async fn goes_down(proxy: &TokenOnce, pool: &str, engine: &FaultEngine, code: &str) {
     engine.stop().await;
-    let (status, text) = chat(proxy, "scenario", false).await;
+    let (status, text) = proxy.chat_with("scenario", json!({"stream": false}), &[]).await;
     assert_eq!(status, 502, "{text}");
     assert_openai_error(&text, code);
     proxy.wait_health(pool, &engine.host_port(), false).await;
@@ -154,14 +145,14 @@ async fn prefill_restart_recovers_reuse() {
     let [pf, df] = fakes(Default::default()).await;
     let (p, d) = (FaultEngine::start(&pf).await, FaultEngine::start(&df).await);
     let proxy = TokenOnce::start(&pools_config(&[p.host_port()], &[d.host_port()], "")).await;
-    assert_eq!(chat(&proxy, "scenario", false).await.0, 200);
+    assert_eq!(proxy.chat_with("scenario", json!({"stream": false}), &[]).await.0, 200);
     assert_eq!(proxy.metric(APPLIED).await, 1.0);
 
     goes_down(&proxy, "prefill", &p, "prefill_unavailable").await;
     assert_eq!(proxy.metric(r#"tokenonce_upstream_errors_total{kind="connect",stage="prefill"}"#).await, 1.0);
 
     let started = comes_back(&proxy, "prefill", &p).await;
-    let (status, text) = chat(&proxy, "scenario", true).await;
+    let (status, text) = proxy.chat_with("scenario", json!({"stream": true}), &[]).await;
     assert_eq!(status, 200, "{text}");
     assert_eq!(proxy.metric(APPLIED).await, 2.0, "reuse again after the restart");
     assert!(started.elapsed() < Duration::from_secs(5), "recovered within {:?}", started.elapsed());
@@ -178,7 +169,7 @@ async fn decode_restart_as_a_new_version_recovers_reuse() {
     let (p, d) = (FaultEngine::start(&pf).await, FaultEngine::start(&df).await);
     let proxy = TokenOnce::start(&pools_config(&[p.host_port()], &[d.host_port()], "")).await;
     proxy.wait_health("decode", &d.host_port(), true).await;
-    assert_eq!(chat(&proxy, "scenario", false).await.0, 200);
+    assert_eq!(proxy.chat_with("scenario", json!({"stream": false}), &[]).await.0, 200);
     let old_gate = r#"tokenonce_token_reuse_total{reason="decode_version_old",result="fallback",route="pd"}"#;
     assert_eq!(proxy.metric(old_gate).await, 1.0);
 
@@ -186,7 +177,7 @@ async fn decode_restart_as_a_new_version_recovers_reuse() {
 
     df.configure(|c| c.version = "0.32.0".into());
     let started = comes_back(&proxy, "decode", &d).await;
-    let (status, text) = chat(&proxy, "scenario", false).await;
+    let (status, text) = proxy.chat_with("scenario", json!({"stream": false}), &[]).await;
     assert_eq!(status, 200, "{text}");
     assert_eq!(proxy.metric(APPLIED).await, 1.0, "the new gate");
     // The failed request was planned (and counted) under the old gate too, unless a health

@@ -8,8 +8,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
 use std::time::{Duration, Instant};
 
 use serde_json::json;
@@ -23,12 +21,6 @@ fn two_prefill_config(a: &FakeVllm, b: &FakeVllm, d: &FakeVllm, route_extra: &st
 
 fn failing(status: u16) -> FakeConfig {
     FakeConfig { fail_with: Some((status, "{\"error\":\"engine\"}".into())), ..FakeConfig::default() }
-}
-
-async fn chat(proxy: &TokenOnce) -> (u16, String) {
-    let body = chat_body("Hello there!", json!({}));
-    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
-    (status, text)
 }
 
 /// Waits until every one of `engines` (`host:port`) passed a health poll of pool `prefill`.
@@ -63,7 +55,7 @@ impl Ejecting {
         let deadline = Instant::now() + Duration::from_secs(5);
         while self.proxy.metric(EJECTIONS).await < 1.0 {
             assert!(Instant::now() < deadline, "never ejected");
-            assert_eq!(chat(&self.proxy).await.0, 200);
+            assert_eq!(self.proxy.chat("Hello there!").await.0, 200);
         }
     }
 }
@@ -80,7 +72,7 @@ async fn a_5xx_prefill_fails_over_to_another_endpoint() {
     let proxy = TokenOnce::start(&two_prefill_config(&a, &b, &d, "")).await;
     wait_healthy(&proxy, &[a.host_port(), b.host_port()]).await;
     for _ in 0..4 {
-        let (status, text) = chat(&proxy).await;
+        let (status, text) = proxy.chat("Hello there!").await;
         assert_eq!(status, 200, "{text}");
     }
     assert_eq!(b.posts().len(), 4);
@@ -103,7 +95,7 @@ async fn a_refused_prefill_fails_over() {
     let config = pools_config(&[refused.addr.to_string(), b.host_port()], &[d.host_port()], "");
     let proxy = TokenOnce::start(&config).await;
     for _ in 0..2 {
-        let (status, text) = chat(&proxy).await;
+        let (status, text) = proxy.chat("Hello there!").await;
         assert_eq!(status, 200, "{text}");
     }
     assert_eq!(b.posts().len(), 2);
@@ -116,7 +108,7 @@ async fn a_4xx_prefill_is_not_failed_over() {
     let [a, b, d] = fakes([failing(400), FakeConfig::default(), FakeConfig::default()]).await;
     let proxy = TokenOnce::start(&two_prefill_config(&a, &b, &d, "")).await;
     wait_healthy(&proxy, &[a.host_port(), b.host_port()]).await;
-    let mut statuses = vec![chat(&proxy).await.0, chat(&proxy).await.0];
+    let mut statuses = vec![proxy.chat("Hello there!").await.0, proxy.chat("Hello there!").await.0];
     statuses.sort_unstable();
     assert_eq!(statuses, [200, 400]);
     assert_eq!((a.posts().len(), b.posts().len(), d.posts().len()), (1, 1, 1));
@@ -131,7 +123,7 @@ async fn failover_is_bounded_and_returns_the_last_answer() {
     let settings = Settings { upstream_extra: "eject_after_failures = 0\n".into(), ..Settings::default() };
     let proxy = TokenOnce::start_with(&two_prefill_config(&a, &b, &d, "prefill_attempts = 2\n"), &settings).await;
     for _ in 0..3 {
-        let (status, _) = chat(&proxy).await;
+        let (status, _) = proxy.chat("Hello there!").await;
         assert!(status == 500 || status == 503, "{status}");
     }
     assert_eq!(a.posts().len() + b.posts().len(), 6);
@@ -152,7 +144,7 @@ async fn failover_to_the_second_prefill(fault: Fault) {
     wait_healthy(&proxy, &[p1.host_port(), p2.host_port()]).await;
     let started = Instant::now();
     for _ in 0..3 {
-        let (status, text) = chat(&proxy).await;
+        let (status, text) = proxy.chat("Hello there!").await;
         assert_eq!(status, 200, "{text}");
     }
     assert!(started.elapsed() < Duration::from_secs(10));
@@ -193,13 +185,13 @@ async fn consecutive_failures_eject_an_endpoint_until_it_recovers() {
     let deadline = Instant::now() + Duration::from_secs(5);
     while proxy.metric(EJECTIONS).await < 1.0 {
         assert!(Instant::now() < deadline, "never ejected");
-        assert_eq!(chat(&proxy).await.0, 200);
+        assert_eq!(proxy.chat("Hello there!").await.0, 200);
     }
     let seen = a.posts().len();
     assert_eq!(seen, 2);
     assert_eq!(proxy.metric(EJECTED).await, 1.0);
     for _ in 0..6 {
-        assert_eq!(chat(&proxy).await.0, 200);
+        assert_eq!(proxy.chat("Hello there!").await.0, 200);
     }
     assert_eq!(a.posts().len(), seen, "an ejected endpoint gets no request");
 
@@ -207,12 +199,12 @@ async fn consecutive_failures_eject_an_endpoint_until_it_recovers() {
     let deadline = Instant::now() + Duration::from_secs(15);
     while a.posts().len() == seen {
         assert!(Instant::now() < deadline, "never readmitted");
-        assert_eq!(chat(&proxy).await.0, 200);
+        assert_eq!(proxy.chat("Hello there!").await.0, 200);
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let failovers = proxy.metric(FAILOVERS).await;
     for _ in 0..4 {
-        assert_eq!(chat(&proxy).await.0, 200);
+        assert_eq!(proxy.chat("Hello there!").await.0, 200);
     }
     assert_eq!(proxy.metric(FAILOVERS).await, failovers, "readmitted and serving: no more failovers");
     assert_eq!(proxy.metric_reaches_within(EJECTED, 0.0, Duration::from_secs(5)).await, 0.0, "gauge stuck");
@@ -235,7 +227,7 @@ async fn ejection_and_readmission() {
     let deadline = Instant::now() + Duration::from_secs(5);
     while proxy.metric(EJECTIONS).await < 1.0 {
         assert!(Instant::now() < deadline, "never ejected");
-        assert_eq!(chat(&proxy).await.0, 200);
+        assert_eq!(proxy.chat("Hello there!").await.0, 200);
     }
     // The backoff runs from the ejection (seen just after it happened), not from the recovery
     // below: on a loaded machine the requests in between can take most of it.
@@ -243,7 +235,7 @@ async fn ejection_and_readmission() {
     assert_eq!(bad.posts().len(), 2);
     assert_eq!(proxy.metric(EJECTED).await, 1.0);
     for _ in 0..6 {
-        assert_eq!(chat(&proxy).await.0, 200);
+        assert_eq!(proxy.chat("Hello there!").await.0, 200);
     }
     assert_eq!(bad.posts().len(), 2, "an ejected endpoint gets no request");
 
@@ -251,13 +243,13 @@ async fn ejection_and_readmission() {
     let recovered = Instant::now();
     while bad.ended(End::Answered) == 0 {
         assert!(recovered.elapsed() < Duration::from_secs(15), "never readmitted");
-        assert_eq!(chat(&proxy).await.0, 200);
+        assert_eq!(proxy.chat("Hello there!").await.0, 200);
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert!(ejected_at.elapsed() >= Duration::from_secs(3), "not readmitted before its 5 s backoff");
     let served = bad.posts().len();
     for _ in 0..4 {
-        assert_eq!(chat(&proxy).await.0, 200);
+        assert_eq!(proxy.chat("Hello there!").await.0, 200);
     }
     assert!(bad.posts().len() > served, "readmitted: it serves its share again");
     assert_eq!(proxy.metric_reaches_within(EJECTED, 0.0, Duration::from_secs(5)).await, 0.0, "gauge stuck");
@@ -290,7 +282,7 @@ async fn a_reload_keeps_an_ejection() {
     proxy.reload(&setup.text).await;
     assert_eq!(proxy.metric(EJECTED).await, 1.0);
     for _ in 0..4 {
-        assert_eq!(chat(proxy).await.0, 200);
+        assert_eq!(proxy.chat("Hello there!").await.0, 200);
     }
     assert_eq!(setup.a.posts().len(), seen, "still ejected after the reload");
 }
@@ -354,7 +346,7 @@ async fn decode_alone_serves_a_request_whose_prefill_failed() {
 #[tokio::test(flavor = "multi_thread")]
 async fn decode_alone_never_follows_a_prefill_4xx() {
     let (p, d, proxy) = pd_setup(failing(400), FakeConfig::default(), "on_prefill_failure = \"decode_alone\"\n").await;
-    let (status, text) = chat(&proxy).await;
+    let (status, text) = proxy.chat("Hello there!").await;
     assert_eq!((status, text.as_str()), (400, "{\"error\":\"engine\"}"));
     assert_eq!((p.posts().len(), d.posts().len()), (1, 0));
     assert_eq!(proxy.metric(PREFILL_FAILED).await, 0.0);
@@ -364,7 +356,7 @@ async fn decode_alone_never_follows_a_prefill_4xx() {
 #[tokio::test(flavor = "multi_thread")]
 async fn by_default_a_failed_prefill_is_answered() {
     let (_p, d, proxy) = pd_setup(failing(503), FakeConfig::default(), "").await;
-    assert_eq!(chat(&proxy).await.0, 503);
+    assert_eq!(proxy.chat("Hello there!").await.0, 503);
     assert_eq!(d.posts().len(), 0);
     assert_eq!(proxy.metric(PREFILL_FAILED).await, 0.0);
 }
@@ -386,7 +378,7 @@ async fn an_engine_that_never_answers_is_ejected_after_its_timeouts() {
         if proxy.metric(EJECTIONS).await >= 1.0 {
             break;
         }
-        let (status, text) = chat(&proxy).await;
+        let (status, text) = proxy.chat("Hello there!").await;
         match status {
             200 => {}
             504 => timed_out += 1,
@@ -398,7 +390,7 @@ async fn an_engine_that_never_answers_is_ejected_after_its_timeouts() {
     assert_eq!(hung.posts().len(), 2);
     assert_eq!(proxy.metric(EJECTED).await, 1.0);
     for _ in 0..4 {
-        let (status, text) = chat(&proxy).await;
+        let (status, text) = proxy.chat("Hello there!").await;
         assert_eq!(status, 200, "{text}");
     }
     assert_eq!(hung.posts().len(), 2, "an ejected endpoint gets no request");

@@ -11,8 +11,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -371,16 +369,9 @@ fn check_answer(answer: Answer, api: Api, got: &Result<String, String>) {
     }
 }
 
-/// The sum of every sample of the counter `family`.
-async fn family_sum(proxy: &TokenOnce, family: &str) -> f64 {
-    let text = proxy.metrics().await;
-    let prefix = format!("{family}{{");
-    text.lines().filter(|l| l.starts_with(&prefix)).filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok()).sum()
-}
-
 /// The sum of every `upstream_errors_total` sample.
 async fn upstream_errors(proxy: &TokenOnce) -> f64 {
-    family_sum(proxy, "tokenonce_upstream_errors_total").await
+    proxy.family_sum("tokenonce_upstream_errors_total").await
 }
 
 /// Waits (bounded: 5 s) until `got()` equals `want`, then asserts it.
@@ -407,7 +398,7 @@ async fn run(case: Case) {
         before.push(proxy.metric(s).await);
     }
     let errors_before = upstream_errors(&proxy).await;
-    let reuse_before = family_sum(&proxy, "tokenonce_token_reuse_total").await;
+    let reuse_before = proxy.family_sum("tokenonce_token_reuse_total").await;
 
     let started = Instant::now();
     let prefiller = p.host_port();
@@ -442,7 +433,7 @@ async fn run(case: Case) {
     assert_eq!(upstream_errors(&proxy).await - errors_before, errors, "upstream_errors_total overall");
     // Each decode's reuse is counted once, with its outcome: none that the row does not name.
     let reuse = case.counted.iter().filter(|c| matches!(c, Applied | DecodeFailed | Fallback(_))).count() as f64;
-    let reuse_now = family_sum(&proxy, "tokenonce_token_reuse_total").await;
+    let reuse_now = proxy.family_sum("tokenonce_token_reuse_total").await;
     assert_eq!(reuse_now - reuse_before, reuse, "token_reuse_total overall");
 }
 

@@ -10,26 +10,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use serde::Deserialize;
 use serde_yaml_ng::Value as Yaml;
-
-/// A file of this repository.
-fn repo(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
-}
+use support::{path_str, repo};
 
 fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-/// A path on disk as a `&str` (temp dirs and the checkout are UTF-8 here).
-fn path_str(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
 }
 
 /// Every YAML document of `file`.

@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::{json, Value};
+use support::until;
 use tokenonce::kv::events::{PoolKvEvents, Settings};
 use tokenonce::kv::hash::{BlockHash, BlockHasher, ExtraKeys};
 use tokenonce::kv::metrics::PoolKvMetrics;
@@ -139,17 +140,6 @@ fn source(pool: &str, endpoint: &str, settings: Settings) -> (Arc<PoolKvEvents>,
     )
     .unwrap();
     (source, metrics)
-}
-
-/// Waits (at most 60 s, polling) until `cond` holds; panics saying `what` otherwise.
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-    for _ in 0..1200 {
-        if cond() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("never: {what}");
 }
 
 fn removed(hashes: &[BlockHash]) -> Value {

@@ -6,8 +6,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -20,20 +18,6 @@ use support::*;
 // ---------------------------------------------------------------------------------------------
 // Shared helpers
 // ---------------------------------------------------------------------------------------------
-
-/// A file of this repository.
-fn repo(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
-}
-
-fn read(rel: &str) -> String {
-    std::fs::read_to_string(repo(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
-}
-
-/// A path on disk as a `&str` (temp dirs and the checkout are UTF-8 here).
-fn path_str(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
 
 /// Every `tokenonce_[a-z_]+` and `process_[a-z_]+` (the standard process metrics) token in
 /// `text`.
@@ -193,7 +177,7 @@ fn dashboard_panels(dashboard: &Value) -> Vec<&Value> {
 }
 
 fn dashboard() -> Value {
-    serde_json::from_str(&read("dashboards/tokenonce.json")).expect("dashboards/tokenonce.json is JSON")
+    serde_json::from_str(&read_repo("dashboards/tokenonce.json")).expect("dashboards/tokenonce.json is JSON")
 }
 
 /// Every panel and row of the dashboard has an id of its own, and no two top-level panels
@@ -242,7 +226,7 @@ fn dashboard_exprs(dashboard: &Value) -> Vec<(String, String)> {
 
 /// The alert rules of conf/prometheus/alerts.yml: (name, expr).
 fn alert_rules() -> Vec<(String, String)> {
-    let doc: Yaml = serde_yaml_ng::from_str(&read("conf/prometheus/alerts.yml")).expect("alerts.yml is YAML");
+    let doc: Yaml = serde_yaml_ng::from_str(&read_repo("conf/prometheus/alerts.yml")).expect("alerts.yml is YAML");
     let mut out = Vec::new();
     for group in doc["groups"].as_sequence().expect("groups") {
         for rule in group["rules"].as_sequence().expect("rules") {
@@ -629,7 +613,7 @@ impl Prometheus {
     async fn start(target: &str) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let mut config: Yaml =
-            serde_yaml_ng::from_str(&read("conf/prometheus/prometheus.yml")).expect("prometheus.yml is YAML");
+            serde_yaml_ng::from_str(&read_repo("conf/prometheus/prometheus.yml")).expect("prometheus.yml is YAML");
         config["global"]["scrape_interval"] = Yaml::from("1s");
         config["global"]["evaluation_interval"] = Yaml::from("1s");
         let rules = config["rule_files"].as_sequence().expect("rule_files").clone();
@@ -854,7 +838,7 @@ fn promtool_accepts_and_tests_the_alert_rules() {
     assert!(rules["TokenonceCacheEvictionsByCapacity"].contains(r#"reason="capacity""#));
 
     // Each alert has a unit test that expects it to fire.
-    let tests: Yaml = serde_yaml_ng::from_str(&read("conf/prometheus/alerts_test.yml")).unwrap();
+    let tests: Yaml = serde_yaml_ng::from_str(&read_repo("conf/prometheus/alerts_test.yml")).unwrap();
     let mut fired = BTreeSet::new();
     for t in tests["tests"].as_sequence().expect("tests") {
         for case in t["alert_rule_test"].as_sequence().into_iter().flatten() {
@@ -927,9 +911,9 @@ fn prom_seconds(d: &str) -> u64 {
 /// runbook.
 #[test]
 fn every_alert_links_its_runbook_in_operations_md() {
-    let anchors = markdown_anchors(&read("docs/operations.md"));
+    let anchors = markdown_anchors(&read_repo("docs/operations.md"));
     assert!(anchors.contains("alerts") && anchors.contains("metrics-admin-listener-metrics"), "{anchors:?}");
-    let doc: Yaml = serde_yaml_ng::from_str(&read("conf/prometheus/alerts.yml")).unwrap();
+    let doc: Yaml = serde_yaml_ng::from_str(&read_repo("conf/prometheus/alerts.yml")).unwrap();
     let mut checked = 0;
     for group in doc["groups"].as_sequence().expect("groups") {
         for rule in group["rules"].as_sequence().expect("rules") {
@@ -982,7 +966,7 @@ fn readiness_alerts_wait_out_the_engine_start_window_of_the_manifests() {
     }
     assert!(window >= 600, "no vLLM startupProbe found in conf/k8s ({files:?})");
 
-    let doc: Yaml = serde_yaml_ng::from_str(&read("conf/prometheus/alerts.yml")).unwrap();
+    let doc: Yaml = serde_yaml_ng::from_str(&read_repo("conf/prometheus/alerts.yml")).unwrap();
     let rule = |name: &str| {
         doc["groups"]
             .as_sequence()

@@ -3,8 +3,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -502,12 +500,7 @@ async fn bursting_decode(together: usize) -> String {
         for _ in 0..10 {
             let Some(req) = fault_engine::read_request(&mut sock).await else { return };
             if req.method != "POST" {
-                let body = "{\"version\":\"0.32.0\"}";
-                let head = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-                    body.len()
-                );
-                let _ = sock.write_all(format!("{head}{body}").as_bytes()).await;
+                let _ = sock.write_all(fault_engine::json_answer("{\"version\":\"0.32.0\"}", false).as_bytes()).await;
                 continue;
             }
             let chunk = |e: &str| format!("{:x}\r\n{e}\r\n", e.len());

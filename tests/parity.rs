@@ -6,8 +6,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -79,8 +77,7 @@ fn config(p: &FakeVllm, d: &FakeVllm, tokenizer: &Path, route_extra: &str) -> St
 }
 
 async fn chat(proxy: &TokenOnce, user: &str) -> Value {
-    let (status, _, text) =
-        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body(user, json!({})), &[]).await;
+    let (status, text) = proxy.chat(user).await;
     assert_eq!(status, 200, "{text}");
     serde_json::from_str(&text).unwrap()
 }

@@ -5,8 +5,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
 use std::time::{Duration, Instant};
 
 use serde_json::json;
@@ -109,7 +107,7 @@ async fn readiness_follows_the_decode_health() {
 #[tokio::test(flavor = "multi_thread")]
 async fn sighup_reloads_good_configs_and_keeps_the_old_on_bad_ones() {
     let [p, d] = fakes(Default::default()).await;
-    let mut proxy = TokenOnce::start_binary(&pd_config(&p, &d, "")).await;
+    let mut proxy = TokenOnce::start_binary(env!("CARGO_BIN_EXE_tokenonce"), &pd_config(&p, &d, "")).await;
     reload_scenario(&p, &d, &proxy).await;
     let exit = proxy.terminate().await;
     assert!(exit.success(), "{exit}: {}", proxy.log_text());
@@ -254,7 +252,7 @@ async fn reload_mid_stream(binary: bool) {
     let [pf, df1, df2] = fakes([FakeConfig::default(), slow, FakeConfig::default()]).await;
     let (p, d1, d2) = (FaultEngine::start(&pf).await, FaultEngine::start(&df1).await, FaultEngine::start(&df2).await);
     let proxy = if binary {
-        TokenOnce::start_binary(&over_fault_engines(&p, &d1, "")).await
+        TokenOnce::start_binary(env!("CARGO_BIN_EXE_tokenonce"), &over_fault_engines(&p, &d1, "")).await
     } else {
         TokenOnce::start(&over_fault_engines(&p, &d1, "")).await
     };
@@ -514,25 +512,17 @@ impl Watched {
     }
 
     async fn metric(&self, series: &str) -> f64 {
-        let text = reqwest::get(format!("{}/metrics", self.admin)).await.unwrap().text().await.unwrap();
-        text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')).map_or(0.0, |v| v.trim().parse().unwrap())
+        support::metrics::sample(&support::metrics::scrape(&self.admin).await, series)
     }
 
     /// Waits (bounded: 5 s) until `series` reads `value`.
     async fn reaches(&self, series: &str, value: f64) {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let got = self.metric(series).await;
-            if got == value {
-                return;
-            }
-            assert!(Instant::now() < deadline, "{series} stayed {got}, wanted {value}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let got = support::metrics::reaches_within(&self.admin, series, value, Duration::from_secs(5)).await;
+        assert_eq!(got, value, "{series}");
     }
 
     async fn chat(&self, user: &str) -> u16 {
-        post_json(&format!("{}/v1/chat/completions", self.url), &chat_body(user, json!({})), &[]).await.0
+        post_chat(&self.url, user, json!({}), &[]).await.0
     }
 }
 

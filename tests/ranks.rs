@@ -5,8 +5,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
 use std::time::{Duration, Instant};
 
 use serde_json::json;
@@ -25,12 +23,6 @@ fn ranks_named(engine: &FakeVllm) -> Vec<Option<String>> {
     engine.posts().iter().map(|r| r.header("x-data-parallel-rank")).collect()
 }
 
-async fn chat(proxy: &TokenOnce, headers: &[(&str, &str)]) -> (u16, String) {
-    let body = chat_body("Hello there!", json!({}));
-    let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, headers).await;
-    (status, text)
-}
-
 /// Round robin over ranks: every leg names its endpoint's rank (a client's own rank header
 /// is replaced), each rank of each pool gets its share, and the answers are the engine's.
 #[tokio::test(flavor = "multi_thread")]
@@ -39,7 +31,7 @@ async fn legs_name_the_rank_of_their_endpoint() {
     let d = FakeVllm::start(FakeConfig { dp_size: 4, ..FakeConfig::default() }).await;
     let proxy = TokenOnce::start(&ranked_config(&p, &d)).await;
     for _ in 0..8 {
-        let (status, text) = chat(&proxy, &[("x-data-parallel-rank", "7")]).await;
+        let (status, text) = proxy.chat_with("Hello there!", json!({}), &[("x-data-parallel-rank", "7")]).await;
         assert_eq!(status, 200, "{text}");
     }
     let count = |ranks: &[Option<String>], r: &str| ranks.iter().filter(|x| x.as_deref() == Some(r)).count();
@@ -75,14 +67,14 @@ async fn a_failing_rank_is_ejected_alone() {
     let proxy = TokenOnce::start_with(&ranked_config(&p, &d), &settings).await;
     let mut failed = 0;
     for _ in 0..8 {
-        let (status, _) = chat(&proxy, &[]).await;
+        let (status, _) = proxy.chat("Hello there!").await;
         failed += usize::from(status != 200);
     }
     assert_eq!(failed, 2, "rank 2 fails twice, then is ejected");
     assert_eq!(proxy.metric(r#"tokenonce_upstream_ejected{pool="decode"}"#).await, 1.0);
     let before = d.posts().len();
     for _ in 0..12 {
-        let (status, text) = chat(&proxy, &[]).await;
+        let (status, text) = proxy.chat("Hello there!").await;
         assert_eq!(status, 200, "{text}");
     }
     let ranks = ranks_named(&d).split_off(before);
@@ -100,7 +92,7 @@ async fn a_rank_past_the_servers_size_gets_vllms_400() {
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut refused = None;
     while refused.is_none() && Instant::now() < deadline {
-        let (status, text) = chat(&proxy, &[]).await;
+        let (status, text) = proxy.chat("Hello there!").await;
         if status == 400 {
             refused = Some(text);
         }

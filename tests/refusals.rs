@@ -8,8 +8,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
 use std::path::Path;
 use std::sync::Arc;
 

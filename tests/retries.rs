@@ -5,8 +5,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -54,19 +52,13 @@ async fn serve(mut sock: TcpStream, second: Second, seen: Arc<parking_lot::Mutex
         return;
     };
     let body = "{\"ok\":true}";
-    let resp = |close: &str| {
-        format!(
-            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{close}\r\n{body}",
-            body.len()
-        )
-    };
     if method != "POST" {
         // Probes (`/health`, `/version`) on connections of their own, never pooled.
-        let _ = sock.write_all(resp("connection: close\r\n").as_bytes()).await;
+        let _ = sock.write_all(fault_engine::json_answer(body, true).as_bytes()).await;
         return;
     }
     seen.lock().push(id);
-    let resp = resp("");
+    let resp = fault_engine::json_answer(body, false);
     if sock.write_all(resp.as_bytes()).await.is_err() {
         return;
     }

@@ -4,8 +4,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
 use serde_json::{json, Value};
 use support::{chat_body, pd_setup, post_json, FakeConfig, FakeVllm, TokenOnce};
 

@@ -5,8 +5,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -40,12 +38,7 @@ impl StallingEngine {
 async fn serve(mut sock: TcpStream, answer: &'static str, posts: Arc<AtomicUsize>) {
     let Some(req) = fault_engine::read_request(&mut sock).await else { return };
     if req.method != "POST" {
-        let body = "{\"version\":\"0.32.0\"}";
-        let head = format!(
-            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-            body.len()
-        );
-        let _ = sock.write_all(format!("{head}{body}").as_bytes()).await;
+        let _ = sock.write_all(fault_engine::json_answer("{\"version\":\"0.32.0\"}", true).as_bytes()).await;
         return;
     }
     posts.fetch_add(1, Ordering::SeqCst);

@@ -5,8 +5,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
 use std::net::SocketAddr;
 use std::path::Path;
 
@@ -349,21 +347,10 @@ fn tls_pool(name: &str, addr: SocketAddr, ca: &Path) -> String {
     format!("[pools.{name}]\nendpoints = [\"{addr}\"]\n[pools.{name}.tls]\n{}\n", ca_line(ca, "engine.test"))
 }
 
-/// The sum of every sample of `family` (all label sets).
-async fn family_sum(proxy: &TokenOnce, family: &str) -> f64 {
-    let text = proxy.metrics().await;
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{family}{{")))
-        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
-        .sum()
-}
-
 /// A passthrough chat to `proxy`, with `x-tenant: tenant` when given.
 async fn tenant_chat(proxy: &TokenOnce, tenant: Option<&str>) -> (u16, String) {
     let headers: Vec<(&str, &str)> = tenant.map(|t| ("x-tenant", t)).into_iter().collect();
-    let (status, _, text) =
-        post_json(&format!("{}/v1/chat/completions", proxy.url), &chat_body("trust", json!({})), &headers).await;
-    (status, text)
+    proxy.chat_with("trust", json!({}), &headers).await
 }
 
 /// Asserts a passthrough answer is the typed 502 of an untrusted engine certificate.
@@ -405,7 +392,7 @@ async fn pools_on_one_engine_with_other_cas_never_share_connections() {
     assert_untrusted(status, &text, &front);
     assert_eq!(engine.posts().len(), served, "nothing reached the engine from the other pool");
     assert_eq!(proxy.metric(TLS_ERRORS).await, 1.0);
-    assert_eq!(family_sum(&proxy, "tokenonce_upstream_retries_total").await, 0.0, "never re-sent");
+    assert_eq!(proxy.family_sum("tokenonce_upstream_retries_total").await, 0.0, "never re-sent");
 
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     // The polls of `decode` keep leaving idle connections to the same address.
@@ -470,7 +457,7 @@ async fn an_mtls_refusal_is_tls_and_never_resent_under_tls_1_2_and_1_3() {
         }
         assert_eq!(proxy.metric(TLS_ERRORS).await - before.0, 3.0, "{version:?}: {}", proxy.metrics().await);
         assert_eq!(proxy.metric(r#"tokenonce_upstream_errors_total{kind="io",stage="passthrough"}"#).await, 0.0);
-        assert_eq!(family_sum(&proxy, "tokenonce_upstream_retries_total").await, 0.0, "{version:?}: never re-sent");
+        assert_eq!(proxy.family_sum("tokenonce_upstream_retries_total").await, 0.0, "{version:?}: never re-sent");
         assert!(engine.posts().is_empty(), "{version:?}");
         assert!(front.refused() - before.1 >= 3, "{version:?}: the engine refused each handshake");
         drop(proxy);
@@ -489,7 +476,7 @@ async fn an_mtls_refusal_is_tls_and_never_resent_under_tls_1_2_and_1_3() {
         }
         let prefill_tls = r#"tokenonce_upstream_errors_total{kind="tls",stage="prefill"}"#;
         assert_eq!(proxy.metric(prefill_tls).await, 3.0, "{version:?}: {}", proxy.metrics().await);
-        assert_eq!(family_sum(&proxy, "tokenonce_upstream_retries_total").await, 0.0, "{version:?}: never re-sent");
+        assert_eq!(proxy.family_sum("tokenonce_upstream_retries_total").await, 0.0, "{version:?}: never re-sent");
         assert!(engine.posts().is_empty(), "{version:?}");
     }
 }

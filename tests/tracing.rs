@@ -7,8 +7,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
-mod support;
-
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -123,7 +121,7 @@ async fn spans_continue_the_client_trace_across_both_legs() {
         "{}\n[tracing]\nendpoint = \"{url}\"\nprotocol = \"http\"\nsampling_ratio = 1.0\nservice_name = \"tokenonce-test\"\n",
         pd_config(&p, &d, "")
     );
-    let proxy = TokenOnce::start_binary(&config).await;
+    let proxy = TokenOnce::start_binary(env!("CARGO_BIN_EXE_tokenonce"), &config).await;
     let (trace, client_span) = ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7");
     let traceparent = format!("00-{trace}-{client_span}-01");
     let headers = [("traceparent", traceparent.as_str()), ("tracestate", "vendor=kept")];
@@ -193,7 +191,7 @@ async fn a_request_without_context_starts_a_trace() {
     let (url, received) = receiver().await;
     let [p, d] = fakes(Default::default()).await;
     let config = format!("{}\n[tracing]\nendpoint = \"{url}\"\n", pd_config(&p, &d, ""));
-    let proxy = TokenOnce::start_binary(&config).await;
+    let proxy = TokenOnce::start_binary(env!("CARGO_BIN_EXE_tokenonce"), &config).await;
     let (status, _, _) = post_json(
         &format!("{}/v1/completions", proxy.url),
         &json!({"model": "tiny-qwen3", "prompt": "hi", "max_tokens": 3}),
@@ -256,7 +254,7 @@ async fn a_collector_that_is_down_fails_no_request() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     let [p, d] = fakes(Default::default()).await;
     let config = format!("{}\n[tracing]\nendpoint = \"http://{closed}/v1/traces\"\n", pd_config(&p, &d, ""));
-    let proxy = TokenOnce::start_binary(&config).await;
+    let proxy = TokenOnce::start_binary(env!("CARGO_BIN_EXE_tokenonce"), &config).await;
     for i in 0..3 {
         let body = chat_body(&format!("no collector {i}"), json!({}));
         let (status, _, text) = post_json(&format!("{}/v1/chat/completions", proxy.url), &body, &[]).await;
@@ -278,7 +276,9 @@ async fn a_prefill_failover_is_marked_on_its_span() {
     let failing = FakeConfig { fail_with: Some((503, "{\"error\":\"engine\"}".into())), ..FakeConfig::default() };
     let [a, b, d] = fakes([failing, FakeConfig::default(), FakeConfig::default()]).await;
     let pools = pools_config(&[a.host_port(), b.host_port()], &[d.host_port()], "");
-    let proxy = TokenOnce::start_binary(&format!("{pools}[tracing]\nendpoint = \"{url}\"\n")).await;
+    let proxy =
+        TokenOnce::start_binary(env!("CARGO_BIN_EXE_tokenonce"), &format!("{pools}[tracing]\nendpoint = \"{url}\"\n"))
+            .await;
     for e in [&a, &b] {
         proxy.wait_health("prefill", &e.host_port(), true).await;
     }

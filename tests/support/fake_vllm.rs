@@ -19,7 +19,7 @@ use axum::response::Response;
 use serde_json::Value;
 
 mod apis;
-pub use apis::{fake_render_messages, fake_render_responses};
+pub use apis::fake_render_responses;
 
 /// How the fake behaves; change it while running with [`FakeVllm::configure`].
 #[derive(Clone, Debug)]
@@ -814,7 +814,7 @@ fn completion(config: &FakeConfig, headers: &HeaderMap, raw: &[u8], chat: bool) 
 /// A prefill's `kv_transfer_params` as vLLM 0.32's NixlConnector (CPU, pull) returns them
 /// (recorded: `chat_prefill_nixl`): one list of block ids per KV-cache group, one block per 128
 /// prompt tokens, and the request id suffixed the way vLLM suffixes it.
-pub fn nixl_kv_params(id: &str, n_prompt: usize) -> String {
+fn nixl_kv_params(id: &str, n_prompt: usize) -> String {
     let blocks: Vec<String> = (1..=n_prompt.div_ceil(128).max(1)).map(|b| b.to_string()).collect();
     format!(
         "{{\"do_remote_prefill\":true,\"do_remote_decode\":false,\"remote_block_ids\":[[{}]],\"remote_engine_id\":\"fake-engine\",\"remote_request_id\":\"{id}-abcd1234\",\"remote_host\":\"127.0.0.1\",\"remote_port\":5600,\"tp_size\":1,\"dcp_size\":1,\"pp_size\":1,\"remote_num_tokens\":{n_prompt},\"remote_blocks_expiry_time\":null,\"transfer_mode\":\"pull\",\"remote_prefill_cached_tokens\":0}}",

@@ -298,6 +298,13 @@ pub fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
     })
 }
 
+/// A raw engine's `200 OK` answer carrying the JSON `body`, with `connection: close` when
+/// `close`.
+pub fn json_answer(body: &str, close: bool) -> String {
+    let close = if close { "connection: close\r\n" } else { "" };
+    format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{close}\r\n{body}", body.len())
+}
+
 /// Does what `fault` says with one request; how it ended and whether the connection lives on.
 async fn apply(sock: &mut TcpStream, inner: SocketAddr, req: &Request, fault: &Fault) -> (End, bool) {
     match fault {

@@ -25,7 +25,7 @@ pub fn fake_render_responses(body: &Value) -> String {
 }
 
 /// The text the fake renders a Messages request to (`system` as a system turn).
-pub fn fake_render_messages(body: &Value) -> String {
+fn fake_render_messages(body: &Value) -> String {
     let mut messages = Vec::new();
     if let Some(s) = body["system"].as_str() {
         messages.push(json!({"role": "system", "content": s}));
