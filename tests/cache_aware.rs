@@ -344,6 +344,7 @@ async fn a_replay_left_unanswered_is_asked_again() {
     engine.leave_replays_unanswered(1);
     let system: Vec<u32> = (0..16).collect();
     engine.prefill(&system).await; // 4 blocks, published before anyone subscribed
+    until("the engine published them", || engine.published() == 1).await;
 
     let settings = Settings {
         port,

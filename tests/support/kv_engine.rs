@@ -41,6 +41,8 @@ pub struct KvEngine {
     events: Option<mpsc::UnboundedSender<Vec<Ev>>>,
     /// Replay requests to leave unanswered (a busy engine, a buffer too long to read in time).
     unanswered_replays: Arc<AtomicUsize>,
+    /// Batches the publisher has sent (and buffered for replays).
+    published: Arc<AtomicU64>,
     /// Prompt tokens prefilled, and how many of them were found cached.
     pub prompt_tokens: AtomicU64,
     pub cached_tokens: AtomicU64,
@@ -130,9 +132,15 @@ impl KvEngine {
         };
         let (tx, rx) = mpsc::unbounded_channel();
         let engine = Self::build(config, Some(tx));
-        let unanswered = Arc::clone(&engine.unanswered_replays);
-        tokio::spawn(publish(publisher, replay, rx, Bytes::copy_from_slice(topic.as_bytes()), unanswered));
+        let counters = (Arc::clone(&engine.unanswered_replays), Arc::clone(&engine.published));
+        tokio::spawn(publish(publisher, replay, rx, Bytes::copy_from_slice(topic.as_bytes()), counters));
         (Arc::new(engine), port_of(&bound), port_of(&replay_bound))
+    }
+
+    /// Batches published so far: a prefill's events leave on the publisher's task, so a test
+    /// that needs them gone before a subscriber connects waits for this count.
+    pub fn published(&self) -> u64 {
+        self.published.load(Ordering::SeqCst)
     }
 
     /// The next `n` replay requests get no answer.
@@ -148,6 +156,7 @@ impl KvEngine {
             compute: tokio::sync::Mutex::new(()),
             events,
             unanswered_replays: Arc::new(AtomicUsize::new(0)),
+            published: Arc::new(AtomicU64::new(0)),
             prompt_tokens: AtomicU64::new(0),
             cached_tokens: AtomicU64::new(0),
         }
@@ -238,7 +247,7 @@ async fn publish(
     mut replay: zeromq::RouterSocket,
     mut rx: mpsc::UnboundedReceiver<Vec<Ev>>,
     topic: Bytes,
-    unanswered: Arc<AtomicUsize>,
+    (unanswered, published): (Arc<AtomicUsize>, Arc<AtomicU64>),
 ) {
     let mut seq: u64 = 0;
     let mut buffer: std::collections::VecDeque<(u64, Bytes)> = std::collections::VecDeque::new();
@@ -257,6 +266,7 @@ async fn publish(
                     buffer.pop_front();
                 }
                 seq += 1;
+                published.store(seq, Ordering::SeqCst);
             }
             request = replay.recv() => {
                 let Ok(request) = request else { continue };
