@@ -174,6 +174,51 @@ fn new_pool(config: &Config, resources: &Resources, name: &str) -> Pool {
     Pool::new(name, &spec, &loaded, upstream::EjectionRule::of(&config.upstream))
 }
 
+/// True when a reload may keep the pool built from `old` (its endpoints with their health,
+/// in-flight counts, versions and ejections) for `new`: every setting [`Pool::new`] reads is
+/// the same (the loaded TLS is compared apart). Every field is named, so a field added to
+/// [`crate::config::Pool`] does not compile here until someone decides whether it matters.
+fn same_pool(old: &crate::config::Pool, new: &crate::config::Pool) -> bool {
+    let crate::config::Pool {
+        endpoints,
+        discover,
+        discover_interval_ms,
+        balance,
+        vllm_version,
+        cache_aware,
+        // Compared as loaded (the resources' TLS), which also sees a certificate rewritten in
+        // place.
+        tls: _,
+        // The routes' (vocabulary bound, parity watch) and the local renderers', taken from
+        // the resources again on every reload.
+        tokenizer: _,
+        // The local renderers' (`local_renderers` keeps one that renders the same).
+        local_ids: _,
+        local_ids_verify_after: _,
+        local_ids_recheck: _,
+        // The KV event subscribers' (`kv_sources` keeps them while their settings hold, and
+        // hands every pool its events source again).
+        kv_events: _,
+    } = new;
+    *endpoints == old.endpoints
+        && *discover == old.discover
+        && *discover_interval_ms == old.discover_interval_ms
+        && *balance == old.balance
+        && *vllm_version == old.vllm_version
+        && same_cache_aware(&old.cache_aware, cache_aware)
+}
+
+/// [`same_pool`] for `[pools.NAME.cache_aware]`, compared whatever the pool's `balance`: every
+/// field shapes a cache-aware pool's choice (its weights, how it names blocks, its index).
+fn same_cache_aware(old: &crate::config::CacheAware, new: &crate::config::CacheAware) -> bool {
+    let crate::config::CacheAware { prefix_weight, load_weight, block_size, hash_seed, max_blocks } = new;
+    *prefix_weight == old.prefix_weight
+        && *load_weight == old.load_weight
+        && *block_size == old.block_size
+        && *hash_seed == old.hash_seed
+        && *max_blocks == old.max_blocks
+}
+
 /// The resolver `config`'s discovered pools need (`None`: no pool discovers): `previous`'s
 /// when it asks the same server, else a new one.
 fn discoverer(
@@ -269,15 +314,8 @@ impl App {
             .map(|(name, spec)| {
                 let tls = |r: &Resources| r.pools.get(name).and_then(|p| p.tls.clone());
                 let old_spec = self.config.pools.get(name);
-                let unchanged = old_spec.is_some_and(|old| {
-                    old.endpoints == spec.endpoints
-                        && old.discover == spec.discover
-                        && old.discover_interval_ms == spec.discover_interval_ms
-                        && old.balance == spec.balance
-                        && old.cache_aware == spec.cache_aware
-                        && old.vllm_version == spec.vllm_version
-                        && tls(&self.resources) == tls(&resources)
-                });
+                let unchanged =
+                    old_spec.is_some_and(|old| same_pool(old, spec) && tls(&self.resources) == tls(&resources));
                 let previous = self.pools.iter().find(|p| &p.name == name);
                 if let Some(kept) = previous.filter(|p| unchanged && p.ejection_rule() == rule) {
                     return Arc::clone(kept);
@@ -481,6 +519,57 @@ mod tests {
         assert_eq!(admission.in_flight(), 0);
         let unbounded: Vec<Admitted> = (0..5).filter_map(|_| admission.admit(0)).collect();
         assert_eq!(unbounded.len(), 5, "0: no bound");
+    }
+
+    /// A reload keeps a pool while every setting its build reads is the same: a change of each
+    /// one makes it anew, a change of any other keeps it.
+    #[test]
+    fn a_pool_is_made_anew_when_a_setting_it_reads_changes_and_kept_otherwise() {
+        use crate::config::{Balance, BlockSize, LocalIdsMode, Pool as Spec, PoolKvEvents, PoolTls, Version};
+        type Change = (&'static str, fn(&mut Spec));
+        let base = Spec { endpoints: vec!["127.0.0.1:8100".into()], ..Spec::default() };
+        let read: [Change; 10] = [
+            ("endpoints", |p| p.endpoints.push("127.0.0.1:8101".into())),
+            ("discover", |p| p.discover = Some("engines.test:8100".into())),
+            ("discover_interval_ms", |p| p.discover_interval_ms += Duration::from_secs(1)),
+            ("balance", |p| p.balance = Balance::LeastInFlight),
+            ("vllm_version", |p| p.vllm_version = Some(Version(0, 32, 0))),
+            ("cache_aware.prefix_weight", |p| p.cache_aware.prefix_weight = 2.0),
+            ("cache_aware.load_weight", |p| p.cache_aware.load_weight = 0.5),
+            ("cache_aware.block_size", |p| p.cache_aware.block_size = BlockSize::try_from(32).unwrap()),
+            ("cache_aware.hash_seed", |p| p.cache_aware.hash_seed = "0".into()),
+            ("cache_aware.max_blocks", |p| p.cache_aware.max_blocks = 7),
+        ];
+        let not_read: [Change; 7] = [
+            ("tls (compared as loaded)", |p| p.tls = Some(PoolTls::default())),
+            ("tokenizer", |p| p.tokenizer = Some("/models/x".into())),
+            ("local_ids", |p| p.local_ids = LocalIdsMode::Shadow),
+            ("local_ids_verify_after", |p| p.local_ids_verify_after = 7),
+            ("local_ids_recheck", |p| p.local_ids_recheck = 0.5),
+            ("kv_events", |p| p.kv_events = Some(PoolKvEvents::default())),
+            ("nothing", |_| {}),
+        ];
+        for (kept, changes) in [(false, &read[..]), (true, &not_read[..])] {
+            for (field, change) in changes {
+                let mut new = base.clone();
+                change(&mut new);
+                assert_eq!(same_pool(&base, &new), kept, "{field}");
+            }
+        }
+
+        // Through a reload: the pool whose balance changed is new, the one whose local-ids
+        // count changed is the same one.
+        let text = |verify_after: u32, balance: &str| {
+            format!(
+                "[pools.prefill]\nendpoints = [\"127.0.0.1:8100\"]\nlocal_ids_verify_after = {verify_after}\n\
+                 [pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\nbalance = \"{balance}\"\n"
+            )
+        };
+        let app = App::new(crate::config::from_toml(&text(7, "round_robin"), "t").unwrap()).unwrap();
+        let next = app.reload(crate::config::from_toml(&text(8, "least_in_flight"), "t").unwrap()).unwrap();
+        let pool = |app: &App, name: &str| Arc::clone(app.pools.iter().find(|p| p.name == name).unwrap());
+        assert!(Arc::ptr_eq(&pool(&app, "prefill"), &pool(&next, "prefill")), "kept");
+        assert!(!Arc::ptr_eq(&pool(&app, "decode"), &pool(&next, "decode")), "made anew");
     }
 
     fn kv_config(block_size: u32) -> Loaded {

@@ -557,7 +557,7 @@ fn kv_events_need_a_port_that_every_rank_can_offset_and_bounded_values() {
         Config::from_toml(&pools("127.0.0.1:8200#0-7", "port = 5557\nstale_after_ms = \"2m\"\n"), "t.toml").unwrap();
     let kv = config.pools["decode"].kv_events.as_ref().unwrap();
     assert_eq!((kv.port, kv.replay_port, kv.hash_seed.as_str()), (5557, None, "vllm-none-hash"));
-    assert_eq!((kv.block_size, kv.stale_after_ms), (16, Duration::from_secs(120)));
+    assert_eq!((kv.block_size.get(), kv.stale_after_ms), (16, Duration::from_secs(120)));
     assert!(config.pools["prefill"].kv_events.is_none());
 }
 
@@ -613,4 +613,27 @@ fn a_cache_aware_pool_with_kv_events_hashes_as_the_events_say() {
     assert_problem_keys(&err, &["pools.prefill.cache_aware.block_size", "pools.prefill.cache_aware.hash_seed"]);
     assert_eq!(err.problems[0].message, "is 16 but kv_events.block_size is 32: both are the engines' --block-size");
     assert!(err.problems[1].message.contains("both are the engines' PYTHONHASHSEED"), "{:?}", err.problems[1]);
+}
+
+/// `kv_events.block_size` and `cache_aware.block_size` name one engine setting and take the
+/// same sizes, 1 to 65536, each refused at its key; a cache-aware pool's pair is compared only
+/// when both were read (a refused one is not named by its default).
+#[test]
+fn both_block_sizes_take_the_same_range() {
+    let config = |balance: &str, kv: u32, cache_aware: u32| {
+        format!(
+            "{POOL}balance = \"{balance}\"\n[pools.decode.kv_events]\nport = 5557\nblock_size = {kv}\n\
+             [pools.decode.cache_aware]\nblock_size = {cache_aware}\n"
+        )
+    };
+    let big = Config::from_toml(&config("cache_aware", 8192, 8192), "t.toml").unwrap();
+    assert_eq!(big.pools["decode"].cache_aware.block_size.get(), 8192);
+    for bad in [0, 65537] {
+        let err = Config::from_toml(&config("round_robin", bad, bad), "t.toml").unwrap_err();
+        assert_problem_keys(&err, &["pools.decode.kv_events.block_size", "pools.decode.cache_aware.block_size"]);
+        assert!(err.problems.iter().all(|p| p.message == "must be between 1 and 65536"), "{:#?}", err.problems);
+        assert_eq!((err.problems[0].line, err.problems[0].column), (6, 14));
+    }
+    let err = Config::from_toml(&config("cache_aware", 0, 32), "t.toml").unwrap_err();
+    assert_problem_keys(&err, &["pools.decode.kv_events.block_size"]);
 }

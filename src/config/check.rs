@@ -1,39 +1,23 @@
-//! The one validation pass over a parsed [`Config`]: bounds, addresses, names, and the rules
-//! that span fields (pool references, a route's mode and its prefill, listeners that must
-//! differ). Every problem is placed by key path; a key whose value did not parse is not
-//! checked again.
+//! The one validation pass over a parsed [`Config`]: bounds of counts, addresses, names, and
+//! the rules that span fields (pool references, a route's mode and its prefill, listeners that
+//! must differ, a cache-aware pool hashing as its events). Durations and block sizes carry
+//! their ranges in their types and were checked as they were read. Every problem is placed by
+//! key path; a key whose value did not parse is not checked again.
 
 use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};
 use std::ops::RangeInclusive;
-use std::time::Duration;
 
 use tracing_subscriber::filter::LevelFilter;
 
-use super::file::{Config, Pool, PoolTls, Prefill, Route};
+use super::file::{CacheAware, Config, Pool, PoolKvEvents, PoolTls, Prefill, Route};
 use super::values::{AllowTarget, Balance, LocalIdsMode, Mode};
 use crate::addr::{endpoint_ranks, MAX_RANKS_PER_ENTRY};
 use crate::toml_read::{Doc, Problem};
 
 // Upper bounds: a value past these is a typo, not a setting.
-const MAX_SECONDS: u64 = 3600;
 const MAX_THREADS: u64 = 256;
-const MAX_CONNECT_MS: u64 = 600_000;
-/// vLLM closes idle keep-alive connections after 5 s; ours must close first.
-const MAX_IDLE_MS: u64 = 4999;
-/// The longest any one leg's deadline may be (prefill, first byte, stream idle, client write,
-/// release, body read); the latency histograms' buckets reach it.
-pub const MAX_LEG_MS: u64 = 3_600_000;
-/// A non-streamed answer may be a very long generation: the longest deadline of all, which
-/// the request-latency buckets reach.
-pub const MAX_ANSWER_MS: u64 = 6 * 3_600_000;
 const MAX_IN_FLIGHT: u64 = 1 << 20;
-/// Reading the config file more often than this is no use to anyone.
-const MIN_WATCH_MS: u64 = 100;
-/// The longest ejection (`upstream::pool::EJECT_MAX`).
-const MAX_EJECTION_MS: u64 = 120_000;
-/// Shortest interval between two lookups of a pool's `discover` name.
-const MIN_DISCOVER_MS: u64 = 100;
 const MAX_BODY_BYTES: u64 = 1 << 30;
 /// An SSE event limit below this would cut ordinary token events (a few KB with logprobs).
 const MIN_SSE_EVENT_BYTES: u64 = 64 * 1024;
@@ -119,10 +103,6 @@ impl Checker<'_, '_> {
         }
     }
 
-    fn millis(&mut self, path: &str, value: Duration, max: u64) {
-        self.range(path, u64::try_from(value.as_millis()).unwrap_or(u64::MAX), 1..=max);
-    }
-
     fn address(&mut self, path: &str, text: &str) -> bool {
         let ok = text.parse::<SocketAddr>().is_ok();
         if !ok {
@@ -166,27 +146,14 @@ fn check_server(ck: &mut Checker<'_, '_>, config: &Config) {
 fn check_limits(ck: &mut Checker<'_, '_>, config: &Config) {
     let (s, u, c) = (&config.server, &config.upstream, &config.cache);
     ck.range("server.threads", n(s.threads), 1..=MAX_THREADS);
-    ck.range("server.grace_period_seconds", s.grace_period_seconds, 1..=MAX_SECONDS);
-    ck.range("server.graceful_shutdown_timeout_seconds", s.graceful_shutdown_timeout_seconds, 1..=MAX_SECONDS);
     ck.range("server.max_header_count", n(s.max_header_count), 1..=MAX_HEADER_COUNT);
     ck.range("server.max_header_bytes", n(s.max_header_bytes), 1..=MAX_HEADER_BYTES);
-    ck.millis("server.body_read_timeout_ms", s.body_read_timeout_ms, MAX_LEG_MS);
     ck.range("server.max_in_flight", n(s.max_in_flight), 0..=MAX_IN_FLIGHT);
-    let watch = u64::try_from(s.config_watch_interval_ms.as_millis()).unwrap_or(u64::MAX);
-    if watch != 0 && !(MIN_WATCH_MS..=MAX_CONNECT_MS).contains(&watch) {
-        let message = format!("must be 0 (not watched) or between {MIN_WATCH_MS} and {MAX_CONNECT_MS}");
-        ck.at("server.config_watch_interval_ms", message);
-    }
-    ck.millis("upstream.connect_timeout_ms", u.connect_timeout_ms, MAX_CONNECT_MS);
-    ck.millis("upstream.idle_timeout_ms", u.idle_timeout_ms, MAX_IDLE_MS);
-    ck.millis("upstream.health_interval_ms", u.health_interval_ms, MAX_CONNECT_MS);
     if let Some(server) = &u.dns_server {
         ck.address("upstream.dns_server", server);
     }
     ck.range("upstream.eject_after_failures", u64::from(u.eject_after_failures), 0..=1000);
-    ck.millis("upstream.eject_base_ms", u.eject_base_ms, MAX_EJECTION_MS);
     ck.range("cache.capacity_bytes", n(c.capacity_bytes), 1..=MAX_CACHE_BYTES);
-    ck.millis("cache.ttl_ms", c.ttl_ms, MAX_LEG_MS);
 }
 
 /// Why `text` is not a log filter we accept: tracing's `EnvFilter` syntax, and a bare word
@@ -205,7 +172,25 @@ fn log_filter_problem(text: &str) -> Option<String> {
     })
 }
 
+/// A pool: its endpoints (or the name that discovers them), its TLS, local ids, KV events
+/// and cache-aware choice.
 fn check_pool(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool) {
+    check_endpoints(ck, path, pool);
+    if let Some(tls) = &pool.tls {
+        check_pool_tls(ck, &format!("{path}.tls"), tls, endpoint_by_ip(pool));
+    }
+    check_local_ids(ck, path, pool);
+    if let Some(kv) = &pool.kv_events {
+        check_kv_events(ck, &format!("{path}.kv_events"), pool, kv);
+    }
+    check_cache_aware(ck, &format!("{path}.cache_aware"), &pool.cache_aware);
+    if let (Some(kv), Balance::CacheAware) = (&pool.kv_events, pool.balance) {
+        check_hashed_as_events(ck, path, &pool.cache_aware, kv);
+    }
+}
+
+/// `endpoints` (required, unless `discover` names them), each `host:port` with its ranks.
+fn check_endpoints(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool) {
     let endpoints = format!("{path}.endpoints");
     if let Some(discover) = &pool.discover {
         check_discovery(ck, path, pool, discover);
@@ -218,80 +203,98 @@ fn check_pool(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool) {
             ck.at(&format!("{endpoints}[{i}]"), message);
         }
     }
-    if let Some(tls) = &pool.tls {
-        let ip = pool.endpoints.iter().find(|e| crate::addr::host_of(e).parse::<IpAddr>().is_ok());
-        let ip = ip.map(|e| format!("endpoint `{e}` is an IP address"));
-        let ip = ip.or_else(|| pool.discover.as_ref().map(|_| "discovered endpoints are IP addresses".to_owned()));
-        check_pool_tls(ck, &format!("{path}.tls"), tls, ip);
-    }
+}
+
+/// Why the pool's engines may be reached by IP address (which verified TLS needs a
+/// `server_name` for), as a sentence; `None` when they are all named.
+fn endpoint_by_ip(pool: &Pool) -> Option<String> {
+    let ip = pool.endpoints.iter().find(|e| crate::addr::host_of(e).parse::<IpAddr>().is_ok());
+    let ip = ip.map(|e| format!("endpoint `{e}` is an IP address"));
+    ip.or_else(|| pool.discover.as_ref().map(|_| "discovered endpoints are IP addresses".to_owned()))
+}
+
+/// `local_ids` needs the pool's tokenizer; its counts and share are bounded.
+fn check_local_ids(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool) {
     if pool.local_ids != LocalIdsMode::Off && pool.tokenizer.is_none() {
         ck.at(&format!("{path}.local_ids"), "needs the pool's `tokenizer` (its model folder holds the chat template)");
     }
     ck.range(&format!("{path}.local_ids_verify_after"), u64::from(pool.local_ids_verify_after), 1..=1_000_000);
-    if let Some(kv) = &pool.kv_events {
-        let at = format!("{path}.kv_events");
-        if ck.required(&at, "port") {
-            ck.range(&format!("{at}.port"), u64::from(kv.port), 1..=65535);
-        }
-        // vLLM offsets the ports by the rank: the highest rank's must still be a port.
-        let top_rank = pool.endpoints.iter().filter_map(|e| endpoint_ranks(e)).flat_map(|(_, r)| r).flatten().max();
-        let top = u64::from(top_rank.unwrap_or(0));
-        for (key, port) in [("port", Some(kv.port)), ("replay_port", kv.replay_port)] {
-            if let Some(port) = port.filter(|p| *p > 0 && u64::from(*p) + top > 65535) {
-                ck.at(&format!("{at}.{key}"), format!("{port} + rank {top} is past 65535"));
-            }
-        }
-        // A per-endpoint port names an endpoint the pool lists (a discovered pool's engines
-        // share `port`).
-        let listed: Vec<&str> = pool.endpoints.iter().filter_map(|e| endpoint_ranks(e)).map(|(addr, _)| addr).collect();
-        for (key, ports) in
-            [("endpoint_ports", &kv.endpoint_ports), ("endpoint_replay_ports", &kv.endpoint_replay_ports)]
-        {
-            for (endpoint, port) in ports {
-                if !listed.contains(&endpoint.as_str()) {
-                    ck.at(&format!("{at}.{key}"), format!("`{endpoint}` is not a host:port of the pool's `endpoints`"));
-                }
-                if *port == 0 || u64::from(*port) + top > 65535 {
-                    ck.at(&format!("{at}.{key}"), format!("{port} for `{endpoint}` is not a port (rank {top} added)"));
-                }
-            }
-        }
-        ck.range(&format!("{at}.block_size"), u64::from(kv.block_size), 1..=65536);
-        ck.range(&format!("{at}.max_blocks"), kv.max_blocks, 1..=100_000_000);
-        ck.millis(&format!("{at}.stale_after_ms"), kv.stale_after_ms, 86_400_000);
-    }
     if !(0.0..=1.0).contains(&pool.local_ids_recheck) {
         ck.at(&format!("{path}.local_ids_recheck"), "must be between 0 and 1");
     }
-    let cache_aware = &pool.cache_aware;
-    for (key, weight) in [("prefix_weight", cache_aware.prefix_weight), ("load_weight", cache_aware.load_weight)] {
-        if !(0.0..=MAX_WEIGHT).contains(&weight) {
-            ck.at(&format!("{path}.cache_aware.{key}"), format!("must be between 0 and {MAX_WEIGHT}"));
+}
+
+/// `[pools.NAME.kv_events]` at `at`: a port (required), ports every rank can offset, and a
+/// bounded index.
+fn check_kv_events(ck: &mut Checker<'_, '_>, at: &str, pool: &Pool, kv: &PoolKvEvents) {
+    if ck.required(at, "port") {
+        ck.range(&format!("{at}.port"), u64::from(kv.port), 1..=65535);
+    }
+    check_kv_ports(ck, at, pool, kv);
+    ck.range(&format!("{at}.max_blocks"), kv.max_blocks, 1..=100_000_000);
+}
+
+/// vLLM offsets the publisher's ports by the rank: the highest rank's must still be a port. A
+/// per-endpoint port names an endpoint the pool lists (a discovered pool's engines share
+/// `port`).
+fn check_kv_ports(ck: &mut Checker<'_, '_>, at: &str, pool: &Pool, kv: &PoolKvEvents) {
+    let top_rank = pool.endpoints.iter().filter_map(|e| endpoint_ranks(e)).flat_map(|(_, r)| r).flatten().max();
+    let top = u64::from(top_rank.unwrap_or(0));
+    for (key, port) in [("port", Some(kv.port)), ("replay_port", kv.replay_port)] {
+        if let Some(port) = port.filter(|p| *p > 0 && u64::from(*p) + top > 65535) {
+            ck.at(&format!("{at}.{key}"), format!("{port} + rank {top} is past 65535"));
         }
     }
-    ck.range(&format!("{path}.cache_aware.block_size"), u64::from(cache_aware.block_size), 1..=4096);
-    ck.range(&format!("{path}.cache_aware.max_blocks"), u64::from(cache_aware.max_blocks), 1..=100_000_000);
-    // The events name blocks as the engines hash them; a chain hashed otherwise never matches.
-    if let (Some(kv), Balance::CacheAware) = (&pool.kv_events, pool.balance) {
-        if cache_aware.block_size != kv.block_size {
-            let message = format!(
-                "is {} but kv_events.block_size is {}: both are the engines' --block-size",
-                cache_aware.block_size, kv.block_size
-            );
-            ck.at(&format!("{path}.cache_aware.block_size"), message);
-        }
-        if cache_aware.hash_seed != kv.hash_seed {
-            let message = format!(
-                "is `{}` but kv_events.hash_seed is `{}`: both are the engines' PYTHONHASHSEED",
-                cache_aware.hash_seed, kv.hash_seed
-            );
-            ck.at(&format!("{path}.cache_aware.hash_seed"), message);
+    let listed: Vec<&str> = pool.endpoints.iter().filter_map(|e| endpoint_ranks(e)).map(|(addr, _)| addr).collect();
+    for (key, ports) in [("endpoint_ports", &kv.endpoint_ports), ("endpoint_replay_ports", &kv.endpoint_replay_ports)] {
+        for (endpoint, port) in ports {
+            if !listed.contains(&endpoint.as_str()) {
+                ck.at(&format!("{at}.{key}"), format!("`{endpoint}` is not a host:port of the pool's `endpoints`"));
+            }
+            if *port == 0 || u64::from(*port) + top > 65535 {
+                ck.at(&format!("{at}.{key}"), format!("{port} for `{endpoint}` is not a port (rank {top} added)"));
+            }
         }
     }
 }
 
-/// A pool's `discover`: instead of `endpoints`, a DNS name with a port (and ranks), looked up
-/// at a bounded interval.
+/// Largest weight of a cache-aware score term.
+const MAX_WEIGHT: f64 = 1000.0;
+
+/// `[pools.NAME.cache_aware]` at `at`: bounded weights and index.
+fn check_cache_aware(ck: &mut Checker<'_, '_>, at: &str, cache_aware: &CacheAware) {
+    for (key, weight) in [("prefix_weight", cache_aware.prefix_weight), ("load_weight", cache_aware.load_weight)] {
+        if !(0.0..=MAX_WEIGHT).contains(&weight) {
+            ck.at(&format!("{at}.{key}"), format!("must be between 0 and {MAX_WEIGHT}"));
+        }
+    }
+    ck.range(&format!("{at}.max_blocks"), u64::from(cache_aware.max_blocks), 1..=100_000_000);
+}
+
+/// A cache-aware pool with KV events: the events name blocks as the engines hash them, and a
+/// chain hashed otherwise never matches, so its block size and seed are the events'. A pair
+/// where either value did not parse is not compared (its default would be named as if written).
+fn check_hashed_as_events(ck: &mut Checker<'_, '_>, path: &str, cache_aware: &CacheAware, kv: &PoolKvEvents) {
+    let both_read = |ck: &Checker<'_, '_>, key: &str| {
+        [format!("{path}.cache_aware.{key}"), format!("{path}.kv_events.{key}")].iter().all(|k| !ck.parsed.contains(k))
+    };
+    if cache_aware.block_size != kv.block_size && both_read(ck, "block_size") {
+        let message = format!(
+            "is {} but kv_events.block_size is {}: both are the engines' --block-size",
+            cache_aware.block_size, kv.block_size
+        );
+        ck.at(&format!("{path}.cache_aware.block_size"), message);
+    }
+    if cache_aware.hash_seed != kv.hash_seed && both_read(ck, "hash_seed") {
+        let message = format!(
+            "is `{}` but kv_events.hash_seed is `{}`: both are the engines' PYTHONHASHSEED",
+            cache_aware.hash_seed, kv.hash_seed
+        );
+        ck.at(&format!("{path}.cache_aware.hash_seed"), message);
+    }
+}
+
+/// A pool's `discover`: instead of `endpoints`, a DNS name with a port (and ranks).
 fn check_discovery(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool, discover: &str) {
     let key = format!("{path}.discover");
     if !pool.endpoints.is_empty() {
@@ -302,12 +305,7 @@ fn check_discovery(ck: &mut Checker<'_, '_>, path: &str, pool: &Pool, discover: 
         let message = format!("`{discover}` is not name:port, name:port#RANK or name:port#FIRST-LAST with a DNS name (at most {MAX_RANKS_PER_ENTRY} ranks)");
         ck.at(&key, message);
     }
-    let interval = u64::try_from(pool.discover_interval_ms.as_millis()).unwrap_or(u64::MAX);
-    ck.range(&format!("{path}.discover_interval_ms"), interval, MIN_DISCOVER_MS..=MAX_CONNECT_MS);
 }
-
-/// Largest weight of a cache-aware score term.
-const MAX_WEIGHT: f64 = 1000.0;
 
 /// `[pools.NAME.tls]` (and an allowlist entry's `tls`): a client certificate with its key, and
 /// a name to check when verification is on and the peer is named by IP (`ip`: which, as a
@@ -373,16 +371,8 @@ fn check_route(ck: &mut Checker<'_, '_>, config: &Config, path: &str, route: &Ro
     if ck.required(path, "decode_pool") {
         ck.pool_ref(config, &key("decode_pool"), &route.decode_pool);
     }
-    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
     let r = route;
-    let bounded: [(&str, u64, RangeInclusive<u64>); 12] = [
-        ("prefill_timeout_ms", ms(r.prefill_timeout_ms), 1..=MAX_LEG_MS),
-        ("decode_first_byte_timeout_ms", ms(r.decode_first_byte_timeout_ms), 1..=MAX_LEG_MS),
-        ("decode_whole_answer_timeout_ms", ms(r.decode_whole_answer_timeout_ms), 1..=MAX_ANSWER_MS),
-        ("stream_idle_timeout_ms", ms(r.stream_idle_timeout_ms), 1..=MAX_LEG_MS),
-        ("client_write_timeout_ms", ms(r.client_write_timeout_ms), 1..=MAX_LEG_MS),
-        ("release_timeout_ms", ms(r.release_timeout_ms), 1..=MAX_LEG_MS),
-        ("parity_cooldown_ms", ms(r.parity_cooldown_ms), 1..=MAX_LEG_MS),
+    let bounded: [(&str, u64, RangeInclusive<u64>); 5] = [
         ("max_sse_event_bytes", n(r.max_sse_event_bytes), MIN_SSE_EVENT_BYTES..=MAX_BODY_BYTES),
         ("max_body_bytes", n(r.max_body_bytes), 1..=MAX_BODY_BYTES),
         ("retry_budget_percent", u64::from(r.retry_budget_percent), 0..=100),

@@ -1,6 +1,6 @@
-//! Durations in the file: a string with its unit (`"500ms"`, `"30s"`, `"2m"`, `"1h"`, `"1.5s"`,
-//! `"1m30s"`) or an integer in the unit its key ends with (`_ms`, `_seconds`). The fields of
-//! `file.rs` name [`millis`] or [`seconds`] in `deserialize_with`; nothing else parses one.
+//! Durations in the file: a string with its unit (`"500ms"`, `"1.5s"`, `"1m30s"`, ...) or an
+//! integer in the unit its key ends with (`_ms`, `_seconds`), read as the key's kind ([`LegMs`],
+//! ...), which carries the key's range and refuses a value outside it, at its key.
 //!
 //! A small parser rather than `humantime`: four units are all a timeout needs, and humantime
 //! also reads months and years (calendar guesses) and words its errors its own way.
@@ -8,22 +8,120 @@
 use std::fmt;
 use std::time::Duration;
 
-use serde::de::{self, Deserializer, Visitor};
+use serde::de::{self, Deserialize, Deserializer, Visitor};
 
 /// Nanoseconds in one of each unit a duration may be written in.
 const UNITS: [(&str, u128); 4] =
     [("ms", 1_000_000), ("s", 1_000_000_000), ("m", 60 * 1_000_000_000), ("h", 3600 * 1_000_000_000)];
 const NANOS_PER_SECOND: u128 = 1_000_000_000;
 
-/// `deserialize_with` of a `_ms` key: a bare integer is milliseconds.
-pub fn millis<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
-    deserializer.deserialize_any(DurationVisitor(Unit::Millis))
+/// The longest any one leg's deadline may be (prefill, first byte, stream idle, client write,
+/// release, body read); the latency histograms' buckets reach it.
+pub const MAX_LEG_MS: u64 = 3_600_000;
+/// A non-streamed answer may be a very long generation: the longest deadline of all, which
+/// the request-latency buckets reach.
+pub const MAX_ANSWER_MS: u64 = 6 * 3_600_000;
+/// Ten minutes: the longest connect deadline and the longest time between two polls (health,
+/// a pool's lookup, the file watch).
+const MAX_POLL_MS: u64 = 600_000;
+/// Reading the config file, or a pool's `discover` name, more often than this is no use.
+const MIN_POLL_MS: u64 = 100;
+
+/// A deadline of one leg or one wait (prefill, first byte, stream idle, client write, release,
+/// a body read, the parity cool-down, the relay cache's wait for its decode): up to an hour.
+pub type LegMs = Millis<1, MAX_LEG_MS>;
+/// The deadline of a decode's whole answer (not streamed): up to six hours.
+pub type AnswerMs = Millis<1, MAX_ANSWER_MS>;
+/// A connect deadline, or the time between two health polls: up to ten minutes.
+pub type PollMs = Millis<1, MAX_POLL_MS>;
+/// How long an idle engine connection is kept: vLLM closes idle keep-alive connections after
+/// 5 s, and ours must close first.
+pub type IdleMs = Millis<1, 4999>;
+/// An endpoint's first ejection: at most the longest ejection (`upstream::pool::EJECT_MAX`).
+pub type EjectionMs = Millis<1, 120_000>;
+/// Time between two lookups of a pool's `discover` name: 100 ms to ten minutes.
+pub type DiscoverMs = Millis<MIN_POLL_MS, MAX_POLL_MS>;
+/// Time between two reads of the config file: 0 (not watched), or 100 ms to ten minutes.
+pub type WatchMs = Millis<MIN_POLL_MS, MAX_POLL_MS, true>;
+/// How long a KV events subscriber may stay away before its entries are not believed: up to
+/// a day.
+pub type StaleMs = Millis<1, 86_400_000>;
+/// A shutdown stage, in whole seconds: up to an hour.
+pub type ShutdownSeconds = Seconds<1, 3600>;
+
+/// A `_ms` key's duration, checked when read: `MIN` to `MAX` whole milliseconds (a fraction of
+/// one is not counted), or also zero (off) when `OFF`. A field of `file.rs` names its kind's
+/// [`read`](Self::read) in `deserialize_with` and keeps the plain `Duration` its readers take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Millis<const MIN: u64, const MAX: u64, const OFF: bool = false>(Duration);
+
+impl<const MIN: u64, const MAX: u64, const OFF: bool> Millis<MIN, MAX, OFF> {
+    /// `d`, if this kind of key takes it.
+    ///
+    /// # Errors
+    /// [`BadDuration::OutOfRange`] naming the range.
+    pub fn new(d: Duration) -> Result<Self, BadDuration> {
+        let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        within(ms, MIN, MAX, OFF).map(|()| Self(d))
+    }
+
+    /// The duration.
+    pub fn get(self) -> Duration {
+        self.0
+    }
+
+    /// `deserialize_with` of a key of this kind: the duration, checked.
+    pub fn read<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
+        Self::deserialize(deserializer).map(Self::get)
+    }
 }
 
-/// `deserialize_with` of a `_seconds` key: a bare integer is seconds, and a string must come
-/// to whole seconds (`"2m"`, not `"1.5s"`).
-pub fn seconds<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
-    deserializer.deserialize_any(DurationVisitor(Unit::Seconds)).map(|d| d.as_secs())
+impl<'de, const MIN: u64, const MAX: u64, const OFF: bool> Deserialize<'de> for Millis<MIN, MAX, OFF> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let d = deserializer.deserialize_any(DurationVisitor(Unit::Millis))?;
+        Self::new(d).map_err(de::Error::custom)
+    }
+}
+
+/// A `_seconds` key's duration in whole seconds (`"2m"`, not `"1.5s"`), checked when read:
+/// `MIN` to `MAX`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Seconds<const MIN: u64, const MAX: u64>(u64);
+
+impl<const MIN: u64, const MAX: u64> Seconds<MIN, MAX> {
+    /// `seconds`, if this kind of key takes it.
+    ///
+    /// # Errors
+    /// [`BadDuration::OutOfRange`] naming the range.
+    pub fn new(seconds: u64) -> Result<Self, BadDuration> {
+        within(seconds, MIN, MAX, false).map(|()| Self(seconds))
+    }
+
+    /// The seconds.
+    pub fn get(self) -> u64 {
+        self.0
+    }
+
+    /// `deserialize_with` of a key of this kind: the seconds, checked.
+    pub fn read<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+        Self::deserialize(deserializer).map(Self::get)
+    }
+}
+
+impl<'de, const MIN: u64, const MAX: u64> Deserialize<'de> for Seconds<MIN, MAX> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let d = deserializer.deserialize_any(DurationVisitor(Unit::Seconds))?;
+        Self::new(d.as_secs()).map_err(de::Error::custom)
+    }
+}
+
+/// `value` (in a key's unit) is `min` to `max`, or zero with `off`.
+fn within(value: u64, min: u64, max: u64, off: bool) -> Result<(), BadDuration> {
+    if (off && value == 0) || (min..=max).contains(&value) {
+        Ok(())
+    } else {
+        Err(BadDuration::OutOfRange { min, max, off })
+    }
 }
 
 /// What a duration as written is wrong with.
@@ -38,6 +136,9 @@ pub enum BadDuration {
     /// A negative integer.
     #[error("must not be negative, not {0}")]
     Negative(i64),
+    /// Outside the key's range (in its unit); zero too unless `off`.
+    #[error("must be {}between {min} and {max}", .off.then_some("0 (off) or ").unwrap_or_default())]
+    OutOfRange { min: u64, max: u64, off: bool },
 }
 
 /// The unit of a duration key's bare integer, by the key's suffix.
@@ -183,6 +284,23 @@ mod tests {
             assert_eq!(parse(bad), None, "{bad:?}");
         }
         assert_eq!(parse(&format!("{}h", u64::MAX)), None, "past Duration's range");
+    }
+
+    #[test]
+    fn each_kind_of_key_takes_its_range_and_names_it() {
+        let ms = Duration::from_millis;
+        assert_eq!(LegMs::new(ms(1)).map(LegMs::get), Ok(ms(1)));
+        assert_eq!(LegMs::new(ms(MAX_LEG_MS)).map(LegMs::get), Ok(ms(MAX_LEG_MS)));
+        for bad in [ms(0), Duration::from_micros(500), ms(MAX_LEG_MS + 1)] {
+            let message = LegMs::new(bad).map_err(|e| e.to_string());
+            assert_eq!(message, Err(format!("must be between 1 and {MAX_LEG_MS}")), "{bad:?}");
+        }
+        assert_eq!(WatchMs::new(ms(0)).map(WatchMs::get), Ok(ms(0)), "0: not watched");
+        assert_eq!(WatchMs::new(ms(100)).map(WatchMs::get), Ok(ms(100)));
+        let message = WatchMs::new(ms(99)).map_err(|e| e.to_string());
+        assert_eq!(message, Err("must be 0 (off) or between 100 and 600000".into()));
+        assert_eq!(ShutdownSeconds::new(3600).map(ShutdownSeconds::get), Ok(3600));
+        assert_eq!(ShutdownSeconds::new(0).map_err(|e| e.to_string()), Err("must be between 1 and 3600".into()));
     }
 
     #[test]

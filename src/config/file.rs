@@ -1,7 +1,7 @@
 //! The config file as typed data: one serde struct per TOML table, every default at its field
-//! (`#[default(..)]`), durations read by `duration.rs` (`"30s"`, or an integer in the key's
-//! unit). [`crate::toml_read`] fills these from the text, reporting every problem; `check.rs`
-//! then checks what spans fields. Nothing here reads a file.
+//! (`#[default(..)]`), durations read as their kind by `duration.rs` (`"30s"`, or an integer in
+//! the key's unit, within the kind's range). [`crate::toml_read`] fills these from the text,
+//! reporting every problem; `check.rs` then checks what spans fields. Nothing here reads a file.
 //!
 //! Each field's doc is its entry in `docs/configuration.md`, which `tests/docs.rs` generates
 //! from this file (`TOKENONCE_BLESS=1 cargo test --test docs` rewrites it): what the key
@@ -18,8 +18,8 @@ use smart_default::SmartDefault;
 
 use super::duration;
 use super::values::{
-    AllowEntry, Balance, ClientHandoff, LocalIdsMode, LogFormat, Mode, ModelGlob, Net, OnClientGone, OnPrefillFailure,
-    OtlpProtocol, ParityPolicy, RelayHandoff, ReuseShare, Version,
+    AllowEntry, Balance, BlockSize, ClientHandoff, LocalIdsMode, LogFormat, Mode, ModelGlob, Net, OnClientGone,
+    OnPrefillFailure, OtlpProtocol, ParityPolicy, RelayHandoff, ReuseShare, Version,
 };
 
 /// The whole file.
@@ -76,13 +76,13 @@ pub struct Server {
     /// Seconds in-flight streams may finish after SIGTERM (at most 3600). Fixed at start.
     /// Default: `5`.
     /// Short decodes end well within it.
-    #[serde(deserialize_with = "duration::seconds")]
+    #[serde(deserialize_with = "duration::ShutdownSeconds::read")]
     #[default(5)]
     pub grace_period_seconds: u64,
     /// Seconds services then get to stop (at most 3600). Fixed at start.
     /// Default: `5`.
     /// Seconds services get to stop after the grace period.
-    #[serde(deserialize_with = "duration::seconds")]
+    #[serde(deserialize_with = "duration::ShutdownSeconds::read")]
     #[default(5)]
     pub graceful_shutdown_timeout_seconds: u64,
     /// Log filter in tracing's `EnvFilter` syntax (`warn,tokenonce=debug`; a bare word must be
@@ -107,7 +107,7 @@ pub struct Server {
     /// Default: `0`.
     /// Off: a reload happens when someone asks for it (SIGHUP, `POST /admin/reload`). In a
     /// ConfigMap volume `2000` takes a change within about 4 s of the kubelet writing it.
-    #[serde(deserialize_with = "duration::millis")]
+    #[serde(deserialize_with = "duration::WatchMs::read")]
     #[default(Duration::ZERO)]
     pub config_watch_interval_ms: Duration,
     /// Most header fields per request head (431 `headers_too_large` above; at most 256).
@@ -124,7 +124,7 @@ pub struct Server {
     /// clients).
     /// Default: `60000`.
     /// A slow or stalled client (slowloris) is cut after a minute.
-    #[serde(deserialize_with = "duration::millis")]
+    #[serde(deserialize_with = "duration::LegMs::read")]
     #[default(Duration::from_millis(60_000))]
     pub body_read_timeout_ms: Duration,
     /// Most client requests served at once, plain and TLS listeners together; past it 503
@@ -161,21 +161,21 @@ pub struct Upstream {
     /// TCP connect deadline, ms. Fixed at start.
     /// Default: `2000`.
     /// Engines are on loopback or in the cluster.
-    #[serde(deserialize_with = "duration::millis")]
+    #[serde(deserialize_with = "duration::PollMs::read")]
     #[default(Duration::from_millis(2000))]
     pub connect_timeout_ms: Duration,
     /// How long an idle pooled connection is kept, ms; must stay below vLLM's keep-alive
     /// (under five seconds). Fixed at start.
     /// Default: `4000`.
     /// Below vLLM's 5 s keep-alive, so no socket goes stale.
-    #[serde(deserialize_with = "duration::millis")]
+    #[serde(deserialize_with = "duration::IdleMs::read")]
     #[default(Duration::from_millis(4000))]
     pub idle_timeout_ms: Duration,
     /// How often each endpoint's `/health` is polled, ms (all endpoints at once, each within a
     /// second). Fixed at start.
     /// Default: `2000`.
     /// Readiness follows the engine within 2 s.
-    #[serde(deserialize_with = "duration::millis")]
+    #[serde(deserialize_with = "duration::PollMs::read")]
     #[default(Duration::from_millis(2000))]
     pub health_interval_ms: Duration,
     /// Consecutive request failures (no answer, a 5xx, or a deadline that passed while the
@@ -196,7 +196,7 @@ pub struct Upstream {
     /// Default: `5000`.
     /// Long enough for an engine that was briefly overloaded to drain its queue, short enough
     /// that a pool of a few engines does not run on one for long after a blip.
-    #[serde(deserialize_with = "duration::millis")]
+    #[serde(deserialize_with = "duration::EjectionMs::read")]
     #[default(Duration::from_millis(5000))]
     pub eject_base_ms: Duration,
     /// The DNS server pools' `discover` names are asked, `ip:port` (none: the nameservers of
@@ -230,7 +230,7 @@ pub struct Pool {
     /// upkeep round (every `upstream.health_interval_ms`) after this has passed.
     /// Default: `5000`.
     /// A pod that starts or stops is followed within seconds, at one small query per pool.
-    #[serde(deserialize_with = "duration::millis")]
+    #[serde(deserialize_with = "duration::DiscoverMs::read")]
     #[default(Duration::from_millis(5000))]
     pub discover_interval_ms: Duration,
     /// `round_robin`, `least_in_flight`, or `cache_aware` (the endpoint holding most of the
@@ -309,8 +309,8 @@ pub struct PoolKvEvents {
     /// The engines' `--block-size` (tokens per KV block; 1 to 65536).
     /// Default: `16`.
     /// vLLM's default on GPUs (its CPU backend needs a multiple of 32).
-    #[default(16)]
-    pub block_size: u32,
+    #[default(BlockSize::DEFAULT)]
+    pub block_size: BlockSize,
     /// Most (endpoint, block) entries the pool's index holds; past it the oldest stored are
     /// forgotten (1 to 100,000,000). At most about 120 bytes each: the entry, its place in
     /// the eviction order, and the hash check's memory of one digest.
@@ -325,7 +325,7 @@ pub struct PoolKvEvents {
     /// Default: `"30s"`.
     /// Long enough for an engine's subscriber to reconnect, short enough that a dead engine's
     /// blocks stop attracting requests.
-    #[serde(deserialize_with = "duration::millis")]
+    #[serde(deserialize_with = "duration::StaleMs::read")]
     #[default(Duration::from_secs(30))]
     pub stale_after_ms: Duration,
 }
@@ -347,12 +347,12 @@ pub struct CacheAware {
     /// A busy holder keeps its prompts until ten more requests wait there than elsewhere.
     #[default(0.1)]
     pub load_weight: f64,
-    /// Tokens per block, as the engines' `--block-size` (1 to 4096): a prompt's full blocks
+    /// Tokens per block, as the engines' `--block-size` (1 to 65536): a prompt's full blocks
     /// are what it is matched by. With `kv_events` it must equal `kv_events.block_size`.
     /// Default: `16`.
     /// vLLM's default on GPUs, as `kv_events.block_size` (its CPU backend needs a multiple of 32).
-    #[default(16)]
-    pub block_size: u32,
+    #[default(BlockSize::DEFAULT)]
+    pub block_size: BlockSize,
     /// The seed of the first block's hash: the engines' `PYTHONHASHSEED` (vLLM's own
     /// `"vllm-none-hash"` when they run without one). Matters where block hashes are compared
     /// with the engines' KV events: with `kv_events` it must equal `kv_events.hash_seed`.
@@ -436,7 +436,7 @@ pub struct Route {
     /// default).
     /// Default: `30000`.
     /// vLLM holds the prefill's KV for the decode 30 s by default.
-    #[serde(deserialize_with = "duration::millis")]
+    #[serde(deserialize_with = "duration::LegMs::read")]
     #[default(Duration::from_millis(30_000))]
     pub prefill_timeout_ms: Duration,
     /// Deadline of the decode's response head for a streamed request (`stream: true`), ms;
@@ -444,7 +444,7 @@ pub struct Route {
     /// timeout).
     /// Default: `60000`.
     /// A queued decode may wait behind long prefills.
-    #[serde(deserialize_with = "duration::millis")]
+    #[serde(deserialize_with = "duration::LegMs::read")]
     #[default(Duration::from_millis(60_000))]
     pub decode_first_byte_timeout_ms: Duration,
     /// Deadline of the decode's response head for a request not streamed, which vLLM sends only
@@ -453,7 +453,7 @@ pub struct Route {
     /// A reasoning model's or an evaluation job's long output (tens of thousands of tokens at
     /// tens per second, slower under load) takes many minutes; 30 min covers those and still
     /// ends a decode that never answers.
-    #[serde(deserialize_with = "duration::millis")]
+    #[serde(deserialize_with = "duration::AnswerMs::read")]
     #[default(Duration::from_millis(1_800_000))]
     pub decode_whole_answer_timeout_ms: Duration,
     /// Silence allowed between two body chunks (SSE events) of an engine answer being relayed,
@@ -462,7 +462,7 @@ pub struct Route {
     /// Default: `60000`.
     /// vLLM streams a token every few tens of ms and a preempted or recomputing decode resumes
     /// within seconds; a minute of nothing is a stuck engine.
-    #[serde(deserialize_with = "duration::millis")]
+    #[serde(deserialize_with = "duration::LegMs::read")]
     #[default(Duration::from_millis(60_000))]
     pub stream_idle_timeout_ms: Duration,
     /// How long one write to the client may wait for it to read, ms; past it the client
@@ -470,7 +470,7 @@ pub struct Route {
     /// Default: `30000`.
     /// A client that has not read for 30 s while every socket buffer is full has stalled, and
     /// its decode is freed.
-    #[serde(deserialize_with = "duration::millis")]
+    #[serde(deserialize_with = "duration::LegMs::read")]
     #[default(Duration::from_millis(30_000))]
     pub client_write_timeout_ms: Duration,
     /// Orchestrate: the client left after a prefill that returned `kv_transfer_params`, before
@@ -486,7 +486,7 @@ pub struct Route {
     /// Deadline of that release leg, ms.
     /// Default: `30000`.
     /// Past vLLM's 30 s KV lease the prefill has freed the blocks anyway.
-    #[serde(deserialize_with = "duration::millis")]
+    #[serde(deserialize_with = "duration::LegMs::read")]
     #[default(Duration::from_millis(30_000))]
     pub release_timeout_ms: Duration,
     /// Longest SSE event relayed, bytes (at least 64 KiB); a longer one ends the stream with an
@@ -558,7 +558,7 @@ pub struct Route {
     /// restarts it).
     /// Default: `60000`.
     /// A rollout or a bad engine is not fixed in less.
-    #[serde(deserialize_with = "duration::millis")]
+    #[serde(deserialize_with = "duration::LegMs::read")]
     #[default(Duration::from_millis(60_000))]
     pub parity_cooldown_ms: Duration,
 }
@@ -659,7 +659,7 @@ pub struct Cache {
     /// How long ids wait for their decode, ms; an entry also leaves when used.
     /// Default: `30000`.
     /// vLLM's KV hold on the prefill, after which ids are useless.
-    #[serde(deserialize_with = "duration::millis")]
+    #[serde(deserialize_with = "duration::LegMs::read")]
     #[default(Duration::from_millis(30_000))]
     pub ttl_ms: Duration,
 }
@@ -701,7 +701,7 @@ impl PoolKvEvents {
             endpoint_replay_ports: self.endpoint_replay_ports.clone(),
             topic: self.topic.clone(),
             hash_seed: self.hash_seed.clone(),
-            block_size: self.block_size as usize,
+            block_size: self.block_size.get(),
             max_blocks: usize::try_from(self.max_blocks).unwrap_or(usize::MAX),
             stale_after: self.stale_after_ms,
         }

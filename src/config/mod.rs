@@ -1,7 +1,7 @@
-//! Configuration: the file as typed data (`file`, its value types in `values`, durations in
-//! `duration`), read from TOML with every problem reported at once ([`crate::toml_read`]),
-//! checked as a whole (`check`), then what its paths name loaded (`resources`). The embedded
-//! default (`conf/default.toml`) runs when no file is given.
+//! Configuration: the file as typed data (`file`, its value types in `values`, durations and
+//! their ranges in `duration`), read from TOML with every problem reported at once
+//! ([`crate::toml_read`]), checked across keys (`check`), then what its paths name loaded
+//! (`resources`). The embedded default (`conf/default.toml`) runs when no file is given.
 
 mod check;
 mod duration;
@@ -10,15 +10,15 @@ mod resources;
 pub mod values;
 
 pub use crate::toml_read::Problem;
-pub use check::{MAX_ANSWER_MS, MAX_LEG_MS};
+pub use duration::{MAX_ANSWER_MS, MAX_LEG_MS};
 pub use file::{
     AllowRule, Cache, CacheAware, Config, Defaults, Match, Pool, PoolKvEvents, PoolTls, Prefill, Route, Server,
     ServerTls, Tracing, Upstream,
 };
 pub use resources::{AdminToken, MissingFiles, PoolResources, Resources, SkippedFile};
 pub use values::{
-    parse_allow, AllowEntry, AllowTarget, Balance, ClientHandoff, LocalIdsMode, LogFormat, Mode, ModelGlob, Net,
-    OnClientGone, OnPrefillFailure, OtlpProtocol, ParityPolicy, RelayHandoff, ReuseShare, Version,
+    parse_allow, AllowEntry, AllowTarget, Balance, BlockSize, ClientHandoff, LocalIdsMode, LogFormat, Mode, ModelGlob,
+    Net, OnClientGone, OnPrefillFailure, OtlpProtocol, ParityPolicy, RelayHandoff, ReuseShare, Version,
 };
 
 /// The embedded default configuration text.

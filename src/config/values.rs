@@ -1,6 +1,6 @@
 //! The value types of the config file: the named choices, and values parsed from one string
-//! or number (a version, a canary share, an allowlist entry, a network, a model glob). Each
-//! deserializes itself and says in its error what it wanted.
+//! or number (a block size, a version, a canary share, an allowlist entry, a network, a model
+//! glob). Each deserializes itself and says in its error what it wanted.
 
 use std::fmt;
 use std::net::IpAddr;
@@ -140,6 +140,42 @@ pub enum LogFormat {
     Text,
     /// One JSON object per line, for a log pipeline.
     Json,
+}
+
+/// Tokens per KV block, as the engines' `--block-size`: 1 to 65,536, for both
+/// `kv_events.block_size` and `cache_aware.block_size`, which name that one engine setting
+/// (where both are used they must also be equal: a rule across keys, in `check.rs`). vLLM
+/// takes any positive size (older releases a power of two from 8 to 256, or 1; its CPU backend
+/// a multiple of 32) and raises a hybrid (Mamba) model's attention block to hundreds or
+/// thousands of tokens so its pages line up with the Mamba state's: the bound leaves room for
+/// those, and a larger number is a typo.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "u32")]
+pub struct BlockSize(u32);
+
+impl BlockSize {
+    /// The largest block size taken.
+    pub const MAX: u32 = 65_536;
+    /// vLLM's default on GPUs.
+    pub const DEFAULT: Self = Self(16);
+
+    /// Tokens per block.
+    pub fn get(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl TryFrom<u32> for BlockSize {
+    type Error = String;
+    fn try_from(n: u32) -> Result<Self, String> {
+        (1..=Self::MAX).contains(&n).then_some(Self(n)).ok_or_else(|| format!("must be between 1 and {}", Self::MAX))
+    }
+}
+
+impl fmt::Display for BlockSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
 }
 
 /// A vLLM version, compared numerically.

@@ -341,7 +341,7 @@ impl CacheAwareChoice {
         Self {
             prefix_weight: spec.prefix_weight,
             load_weight: spec.load_weight,
-            hasher: BlockHasher::new(&spec.hash_seed, spec.block_size as usize),
+            hasher: BlockHasher::new(&spec.hash_seed, spec.block_size.get()),
             sources: RwLock::new(vec![(ChoiceSource::Sent, sent)]),
             text: SentPrefixes::new(spec.max_blocks as usize),
             metrics: OnceLock::new(),

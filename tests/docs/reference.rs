@@ -214,7 +214,7 @@ fn shape(ty: &syn::Type, structs: &HashMap<String, &syn::ItemStruct>, strings: &
             _ => panic!("nested maps in file.rs"),
         },
         ("String", []) => Shape::Value("string".into()),
-        ("u16" | "u32" | "u64" | "usize", []) => Shape::Value("integer".into()),
+        ("u16" | "u32" | "u64" | "usize" | "BlockSize", []) => Shape::Value("integer".into()),
         ("Duration", []) => Shape::Value("duration".into()),
         ("f64", []) => Shape::Value("float".into()),
         ("bool", []) => Shape::Value("boolean".into()),
