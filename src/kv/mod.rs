@@ -5,13 +5,21 @@
 //! chain an endpoint holds. The exact source is the engines' own KV events; the approximate
 //! one is where tokenonce itself sent each prefix (`sent`). Both sit below `upstream/`, which
 //! asks them when it picks an endpoint. The events' metric family: `metrics`.
+//!
+//! The events source: `events` (`PoolKvEvents`, the subscribers) over `state` (the pool's
+//! index and hash check, a batch applied), `sequence` (gaps), `replay` (replays asked and
+//! applied), `settings` (ports, addresses), `wire` (frames), `index` and `check`.
 
 pub mod check;
 pub mod events;
 pub mod hash;
 pub mod index;
 pub mod metrics;
+pub mod replay;
 pub mod sent;
+pub mod sequence;
+pub mod settings;
+mod state;
 pub mod wire;
 
 pub use hash::{BlockHash, BlockHasher, ExtraKeys};
