@@ -70,11 +70,11 @@ impl Incoming<'_> {
 /// would otherwise each ask, and one slow answer would send its request down the text
 /// path while the others learned the version); a failed ask is remembered for a pause.
 pub async fn decode_version(app: &App, route: &Route, decode: &Endpoint) -> DecodeVersion {
-    if let Some(v) = route.decode_pool.pinned_version().or_else(|| decode.version()) {
+    if let Some(v) = route.decode_pool.pinned_version().or_else(|| decode.facts().version()) {
         return DecodeVersion::Known(v);
     }
-    let _one_ask = decode.version_ask.lock().await;
-    match decode.version() {
+    let _one_ask = decode.facts().version_ask.lock().await;
+    match decode.facts().version() {
         Some(v) => DecodeVersion::Known(v),
         None => learn_version(&app.client, decode).await.map_or(DecodeVersion::Unknown, DecodeVersion::Known),
     }

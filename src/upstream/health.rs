@@ -9,9 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::client::{Target, UpstreamClient};
+use super::endpoint::Endpoint;
+use super::facts::ModelIdentity;
 use super::homes::ResponseHomes;
 use super::metrics::UpstreamMetrics;
-use super::pool::{Endpoint, ModelIdentity};
 use crate::config::Version;
 
 /// Deadline of one health or version probe.
@@ -30,13 +31,14 @@ pub const VERSION_RETRY_PAUSE: Duration = Duration::from_secs(30);
 /// Asks `GET /version` and records it on the endpoint; a failure is remembered so requests
 /// do not each pay for asking again (the poller and later requests retry after a pause).
 pub async fn learn_version(client: &UpstreamClient, endpoint: &Endpoint) -> Option<Version> {
-    if !endpoint.may_ask_version(VERSION_RETRY_PAUSE) {
+    let facts = endpoint.facts();
+    if !facts.may_ask_version(VERSION_RETRY_PAUSE) {
         return None;
     }
     let version = ask_version(client, endpoint.target()).await;
     match version {
-        Some(v) => endpoint.set_version(v),
-        None => endpoint.version_failed(),
+        Some(v) => facts.set_version(v),
+        None => facts.version_failed(),
     }
     version
 }
@@ -82,7 +84,7 @@ async fn ask_model(client: &UpstreamClient, to: Target<'_>) -> Option<ModelIdent
 /// True when some endpoint of `a` and some endpoint of `b` report different models
 /// (endpoints not known yet do not count).
 pub fn pools_differ(a: &super::Pool, b: &super::Pool) -> bool {
-    let known = |p: &super::Pool| p.endpoints().iter().filter_map(|e| e.model()).collect::<Vec<_>>();
+    let known = |p: &super::Pool| p.endpoints().iter().filter_map(|e| e.facts().model()).collect::<Vec<_>>();
     let (a, b) = (known(a), known(b));
     a.iter().any(|x| b.iter().any(|y| x != y))
 }
@@ -129,8 +131,8 @@ impl Probe<'_> {
         self.metrics.upstream_health(&pool.name, &endpoint.name, healthy);
         if !healthy {
             if was_healthy {
-                endpoint.forget_version();
-                endpoint.forget_model();
+                endpoint.facts().forget_version();
+                endpoint.facts().forget_model();
                 // vLLM keeps stored responses and its prefix cache in memory: an engine that
                 // went down lost them.
                 self.homes.forget_endpoint(&endpoint.name);
@@ -138,17 +140,18 @@ impl Probe<'_> {
             }
             return;
         }
+        let facts = endpoint.facts();
         if pool.pinned_version().is_none() {
             if !was_healthy {
-                endpoint.end_version_pause();
+                facts.end_version_pause();
             }
-            if !was_healthy || endpoint.version().is_none() || endpoint.version_older_than(VERSION_REFRESH) {
+            if !was_healthy || facts.version().is_none() || facts.version_older_than(VERSION_REFRESH) {
                 learn_version(self.client, endpoint).await;
             }
         }
         // After the version, which the reuse gate of every chat request waits on.
-        if !was_healthy || !endpoint.model_asked() {
-            endpoint.set_model(ask_model(self.client, endpoint.target()).await);
+        if !was_healthy || !facts.model_asked() {
+            facts.set_model(ask_model(self.client, endpoint.target()).await);
         }
     }
 }

@@ -16,8 +16,7 @@ use futures_util::FutureExt;
 
 use super::client::RequestHead;
 use super::metrics::{LegMetrics, UpstreamMetrics};
-use super::pool::PromptKey;
-use super::{Delivery, Endpoint, Exchange, Picked, Pool, RetryBudget, UpstreamClient, UpstreamError};
+use super::{Delivery, Endpoint, Exchange, Picked, Pool, PromptKey, RetryBudget, UpstreamClient, UpstreamError};
 use crate::metrics::{ErrorKind, Leg};
 use crate::telemetry::RequestTrace;
 

@@ -1,14 +1,21 @@
-//! Upstream engines: pools and endpoint choice (`pool`), pools whose members DNS gives
-//! (`discovery`), the HTTP client for the legs
-//! tokenonce sends itself (`client`, speaking HTTP/1.1 in `h1`) and its name cache (`resolve`),
-//! one leg sent under the deadline, retry, failover and ejection rules (`leg`), the background health, version and
-//! model poller (`health`), the per-route retry budget (`budget`), and where each stored
-//! Responses answer lives (`homes`); their metric family (`metrics`).
+//! Upstream engines: pools and the pick among their endpoints, the legs tokenonce sends them
+//! (retry, budget, failover, ejection) over its own HTTP/1.1 client, and the probes and DNS
+//! lookups that keep endpoints' health, engine facts and pools' members current.
+//!
+//! Layout: `pool` (pools, the pick), `choice` (the cache-aware choice), `endpoint` (one
+//! endpoint's load, health and ejection), `facts` (what asking its engine taught: version,
+//! model), `discovery` and `dns_name` (members a DNS name gives), `client` over `h1` (the
+//! HTTP/1.1 client) and `resolve` (its name cache), `leg` (one leg under the deadline, retry,
+//! failover and ejection rules), `budget` (the per-route retry budget), `health` (the probes),
+//! `homes` (where each stored Responses answer lives), `metrics` (their family).
 
 pub mod budget;
+pub mod choice;
 pub mod client;
 pub mod discovery;
 pub mod dns_name;
+pub mod endpoint;
+pub mod facts;
 pub mod h1;
 pub mod health;
 pub mod homes;
@@ -18,11 +25,14 @@ pub mod pool;
 pub mod resolve;
 
 pub use budget::RetryBudget;
+pub use choice::{CacheAwareChoice, PromptKey};
 pub use client::{Delivery, Exchange, SendFailure, UpstreamClient, UpstreamError};
 pub use discovery::{Discoverer, DiscoveryError};
+pub use endpoint::{EjectionRule, Endpoint, Picked};
+pub use facts::{EngineFacts, ModelIdentity};
 pub use homes::ResponseHomes;
 pub use leg::{named_endpoint, pick, pick_for, Failover, LegClient, LegError};
-pub use pool::{CacheAwareChoice, EjectionRule, Endpoint, Membership, ModelIdentity, Picked, Pool, PromptKey};
+pub use pool::{Membership, Pool};
 
 /// The request id header tokenonce reads from clients and sends on every leg and answer, as a
 /// ready name (a `&str` name is parsed on every lookup and insert).
