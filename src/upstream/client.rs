@@ -1,8 +1,9 @@
 //! The HTTP/1.1 client for the legs tokenonce sends itself (prefill, decode, health): dials
-//! with pingora's transport connector (connect timeout, TLS), speaks HTTP/1.1 itself
-//! (`h1`), pools idle connections under vLLM's 5 s keep-alive, and, for a failed send, says
-//! whether the engine provably never got the request (the executor decides whether to
-//! re-send; only the idempotent `get` retries here).
+//! with pingora's transport connector, speaks HTTP/1.1 itself (`h1`), pools idle connections.
+//!
+//! Connections dial with a connect timeout and TLS, and idle ones are kept under vLLM's 5 s
+//! keep-alive. For a failed send it says whether the engine provably never got the request
+//! (the executor decides whether to re-send; only the idempotent `get` retries here).
 
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};

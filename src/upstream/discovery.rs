@@ -1,7 +1,9 @@
 //! Pools whose endpoints a DNS name gives (`discover`, a Kubernetes headless Service): what
-//! the name is (`dns_name`), the resolver that asks it ([`Discoverer`]: hickory, reading
-//! `/etc/resolv.conf` like getaddrinfo, or the one server `upstream.dns_server` names), and
-//! the round the upkeep runs before each health round ([`round`]).
+//! the name is (`dns_name`), the resolver that asks it ([`Discoverer`]), and the round the
+//! upkeep runs before each health round ([`round`]).
+//!
+//! The resolver is hickory, reading `/etc/resolv.conf` like getaddrinfo, or the one server
+//! `upstream.dns_server` names.
 //!
 //! Why this shape: the upkeep already runs every health interval, reads the current state
 //! each round and stops on shutdown, so discovery rides on it instead of owning a task a

@@ -1,9 +1,10 @@
-//! HTTP/1.1 on one engine connection: the request goes out in one vectored write (head and
-//! body parts, never first copied into one buffer), the response head is parsed with
-//! `httparse`, and the body is read by its framing (length, chunked, or until close),
-//! handed out as slices of the read buffer. Framing follows RFC 9112 §6.3; the framing
-//! decisions ([`parse_head`], [`body_step`]) are pure functions of the bytes (the `h1`
-//! fuzz target drives them), the connection only reads.
+//! HTTP/1.1 on one engine connection: the request out in one vectored write, the response
+//! head parsed with `httparse`, the body read by its framing (length, chunked, or until close)
+//! and handed out as slices of the read buffer.
+//!
+//! Head and body parts are never first copied into one buffer. Framing follows RFC 9112
+//! §6.3; the framing decisions ([`parse_head`], [`body_step`]) are pure functions of the
+//! bytes (the `h1` fuzz target drives them), the connection only reads.
 
 use std::io::{self, IoSlice};
 use std::time::Instant;

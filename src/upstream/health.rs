@@ -1,9 +1,12 @@
 //! Endpoint probes, a round of them every health interval (the composition root's upkeep
-//! drives the rounds): all endpoints at once, each endpoint's `GET /health` (for `/readyz` and
-//! endpoint choice), its `GET /version` (for the token-reuse gate): until known, again
-//! whenever the endpoint turns healthy after being unhealthy (a restart may bring another
-//! vLLM), and on a slow timer; and its `GET /v1/models` (once per healthy spell), from which
-//! each route learns whether its prefill and decode pools serve the same model.
+//! drives the rounds), all endpoints at once: each endpoint's `GET /health`, `GET /version`
+//! and `GET /v1/models`, recorded on the endpoint and its [`EngineFacts`](super::EngineFacts).
+//!
+//! `/health` serves `/readyz` and endpoint choice. `/version` serves the token-reuse gate: it
+//! is asked until known, again whenever the endpoint turns healthy after being unhealthy (a
+//! restart may bring another vLLM), and on a slow timer. `/v1/models` is asked once per
+//! healthy spell, and each route learns from it whether its prefill and decode pools serve
+//! the same model.
 
 use std::sync::Arc;
 use std::time::Duration;

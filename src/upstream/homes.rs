@@ -1,8 +1,9 @@
 //! Where each stored Responses answer lives: vLLM keeps a response in the memory of the
 //! engine that decoded it, so a follow-up naming it (`previous_response_id`,
-//! `GET /v1/responses/{id}`) must reach that endpoint. Bounded (the oldest entry is forgotten
-//! first), and an endpoint's entries go when a health poll finds it down: an engine that
-//! restarted has an empty store.
+//! `GET /v1/responses/{id}`) must reach that endpoint.
+//!
+//! Bounded (the oldest entry is forgotten first), and an endpoint's entries go when a health
+//! poll finds it down: an engine that restarted has an empty store.
 
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};

@@ -1,9 +1,11 @@
 //! One leg to an engine as the request path sends it (orchestrated prefill and decode, relay
-//! legs, the release leg, passthrough with a read body): pick its endpoint, send within its
-//! deadline, re-send once only when the engine provably never got it and the route's budget
-//! allows, fail a pool leg over to another endpoint, feed every outcome (a deadline that
-//! passed included) to the endpoint's ejection, count retries, refusals, failovers and
-//! ejections, and carry the leg's trace context (a re-send, a failover and an ejection are
+//! legs, the release leg, passthrough with a read body): pick its endpoint, send it within its
+//! deadline, re-send or fail over when the rules allow, and feed its outcome to ejection.
+//!
+//! A leg is re-sent once only when the engine provably never got it and the route's budget
+//! allows; a pool leg fails over to another endpoint; every outcome (a deadline that passed
+//! included) feeds the endpoint's ejection. Retries, refusals, failovers and ejections are
+//! counted, and the leg's trace context carried (a re-send, a failover and an ejection are
 //! marked on its span). The client going away races this in the caller and counts as neither
 //! outcome.
 

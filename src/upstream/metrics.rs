@@ -1,7 +1,10 @@
-//! The engines' family: leg failures, retries and failovers, ejections, health, each pool's
+//! The engines' metric family ([`UpstreamMetrics`]) and the handles an endpoint, a cache-aware
+//! pool and a route's legs resolve once ([`EndpointMetrics`], [`CacheAwareMetrics`],
+//! [`LegMetrics`]).
+//!
+//! The family counts leg failures, retries and failovers, ejections, health, each pool's
 //! endpoints and discovery lookups, readiness, Responses follow-ups and homes, and
-//! cache-aware choices ([`UpstreamMetrics`]); the handles an endpoint, a cache-aware pool and
-//! a route's legs resolve once ([`EndpointMetrics`], [`CacheAwareMetrics`], [`LegMetrics`]).
+//! cache-aware choices.
 
 use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry};
 
