@@ -15,8 +15,9 @@
 //!   and what each route learns at run time (`RouteState`, kept across reloads).
 //! - `local`: local ids: requests rendered (`render`) and tokenized (`tokens`) by tokenonce,
 //!   checked against the prefill's echo, trusted per shape and then sent token-in.
-//! - `upstream`: pools and endpoint choice, the leg client (retry, budget, ejection) over the
-//!   HTTP/1.1 client, endpoint health and version probes, Responses' homes.
+//! - `upstream`: pools, their endpoints (load, health, ejection) and what probing their engines
+//!   taught, the cache-aware choice, the leg client (retry, budget, ejection) over the HTTP/1.1
+//!   client, endpoint probes, DNS-discovered pools, Responses' homes.
 //! - `tokens`: a rendered prompt tokenized segment by segment, each segment once (segment cache).
 //! - `plan`: pure decisions per request: legs, reuse gate, prefill and decode bodies.
 //! - `parity`: pool tokenizers, the vocabulary bound and the sampled parity watch.
@@ -28,11 +29,13 @@
 //!   rewrites, handoff extraction, prompt-id validation, fallback reasons, error bodies).
 //! - `config`: the TOML file as typed data, checked, with what it names loaded; the embedded default.
 //! - `render`: chat and completion prompts rendered as vLLM renders them (pure).
-//! - `kv`: vLLM's prefix-cache block hashes from a request's ids, and which endpoint holds which blocks.
+//! - `kv`: vLLM's prefix-cache block hashes from a request's ids, and which endpoint holds which
+//!   blocks (where tokenonce sent them, or the engines' KV events: subscribed, replayed, applied).
 //! - `sse`: incremental SSE framing; `addr`: `host:port` and rank-naming pool entries;
 //!   `tls`: certificates from files, the TLS listener's certificate, pools' upstream TLS;
 //!   `toml_read`: TOML text into serde types with every problem at its key and line:column;
-//!   `labels`: the macro that declares a label enum; `build`: what this binary is.
+//!   `labels`: the macro that declares a label enum; `deadline`: deadlines on pingora's fast
+//!   timer; `build`: what this binary is.
 
 #[macro_use]
 mod labels;

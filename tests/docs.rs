@@ -304,3 +304,63 @@ fn fallback_table_lists_every_reason() {
     assert!(reasons.len() > 10, "{reasons:?}");
     assert_eq!(rows, reasons, "docs/concepts.md fallback table vs openai::FallbackReason");
 }
+
+/// ARCHITECTURE.md's map of rooms names every file of `src/` (a file `room/x.rs` in its room's
+/// lines, a nested folder by its name), and lib.rs's module map every module of the crate
+/// root: a room added without its line fails here.
+#[test]
+fn every_room_and_file_is_on_the_maps() {
+    let architecture = read_repo("ARCHITECTURE.md");
+    let block = architecture.split("\n## The rooms").nth(1).unwrap().split("```").nth(1).unwrap();
+    // A room's entry starts at a line with one leading space; deeper lines continue it.
+    let mut rooms: Vec<(String, String)> = Vec::new();
+    for line in block.lines() {
+        match line.strip_prefix(' ').filter(|rest| !rest.starts_with(' ')) {
+            Some(rest) => rooms.push((rest.split_whitespace().next().unwrap_or("").to_owned(), line.to_owned())),
+            None => {
+                if let Some((_, text)) = rooms.last_mut() {
+                    text.push_str(line);
+                }
+            }
+        }
+    }
+    assert!(rooms.len() > 15, "{rooms:?}");
+    let src = support::repo("src");
+    let mut missing = Vec::new();
+    let mut files = vec![src.clone()];
+    while let Some(path) = files.pop() {
+        if path.is_dir() {
+            files.extend(std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().path()));
+            continue;
+        }
+        let rel = path.strip_prefix(&src).unwrap().to_str().unwrap().to_owned();
+        let parts: Vec<&str> = rel.split('/').collect();
+        let file = *parts.last().unwrap();
+        let named = match parts.as_slice() {
+            _ if file == "mod.rs" || file == "tests.rs" => true,
+            [_] => block.contains(file),
+            // A room is a folder, or a file with a folder of submodules beside it (`app.rs`).
+            [room, ..] => rooms.iter().any(|(name, text)| {
+                (name == &format!("{room}/") || name == &format!("{room}.rs"))
+                    && (text.contains(file) || (parts.len() > 2 && text.contains(&format!("{}/", parts[1]))))
+            }),
+            [] => true,
+        };
+        if !named {
+            missing.push(rel);
+        }
+    }
+    missing.sort();
+    assert!(missing.is_empty(), "files of src/ not on ARCHITECTURE.md's map of rooms: {missing:?}");
+
+    let lib = read_repo("src/lib.rs");
+    let map: String = lib.lines().filter(|l| l.starts_with("//!")).collect();
+    let modules: Vec<&str> = lib
+        .lines()
+        .filter_map(|l| l.trim_start_matches("pub ").strip_prefix("mod ")?.strip_suffix(';'))
+        .chain(lib.lines().filter_map(|l| l.strip_prefix("pub mod ")?.strip_suffix(" {")))
+        .collect();
+    assert!(modules.len() > 15, "{modules:?}");
+    let unmapped: Vec<&&str> = modules.iter().filter(|m| !map.contains(&format!("`{m}`"))).collect();
+    assert!(unmapped.is_empty(), "modules missing from lib.rs's module map: {unmapped:?}");
+}

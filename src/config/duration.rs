@@ -37,7 +37,7 @@ pub type PollMs = Millis<1, MAX_POLL_MS>;
 /// How long an idle engine connection is kept: vLLM closes idle keep-alive connections after
 /// 5 s, and ours must close first.
 pub type IdleMs = Millis<1, 4999>;
-/// An endpoint's first ejection: at most the longest ejection (`upstream::pool::EJECT_MAX`).
+/// An endpoint's first ejection: at most the longest ejection (`upstream::endpoint::EJECT_MAX`).
 pub type EjectionMs = Millis<1, 120_000>;
 /// Time between two lookups of a pool's `discover` name: 100 ms to ten minutes.
 pub type DiscoverMs = Millis<MIN_POLL_MS, MAX_POLL_MS>;
