@@ -4,7 +4,7 @@
 //!
 //! Layout: `pool` (pools, the pick), `choice` (the cache-aware choice), `endpoint` (one
 //! endpoint's load, health and ejection), `facts` (what asking its engine taught: version,
-//! model), `discovery` and `dns_name` (members a DNS name gives), `client` over `h1` (the
+//! model, load), `engine_load` (the reader of an engine's `/metrics`), `discovery` and `dns_name` (members a DNS name gives), `client` over `h1` (the
 //! HTTP/1.1 client) and `resolve` (its name cache), `leg` (one leg under the deadline, retry,
 //! failover and ejection rules), `budget` (the per-route retry budget), `health` (the probes),
 //! `homes` (where each stored Responses answer lives), `metrics` (their family).
@@ -15,6 +15,7 @@ pub mod client;
 pub mod discovery;
 pub mod dns_name;
 pub mod endpoint;
+pub mod engine_load;
 pub mod facts;
 pub mod h1;
 pub mod health;
@@ -29,6 +30,7 @@ pub use choice::{CacheAwareChoice, PromptKey};
 pub use client::{Delivery, Exchange, SendFailure, UpstreamClient, UpstreamError};
 pub use discovery::{Discoverer, DiscoveryError};
 pub use endpoint::{EjectionRule, Endpoint, Picked};
+pub use engine_load::EngineLoad;
 pub use facts::{EngineFacts, ModelIdentity};
 pub use homes::ResponseHomes;
 pub use leg::{named_endpoint, pick, pick_for, Failover, LegClient, LegError};
