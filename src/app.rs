@@ -172,6 +172,7 @@ fn new_pool(config: &Config, resources: &Resources, name: &str) -> Pool {
     let spec = config.pools.get(name).cloned().unwrap_or_default();
     let loaded = resources.pools.get(name).cloned().unwrap_or_default();
     Pool::new(name, &spec, &loaded, upstream::EjectionRule::of(&config.upstream))
+        .polled_every(config.upstream.health_interval_ms)
 }
 
 /// True when a reload may keep the pool built from `old` (its endpoints with their health,
@@ -183,6 +184,7 @@ fn same_pool(old: &crate::config::Pool, new: &crate::config::Pool) -> bool {
         endpoints,
         discover,
         discover_interval_ms,
+        engine_metrics_interval_ms,
         balance,
         vllm_version,
         cache_aware,
@@ -203,6 +205,7 @@ fn same_pool(old: &crate::config::Pool, new: &crate::config::Pool) -> bool {
     *endpoints == old.endpoints
         && *discover == old.discover
         && *discover_interval_ms == old.discover_interval_ms
+        && *engine_metrics_interval_ms == old.engine_metrics_interval_ms
         && *balance == old.balance
         && *vllm_version == old.vllm_version
         && same_cache_aware(&old.cache_aware, cache_aware)
@@ -528,10 +531,11 @@ mod tests {
         use crate::config::{Balance, BlockSize, LocalIdsMode, Pool as Spec, PoolKvEvents, PoolTls, Version};
         type Change = (&'static str, fn(&mut Spec));
         let base = Spec { endpoints: vec!["127.0.0.1:8100".into()], ..Spec::default() };
-        let read: [Change; 10] = [
+        let read: [Change; 11] = [
             ("endpoints", |p| p.endpoints.push("127.0.0.1:8101".into())),
             ("discover", |p| p.discover = Some("engines.test:8100".into())),
             ("discover_interval_ms", |p| p.discover_interval_ms += Duration::from_secs(1)),
+            ("engine_metrics_interval_ms", |p| p.engine_metrics_interval_ms += Duration::from_secs(1)),
             ("balance", |p| p.balance = Balance::LeastInFlight),
             ("vllm_version", |p| p.vllm_version = Some(Version(0, 32, 0))),
             ("cache_aware.prefix_weight", |p| p.cache_aware.prefix_weight = 2.0),

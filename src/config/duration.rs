@@ -43,6 +43,8 @@ pub type EjectionMs = Millis<1, 120_000>;
 pub type DiscoverMs = Millis<MIN_POLL_MS, MAX_POLL_MS>;
 /// Time between two reads of the config file: 0 (not watched), or 100 ms to ten minutes.
 pub type WatchMs = Millis<MIN_POLL_MS, MAX_POLL_MS, true>;
+/// Time between two reads of an engine's `/metrics`: 0 (never read), or 100 ms to ten minutes.
+pub type EngineMetricsMs = Millis<MIN_POLL_MS, MAX_POLL_MS, true>;
 /// How long a KV events subscriber may stay away before its entries are not believed: up to
 /// a day.
 pub type StaleMs = Millis<1, 86_400_000>;

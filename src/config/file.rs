@@ -269,6 +269,19 @@ pub struct Pool {
     /// Keeps the check going (a template or engine change shows) at 1 % of the echo's cost.
     #[default(0.01)]
     pub local_ids_recheck: f64,
+    /// How often each healthy endpoint's `GET /metrics` is read for its engine's own pressure
+    /// (requests waiting and running, KV-cache use, cache blocks, LoRA adapters; per
+    /// data-parallel rank), ms: 0 (never), or 100 to 600000. It is read at the first health
+    /// round after this has passed, within the probe's second; a page that cannot be true
+    /// (NaN, a negative or absurd count, a usage above 1) is not kept, and a value read more
+    /// than three intervals ago (or three `upstream.health_interval_ms`, whichever is longer)
+    /// is not believed: both are counted (`tokenonce_engine_metrics_reads_total`).
+    /// Default: `2000`.
+    /// The engine's own queue is the same whichever tokenonce instance reads it, unlike the
+    /// requests one instance has in flight; a read each health round costs one small GET.
+    #[serde(deserialize_with = "duration::EngineMetricsMs::read")]
+    #[default(Duration::from_millis(2000))]
+    pub engine_metrics_interval_ms: Duration,
     /// How `balance = "cache_aware"` scores the pool's endpoints and names a prompt's blocks.
     pub cache_aware: CacheAware,
     /// Follow the engines' KV cache events (vLLM's `--kv-events-config` with the `zmq`

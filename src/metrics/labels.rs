@@ -217,6 +217,20 @@ label_enum! {
 }
 
 label_enum! {
+    /// How a read of an engine's `/metrics` went (`engine_metrics_reads_total{result}`).
+    LoadRead {
+        /// Read and believed: its gauges show it.
+        Ok => "ok",
+        /// No answer, or not 200, within the probe's deadline: the last read stays until stale.
+        Failed => "failed",
+        /// An answer that cannot be true (malformed, NaN, negative, absurd, too large): not kept.
+        Rejected => "rejected",
+        /// The last read believed grew too old and was forgotten (its gauges removed).
+        Stale => "stale",
+    }
+}
+
+label_enum! {
     /// Which source a cache-aware choice asked (`cache_aware_choices_total{source}`).
     ChoiceSource {
         /// The engines' KV events: what they hold.

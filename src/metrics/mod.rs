@@ -10,7 +10,7 @@ mod labels;
 
 pub use labels::{
     CacheLookup, ChoiceReason, ChoiceSource, DnsLookup, ErrorKind, Eviction, FollowUp, HistoryResult, Leg, Listener,
-    LocalIdsResult, Outcome, ParityResult, Release, Reload, SpanExport, Stage, TimeoutStage,
+    LoadRead, LocalIdsResult, Outcome, ParityResult, Release, Reload, SpanExport, Stage, TimeoutStage,
 };
 
 /// Latency buckets from 1 ms to 6 h: loopback overheads at the bottom; long prefills, queued

@@ -193,7 +193,8 @@ fn combine(engines: &[&Seen]) -> Result<EngineLoad, Rejected> {
     let mut usage_sum = 0.0;
     let mut blocks = Some(0u64);
     for seen in engines {
-        let (Some(waiting), Some(running), Some(usage)) = (seen.waiting, seen.running, seen.kv_usage.or(seen.gpu_usage))
+        let (Some(waiting), Some(running), Some(usage)) =
+            (seen.waiting, seen.running, seen.kv_usage.or(seen.gpu_usage))
         else {
             return Err(Rejected::Missing);
         };
@@ -361,10 +362,7 @@ vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"1000\"} 1
     #[test]
     fn the_recorded_idle_page_reads_as_vllm_reported_it() {
         let load = read(IDLE, None).unwrap();
-        assert_eq!(
-            load,
-            EngineLoad { num_gpu_blocks: Some(16384), block_size: Some(128), ..EngineLoad::default() }
-        );
+        assert_eq!(load, EngineLoad { num_gpu_blocks: Some(16384), block_size: Some(128), ..EngineLoad::default() });
         assert_eq!(read(IDLE, Some(0)).unwrap(), load, "engine \"0\" is the whole server");
         assert_eq!(read(IDLE, Some(1)), Err(Rejected::Missing));
     }
@@ -437,7 +435,8 @@ vllm:cache_config_info{block_size=\"16\",engine=\"1\",num_gpu_blocks=\"1000\"} 1
         let mut huge = TWO_RANKS.to_owned();
         huge.push_str(&"#".repeat(MAX_METRICS_BYTES));
         assert_eq!(read(huge.as_bytes(), Some(0)), Err(Rejected::TooLarge));
-        let many: String = (0..=MAX_ENGINES).map(|e| format!("vllm:num_requests_waiting{{engine=\"{e}\"}} 0\n")).collect();
+        let many: String =
+            (0..=MAX_ENGINES).map(|e| format!("vllm:num_requests_waiting{{engine=\"{e}\"}} 0\n")).collect();
         assert_eq!(read(many.as_bytes(), None), Err(Rejected::Absurd));
     }
 

@@ -1,10 +1,12 @@
 //! What asking an engine taught tokenonce, one set per endpoint: its vLLM version (with when
-//! it was learned and when an ask last failed) and the model it serves. The health round
-//! (`health`) and the reuse gate fill it; any other fact a probe reads of an engine joins it.
+//! it was learned and when an ask last failed), the model it serves and its own pressure
+//! (from `/metrics`, with when it was read). The health round (`health`) and the reuse gate
+//! fill it; any other fact a probe reads of an engine joins it.
 
 use parking_lot::RwLock;
 use std::time::{Duration, Instant};
 
+use super::engine_load::EngineLoad;
 use crate::config::Version;
 
 /// The model an engine serves, from `GET /v1/models` (its first base model): engines whose
@@ -34,6 +36,10 @@ pub struct EngineFacts {
     /// What `GET /v1/models` said: `None` not asked yet, `Some(None)` asked without a usable
     /// answer.
     model: RwLock<Option<Option<ModelIdentity>>>,
+    /// What `GET /metrics` last said of the engine's pressure, and when it was read.
+    load: RwLock<Option<(EngineLoad, Instant)>>,
+    /// When `/metrics` was last asked (whatever it answered).
+    load_asked_at: RwLock<Option<Instant>>,
 }
 
 impl EngineFacts {
@@ -93,6 +99,43 @@ impl EngineFacts {
     pub fn forget_model(&self) {
         *self.model.write() = None;
     }
+
+    /// The engine's pressure as last read, when read under `max_age` ago.
+    pub fn load(&self, max_age: Duration) -> Option<EngineLoad> {
+        self.load.read().as_ref().filter(|(_, at)| at.elapsed() < max_age).map(|(load, _)| load.clone())
+    }
+
+    /// True when `/metrics` is due: never asked, or asked about `every` ago (a quarter of it
+    /// early, so a round that comes a little early does not skip a read).
+    pub fn load_due(&self, every: Duration) -> bool {
+        (*self.load_asked_at.read()).is_none_or(|t| t.elapsed() >= every.saturating_sub(every / 4))
+    }
+
+    /// Records that `/metrics` is asked now.
+    pub fn load_asked(&self) {
+        *self.load_asked_at.write() = Some(Instant::now());
+    }
+
+    /// Records the engine's pressure, read now.
+    pub fn set_load(&self, load: EngineLoad) {
+        *self.load.write() = Some((load, Instant::now()));
+    }
+
+    /// Forgets a read older than `max_age`; true when one was forgotten (it went stale).
+    pub fn expire_load(&self, max_age: Duration) -> bool {
+        let mut load = self.load.write();
+        let stale = load.as_ref().is_some_and(|(_, at)| at.elapsed() >= max_age);
+        if stale {
+            *load = None;
+        }
+        stale
+    }
+
+    /// Forgets the pressure read: the engine went away (or reads stopped).
+    pub fn forget_load(&self) {
+        *self.load.write() = None;
+        *self.load_asked_at.write() = None;
+    }
 }
 
 #[cfg(test)]
@@ -112,5 +155,22 @@ mod tests {
         assert!(e.may_ask_version(Duration::from_secs(3600)));
         e.forget_version();
         assert_eq!(e.version(), None);
+    }
+
+    #[test]
+    fn a_load_is_believed_until_it_ages_and_then_expires_once() {
+        let e = EngineFacts::default();
+        assert!(e.load_due(Duration::from_secs(2)), "never asked");
+        e.load_asked();
+        assert!(!e.load_due(Duration::from_secs(2)));
+        assert!(e.load_due(Duration::ZERO));
+        let load = EngineLoad { waiting: 3, ..EngineLoad::default() };
+        e.set_load(load.clone());
+        assert_eq!(e.load(Duration::from_secs(3600)), Some(load));
+        assert_eq!(e.load(Duration::ZERO), None, "too old to believe");
+        assert!(!e.expire_load(Duration::from_secs(3600)));
+        assert!(e.expire_load(Duration::ZERO));
+        assert!(!e.expire_load(Duration::ZERO), "counted once");
+        assert_eq!(e.load(Duration::from_secs(3600)), None);
     }
 }

@@ -1,29 +1,35 @@
 //! Endpoint probes, a round of them every health interval (the composition root's upkeep
-//! drives the rounds), all endpoints at once: each endpoint's `GET /health`, `GET /version`
-//! and `GET /v1/models`, recorded on the endpoint and its [`EngineFacts`](super::EngineFacts).
+//! drives the rounds), all endpoints at once: each endpoint's `GET /health`, `GET /version`,
+//! `GET /v1/models` and `GET /metrics`, recorded on the endpoint and its
+//! [`EngineFacts`](super::EngineFacts).
 //!
 //! `/health` serves `/readyz` and endpoint choice. `/version` serves the token-reuse gate: it
 //! is asked until known, again whenever the endpoint turns healthy after being unhealthy (a
 //! restart may bring another vLLM), and on a slow timer. `/v1/models` is asked once per
 //! healthy spell, and each route learns from it whether its prefill and decode pools serve
-//! the same model.
+//! the same model. `/metrics` (the engine's own pressure, read by `engine_load`) is asked of a
+//! healthy endpoint every `engine_metrics_interval_ms` of its pool; a read not believed any
+//! more is forgotten and counted stale.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::client::{Target, UpstreamClient};
+use super::client::{Target, UpstreamClient, UpstreamError};
 use super::endpoint::Endpoint;
+use super::engine_load;
 use super::facts::ModelIdentity;
 use super::homes::ResponseHomes;
 use super::metrics::UpstreamMetrics;
+use super::pool::LoadReads;
 use crate::config::Version;
+use crate::metrics::LoadRead;
 
 /// Deadline of one health or version probe.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Longest one endpoint's poll of a round takes (its `/health`, `/version` and `/v1/models`,
-/// each within [`PROBE_TIMEOUT`]).
-pub const ENDPOINT_POLL_LIMIT: Duration = Duration::from_secs(3);
+/// Longest one endpoint's poll of a round takes (its `/health`, `/version`, `/v1/models` and
+/// `/metrics`, each within [`PROBE_TIMEOUT`]).
+pub const ENDPOINT_POLL_LIMIT: Duration = Duration::from_secs(4);
 
 /// A known version is asked again this often, for an engine replaced between two polls.
 pub const VERSION_REFRESH: Duration = Duration::from_secs(300);
@@ -136,6 +142,8 @@ impl Probe<'_> {
             if was_healthy {
                 endpoint.facts().forget_version();
                 endpoint.facts().forget_model();
+                endpoint.facts().forget_load();
+                self.metrics.engine_load_gone(&pool.name, &endpoint.name);
                 // vLLM keeps stored responses and its prefix cache in memory: an engine that
                 // went down lost them.
                 self.homes.forget_endpoint(&endpoint.name);
@@ -155,6 +163,39 @@ impl Probe<'_> {
         // After the version, which the reuse gate of every chat request waits on.
         if !was_healthy || !facts.model_asked() {
             facts.set_model(ask_model(self.client, endpoint.target()).await);
+        }
+        if let Some(reads) = pool.load_reads() {
+            self.read_load(pool, endpoint, reads).await;
+        }
+    }
+
+    /// Asks `/metrics` when due and keeps what it says of the engine's pressure when it can be
+    /// true (a failed or rejected read keeps the last one until it goes stale); then forgets a
+    /// read too old to believe. Each read, and each staling, is counted.
+    async fn read_load(&self, pool: &super::Pool, endpoint: &Endpoint, reads: LoadReads) {
+        let (facts, labels) = (endpoint.facts(), (&pool.name, &endpoint.name));
+        if facts.load_due(reads.every) {
+            facts.load_asked();
+            let result = match self.client.get(endpoint.target(), "/metrics", PROBE_TIMEOUT).await {
+                Ok((200, page)) => match engine_load::read(&page, endpoint.rank) {
+                    Ok(load) => {
+                        self.metrics.engine_load(labels.0, labels.1, &load);
+                        facts.set_load(load);
+                        LoadRead::Ok
+                    }
+                    Err(why) => {
+                        tracing::debug!(pool = %labels.0, endpoint = %labels.1, reason = %why, "engine metrics rejected");
+                        LoadRead::Rejected
+                    }
+                },
+                Err(UpstreamError::TooLarge { .. }) => LoadRead::Rejected,
+                Ok(_) | Err(_) => LoadRead::Failed,
+            };
+            self.metrics.engine_metrics_read(labels.0, labels.1, result);
+        }
+        if facts.expire_load(reads.believed_for) {
+            self.metrics.engine_metrics_read(labels.0, labels.1, LoadRead::Stale);
+            self.metrics.engine_load_gone(labels.0, labels.1);
         }
     }
 }

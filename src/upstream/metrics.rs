@@ -3,12 +3,15 @@
 //! [`LegMetrics`]).
 //!
 //! The family counts leg failures, retries and failovers, ejections, health, each pool's
-//! endpoints and discovery lookups, readiness, Responses follow-ups and homes, and
-//! cache-aware choices.
+//! endpoints and discovery lookups, readiness, the engines' own pressure (read from their
+//! `/metrics`), Responses follow-ups and homes, and cache-aware choices.
 
-use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry};
+use prometheus::{GaugeVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
 
-use crate::metrics::{counter, gauge, gauge_vec, ChoiceReason, ChoiceSource, DnsLookup, ErrorKind, FollowUp, Leg};
+use super::engine_load::EngineLoad;
+use crate::metrics::{
+    counter, gauge, gauge_vec, registered, ChoiceReason, ChoiceSource, DnsLookup, ErrorKind, FollowUp, Leg, LoadRead,
+};
 
 /// Engines: failures, retries, failovers, ejections, health, readiness, Responses homes and
 /// cache-aware choices.
@@ -20,6 +23,54 @@ pub struct UpstreamMetrics {
     pools: Pools,
     /// Where requests went: Responses follow-ups and homes, cache-aware choices.
     choices: Choices,
+    /// What the engines report of their own pressure.
+    engines: Engines,
+}
+
+/// What each endpoint's engine reported of its own pressure (`{pool,endpoint}`), and how the
+/// reads went.
+#[derive(Clone)]
+struct Engines {
+    waiting: IntGaugeVec,
+    running: IntGaugeVec,
+    kv_usage: GaugeVec,
+    /// Reads of `/metrics` by result (`{pool,endpoint,result}`).
+    reads: IntCounterVec,
+}
+
+impl Engines {
+    fn register(registry: &Registry) -> prometheus::Result<Self> {
+        Ok(Self {
+            waiting: gauge_vec(
+                registry,
+                "tokenonce_engine_requests_waiting",
+                "Requests the endpoint's engine reports queued (vllm:num_requests_waiting, its rank's), as last read and believed; absent while no read is.",
+                &["pool", "endpoint"],
+            )?,
+            running: gauge_vec(
+                registry,
+                "tokenonce_engine_requests_running",
+                "Requests the endpoint's engine reports running (vllm:num_requests_running, its rank's), as last read and believed; absent while no read is.",
+                &["pool", "endpoint"],
+            )?,
+            kv_usage: registered(
+                registry,
+                GaugeVec::new(
+                    Opts::new(
+                        "tokenonce_engine_kv_cache_usage",
+                        "Share of its KV cache the endpoint's engine reports in use, 0 to 1 (vllm:kv_cache_usage_perc, its rank's), as last read and believed; absent while no read is.",
+                    ),
+                    &["pool", "endpoint"],
+                )?,
+            )?,
+            reads: counter(
+                registry,
+                "tokenonce_engine_metrics_reads_total",
+                "Reads of an endpoint's /metrics on the health round, by result: ok, failed (no 200 answer in time), rejected (a page that cannot be true: malformed, NaN, negative, absurd, too large; not kept), stale (the last read believed grew too old and was forgotten).",
+                &["pool", "endpoint", "result"],
+            )?,
+        })
+    }
 }
 
 /// What legs met: failures, retries, refusals and failovers.
@@ -176,6 +227,7 @@ impl UpstreamMetrics {
             legs: Legs::register(registry)?,
             pools: Pools::register(registry)?,
             choices: Choices::register(registry)?,
+            engines: Engines::register(registry)?,
         };
         for leg in Leg::ALL {
             for kind in ErrorKind::ALL {
@@ -210,8 +262,12 @@ impl UpstreamMetrics {
         }
     }
 
-    /// Resolves (and so creates) the series of `pool`'s `endpoint`: its failures by kind.
+    /// Resolves (and so creates) the series of `pool`'s `endpoint`: its failures by kind, and
+    /// its reads of `/metrics` by result.
     pub fn endpoint(&self, pool: &str, endpoint: &str) -> EndpointMetrics {
+        for result in LoadRead::ALL {
+            self.engines.reads.with_label_values(&[pool, endpoint, result.as_str()]);
+        }
         EndpointMetrics {
             errors: ErrorKind::ALL
                 .iter()
@@ -228,6 +284,32 @@ impl UpstreamMetrics {
         for kind in ErrorKind::ALL {
             let _ = self.legs.endpoint_errors.remove_label_values(&[pool, endpoint, kind.as_str()]);
         }
+        for result in LoadRead::ALL {
+            let _ = self.engines.reads.remove_label_values(&[pool, endpoint, result.as_str()]);
+        }
+        self.engine_load_gone(pool, endpoint);
+    }
+
+    /// Shows what `pool`'s `endpoint` reported of its own pressure.
+    pub fn engine_load(&self, pool: &str, endpoint: &str, load: &EngineLoad) {
+        let labels = [pool, endpoint];
+        let int = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        self.engines.waiting.with_label_values(&labels).set(int(load.waiting));
+        self.engines.running.with_label_values(&labels).set(int(load.running));
+        self.engines.kv_usage.with_label_values(&labels).set(load.kv_usage);
+    }
+
+    /// Removes `pool`'s `endpoint`'s pressure gauges: no read of it is believed now.
+    pub fn engine_load_gone(&self, pool: &str, endpoint: &str) {
+        let labels = [pool, endpoint];
+        let _ = self.engines.waiting.remove_label_values(&labels);
+        let _ = self.engines.running.remove_label_values(&labels);
+        let _ = self.engines.kv_usage.remove_label_values(&labels);
+    }
+
+    /// Counts one read of `pool`'s `endpoint`'s `/metrics`.
+    pub fn engine_metrics_read(&self, pool: &str, endpoint: &str, result: LoadRead) {
+        self.engines.reads.with_label_values(&[pool, endpoint, result.as_str()]).inc();
     }
 
     /// Records an endpoint's health poll.
@@ -414,5 +496,33 @@ mod tests {
         ));
         m.forget_endpoint("decode", "10.0.0.1:8200");
         assert_eq!(series(&String::from_utf8(render(&registry)).unwrap()), 0);
+    }
+
+    #[test]
+    fn an_engines_pressure_shows_per_endpoint_and_goes_with_it() {
+        let registry = Registry::new();
+        let m = UpstreamMetrics::register(&registry).unwrap();
+        m.endpoint("prefill", "10.0.0.1:8100#1");
+        let text = || String::from_utf8(render(&registry)).unwrap();
+        let reads = |t: &str| t.lines().filter(|l| l.starts_with("tokenonce_engine_metrics_reads_total{")).count();
+        assert_eq!(reads(&text()), LoadRead::ALL.len(), "every result, zeros instead of gaps");
+        assert!(!text().contains("tokenonce_engine_requests_waiting{"), "nothing read, nothing shown");
+        m.engine_load(
+            "prefill",
+            "10.0.0.1:8100#1",
+            &EngineLoad { waiting: 4, running: 2, kv_usage: 0.25, ..EngineLoad::default() },
+        );
+        m.engine_metrics_read("prefill", "10.0.0.1:8100#1", LoadRead::Ok);
+        let shown = text();
+        for line in [
+            r#"tokenonce_engine_requests_waiting{endpoint="10.0.0.1:8100#1",pool="prefill"} 4"#,
+            r#"tokenonce_engine_requests_running{endpoint="10.0.0.1:8100#1",pool="prefill"} 2"#,
+            r#"tokenonce_engine_kv_cache_usage{endpoint="10.0.0.1:8100#1",pool="prefill"} 0.25"#,
+            r#"tokenonce_engine_metrics_reads_total{endpoint="10.0.0.1:8100#1",pool="prefill",result="ok"} 1"#,
+        ] {
+            assert!(shown.contains(line), "{line} in\n{shown}");
+        }
+        m.forget_endpoint("prefill", "10.0.0.1:8100#1");
+        assert!(!text().contains("10.0.0.1:8100#1"));
     }
 }

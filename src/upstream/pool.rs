@@ -4,13 +4,14 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 
 use super::choice::{CacheAwareChoice, PromptKey};
 use super::dns_name::Discovery;
 use super::endpoint::{endpoint_name, EjectionRule, Endpoint, Picked, PoolEjection};
+use super::engine_load::EngineLoad;
 use super::metrics::CacheAwareMetrics;
 use crate::config::{Balance, PoolResources, Version};
 use crate::kv::{BlockHash, PrefixHolders};
@@ -37,6 +38,29 @@ pub struct Pool {
     ejection: Arc<PoolEjection>,
     /// With `balance = "cache_aware"`: what it chooses by.
     cache_aware: Option<CacheAwareChoice>,
+    /// When its engines' `/metrics` are read (`None`: never).
+    load_reads: Option<LoadReads>,
+}
+
+/// When a pool's engines' `/metrics` are read on the health round, and for how long a read
+/// is believed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadReads {
+    /// Time between two reads of one endpoint (`engine_metrics_interval_ms`).
+    pub every: Duration,
+    /// Age past which a read is not believed: [`STALE_AFTER_READS`] reads, of the longer of
+    /// `every` and the health interval.
+    pub believed_for: Duration,
+}
+
+/// Reads an endpoint may miss before its last one is not believed.
+pub const STALE_AFTER_READS: u32 = 3;
+
+impl LoadReads {
+    /// Reads every `every` (zero: none), on health rounds every `health`.
+    pub fn new(every: Duration, health: Duration) -> Option<Self> {
+        (!every.is_zero()).then(|| Self { every, believed_for: every.max(health).saturating_mul(STALE_AFTER_READS) })
+    }
 }
 
 impl Pool {
@@ -62,7 +86,27 @@ impl Pool {
             next: AtomicUsize::new(0),
             ejection: Arc::new(PoolEjection { name: name.to_owned(), rule }),
             cache_aware: (spec.balance == Balance::CacheAware).then(|| CacheAwareChoice::new(&spec.cache_aware)),
+            load_reads: LoadReads::new(spec.engine_metrics_interval_ms, Duration::ZERO),
         }
+    }
+
+    /// The pool with its engines' `/metrics` read on health rounds every `health` (a read is
+    /// believed for three of the longer of its interval and `health`).
+    #[must_use]
+    pub fn polled_every(mut self, health: Duration) -> Self {
+        self.load_reads = self.load_reads.and_then(|r| LoadReads::new(r.every, health));
+        self
+    }
+
+    /// When its engines' `/metrics` are read (`None`: never).
+    pub fn load_reads(&self) -> Option<LoadReads> {
+        self.load_reads
+    }
+
+    /// What `endpoint`'s engine last reported of its own pressure, if read recently enough to
+    /// believe (a routing cost term reads this).
+    pub fn engine_load(&self, endpoint: &Endpoint) -> Option<EngineLoad> {
+        endpoint.facts().load(self.load_reads?.believed_for)
     }
 
     /// True when it chooses by the prompt's blocks (`balance = "cache_aware"`): its picks then
