@@ -77,6 +77,44 @@ pub struct FakeConfig {
     /// A prefix cache that each chat and completions request is prefilled through (its time
     /// taken from the tokens it did not hold, its blocks published as KV events).
     pub kv_engine: Option<Arc<super::kv_engine::KvEngine>>,
+    /// What `GET /metrics` answers (none: the page recorded from vLLM 0.32,
+    /// `tests/fixtures/vllm/metrics-0.32.txt`, its `engine="0"` series repeated for every
+    /// rank); [`metrics_page`] writes one with chosen values.
+    pub metrics_page: Option<String>,
+}
+
+/// The page vLLM 0.32 served, idle, after two chat requests (`GET /metrics`).
+pub const RECORDED_METRICS: &str = include_str!("../fixtures/vllm/metrics-0.32.txt");
+
+/// A `/metrics` page with vLLM 0.32's series for each rank: (waiting, running, KV usage), as
+/// written (so a test may write what no engine should say: `"NaN"`, `"-1"`).
+pub fn metrics_page(ranks: &[(&str, &str, &str)]) -> String {
+    let mut page = String::from("# TYPE vllm:num_requests_waiting gauge\n");
+    for (engine, (waiting, running, usage)) in ranks.iter().enumerate() {
+        let labels = format!("engine=\"{engine}\",model_name=\"tiny-qwen3\"");
+        page += &format!("vllm:num_requests_running{{{labels}}} {running}\n");
+        page += &format!("vllm:num_requests_waiting{{{labels}}} {waiting}\n");
+        page += &format!("vllm:kv_cache_usage_perc{{{labels}}} {usage}\n");
+        page +=
+            &format!("vllm:cache_config_info{{block_size=\"16\",engine=\"{engine}\",num_gpu_blocks=\"4096\"}} 1.0\n");
+    }
+    page
+}
+
+/// The recorded page with its `engine="0"` series repeated for ranks 1 to `dp_size - 1`.
+fn recorded_metrics(dp_size: u32) -> String {
+    let mut page = String::with_capacity(RECORDED_METRICS.len());
+    for line in RECORDED_METRICS.lines() {
+        page += line;
+        page.push('\n');
+        if line.contains("engine=\"0\"") {
+            for rank in 1..dp_size {
+                page += &line.replace("engine=\"0\"", &format!("engine=\"{rank}\""));
+                page.push('\n');
+            }
+        }
+    }
+    page
 }
 
 impl Default for FakeConfig {
@@ -106,6 +144,7 @@ impl Default for FakeConfig {
             failing_rank: None,
             tool_parser: true,
             kv_engine: None,
+            metrics_page: None,
         }
     }
 }
@@ -516,6 +555,10 @@ async fn handle(
                 } else {
                     respond(404, "application/json", Body::from(format!("{{\"error\":{{\"message\":\"Response with id '{id}' not found.\",\"type\":\"invalid_request_error\",\"param\":\"response_id\",\"code\":404}}}}")))
                 }
+            }
+            "/metrics" => {
+                let page = config.metrics_page.clone().unwrap_or_else(|| recorded_metrics(config.dp_size));
+                respond(200, "text/plain; version=0.0.4; charset=utf-8", Body::from(page))
             }
             "/v1/models" => respond(
                 200,

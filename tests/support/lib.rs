@@ -22,7 +22,7 @@ pub mod wait;
 pub use bench::{fmt_num, fmt_signed, words};
 pub use client::{assert_openai_error, chat_body, post_chat, post_json, post_raw, whole_events, with_extra};
 pub use configs::{assert_problem_keys, fakes, pd_config, pd_setup, pools_config};
-pub use fake_vllm::{fake_render_chat, fake_render_responses, fake_tokenize, FakeConfig, FakeVllm};
+pub use fake_vllm::{fake_render_chat, fake_render_responses, fake_tokenize, metrics_page, FakeConfig, FakeVllm};
 pub use files::{path_str, read_repo, repo};
 pub use harness::{spawn_logged, Settings, TokenOnce};
 pub use metrics::reuse_series;
