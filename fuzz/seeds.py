@@ -139,6 +139,30 @@ def main():
     ]
     write("h1", h1)
 
+    # engine_metrics: byte 0 = the rank (bit 7: the whole server), the page. The recorded
+    # vLLM 0.32 pages are over the bound: the lines of the series read, with their comments.
+    read = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+            "vllm:cache_config_info", "vllm:lora_requests_info")
+    pages = []
+    for path in sorted((ROOT / "tests" / "fixtures" / "vllm").glob("metrics-*.txt")):
+        lines = path.read_text().splitlines(keepends=True)
+        pages.append("".join(l for l in lines if any(n in l for n in read)))
+    two_ranks = "".join(
+        f'vllm:{name}{{engine="{e}",model_name="m"}} {v}\n'
+        for e, vals in ((0, ("3.0", "8.0", "0.5")), (1, ("0.0", "1.0", "0.25")))
+        for name, v in zip(("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"), vals)
+    )
+    metrics = [bytes([0]) + p.encode() for p in pages] + [bytes([0x80]) + p.encode() for p in pages]
+    metrics += [
+        bytes([1]) + two_ranks.encode(),
+        bytes([0x80]) + two_ranks.encode(),
+        bytes([0]) + (two_ranks + 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a,b",waiting_lora_adapters=""} 1.7e9\n').encode(),
+        bytes([0]) + b'vllm:num_requests_waiting 1\r\nvllm:num_requests_running 2\r\nvllm:gpu_cache_usage_perc{x="\\"y\\n"} 0.75 1700000000000\r\n',
+        bytes([0]) + b'vllm:num_requests_waiting{engine="0"} NaN\nvllm:num_requests_running{engine="0"} -1\n',
+        bytes([0]) + b'vllm:cache_config_info{engine="0",num_gpu_blocks="4e12",block_size="None"} 1\n',
+    ]
+    write("engine_metrics", metrics)
+
 
 if __name__ == "__main__":
     main()

@@ -487,11 +487,60 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(config(512))]
+
+    /// Pages of vLLM's series with random values, labels and junk: the reader's oracle holds.
+    #[test]
+    fn engine_metrics_pages_keep_the_readers_bounds(lines in prop::collection::vec(metrics_line(), 0..12), which in any::<u8>()) {
+        let mut data = vec![which];
+        data.extend_from_slice(lines.concat().as_bytes());
+        oracles::fuzz_engine_metrics(&data);
+    }
+
+    /// Random bytes over the series' alphabet: the reader's oracle holds.
+    #[test]
+    fn random_metrics_bytes_keep_the_readers_bounds(raw in prop::collection::vec(prop::sample::select(b"vlm:_nuqestwagikpc{}=\",. 0123456789-+eE#\n\r\\NaIf".to_vec()), 0..400), which in any::<u8>()) {
+        let mut data = vec![which];
+        data.extend_from_slice(&raw);
+        oracles::fuzz_engine_metrics(&data);
+    }
+}
+
+/// One line of a `/metrics` page: one of the series the reader reads (or another), an engine,
+/// and a value true or not.
+fn metrics_line() -> impl Strategy<Value = String> {
+    let name = prop::sample::select(vec![
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:num_requests_waiting_by_reason",
+        "# TYPE vllm:num_requests_waiting",
+    ]);
+    let value =
+        prop::sample::select(vec!["0", "3.0", "0.5", "1", "1.5", "-1", "NaN", "+Inf", "1e9", "1e10", "2.5", "x", ""]);
+    let engine = prop::sample::select(vec![
+        "",
+        "engine=\"0\"",
+        "engine=\"1\",model_name=\"m\"",
+        "engine=\"2",
+        "engine=\"0\",engine=\"1\"",
+    ]);
+    let info = (0u64..3_000_000_000, 0u64..64, "[a-c,]{0,6}").prop_map(|(blocks, size, loras)| {
+        format!("vllm:cache_config_info{{block_size=\"{size}\",engine=\"0\",num_gpu_blocks=\"{blocks}\"}} 1.0\nvllm:lora_requests_info{{max_lora=\"2\",running_lora_adapters=\"{loras}\",waiting_lora_adapters=\"\"}} 1.7e9\n")
+    });
+    prop_oneof![
+        4 => (name, engine, value).prop_map(|(n, e, v)| format!("{n}{{{e}}} {v}\n")),
+        1 => info,
+    ]
+}
+
 /// Every committed seed passes its target's oracle (the corpora double as regression cases).
 #[test]
 fn every_fuzz_seed_passes_its_oracle() {
     type Target = (&'static str, fn(&[u8]));
-    let targets: [Target; 8] = [
+    let targets: [Target; 9] = [
         ("sse_decoder", oracles::fuzz_sse),
         ("json_splice", oracles::fuzz_raw_object),
         ("prompt_ids", oracles::fuzz_prompt_ids),
@@ -500,6 +549,7 @@ fn every_fuzz_seed_passes_its_oracle() {
         ("handoff", oracles::fuzz_handoff),
         ("config", oracles::fuzz_config),
         ("h1", oracles::fuzz_h1),
+        ("engine_metrics", oracles::fuzz_engine_metrics),
     ];
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
     for (target, check) in targets {

@@ -1200,3 +1200,50 @@ pub fn fuzz_h1(data: &[u8]) {
         }
     }
 }
+
+// === an engine's /metrics page (its own pressure) ===
+
+/// Reads `page` for `rank` and checks what any read must keep: never a panic; the same
+/// answer twice; an answer only within the reader's bounds (counts, a usage from 0 to 1,
+/// adapter names); comment lines and series it does not read change nothing; a whole
+/// server's counts are at least any one rank's.
+pub fn check_engine_metrics(page: &[u8], rank: Option<u32>) {
+    use tokenonce::upstream::engine_load::{read, Rejected, MAX_COUNT, MAX_ENGINES, MAX_LORAS, MAX_METRICS_BYTES};
+    let got = read(page, rank);
+    assert_eq!(read(page, rank), got, "deterministic");
+    if page.len() > MAX_METRICS_BYTES {
+        assert_eq!(got, Err(Rejected::TooLarge));
+        return;
+    }
+    if let Ok(load) = &got {
+        let most = MAX_COUNT as u64 * MAX_ENGINES as u64;
+        assert!(load.waiting <= most && load.running <= most, "{load:?}");
+        assert!(load.kv_usage.is_finite() && (0.0..=1.0).contains(&load.kv_usage), "{load:?}");
+        assert!(load.block_size.is_none_or(|b| f64::from(b) <= MAX_COUNT), "{load:?}");
+        assert!(load.num_gpu_blocks.is_none_or(|b| b <= most), "{load:?}");
+        for names in [&load.loras_running, &load.loras_waiting] {
+            assert!(names.len() <= MAX_LORAS);
+            assert!(names.iter().all(|n| !n.is_empty() && !n.contains(',') && n.len() <= 256), "{names:?}");
+        }
+    }
+    // Lines the reader does not read change nothing, wherever they stand.
+    let mut padded =
+        b"# HELP vllm:num_requests_waiting x\nvllm:num_requests_waiting_by_reason{engine=\"0\"} NaN\n".to_vec();
+    padded.extend_from_slice(page);
+    padded.extend_from_slice(b"\n# TYPE vllm:kv_cache_usage_perc gauge\n");
+    if padded.len() <= MAX_METRICS_BYTES {
+        assert_eq!(read(&padded, rank), got, "other lines changed the read");
+    }
+    // The whole server sums its ranks.
+    if let (Some(_), Ok(one), Ok(all)) = (rank, &got, read(page, None)) {
+        assert!(all.waiting >= one.waiting && all.running >= one.running, "{all:?} < {one:?}");
+    }
+}
+
+/// Fuzz input: byte 0 = the rank (bit 7 set: the whole server, else bits 0-1), the rest = the
+/// page.
+pub fn fuzz_engine_metrics(data: &[u8]) {
+    let [which, page @ ..] = data else { return };
+    let rank = (which & 0x80 == 0).then_some(u32::from(which & 3));
+    check_engine_metrics(page, rank);
+}
