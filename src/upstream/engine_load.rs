@@ -97,6 +97,9 @@ struct Seen {
     block_size: Option<Option<u64>>,
 }
 
+/// A sample's labels, as written (unescaped), in order.
+type Labels = Vec<(String, String)>;
+
 /// The series this reader reads.
 #[derive(Debug, Clone, Copy)]
 enum Series {
@@ -221,7 +224,7 @@ fn set<T>(slot: &mut Option<T>, value: T) -> Result<(), Rejected> {
 }
 
 /// The labels and value of a sample line, after its name: `{k="v",...} value [timestamp]`.
-fn sample(rest: &[u8]) -> Result<(Vec<(String, String)>, f64), Rejected> {
+fn sample(rest: &[u8]) -> Result<(Labels, f64), Rejected> {
     let text = std::str::from_utf8(rest).map_err(|_| Rejected::Malformed)?;
     let (labels, after) = match text.strip_prefix('{') {
         Some(inner) => labels_of(inner)?,
@@ -244,7 +247,7 @@ fn sample(rest: &[u8]) -> Result<(Vec<(String, String)>, f64), Rejected> {
 }
 
 /// The labels of `inner` (what follows `{`) and the text after the closing `}`.
-fn labels_of(inner: &str) -> Result<(Vec<(String, String)>, &str), Rejected> {
+fn labels_of(inner: &str) -> Result<(Labels, &str), Rejected> {
     let mut labels = Vec::new();
     let mut rest = inner.trim_start();
     loop {
