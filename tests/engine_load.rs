@@ -136,7 +136,7 @@ async fn a_read_too_old_to_believe_is_forgotten_and_counted_stale() {
 }
 
 /// A pool with `engine_metrics_interval_ms = 0` never asks its engines' `/metrics`; a reload
-/// that turns a pool's reads off stops its asks.
+/// that turns a pool's reads off stops its asks and takes its gauges away.
 #[tokio::test(flavor = "multi_thread")]
 async fn turning_the_reads_off_stops_the_asks() {
     let [p, d] = fakes([FakeConfig::default(), FakeConfig::default()]).await;
@@ -145,11 +145,15 @@ async fn turning_the_reads_off_stops_the_asks() {
     proxy.wait_health("decode", &d.host_port(), true).await;
     assert_eq!(asks(&d), 0, "decode: reads off");
 
+    let waiting = series("engine_requests_waiting", "prefill", &p.host_port());
+    assert!(proxy.metrics().await.contains(&waiting), "read before the reload");
+
     proxy.reload(&config(&[p.host_port()], &d, 0, 0)).await;
     // A round in flight when the reload landed may still ask once.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let before = asks(&p);
     tokio::time::sleep(Duration::from_millis(800)).await;
     assert_eq!(asks(&p), before, "no ask after the reload turned the reads off");
+    assert!(!proxy.metrics().await.contains(&waiting), "no gauge of an earlier read left");
     assert_eq!(asks(&d), 0);
 }

@@ -164,8 +164,10 @@ impl Probe<'_> {
         if !was_healthy || !facts.model_asked() {
             facts.set_model(ask_model(self.client, endpoint.target()).await);
         }
-        if let Some(reads) = pool.load_reads() {
-            self.read_load(pool, endpoint, reads).await;
+        match pool.load_reads() {
+            Some(reads) => self.read_load(pool, endpoint, reads).await,
+            // A reload that turned the reads off leaves no gauge of an earlier read behind.
+            None => self.metrics.engine_load_gone(&pool.name, &endpoint.name),
         }
     }
 
