@@ -20,7 +20,7 @@ SECONDS_PER_TARGET=${1:-30}
   echo "usage: $0 [seconds-per-target]" >&2
   exit 2
 }
-ALL_TARGETS="sse_decoder json_splice prompt_ids request_view rewrites handoff config h1 engine_metrics"
+ALL_TARGETS="sse_decoder json_splice prompt_ids request_view rewrites handoff config h1 engine_metrics kv_wire"
 TARGETS=${FUZZ_TARGETS:-$ALL_TARGETS}
 TRIPLE=x86_64-unknown-linux-gnu
 TARGET_DIR=${FUZZ_TARGET_DIR:-target}
@@ -52,7 +52,7 @@ echo "[fuzz] built in $(( $(date +%s) - t0 )) s"
 # Per-target input bound and dictionary: SSE inputs are decoded byte by byte, so a shorter
 # bound keeps its execution rate near the others'.
 max_len() { case $1 in sse_decoder) echo 512 ;; engine_metrics) echo 4096 ;; *) echo 2048 ;; esac; }
-dict() { case $1 in sse_decoder) echo dicts/sse.dict ;; config) echo dicts/config.dict ;; h1) echo dicts/h1.dict ;; engine_metrics) echo dicts/prom.dict ;; *) echo dicts/json.dict ;; esac; }
+dict() { case $1 in sse_decoder) echo dicts/sse.dict ;; config) echo dicts/config.dict ;; h1) echo dicts/h1.dict ;; engine_metrics) echo dicts/prom.dict ;; kv_wire) echo dicts/kv.dict ;; *) echo dicts/json.dict ;; esac; }
 
 failed=0
 passed=0

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Writes the seed corpora fuzz/corpus/<target>/ from the recorded real-vLLM exchanges
-(tests/fixtures/vllm/*.json), the shipped configs (conf/*.toml) and a few hand-written edge
+(tests/fixtures/vllm/*.json), the KV events a real vLLM published
+(tests/fixtures/kv_hashes/), the shipped configs (conf/*.toml) and a few hand-written edge
 cases, in each target's input layout (see fuzz/README.md). Deterministic; rerun after
 re-recording the fixtures: python3 fuzz/seeds.py"""
 
@@ -8,6 +9,7 @@ import hashlib
 import json
 import pathlib
 import shutil
+import struct
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CORPUS = ROOT / "fuzz" / "corpus"
@@ -36,6 +38,139 @@ def write(target, seeds):
         (out / hashlib.sha1(data).hexdigest()[:16]).write_bytes(data)
         kept += 1
     print(f"{target}: {kept} seeds")
+
+
+def msgpack(v):
+    """v as msgspec's msgpack encoder writes it: the smallest form of each integer, length and
+    string, floats as float64, dicts in their order (checked against vLLM's own encoder: see
+    kv_batch)."""
+    def head(n, fix, fix_max, wide):
+        if n < fix_max:
+            return bytes([fix | n])
+        for marker, fmt, top in wide:
+            if marker is not None and n <= top:
+                return bytes([marker]) + struct.pack(fmt, n)
+        raise ValueError(n)
+
+    if v is None:
+        return b"\xc0"
+    if isinstance(v, bool):
+        return b"\xc3" if v else b"\xc2"
+    if isinstance(v, int):
+        if -32 <= v < 128:
+            return struct.pack(">b", v) if v < 0 else bytes([v])
+        forms = ([(0xcc, ">B", 0xFF), (0xcd, ">H", 0xFFFF), (0xce, ">I", 2**32 - 1), (0xcf, ">Q", 2**64 - 1)]
+                 if v >= 0 else [(0xd0, ">b", -2**7), (0xd1, ">h", -2**15), (0xd2, ">i", -2**31), (0xd3, ">q", -2**63)])
+        for marker, fmt, bound in forms:
+            if (v <= bound) if v >= 0 else (v >= bound):
+                return bytes([marker]) + struct.pack(fmt, v)
+        raise ValueError(v)
+    if isinstance(v, float):
+        return b"\xcb" + struct.pack(">d", v)
+    if isinstance(v, str):
+        b = v.encode()
+        return head(len(b), 0xa0, 32, [(0xd9, ">B", 0xFF), (0xda, ">H", 0xFFFF), (0xdb, ">I", 2**32 - 1)]) + b
+    if isinstance(v, bytes):
+        return head(len(v), 0xc4, 0, [(0xc4, ">B", 0xFF), (0xc5, ">H", 0xFFFF), (0xc6, ">I", 2**32 - 1)]) + v
+    if isinstance(v, (list, tuple)):
+        return head(len(v), 0x90, 16, [(None, "", 0), (0xdc, ">H", 0xFFFF), (0xdd, ">I", 2**32 - 1)]) + b"".join(map(msgpack, v))
+    if isinstance(v, dict):
+        return head(len(v), 0x80, 16, [(None, "", 0), (0xde, ">H", 0xFFFF), (0xdf, ">I", 2**32 - 1)]) + b"".join(
+            msgpack(k) + msgpack(x) for k, x in v.items())
+    raise TypeError(type(v))
+
+
+KV_TS = 1764900000.25  # a fixed publish time: the seeds stay deterministic
+
+
+def kv_event(e):
+    """One event of the fixture as vLLM 0.32's msgspec writes it: `type` first, then its fields in
+    vLLM's order (`lora_id` always nil; `medium` "GPU", as the engine's own cache reports), the
+    fields left at their default (`extra_keys`, `group_idx` when None) omitted."""
+    if e["type"] == "AllBlocksCleared":
+        return {"type": "AllBlocksCleared"}
+    if e["type"] == "BlockRemoved":
+        out = {"type": "BlockRemoved", "block_hashes": e["block_hashes"], "medium": e.get("medium", "GPU")}
+        if e.get("group_idx") is not None:
+            out["group_idx"] = e["group_idx"]
+        return out
+    out = {"type": "BlockStored", "block_hashes": e["block_hashes"], "parent_block_hash": e.get("parent_block_hash"),
+           "token_ids": e["token_ids"], "block_size": e["block_size"], "lora_id": None, "medium": "GPU",
+           "lora_name": e.get("lora_name")}
+    if e.get("extra_keys") is not None:
+        out["extra_keys"] = e["extra_keys"]
+    if e.get("group_idx") is not None:
+        out["group_idx"] = e["group_idx"]
+    return out
+
+
+def kv_batch(events, rank=0):
+    """A `KVEventBatch` payload: `[ts, events, data_parallel_rank]` (a None rank is written as
+    nil: msgspec omits no array_like field), or `[ts, events]` with `rank="omitted"`.
+    Byte for byte what vLLM's encoder gives for the same events: run this script with the vLLM
+    venv's python (~/.cache/tokenonce-vllm-venv/bin/python) and it checks each batch so."""
+    payload = msgpack([KV_TS, [kv_event(e) for e in events]] + ([] if rank == "omitted" else [rank]))
+    if VLLM_KV is not None and rank != "omitted":
+        kinds, batch_class = VLLM_KV
+        def real(e):
+            fields = {k: v for k, v in kv_event(e).items() if k != "type"}
+            if "extra_keys" in fields:
+                fields["extra_keys"] = [None if k is None else tuple(k) for k in fields["extra_keys"]]
+            return kinds[e["type"]](**fields)
+        theirs = VLLM_KV_ENCODE(batch_class(ts=KV_TS, events=[real(e) for e in events], data_parallel_rank=rank))
+        assert theirs == payload, f"msgspec writes {theirs!r}, this script {payload!r}"
+    return payload
+
+
+try:  # only in the vLLM venv
+    import msgspec
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+    VLLM_KV = ({"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared},
+               KVEventBatch)
+    VLLM_KV_ENCODE = msgspec.msgpack.Encoder().encode
+except ImportError:
+    VLLM_KV = None
+
+
+def kv_seed(flags, payload, seq, topic=b"kv"):
+    """kv_wire's layout: flags, the topic's length, the topic, the 8-byte sequence, the payload."""
+    return bytes([flags, len(topic)]) + topic + seq.to_bytes(8, "big") + payload
+
+
+def kv_seeds():
+    fx = json.loads((ROOT / "tests" / "fixtures" / "kv_hashes" / "vllm_sha256_cbor.json").read_text())
+    seeds, batches = [], []
+    for r in fx["requests"]:
+        # One message per sequence number when each carried one event, else the whole request's.
+        if len(r["event_seqs"]) == len(r["events"]):
+            batches += [(seq, [e]) for seq, e in zip(r["event_seqs"], r["events"])]
+        else:
+            batches.append((r["event_seqs"][0], r["events"]))
+    # flags: bits 4-7 the index bound (minus 1) and the first slot, bit 3 hashes re-written as
+    # digests; bits 0-2 clear (three frames, an 8-byte sequence).
+    for i, (seq, events) in enumerate(batches):
+        seeds.append(kv_seed((i % 16) << 4 | (i & 1) << 3, kv_batch(events), seq))
+    stored = fx["requests"][0]["events"][0]
+    removed = {"type": "BlockRemoved", "block_hashes": stored["block_hashes"][1:], "medium": "GPU"}
+    cleared = {"type": "AllBlocksCleared"}
+    seeds += [
+        kv_seed(0x20, kv_batch([stored, removed, cleared, stored]), 41),
+        kv_seed(0x10, kv_batch([removed], rank=None), 2**63),
+        kv_seed(0x18, kv_batch([stored], rank="omitted"), 7),
+        # A newer vLLM's event type, an offloaded block, another KV cache group, the digest form.
+        kv_seed(0x70, msgpack([KV_TS, [{"type": "BlockPinned", "block_hashes": [1]},
+                                       {"type": "BlockRemoved", "block_hashes": [7], "medium": "CPU"},
+                                       {"type": "BlockRemoved", "block_hashes": [b"\x07" * 32], "medium": None,
+                                        "group_idx": 1}], 3]), 5),
+        # vLLM's replay end marker: the sequence -1 and an empty payload.
+        kv_seed(0x00, b"", 2**64 - 1, topic=b""),
+        # Malformed: bytes after the batch, cut short, four frames, a 4-byte sequence.
+        kv_seed(0x00, kv_batch([removed]) + b"\x90", 1),
+        kv_seed(0x00, kv_batch([removed])[:-3], 1),
+        kv_seed(0x03, kv_batch([removed]), 1),
+        bytes([0x44, 2]) + b"kv" + b"\x00\x00\x00\x01" + kv_batch([cleared]),
+    ]
+    return seeds
 
 
 def main():
@@ -162,6 +297,7 @@ def main():
         bytes([0]) + b'vllm:cache_config_info{engine="0",num_gpu_blocks="4e12",block_size="None"} 1\n',
     ]
     write("engine_metrics", metrics)
+    write("kv_wire", kv_seeds())
 
 
 if __name__ == "__main__":

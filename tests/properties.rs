@@ -8,6 +8,9 @@ mod oracles;
 
 use proptest::prelude::*;
 use proptest::sample::select;
+use serde::de::IgnoredAny;
+use tokenonce::kv::wire::{Event, EventBatch, Removed, Stored, WireHash};
+use tokenonce::kv::{BlockHasher, ExtraKeys};
 use tokenonce::openai::{Api, PromptIds};
 
 fn config(cases: u32) -> ProptestConfig {
@@ -536,11 +539,104 @@ fn metrics_line() -> impl Strategy<Value = String> {
     ]
 }
 
+/// Block hashes: a few small ones, so stores, removals and the bound meet on the same blocks.
+fn kv_hash() -> impl Strategy<Value = WireHash> {
+    prop_oneof![3 => (0u64..6).prop_map(WireHash), 1 => any::<u64>().prop_map(WireHash)]
+}
+
+/// KV events as vLLM publishes them: stores whose hashes chain their tokens (the hash check's
+/// seed and block size) or are drawn, with or without a parent, extra keys, another medium or
+/// group, another block size; removals; clears; a type this version does not know.
+fn kv_event() -> impl Strategy<Value = Event> {
+    let medium = prop::option::of(select(vec!["GPU", "CPU", "STORAGE"]).prop_map(str::to_owned));
+    let group = prop::option::of(select(vec![0i64, 0, 1, -1, i64::MAX]));
+    let stored = (
+        prop::collection::vec(0u32..200_000, 0..100),
+        any::<bool>(),
+        prop::collection::vec(kv_hash(), 0..5),
+        prop::option::of(kv_hash()),
+        select(vec![32usize, 32, 16, 0, usize::MAX]),
+        prop::option::of("[a-z]{1,8}"),
+        medium.clone(),
+        group.clone(),
+        prop::option::of(prop::collection::vec(any::<bool>(), 0..4)),
+    )
+        .prop_map(|(token_ids, chained, drawn, parent, block_size, lora_name, medium, group_idx, extra)| {
+            let block_hashes = if chained {
+                let hasher = BlockHasher::new(oracles::KV_SEED, oracles::KV_BLOCK);
+                hasher.chain(&token_ids, &ExtraKeys::default()).iter().map(|h| WireHash(h.wire())).collect()
+            } else {
+                drawn
+            };
+            Event::BlockStored(Stored {
+                block_hashes,
+                parent_block_hash: parent.filter(|_| !chained),
+                token_ids,
+                block_size,
+                lora_name,
+                medium,
+                extra_keys: extra.map(|keys| keys.into_iter().map(|k| k.then_some(IgnoredAny)).collect()),
+                group_idx,
+            })
+        });
+    let removed = (prop::collection::vec(kv_hash(), 0..5), medium, group)
+        .prop_map(|(block_hashes, medium, group_idx)| Event::BlockRemoved(Removed { block_hashes, medium, group_idx }));
+    prop_oneof![4 => stored, 3 => removed, 1 => Just(Event::AllBlocksCleared), 1 => Just(Event::Other)]
+}
+
+fn kv_batch() -> impl Strategy<Value = EventBatch> {
+    let ts = prop_oneof![Just(1_764_900_000.25), any::<f64>()];
+    (ts, prop::collection::vec(kv_event(), 0..6), prop::option::of(select(vec![0i64, 1, 7, -1, i64::MIN])))
+        .prop_map(|(ts, events, data_parallel_rank)| EventBatch { ts, events, data_parallel_rank })
+}
+
+/// A batch as vLLM writes it (hashes as integers or digests), then maybe one change: cut short,
+/// one byte overwritten, one inserted, a few appended.
+fn kv_payload() -> impl Strategy<Value = (Vec<u8>, bool)> {
+    (kv_batch(), any::<bool>(), 0u8..6, any::<prop::sample::Index>(), prop::collection::vec(any::<u8>(), 1..4))
+        .prop_map(|(batch, digests, change, at, bytes)| {
+            let mut payload = oracles::kv_encode(&batch, digests);
+            let i = at.index(payload.len());
+            match change {
+                1 => payload.truncate(i),
+                2 => payload[i] = bytes[0],
+                3 => payload.insert(i, bytes[0]),
+                4 => payload.extend_from_slice(&bytes),
+                _ => {}
+            }
+            (payload, digests)
+        })
+}
+
+proptest! {
+    #![proptest_config(config(512))]
+
+    /// A KV event batch decodes as the msgpack reference reads it (malformed ones are errors),
+    /// is written back to the same batch, and applies to a bounded index as the model says.
+    #[test]
+    fn kv_batches_match_the_reference((payload, digests) in kv_payload(), max_blocks in 1usize..10, slot in 0usize..2) {
+        oracles::check_kv_batch(&payload, digests, max_blocks, slot);
+    }
+
+    /// A KV event message: three frames, an 8-byte big-endian sequence, the payload's batch.
+    #[test]
+    fn kv_messages_frame_and_number(
+        topic in select(vec!["", "kv", "kv@rank1"]),
+        seq in prop_oneof![4 => any::<u64>().prop_map(|s| s.to_be_bytes().to_vec()), 1 => prop::collection::vec(any::<u8>(), 0..12)],
+        (payload, _) in kv_payload(),
+        frames in select(vec![3usize, 3, 3, 2, 4, 1, 0]),
+    ) {
+        let mut all = vec![topic.as_bytes().to_vec(), seq, payload];
+        all.resize(frames, Vec::new());
+        oracles::check_kv_message(&all);
+    }
+}
+
 /// Every committed seed passes its target's oracle (the corpora double as regression cases).
 #[test]
 fn every_fuzz_seed_passes_its_oracle() {
     type Target = (&'static str, fn(&[u8]));
-    let targets: [Target; 9] = [
+    let targets: [Target; 10] = [
         ("sse_decoder", oracles::fuzz_sse),
         ("json_splice", oracles::fuzz_raw_object),
         ("prompt_ids", oracles::fuzz_prompt_ids),
@@ -550,6 +646,7 @@ fn every_fuzz_seed_passes_its_oracle() {
         ("config", oracles::fuzz_config),
         ("h1", oracles::fuzz_h1),
         ("engine_metrics", oracles::fuzz_engine_metrics),
+        ("kv_wire", oracles::fuzz_kv_wire),
     ];
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
     for (target, check) in targets {

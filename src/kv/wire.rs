@@ -8,7 +8,8 @@
 //!   publisher (per engine process and data-parallel rank). Replay answers carry the same three
 //!   frames after an empty delimiter; their end marker has the sequence -1 (all bits set).
 //! - `payload` is msgspec msgpack of `KVEventBatch`, an `array_like` struct: `[ts, [events],
-//!   data_parallel_rank]` (`omit_defaults` may drop a trailing `None` rank).
+//!   data_parallel_rank]` (msgspec writes a `None` rank as nil; a batch without it is read too),
+//!   and nothing after it (msgspec refuses trailing bytes; so does [`decode_batch`]).
 //! - Events are `tag=True` structs *without* `array_like`: msgpack maps carrying `"type"` (the
 //!   class name) beside their fields; `omit_defaults` drops fields left at their default.
 //! - Block hashes are msgpack integers (the digest's low 64 bits) by default, or the whole
@@ -33,6 +34,10 @@ pub enum WireError {
     /// The payload is not a msgpack `KVEventBatch`.
     #[error("a KV event batch is not vLLM's msgpack: {0}")]
     Payload(#[from] rmp_serde::decode::Error),
+    /// The payload holds more than one msgpack value (msgspec, vLLM's own decoder, refuses it
+    /// too): not what vLLM's publisher sends.
+    #[error("a KV event batch has {0} bytes after its msgpack value")]
+    Trailing(usize),
 }
 
 /// One batch as published: when, what, and by which data-parallel rank.
@@ -162,12 +167,17 @@ pub fn sequence(frame: &[u8]) -> Result<u64, WireError> {
     Ok(u64::from_be_bytes(bytes))
 }
 
-/// A msgpack `KVEventBatch`.
+/// A msgpack `KVEventBatch`: the whole payload, as msgspec reads one.
 ///
 /// # Errors
-/// When the payload is not one.
+/// When the payload is not one, or has bytes after it.
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, WireError> {
-    Ok(rmp_serde::from_slice(payload)?)
+    let mut rest = payload;
+    let batch = EventBatch::deserialize(&mut rmp_serde::Deserializer::new(&mut rest))?;
+    match rest.len() {
+        0 => Ok(batch),
+        n => Err(WireError::Trailing(n)),
+    }
 }
 
 #[cfg(test)]
@@ -272,6 +282,18 @@ mod tests {
         assert!(matches!(decode_message(&[b"kv".to_vec(), vec![0; 4], vec![]]), Err(WireError::Sequence(4))));
         assert!(matches!(decode_message(&[b"kv".to_vec(), vec![0; 8], vec![0xc1]]), Err(WireError::Payload(_))));
         assert_eq!(sequence(&(-1i64).to_be_bytes()).ok(), Some(REPLAY_END));
+    }
+
+    /// Found by the `kv_wire` fuzz target: `rmp_serde::from_slice` stops after one value, so a
+    /// payload with bytes after its batch was read as that batch.
+    #[test]
+    fn bytes_after_the_batch_are_an_error() {
+        let mut payload = pack(&Batch(1.0, Vec::<Ev>::new(), Some(0)));
+        assert!(decode_batch(&payload).is_ok());
+        payload.extend_from_slice(&[0x90, 0xc0]);
+        assert!(matches!(decode_batch(&payload), Err(WireError::Trailing(2))), "{:?}", decode_batch(&payload));
+        let frames = [b"kv".to_vec(), 0u64.to_be_bytes().to_vec(), payload];
+        assert!(matches!(decode_message(&frames), Err(WireError::Trailing(2))));
     }
 
     #[test]

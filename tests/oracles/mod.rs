@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing, dead_code)]
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 
 use bytes::BytesMut;
@@ -14,6 +14,10 @@ use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAcces
 use serde_json::value::RawValue;
 use serde_json::Value;
 use tokenonce::config::{Config, Mode};
+use tokenonce::kv::check::{Drift, HashCheck, Outcome};
+use tokenonce::kv::index::BlockIndex;
+use tokenonce::kv::wire::{self as kv_wire, EventBatch, Removed, Stored, WireHash};
+use tokenonce::kv::{BlockHasher, ExtraKeys};
 use tokenonce::openai::ids::IdsError;
 use tokenonce::openai::request::{
     decode_body, kv_params_with_ids, prefill_body, PromptShape, PREFILL_KV_TRANSFER_PARAMS,
@@ -1246,4 +1250,717 @@ pub fn fuzz_engine_metrics(data: &[u8]) {
     let [which, page @ ..] = data else { return };
     let rank = (which & 0x80 == 0).then_some(u32::from(which & 3));
     check_engine_metrics(page, rank);
+}
+
+// === vLLM's KV events: ZeroMQ frames and msgpack batches ===
+
+/// A msgpack value as the msgpack spec frames it, read by the reference's own reader (not
+/// rmp's). Strings keep their bytes: rmp_serde hands invalid UTF-8 on as bytes.
+#[derive(Debug, Clone)]
+enum Mp {
+    Nil,
+    Bool,
+    Int(i128),
+    Float(f64),
+    Str(Vec<u8>),
+    Bin(Vec<u8>),
+    Arr(Vec<Mp>),
+    Map(Vec<(Mp, Mp)>),
+}
+
+/// What the reference says of a payload it does not read as a batch: `Invalid` the decoder
+/// must refuse; `Unknown` where serde's leniency may read it either way (no claim).
+#[derive(Debug)]
+enum Verdict {
+    Invalid(String),
+    /// One whole value, then these many bytes.
+    Trailing(usize),
+    Unknown(String),
+}
+
+/// Nesting the reference reads; deeper is `Unknown` (rmp_serde's own limit is 1024).
+const MP_DEPTH: usize = 64;
+
+fn mp_take<'a>(data: &'a [u8], at: &mut usize, n: u64) -> Result<&'a [u8], Verdict> {
+    let end = usize::try_from(n).ok().and_then(|n| at.checked_add(n)).filter(|&end| end <= data.len());
+    let end = end.ok_or_else(|| Verdict::Invalid("the msgpack ends early".into()))?;
+    let out = &data[*at..end];
+    *at = end;
+    Ok(out)
+}
+
+fn mp_uint(data: &[u8], at: &mut usize, n: u64) -> Result<u64, Verdict> {
+    Ok(mp_take(data, at, n)?.iter().fold(0u64, |acc, &b| acc << 8 | u64::from(b)))
+}
+
+/// One msgpack value from `data[*at..]`: `Invalid` when the bytes end early or hold the
+/// never-used marker 0xc1; `Unknown` at an extension type (rmp_serde reads only its type byte
+/// and then its data as more values) or past `MP_DEPTH`.
+fn mp_read(data: &[u8], at: &mut usize, depth: usize) -> Result<Mp, Verdict> {
+    if depth > MP_DEPTH {
+        return Err(Verdict::Unknown("nested deeper than the reference reads".into()));
+    }
+    let m = mp_take(data, at, 1)?[0];
+    let items = |at: &mut usize, n: u64| -> Result<Vec<Mp>, Verdict> {
+        let mut out = Vec::new();
+        for _ in 0..n {
+            out.push(mp_read(data, at, depth + 1)?);
+        }
+        Ok(out)
+    };
+    let pairs = |at: &mut usize, n: u64| -> Result<Mp, Verdict> {
+        let mut out = Vec::new();
+        for _ in 0..n {
+            let k = mp_read(data, at, depth + 1)?;
+            out.push((k, mp_read(data, at, depth + 1)?));
+        }
+        Ok(Mp::Map(out))
+    };
+    Ok(match m {
+        0x00..=0x7f => Mp::Int(m.into()),
+        0x80..=0x8f => pairs(at, u64::from(m & 0x0f))?,
+        0x90..=0x9f => Mp::Arr(items(at, u64::from(m & 0x0f))?),
+        0xa0..=0xbf => Mp::Str(mp_take(data, at, u64::from(m & 0x1f))?.to_vec()),
+        0xc0 => Mp::Nil,
+        0xc1 => return Err(Verdict::Invalid("the never-used marker 0xc1".into())),
+        0xc2 | 0xc3 => Mp::Bool,
+        0xc4..=0xc6 => {
+            let n = mp_uint(data, at, 1 << (m - 0xc4))?;
+            Mp::Bin(mp_take(data, at, n)?.to_vec())
+        }
+        0xc7..=0xc9 | 0xd4..=0xd8 => return Err(Verdict::Unknown("an extension type".into())),
+        0xca => Mp::Float(f64::from(f32::from_bits(mp_uint(data, at, 4)? as u32))),
+        0xcb => Mp::Float(f64::from_bits(mp_uint(data, at, 8)?)),
+        0xcc..=0xcf => Mp::Int(mp_uint(data, at, 1 << (m - 0xcc))?.into()),
+        0xd0..=0xd3 => {
+            let bytes = 1u32 << (m - 0xd0);
+            let shift = 64 - 8 * bytes;
+            let raw = mp_uint(data, at, u64::from(bytes))?;
+            Mp::Int(i128::from(((raw << shift) as i64) >> shift))
+        }
+        0xd9..=0xdb => {
+            let n = mp_uint(data, at, 1 << (m - 0xd9))?;
+            Mp::Str(mp_take(data, at, n)?.to_vec())
+        }
+        0xdc | 0xdd => {
+            let n = mp_uint(data, at, 2 << (m - 0xdc))?;
+            Mp::Arr(items(at, n)?)
+        }
+        0xde | 0xdf => {
+            let n = mp_uint(data, at, 2 << (m - 0xde))?;
+            pairs(at, n)?
+        }
+        0xe0..=0xff => Mp::Int(i128::from(m as i8)),
+    })
+}
+
+/// True when every map key anywhere in `v` is a UTF-8 string (serde also reads an integer key
+/// as a field's index, and bytes as its name: no claim then).
+fn mp_string_keys(v: &Mp) -> bool {
+    match v {
+        Mp::Arr(items) => items.iter().all(mp_string_keys),
+        Mp::Map(pairs) => {
+            pairs.iter().all(|(k, v)| matches!(k, Mp::Str(s) if std::str::from_utf8(s).is_ok()) && mp_string_keys(v))
+        }
+        _ => true,
+    }
+}
+
+/// Collects the reference's findings over a whole batch: one `Unknown` anywhere outweighs an
+/// `Invalid` (serde may have read that part otherwise, and then stopped elsewhere).
+#[derive(Default)]
+struct Judge {
+    unknown: Option<String>,
+    invalid: Option<String>,
+}
+
+impl Judge {
+    fn invalid<T>(&mut self, why: impl Into<String>) -> Option<T> {
+        self.invalid.get_or_insert_with(|| why.into());
+        None
+    }
+    fn unknown<T>(&mut self, why: impl Into<String>) -> Option<T> {
+        self.unknown.get_or_insert_with(|| why.into());
+        None
+    }
+}
+
+fn kv_int(v: &Mp) -> Option<i128> {
+    if let Mp::Int(n) = v {
+        Some(*n)
+    } else {
+        None
+    }
+}
+
+/// A block hash: an unsigned integer, or a digest of at least 8 bytes (its last 8, big-endian);
+/// a string that is not UTF-8 reaches serde as bytes, like a digest.
+fn kv_hash(v: &Mp, j: &mut Judge) -> Option<WireHash> {
+    match v {
+        Mp::Int(n) => u64::try_from(*n).ok().map(WireHash).or_else(|| j.invalid(format!("block hash {n}"))),
+        Mp::Bin(b) | Mp::Str(b) if v_is_bytes(v) && b.len() >= 8 => {
+            Some(WireHash(u64::from_be_bytes(b[b.len() - 8..].try_into().unwrap())))
+        }
+        _ => j.invalid(format!("block hash {v:?}")),
+    }
+}
+
+/// Bytes as serde sees them inside an event: a bin, or a string that is not UTF-8.
+fn v_is_bytes(v: &Mp) -> bool {
+    match v {
+        Mp::Bin(_) => true,
+        Mp::Str(s) => std::str::from_utf8(s).is_err(),
+        _ => false,
+    }
+}
+
+fn kv_list<T>(v: &Mp, j: &mut Judge, what: &str, mut item: impl FnMut(&Mp, &mut Judge) -> Option<T>) -> Option<Vec<T>> {
+    let Mp::Arr(items) = v else { return j.invalid(format!("{what} is not an array: {v:?}")) };
+    let mut out = Vec::with_capacity(items.len());
+    let mut ok = true;
+    for v in items {
+        match item(v, j) {
+            Some(x) => out.push(x),
+            None => ok = false,
+        }
+    }
+    ok.then_some(out)
+}
+
+/// An optional field: `Some(None)` for nil.
+fn kv_opt<T>(v: &Mp, j: &mut Judge, item: impl FnOnce(&Mp, &mut Judge) -> Option<T>) -> Option<Option<T>> {
+    match v {
+        Mp::Nil => Some(None),
+        v => item(v, j).map(Some),
+    }
+}
+
+fn kv_i64(v: &Mp, j: &mut Judge) -> Option<i64> {
+    kv_int(v).and_then(|n| i64::try_from(n).ok()).or_else(|| j.invalid(format!("not an i64: {v:?}")))
+}
+
+/// A string field: a UTF-8 string, or bytes that are UTF-8 (serde's `String` takes both).
+fn kv_string(v: &Mp, j: &mut Judge) -> Option<String> {
+    match v {
+        Mp::Str(b) | Mp::Bin(b) => String::from_utf8(b.clone()).ok().or_else(|| j.invalid("a string field not UTF-8")),
+        _ => j.invalid(format!("not a string: {v:?}")),
+    }
+}
+
+/// An event's map without its `type`, each known field at most once.
+fn kv_fields<'a>(fields: &[(&'a str, &'a Mp)], known: &[&str], j: &mut Judge) -> Option<HashMap<&'a str, &'a Mp>> {
+    let mut out = HashMap::new();
+    for &(k, v) in fields {
+        if known.contains(&k) && out.insert(k, v).is_some() {
+            return j.invalid(format!("field {k} twice"));
+        }
+    }
+    Some(out)
+}
+
+fn kv_stored(fields: &[(&str, &Mp)], j: &mut Judge) -> Option<kv_wire::Event> {
+    const KNOWN: [&str; 8] = [
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_name",
+        "medium",
+        "extra_keys",
+        "group_idx",
+    ];
+    let f = kv_fields(fields, &KNOWN, j)?;
+    let required = |name: &str, j: &mut Judge| f.get(name).copied().or_else(|| j.invalid(format!("no {name}")));
+    let block_hashes = required("block_hashes", j).and_then(|v| kv_list(v, j, "block_hashes", kv_hash));
+    let parent = f.get("parent_block_hash").map_or(Some(None), |v| kv_opt(v, j, kv_hash));
+    let token_ids = required("token_ids", j).and_then(|v| {
+        kv_list(v, j, "token_ids", |v, j| {
+            kv_int(v).and_then(|n| u32::try_from(n).ok()).or_else(|| j.invalid(format!("token id {v:?}")))
+        })
+    });
+    let block_size = required("block_size", j).and_then(|v| {
+        kv_int(v).and_then(|n| usize::try_from(n).ok()).or_else(|| j.invalid(format!("block_size {v:?}")))
+    });
+    let lora_name = f.get("lora_name").map_or(Some(None), |v| kv_opt(v, j, kv_string));
+    let medium = f.get("medium").map_or(Some(None), |v| kv_opt(v, j, kv_string));
+    let extra_keys = f.get("extra_keys").map_or(Some(None), |v| {
+        kv_opt(v, j, |v, j| {
+            kv_list(v, j, "extra_keys", |v, _| Some(if matches!(v, Mp::Nil) { None } else { Some(IgnoredAny) }))
+        })
+    });
+    let group_idx = f.get("group_idx").map_or(Some(None), |v| kv_opt(v, j, kv_i64));
+    Some(kv_wire::Event::BlockStored(Stored {
+        block_hashes: block_hashes?,
+        parent_block_hash: parent?,
+        token_ids: token_ids?,
+        block_size: block_size?,
+        lora_name: lora_name?,
+        medium: medium?,
+        extra_keys: extra_keys?,
+        group_idx: group_idx?,
+    }))
+}
+
+fn kv_removed(fields: &[(&str, &Mp)], j: &mut Judge) -> Option<kv_wire::Event> {
+    let f = kv_fields(fields, &["block_hashes", "medium", "group_idx"], j)?;
+    let block_hashes = match f.get("block_hashes") {
+        Some(v) => kv_list(v, j, "block_hashes", kv_hash),
+        None => j.invalid("no block_hashes"),
+    };
+    let medium = f.get("medium").map_or(Some(None), |v| kv_opt(v, j, kv_string));
+    let group_idx = f.get("group_idx").map_or(Some(None), |v| kv_opt(v, j, kv_i64));
+    Some(kv_wire::Event::BlockRemoved(Removed { block_hashes: block_hashes?, medium: medium?, group_idx: group_idx? }))
+}
+
+/// One event as msgspec writes it: a map with its class name under `type` beside its fields;
+/// unknown fields are skipped, an unknown `type` is `Other`.
+fn kv_event(v: &Mp, j: &mut Judge) -> Option<kv_wire::Event> {
+    let pairs = match v {
+        Mp::Map(pairs) => pairs,
+        Mp::Arr(_) => return j.unknown("an event as an array (serde takes its first element as the tag)"),
+        _ => return j.invalid(format!("an event that is not a map: {v:?}")),
+    };
+    let mut tag = None;
+    let mut fields = Vec::new();
+    for (k, v) in pairs {
+        let Some(k) = (if let Mp::Str(k) = k { std::str::from_utf8(k).ok() } else { None }) else {
+            return j.unknown("a key that is not a UTF-8 string");
+        };
+        if k == "type" {
+            if tag.replace(v).is_some() {
+                return j.invalid("type twice");
+            }
+        } else {
+            fields.push((k, v));
+        }
+    }
+    let name = match tag {
+        None => return j.invalid("an event without its type"),
+        Some(Mp::Str(name)) => match std::str::from_utf8(name) {
+            Ok(name) => name,
+            Err(_) => return j.unknown("a type that is not UTF-8"),
+        },
+        Some(_) => return j.unknown("a type that is not a string (serde reads an integer as the variant's index)"),
+    };
+    match name {
+        "BlockStored" => kv_stored(&fields, j),
+        "BlockRemoved" => kv_removed(&fields, j),
+        "AllBlocksCleared" => Some(kv_wire::Event::AllBlocksCleared),
+        _ => Some(kv_wire::Event::Other),
+    }
+}
+
+/// vLLM 0.32's `KVEventBatch` read from `payload` by the msgpack spec and msgspec's shape:
+/// exactly one value, an array `[ts, events]` or `[ts, events, data_parallel_rank]`, `ts` a
+/// number, `events` an array of event maps, the rank nil or an i64. What lies outside that
+/// shape but serde may read (a batch as a map, keys that are not strings, extension types) is
+/// `Unknown`.
+fn kv_reference(payload: &[u8]) -> Result<EventBatch, Verdict> {
+    let mut at = 0;
+    let value = mp_read(payload, &mut at, 0)?;
+    if at != payload.len() {
+        return Err(Verdict::Trailing(payload.len() - at));
+    }
+    if !mp_string_keys(&value) {
+        return Err(Verdict::Unknown("a map key that is not a UTF-8 string".into()));
+    }
+    let items = match value {
+        Mp::Arr(items) => items,
+        Mp::Map(_) => return Err(Verdict::Unknown("a batch as a map (msgspec writes an array)".into())),
+        other => return Err(Verdict::Invalid(format!("a batch that is not an array: {other:?}"))),
+    };
+    if !(2..=3).contains(&items.len()) {
+        return Err(Verdict::Invalid(format!("a batch of {} elements", items.len())));
+    }
+    let mut j = Judge::default();
+    let ts = match items[0] {
+        Mp::Int(n) => Some(i64::try_from(n).map_or(n as u64 as f64, |n| n as f64)),
+        Mp::Float(x) => Some(x),
+        ref other => j.invalid(format!("ts {other:?}")),
+    };
+    let events = match &items[1] {
+        // rmp_serde reads bytes where it wants a sequence as a sequence of integers.
+        Mp::Bin(b) if b.is_empty() => Some(Vec::new()),
+        v => kv_list(v, &mut j, "events", kv_event),
+    };
+    let rank = items.get(2).map_or(Some(None), |v| kv_opt(v, &mut j, kv_i64));
+    match (j.unknown, j.invalid) {
+        (Some(why), _) => Err(Verdict::Unknown(why)),
+        (None, Some(why)) => Err(Verdict::Invalid(why)),
+        (None, None) => Ok(EventBatch { ts: ts.unwrap(), events: events.unwrap(), data_parallel_rank: rank.unwrap() }),
+    }
+}
+
+// The writer: msgpack as msgspec writes it (smallest forms, floats as float64).
+
+fn mp_uint_out(out: &mut Vec<u8>, n: u64) {
+    match n {
+        0..=0x7f => out.push(n as u8),
+        0x80..=0xff => out.extend_from_slice(&[0xcc, n as u8]),
+        0x100..=0xffff => {
+            out.push(0xcd);
+            out.extend_from_slice(&(n as u16).to_be_bytes());
+        }
+        0x1_0000..=0xffff_ffff => {
+            out.push(0xce);
+            out.extend_from_slice(&(n as u32).to_be_bytes());
+        }
+        _ => {
+            out.push(0xcf);
+            out.extend_from_slice(&n.to_be_bytes());
+        }
+    }
+}
+
+fn mp_int_out(out: &mut Vec<u8>, n: i64) {
+    match n {
+        0.. => mp_uint_out(out, n as u64),
+        -32..=-1 => out.push(n as u8),
+        -128..=-33 => out.extend_from_slice(&[0xd0, n as u8]),
+        -32768..=-129 => {
+            out.push(0xd1);
+            out.extend_from_slice(&(n as i16).to_be_bytes());
+        }
+        -2_147_483_648..=-32769 => {
+            out.push(0xd2);
+            out.extend_from_slice(&(n as i32).to_be_bytes());
+        }
+        _ => {
+            out.push(0xd3);
+            out.extend_from_slice(&n.to_be_bytes());
+        }
+    }
+}
+
+/// A length-prefixed head: `fix` form below `fix_max`, then the 8/16/32-bit forms from
+/// `wide` (`None` where the type has no 8-bit form).
+fn mp_head(out: &mut Vec<u8>, len: usize, fix: u8, fix_max: usize, wide: [Option<u8>; 3]) {
+    if len < fix_max {
+        out.push(fix | len as u8);
+    } else if let (Some(m), true) = (wide[0], len <= 0xff) {
+        out.extend_from_slice(&[m, len as u8]);
+    } else if len <= 0xffff {
+        out.push(wide[1].unwrap());
+        out.extend_from_slice(&(len as u16).to_be_bytes());
+    } else {
+        out.push(wide[2].unwrap());
+        out.extend_from_slice(&(len as u32).to_be_bytes());
+    }
+}
+
+fn mp_str_out(out: &mut Vec<u8>, s: &str) {
+    mp_head(out, s.len(), 0xa0, 32, [Some(0xd9), Some(0xda), Some(0xdb)]);
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn mp_bin_out(out: &mut Vec<u8>, b: &[u8]) {
+    mp_head(out, b.len(), 0xc4, 0, [Some(0xc4), Some(0xc5), Some(0xc6)]);
+    out.extend_from_slice(b);
+}
+
+fn mp_arr_out(out: &mut Vec<u8>, len: usize) {
+    mp_head(out, len, 0x90, 16, [None, Some(0xdc), Some(0xdd)]);
+}
+
+fn mp_map_out(out: &mut Vec<u8>, len: usize) {
+    mp_head(out, len, 0x80, 16, [None, Some(0xde), Some(0xdf)]);
+}
+
+fn mp_opt_str_out(out: &mut Vec<u8>, s: Option<&str>) {
+    match s {
+        Some(s) => mp_str_out(out, s),
+        None => out.push(0xc0),
+    }
+}
+
+/// A block hash as vLLM publishes it: the integer (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`,
+/// the default) or a 32-byte digest whose last 8 bytes are that integer.
+fn mp_hash_out(out: &mut Vec<u8>, h: WireHash, digests: bool) {
+    if digests {
+        let mut digest = [0xa5u8; 32];
+        digest[24..].copy_from_slice(&h.0.to_be_bytes());
+        mp_bin_out(out, &digest);
+    } else {
+        mp_uint_out(out, h.0);
+    }
+}
+
+/// `batch` as vLLM 0.32's msgspec encodes a `KVEventBatch` (`fuzz/seeds.py` writes the same
+/// and checks it against vLLM's own encoder): `[ts, events, rank]` (a `None` rank as nil), each
+/// event a map of `type` and its fields in vLLM's order, nil for the fields without a default
+/// (`lora_id` always), fields left at their default omitted. An `Other` event is written as a
+/// type this version does not know.
+pub fn kv_encode(batch: &EventBatch, digests: bool) -> Vec<u8> {
+    let mut out = Vec::new();
+    mp_arr_out(&mut out, 3);
+    out.push(0xcb);
+    out.extend_from_slice(&batch.ts.to_bits().to_be_bytes());
+    mp_arr_out(&mut out, batch.events.len());
+    for event in &batch.events {
+        match event {
+            kv_wire::Event::BlockStored(s) => {
+                mp_map_out(&mut out, 8 + usize::from(s.extra_keys.is_some()) + usize::from(s.group_idx.is_some()));
+                mp_str_out(&mut out, "type");
+                mp_str_out(&mut out, "BlockStored");
+                mp_str_out(&mut out, "block_hashes");
+                mp_arr_out(&mut out, s.block_hashes.len());
+                for h in &s.block_hashes {
+                    mp_hash_out(&mut out, *h, digests);
+                }
+                mp_str_out(&mut out, "parent_block_hash");
+                match s.parent_block_hash {
+                    Some(h) => mp_hash_out(&mut out, h, digests),
+                    None => out.push(0xc0),
+                }
+                mp_str_out(&mut out, "token_ids");
+                mp_arr_out(&mut out, s.token_ids.len());
+                for &t in &s.token_ids {
+                    mp_uint_out(&mut out, t.into());
+                }
+                mp_str_out(&mut out, "block_size");
+                mp_uint_out(&mut out, s.block_size as u64);
+                mp_str_out(&mut out, "lora_id");
+                out.push(0xc0);
+                mp_str_out(&mut out, "medium");
+                mp_opt_str_out(&mut out, s.medium.as_deref());
+                mp_str_out(&mut out, "lora_name");
+                mp_opt_str_out(&mut out, s.lora_name.as_deref());
+                if let Some(keys) = &s.extra_keys {
+                    mp_str_out(&mut out, "extra_keys");
+                    mp_arr_out(&mut out, keys.len());
+                    for key in keys {
+                        match key {
+                            // A cache salt, as vLLM publishes it: a tuple of the block's keys.
+                            Some(_) => {
+                                mp_arr_out(&mut out, 1);
+                                mp_str_out(&mut out, "salt");
+                            }
+                            None => out.push(0xc0),
+                        }
+                    }
+                }
+                if let Some(g) = s.group_idx {
+                    mp_str_out(&mut out, "group_idx");
+                    mp_int_out(&mut out, g);
+                }
+            }
+            kv_wire::Event::BlockRemoved(r) => {
+                mp_map_out(&mut out, 3 + usize::from(r.group_idx.is_some()));
+                mp_str_out(&mut out, "type");
+                mp_str_out(&mut out, "BlockRemoved");
+                mp_str_out(&mut out, "block_hashes");
+                mp_arr_out(&mut out, r.block_hashes.len());
+                for h in &r.block_hashes {
+                    mp_hash_out(&mut out, *h, digests);
+                }
+                mp_str_out(&mut out, "medium");
+                mp_opt_str_out(&mut out, r.medium.as_deref());
+                if let Some(g) = r.group_idx {
+                    mp_str_out(&mut out, "group_idx");
+                    mp_int_out(&mut out, g);
+                }
+            }
+            kv_wire::Event::AllBlocksCleared => {
+                mp_map_out(&mut out, 1);
+                mp_str_out(&mut out, "type");
+                mp_str_out(&mut out, "AllBlocksCleared");
+            }
+            kv_wire::Event::Other => {
+                mp_map_out(&mut out, 2);
+                mp_str_out(&mut out, "type");
+                mp_str_out(&mut out, "BlockPinned");
+                mp_str_out(&mut out, "block_hashes");
+                mp_arr_out(&mut out, 0);
+            }
+        }
+    }
+    match batch.data_parallel_rank {
+        Some(rank) => mp_int_out(&mut out, rank),
+        None => out.push(0xc0),
+    }
+    out
+}
+
+/// Equal batches, `ts` compared by its bits (a NaN is itself).
+fn same_batch(a: &EventBatch, b: &EventBatch) -> bool {
+    a.ts.to_bits() == b.ts.to_bits() && a.events == b.events && a.data_parallel_rank == b.data_parallel_rank
+}
+
+/// The seed and block size the hash check is given: those of the recorded vLLM
+/// (`tests/fixtures/kv_hashes/`), so its real batches match.
+pub const KV_SEED: &str = "0";
+pub const KV_BLOCK: usize = 32;
+
+/// One `BlockStored` through the hash check: at most one mismatch, with its drift; another
+/// block size is block-size drift and nothing else; without a parent, the blocks matched are
+/// exactly the leading ones (before the first with extra keys) that tokenonce's own chain of
+/// the event's tokens gives, and a mismatch is the first that differs.
+fn check_hash_check(check: &mut HashCheck, hasher: &BlockHasher, s: &Stored) {
+    let out = check.check(s);
+    assert!(out.mismatched <= 1 && out.drift.is_some() == (out.mismatched == 1), "{out:?}");
+    let blocks = s.block_hashes.len().min(s.token_ids.len() / KV_BLOCK);
+    assert!(out.matched as usize <= blocks, "{out:?} of {blocks} blocks");
+    if s.block_size != KV_BLOCK {
+        let drift = Drift::BlockSize { engine: s.block_size, configured: KV_BLOCK };
+        assert_eq!(out, Outcome { matched: 0, mismatched: 1, drift: Some(drift) });
+        return;
+    }
+    if s.parent_block_hash.is_none() {
+        let checked = (0..blocks).take_while(|&i| !s.has_extra_keys(i)).count();
+        let chain = hasher.chain(&s.token_ids[..checked * KV_BLOCK], &ExtraKeys::default());
+        let agree = (0..checked).take_while(|&i| chain[i].wire() == s.block_hashes[i].0).count();
+        assert_eq!((out.matched as usize, out.mismatched), (agree, u64::from(agree < checked)), "{s:?}");
+        if agree < checked {
+            assert_eq!(out.drift, Some(Drift::SeedOrAlgorithm));
+        }
+    }
+}
+
+/// `batch` applied as `kv/state.rs` applies one (device-cache blocks stored, removed, a slot
+/// cleared; every `BlockStored` through the hash check) to a two-endpoint `BlockIndex` bounded
+/// at `max_blocks`, first to `slot` then to the other, against a model: a list of (slot, hash)
+/// in store order, a block stored again moved to the end, the oldest dropped past the bound.
+/// After each event the index holds exactly the model's entries, never more than the bound, and
+/// each store evicted as many as the model dropped.
+pub fn check_kv_apply(batch: &EventBatch, max_blocks: usize, slot: usize) {
+    let max_blocks = max_blocks.max(1);
+    let mut index = BlockIndex::new(2, max_blocks);
+    let mut model: Vec<(usize, u64)> = Vec::new();
+    let hasher = BlockHasher::new(KV_SEED, KV_BLOCK);
+    let mut check = HashCheck::new(hasher.clone(), 64);
+    let named: HashSet<u64> = batch
+        .events
+        .iter()
+        .flat_map(|e| match e {
+            kv_wire::Event::BlockStored(s) => s.block_hashes.as_slice(),
+            kv_wire::Event::BlockRemoved(r) => r.block_hashes.as_slice(),
+            _ => &[],
+        })
+        .map(|h| h.0)
+        .collect();
+    for slot in [slot & 1, 1 - (slot & 1)] {
+        for event in &batch.events {
+            match event {
+                kv_wire::Event::BlockStored(s) => {
+                    if kv_wire::in_device_cache(s.medium.as_deref(), s.group_idx) {
+                        let mut evicted = 0;
+                        for h in &s.block_hashes {
+                            model.retain(|e| *e != (slot, h.0));
+                            model.push((slot, h.0));
+                            if model.len() > max_blocks {
+                                model.remove(0);
+                                evicted += 1;
+                            }
+                        }
+                        assert_eq!(index.store(slot, s.block_hashes.iter().map(|h| h.0)), evicted, "evictions");
+                    }
+                    check_hash_check(&mut check, &hasher, s);
+                }
+                kv_wire::Event::BlockRemoved(r) => {
+                    if kv_wire::in_device_cache(r.medium.as_deref(), r.group_idx) {
+                        index.remove(slot, r.block_hashes.iter().map(|h| h.0));
+                        model.retain(|(s, h)| *s != slot || !r.block_hashes.contains(&WireHash(*h)));
+                    }
+                }
+                kv_wire::Event::AllBlocksCleared => {
+                    index.clear(slot);
+                    model.retain(|(s, _)| *s != slot);
+                }
+                kv_wire::Event::Other => {}
+            }
+            assert!(index.len() <= max_blocks, "{} entries past the bound {max_blocks}", index.len());
+            assert_eq!(index.len(), model.len(), "entries");
+            for &h in &named {
+                for s in 0..2 {
+                    assert_eq!(index.holds(s, h), model.contains(&(s, h)), "slot {s} block {h:#x}");
+                }
+            }
+        }
+    }
+}
+
+/// One msgpack payload: the decoder agrees with the reference (what the reference reads as a
+/// batch decodes to the same batch; what it calls malformed is an `Err`, never a default);
+/// it is deterministic; whatever it decodes, written again as msgspec writes it (hashes as
+/// integers, or as digests with `digests`), decodes to the same batch, which the reference
+/// reads too; and that batch applies to a bounded index as `check_kv_apply` says.
+pub fn check_kv_batch(payload: &[u8], digests: bool, max_blocks: usize, slot: usize) {
+    let got = kv_wire::decode_batch(payload);
+    match (kv_reference(payload), &got) {
+        (Ok(want), Ok(got)) => assert!(same_batch(&want, got), "reference {want:?}\ndecoder {got:?}"),
+        (Ok(want), Err(e)) => panic!("the reference reads {want:?}; the decoder refuses it: {e}"),
+        (Err(Verdict::Invalid(why)), Ok(got)) => panic!("malformed ({why}), yet decoded as {got:?}"),
+        (Err(Verdict::Invalid(_)), Err(e)) => assert!(matches!(e, kv_wire::WireError::Payload(_)), "{e:?}"),
+        (Err(Verdict::Trailing(n)), Ok(got)) => panic!("{n} bytes after the batch, yet decoded as {got:?}"),
+        // Refused for what the value holds, or for what follows it.
+        (Err(Verdict::Trailing(n)), Err(e)) => assert!(
+            matches!(e, kv_wire::WireError::Payload(_)) || matches!(e, kv_wire::WireError::Trailing(m) if *m == n),
+            "{e:?}, not {n} bytes after"
+        ),
+        (Err(Verdict::Unknown(_)), _) => {}
+    }
+    let Ok(batch) = got else { return };
+    let again = kv_wire::decode_batch(payload).expect("decoded once, then not");
+    assert!(same_batch(&batch, &again), "not deterministic");
+    let written = kv_encode(&batch, digests);
+    match kv_wire::decode_batch(&written) {
+        Ok(back) => assert!(same_batch(&batch, &back), "round trip\n{batch:?}\n{back:?}"),
+        Err(e) => panic!("{batch:?} written again does not decode: {e}"),
+    }
+    match kv_reference(&written) {
+        Ok(back) => assert!(same_batch(&batch, &back), "the reference reads the written batch otherwise: {back:?}"),
+        Err(v) => panic!("the reference does not read the written batch: {v:?}"),
+    }
+    check_kv_apply(&batch, max_blocks, slot);
+}
+
+/// A ZeroMQ message `frames`: not three frames is `Frames(n)`; a sequence frame not 8 bytes
+/// is `Sequence(len)`; else the sequence is the frame's big-endian value (written back to the
+/// same 8 bytes; `REPLAY_END` exactly when all bits are set), and the message decodes exactly
+/// when its payload does, to the same batch.
+pub fn check_kv_message(frames: &[Vec<u8>]) {
+    let got = kv_wire::decode_message(frames);
+    if frames.len() != 3 {
+        assert!(matches!(got, Err(kv_wire::WireError::Frames(n)) if n == frames.len()), "{got:?}");
+        return;
+    }
+    let (seq_frame, payload) = (&frames[1], &frames[2]);
+    let Ok(seq) = kv_wire::sequence(seq_frame) else {
+        assert_ne!(seq_frame.len(), 8);
+        assert!(matches!(got, Err(kv_wire::WireError::Sequence(n)) if n == seq_frame.len()), "{got:?}");
+        return;
+    };
+    assert_eq!(seq.to_be_bytes().as_slice(), seq_frame.as_slice());
+    assert_eq!(seq == kv_wire::REPLAY_END, seq_frame.iter().all(|&b| b == 0xff));
+    match (got, kv_wire::decode_batch(payload)) {
+        (Ok((s, a)), Ok(b)) => assert!(s == seq && same_batch(&a, &b)),
+        (Err(kv_wire::WireError::Payload(_)), Err(kv_wire::WireError::Payload(_))) => {}
+        (Err(kv_wire::WireError::Trailing(n)), Err(kv_wire::WireError::Trailing(m))) if n == m => {}
+        (got, alone) => panic!("message {got:?}, its payload alone {alone:?}"),
+    }
+}
+
+/// Fuzz input: byte 0 = flags (bits 0–1: 0 and 1 three frames, 2 two (no payload), 3 four (an
+/// empty delimiter first, as a replay answer has before `kv/replay.rs` strips it); bit 2: the
+/// sequence frame is `flags >> 4` bytes long (9 for 8), not 8; bit 3: the round trip writes
+/// block hashes as 32-byte digests; bits 4–7: the index bound minus 1, and the first slot),
+/// byte 1's low 4 bits = the topic's length; then the topic, the sequence frame and the
+/// payload (the rest), which is also checked as a batch on its own.
+pub fn fuzz_kv_wire(data: &[u8]) {
+    let [flags, topic_len, rest @ ..] = data else { return };
+    let (topic, rest) = rest.split_at(usize::from(topic_len & 15).min(rest.len()));
+    let seq_len = match (flags & 4, flags >> 4) {
+        (0, _) => 8,
+        (_, 8) => 9,
+        (_, n) => usize::from(n),
+    };
+    let (seq, payload) = rest.split_at(seq_len.min(rest.len()));
+    let mut frames = vec![topic.to_vec(), seq.to_vec(), payload.to_vec()];
+    match flags & 3 {
+        2 => drop(frames.pop()),
+        3 => frames.insert(0, Vec::new()),
+        _ => {}
+    }
+    check_kv_message(&frames);
+    check_kv_batch(payload, flags & 8 != 0, usize::from(flags >> 4) + 1, usize::from(flags >> 4));
 }
