@@ -279,7 +279,7 @@ def main():
     read = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
             "vllm:cache_config_info", "vllm:lora_requests_info")
     pages = []
-    for path in sorted((ROOT / "tests" / "fixtures" / "vllm").glob("metrics-*.txt")):
+    for path in sorted((ROOT / "tests" / "fixtures" / "engine_metrics").glob("vllm-*.txt")):
         lines = path.read_text().splitlines(keepends=True)
         pages.append("".join(l for l in lines if any(n in l for n in read)))
     two_ranks = "".join(

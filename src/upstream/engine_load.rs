@@ -346,8 +346,8 @@ fn lora_of(labels: &[(String, String)], at: f64) -> Result<Lora, Rejected> {
 mod tests {
     use super::*;
 
-    const IDLE: &[u8] = include_bytes!("../../tests/fixtures/vllm/metrics-0.32.txt");
-    const BUSY: &[u8] = include_bytes!("../../tests/fixtures/vllm/metrics-0.32-busy.txt");
+    const IDLE: &[u8] = include_bytes!("../../tests/fixtures/engine_metrics/vllm-0.32-idle.txt");
+    const BUSY: &[u8] = include_bytes!("../../tests/fixtures/engine_metrics/vllm-0.32-busy.txt");
 
     /// A two-rank page: rank 0 busy, rank 1 idle.
     const TWO_RANKS: &str = "\

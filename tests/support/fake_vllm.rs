@@ -78,13 +78,13 @@ pub struct FakeConfig {
     /// taken from the tokens it did not hold, its blocks published as KV events).
     pub kv_engine: Option<Arc<super::kv_engine::KvEngine>>,
     /// What `GET /metrics` answers (none: the page recorded from vLLM 0.32,
-    /// `tests/fixtures/vllm/metrics-0.32.txt`, its `engine="0"` series repeated for every
+    /// `tests/fixtures/engine_metrics/vllm-0.32-idle.txt`, its `engine="0"` series repeated for every
     /// rank); [`metrics_page`] writes one with chosen values.
     pub metrics_page: Option<String>,
 }
 
 /// The page vLLM 0.32 served, idle, after two chat requests (`GET /metrics`).
-pub const RECORDED_METRICS: &str = include_str!("../fixtures/vllm/metrics-0.32.txt");
+pub const RECORDED_METRICS: &str = include_str!("../fixtures/engine_metrics/vllm-0.32-idle.txt");
 
 /// A `/metrics` page with vLLM 0.32's series for each rank: (waiting, running, KV usage), as
 /// written (so a test may write what no engine should say: `"NaN"`, `"-1"`).
