@@ -1673,6 +1673,15 @@ fn mp_opt_str_out(out: &mut Vec<u8>, s: Option<&str>) {
     }
 }
 
+/// The `block_hashes` member: its key, then the hashes as one array.
+fn mp_hashes_out(out: &mut Vec<u8>, hashes: &[WireHash], digests: bool) {
+    mp_str_out(out, "block_hashes");
+    mp_arr_out(out, hashes.len());
+    for h in hashes {
+        mp_hash_out(out, *h, digests);
+    }
+}
+
 /// A block hash as vLLM publishes it: the integer (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`,
 /// the default) or a 32-byte digest whose last 8 bytes are that integer.
 fn mp_hash_out(out: &mut Vec<u8>, h: WireHash, digests: bool) {
@@ -1702,11 +1711,7 @@ pub fn kv_encode(batch: &EventBatch, digests: bool) -> Vec<u8> {
                 mp_map_out(&mut out, 8 + usize::from(s.extra_keys.is_some()) + usize::from(s.group_idx.is_some()));
                 mp_str_out(&mut out, "type");
                 mp_str_out(&mut out, "BlockStored");
-                mp_str_out(&mut out, "block_hashes");
-                mp_arr_out(&mut out, s.block_hashes.len());
-                for h in &s.block_hashes {
-                    mp_hash_out(&mut out, *h, digests);
-                }
+                mp_hashes_out(&mut out, &s.block_hashes, digests);
                 mp_str_out(&mut out, "parent_block_hash");
                 match s.parent_block_hash {
                     Some(h) => mp_hash_out(&mut out, h, digests),
@@ -1748,11 +1753,7 @@ pub fn kv_encode(batch: &EventBatch, digests: bool) -> Vec<u8> {
                 mp_map_out(&mut out, 3 + usize::from(r.group_idx.is_some()));
                 mp_str_out(&mut out, "type");
                 mp_str_out(&mut out, "BlockRemoved");
-                mp_str_out(&mut out, "block_hashes");
-                mp_arr_out(&mut out, r.block_hashes.len());
-                for h in &r.block_hashes {
-                    mp_hash_out(&mut out, *h, digests);
-                }
+                mp_hashes_out(&mut out, &r.block_hashes, digests);
                 mp_str_out(&mut out, "medium");
                 mp_opt_str_out(&mut out, r.medium.as_deref());
                 if let Some(g) = r.group_idx {
