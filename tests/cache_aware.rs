@@ -116,8 +116,9 @@ async fn a_conversation_sticks_to_its_prefill_while_another_goes_elsewhere() {
     assert!(d.posts().len() >= 8, "every request was decoded");
 }
 
-/// With a load weight of 0.4, a holder with three requests in flight (1.0 - 1.2) loses the
-/// next turn of its conversation to the idle prefill (0.0); with two (1.0 - 0.8) it keeps it.
+/// With a load weight of 0.4, a holder of a 4-token turn (blocks of 2) computes one block
+/// (2) and each of its requests in flight was charged 2: with two there it costs 2 + 0.4 x 4
+/// = 3.6 and keeps the turn against the idle prefill's 4; with three, 2 + 0.4 x 6 = 4.4 loses.
 #[tokio::test(flavor = "multi_thread")]
 async fn load_moves_a_turn_off_a_busy_holder() {
     let (_dir, [p1, p2, _d], proxy) = started(LOCAL_ON, "load_weight = 0.4\n").await;
@@ -129,10 +130,10 @@ async fn load_moves_a_turn_off_a_busy_holder() {
     holder.configure(|c| c.delay = Duration::from_secs(30));
     let idle_before = idle.posts().len();
     let mut busy = vec![held_at(&proxy, holder, turn).await, held_at(&proxy, holder, turn).await];
-    // Two in flight: 1.0 - 0.8 beats the idle one's 0.0 (held_at fails if it went elsewhere).
+    // Two in flight: 3.6 beats the idle one's 4 (held_at fails if it went elsewhere).
     busy.push(held_at(&proxy, holder, turn).await);
     assert_eq!(idle.posts().len(), idle_before);
-    // Three: 1.0 - 1.2 loses.
+    // Three: 4.4 loses.
     assert_eq!(send(&proxy, &prefills, turn).await, 1 - home, "the idle prefill took the turn");
     busy.iter().for_each(tokio::task::JoinHandle::abort);
 }

@@ -344,21 +344,25 @@ pub struct PoolKvEvents {
 }
 
 /// `[pools.NAME.cache_aware]`: read when the pool's `balance` is `cache_aware`. Each candidate
-/// endpoint scores `prefix_weight` times the share of the prompt's full blocks it holds, less
-/// `load_weight` per request it has in flight; the highest wins (ties rotate). Engine queue
-/// depth is not known without scraping the engines, so load is tokenonce's own in-flight count.
+/// endpoint costs, in tokens its engine computes before the prompt's first token,
+/// `prefix_weight` x the prompt tokens it does not hold plus `load_weight` x the tokens
+/// queued ahead there (the larger of this instance's own requests in flight there and the
+/// engine's reported waiting and running requests at the mean request); the least wins (ties
+/// rotate). A held prefix counts for less as the engine's KV cache fills past 90 %.
 #[derive(Debug, Clone, PartialEq, SmartDefault, Deserialize)]
 #[serde(default)]
 pub struct CacheAware {
-    /// Weight of the share of the prompt an endpoint holds (0 to 1000).
+    /// Weight of each prompt token an endpoint would compute (0 to 1000).
     /// Default: `1.0`.
-    /// With the default load weight, holding the whole prompt outweighs ten requests in flight.
+    /// Equal weights make the cost the tokens computed before the first token, which a reader
+    /// can check by hand.
     #[default(1.0)]
     pub prefix_weight: f64,
-    /// Weight of each request an endpoint has in flight (0 to 1000).
-    /// Default: `0.1`.
-    /// A busy holder keeps its prompts until ten more requests wait there than elsewhere.
-    #[default(0.1)]
+    /// Weight of each token queued ahead at an endpoint (0 to 1000).
+    /// Default: `1.0`.
+    /// A holder keeps its prompts until the work queued there outweighs what another
+    /// endpoint would compute afresh.
+    #[default(1.0)]
     pub load_weight: f64,
     /// Tokens per block, as the engines' `--block-size` (1 to 65536): a prompt's full blocks
     /// are what it is matched by. With `kv_events` it must equal `kv_events.block_size`.
