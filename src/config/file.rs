@@ -326,12 +326,13 @@ pub struct PoolKvEvents {
     pub block_size: BlockSize,
     /// Most (endpoint, block) entries the pool's index holds; past it the oldest stored are
     /// forgotten (1 to 100,000,000). At most about 120 bytes each: the entry, its place in
-    /// the eviction order, and the hash check's memory of one digest.
-    /// Default: `250000`.
-    /// Covers 8 engines of ~30,000 blocks (an 80 GB GPU's KV cache for an 8B model at 16-token
-    /// blocks) in at most ~30 MB.
-    #[default(250_000)]
-    pub max_blocks: u64,
+    /// the eviction order, and the hash check's memory of one digest. Unset, the bound follows
+    /// what the engines say they hold: 1.25 x the sum of its endpoints' `num_gpu_blocks`
+    /// (vLLM's `vllm:cache_config_info`, read with `engine_metrics_interval_ms`; an endpoint
+    /// not read yet counted at the mean of those read), at least 250,000 (also the bound
+    /// before the first read) and at most 16,000,000; logged when it changes and exported
+    /// (`tokenonce_kv_index_max_blocks`).
+    pub max_blocks: Option<u64>,
     /// How long an endpoint's subscriber may stay disconnected before its entries are no
     /// longer believed (the endpoint then holds nothing for choice; with every endpoint stale
     /// the pool's events are not used).
@@ -719,7 +720,10 @@ impl PoolKvEvents {
             topic: self.topic.clone(),
             hash_seed: self.hash_seed.clone(),
             block_size: self.block_size.get(),
-            max_blocks: usize::try_from(self.max_blocks).unwrap_or(usize::MAX),
+            max_blocks: self
+                .max_blocks
+                .map_or(crate::kv::settings::SIZED_FLOOR, |n| usize::try_from(n).unwrap_or(usize::MAX)),
+            fixed_bound: self.max_blocks.is_some(),
             stale_after: self.stale_after_ms,
         }
     }

@@ -393,8 +393,8 @@ mod tests {
 
     /// The engine's own queue counts as the tokens a request computes on the mean: a holder
     /// whose engine reports enough waiting loses the prompt, whichever instance sent them.
-    #[test]
     #[expect(clippy::disallowed_methods, reason = "a synchronous test waits for a read to age")]
+    #[test]
     fn an_engine_reported_queue_moves_a_prompt_off_its_holder() {
         let (p, registry) = counted_pool(2);
         p.set_prefix_source(ChoiceSource::Events, Some(Arc::new(Holds(vec![8, 0]))));

@@ -109,6 +109,19 @@ impl Pool {
         endpoint.facts().load(self.load_reads?.believed_for)
     }
 
+    /// The KV-cache blocks its engines say they hold between them (`num_gpu_blocks`, believed
+    /// reads; an endpoint not read counted at the mean of those read); `None` before any read.
+    pub fn engine_gpu_blocks(&self) -> Option<u64> {
+        let believed = self.load_reads?.believed_for;
+        let members = self.endpoints();
+        let read: Vec<u64> =
+            members.iter().filter_map(|e| e.facts().load(believed).and_then(|l| l.num_gpu_blocks)).collect();
+        let sum = read.iter().fold(0u64, |a, b| a.saturating_add(*b));
+        let known = u64::try_from(read.len()).ok().filter(|n| *n > 0)?;
+        let all = u64::try_from(members.len()).unwrap_or(u64::MAX);
+        Some(sum.saturating_mul(all) / known)
+    }
+
     /// True when it chooses by the prompt's blocks (`balance = "cache_aware"`): its picks then
     /// want the prompt's [`chain`](Self::chain).
     pub fn is_cache_aware(&self) -> bool {
