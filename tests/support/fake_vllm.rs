@@ -557,7 +557,8 @@ async fn handle(
                 }
             }
             "/metrics" => {
-                let page = config.metrics_page.clone().unwrap_or_else(|| recorded_metrics(config.dp_size));
+                let live = config.kv_engine.as_ref().map(|e| e.metrics_page());
+                let page = config.metrics_page.clone().or(live).unwrap_or_else(|| recorded_metrics(config.dp_size));
                 respond(200, "text/plain; version=0.0.4; charset=utf-8", Body::from(page))
             }
             "/v1/models" => respond(

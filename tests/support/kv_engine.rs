@@ -46,6 +46,13 @@ pub struct KvEngine {
     /// Prompt tokens prefilled, and how many of them were found cached.
     pub prompt_tokens: AtomicU64,
     pub cached_tokens: AtomicU64,
+    /// Prefills asked of it (begun or not).
+    pub requests: AtomicU64,
+    /// Prefills waiting their turn, and the one computing (0 or 1): its `/metrics` queue.
+    waiting: AtomicU64,
+    running: AtomicU64,
+    /// Blocks of the prefill computing now (what vLLM counts in use, unlike cached free ones).
+    blocks_in_use: AtomicU64,
 }
 
 impl std::fmt::Debug for KvEngine {
@@ -159,7 +166,29 @@ impl KvEngine {
             published: Arc::new(AtomicU64::new(0)),
             prompt_tokens: AtomicU64::new(0),
             cached_tokens: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
+            waiting: AtomicU64::new(0),
+            running: AtomicU64::new(0),
+            blocks_in_use: AtomicU64::new(0),
         }
+    }
+
+    /// Its `/metrics` page now, as vLLM 0.32 writes the series tokenonce reads: requests
+    /// waiting and running, KV-cache use (the computing prefill's blocks over the capacity:
+    /// cached blocks no request uses are free to vLLM) and its cache config.
+    pub fn metrics_page(&self) -> String {
+        let labels = "engine=\"0\",model_name=\"tiny-qwen3\"";
+        let usage = self.blocks_in_use.load(Ordering::Relaxed) as f64 / self.config.capacity_blocks.max(1) as f64;
+        format!(
+            "vllm:num_requests_running{{{labels}}} {}\nvllm:num_requests_waiting{{{labels}}} {}\n\
+             vllm:kv_cache_usage_perc{{{labels}}} {}\n\
+             vllm:cache_config_info{{block_size=\"{}\",engine=\"0\",num_gpu_blocks=\"{}\"}} 1.0\n",
+            self.running.load(Ordering::Relaxed),
+            self.waiting.load(Ordering::Relaxed),
+            usage.min(1.0),
+            self.config.block_size,
+            self.config.capacity_blocks
+        )
     }
 
     /// Prefills `ids`: waits its turn, counts the leading blocks held, computes the rest (its
@@ -167,7 +196,12 @@ impl KvEngine {
     /// cached token count.
     pub async fn prefill(&self, ids: &[u32]) -> usize {
         let chain = self.hasher.chain(ids, &ExtraKeys::default());
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.waiting.fetch_add(1, Ordering::Relaxed);
         let _turn = self.compute.lock().await;
+        self.waiting.fetch_sub(1, Ordering::Relaxed);
+        self.running.store(1, Ordering::Relaxed);
+        self.blocks_in_use.store(chain.len() as u64, Ordering::Relaxed);
         let held = {
             let cache = self.cache.lock();
             chain.iter().take_while(|h| cache.used.contains_key(&h.wire())).count()
@@ -175,6 +209,8 @@ impl KvEngine {
         let cached = held * self.config.block_size;
         let uncached = ids.len().saturating_sub(cached) as u32;
         tokio::time::sleep(self.config.per_request + self.config.per_uncached_token * uncached).await;
+        self.running.store(0, Ordering::Relaxed);
+        self.blocks_in_use.store(0, Ordering::Relaxed);
         self.prompt_tokens.fetch_add(ids.len() as u64, Ordering::Relaxed);
         self.cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
 
