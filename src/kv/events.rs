@@ -111,6 +111,12 @@ impl PoolKvEvents {
         }
     }
 
+    /// Where the pool's engines loaded their LoRA adapters from (the pool's
+    /// [`LoraPaths`](super::LoraPaths)): the hash check hashes LoRA blocks with them.
+    pub fn use_lora_paths(&self, paths: Arc<super::LoraPaths>) {
+        self.state.use_lora_paths(paths);
+    }
+
     /// Whether a hash mismatch turned this pool's cache-aware choice off.
     pub fn disabled(&self) -> bool {
         self.state.disabled()

@@ -15,6 +15,7 @@
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::check::{Drift, HashCheck};
@@ -22,7 +23,7 @@ use super::index::BlockIndex;
 use super::metrics::PoolKvMetrics;
 use super::settings::Settings;
 use super::wire::{self, Event, EventBatch};
-use super::{BlockHash, BlockHasher};
+use super::{BlockHash, BlockHasher, LoraPaths};
 
 /// Digests the hash check remembers per `max_blocks` entry of the index (parents of later
 /// blocks: the chains sent recently and the blocks verified).
@@ -35,6 +36,8 @@ pub(super) struct PoolState {
     pub(super) metrics: PoolKvMetrics,
     holdings: RwLock<Holdings>,
     check: Mutex<HashCheck>,
+    /// The paths the pool's engines loaded their LoRA adapters from (the pool's, handed in).
+    lora_paths: RwLock<Arc<LoraPaths>>,
     disabled: AtomicBool,
 }
 
@@ -75,6 +78,7 @@ impl PoolState {
                 endpoints: HashMap::new(),
             }),
             check: Mutex::new(HashCheck::new(hasher, digests)),
+            lora_paths: RwLock::new(Arc::default()),
             disabled: AtomicBool::new(false),
             settings,
             metrics,
@@ -131,6 +135,11 @@ impl PoolState {
         }
     }
 
+    /// Where the pool's engines loaded their LoRA adapters from, as the hash check reads it.
+    pub(super) fn use_lora_paths(&self, paths: Arc<LoraPaths>) {
+        *self.lora_paths.write() = paths;
+    }
+
     /// A chain tokenonce sent: the hash check chains the blocks later reported on it.
     pub(super) fn expect(&self, chain: &[BlockHash]) {
         self.check.lock().expect(chain);
@@ -163,6 +172,9 @@ impl PoolState {
         let mut drifts = Vec::new();
         {
             let mut holdings = self.holdings.write();
+            let endpoint = holdings.endpoints.iter().find(|(_, e)| e.slot == slot).map(|(n, _)| n.clone());
+            let paths = Arc::clone(&self.lora_paths.read());
+            let lora_path = |name: &str| paths.path_on(endpoint.as_deref()?, name);
             for event in &batch.events {
                 match event {
                     Event::BlockStored(stored) => {
@@ -170,7 +182,7 @@ impl PoolState {
                             let evicted = holdings.index.store(slot, stored.block_hashes.iter().map(|h| h.0));
                             self.metrics.evicted.inc_by(evicted as u64);
                         }
-                        let outcome = self.check.lock().check(stored);
+                        let outcome = self.check.lock().check(stored, &lora_path);
                         self.metrics.checks_matched.inc_by(outcome.matched);
                         self.metrics.checks_mismatched.inc_by(outcome.mismatched);
                         drifts.extend(outcome.drift);
@@ -193,8 +205,13 @@ impl PoolState {
         }
     }
 
-    /// A hash mismatch: cache-aware choice off for the pool, said once.
+    /// A hash mismatch: cache-aware choice off for the pool, said once (a LoRA adapter's
+    /// blocks hashed from another path only say so).
     fn turn_off(&self, drift: Drift) {
+        if !drift.turns_off() {
+            tracing::warn!(pool = %self.pool, reason = drift.label(), "KV events: {drift}");
+            return;
+        }
         let position = Drift::LABELS.iter().position(|l| *l == drift.label());
         if let Some(gauge) = position.and_then(|i| self.metrics.disabled.get(i)) {
             gauge.set(1);

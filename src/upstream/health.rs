@@ -65,8 +65,16 @@ async fn ask_version(client: &UpstreamClient, to: Target<'_>) -> Option<Version>
     Version::parse(&parsed.version)
 }
 
-/// Asks `GET /v1/models`: the first base model (no `parent`) of the list.
-async fn ask_model(client: &UpstreamClient, to: Target<'_>) -> Option<ModelIdentity> {
+/// What `GET /v1/models` lists: its first base model, and its LoRA adapters.
+struct Listed {
+    base: Option<ModelIdentity>,
+    /// Each adapter (an entry with a `parent`): its name (`id`) and the path it was loaded
+    /// from (`root`), which vLLM hashes its blocks with.
+    adapters: Vec<(String, String)>,
+}
+
+/// Asks `GET /v1/models`: the first base model (no `parent`) of the list, and the adapters.
+async fn ask_models(client: &UpstreamClient, to: Target<'_>) -> Option<Listed> {
     #[derive(serde::Deserialize)]
     struct Models {
         data: Vec<Model>,
@@ -86,8 +94,15 @@ async fn ask_model(client: &UpstreamClient, to: Target<'_>) -> Option<ModelIdent
         return None;
     }
     let models: Models = serde_json::from_slice(&body).ok()?;
-    let base = models.data.into_iter().find(|m| m.parent.is_none())?;
-    Some(ModelIdentity { id: base.id, root: base.root, max_model_len: base.max_model_len })
+    let adapters = models
+        .data
+        .iter()
+        .filter(|m| m.parent.is_some())
+        .filter_map(|m| Some((m.id.clone(), m.root.clone()?)))
+        .collect();
+    let base = models.data.into_iter().find(|m| m.parent.is_none());
+    let base = base.map(|m| ModelIdentity { id: m.id, root: m.root, max_model_len: m.max_model_len });
+    Some(Listed { base, adapters })
 }
 
 /// True when some endpoint of `a` and some endpoint of `b` report different models
@@ -142,6 +157,7 @@ impl Probe<'_> {
             if was_healthy {
                 endpoint.facts().forget_version();
                 endpoint.facts().forget_model();
+                pool.lora_paths().forget(&endpoint.name);
                 endpoint.facts().forget_load();
                 self.metrics.engine_load_gone(&pool.name, &endpoint.name);
                 // vLLM keeps stored responses and its prefix cache in memory: an engine that
@@ -162,7 +178,10 @@ impl Probe<'_> {
         }
         // After the version, which the reuse gate of every chat request waits on.
         if !was_healthy || !facts.model_asked() {
-            facts.set_model(ask_model(self.client, endpoint.target()).await);
+            let listed = ask_models(self.client, endpoint.target()).await;
+            let (base, adapters) = listed.map_or((None, Vec::new()), |l| (l.base, l.adapters));
+            pool.lora_paths().learned(&endpoint.name, adapters);
+            facts.set_model(base);
         }
         match pool.load_reads() {
             Some(reads) => self.read_load(pool, endpoint, reads).await,

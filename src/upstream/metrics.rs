@@ -433,7 +433,7 @@ pub struct CacheAwareMetrics {
 
 impl CacheAwareMetrics {
     /// The source and reason pairs a choice can report.
-    pub const PAIRS: [(ChoiceSource, ChoiceReason); 9] = [
+    pub const PAIRS: [(ChoiceSource, ChoiceReason); 11] = [
         (ChoiceSource::Events, ChoiceReason::Prefix),
         (ChoiceSource::Events, ChoiceReason::NoPrefix),
         (ChoiceSource::Sent, ChoiceReason::Prefix),
@@ -443,6 +443,8 @@ impl CacheAwareMetrics {
         (ChoiceSource::None, ChoiceReason::NoIds),
         (ChoiceSource::None, ChoiceReason::ShortPrompt),
         (ChoiceSource::None, ChoiceReason::Unusable),
+        (ChoiceSource::None, ChoiceReason::Multimodal),
+        (ChoiceSource::None, ChoiceReason::PromptEmbeds),
     ];
 
     /// The sources whose predictions are counted in tokens (text keys are not tokens).
