@@ -39,6 +39,8 @@ pub(super) struct PoolState {
     /// The paths the pool's engines loaded their LoRA adapters from (the pool's, handed in).
     lora_paths: RwLock<Arc<LoraPaths>>,
     disabled: AtomicBool,
+    /// A LoRA path drift was logged (once per pool's events source: it recurs per batch).
+    lora_drift_said: AtomicBool,
 }
 
 /// What the pool's endpoints hold, and where each one's entries sit.
@@ -80,6 +82,7 @@ impl PoolState {
             check: Mutex::new(HashCheck::new(hasher, digests)),
             lora_paths: RwLock::new(Arc::default()),
             disabled: AtomicBool::new(false),
+            lora_drift_said: AtomicBool::new(false),
             settings,
             metrics,
         }
@@ -206,10 +209,12 @@ impl PoolState {
     }
 
     /// A hash mismatch: cache-aware choice off for the pool, said once (a LoRA adapter's
-    /// blocks hashed from another path only say so).
+    /// blocks hashed from another path are only said, once).
     fn turn_off(&self, drift: Drift) {
         if !drift.turns_off() {
-            tracing::warn!(pool = %self.pool, reason = drift.label(), "KV events: {drift}");
+            if !self.lora_drift_said.swap(true, Ordering::Relaxed) {
+                tracing::warn!(pool = %self.pool, reason = drift.label(), "KV events: {drift}");
+            }
             return;
         }
         let position = Drift::LABELS.iter().position(|l| *l == drift.label());
@@ -315,6 +320,37 @@ mod tests {
         assert_eq!(reasons, [0, 1], "by Drift::LABELS: block_size, seed_or_algorithm");
         state.apply(slot, &batch(vec![stored("0", &IDS, None)]));
         assert!(state.disabled(), "until the pool's source is built again");
+    }
+
+    /// A LoRA block is hashed with the path the publishing endpoint's `/v1/models` listed: the
+    /// same path matches; another is counted a mismatch and leaves the pool on.
+    #[test]
+    fn lora_blocks_are_checked_with_the_endpoints_path_and_a_drift_leaves_the_pool_on() {
+        let state = pool(Duration::from_secs(60));
+        let slot = state.add_endpoint("a:1");
+        let paths = Arc::new(LoraPaths::default());
+        paths.learned("a:1", [("sql".to_owned(), "/loras/sql".to_owned())]);
+        state.use_lora_paths(Arc::clone(&paths));
+        let lora_event = |path: &str| {
+            let keys = ExtraKeys { lora: Some(crate::kv::hash::Lora { name: "sql", path }), cache_salt: None };
+            let hashes = BlockHasher::new("0", BLOCK).chain(&IDS, &keys);
+            let published = Some(wire::BlockKeys { texts: vec!["sql".into()], other: false });
+            Event::BlockStored(Stored {
+                block_hashes: wire_hashes(&hashes),
+                parent_block_hash: None,
+                token_ids: IDS.to_vec(),
+                block_size: BLOCK,
+                lora_name: Some("sql".into()),
+                medium: None,
+                extra_keys: Some(vec![published.clone(), published]),
+                group_idx: None,
+            })
+        };
+        state.apply(slot, &batch(vec![lora_event("/loras/sql")]));
+        assert_eq!((state.metrics.checks_matched.get(), state.metrics.checks_mismatched.get()), (2, 0));
+        state.apply(slot, &batch(vec![lora_event("/loras/sql-v2")]));
+        assert_eq!(state.metrics.checks_mismatched.get(), 1);
+        assert!(!state.disabled() && state.usable(), "only that adapter's chains are wrong");
     }
 
     #[test]
