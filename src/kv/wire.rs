@@ -374,6 +374,8 @@ mod tests {
             Pair((&'static str, u32)),
             B(serde_bytes_like::Bytes),
         }
+        /// Per block: keys, keys, keys, not an array, none.
+        type Blocks = (Option<Vec<K>>, Option<Vec<K>>, Option<Vec<K>>, Option<u8>, Option<()>);
         #[derive(Serialize)]
         #[serde(tag = "type")]
         enum Ev2 {
@@ -382,7 +384,7 @@ mod tests {
                 token_ids: Vec<u32>,
                 block_size: usize,
                 lora_name: Option<String>,
-                extra_keys: (Option<Vec<K>>, Option<Vec<K>>, Option<Vec<K>>, Option<u8>, Option<()>),
+                extra_keys: Blocks,
             },
         }
         let keys = (

