@@ -398,6 +398,16 @@ impl App {
         }
     }
 
+    /// Each pool's KV events index sized from what its engines say they hold (after a health
+    /// round read their `/metrics`), unless its `max_blocks` is configured.
+    pub fn size_kv_indexes(&self) {
+        for pool in &self.pools {
+            if let (Some(events), Some(blocks)) = (self.kv_events.get(&pool.name), pool.engine_gpu_blocks()) {
+                events.size_for(blocks);
+            }
+        }
+    }
+
     /// Sets the gauges read from state at a scrape and each health round: endpoints and
     /// ejected endpoints per pool, the relay cache (its expired entries dropped first).
     pub fn refresh_gauges(&self) {
@@ -485,6 +495,7 @@ impl Upkeep {
             app.kv_events_follow_members();
         }
         upstream::health::poll_round(&app.client, &app.metrics.upstream, &app.homes, &app.pools).await;
+        app.size_kv_indexes();
         app.routes.compare_models(&app.metrics.parity);
         // Idle engine connections of endpoints no longer used (or removed by a reload) close
         // within one interval past their idle limit.

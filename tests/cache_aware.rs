@@ -16,20 +16,32 @@ use support::*;
 const CACHE_AWARE: &str = "balance = \"cache_aware\"\n";
 
 /// Pools `prefill` (the `prefills`) and `decode` (`decode`), both cache-aware with `weights`,
-/// and route `pd` between them; the prefill pool renders locally (`local` keys) from `model`.
+/// and route `pd` between them; the prefill pool's `local` keys (`MODEL` naming `model`).
 fn config(prefills: &[&FakeVllm], decode: &FakeVllm, model: &std::path::Path, local: &str, weights: &str) -> String {
     let list = prefills.iter().map(|p| format!("\"{}\"", p.host_port())).collect::<Vec<_>>().join(", ");
+    let local = local.replace("MODEL", &format!("{:?}", model.display().to_string()));
     format!(
-        "[pools.prefill]\nendpoints = [{list}]\ntokenizer = {:?}\n{local}{CACHE_AWARE}[pools.prefill.cache_aware]\nblock_size = 2\n{weights}\
+        "[pools.prefill]\nendpoints = [{list}]\n{local}{CACHE_AWARE}[pools.prefill.cache_aware]\nblock_size = 2\n{weights}\
          [pools.decode]\nendpoints = [\"{}\"]\n{CACHE_AWARE}[pools.decode.cache_aware]\nblock_size = 2\n\
          [[routes]]\nname = \"pd\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {{ pool = \"prefill\" }}\n",
-        model.display().to_string(),
         decode.host_port()
     )
 }
 
 /// Local ids on and trusted after one match, never rechecked.
-const LOCAL_ON: &str = "local_ids = \"on\"\nlocal_ids_verify_after = 1\nlocal_ids_recheck = 0.0\n";
+const TRUSTED_AFTER_ONE: &str = "local_ids = \"on\"\nlocal_ids_verify_after = 1\nlocal_ids_recheck = 0.0\n";
+
+/// A tokenizer and [`TRUSTED_AFTER_ONE`].
+const LOCAL_ON: &str = "tokenizer = MODEL\nlocal_ids = \"on\"\nlocal_ids_verify_after = 1\nlocal_ids_recheck = 0.0\n";
+
+/// Local ids checked against the echo, never sent token-in.
+const SHADOW: &str = "tokenizer = MODEL\nlocal_ids = \"shadow\"\n";
+
+/// A tokenizer (and the model folder's chat template), local ids off.
+const TOKENIZER_ONLY: &str = "tokenizer = MODEL\n";
+
+/// No tokenizer: the pool knows prompts by their text keys only.
+const NO_TOKENIZER: &str = "";
 
 /// The `cache_aware_choices_total` series of `pool` for `source` and `reason`.
 fn choices(pool: &str, source: &str, reason: &str) -> String {
@@ -57,6 +69,15 @@ async fn send_to(proxy: &TokenOnce, prefills: &[&FakeVllm], path: &str, body: &s
 async fn started(local: &str, weights: &str) -> (tempfile::TempDir, [FakeVllm; 3], TokenOnce) {
     let dir = tempfile::tempdir().unwrap();
     write_local_model(dir.path());
+    started_in(dir, local, weights).await
+}
+
+/// As [`started`], with the model folder `dir` as written.
+async fn started_in(
+    dir: tempfile::TempDir,
+    local: &str,
+    weights: &str,
+) -> (tempfile::TempDir, [FakeVllm; 3], TokenOnce) {
     let fakes = fakes([FakeConfig::default(), FakeConfig::default(), FakeConfig::default()]).await;
     let [p1, p2, d] = &fakes;
     let proxy = TokenOnce::start(&config(&[p1, p2], d, dir.path(), local, weights)).await;
@@ -85,17 +106,20 @@ async fn held_at(proxy: &TokenOnce, prefill: &FakeVllm, prompt: &str) -> tokio::
 
 /// Turns of one conversation (each repeating the last and adding words) go to one prefill
 /// and are counted as prefix choices; a new conversation, held nowhere, goes by rotation (so
-/// to the other prefill next); a prompt shorter than a block and one sent before its shape was
-/// trusted (no ids) are counted by those reasons.
+/// to the other prefill next); the first request, sent before its shape was trusted, is
+/// already picked by its ids; a prompt shorter than a block is counted so.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_conversation_sticks_to_its_prefill_while_another_goes_elsewhere() {
     let (_dir, [p1, p2, d], proxy) = started(LOCAL_ON, "").await;
     let prefills = [&p1, &p2];
-    // Before trust: text with the echo, no ids at either pick, and a prompt under the 128
-    // bytes of one text key.
+    // Before trust: text with the echo, but both picks by the ids rendered for it.
     send(&proxy, &prefills, "bravo bravo").await;
-    proxy.assert_reaches(&choices("prefill", "none", "short_prompt"), 1.0).await;
-    assert_eq!(proxy.metric(&choices("decode", "none", "short_prompt")).await, 1.0);
+    proxy.assert_reaches(&choices("prefill", "sent", "no_prefix"), 1.0).await;
+    assert_eq!(
+        proxy.metric(&choices("decode", "sent", "prefix")).await
+            + proxy.metric(&choices("decode", "sent", "no_prefix")).await,
+        1.0
+    );
     proxy.assert_reaches(r#"tokenonce_local_ids_trusted{pool="prefill",shape="completions"}"#, 1.0).await;
 
     let mut turn = String::from("alpha bravo");
@@ -112,12 +136,13 @@ async fn a_conversation_sticks_to_its_prefill_while_another_goes_elsewhere() {
     assert!(proxy.metric(&choices("prefill", "sent", "no_prefix")).await >= 2.0);
 
     send(&proxy, &prefills, "alpha").await;
-    proxy.assert_reaches(&choices("prefill", "none", "short_prompt"), 2.0).await;
+    proxy.assert_reaches(&choices("prefill", "none", "short_prompt"), 1.0).await;
     assert!(d.posts().len() >= 8, "every request was decoded");
 }
 
-/// With a load weight of 0.4, a holder with three requests in flight (1.0 - 1.2) loses the
-/// next turn of its conversation to the idle prefill (0.0); with two (1.0 - 0.8) it keeps it.
+/// With a load weight of 0.4, a holder of a 4-token turn (blocks of 2) computes one block
+/// (2) and each of its requests in flight was charged 2: with two there it costs 2 + 0.4 x 4
+/// = 3.6 and keeps the turn against the idle prefill's 4; with three, 2 + 0.4 x 6 = 4.4 loses.
 #[tokio::test(flavor = "multi_thread")]
 async fn load_moves_a_turn_off_a_busy_holder() {
     let (_dir, [p1, p2, _d], proxy) = started(LOCAL_ON, "load_weight = 0.4\n").await;
@@ -129,10 +154,10 @@ async fn load_moves_a_turn_off_a_busy_holder() {
     holder.configure(|c| c.delay = Duration::from_secs(30));
     let idle_before = idle.posts().len();
     let mut busy = vec![held_at(&proxy, holder, turn).await, held_at(&proxy, holder, turn).await];
-    // Two in flight: 1.0 - 0.8 beats the idle one's 0.0 (held_at fails if it went elsewhere).
+    // Two in flight: 3.6 beats the idle one's 4 (held_at fails if it went elsewhere).
     busy.push(held_at(&proxy, holder, turn).await);
     assert_eq!(idle.posts().len(), idle_before);
-    // Three: 1.0 - 1.2 loses.
+    // Three: 4.4 loses.
     assert_eq!(send(&proxy, &prefills, turn).await, 1 - home, "the idle prefill took the turn");
     busy.iter().for_each(tokio::task::JoinHandle::abort);
 }
@@ -165,7 +190,7 @@ async fn hold_one(proxy: &TokenOnce, prefills: &[&FakeVllm], prompt: &str) -> (u
 /// prefill, counted `no_ids`.
 #[tokio::test(flavor = "multi_thread")]
 async fn without_ids_the_least_loaded_prefill_is_chosen() {
-    let (_dir, [p1, p2, _d], proxy) = started("", "").await;
+    let (_dir, [p1, p2, _d], proxy) = started(NO_TOKENIZER, "").await;
     let prefills = [&p1, &p2];
     let body = json!({"model": "tiny-qwen3", "input": "alpha bravo alpha", "max_output_tokens": 3});
     let (busy_one, busy) = hold_one(&proxy, &prefills, "alpha bravo alpha").await;
@@ -199,25 +224,62 @@ async fn media_and_prompt_embeds_go_by_load_and_claim_no_prefix() {
     busy.abort();
 }
 
-/// Without local ids, a chat conversation's turns go where its earlier messages went (their
-/// text keys), counted `source="text"`; a new conversation can go elsewhere.
+/// Without a tokenizer (or with one whose folder has no chat template: a warning at load), a
+/// chat conversation's turns go where its earlier messages went (their text keys), counted
+/// `source="text"`; a new conversation can go elsewhere.
 #[tokio::test(flavor = "multi_thread")]
-async fn without_local_ids_a_conversation_sticks_by_its_messages() {
-    let (_dir, [p1, p2, _d], proxy) = started("", "").await;
-    let prefills = [&p1, &p2];
-    let url = "/v1/chat/completions";
-    let mut messages = vec![json!({"role": "user", "content": "alpha bravo"})];
-    let body = |m: &Vec<serde_json::Value>| json!({"model": "tiny-qwen3", "messages": m, "max_tokens": 3});
-    let home = send_to(&proxy, &prefills, url, &body(&messages)).await;
-    for i in 0..4 {
-        messages.push(json!({"role": "assistant", "content": format!("bravo {i}")}));
-        messages.push(json!({"role": "user", "content": "alpha"}));
-        assert_eq!(send_to(&proxy, &prefills, url, &body(&messages)).await, home, "turn {i}");
+async fn without_a_tokenizer_a_conversation_sticks_by_its_messages() {
+    let no_template = tempfile::tempdir().unwrap();
+    write_local_model(no_template.path());
+    std::fs::write(no_template.path().join("tokenizer_config.json"), "{}").unwrap();
+    for (dir, local) in [(None, NO_TOKENIZER), (Some(no_template), TOKENIZER_ONLY)] {
+        let (_dir, [p1, p2, _d], proxy) = match dir {
+            None => started(local, "").await,
+            Some(dir) => started_in(dir, local, "").await,
+        };
+        let prefills = [&p1, &p2];
+        let url = "/v1/chat/completions";
+        let mut messages = vec![json!({"role": "user", "content": "alpha bravo"})];
+        let body = |m: &Vec<serde_json::Value>| json!({"model": "tiny-qwen3", "messages": m, "max_tokens": 3});
+        let home = send_to(&proxy, &prefills, url, &body(&messages)).await;
+        for i in 0..4 {
+            messages.push(json!({"role": "assistant", "content": format!("bravo {i}")}));
+            messages.push(json!({"role": "user", "content": "alpha"}));
+            assert_eq!(send_to(&proxy, &prefills, url, &body(&messages)).await, home, "{local}: turn {i}");
+        }
+        assert_eq!(proxy.metric(&choices("prefill", "text", "prefix")).await, 4.0, "{local}");
+        assert_eq!(proxy.metric(&choices("decode", "text", "prefix")).await, 4.0, "{local}");
+        let others: Vec<usize> = new_conversations(&proxy, &prefills, url).await;
+        assert!(others.iter().any(|&o| o != home), "{local}: new conversations rotate: {others:?}");
     }
-    assert_eq!(proxy.metric(&choices("prefill", "text", "prefix")).await, 4.0);
-    assert_eq!(proxy.metric(&choices("decode", "text", "prefix")).await, 4.0);
-    let others: Vec<usize> = new_conversations(&proxy, &prefills, url).await;
-    assert!(others.iter().any(|&o| o != home), "new conversations rotate: {others:?}");
+}
+
+/// A pool whose local ids are not trusted (in shadow, or off with a tokenizer) still picks by
+/// them from its first request: a conversation's turns stick by their ids (`source="sent"`,
+/// no text keys), while every prefill goes as text with the echo. In shadow the ids rendered
+/// for the picks are the ones checked against the echo (each check a match); off, none is.
+#[tokio::test(flavor = "multi_thread")]
+async fn untrusted_local_ids_steer_the_picks_from_the_first_request() {
+    for (local, checked) in [(SHADOW, true), (TOKENIZER_ONLY, false)] {
+        let (_dir, [p1, p2, _d], proxy) = started(local, "").await;
+        let prefills = [&p1, &p2];
+        let mut turn = String::from("alpha bravo alpha bravo");
+        let home = send(&proxy, &prefills, &turn).await;
+        for _ in 0..4 {
+            turn.push_str(" alpha bravo bravo");
+            assert_eq!(send(&proxy, &prefills, &turn).await, home, "{local}: {turn}");
+        }
+        assert_eq!(proxy.metric(&choices("prefill", "sent", "prefix")).await, 4.0, "{local}");
+        assert_eq!(proxy.metric(&choices("prefill", "text", "prefix")).await, 0.0, "{local}");
+        let prefilled: Vec<serde_json::Value> = prefills[home].posts().iter().map(|p| p.json()).collect();
+        assert!(prefilled.iter().all(|b| b["prompt"].is_string()), "{local}: every prefill as text");
+        let checks = r#"tokenonce_local_ids_checks_total{pool="prefill",result="match",shape="completions"}"#;
+        if checked {
+            proxy.assert_reaches(checks, 5.0).await;
+        } else {
+            assert!(!proxy.metrics().await.contains("tokenonce_local_ids_checks_total{"), "off: nothing checked");
+        }
+    }
 }
 
 /// Two new one-message conversations, held nowhere: where each went.
@@ -266,7 +328,7 @@ fn shipped_kv_aware(prefills: &[&FakeVllm], decode: &FakeVllm, model: &std::path
         ("[\"127.0.0.1:8100#0-1\"]", format!("[{list}]")),
         ("[\"127.0.0.1:8200\"]", format!("[\"{}\"]", decode.host_port())),
         ("\"/models/Qwen3-0.6B\"", format!("{:?}", model.display().to_string())),
-        ("local_ids = \"on\"\n", LOCAL_ON.to_owned()),
+        ("local_ids = \"on\"\n", TRUSTED_AFTER_ONE.to_owned()),
         ("port = 5557 ", format!("port = {} ", ports.0)),
         ("replay_port = 5567 ", format!("replay_port = {} ", ports.1)),
     ];
@@ -377,6 +439,7 @@ async fn a_replay_left_unanswered_is_asked_again() {
         hash_seed: "0".into(),
         block_size: 4,
         max_blocks: 10_000,
+        fixed_bound: true,
         stale_after: Duration::from_secs(60),
     };
     let registry = prometheus::Registry::new();

@@ -157,3 +157,21 @@ async fn turning_the_reads_off_stops_the_asks() {
     assert!(!proxy.metrics().await.contains(&waiting), "no gauge of an earlier read left");
     assert_eq!(asks(&d), 0);
 }
+
+/// A pool following KV events without `max_blocks` sizes its index from what its engines say
+/// they hold: 1.25 x the sum of their `num_gpu_blocks` (two engines of 400,000: 1,000,000);
+/// a pool that sets `max_blocks` keeps it.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_events_index_is_sized_from_the_engines_blocks() {
+    let page = metrics_page(&[("0", "0", "0.1")]).replace("num_gpu_blocks=\"4096\"", "num_gpu_blocks=\"400000\"");
+    let engine = || FakeConfig { metrics_page: Some(page.clone()), ..FakeConfig::default() };
+    let [a, b, d] = fakes([engine(), engine(), FakeConfig::default()]).await;
+    let bound = r#"tokenonce_kv_index_max_blocks{pool="prefill"}"#;
+    for (max_blocks, want) in [("", 1_000_000.0), ("max_blocks = 300000\n", 300_000.0)] {
+        let text = config(&[a.host_port(), b.host_port()], &d, 200, 0)
+            + &format!("\n[pools.prefill.kv_events]\nport = 5557\n{max_blocks}");
+        let proxy = TokenOnce::start(&text).await;
+        until_at_least(&proxy, &reads("prefill", &b.host_port(), "ok"), 2.0).await;
+        proxy.assert_reaches(bound, want).await;
+    }
+}

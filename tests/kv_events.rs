@@ -132,6 +132,7 @@ fn settings(f: &Fixture, port: u16, replay_port: u16) -> Settings {
         hash_seed: f.pythonhashseed.clone(),
         block_size: f.block_size,
         max_blocks: 10_000,
+        fixed_bound: true,
         stale_after: Duration::from_secs(30),
     }
 }

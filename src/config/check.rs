@@ -231,7 +231,9 @@ fn check_kv_events(ck: &mut Checker<'_, '_>, at: &str, pool: &Pool, kv: &PoolKvE
         ck.range(&format!("{at}.port"), u64::from(kv.port), 1..=65535);
     }
     check_kv_ports(ck, at, pool, kv);
-    ck.range(&format!("{at}.max_blocks"), kv.max_blocks, 1..=100_000_000);
+    if let Some(max_blocks) = kv.max_blocks {
+        ck.range(&format!("{at}.max_blocks"), max_blocks, 1..=100_000_000);
+    }
 }
 
 /// vLLM offsets the publisher's ports by the rank: the highest rank's must still be a port. A

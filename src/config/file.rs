@@ -326,12 +326,13 @@ pub struct PoolKvEvents {
     pub block_size: BlockSize,
     /// Most (endpoint, block) entries the pool's index holds; past it the oldest stored are
     /// forgotten (1 to 100,000,000). At most about 120 bytes each: the entry, its place in
-    /// the eviction order, and the hash check's memory of one digest.
-    /// Default: `250000`.
-    /// Covers 8 engines of ~30,000 blocks (an 80 GB GPU's KV cache for an 8B model at 16-token
-    /// blocks) in at most ~30 MB.
-    #[default(250_000)]
-    pub max_blocks: u64,
+    /// the eviction order, and the hash check's memory of one digest. Unset, the bound follows
+    /// what the engines say they hold: 1.25 x the sum of its endpoints' `num_gpu_blocks`
+    /// (vLLM's `vllm:cache_config_info`, read with `engine_metrics_interval_ms`; an endpoint
+    /// not read yet counted at the mean of those read), at least 250,000 (also the bound
+    /// before the first read) and at most 16,000,000; logged when it changes and exported
+    /// (`tokenonce_kv_index_max_blocks`).
+    pub max_blocks: Option<u64>,
     /// How long an endpoint's subscriber may stay disconnected before its entries are no
     /// longer believed (the endpoint then holds nothing for choice; with every endpoint stale
     /// the pool's events are not used).
@@ -344,21 +345,25 @@ pub struct PoolKvEvents {
 }
 
 /// `[pools.NAME.cache_aware]`: read when the pool's `balance` is `cache_aware`. Each candidate
-/// endpoint scores `prefix_weight` times the share of the prompt's full blocks it holds, less
-/// `load_weight` per request it has in flight; the highest wins (ties rotate). Engine queue
-/// depth is not known without scraping the engines, so load is tokenonce's own in-flight count.
+/// endpoint costs, in tokens its engine computes before the prompt's first token,
+/// `prefix_weight` x the prompt tokens it does not hold plus `load_weight` x the tokens
+/// queued ahead there (the larger of this instance's own requests in flight there and the
+/// engine's reported waiting and running requests at the mean request); the least wins (ties
+/// rotate). A held prefix counts for less as the engine's KV cache fills past 90 %.
 #[derive(Debug, Clone, PartialEq, SmartDefault, Deserialize)]
 #[serde(default)]
 pub struct CacheAware {
-    /// Weight of the share of the prompt an endpoint holds (0 to 1000).
+    /// Weight of each prompt token an endpoint would compute (0 to 1000).
     /// Default: `1.0`.
-    /// With the default load weight, holding the whole prompt outweighs ten requests in flight.
+    /// Equal weights make the cost the tokens computed before the first token, which a reader
+    /// can check by hand.
     #[default(1.0)]
     pub prefix_weight: f64,
-    /// Weight of each request an endpoint has in flight (0 to 1000).
-    /// Default: `0.1`.
-    /// A busy holder keeps its prompts until ten more requests wait there than elsewhere.
-    #[default(0.1)]
+    /// Weight of each token queued ahead at an endpoint (0 to 1000).
+    /// Default: `1.0`.
+    /// A holder keeps its prompts until the work queued there outweighs what another
+    /// endpoint would compute afresh.
+    #[default(1.0)]
     pub load_weight: f64,
     /// Tokens per block, as the engines' `--block-size` (1 to 65536): a prompt's full blocks
     /// are what it is matched by. With `kv_events` it must equal `kv_events.block_size`.
@@ -715,7 +720,10 @@ impl PoolKvEvents {
             topic: self.topic.clone(),
             hash_seed: self.hash_seed.clone(),
             block_size: self.block_size.get(),
-            max_blocks: usize::try_from(self.max_blocks).unwrap_or(usize::MAX),
+            max_blocks: self
+                .max_blocks
+                .map_or(crate::kv::settings::SIZED_FLOOR, |n| usize::try_from(n).unwrap_or(usize::MAX)),
+            fixed_bound: self.max_blocks.is_some(),
             stale_after: self.stale_after_ms,
         }
     }

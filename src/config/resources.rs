@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::file::{Config, PoolTls};
-use super::values::LocalIdsMode;
+use super::values::{Balance, LocalIdsMode};
 use crate::parity::Tokenizer;
 use crate::render::{ChatTemplate, LoadOptions, Mistral};
 use crate::tls::{self, Identity, UpstreamTls};
@@ -144,11 +144,18 @@ pub(super) fn load(config: &Config, doc: &Doc<'_>, problems: &mut Vec<Problem>, 
             let at = format!("pools.{name}.tls");
             present(&tls_files(&at, t).each()).then(|| pool_tls(&at, t, &mut fail)).flatten()
         });
+        let loaded = tokenizer.as_ref().and_then(|t| t.tekken());
         let renderer = match (tokenizer_path, pool.local_ids) {
             (Some(path), LocalIdsMode::Shadow | LocalIdsMode::On) => {
-                let loaded = tokenizer.as_ref().and_then(|t| t.tekken());
                 renderer(Path::new(path), loaded).map_err(|why| fail(&format!("pools.{name}.local_ids"), why)).ok()
             }
+            // A cache-aware pool with a tokenizer steers by its prompts' ids, local ids off or
+            // not; a model folder that cannot render leaves it its text keys.
+            (Some(path), LocalIdsMode::Off) if pool.balance == Balance::CacheAware => renderer(Path::new(path), loaded)
+                .map_err(
+                    |why| tracing::warn!(pool = %name, %why, "cache-aware picks go by text keys: no chat template"),
+                )
+                .ok(),
             _ => None,
         };
         let (template, mistral) = match renderer {

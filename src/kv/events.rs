@@ -117,6 +117,20 @@ impl PoolKvEvents {
         self.state.use_lora_paths(paths);
     }
 
+    /// Sizes the pool's index for engines that say they hold `engine_blocks` KV-cache blocks
+    /// between them (a configured `max_blocks` stays); logs a change.
+    pub fn size_for(&self, engine_blocks: u64) {
+        if let Some(bound) = self.state.size_for(engine_blocks) {
+            tracing::info!(pool = %self.state.pool, engine_blocks, max_blocks = bound,
+                "kv events index sized from what the engines hold");
+        }
+    }
+
+    /// The index bound now.
+    pub fn max_blocks(&self) -> usize {
+        self.state.max_blocks()
+    }
+
     /// Whether a hash mismatch turned this pool's cache-aware choice off.
     pub fn disabled(&self) -> bool {
         self.state.disabled()

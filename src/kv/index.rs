@@ -76,6 +76,22 @@ impl BlockIndex {
         evicted
     }
 
+    /// The bound now.
+    pub fn max_blocks(&self) -> usize {
+        self.max_blocks
+    }
+
+    /// Sets the bound to `max_blocks` (at least 1); returns how many entries a lower bound
+    /// evicted (the oldest stored first).
+    pub fn set_max_blocks(&mut self, max_blocks: usize) -> usize {
+        self.max_blocks = max_blocks.max(1);
+        let mut evicted = 0;
+        while self.entries > self.max_blocks && self.evict_oldest() {
+            evicted += 1;
+        }
+        evicted
+    }
+
     /// The endpoint in `slot` no longer holds `hashes`.
     pub fn remove(&mut self, slot: usize, hashes: impl IntoIterator<Item = u64>) {
         let Some(map) = self.slots.get_mut(slot) else { return };
@@ -160,6 +176,18 @@ mod tests {
         index.store(0, [c[0].wire()]);
         assert!(index.holds(0, c[2].wire()) && !index.holds(0, c[3].wire()) && index.holds(0, c[0].wire()));
         assert_eq!(index.len(), 3);
+    }
+
+    #[test]
+    fn a_lower_bound_evicts_the_oldest_and_a_higher_one_keeps_more() {
+        let c = chain(6);
+        let mut index = BlockIndex::new(1, 4);
+        index.store(0, c.iter().take(4).map(BlockHash::wire));
+        assert_eq!(index.set_max_blocks(2), 2);
+        assert!(!index.holds(0, c[1].wire()) && index.holds(0, c[2].wire()) && index.len() == 2);
+        assert_eq!(index.set_max_blocks(10), 0);
+        assert_eq!(index.store(0, c.iter().map(BlockHash::wire)), 0, "room for all six now");
+        assert_eq!((index.len(), index.max_blocks()), (6, 10));
     }
 
     #[test]

@@ -12,6 +12,7 @@ use crate::metrics::{counter, gauge_vec, registered};
 #[derive(Clone)]
 pub struct KvMetrics {
     blocks: IntGaugeVec,
+    bound: IntGaugeVec,
     evicted: IntCounterVec,
     lag: GaugeVec,
     gaps: IntCounterVec,
@@ -33,6 +34,12 @@ impl KvMetrics {
                 registry,
                 "tokenonce_kv_blocks",
                 "KV events index: (endpoint, block) entries held, by pool.",
+                &["pool"],
+            )?,
+            bound: gauge_vec(
+                registry,
+                "tokenonce_kv_index_max_blocks",
+                "KV events index: its bound in (endpoint, block) entries, by pool (kv_events.max_blocks, or sized from the engines' num_gpu_blocks).",
                 &["pool"],
             )?,
             evicted: counter(
@@ -96,6 +103,7 @@ impl KvMetrics {
         let disabled = Drift::LABELS.map(|reason| self.disabled.with_label_values(&[pool, reason]));
         PoolKvMetrics {
             blocks: self.blocks.with_label_values(&[pool]),
+            bound: self.bound.with_label_values(&[pool]),
             evicted: self.evicted.with_label_values(&[pool]),
             lag: self.lag.with_label_values(&[pool]),
             gaps: self.gaps.with_label_values(&[pool]),
@@ -115,6 +123,7 @@ impl KvMetrics {
             let _ = family.remove_label_values(&[pool]);
         }
         let _ = self.blocks.remove_label_values(&[pool]);
+        let _ = self.bound.remove_label_values(&[pool]);
         let _ = self.lag.remove_label_values(&[pool]);
         for result in ["match", "mismatch"] {
             let _ = self.hash_checks.remove_label_values(&[pool, result]);
@@ -130,6 +139,8 @@ impl KvMetrics {
 pub struct PoolKvMetrics {
     /// (endpoint, block) entries in the index.
     pub blocks: IntGauge,
+    /// The index's bound.
+    pub bound: IntGauge,
     /// Entries the `max_blocks` bound evicted.
     pub evicted: IntCounter,
     /// Seconds between the last batch's publication and its arrival.

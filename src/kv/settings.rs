@@ -8,6 +8,21 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+/// The index bound of a pool whose `max_blocks` is not set, before its engines say what they
+/// hold, and the least it is sized to after.
+pub const SIZED_FLOOR: usize = 250_000;
+
+/// The most a bound sized from the engines reaches (about 2 GB of index).
+pub const SIZED_CAP: usize = 16_000_000;
+
+/// The index bound for engines that hold `engine_blocks` KV-cache blocks between them: a
+/// quarter more (their events arrive after their evictions are decided), within
+/// [`SIZED_FLOOR`] and [`SIZED_CAP`].
+pub fn bound_for(engine_blocks: u64) -> usize {
+    let wanted = engine_blocks.saturating_add(engine_blocks / 4);
+    usize::try_from(wanted).unwrap_or(usize::MAX).clamp(SIZED_FLOOR, SIZED_CAP)
+}
+
 /// One pool's `kv_events` settings, as the config gives them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settings {
@@ -26,8 +41,11 @@ pub struct Settings {
     pub hash_seed: String,
     /// The engines' `--block-size`.
     pub block_size: usize,
-    /// Most (endpoint, block) entries the pool's index holds.
+    /// Most (endpoint, block) entries the pool's index holds: the bound to start with.
     pub max_blocks: usize,
+    /// True when `max_blocks` was configured; false when the bound follows what the engines
+    /// say they hold ([`bound_for`]).
+    pub fixed_bound: bool,
     /// How long an endpoint may stay disconnected before its entries are not believed.
     pub stale_after: Duration,
 }
@@ -82,6 +100,13 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_bound_from_the_engines_adds_a_quarter_within_its_floor_and_cap() {
+        assert_eq!(bound_for(0), SIZED_FLOOR, "before any read, or tiny engines");
+        assert_eq!(bound_for(800_000), 1_000_000);
+        assert_eq!(bound_for(u64::MAX), SIZED_CAP);
+    }
+
+    #[test]
     fn endpoint_addresses_offset_the_port_by_rank() {
         let plain = EndpointAddr::parse("10.0.0.1:8000");
         assert_eq!(plain.as_ref().map(|a| a.url(5557)), Some("tcp://10.0.0.1:5557".to_owned()));
@@ -105,6 +130,7 @@ mod tests {
             hash_seed: "0".into(),
             block_size: 32,
             max_blocks: 10,
+            fixed_bound: true,
             stale_after: Duration::from_secs(1),
         };
         let urls = |name: &str| EndpointAddr::parse(name).map(|a| a.urls(&settings));

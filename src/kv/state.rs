@@ -73,6 +73,7 @@ impl PoolState {
         for gauge in &metrics.disabled {
             gauge.set(0);
         }
+        metrics.bound.set(gauge_value(settings.max_blocks));
         PoolState {
             pool: pool.to_owned(),
             holdings: RwLock::new(Holdings {
@@ -123,6 +124,11 @@ impl PoolState {
         self.holdings.read().endpoints.get(name).is_some_and(|e| e.connected && !e.removed)
     }
 
+    /// The index bound now.
+    pub(super) fn max_blocks(&self) -> usize {
+        self.holdings.read().index.max_blocks()
+    }
+
     /// Whether a hash mismatch turned this pool's cache-aware choice off.
     pub(super) fn disabled(&self) -> bool {
         self.disabled.load(Ordering::Relaxed)
@@ -168,6 +174,25 @@ impl PoolState {
         let mut holdings = self.holdings.write();
         holdings.index.clear(slot);
         self.metrics.blocks.set(gauge_value(holdings.index.len()));
+    }
+
+    /// Sizes the index for engines holding `engine_blocks` blocks between them
+    /// ([`super::settings::bound_for`]) unless its bound was configured; returns the new
+    /// bound when it changed.
+    pub(super) fn size_for(&self, engine_blocks: u64) -> Option<usize> {
+        if self.settings.fixed_bound {
+            return None;
+        }
+        let bound = super::settings::bound_for(engine_blocks);
+        let mut holdings = self.holdings.write();
+        if holdings.index.max_blocks() == bound {
+            return None;
+        }
+        let evicted = holdings.index.set_max_blocks(bound);
+        self.metrics.evicted.inc_by(evicted as u64);
+        self.metrics.blocks.set(gauge_value(holdings.index.len()));
+        self.metrics.bound.set(gauge_value(bound));
+        Some(bound)
     }
 
     /// One batch from the endpoint in `slot`, in sequence order.
@@ -251,6 +276,7 @@ mod tests {
             hash_seed: "0".into(),
             block_size: BLOCK,
             max_blocks: 100,
+            fixed_bound: true,
             stale_after,
         };
         let metrics = KvMetrics::register(&prometheus::Registry::new()).expect("registers").pool("p");
@@ -281,6 +307,19 @@ mod tests {
 
     fn batch(events: Vec<Event>) -> EventBatch {
         EventBatch { ts: 0.0, events, data_parallel_rank: None }
+    }
+
+    /// A bound not configured follows the engines' blocks (a lower one evicting, counted); a
+    /// configured one never moves.
+    #[test]
+    fn an_index_not_bounded_by_config_is_sized_from_the_engines() {
+        let state = pool(Duration::from_secs(60));
+        assert_eq!(state.size_for(10_000_000), None, "configured: stays");
+        let mut sized = pool(Duration::from_secs(60));
+        sized.settings.fixed_bound = false;
+        assert_eq!(sized.size_for(800_000), Some(1_000_000));
+        assert_eq!(sized.size_for(800_000), None, "unchanged");
+        assert_eq!((sized.max_blocks(), sized.metrics.bound.get()), (1_000_000, 1_000_000));
     }
 
     #[test]

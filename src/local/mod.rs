@@ -114,6 +114,18 @@ enum Prompt {
     Ids(Vec<u32>),
 }
 
+/// A request's ids as tokenonce renders them, with its shape and whether they may send its
+/// prefill token-in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalRender {
+    /// The prompt's ids.
+    pub ids: Vec<u32>,
+    /// Its shape label (one of [`SHAPES`]).
+    pub shape: &'static str,
+    /// True when the shape is trusted and this request is not of the recheck share.
+    pub token_in: bool,
+}
+
 /// What the comparison found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
@@ -244,15 +256,27 @@ impl LocalIds {
         if !self.any_trusted() {
             return None;
         }
+        self.for_request(api, body).filter(|r| r.token_in).map(|r| (r.ids, r.shape))
+    }
+
+    /// The ids of `body` whatever its shape's trust (a cache-aware pick steers by them: a
+    /// wrong id costs a cache miss, never a wrong answer), and whether they may also send its
+    /// prefill token-in (`local_ids = "on"`, the shape trusted, not one of the recheck share).
+    /// `None` when the request does not render here or has no ids.
+    pub fn for_request(&self, api: Api, body: &[u8]) -> Option<LocalRender> {
         let rendered = self.render(api, body).ok()?;
-        if !self.shape_trust(rendered.shape)?.trusted.load(Ordering::Relaxed) || self.recheck_now() {
-            return None;
-        }
+        let token_in = self.policy.mode == LocalIdsMode::On && self.trusted(rendered.shape) && !self.recheck_now();
         // No ids: vLLM takes no empty token prompt (`prompt: []`) as it takes the text, so it
         // goes as text and the engine answers in its own words. (An empty prompt never gets
         // here: `render_completion` refuses it, as vLLM does before tokenizing.)
         let ids = self.encode(&rendered).ok().filter(|ids| !ids.is_empty())?;
-        Some((ids, rendered.shape))
+        Some(LocalRender { ids, shape: rendered.shape, token_in })
+    }
+
+    /// True when its ids are checked against the prefill's echo (`local_ids` shadow or on; a
+    /// renderer loaded only to steer a cache-aware pool checks nothing).
+    pub fn checks(&self) -> bool {
+        self.policy.mode != LocalIdsMode::Off
     }
 
     /// Whether this request of a trusted shape is one of the recheck share.
@@ -328,9 +352,16 @@ impl LocalIds {
         Some(Drift::between(&ids, now))
     }
 
-    /// Compares what tokenonce computes for `body` with the ids the prefill `echoed`.
-    pub fn verify(&self, api: Api, body: &[u8], echoed: &[u32]) -> (&'static str, Verdict) {
-        match self.ids(api, body) {
+    /// Compares what tokenonce computes for `body` (or computed already: `rendered`) with
+    /// the ids the prefill `echoed`.
+    pub fn verify(
+        &self,
+        api: Api,
+        body: &[u8],
+        rendered: Option<(Vec<u32>, &'static str)>,
+        echoed: &[u32],
+    ) -> (&'static str, Verdict) {
+        match rendered.map_or_else(|| self.ids(api, body), Ok) {
             Err(reason) => ("unsupported", Verdict::Unsupported(reason)),
             Ok((ids, shape)) if ids == echoed => (shape, Verdict::Match),
             Ok((ids, shape)) => {
@@ -368,6 +399,9 @@ pub struct Sample {
     pub body: Bytes,
     /// The ids the prefill echoed.
     pub echoed: PromptIds,
+    /// The ids and shape tokenonce rendered for the request already (to steer its picks):
+    /// compared as they are, not rendered again.
+    pub rendered: Option<(Vec<u32>, &'static str)>,
 }
 
 /// The verifier threads; dropping the last handle ends them once the queue is drained.
@@ -405,7 +439,7 @@ fn work(rx: &Mutex<Receiver<Sample>>, metrics: &LocalMetrics) {
         // The guard is a temporary: the lock is released before the sample is worked on.
         let Ok(sample) = rx.lock().recv() else { return };
         let echoed = sample.echoed.to_vec();
-        let (shape, verdict) = sample.local.verify(sample.api, &sample.body, &echoed);
+        let (shape, verdict) = sample.local.verify(sample.api, &sample.body, sample.rendered, &echoed);
         let pool = &sample.local.pool;
         // The echo is tokenonce's own ids here, so the history is compared with what the
         // engine got.
@@ -468,7 +502,7 @@ mod tests {
         assert_eq!(shape, "chat_system");
         let Renderer::Mistral(renderer) = &local.renderer else { panic!("not Mistral's renderer") };
         assert_eq!(renderer.tekken().decode_lossy(&ids), "<s>[INST]S\n\nu[/INST]");
-        assert_eq!(local.verify(Api::Chat, body, &ids).1, Verdict::Match);
+        assert_eq!(local.verify(Api::Chat, body, None, &ids).1, Verdict::Match);
         assert_eq!(local.ids(Api::Completions, br#"{"prompt":"u"}"#).err(), Some("mistral_completions"));
         let reloaded = LocalIds::mistral("m", Arc::new(crate::render::Mistral::load(dir.path()).unwrap()), policy);
         assert!(local.same_as(&reloaded));
@@ -494,6 +528,7 @@ mod tests {
                 api: Api::Chat,
                 body: body.clone(),
                 echoed: PromptIds::from_ids(&[1, 2]),
+                rendered: None,
             });
         }
         let text = String::from_utf8(crate::metrics::render(&registry)).unwrap();

@@ -248,10 +248,16 @@ label_enum! {
 label_enum! {
     /// Why a cache-aware choice went where it did (`cache_aware_choices_total{reason}`).
     ChoiceReason {
-        /// Some candidate held part of the prompt: the best score won.
+        /// A candidate holding the most of the prompt won: its held prefix decided.
         Prefix => "prefix",
-        /// No candidate held any of it: the least loaded won.
+        /// No candidate held any of it: the least work queued decided.
         NoPrefix => "no_prefix",
+        /// Every candidate held as much of it (a shared system prompt): the queue decided.
+        SharedPrefix => "shared_prefix",
+        /// A holder of more of it was passed over for the work queued there.
+        Load => "load",
+        /// A holder of more of it was passed over for its KV cache's pressure.
+        CachePressure => "cache_pressure",
         /// The prompt's ids were not known at the choice: least in flight.
         NoIds => "no_ids",
         /// The prompt is shorter than one block: least in flight.

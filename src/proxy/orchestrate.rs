@@ -41,8 +41,8 @@ pub async fn run(call: &mut Call<'_>, req: &ApiRequest<'_>) -> Result<(), ProxyE
     let (stored_id, named) = stored.map_or((None, None), |(id, named)| (Some(id), named));
     let rewritten = named.as_ref().or(cleaned.as_ref());
     let obj = rewritten.unwrap_or(&req.obj);
-    // The prompt's own ids, when a trusted shape has them (they also send the prefill
-    // token-in), else its text keys: what the cache-aware picks choose by.
+    // The prompt's own ids when the prefill pool renders locally (a trusted shape's also send
+    // the prefill token-in), else its text keys: what the cache-aware picks choose by.
     let keys = verify::PromptKeys::of(info, req).await;
     let decode = pick_decode(info, req.view.api, obj, keys.decode())?;
     let home = decode.name().to_owned();
@@ -120,7 +120,7 @@ async fn orchestrate(
     reuse::record(info, call.rec, step.reuse, step.refused.as_ref());
     if let Some(ids) = step.ids.take() {
         let by = if plan.local_ids() { verify::Echoed::Local } else { verify::Echoed::Engine };
-        verify::prompt_ids(info, req, &ids, step.prompt_tokens, by);
+        verify::prompt_ids(info, req, &ids, step.prompt_tokens, (by, keys.local.as_ref()));
     }
     route.metrics.stage(Stage::Handoff, handoff_started.elapsed());
     drop(handoff);

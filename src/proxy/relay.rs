@@ -95,7 +95,7 @@ async fn completed_decode(
     };
     let found = match found {
         Found::Ids(ids) => {
-            verify::prompt_ids(info, req, &ids, None, verify::Echoed::Relayed);
+            verify::prompt_ids(info, req, &ids, None, (verify::Echoed::Relayed, None));
             // While the watch holds reuse off, the ids were only checked.
             if route.parity.as_ref().is_some_and(|p| p.reuse_off()) {
                 Found::Blocked(crate::openai::FallbackReason::ParityReuseOff)

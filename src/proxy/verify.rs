@@ -2,8 +2,9 @@
 //! local-ids shadow check once they are known ([`prompt_ids`]), and, before the prefill,
 //! the local ids a trusted shape has earned ([`local_prompt`], [`token_in`]).
 //!
-//! The local ids steer the cache-aware picks (their block chains) and send the prefill
-//! token-in. Nothing here waits on a check: a full queue drops it, counted.
+//! The local ids steer the cache-aware picks (their block chains) from a pool's first request
+//! (a wrong id there costs a cache miss, never a wrong answer), and send the prefill token-in
+//! once their shape is trusted. Nothing here waits on a check: a full queue drops it, counted.
 
 use std::sync::Arc;
 
@@ -31,11 +32,18 @@ pub enum Echoed {
 
 /// The checks a request's prompt `ids` feed once they are known: a parity sample when the
 /// route samples this request, and the local-ids check when the route's prefill pool has
-/// `local_ids` on and the engine made them. `prompt_tokens` is the prefill's count.
-pub fn prompt_ids(info: &RequestInfo, req: &ApiRequest<'_>, ids: &PromptIds, prompt_tokens: Option<u64>, by: Echoed) {
+/// `local_ids` on and the engine made them (against the ids rendered for the picks, `local`,
+/// when there are some). `prompt_tokens` is the prefill's count.
+pub fn prompt_ids(
+    info: &RequestInfo,
+    req: &ApiRequest<'_>,
+    ids: &PromptIds,
+    prompt_tokens: Option<u64>,
+    (by, local): (Echoed, Option<&LocalPrompt>),
+) {
     watch_parity(info, req, ids, prompt_tokens);
     if by == Echoed::Engine {
-        shadow_local_ids(info, req, ids);
+        shadow_local_ids(info, req, ids, local);
     }
 }
 
@@ -92,8 +100,8 @@ pub struct PromptKeys {
 }
 
 impl PromptKeys {
-    /// The local ids of `info`'s request when a trusted shape has them ([`local_prompt`]),
-    /// else its text keys when a pool of the route chooses by the prompt.
+    /// The local ids of `info`'s request ([`local_prompt`]), else its text keys when a pool
+    /// of the route chooses by the prompt.
     pub async fn of(info: &RequestInfo, req: &ApiRequest<'_>) -> Self {
         let local = local_prompt(info, req).await;
         let route = &info.route;
@@ -129,28 +137,33 @@ impl PromptKeys {
 pub struct LocalPrompt {
     ids: Vec<u32>,
     shape: &'static str,
+    /// True when the ids also send the prefill token-in (a trusted shape, not rechecked).
+    token_in: bool,
     /// The chains the cache-aware picks want.
     pub chains: PromptChains,
 }
 
-/// With `local_ids = "on"` on the route's prefill pool and a trusted shape that is not
-/// rechecked: tokenonce's own ids for the prompt and their chains (rendered, tokenized and
-/// hashed on a blocking thread, off the proxy's workers).
+/// Tokenonce's own ids for a request's prompt and their chains, when the route's prefill pool
+/// renders locally and either a pool of the route chooses by the prompt (any shape: routing
+/// by an unproven id risks a cache miss only) or a shape is trusted for token-in (rendered,
+/// tokenized and hashed on a blocking thread, off the proxy's workers).
 pub async fn local_prompt(info: &RequestInfo, req: &ApiRequest<'_>) -> Option<LocalPrompt> {
-    // No blocking-thread hop and no render before a shape has earned trust.
-    let local = local_renderer(info).filter(|l| l.any_trusted())?;
+    let Some(PrefillTarget::Pool(prefill)) = &info.route.prefill else { return None };
+    let decode = &info.route.decode_pool;
+    let steers = prefill.is_cache_aware() || decode.is_cache_aware();
+    // No blocking-thread hop and no render when nothing would use the ids.
+    let local = local_renderer(info).filter(|l| steers || l.any_trusted())?;
     let api = req.view.api;
     if !matches!(api, Api::Chat | Api::Completions) {
         return None;
     }
-    let Some(crate::routes::PrefillTarget::Pool(prefill)) = &info.route.prefill else { return None };
     let (local, body) = (Arc::clone(local), req.incoming.body.clone());
-    let (prefill, decode) = (Arc::clone(prefill), Arc::clone(&info.route.decode_pool));
+    let (prefill, decode) = (Arc::clone(prefill), Arc::clone(decode));
     let inputs = HashInputs::of(&req.view, &req.obj);
     let work = move || {
-        let (ids, shape) = local.token_in(api, &body)?;
-        let chains = PromptChains::of(Some(&prefill), &decode, &ids, &inputs);
-        Some(LocalPrompt { ids, shape, chains })
+        let render = local.for_request(api, &body)?;
+        let chains = PromptChains::of(Some(&prefill), &decode, &render.ids, &inputs);
+        Some(LocalPrompt { ids: render.ids, shape: render.shape, token_in: render.token_in, chains })
     };
     tokio::task::spawn_blocking(work).await.ok().flatten()
 }
@@ -162,7 +175,7 @@ pub fn token_in<'r, 'a>(
     plan: Orchestration<'r, 'a>,
     local: Option<&LocalPrompt>,
 ) -> Orchestration<'r, 'a> {
-    let Some(LocalPrompt { ids, shape, .. }) = local else { return plan };
+    let Some(LocalPrompt { ids, shape, token_in: true, .. }) = local else { return plan };
     let plan = plan.with_local_ids(PromptIds::from_ids(ids));
     if let Some(local) = plan.local_ids().then(|| local_renderer(info)).flatten() {
         info.app.metrics.local.token_in(&local.pool, shape);
@@ -190,14 +203,15 @@ fn watch_parity(info: &RequestInfo, req: &ApiRequest<'_>, ids: &PromptIds, promp
 }
 
 /// Hands `ids` (the prefill's echo) to the local-ids verifier when the route's prefill pool
-/// has `local_ids` on.
-fn shadow_local_ids(info: &RequestInfo, req: &ApiRequest<'_>, ids: &PromptIds) {
-    let Some(local) = local_renderer(info) else { return };
+/// has `local_ids` shadow or on, with the ids already `rendered` for the picks, if any.
+fn shadow_local_ids(info: &RequestInfo, req: &ApiRequest<'_>, ids: &PromptIds, rendered: Option<&LocalPrompt>) {
+    let Some(local) = local_renderer(info).filter(|l| l.checks()) else { return };
     info.app.verifier.submit(crate::local::Sample {
         local: Arc::clone(local),
         request_id: info.request_id.clone(),
         api: req.view.api,
         body: req.incoming.body.clone(),
         echoed: ids.clone(),
+        rendered: rendered.map(|r| (r.ids.clone(), r.shape)),
     });
 }

@@ -3,9 +3,11 @@
 //! held prefix against load, and the count of each choice by source and reason.
 
 use parking_lot::RwLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use super::endpoint::Endpoint;
+use super::engine_load::Pressure;
 use super::metrics::CacheAwareMetrics;
 use crate::kv::{BlockHash, BlockHasher, ExtraKeys, PrefixHolders, SentPrefixes};
 use crate::metrics::{ChoiceReason, ChoiceSource};
@@ -30,9 +32,11 @@ pub enum PromptKey<'c> {
 /// What a `cache_aware` pool chooses by: the score's weights, how a prompt's blocks are
 /// named, and the sources saying which endpoint holds which blocks, asked in order.
 pub struct CacheAwareChoice {
-    prefix_weight: f64,
-    load_weight: f64,
+    weights: Weights,
     hasher: BlockHasher,
+    /// Mean prompt tokens a chosen endpoint computes (a moving mean; 0 before the first
+    /// choice): what each request an engine reports queued is taken to weigh.
+    mean_compute: AtomicU64,
     /// The events source first when installed, then where tokenonce sent each prompt.
     sources: RwLock<Vec<(ChoiceSource, Arc<dyn PrefixHolders>)>>,
     /// Where tokenonce sent each prompt known by its text keys only (a namespace of its own).
@@ -44,8 +48,7 @@ pub struct CacheAwareChoice {
 impl std::fmt::Debug for CacheAwareChoice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CacheAwareChoice")
-            .field("prefix_weight", &self.prefix_weight)
-            .field("load_weight", &self.load_weight)
+            .field("weights", &self.weights)
             .field("block_size", &self.hasher.block_size())
             .field("sources", &self.source_kinds())
             .finish()
@@ -57,8 +60,8 @@ impl CacheAwareChoice {
     pub(super) fn new(spec: &crate::config::CacheAware) -> Self {
         let sent: Arc<dyn PrefixHolders> = Arc::new(SentPrefixes::new(spec.max_blocks as usize));
         Self {
-            prefix_weight: spec.prefix_weight,
-            load_weight: spec.load_weight,
+            weights: Weights { prefix: spec.prefix_weight, load: spec.load_weight },
+            mean_compute: AtomicU64::new(0),
             hasher: BlockHasher::new(&spec.hash_seed, spec.block_size.get()),
             sources: RwLock::new(vec![(ChoiceSource::Sent, sent)]),
             text: SentPrefixes::new(spec.max_blocks as usize),
@@ -112,10 +115,17 @@ impl CacheAwareChoice {
         }
     }
 
-    /// The candidate scoring best for `prompt` (the first in `rotated` order among equals),
-    /// counted by source and reason; every source of its kind then hears where it went.
-    pub(super) fn choose<'a>(&self, rotated: &[&'a Arc<Endpoint>], prompt: PromptKey<'_>) -> Option<&'a Arc<Endpoint>> {
-        let least = || rotated.iter().copied().min_by_key(|e| e.inflight());
+    /// The candidate costing least for `prompt` (the first in `rotated` order among equals),
+    /// with the prompt tokens it is expected to compute (what its pick is charged), counted
+    /// by source and by what decided; every source of its kind then hears where it went.
+    /// `ahead` tells the work already queued at a candidate.
+    pub(super) fn choose<'a>(
+        &self,
+        rotated: &[&'a Arc<Endpoint>],
+        prompt: PromptKey<'_>,
+        ahead: &dyn Fn(&Endpoint) -> Ahead,
+    ) -> Option<(&'a Arc<Endpoint>, u64)> {
+        let least = || rotated.iter().copied().min_by_key(|e| e.inflight()).map(|e| (e, 0));
         let chain = match prompt {
             PromptKey::NotAPrompt => return least(),
             PromptKey::Unknown => {
@@ -131,58 +141,144 @@ impl CacheAwareChoice {
                 return least();
             }
             PromptKey::Text(keys) => {
-                let (chosen, any_held, _) = self.best(rotated, &self.text, keys);
-                self.count(ChoiceSource::Text, if any_held { ChoiceReason::Prefix } else { ChoiceReason::NoPrefix });
-                let chosen = chosen?;
-                self.text.sent(&chosen.name, keys);
-                return Some(chosen);
+                let choice = self.best(rotated, &self.text, keys, ahead)?;
+                self.count(ChoiceSource::Text, choice.reason);
+                self.text.sent(&choice.chosen.name, keys);
+                return Some((choice.chosen, choice.compute));
             }
             PromptKey::Tokens(chain) => chain,
         };
         let sources = self.sources.read();
-        let chosen = if let Some((kind, source)) = sources.iter().find(|(_, s)| s.usable()) {
-            let (chosen, any_held, held) = self.best(rotated, source.as_ref(), chain);
-            self.count(*kind, if any_held { ChoiceReason::Prefix } else { ChoiceReason::NoPrefix });
-            if let Some(m) = self.metrics.get() {
-                let tokens = held.saturating_mul(self.hasher.block_size());
-                m.predicted(*kind, u64::try_from(tokens).unwrap_or(u64::MAX));
-            }
-            chosen
-        } else {
+        let Some((kind, source)) = sources.iter().find(|(_, s)| s.usable()) else {
             self.count(ChoiceSource::None, ChoiceReason::Unusable);
-            least()
-        }?;
-        sources.iter().for_each(|(_, s)| s.sent(&chosen.name, chain));
-        Some(chosen)
+            let chosen = least()?;
+            sources.iter().for_each(|(_, s)| s.sent(&chosen.0.name, chain));
+            return Some(chosen);
+        };
+        let choice = self.best(rotated, source.as_ref(), chain, ahead)?;
+        self.count(*kind, choice.reason);
+        if let Some(m) = self.metrics.get() {
+            let tokens = choice.held.saturating_mul(self.hasher.block_size());
+            m.predicted(*kind, u64::try_from(tokens).unwrap_or(u64::MAX));
+        }
+        sources.iter().for_each(|(_, s)| s.sent(&choice.chosen.name, chain));
+        Some((choice.chosen, choice.compute))
     }
 
-    /// The best-scoring candidate by `source`, whether any candidate holds a block, and how
-    /// many leading blocks the chosen one holds.
+    /// The candidate costing least by `source` (see [`Cost`]), and what decided.
     fn best<'a>(
         &self,
         rotated: &[&'a Arc<Endpoint>],
         source: &dyn PrefixHolders,
         chain: &[BlockHash],
-    ) -> (Option<&'a Arc<Endpoint>>, bool, usize) {
-        let blocks = chain.len() as f64;
-        let mut best: Option<(&Arc<Endpoint>, f64, usize)> = None;
-        let mut any_held = false;
+        ahead: &dyn Fn(&Endpoint) -> Ahead,
+    ) -> Option<Choice<'a>> {
+        let block = self.hasher.block_size() as u64;
+        let prompt = (chain.len() as u64).saturating_mul(block);
+        // A queued request computes at least its last block (never cached).
+        let per_request = match self.mean_compute.load(Ordering::Relaxed) {
+            0 => prompt,
+            mean => mean,
+        }
+        .max(block);
+        let mut best: Option<(&Arc<Endpoint>, Cost)> = None;
+        // The candidate holding the most, and the least costly among those (for the reason).
+        let mut holder: Option<Cost> = None;
+        let mut least_held = usize::MAX;
         for &e in rotated {
             let held = source.held(&e.name, chain);
-            any_held |= held > 0;
-            let score = self.score(held, blocks, e);
-            if best.is_none_or(|(_, top, _)| score > top) {
-                best = Some((e, score, held));
+            let cost = Cost::of(held, block, prompt, ahead(e), per_request, self.weights);
+            least_held = least_held.min(held);
+            if holder.is_none_or(|h: Cost| held > h.held || (held == h.held && cost.total < h.total)) {
+                holder = Some(cost);
+            }
+            if best.is_none_or(|(_, top): (&Arc<Endpoint>, Cost)| cost.total < top.total) {
+                best = Some((e, cost));
             }
         }
-        (best.map(|(e, _, _)| e), any_held, best.map_or(0, |(_, _, held)| held))
+        let (chosen, cost) = best?;
+        let reason = match holder {
+            Some(h) if h.held == 0 => ChoiceReason::NoPrefix,
+            Some(h) if h.held == least_held && rotated.len() > 1 => ChoiceReason::SharedPrefix,
+            Some(h) if h.held == cost.held => ChoiceReason::Prefix,
+            Some(h) if h.unpressed <= cost.total => ChoiceReason::CachePressure,
+            _ => ChoiceReason::Load,
+        };
+        self.learn_compute(cost.compute);
+        Some(Choice { chosen, held: cost.held, compute: cost.compute, reason })
     }
 
-    /// How good a home `e` is for a prompt of `blocks` blocks of which it holds the first
-    /// `held` (higher is better): the share held, weighed against the requests it has in flight.
-    fn score(&self, held: usize, blocks: f64, e: &Endpoint) -> f64 {
-        self.prefix_weight * held as f64 / blocks - self.load_weight * e.inflight() as f64
+    /// Moves the mean prompt tokens a chosen endpoint computes an eighth toward `compute`.
+    fn learn_compute(&self, compute: u64) {
+        let _ = self.mean_compute.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |mean| {
+            Some(if mean == 0 { compute.max(1) } else { (mean.saturating_mul(7).saturating_add(compute) / 8).max(1) })
+        });
     }
+}
+
+/// The work already ahead of a prompt at one endpoint, as a pick sees it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Ahead {
+    /// Prompt tokens of this instance's requests in flight there (their picks' charges).
+    pub own_tokens: u64,
+    /// What its engine last reported, when believed (every instance reads the same).
+    pub engine: Option<Pressure>,
+}
+
+/// KV-cache use past which a held prefix counts for less: it counts in full up to this, not
+/// at all when the cache is full (the engine evicts or queues).
+pub const KV_PRESSURE_FROM: f64 = 0.9;
+
+/// The score's weights (`[pools.NAME.cache_aware]`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Weights {
+    prefix: f64,
+    load: f64,
+}
+
+/// One candidate's cost for a prompt, in tokens the engine would compute before this
+/// prompt's first token: `prefix_weight` x the prompt tokens it does not hold, plus
+/// `load_weight` x the tokens queued ahead there. The least wins.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Cost {
+    /// Leading blocks it holds.
+    held: usize,
+    /// Prompt tokens it would compute: those its held blocks (discounted for KV pressure) do
+    /// not cover, and at least one block.
+    compute: u64,
+    /// Tokens queued ahead: the larger of this instance's own charges there and the
+    /// engine's waiting and running requests at the mean charge.
+    queued: u64,
+    total: f64,
+    /// The total were its KV cache under no pressure.
+    unpressed: f64,
+}
+
+impl Cost {
+    /// The cost of a candidate holding `held` blocks of `block` tokens of a `prompt`-token
+    /// prompt, with `ahead` queued there and `per_request` tokens per engine-reported request.
+    #[expect(clippy::cast_possible_truncation, clippy::cast_sign_loss, reason = "0 <= keep <= 1")]
+    #[expect(clippy::cast_precision_loss, reason = "token counts far below 2^52")]
+    fn of(held: usize, block: u64, prompt: u64, ahead: Ahead, per_request: u64, weights: Weights) -> Self {
+        let held_tokens = (held as u64).saturating_mul(block).min(prompt);
+        let keep = ahead.engine.map_or(1.0, |p| ((1.0 - p.kv_usage) / (1.0 - KV_PRESSURE_FROM)).clamp(0.0, 1.0));
+        // An engine always computes a prompt's last tokens: at least a block (or the prompt).
+        let least = block.min(prompt);
+        let compute = (prompt - (held_tokens as f64 * keep) as u64).max(least);
+        let engine_queue = ahead.engine.map_or(0, |p| p.waiting.saturating_add(p.running).saturating_mul(per_request));
+        let queued = ahead.own_tokens.max(engine_queue);
+        let total_with = |compute: u64| weights.prefix * compute as f64 + weights.load * queued as f64;
+        let unpressed = total_with((prompt - held_tokens).max(least));
+        Self { held, compute, queued, total: total_with(compute), unpressed }
+    }
+}
+
+/// What [`CacheAwareChoice::best`] found.
+struct Choice<'a> {
+    chosen: &'a Arc<Endpoint>,
+    held: usize,
+    compute: u64,
+    reason: ChoiceReason,
 }
 
 #[cfg(test)]
@@ -190,9 +286,10 @@ mod tests {
     use super::*;
     use crate::config::Balance;
     use crate::upstream::pool::tests::pool;
+    use crate::upstream::EngineLoad;
     use crate::upstream::{Picked, Pool};
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::time::Instant;
+    use std::sync::atomic::AtomicBool;
+    use std::time::{Duration, Instant};
 
     /// The chain of a prompt of `blocks` blocks of 4 ids from `from`, as `p` names blocks.
     fn prompt(p: &Pool, from: u32, blocks: u32) -> Vec<BlockHash> {
@@ -224,27 +321,142 @@ mod tests {
         assert_ne!(p.pick_for(Instant::now(), &[home.as_str()], PromptKey::Tokens(&first)).unwrap().name(), home);
     }
 
+    /// The choice series of `registry` for pool `p`, as text.
+    fn choices(registry: &prometheus::Registry) -> String {
+        String::from_utf8(crate::metrics::render(registry)).unwrap()
+    }
+
+    /// A pool of `n` counting its choices in a registry of its own.
+    fn counted_pool(n: usize) -> (Pool, prometheus::Registry) {
+        let registry = prometheus::Registry::new();
+        let metrics = crate::upstream::metrics::UpstreamMetrics::register(&registry).unwrap();
+        let p = pool(Balance::CacheAware, n);
+        p.count_choices_in(metrics.cache_aware("p"));
+        (p, registry)
+    }
+
+    fn count_of(text: &str, source: &str, reason: &str) -> u64 {
+        let series = format!(r#"tokenonce_cache_aware_choices_total{{pool="p",reason="{reason}",source="{source}"}} "#);
+        text.lines().find_map(|l| l.strip_prefix(series.as_str())).map_or(0, |v| v.parse().unwrap())
+    }
+
+    /// Worked example (docs/concepts.md): a prompt of 32 tokens (8 blocks of 4) the holder
+    /// holds whole costs it one block (4) to compute and 32 elsewhere; the holder keeps it
+    /// while under 28 tokens are queued there, and loses it past that.
     #[test]
     fn cache_aware_load_outweighs_a_held_prefix() {
-        let p = pool(Balance::CacheAware, 2);
+        let (p, registry) = counted_pool(2);
         let c = prompt(&p, 0, 8);
         let home = p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name().to_owned();
-        // Holding the whole prompt is worth 1.0; each request in flight costs 0.25.
-        let busy: Vec<Picked> = (0..3).map(|_| p.pick_named(&home).unwrap()).collect();
+        let busy = p.pick_named(&home).unwrap().charged(27);
         for _ in 0..3 {
             assert_eq!(
                 p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name(),
                 home,
-                "1.0 - 3 x 0.25 > 0"
+                "4 + 27 queued < 32 to compute elsewhere"
             );
         }
-        let more: Vec<Picked> = (0..2).map(|_| p.pick_named(&home).unwrap()).collect();
+        let more = p.pick_named(&home).unwrap().charged(2);
         assert_ne!(
             p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name(),
             home,
-            "1.0 - 5 x 0.25 < 0: it moves"
+            "4 + 29 queued > 32: it moves"
         );
+        let text = choices(&registry);
+        assert_eq!(count_of(&text, "sent", "prefix"), 3, "{text}");
+        assert_eq!(count_of(&text, "sent", "load"), 1, "{text}");
         drop((busy, more));
+        assert!(p.endpoints().iter().all(|e| e.queued_tokens() == 0), "charges end with their picks");
+    }
+
+    /// A source saying endpoint `i` holds the first `held[i]` blocks of any prompt.
+    struct Holds(Vec<usize>);
+
+    impl PrefixHolders for Holds {
+        fn held(&self, endpoint: &str, chain: &[BlockHash]) -> usize {
+            let i = endpoint.rsplit(':').next().and_then(|port| port.parse::<usize>().ok()).unwrap() - 9000;
+            self.0[i].min(chain.len())
+        }
+        fn usable(&self) -> bool {
+            true
+        }
+    }
+
+    /// A prefix every candidate holds (a shared system prompt) attracts nothing: the picks
+    /// spread by what is queued, counted `shared_prefix`.
+    #[test]
+    fn a_prefix_every_candidate_holds_attracts_nothing() {
+        let (p, registry) = counted_pool(3);
+        p.set_prefix_source(ChoiceSource::Events, Some(Arc::new(Holds(vec![2, 2, 2]))));
+        let held: Vec<Picked> = (0..6)
+            .map(|i| p.pick_for(Instant::now(), &[], PromptKey::Tokens(&prompt(&p, i * 100, 8))).unwrap())
+            .collect();
+        for e in p.endpoints().iter() {
+            assert_eq!(e.inflight(), 2, "{} took its share", e.name);
+            assert_eq!(e.queued_tokens(), 48, "each charged the 24 tokens it computes");
+        }
+        assert_eq!(count_of(&choices(&registry), "events", "shared_prefix"), 6);
+        drop(held);
+    }
+
+    /// The engine's own queue counts as the tokens a request computes on the mean: a holder
+    /// whose engine reports enough waiting loses the prompt, whichever instance sent them.
+    #[expect(clippy::disallowed_methods, reason = "a synchronous test waits for a read to age")]
+    #[test]
+    fn an_engine_reported_queue_moves_a_prompt_off_its_holder() {
+        let (p, registry) = counted_pool(2);
+        p.set_prefix_source(ChoiceSource::Events, Some(Arc::new(Holds(vec![8, 0]))));
+        let c = prompt(&p, 0, 8);
+        let holder = &p.endpoints()[0];
+        holder.facts().set_load(EngineLoad { waiting: 7, ..EngineLoad::default() });
+        // The first choice takes each queued request to compute the whole prompt (32 tokens):
+        // 4 + 7 x 32 > 32 elsewhere.
+        assert_eq!(p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name(), "127.0.0.1:9001");
+        assert_eq!(count_of(&choices(&registry), "events", "load"), 1);
+        // Engine pressure is not believed once its read is too old: the holder wins again.
+        let stale = pool_reading_every(100);
+        stale.set_prefix_source(ChoiceSource::Events, Some(Arc::new(Holds(vec![8, 0]))));
+        stale.endpoints()[0].facts().set_load(EngineLoad { waiting: 7, ..EngineLoad::default() });
+        std::thread::sleep(Duration::from_millis(350));
+        assert_eq!(
+            stale.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name(),
+            "127.0.0.1:9000",
+            "a read three intervals old is not believed"
+        );
+    }
+
+    /// A cache near full keeps less of what it holds: at 99 % the holder's 32 held tokens
+    /// count as 3, and with one request running there (at the mean of 4 computed) it costs
+    /// 29 + 4 = 33 against 32 elsewhere: the prompt moves, counted `cache_pressure`.
+    #[test]
+    fn kv_cache_pressure_discounts_a_held_prefix() {
+        let (p, registry) = counted_pool(2);
+        p.set_prefix_source(ChoiceSource::Events, Some(Arc::new(Holds(vec![8, 0]))));
+        let c = prompt(&p, 0, 8);
+        let holder = &p.endpoints()[0];
+        holder.facts().set_load(EngineLoad { kv_usage: 0.5, ..EngineLoad::default() });
+        assert_eq!(p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name(), "127.0.0.1:9000");
+        holder.facts().set_load(EngineLoad { running: 1, kv_usage: 0.99, ..EngineLoad::default() });
+        assert_eq!(p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name(), "127.0.0.1:9001");
+        let text = choices(&registry);
+        assert_eq!(
+            (count_of(&text, "events", "prefix"), count_of(&text, "events", "cache_pressure")),
+            (1, 1),
+            "{text}"
+        );
+    }
+
+    /// A cache-aware pool of 2 (blocks of 4) whose engines' `/metrics` are read every
+    /// `ms` (a read believed for three of it).
+    fn pool_reading_every(ms: u64) -> Pool {
+        let text = format!(
+            "[pools.p]\nendpoints = [\"127.0.0.1:9000\", \"127.0.0.1:9001\"]\nbalance = \"cache_aware\"\n\
+             engine_metrics_interval_ms = {ms}\n[pools.p.cache_aware]\nblock_size = 4\n\
+             [defaults]\npassthrough_pool = \"p\"\n"
+        );
+        let config = crate::config::Config::from_toml(&text, "t").unwrap();
+        let rule = crate::upstream::endpoint::tests::rule(3);
+        Pool::new("p", &config.pools["p"], &crate::config::PoolResources::default(), rule)
     }
 
     #[test]
@@ -320,7 +532,7 @@ mod tests {
         };
         assert_eq!(p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name(), "127.0.0.1:9001");
         assert_eq!(predicted(), 32);
-        let busy: Vec<Picked> = (0..5).map(|_| p.pick_named("127.0.0.1:9001").unwrap()).collect();
+        let busy = p.pick_named("127.0.0.1:9001").unwrap().charged(33);
         assert_eq!(p.pick_for(Instant::now(), &[], PromptKey::Tokens(&c)).unwrap().name(), "127.0.0.1:9000");
         assert_eq!(predicted(), 32, "the idle endpoint chosen holds none of it");
         drop(busy);

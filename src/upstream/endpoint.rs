@@ -3,7 +3,7 @@
 //! [`Picked`], which counts a request in flight until dropped.
 
 use parking_lot::RwLock;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -24,6 +24,10 @@ pub struct Endpoint {
     /// Its pool's TLS (`None`: plain HTTP).
     pub tls: Option<crate::tls::UpstreamTls>,
     inflight: AtomicUsize,
+    /// Prompt tokens of the requests in flight here that this instance expects the engine to
+    /// compute (what cache-aware picks charged): the queue a cost reads between two
+    /// `/metrics` reads.
+    queued_tokens: AtomicU64,
     healthy: AtomicBool,
     /// Passive outlier detection: consecutive failures and the ejection they caused.
     outlier: RwLock<Outlier>,
@@ -81,6 +85,7 @@ impl Endpoint {
             rank: None,
             tls: None,
             inflight: AtomicUsize::new(0),
+            queued_tokens: AtomicU64::new(0),
             healthy: AtomicBool::new(false),
             outlier: RwLock::new(Outlier::default()),
             facts: EngineFacts::default(),
@@ -156,6 +161,12 @@ impl Endpoint {
         self.inflight.load(Ordering::Relaxed)
     }
 
+    /// Prompt tokens the requests in flight here were charged when picked (see
+    /// [`Picked::charged`]).
+    pub fn queued_tokens(&self) -> u64 {
+        self.queued_tokens.load(Ordering::Relaxed)
+    }
+
     /// Last health poll result.
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
@@ -178,6 +189,8 @@ pub struct Picked {
     endpoint: Arc<Endpoint>,
     /// The pool it came from (`None`: a one-off endpoint, never ejected).
     pool: Option<Arc<PoolEjection>>,
+    /// Prompt tokens it adds to the endpoint's queue while held.
+    charge: u64,
 }
 
 /// The ejection rule of a pool, as each endpoint picked from it carries it: the pool's name
@@ -194,7 +207,7 @@ impl Picked {
     /// Marks `endpoint` in flight.
     pub fn new(endpoint: Arc<Endpoint>) -> Self {
         endpoint.inflight.fetch_add(1, Ordering::Relaxed);
-        Self { endpoint, pool: None }
+        Self { endpoint, pool: None, charge: 0 }
     }
 
     /// Marks `endpoint`, picked from the pool ejecting by `pool`, in flight.
@@ -202,6 +215,15 @@ impl Picked {
         let mut picked = Self::new(endpoint);
         picked.pool = Some(pool);
         picked
+    }
+
+    /// The same pick, adding `tokens` to its endpoint's queued tokens until dropped: the
+    /// prompt tokens a cache-aware pick expects the engine to compute for it.
+    #[must_use]
+    pub fn charged(mut self, tokens: u64) -> Self {
+        self.endpoint.queued_tokens.fetch_add(tokens, Ordering::Relaxed);
+        self.charge = self.charge.saturating_add(tokens);
+        self
     }
 
     /// The ejection rule of the pool it was picked from (`None`: a one-off endpoint, never
@@ -229,6 +251,7 @@ impl Picked {
 impl Drop for Picked {
     fn drop(&mut self) {
         self.endpoint.inflight.fetch_sub(1, Ordering::Relaxed);
+        self.endpoint.queued_tokens.fetch_sub(self.charge, Ordering::Relaxed);
     }
 }
 

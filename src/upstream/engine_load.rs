@@ -53,6 +53,25 @@ pub struct EngineLoad {
     pub max_loras: Option<u32>,
 }
 
+/// The numbers of an [`EngineLoad`] a routing cost reads, copied without its lists (a pick
+/// reads one per candidate).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Pressure {
+    /// Requests queued, not yet scheduled.
+    pub waiting: u64,
+    /// Requests in the running batch.
+    pub running: u64,
+    /// Share of its KV-cache blocks in use, 0 to 1.
+    pub kv_usage: f64,
+}
+
+impl EngineLoad {
+    /// Its numbers a routing cost reads.
+    pub fn pressure(&self) -> Pressure {
+        Pressure { waiting: self.waiting, running: self.running, kv_usage: self.kv_usage }
+    }
+}
+
 /// Why a page was not believed (the whole read is dropped).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum Rejected {

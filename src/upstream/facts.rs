@@ -6,7 +6,7 @@
 use parking_lot::RwLock;
 use std::time::{Duration, Instant};
 
-use super::engine_load::EngineLoad;
+use super::engine_load::{EngineLoad, Pressure};
 use crate::config::Version;
 
 /// The model an engine serves, from `GET /v1/models` (its first base model): engines whose
@@ -105,6 +105,12 @@ impl EngineFacts {
         self.load.read().as_ref().filter(|(_, at)| at.elapsed() < max_age).map(|(load, _)| load.clone())
     }
 
+    /// The numbers of the engine's pressure as last read, when read under `max_age` ago
+    /// (what a pick reads: nothing is cloned).
+    pub fn pressure(&self, max_age: Duration) -> Option<Pressure> {
+        self.load.read().as_ref().filter(|(_, at)| at.elapsed() < max_age).map(|(load, _)| load.pressure())
+    }
+
     /// True when `/metrics` is due: never asked, or asked about `every` ago (a quarter of it
     /// early, so a round that comes a little early does not skip a read).
     pub fn load_due(&self, every: Duration) -> bool {
@@ -168,6 +174,8 @@ mod tests {
         e.set_load(load.clone());
         assert_eq!(e.load(Duration::from_secs(3600)), Some(load));
         assert_eq!(e.load(Duration::ZERO), None, "too old to believe");
+        assert_eq!(e.pressure(Duration::from_secs(3600)).map(|p| p.waiting), Some(3));
+        assert_eq!(e.pressure(Duration::ZERO), None);
         assert!(!e.expire_load(Duration::from_secs(3600)));
         assert!(e.expire_load(Duration::ZERO));
         assert!(!e.expire_load(Duration::ZERO), "counted once");

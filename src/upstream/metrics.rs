@@ -433,13 +433,22 @@ pub struct CacheAwareMetrics {
 
 impl CacheAwareMetrics {
     /// The source and reason pairs a choice can report.
-    pub const PAIRS: [(ChoiceSource, ChoiceReason); 11] = [
+    pub const PAIRS: [(ChoiceSource, ChoiceReason); 20] = [
         (ChoiceSource::Events, ChoiceReason::Prefix),
         (ChoiceSource::Events, ChoiceReason::NoPrefix),
+        (ChoiceSource::Events, ChoiceReason::SharedPrefix),
+        (ChoiceSource::Events, ChoiceReason::Load),
+        (ChoiceSource::Events, ChoiceReason::CachePressure),
         (ChoiceSource::Sent, ChoiceReason::Prefix),
         (ChoiceSource::Sent, ChoiceReason::NoPrefix),
+        (ChoiceSource::Sent, ChoiceReason::SharedPrefix),
+        (ChoiceSource::Sent, ChoiceReason::Load),
+        (ChoiceSource::Sent, ChoiceReason::CachePressure),
         (ChoiceSource::Text, ChoiceReason::Prefix),
         (ChoiceSource::Text, ChoiceReason::NoPrefix),
+        (ChoiceSource::Text, ChoiceReason::SharedPrefix),
+        (ChoiceSource::Text, ChoiceReason::Load),
+        (ChoiceSource::Text, ChoiceReason::CachePressure),
         (ChoiceSource::None, ChoiceReason::NoIds),
         (ChoiceSource::None, ChoiceReason::ShortPrompt),
         (ChoiceSource::None, ChoiceReason::Unusable),

@@ -30,7 +30,7 @@ pub use choice::{CacheAwareChoice, PromptKey};
 pub use client::{Delivery, Exchange, SendFailure, UpstreamClient, UpstreamError};
 pub use discovery::{Discoverer, DiscoveryError};
 pub use endpoint::{EjectionRule, Endpoint, Picked};
-pub use engine_load::EngineLoad;
+pub use engine_load::{EngineLoad, Pressure};
 pub use facts::{EngineFacts, ModelIdentity};
 pub use homes::ResponseHomes;
 pub use leg::{named_endpoint, pick, pick_for, Failover, LegClient, LegError};

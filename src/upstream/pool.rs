@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 
-use super::choice::{CacheAwareChoice, PromptKey};
+use super::choice::{Ahead, CacheAwareChoice, PromptKey};
 use super::dns_name::Discovery;
 use super::endpoint::{endpoint_name, EjectionRule, Endpoint, Picked, PoolEjection};
 use super::engine_load::EngineLoad;
@@ -110,6 +110,19 @@ impl Pool {
     /// believe (a routing cost term reads this).
     pub fn engine_load(&self, endpoint: &Endpoint) -> Option<EngineLoad> {
         endpoint.facts().load(self.load_reads?.believed_for)
+    }
+
+    /// The KV-cache blocks its engines say they hold between them (`num_gpu_blocks`, believed
+    /// reads; an endpoint not read counted at the mean of those read); `None` before any read.
+    pub fn engine_gpu_blocks(&self) -> Option<u64> {
+        let believed = self.load_reads?.believed_for;
+        let members = self.endpoints();
+        let read: Vec<u64> =
+            members.iter().filter_map(|e| e.facts().load(believed).and_then(|l| l.num_gpu_blocks)).collect();
+        let sum = read.iter().fold(0u64, |a, b| a.saturating_add(*b));
+        let known = u64::try_from(read.len()).ok().filter(|n| *n > 0)?;
+        let all = u64::try_from(members.len()).unwrap_or(u64::MAX);
+        Some(sum.saturating_mul(all) / known)
     }
 
     /// True when it chooses by the prompt's blocks (`balance = "cache_aware"`): its picks then
@@ -276,10 +289,17 @@ impl Pool {
                 let n = candidates.len();
                 let rotated: Vec<&Arc<Endpoint>> =
                     (0..n).filter_map(|i| candidates.get((turn + i) % n).copied()).collect();
-                match &self.cache_aware {
-                    Some(choice) => choice.choose(&rotated, prompt),
-                    None => rotated.iter().copied().min_by_key(|e| e.inflight()),
-                }
+                let believed = self.load_reads.map(|r| r.believed_for);
+                let ahead = |e: &Endpoint| Ahead {
+                    own_tokens: e.queued_tokens(),
+                    engine: believed.and_then(|age| e.facts().pressure(age)),
+                };
+                let (chosen, charge) = match &self.cache_aware {
+                    Some(choice) => choice.choose(&rotated, prompt, &ahead),
+                    None => rotated.iter().copied().min_by_key(|e| e.inflight()).map(|e| (e, 0)),
+                }?;
+                let picked = Picked::from_pool(Arc::clone(chosen), Arc::clone(&self.ejection));
+                return Some(picked.charged(charge));
             }
         }?;
         Some(Picked::from_pool(Arc::clone(chosen), Arc::clone(&self.ejection)))
@@ -321,14 +341,13 @@ pub(crate) mod tests {
     use std::time::Duration;
 
     /// A pool `p` of `n` endpoints (`127.0.0.1:9000` up) choosing by `balance`, ejecting
-    /// at 3 failures; a cache-aware one names blocks of 4 and weighs each request in flight
-    /// at 0.25.
+    /// at 3 failures; a cache-aware one names blocks of 4 and weighs by the default weights.
     pub(crate) fn pool(balance: Balance, n: usize) -> Pool {
         let endpoints: Vec<String> = (0..n).map(|i| format!("\"127.0.0.1:{}\"", 9000 + i)).collect();
         let balance = match balance {
             Balance::RoundRobin => "round_robin\"",
             Balance::LeastInFlight => "least_in_flight\"",
-            Balance::CacheAware => "cache_aware\"\n[pools.p.cache_aware]\nblock_size = 4\nload_weight = 0.25",
+            Balance::CacheAware => "cache_aware\"\n[pools.p.cache_aware]\nblock_size = 4",
         };
         let text = format!(
             "[pools.p]\nendpoints = [{}]\nbalance = \"{balance}\n[defaults]\npassthrough_pool = \"p\"\n",

@@ -241,7 +241,8 @@ CASES = {
 def test_lora_and_salted_chains_are_the_engines_block_hashes(lora_stack):
     assert counts()["disabled"] == 0, "cache-aware choice on"
     assert any(m["id"] == LORA for m in httpx.get(f"http://{HOST}:{VLLM_PORT}/v1/models", timeout=10).json()["data"])
-    # The shapes earn local-ids trust (one match each), so each later pick has the prompt's chain.
+    # The shapes earn local-ids trust (one match each): the LoRA and salted prefills then go
+    # token-in too (the picks steer by the local ids' chains either way).
     Turn([system("warm"), user("warm", 0)], {})
     Turn([system("warm"), user("warm", 0), {"role": "assistant", "content": "Filed."}, user("warm", 1)], {})
     for shape in ("chat_system", "chat_multi_turn"):
