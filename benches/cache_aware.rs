@@ -71,7 +71,7 @@ fn main() {
     let prompt = |seed: u32| -> Vec<u32> { (0..PROMPT_TOKENS).map(|i| i.wrapping_mul(2_654_435_761) ^ seed).collect() };
 
     let t = Instant::now();
-    let chain = pool.chain(&prompt(0)).unwrap();
+    let chain = pool.chain(&prompt(0), &tokenonce::kv::ExtraKeys::default()).unwrap();
     println!(
         "chain of a {PROMPT_TOKENS}-token prompt: {} blocks in {:.2} ms",
         chain.len(),
@@ -84,7 +84,7 @@ fn main() {
     exact.names = (0..ENDPOINTS).map(|i| format!("127.0.0.1:{}", 9000 + i)).collect();
     let mut seed = 1;
     while approximate.len() + chain.len() < INDEXED_BLOCKS {
-        let other = pool.chain(&prompt(seed)).unwrap();
+        let other = pool.chain(&prompt(seed), &tokenonce::kv::ExtraKeys::default()).unwrap();
         let picked = pool.pick_for(Instant::now(), &[], PromptKey::Tokens(&other)).unwrap();
         let at = exact.names.iter().position(|n| n == picked.name()).unwrap();
         approximate.sent(picked.name(), &other);

@@ -125,8 +125,12 @@ fn kv_sources(
             Err(e) => tracing::error!(pool = %pool.name, error = %e, "kv events off for the pool"),
         }
     }
-    // A cache-aware pool asks its events first (set, replaced after a reload, or removed).
+    // A cache-aware pool asks its events first (set, replaced after a reload, or removed);
+    // its events' hash check reads the adapters its engines list.
     for pool in pools {
+        if let Some(events) = out.get(&pool.name) {
+            events.use_lora_paths(Arc::clone(pool.lora_paths()));
+        }
         let events = out.get(&pool.name).map(|s| Arc::clone(s) as Arc<dyn kv::PrefixHolders>);
         pool.set_prefix_source(crate::metrics::ChoiceSource::Events, events);
     }

@@ -202,6 +202,28 @@ async fn without_ids_the_least_loaded_prefill_is_chosen() {
     busy.abort();
 }
 
+/// A chat with an image (or a completions prompt given as embeddings) is hashed by vLLM from
+/// inputs tokenonce does not have: however often it is sent, no prefix is claimed for it, and
+/// each goes to the least loaded prefill, counted `multimodal` (`prompt_embeds`).
+#[tokio::test(flavor = "multi_thread")]
+async fn media_and_prompt_embeds_go_by_load_and_claim_no_prefix() {
+    let (_dir, [p1, p2, _d], proxy) = started("", "").await;
+    let prefills = [&p1, &p2];
+    let image = json!({"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}});
+    let content = json!([{"type": "text", "text": "alpha bravo alpha bravo"}, image]);
+    let chat = json!({"model": "tiny-qwen3", "messages": [{"role": "user", "content": content}], "max_tokens": 3});
+    let embeds = json!({"model": "tiny-qwen3", "prompt_embeds": "AAAA", "prompt": "alpha", "max_tokens": 3});
+    let (busy_one, busy) = hold_one(&proxy, &prefills, "alpha bravo alpha").await;
+    for _ in 0..3 {
+        assert_eq!(send_to(&proxy, &prefills, "/v1/chat/completions", &chat).await, 1 - busy_one, "the idle one");
+        assert_eq!(send_to(&proxy, &prefills, "/v1/completions", &embeds).await, 1 - busy_one, "the idle one");
+    }
+    assert_eq!(proxy.metric(&choices("prefill", "none", "multimodal")).await, 3.0);
+    assert_eq!(proxy.metric(&choices("prefill", "none", "prompt_embeds")).await, 3.0);
+    assert_eq!(proxy.metric(&choices("prefill", "text", "prefix")).await, 0.0, "no text prefix claimed");
+    busy.abort();
+}
+
 /// Without a tokenizer (or with one whose folder has no chat template: a warning at load), a
 /// chat conversation's turns go where its earlier messages went (their text keys), counted
 /// `source="text"`; a new conversation can go elsewhere.

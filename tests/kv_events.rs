@@ -18,7 +18,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use support::until;
 use tokenonce::kv::events::{PoolKvEvents, Settings};
-use tokenonce::kv::hash::{BlockHash, BlockHasher, ExtraKeys};
+use tokenonce::kv::hash::{BlockHash, BlockHasher, ExtraKeys, Lora};
 use tokenonce::kv::metrics::PoolKvMetrics;
 use tokenonce::kv::PrefixHolders;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
@@ -50,11 +50,19 @@ fn request<'a>(f: &'a Fixture, name: &str) -> &'a Request {
     f.requests.iter().find(|r| r.name == name).unwrap_or_else(|| panic!("no {name} in the fixture"))
 }
 
-/// The chain tokenonce computes for a recorded request (prompt and output ids, its salt).
+/// The recorded request's adapter: its name and the path vLLM loaded it from.
+fn lora(r: &Request) -> Option<(&str, &str)> {
+    let l = r.lora.as_ref()?;
+    Some((l["name"].as_str()?, l["path"].as_str()?))
+}
+
+/// The chain tokenonce computes for a recorded request (prompt and output ids, its adapter,
+/// its salt).
 fn chain(f: &Fixture, seed: &str, block_size: usize, r: &Request) -> Vec<BlockHash> {
     let mut ids = r.prompt_token_ids.clone();
     ids.extend(r.output_token_ids.iter().flatten());
-    let keys = ExtraKeys { lora: None, cache_salt: r.cache_salt.as_deref() };
+    let lora = lora(r).map(|(name, path)| Lora { name, path });
+    let keys = ExtraKeys { lora, cache_salt: r.cache_salt.as_deref() };
     let _ = f;
     BlockHasher::new(seed, block_size).chain(&ids, &keys)
 }
@@ -238,25 +246,24 @@ async fn the_hash_check_matches_vllms_hashes_and_another_seed_or_block_size_turn
     let wrong_size = Settings { block_size: 64, ..right.clone() };
     let sources = [("right", right), ("seed", wrong_seed), ("size", wrong_size)]
         .map(|(pool, s)| (source(pool, endpoint, s.clone()), s));
+    // The engine's /v1/models listed the recorded adapter with the path it loaded it from.
+    let paths = Arc::new(tokenonce::kv::LoraPaths::default());
+    let adapters = f.requests.iter().filter_map(lora).map(|(n, p)| (n.to_owned(), p.to_owned()));
+    paths.learned(endpoint, adapters);
     for ((kv, _), _) in &sources {
+        kv.use_lora_paths(Arc::clone(&paths));
         until("connected", || kv.connected(endpoint)).await;
     }
 
     // Every recorded request: tokenonce sends it (its chain, as each source computes it), then
-    // the engine publishes what it stored.
+    // the engine publishes what it stored. Every block is checked: plain, salted, LoRA.
     let mut checkable = 0;
     for r in &f.requests {
         for ((kv, _), s) in &sources {
             kv.sent(endpoint, &chain(&f, &s.hash_seed, s.block_size, r));
         }
         publisher.publish(&r.events, false).await;
-        // Blocks the check can hash again: no LoRA, and up to the first with extra keys.
-        if r.lora.is_none() {
-            for e in &r.events {
-                let keys = e["extra_keys"].as_array().unwrap();
-                checkable += keys.iter().take_while(|k| k.is_null()).count() as u64;
-            }
-        }
+        checkable += r.events.iter().map(|e| e["block_hashes"].as_array().unwrap().len() as u64).sum::<u64>();
     }
     let ((right, rm), _) = &sources[0];
     until("every checkable block checked", || rm.checks_matched.get() == checkable).await;

@@ -8,8 +8,7 @@ mod oracles;
 
 use proptest::prelude::*;
 use proptest::sample::select;
-use serde::de::IgnoredAny;
-use tokenonce::kv::wire::{Event, EventBatch, Removed, Stored, WireHash};
+use tokenonce::kv::wire::{BlockKeys, Event, EventBatch, Removed, Stored, WireHash};
 use tokenonce::kv::{BlockHasher, ExtraKeys};
 use tokenonce::openai::{Api, PromptIds};
 
@@ -559,7 +558,10 @@ fn kv_event() -> impl Strategy<Value = Event> {
         prop::option::of("[a-z]{1,8}"),
         medium.clone(),
         group.clone(),
-        prop::option::of(prop::collection::vec(any::<bool>(), 0..4)),
+        prop::option::of(prop::collection::vec(
+            prop::option::of((prop::collection::vec("[a-z]{1,6}", 0..3), any::<bool>())),
+            0..4,
+        )),
     )
         .prop_map(|(token_ids, chained, drawn, parent, block_size, lora_name, medium, group_idx, extra)| {
             let block_hashes = if chained {
@@ -575,7 +577,8 @@ fn kv_event() -> impl Strategy<Value = Event> {
                 block_size,
                 lora_name,
                 medium,
-                extra_keys: extra.map(|keys| keys.into_iter().map(|k| k.then_some(IgnoredAny)).collect()),
+                extra_keys: extra
+                    .map(|keys| keys.into_iter().map(|k| k.map(|(texts, other)| BlockKeys { texts, other })).collect()),
                 group_idx,
             })
         });

@@ -12,14 +12,20 @@
 //! bounded memory (`capacity` digests, oldest forgotten first) of the digests of the chains
 //! tokenonce sent ([`HashCheck::expect`], fed by `PrefixHolders::sent`) and of the blocks this
 //! check already verified. A block whose parent is unknown is not checked (not counted).
-//! Blocks with extra keys (LoRA, cache salt, multimodal) are not checked either: the event
-//! publishes the LoRA name without the path the hash includes; the chain after one is unknown.
+//!
+//! Extra keys: the event publishes each block's keys untagged (`wire::BlockKeys`). A salt on
+//! the first block is hashed as vLLM hashes it; a LoRA block with the path the endpoint's
+//! `/v1/models` lists for its adapter (the event names the adapter, not the path the hash
+//! includes; [`LoraPaths`](super::LoraPaths)); a block keyed by anything else (media, prompt
+//! embeddings, an adapter whose path is not known) is not checked, nor are the blocks after it.
+//! A LoRA block that differs ([`Drift::LoraPath`]) is counted a mismatch but does not turn the
+//! pool off: the plain blocks still hash alike, only that adapter's chains are wrong.
 
 use std::collections::VecDeque;
 
 use super::hash::{Digest, WireHashMap};
 use super::wire::Stored;
-use super::{BlockHash, BlockHasher, ExtraKeys};
+use super::{BlockHash, BlockHasher, RequestKeys};
 
 /// Why the engines' hashes are not tokenonce's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,6 +35,10 @@ pub enum Drift {
     /// The same tokens hash differently: another `PYTHONHASHSEED` (or none: random per
     /// process), or another `--prefix-caching-hash-algo` than `sha256_cbor`.
     SeedOrAlgorithm,
+    /// A LoRA adapter's blocks hash differently from its name and the path the engine's
+    /// `/v1/models` listed (the adapter was loaded again from elsewhere since): only that
+    /// adapter's chains are wrong, so the pool stays on.
+    LoraPath,
 }
 
 impl Drift {
@@ -37,7 +47,14 @@ impl Drift {
         match self {
             Drift::BlockSize { .. } => "block_size",
             Drift::SeedOrAlgorithm => "seed_or_algorithm",
+            Drift::LoraPath => "lora_path",
         }
+    }
+
+    /// Whether it turns the pool's cache-aware choice off (every chain is wrong), not only
+    /// one adapter's.
+    pub fn turns_off(&self) -> bool {
+        !matches!(self, Drift::LoraPath)
     }
 
     /// Every label value, so every series exists from the start.
@@ -50,6 +67,10 @@ impl std::fmt::Display for Drift {
             Drift::BlockSize { engine, configured } => {
                 write!(f, "the engine stores blocks of {engine} tokens, kv_events.block_size is {configured}")
             }
+            Drift::LoraPath => f.write_str(
+                "the engine's blocks for a LoRA adapter hash to another hash than its name and the path \
+                 its /v1/models listed give: the adapter was loaded from another path since",
+            ),
             Drift::SeedOrAlgorithm => f.write_str(
                 "the engine's tokens hash to another hash: its PYTHONHASHSEED is not kv_events.hash_seed, \
                  or it does not hash with sha256_cbor",
@@ -91,8 +112,9 @@ impl HashCheck {
         }
     }
 
-    /// Checks the blocks of one `BlockStored`.
-    pub fn check(&mut self, stored: &Stored) -> Outcome {
+    /// Checks the blocks of one `BlockStored`; `lora_path` gives the path the publishing
+    /// endpoint loaded an adapter from, by its name.
+    pub fn check(&mut self, stored: &Stored, lora_path: &dyn Fn(&str) -> Option<String>) -> Outcome {
         let mut outcome = Outcome::default();
         let configured = self.hasher.block_size();
         if stored.block_size != configured {
@@ -109,14 +131,12 @@ impl HashCheck {
         };
         let blocks = stored.token_ids.chunks_exact(configured);
         for (i, (reported, tokens)) in stored.block_hashes.iter().zip(blocks).enumerate() {
-            if stored.has_extra_keys(i) {
-                break;
-            }
             let first = parent.is_none();
-            let ours = self.hasher.hash_block(parent.as_ref(), tokens, &ExtraKeys::default(), first);
+            let Some(keys) = block_keys(stored, i, first, lora_path) else { break };
+            let ours = self.hasher.hash_block(parent.as_ref(), tokens, &keys.as_extra(), first);
             if ours.wire() != reported.0 {
                 outcome.mismatched += 1;
-                outcome.drift = Some(Drift::SeedOrAlgorithm);
+                outcome.drift = Some(if keys.lora.is_some() { Drift::LoraPath } else { Drift::SeedOrAlgorithm });
                 return outcome;
             }
             outcome.matched += 1;
@@ -138,22 +158,76 @@ impl HashCheck {
     }
 }
 
+/// The extra keys of block `i` of `stored` (`first`: it starts at token 0) when tokenonce can
+/// hash them: none; a salt on the first block; a LoRA adapter whose path `lora_path` knows,
+/// with a salt on the first block. `None` for anything else (media, prompt embeddings, an
+/// unknown adapter path, keys not in vLLM's order).
+fn block_keys(
+    stored: &Stored,
+    i: usize,
+    first: bool,
+    lora_path: &dyn Fn(&str) -> Option<String>,
+) -> Option<RequestKeys> {
+    let keys = stored.extra_keys.as_ref().and_then(|k| k.get(i)).and_then(Option::as_ref);
+    let (Some(name), Some(keys)) = (stored.lora_name.as_ref(), keys) else {
+        return match keys {
+            None if stored.lora_name.is_none() => Some(RequestKeys::default()),
+            Some(keys) if stored.lora_name.is_none() => salt_only(&keys.texts, keys.other, first),
+            _ => None,
+        };
+    };
+    let (named, rest) = keys.texts.split_first()?;
+    if named != name {
+        return None;
+    }
+    let mut out = salt_only(rest, keys.other, first)?;
+    out.lora = Some((name.clone(), lora_path(name)?));
+    Some(out)
+}
+
+/// Keys holding at most a salt, which only the first block may carry.
+fn salt_only(texts: &[String], other: bool, first: bool) -> Option<RequestKeys> {
+    match (texts, other) {
+        ([], false) => Some(RequestKeys::default()),
+        ([salt], false) if first => Some(RequestKeys { lora: None, cache_salt: Some(salt.clone()) }),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv::wire::WireHash;
+    use crate::kv::wire::{BlockKeys, WireHash};
+    use crate::kv::ExtraKeys;
+
+    /// No adapter's path known.
+    fn no_lora(_: &str) -> Option<String> {
+        None
+    }
 
     fn stored(hasher: &BlockHasher, ids: &[u32], skip: usize) -> Stored {
-        let chain = hasher.chain(ids, &ExtraKeys::default());
+        stored_with(hasher, ids, skip, &RequestKeys::default())
+    }
+
+    /// A `BlockStored` of `ids` from block `skip` on, hashed with `keys`, publishing them as
+    /// vLLM does (untagged: the LoRA name on every block, the salt on the first).
+    fn stored_with(hasher: &BlockHasher, ids: &[u32], skip: usize, keys: &RequestKeys) -> Stored {
+        let chain = hasher.chain(ids, &keys.as_extra());
+        let published = |i: usize| {
+            let mut texts: Vec<String> = keys.lora.iter().map(|(name, _)| name.clone()).collect();
+            texts.extend(keys.cache_salt.iter().filter(|_| i == 0).cloned());
+            (!texts.is_empty()).then_some(BlockKeys { texts, other: false })
+        };
+        let extra: Vec<Option<BlockKeys>> = (skip..chain.len()).map(published).collect();
         let bs = hasher.block_size();
         Stored {
             block_hashes: chain.iter().skip(skip).map(|h| WireHash(h.wire())).collect(),
             parent_block_hash: skip.checked_sub(1).and_then(|p| chain.get(p)).map(|h| WireHash(h.wire())),
             token_ids: ids.get(skip * bs..chain.len() * bs).unwrap_or_default().to_vec(),
             block_size: bs,
-            lora_name: None,
+            lora_name: keys.lora.as_ref().map(|(name, _)| name.clone()),
             medium: None,
-            extra_keys: None,
+            extra_keys: extra.iter().any(Option::is_some).then_some(extra),
             group_idx: None,
         }
     }
@@ -163,9 +237,9 @@ mod tests {
         let engine = BlockHasher::new("0", 4);
         let ids: Vec<u32> = (100..120).collect();
         let mut check = HashCheck::new(BlockHasher::new("0", 4), 100);
-        assert_eq!(check.check(&stored(&engine, &ids[..8], 0)).matched, 2);
+        assert_eq!(check.check(&stored(&engine, &ids[..8], 0), &no_lora).matched, 2);
         // The follow-up's parent is one this check verified.
-        let later = check.check(&stored(&engine, &ids, 2));
+        let later = check.check(&stored(&engine, &ids, 2), &no_lora);
         assert_eq!((later.matched, later.mismatched), (3, 0));
     }
 
@@ -175,30 +249,64 @@ mod tests {
         let ids: Vec<u32> = (0..16).collect();
         let mut check = HashCheck::new(BlockHasher::new("0", 4), 100);
         let follow = stored(&engine, &ids, 2);
-        assert_eq!(check.check(&follow), Outcome::default(), "unknown parent: not checked");
+        assert_eq!(check.check(&follow, &no_lora), Outcome::default(), "unknown parent: not checked");
         check.expect(&engine.chain(&ids[..8], &ExtraKeys::default()));
-        assert_eq!(check.check(&follow).matched, 2);
+        assert_eq!(check.check(&follow, &no_lora).matched, 2);
     }
 
     #[test]
     fn another_seed_or_block_size_is_drift_and_says_which() {
         let ids: Vec<u32> = (0..16).collect();
         let mut check = HashCheck::new(BlockHasher::new("vllm-none-hash", 4), 100);
-        let other_seed = check.check(&stored(&BlockHasher::new("0", 4), &ids, 0));
+        let other_seed = check.check(&stored(&BlockHasher::new("0", 4), &ids, 0), &no_lora);
         assert_eq!((other_seed.mismatched, other_seed.drift), (1, Some(Drift::SeedOrAlgorithm)));
-        let other_size = check.check(&stored(&BlockHasher::new("vllm-none-hash", 8), &ids, 0));
+        let other_size = check.check(&stored(&BlockHasher::new("vllm-none-hash", 8), &ids, 0), &no_lora);
         assert_eq!(other_size.drift, Some(Drift::BlockSize { engine: 8, configured: 4 }));
     }
 
+    /// A salted chain and a LoRA chain are hashed as vLLM hashes them (the salt on the first
+    /// block, the adapter's name and path on every block) and match, follow-ups included.
     #[test]
-    fn blocks_with_extra_keys_are_not_checked() {
+    fn salted_and_lora_blocks_are_checked_like_the_others() {
+        let engine = BlockHasher::new("0", 4);
+        let ids: Vec<u32> = (0..16).collect();
+        let mut check = HashCheck::new(BlockHasher::new("0", 4), 100);
+        let salted = RequestKeys { lora: None, cache_salt: Some("tenant".into()) };
+        assert_eq!(check.check(&stored_with(&engine, &ids[..8], 0, &salted), &no_lora).matched, 2);
+        assert_eq!(check.check(&stored_with(&engine, &ids, 2, &salted), &no_lora).matched, 2, "chained on");
+        let lora = RequestKeys { lora: Some(("sql".into(), "/loras/sql".into())), cache_salt: Some("t".into()) };
+        let path = |name: &str| (name == "sql").then(|| "/loras/sql".to_owned());
+        let out = check.check(&stored_with(&engine, &ids, 0, &lora), &path);
+        assert_eq!((out.matched, out.mismatched), (4, 0));
+    }
+
+    #[test]
+    fn blocks_keyed_by_what_tokenonce_cannot_hash_are_not_checked() {
         let engine = BlockHasher::new("0", 4);
         let ids: Vec<u32> = (0..8).collect();
         let mut check = HashCheck::new(BlockHasher::new("0", 4), 100);
-        let mut lora = stored(&engine, &ids, 0);
-        lora.lora_name = Some("adapter".into());
-        lora.block_hashes = vec![WireHash(1), WireHash(2)];
-        assert_eq!(check.check(&lora), Outcome::default());
+        let lora = RequestKeys { lora: Some(("sql".into(), "/loras/sql".into())), cache_salt: None };
+        let unknown_path = stored_with(&engine, &ids, 0, &lora);
+        assert_eq!(check.check(&unknown_path, &no_lora), Outcome::default(), "the adapter's path is not known");
+        let mut media = stored(&engine, &ids, 0);
+        media.extra_keys = Some(vec![None, Some(BlockKeys { texts: vec![], other: true })]);
+        assert_eq!(check.check(&media, &no_lora).matched, 1, "checked up to the block with an image");
+        let mut late_salt = stored(&engine, &ids, 0);
+        late_salt.extra_keys = Some(vec![None, Some(BlockKeys { texts: vec!["s".into()], other: false })]);
+        assert_eq!(check.check(&late_salt, &no_lora).matched, 1, "a salt past block 0 is not vLLM's");
+    }
+
+    /// An adapter's blocks hashed from another path than its engine listed: a mismatch that
+    /// says so, which does not turn the pool off.
+    #[test]
+    fn a_lora_block_from_another_path_is_lora_path_drift() {
+        let engine = BlockHasher::new("0", 4);
+        let ids: Vec<u32> = (0..8).collect();
+        let mut check = HashCheck::new(BlockHasher::new("0", 4), 100);
+        let lora = RequestKeys { lora: Some(("sql".into(), "/loras/sql-v2".into())), cache_salt: None };
+        let out = check.check(&stored_with(&engine, &ids, 0, &lora), &|_| Some("/loras/sql".into()));
+        assert_eq!((out.matched, out.mismatched, out.drift), (0, 1, Some(Drift::LoraPath)));
+        assert!(!Drift::LoraPath.turns_off() && Drift::SeedOrAlgorithm.turns_off());
     }
 
     #[test]

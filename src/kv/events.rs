@@ -111,6 +111,12 @@ impl PoolKvEvents {
         }
     }
 
+    /// Where the pool's engines loaded their LoRA adapters from (the pool's
+    /// [`LoraPaths`](super::LoraPaths)): the hash check hashes LoRA blocks with them.
+    pub fn use_lora_paths(&self, paths: Arc<super::LoraPaths>) {
+        self.state.use_lora_paths(paths);
+    }
+
     /// Sizes the pool's index for engines that say they hold `engine_blocks` KV-cache blocks
     /// between them (a configured `max_blocks` stays); logs a change.
     pub fn size_for(&self, engine_blocks: u64) {

@@ -19,7 +19,9 @@
 //!   at token 0 only (and only when the salt is non-empty), `("prompt_embeds", digest)`. tokenonce
 //!   serves text and ids only, so this module builds the LoRA and salt keys; note that the LoRA
 //!   *path* (as given to `--lora-modules` or `/v1/load_lora_adapter`) enters the hash, while the
-//!   KV events publish the name only (`to_event_extra_keys` drops the tags and the path).
+//!   KV events publish the name only (`to_event_extra_keys` drops the tags and the path); the
+//!   path is what the engine's `/v1/models` lists as the adapter's `root` (`extra_keys.rs`).
+//!   The adapter's integer id (`lora_int_id`) never enters the hash.
 //! - `maybe_convert_block_hash` (events): with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` on (the
 //!   default) a hash goes on the wire as `int.from_bytes(digest, "big") & (2**64 - 1)`: the
 //!   digest's last 8 bytes read big-endian ([`BlockHash::wire`]). The chain itself always uses the

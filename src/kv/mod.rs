@@ -1,5 +1,6 @@
 //! What the engines' prefix caches hold: vLLM's block hashes computed from a request's ids
-//! (`hash`), and the sources that say which endpoint holds which blocks.
+//! (`hash`) and extra keys (`extra_keys`: its LoRA adapter's path, its salt), and the sources
+//! that say which endpoint holds which blocks.
 //!
 //! A source answers one question for endpoint choice: how many leading blocks of a request's
 //! chain an endpoint holds. The exact source is the engines' own KV events; the approximate
@@ -12,6 +13,7 @@
 
 pub mod check;
 pub mod events;
+pub mod extra_keys;
 pub mod hash;
 pub mod index;
 pub mod metrics;
@@ -22,6 +24,7 @@ pub mod settings;
 mod state;
 pub mod wire;
 
+pub use extra_keys::{LoraPaths, RequestKeys};
 pub use hash::{BlockHash, BlockHasher, ExtraKeys};
 pub use sent::SentPrefixes;
 

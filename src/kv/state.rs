@@ -15,6 +15,7 @@
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::check::{Drift, HashCheck};
@@ -22,7 +23,7 @@ use super::index::BlockIndex;
 use super::metrics::PoolKvMetrics;
 use super::settings::Settings;
 use super::wire::{self, Event, EventBatch};
-use super::{BlockHash, BlockHasher};
+use super::{BlockHash, BlockHasher, LoraPaths};
 
 /// Digests the hash check remembers per `max_blocks` entry of the index (parents of later
 /// blocks: the chains sent recently and the blocks verified).
@@ -35,7 +36,11 @@ pub(super) struct PoolState {
     pub(super) metrics: PoolKvMetrics,
     holdings: RwLock<Holdings>,
     check: Mutex<HashCheck>,
+    /// The paths the pool's engines loaded their LoRA adapters from (the pool's, handed in).
+    lora_paths: RwLock<Arc<LoraPaths>>,
     disabled: AtomicBool,
+    /// A LoRA path drift was logged (once per pool's events source: it recurs per batch).
+    lora_drift_said: AtomicBool,
 }
 
 /// What the pool's endpoints hold, and where each one's entries sit.
@@ -76,7 +81,9 @@ impl PoolState {
                 endpoints: HashMap::new(),
             }),
             check: Mutex::new(HashCheck::new(hasher, digests)),
+            lora_paths: RwLock::new(Arc::default()),
             disabled: AtomicBool::new(false),
+            lora_drift_said: AtomicBool::new(false),
             settings,
             metrics,
         }
@@ -137,6 +144,11 @@ impl PoolState {
         }
     }
 
+    /// Where the pool's engines loaded their LoRA adapters from, as the hash check reads it.
+    pub(super) fn use_lora_paths(&self, paths: Arc<LoraPaths>) {
+        *self.lora_paths.write() = paths;
+    }
+
     /// A chain tokenonce sent: the hash check chains the blocks later reported on it.
     pub(super) fn expect(&self, chain: &[BlockHash]) {
         self.check.lock().expect(chain);
@@ -188,6 +200,9 @@ impl PoolState {
         let mut drifts = Vec::new();
         {
             let mut holdings = self.holdings.write();
+            let endpoint = holdings.endpoints.iter().find(|(_, e)| e.slot == slot).map(|(n, _)| n.clone());
+            let paths = Arc::clone(&self.lora_paths.read());
+            let lora_path = |name: &str| paths.path_on(endpoint.as_deref()?, name);
             for event in &batch.events {
                 match event {
                     Event::BlockStored(stored) => {
@@ -195,7 +210,7 @@ impl PoolState {
                             let evicted = holdings.index.store(slot, stored.block_hashes.iter().map(|h| h.0));
                             self.metrics.evicted.inc_by(evicted as u64);
                         }
-                        let outcome = self.check.lock().check(stored);
+                        let outcome = self.check.lock().check(stored, &lora_path);
                         self.metrics.checks_matched.inc_by(outcome.matched);
                         self.metrics.checks_mismatched.inc_by(outcome.mismatched);
                         drifts.extend(outcome.drift);
@@ -218,8 +233,15 @@ impl PoolState {
         }
     }
 
-    /// A hash mismatch: cache-aware choice off for the pool, said once.
+    /// A hash mismatch: cache-aware choice off for the pool, said once (a LoRA adapter's
+    /// blocks hashed from another path are only said, once).
     fn turn_off(&self, drift: Drift) {
+        if !drift.turns_off() {
+            if !self.lora_drift_said.swap(true, Ordering::Relaxed) {
+                tracing::warn!(pool = %self.pool, reason = drift.label(), "KV events: {drift}");
+            }
+            return;
+        }
         let position = Drift::LABELS.iter().position(|l| *l == drift.label());
         if let Some(gauge) = position.and_then(|i| self.metrics.disabled.get(i)) {
             gauge.set(1);
@@ -337,6 +359,37 @@ mod tests {
         assert_eq!(reasons, [0, 1], "by Drift::LABELS: block_size, seed_or_algorithm");
         state.apply(slot, &batch(vec![stored("0", &IDS, None)]));
         assert!(state.disabled(), "until the pool's source is built again");
+    }
+
+    /// A LoRA block is hashed with the path the publishing endpoint's `/v1/models` listed: the
+    /// same path matches; another is counted a mismatch and leaves the pool on.
+    #[test]
+    fn lora_blocks_are_checked_with_the_endpoints_path_and_a_drift_leaves_the_pool_on() {
+        let state = pool(Duration::from_secs(60));
+        let slot = state.add_endpoint("a:1");
+        let paths = Arc::new(LoraPaths::default());
+        paths.learned("a:1", [("sql".to_owned(), "/loras/sql".to_owned())]);
+        state.use_lora_paths(Arc::clone(&paths));
+        let lora_event = |path: &str| {
+            let keys = ExtraKeys { lora: Some(crate::kv::hash::Lora { name: "sql", path }), cache_salt: None };
+            let hashes = BlockHasher::new("0", BLOCK).chain(&IDS, &keys);
+            let published = Some(wire::BlockKeys { texts: vec!["sql".into()], other: false });
+            Event::BlockStored(Stored {
+                block_hashes: wire_hashes(&hashes),
+                parent_block_hash: None,
+                token_ids: IDS.to_vec(),
+                block_size: BLOCK,
+                lora_name: Some("sql".into()),
+                medium: None,
+                extra_keys: Some(vec![published.clone(), published]),
+                group_idx: None,
+            })
+        };
+        state.apply(slot, &batch(vec![lora_event("/loras/sql")]));
+        assert_eq!((state.metrics.checks_matched.get(), state.metrics.checks_mismatched.get()), (2, 0));
+        state.apply(slot, &batch(vec![lora_event("/loras/sql-v2")]));
+        assert_eq!(state.metrics.checks_mismatched.get(), 1);
+        assert!(!state.disabled() && state.usable(), "only that adapter's chains are wrong");
     }
 
     #[test]

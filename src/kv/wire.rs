@@ -79,7 +79,7 @@ pub struct Stored {
     /// Per block: `None`, or the block's extra keys untagged (LoRA name, multimodal ids,
     /// cache salt, prompt-embeds digest).
     #[serde(default)]
-    pub extra_keys: Option<Vec<Option<de::IgnoredAny>>>,
+    pub extra_keys: Option<Vec<Option<BlockKeys>>>,
     /// The KV cache group (hybrid models hash per group); none or 0 for one group.
     #[serde(default)]
     pub group_idx: Option<i64>,
@@ -101,6 +101,100 @@ impl Stored {
     pub fn has_extra_keys(&self, i: usize) -> bool {
         self.lora_name.is_some()
             || self.extra_keys.as_ref().is_some_and(|keys| keys.get(i).is_some_and(Option::is_some))
+    }
+}
+
+/// One block's extra keys as a `BlockStored` publishes them (vLLM's `to_event_extra_keys`:
+/// untagged, in the hash's order): the LoRA name, `(mm_identifier, offset)` pairs, the cache
+/// salt, prompt-embeds digests. Only the strings are kept; anything else is flagged.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct BlockKeys {
+    /// The keys that are strings (a LoRA name, a cache salt), in order.
+    pub texts: Vec<String>,
+    /// A key that is not a string (a multimodal pair, a digest's bytes), or an entry that is
+    /// not an array: the block is hashed from inputs tokenonce does not have.
+    pub other: bool,
+}
+
+/// Visitor methods that take a scalar and answer `$value`: whatever it was, it is dropped.
+macro_rules! dropped_scalars {
+    ($out:ty, $value:expr) => {
+        fn visit_bool<E: de::Error>(self, _: bool) -> Result<$out, E> {
+            Ok($value)
+        }
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<$out, E> {
+            Ok($value)
+        }
+        fn visit_u64<E: de::Error>(self, _: u64) -> Result<$out, E> {
+            Ok($value)
+        }
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<$out, E> {
+            Ok($value)
+        }
+        fn visit_bytes<E: de::Error>(self, _: &[u8]) -> Result<$out, E> {
+            Ok($value)
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<$out, E> {
+            Ok($value)
+        }
+        fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<$out, A::Error> {
+            while map.next_entry::<de::IgnoredAny, de::IgnoredAny>()?.is_some() {}
+            Ok($value)
+        }
+    };
+}
+
+impl<'de> Deserialize<'de> for BlockKeys {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct KeysVisitor;
+        impl<'de> Visitor<'de> for KeysVisitor {
+            type Value = BlockKeys;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a block's extra keys")
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<BlockKeys, A::Error> {
+                let mut keys = BlockKeys::default();
+                while let Some(key) = seq.next_element::<Key>()? {
+                    match key {
+                        Key::Text(text) => keys.texts.push(text),
+                        Key::Other => keys.other = true,
+                    }
+                }
+                Ok(keys)
+            }
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<BlockKeys, E> {
+                Ok(BlockKeys { texts: Vec::new(), other: true })
+            }
+            dropped_scalars!(BlockKeys, BlockKeys { texts: Vec::new(), other: true });
+        }
+        deserializer.deserialize_any(KeysVisitor)
+    }
+}
+
+/// One extra key: a string, or anything else (read and dropped).
+enum Key {
+    Text(String),
+    Other,
+}
+
+impl<'de> Deserialize<'de> for Key {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct KeyVisitor;
+        impl<'de> Visitor<'de> for KeyVisitor {
+            type Value = Key;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an extra key")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Key, E> {
+                Ok(Key::Text(v.to_owned()))
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Key, A::Error> {
+                while seq.next_element::<de::IgnoredAny>()?.is_some() {}
+                Ok(Key::Other)
+            }
+            dropped_scalars!(Key, Key::Other);
+        }
+        deserializer.deserialize_any(KeyVisitor)
     }
 }
 
@@ -267,6 +361,59 @@ mod tests {
         );
         assert_eq!(got.events.get(2), Some(&Event::AllBlocksCleared));
         assert_eq!(got.events.get(3), Some(&Event::Other));
+    }
+
+    /// Each block's untagged keys as vLLM publishes them: strings kept (a LoRA name, a salt),
+    /// anything else (a multimodal pair, a digest's bytes, an entry that is no array) flagged.
+    #[test]
+    fn extra_keys_keep_their_strings_and_flag_the_rest() {
+        #[derive(Serialize)]
+        #[serde(untagged)]
+        enum K {
+            S(&'static str),
+            Pair((&'static str, u32)),
+            B(serde_bytes_like::Bytes),
+        }
+        /// Per block: keys, keys, keys, not an array, none.
+        type Blocks = (Option<Vec<K>>, Option<Vec<K>>, Option<Vec<K>>, Option<u8>, Option<()>);
+        #[derive(Serialize)]
+        #[serde(tag = "type")]
+        enum Ev2 {
+            BlockStored {
+                block_hashes: Vec<u64>,
+                token_ids: Vec<u32>,
+                block_size: usize,
+                lora_name: Option<String>,
+                extra_keys: Blocks,
+            },
+        }
+        let keys = (
+            Some(vec![K::S("sql"), K::S("tenant")]),
+            Some(vec![K::S("sql"), K::Pair(("img", 3))]),
+            Some(vec![K::B(serde_bytes_like::Bytes(vec![1, 2]))]),
+            Some(5),
+            None,
+        );
+        let ev = Ev2::BlockStored {
+            block_hashes: vec![1, 2, 3, 4, 5],
+            token_ids: vec![0; 5],
+            block_size: 1,
+            lora_name: Some("sql".into()),
+            extra_keys: keys,
+        };
+        let Ok(batch) = decode_batch(&pack(&Batch(1.0, vec![ev], None))) else { panic!("did not decode") };
+        let Some(Event::BlockStored(stored)) = batch.events.first() else { panic!("{batch:?}") };
+        let texts = |t: &[&str]| t.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        assert_eq!(
+            stored.extra_keys,
+            Some(vec![
+                Some(BlockKeys { texts: texts(&["sql", "tenant"]), other: false }),
+                Some(BlockKeys { texts: texts(&["sql"]), other: true }),
+                Some(BlockKeys { texts: vec![], other: true }),
+                Some(BlockKeys { texts: vec![], other: true }),
+                None,
+            ])
+        );
     }
 
     #[test]

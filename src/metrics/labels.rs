@@ -264,6 +264,12 @@ label_enum! {
         ShortPrompt => "short_prompt",
         /// No source may be believed now (events stale or off, no other): least in flight.
         Unusable => "unusable",
+        /// Images, audio or video in the prompt: vLLM hashes their blocks with the media's
+        /// own identifiers, which tokenonce does not compute, so least in flight.
+        Multimodal => "multimodal",
+        /// A completions prompt given as embeddings (`prompt_embeds`): hashed from the
+        /// tensor's bytes, so least in flight.
+        PromptEmbeds => "prompt_embeds",
     }
 }
 

@@ -2,9 +2,9 @@
 //! not known: one per chat message, one per 128 bytes of a completions prompt.
 //!
 //! Each key hashes its piece's raw JSON bytes with the key before it (the first with the
-//! request's `model` and `tools`, which vLLM renders before the first message), so two
-//! requests share a leading run of keys exactly when they share that run of messages, byte for
-//! byte. A client that re-serializes earlier turns differently (other key order, other
+//! request's `model` and `cache_salt`, which key vLLM's whole chain, and `tools`, which vLLM
+//! renders before the first message), so two requests share a leading run of keys exactly when
+//! they share that run of messages, byte for byte. A client that re-serializes earlier turns differently (other key order, other
 //! escapes) shares none: the choice then goes by load. The keys live in their own index,
 //! never compared with vLLM's block hashes.
 
@@ -22,6 +22,7 @@ pub const PROMPT_BYTES_PER_KEY: usize = 128;
 pub fn text_keys(obj: &RawObject<'_>, api: Api) -> Option<Vec<BlockHash>> {
     let mut seed = DefaultHasher::new();
     obj.get("model").hash(&mut seed);
+    obj.get("cache_salt").hash(&mut seed);
     match api {
         Api::Chat => {
             obj.get("tools").hash(&mut seed);
@@ -74,6 +75,8 @@ mod tests {
         assert_ne!(other_model[0], a[0], "another model renders another prompt");
         let with_tools = keys(&first.replace("{\"model\"", "{\"tools\":[],\"model\""), Api::Chat);
         assert_ne!(with_tools[0], a[0], "tools are rendered before the first message");
+        let salted = keys(&first.replace("{\"model\"", "{\"cache_salt\":\"t\",\"model\""), Api::Chat);
+        assert_ne!(salted[0], a[0], "a salt keys the whole chain, as in vLLM");
     }
 
     #[test]

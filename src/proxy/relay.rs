@@ -47,7 +47,7 @@ async fn annotated_prefill(
         _ => &route.decode_pool,
     };
     let text = pool.is_cache_aware().then(|| text_keys(&req.obj, req.view.api)).flatten();
-    let endpoint = upstream::pick_for(pool, Leg::Prefill, prompt_key(text.as_deref()))?;
+    let endpoint = upstream::pick_for(pool, Leg::Prefill, prompt_key(req, text.as_deref()))?;
     let Some(body) = plan.body() else {
         return respond::forward(call, &req.incoming, Leg::Prefill, endpoint, req.incoming.body.clone().into()).await;
     };
@@ -76,7 +76,7 @@ async fn completed_decode(
     let info = call.info;
     let (app, route) = (&info.app, &info.route);
     let text = route.decode_pool.is_cache_aware().then(|| text_keys(&req.obj, req.view.api)).flatten();
-    let endpoint = upstream::pick_for(&route.decode_pool, Leg::Decode, prompt_key(text.as_deref()))?;
+    let endpoint = upstream::pick_for(&route.decode_pool, Leg::Decode, prompt_key(req, text.as_deref()))?;
     let version = if plan.needs_decode_version(app.cache.is_empty()) {
         exec::decode_version(app, route, endpoint.endpoint()).await
     } else {
@@ -112,9 +112,13 @@ async fn completed_decode(
 }
 
 /// What a relayed leg's cache-aware pick knows of its prompt: its text keys, when it has them
-/// (the ids of a relayed decode are found only after its endpoint is chosen).
-fn prompt_key(text: Option<&[crate::kv::BlockHash]>) -> PromptKey<'_> {
-    text.map_or(PromptKey::Unknown, PromptKey::Text)
+/// (the ids of a relayed decode are found only after its endpoint is chosen), unless vLLM
+/// hashes it from more than its text (media, prompt embeddings: by load).
+fn prompt_key<'t>(req: &ApiRequest<'_>, text: Option<&'t [crate::kv::BlockHash]>) -> PromptKey<'t> {
+    match verify::by_load(&crate::openai::HashInputs::of(&req.view, &req.obj)) {
+        Some(reason) => PromptKey::ByLoad(reason),
+        None => text.map_or(PromptKey::Unknown, PromptKey::Text),
+    }
 }
 
 /// Counts a cache lookup and evictions, and refreshes the cache gauges.

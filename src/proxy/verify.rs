@@ -11,7 +11,8 @@ use std::sync::Arc;
 use super::{ApiRequest, RequestInfo};
 use crate::kv::BlockHash;
 use crate::local::LocalIds;
-use crate::openai::{Api, PromptIds};
+use crate::metrics::ChoiceReason;
+use crate::openai::{Api, HashInputs, PromptIds};
 use crate::plan::Orchestration;
 use crate::routes::PrefillTarget;
 use crate::upstream::{Pool, PromptKey};
@@ -57,15 +58,32 @@ pub struct PromptChains {
 }
 
 impl PromptChains {
-    /// The chains of prompt `ids` for `prefill` (a pool prefill) and `decode`: once when
-    /// both name blocks alike.
-    pub fn of(prefill: Option<&Pool>, decode: &Pool, ids: &[u32]) -> Self {
-        let prefill_chain = prefill.and_then(|p| p.chain(ids));
+    /// The chains of prompt `ids` with what else the request hashes (`inputs`: its adapter,
+    /// its salt, as each pool's engines name them) for `prefill` (a pool prefill) and
+    /// `decode`: once when both name blocks alike; none for inputs vLLM hashes beyond them.
+    pub fn of(prefill: Option<&Pool>, decode: &Pool, ids: &[u32], inputs: &HashInputs) -> Self {
+        let HashInputs::Text { model, cache_salt } = inputs else { return Self::default() };
+        let keys = |p: &Pool| p.lora_paths().keys(model.as_deref(), cache_salt.as_deref());
+        let prefill_keys = prefill.map(keys);
+        let prefill_chain = prefill.zip(prefill_keys.as_ref()).and_then(|(p, k)| p.chain(ids, &k.as_extra()));
+        let decode_keys = keys(decode);
         let decode_chain = match prefill {
-            Some(p) if p.names_blocks_like(decode) => prefill_chain.clone(),
-            _ => decode.chain(ids),
+            Some(p) if p.names_blocks_like(decode) && prefill_keys.as_ref() == Some(&decode_keys) => {
+                prefill_chain.clone()
+            }
+            _ => decode.chain(ids, &decode_keys.as_extra()),
         };
         Self { prefill: prefill_chain, decode: decode_chain }
+    }
+}
+
+/// Why a request's picks go by load whatever its prompt: vLLM hashes its blocks from inputs
+/// tokenonce does not have (`None`: its ids and extra keys name them).
+pub fn by_load(inputs: &HashInputs) -> Option<ChoiceReason> {
+    match inputs {
+        HashInputs::Text { .. } => None,
+        HashInputs::Multimodal => Some(ChoiceReason::Multimodal),
+        HashInputs::PromptEmbeds => Some(ChoiceReason::PromptEmbeds),
     }
 }
 
@@ -77,6 +95,8 @@ pub struct PromptKeys {
     pub local: Option<LocalPrompt>,
     /// The text keys, when there are no local ids and a pool of the route is cache-aware.
     pub text: Option<Vec<BlockHash>>,
+    /// Set when the prompt's blocks are hashed from more than tokenonce knows ([`by_load`]).
+    pub by_load: Option<ChoiceReason>,
 }
 
 impl PromptKeys {
@@ -88,7 +108,7 @@ impl PromptKeys {
         let prefill_aware = matches!(&route.prefill, Some(crate::routes::PrefillTarget::Pool(p)) if p.is_cache_aware());
         let wanted = local.is_none() && (prefill_aware || route.decode_pool.is_cache_aware());
         let text = wanted.then(|| crate::openai::prefix::text_keys(&req.obj, req.view.api)).flatten();
-        Self { local, text }
+        Self { local, text, by_load: by_load(&HashInputs::of(&req.view, &req.obj)) }
     }
 
     /// What the prefill pool's pick knows.
@@ -102,6 +122,9 @@ impl PromptKeys {
     }
 
     fn key<'k>(&'k self, tokens: Option<&'k [BlockHash]>) -> PromptKey<'k> {
+        if let Some(reason) = self.by_load {
+            return PromptKey::ByLoad(reason);
+        }
         match (tokens, &self.text) {
             (Some(chain), _) => PromptKey::Tokens(chain),
             (None, Some(text)) => PromptKey::Text(text),
@@ -136,9 +159,10 @@ pub async fn local_prompt(info: &RequestInfo, req: &ApiRequest<'_>) -> Option<Lo
     }
     let (local, body) = (Arc::clone(local), req.incoming.body.clone());
     let (prefill, decode) = (Arc::clone(prefill), Arc::clone(decode));
+    let inputs = HashInputs::of(&req.view, &req.obj);
     let work = move || {
         let render = local.for_request(api, &body)?;
-        let chains = PromptChains::of(Some(&prefill), &decode, &render.ids);
+        let chains = PromptChains::of(Some(&prefill), &decode, &render.ids, &inputs);
         Some(LocalPrompt { ids: render.ids, shape: render.shape, token_in: render.token_in, chains })
     };
     tokio::task::spawn_blocking(work).await.ok().flatten()

@@ -24,6 +24,9 @@ pub enum PromptKey<'c> {
     Tokens(&'c [BlockHash]),
     /// Its text keys (`openai::prefix`): asked of the pool's own index of text keys.
     Text(&'c [BlockHash]),
+    /// A prompt vLLM hashes from inputs tokenonce does not have (media, prompt embeddings):
+    /// no prefix is claimed; least in flight, counted by `reason`.
+    ByLoad(ChoiceReason),
 }
 
 /// What a `cache_aware` pool chooses by: the score's weights, how a prompt's blocks are
@@ -66,9 +69,10 @@ impl CacheAwareChoice {
         }
     }
 
-    /// The hashes of the full blocks of prompt `ids`, as this choice names blocks.
-    pub(super) fn chain(&self, ids: &[u32]) -> Vec<BlockHash> {
-        self.hasher.chain(ids, &ExtraKeys::default())
+    /// The hashes of the full blocks of prompt `ids` with its extra `keys`, as this choice
+    /// names blocks.
+    pub(super) fn chain(&self, ids: &[u32], keys: &ExtraKeys<'_>) -> Vec<BlockHash> {
+        self.hasher.chain(ids, keys)
     }
 
     /// True when `other` names blocks as this choice does (same seed and block size).
@@ -126,6 +130,10 @@ impl CacheAwareChoice {
             PromptKey::NotAPrompt => return least(),
             PromptKey::Unknown => {
                 self.count(ChoiceSource::None, ChoiceReason::NoIds);
+                return least();
+            }
+            PromptKey::ByLoad(reason) => {
+                self.count(ChoiceSource::None, reason);
                 return least();
             }
             PromptKey::Tokens(chain) | PromptKey::Text(chain) if chain.is_empty() => {
@@ -285,7 +293,7 @@ mod tests {
 
     /// The chain of a prompt of `blocks` blocks of 4 ids from `from`, as `p` names blocks.
     fn prompt(p: &Pool, from: u32, blocks: u32) -> Vec<BlockHash> {
-        p.chain(&(from..from + blocks * 4).collect::<Vec<u32>>()).unwrap()
+        p.chain(&(from..from + blocks * 4).collect::<Vec<u32>>(), &ExtraKeys::default()).unwrap()
     }
 
     #[test]

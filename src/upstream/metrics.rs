@@ -433,7 +433,7 @@ pub struct CacheAwareMetrics {
 
 impl CacheAwareMetrics {
     /// The source and reason pairs a choice can report.
-    pub const PAIRS: [(ChoiceSource, ChoiceReason); 18] = [
+    pub const PAIRS: [(ChoiceSource, ChoiceReason); 20] = [
         (ChoiceSource::Events, ChoiceReason::Prefix),
         (ChoiceSource::Events, ChoiceReason::NoPrefix),
         (ChoiceSource::Events, ChoiceReason::SharedPrefix),
@@ -452,6 +452,8 @@ impl CacheAwareMetrics {
         (ChoiceSource::None, ChoiceReason::NoIds),
         (ChoiceSource::None, ChoiceReason::ShortPrompt),
         (ChoiceSource::None, ChoiceReason::Unusable),
+        (ChoiceSource::None, ChoiceReason::Multimodal),
+        (ChoiceSource::None, ChoiceReason::PromptEmbeds),
     ];
 
     /// The sources whose predictions are counted in tokens (text keys are not tokens).

@@ -14,7 +14,7 @@ use super::endpoint::{endpoint_name, EjectionRule, Endpoint, Picked, PoolEjectio
 use super::engine_load::EngineLoad;
 use super::metrics::CacheAwareMetrics;
 use crate::config::{Balance, PoolResources, Version};
-use crate::kv::{BlockHash, PrefixHolders};
+use crate::kv::{BlockHash, ExtraKeys, LoraPaths, PrefixHolders};
 use crate::metrics::ChoiceSource;
 
 /// A named pool.
@@ -40,6 +40,8 @@ pub struct Pool {
     cache_aware: Option<CacheAwareChoice>,
     /// When its engines' `/metrics` are read (`None`: never).
     load_reads: Option<LoadReads>,
+    /// The LoRA adapters its engines' `/v1/models` list, with their paths (block hashes).
+    lora_paths: Arc<LoraPaths>,
 }
 
 /// When a pool's engines' `/metrics` are read on the health round, and for how long a read
@@ -87,6 +89,7 @@ impl Pool {
             ejection: Arc::new(PoolEjection { name: name.to_owned(), rule }),
             cache_aware: (spec.balance == Balance::CacheAware).then(|| CacheAwareChoice::new(&spec.cache_aware)),
             load_reads: LoadReads::new(spec.engine_metrics_interval_ms, Duration::ZERO),
+            lora_paths: Arc::default(),
         }
     }
 
@@ -128,10 +131,18 @@ impl Pool {
         self.cache_aware.is_some()
     }
 
-    /// The hashes of the full blocks of prompt `ids`, as this pool names blocks (`None` when
-    /// it is not cache-aware). Computed once per request: a SHA-256 per block.
-    pub fn chain(&self, ids: &[u32]) -> Option<Vec<BlockHash>> {
-        Some(self.cache_aware.as_ref()?.chain(ids))
+    /// The hashes of the full blocks of prompt `ids` with its extra `keys` (its LoRA adapter,
+    /// its salt: [`LoraPaths::keys`]), as this pool names blocks (`None` when it is not
+    /// cache-aware). Computed once per request: a SHA-256 per block.
+    pub fn chain(&self, ids: &[u32], keys: &ExtraKeys<'_>) -> Option<Vec<BlockHash>> {
+        Some(self.cache_aware.as_ref()?.chain(ids, keys))
+    }
+
+    /// The LoRA adapters its engines serve, with the paths they loaded them from (the health
+    /// round learns them from `/v1/models`; a request's chain and the KV events' hash check
+    /// read them).
+    pub fn lora_paths(&self) -> &Arc<LoraPaths> {
+        &self.lora_paths
     }
 
     /// True when `other` names blocks as this pool does (same seed and block size), so one
@@ -369,7 +380,7 @@ pub(crate) mod tests {
     #[test]
     fn a_pool_that_is_not_cache_aware_has_no_chain() {
         let p = pool(Balance::LeastInFlight, 2);
-        assert!(!p.is_cache_aware() && p.chain(&[1, 2, 3, 4]).is_none());
+        assert!(!p.is_cache_aware() && p.chain(&[1, 2, 3, 4], &crate::kv::ExtraKeys::default()).is_none());
         p.set_prefix_source(ChoiceSource::Events, Some(Arc::new(SentPrefixes::new(1))));
         assert!(!p.names_blocks_like(&pool(Balance::CacheAware, 1)));
         assert!(pool(Balance::CacheAware, 1).names_blocks_like(&pool(Balance::CacheAware, 2)));

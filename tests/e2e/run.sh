@@ -18,7 +18,9 @@
 #      (tokenonce's own errors as the OpenAI and Anthropic SDKs read them; its own fake
 #      engine and tokenonce, no vLLM), tests/e2e/test_kv_routing_e2e.py (cache-aware choice by
 #      the two prefills' KV events: turns follow their prefill, cached_tokens as predicted, the
-#      hash check, a prefill restarted), then tests/e2e/test_kv_paths_e2e.py
+#      hash check, a prefill restarted), tests/e2e/test_hash_inputs_e2e.py (its own engine with
+#      --enable-lora and its own tokenonce: LoRA and salted requests' chains are vLLM's block
+#      hashes, checked), then tests/e2e/test_kv_paths_e2e.py
 #      (client gone before/after the decode had its request, the decode killed mid-stream and
 #      started again, the prefill killed between relayed legs: last, it leaves no prefill)
 #   5. stack.sh down (always: trap on EXIT), then each model family served token-in
@@ -116,12 +118,13 @@ bash "$HERE/stack.sh" up
 phase stack-up "$t"
 
 t=$SECONDS
-say "pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py tests/e2e/test_tracing_e2e.py tests/e2e/test_pd_e2e.py tests/e2e/test_generate_e2e.py tests/e2e/test_parity_e2e.py tests/e2e/test_local_ids_e2e.py tests/e2e/test_error_formats_e2e.py tests/e2e/test_kv_routing_e2e.py tests/e2e/test_kv_paths_e2e.py"
+say "pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py tests/e2e/test_tracing_e2e.py tests/e2e/test_pd_e2e.py tests/e2e/test_generate_e2e.py tests/e2e/test_parity_e2e.py tests/e2e/test_local_ids_e2e.py tests/e2e/test_error_formats_e2e.py tests/e2e/test_kv_routing_e2e.py tests/e2e/test_hash_inputs_e2e.py tests/e2e/test_kv_paths_e2e.py"
 set +e
 timeout "${E2E_PYTEST_TIMEOUT:-900}" "$VENV/bin/python" -m pytest "$HERE/test_e2e.py" "$HERE/test_relay_e2e.py" \
   "$HERE/test_tracing_e2e.py" "$HERE/test_pd_e2e.py" "$HERE/test_generate_e2e.py" "$HERE/test_parity_e2e.py" \
   "$HERE/test_local_ids_e2e.py" \
-  "$HERE/test_error_formats_e2e.py" "$HERE/test_kv_routing_e2e.py" "$HERE/test_kv_paths_e2e.py" \
+  "$HERE/test_error_formats_e2e.py" "$HERE/test_kv_routing_e2e.py" "$HERE/test_hash_inputs_e2e.py" \
+  "$HERE/test_kv_paths_e2e.py" \
   -p no:cacheprovider -v --tb=short --durations=5 "$@"
 rc=$?
 set -e

@@ -16,8 +16,8 @@ use serde_json::Value;
 use tokenonce::config::{Config, Mode};
 use tokenonce::kv::check::{Drift, HashCheck, Outcome};
 use tokenonce::kv::index::BlockIndex;
-use tokenonce::kv::wire::{self as kv_wire, EventBatch, Removed, Stored, WireHash};
-use tokenonce::kv::{BlockHasher, ExtraKeys};
+use tokenonce::kv::wire::{self as kv_wire, BlockKeys, EventBatch, Removed, Stored, WireHash};
+use tokenonce::kv::{BlockHasher, RequestKeys};
 use tokenonce::openai::ids::IdsError;
 use tokenonce::openai::request::{
     decode_body, kv_params_with_ids, prefill_body, PromptShape, PREFILL_KV_TRANSFER_PARAMS,
@@ -1483,11 +1483,9 @@ fn kv_stored(fields: &[(&str, &Mp)], j: &mut Judge) -> Option<kv_wire::Event> {
     });
     let lora_name = f.get("lora_name").map_or(Some(None), |v| kv_opt(v, j, kv_string));
     let medium = f.get("medium").map_or(Some(None), |v| kv_opt(v, j, kv_string));
-    let extra_keys = f.get("extra_keys").map_or(Some(None), |v| {
-        kv_opt(v, j, |v, j| {
-            kv_list(v, j, "extra_keys", |v, _| Some(if matches!(v, Mp::Nil) { None } else { Some(IgnoredAny) }))
-        })
-    });
+    let extra_keys = f
+        .get("extra_keys")
+        .map_or(Some(None), |v| kv_opt(v, j, |v, j| kv_list(v, j, "extra_keys", |v, _| Some(kv_block_keys(v)))));
     let group_idx = f.get("group_idx").map_or(Some(None), |v| kv_opt(v, j, kv_i64));
     Some(kv_wire::Event::BlockStored(Stored {
         block_hashes: block_hashes?,
@@ -1499,6 +1497,23 @@ fn kv_stored(fields: &[(&str, &Mp)], j: &mut Judge) -> Option<kv_wire::Event> {
         extra_keys: extra_keys?,
         group_idx: group_idx?,
     }))
+}
+
+/// One block's extra keys: `None` for nil; an array's UTF-8 strings kept and anything else
+/// flagged; any other value flagged whole.
+fn kv_block_keys(v: &Mp) -> Option<BlockKeys> {
+    let text = |v: &Mp| match v {
+        Mp::Str(b) => String::from_utf8(b.clone()).ok(),
+        _ => None,
+    };
+    match v {
+        Mp::Nil => None,
+        Mp::Arr(items) => {
+            let texts: Vec<String> = items.iter().filter_map(text).collect();
+            Some(BlockKeys { other: texts.len() < items.len(), texts })
+        }
+        _ => Some(BlockKeys { texts: Vec::new(), other: true }),
+    }
 }
 
 fn kv_removed(fields: &[(&str, &Mp)], j: &mut Judge) -> Option<kv_wire::Event> {
@@ -1735,10 +1750,14 @@ pub fn kv_encode(batch: &EventBatch, digests: bool) -> Vec<u8> {
                     mp_arr_out(&mut out, keys.len());
                     for key in keys {
                         match key {
-                            // A cache salt, as vLLM publishes it: a tuple of the block's keys.
-                            Some(_) => {
-                                mp_arr_out(&mut out, 1);
-                                mp_str_out(&mut out, "salt");
+                            // As vLLM publishes them: a tuple of the block's keys, untagged (a
+                            // key not a string written as an integer).
+                            Some(k) => {
+                                mp_arr_out(&mut out, k.texts.len() + usize::from(k.other));
+                                k.texts.iter().for_each(|t| mp_str_out(&mut out, t));
+                                if k.other {
+                                    mp_uint_out(&mut out, 7);
+                                }
                             }
                             None => out.push(0xc0),
                         }
@@ -1797,7 +1816,7 @@ pub const KV_BLOCK: usize = 32;
 /// exactly the leading ones (before the first with extra keys) that tokenonce's own chain of
 /// the event's tokens gives, and a mismatch is the first that differs.
 fn check_hash_check(check: &mut HashCheck, hasher: &BlockHasher, s: &Stored) {
-    let out = check.check(s);
+    let out = check.check(s, &|_| None);
     assert!(out.mismatched <= 1 && out.drift.is_some() == (out.mismatched == 1), "{out:?}");
     let blocks = s.block_hashes.len().min(s.token_ids.len() / KV_BLOCK);
     assert!(out.matched as usize <= blocks, "{out:?} of {blocks} blocks");
@@ -1807,8 +1826,19 @@ fn check_hash_check(check: &mut HashCheck, hasher: &BlockHasher, s: &Stored) {
         return;
     }
     if s.parent_block_hash.is_none() {
-        let checked = (0..blocks).take_while(|&i| !s.has_extra_keys(i)).count();
-        let chain = hasher.chain(&s.token_ids[..checked * KV_BLOCK], &ExtraKeys::default());
+        // No adapter's path is known: blocks are checked up to the first with a LoRA, media or
+        // a salt past block 0; a salt alone on block 0 is hashed in.
+        let keys = |i: usize| s.extra_keys.as_ref().and_then(|k| k.get(i).cloned().flatten());
+        let salt = match keys(0) {
+            Some(BlockKeys { texts, other: false }) if texts.len() == 1 && s.lora_name.is_none() => {
+                texts.first().cloned()
+            }
+            _ => None,
+        };
+        let plain = |i: usize| s.lora_name.is_none() && keys(i).is_none_or(|k| k.texts.is_empty() && !k.other);
+        let checked = (0..blocks).take_while(|&i| plain(i) || (i == 0 && salt.is_some())).count();
+        let salted = RequestKeys { lora: None, cache_salt: salt };
+        let chain = hasher.chain(&s.token_ids[..checked * KV_BLOCK], &salted.as_extra());
         let agree = (0..checked).take_while(|&i| chain[i].wire() == s.block_hashes[i].0).count();
         assert_eq!((out.matched as usize, out.mismatched), (agree, u64::from(agree < checked)), "{s:?}");
         if agree < checked {
