@@ -22,7 +22,7 @@ use crate::openai::response::HandoffError;
 use crate::openai::Api;
 use crate::plan::{self, prefiller_from_header, DecodeVersion};
 use crate::routes::{PrefillTarget, Route};
-use crate::upstream::{self, Picked, PromptKey};
+use crate::upstream::{self, Picked, Prompt};
 
 /// Runs one request of an orchestrate route.
 ///
@@ -57,7 +57,7 @@ pub async fn run(call: &mut Call<'_>, req: &ApiRequest<'_>) -> Result<(), ProxyE
 
 /// The decode endpoint: for a Responses follow-up, the one that stored the answer it names
 /// (counted either way), else the pool's choice (by what is known of the `prompt`).
-fn pick_decode(info: &RequestInfo, api: Api, obj: &RawObject<'_>, prompt: PromptKey<'_>) -> Result<Picked, ProxyError> {
+fn pick_decode(info: &RequestInfo, api: Api, obj: &RawObject<'_>, prompt: Prompt<'_>) -> Result<Picked, ProxyError> {
     let pool = &info.route.decode_pool;
     if let Some(previous) = (api == Api::Responses).then(|| previous_response_id(obj)).flatten() {
         let home = info.app.homes.home(previous).and_then(|name| pool.pick_named(&name));
@@ -142,7 +142,7 @@ fn prefiller(
     route: &Route,
     headers: &HeaderMap,
     peer: Option<IpAddr>,
-    prompt: PromptKey<'_>,
+    prompt: Prompt<'_>,
 ) -> Result<Option<Prefiller>, ProxyError> {
     match &route.prefill {
         Some(PrefillTarget::Pool(pool)) => {

@@ -15,7 +15,7 @@ use crate::metrics::ChoiceReason;
 use crate::openai::{Api, HashInputs, PromptIds};
 use crate::plan::Orchestration;
 use crate::routes::PrefillTarget;
-use crate::upstream::{Pool, PromptKey};
+use crate::upstream::{Pool, Prompt, PromptKey};
 
 /// Who made the ids the prefill echoed, which decides what checks them.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -97,6 +97,8 @@ pub struct PromptKeys {
     pub text: Option<Vec<BlockHash>>,
     /// Set when the prompt's blocks are hashed from more than tokenonce knows ([`by_load`]).
     pub by_load: Option<ChoiceReason>,
+    /// The request's `model`: a pick prefers engines running it when it names a LoRA adapter.
+    pub model: Option<String>,
 }
 
 impl PromptKeys {
@@ -108,17 +110,19 @@ impl PromptKeys {
         let prefill_aware = matches!(&route.prefill, Some(crate::routes::PrefillTarget::Pool(p)) if p.is_cache_aware());
         let wanted = local.is_none() && (prefill_aware || route.decode_pool.is_cache_aware());
         let text = wanted.then(|| crate::openai::prefix::text_keys(&req.obj, req.view.api)).flatten();
-        Self { local, text, by_load: by_load(&HashInputs::of(&req.view, &req.obj)) }
+        Self { local, text, by_load: by_load(&HashInputs::of(&req.view, &req.obj)), model: req.view.model.clone() }
     }
 
     /// What the prefill pool's pick knows.
-    pub fn prefill(&self) -> PromptKey<'_> {
-        self.key(self.local.as_ref().and_then(|l| l.chains.prefill.as_deref()))
+    pub fn prefill(&self) -> Prompt<'_> {
+        let key = self.key(self.local.as_ref().and_then(|l| l.chains.prefill.as_deref()));
+        Prompt { key, adapter: self.model.as_deref() }
     }
 
     /// What the decode pool's pick knows.
-    pub fn decode(&self) -> PromptKey<'_> {
-        self.key(self.local.as_ref().and_then(|l| l.chains.decode.as_deref()))
+    pub fn decode(&self) -> Prompt<'_> {
+        let key = self.key(self.local.as_ref().and_then(|l| l.chains.decode.as_deref()));
+        Prompt { key, adapter: self.model.as_deref() }
     }
 
     fn key<'k>(&'k self, tokens: Option<&'k [BlockHash]>) -> PromptKey<'k> {

@@ -29,6 +29,22 @@ pub enum PromptKey<'c> {
     ByLoad(ChoiceReason),
 }
 
+/// What a pick knows of a request: its prompt's key and the LoRA adapter its `model` may
+/// name (endpoints whose engine runs that adapter are preferred).
+#[derive(Clone, Copy, Debug)]
+pub struct Prompt<'c> {
+    /// What is known of its prompt.
+    pub key: PromptKey<'c>,
+    /// Its `model`, which may name an adapter (an engine not running it pays one mean request).
+    pub adapter: Option<&'c str>,
+}
+
+impl<'c> From<PromptKey<'c>> for Prompt<'c> {
+    fn from(key: PromptKey<'c>) -> Self {
+        Prompt { key, adapter: None }
+    }
+}
+
 /// What a `cache_aware` pool chooses by: the score's weights, how a prompt's blocks are
 /// named, and the sources saying which endpoint holds which blocks, asked in order.
 pub struct CacheAwareChoice {
@@ -181,13 +197,19 @@ impl CacheAwareChoice {
             mean => mean,
         }
         .max(block);
+        let aheads: Vec<Ahead> = rotated.iter().map(|e| ahead(e)).collect();
+        // An adapter some candidate's engine runs: the others load it first.
+        let adapter_somewhere = aheads.iter().any(|a| a.adapter_running == Some(true));
         let mut best: Option<(&Arc<Endpoint>, Cost)> = None;
         // The candidate holding the most, and the least costly among those (for the reason).
         let mut holder: Option<Cost> = None;
         let mut least_held = usize::MAX;
-        for &e in rotated {
+        for (&e, mut ahead) in rotated.iter().zip(aheads) {
+            if adapter_somewhere && ahead.adapter_running != Some(true) {
+                ahead.adapter_load = per_request;
+            }
             let held = source.held(&e.name, chain);
-            let cost = Cost::of(held, block, prompt, ahead(e), per_request, self.weights);
+            let cost = Cost::of(held, block, prompt, ahead, per_request, self.weights);
             least_held = least_held.min(held);
             if holder.is_none_or(|h: Cost| held > h.held || (held == h.held && cost.total < h.total)) {
                 holder = Some(cost);
@@ -223,6 +245,11 @@ pub struct Ahead {
     pub own_tokens: u64,
     /// What its engine last reported, when believed (every instance reads the same).
     pub engine: Option<Pressure>,
+    /// Whether its engine runs (or queues) the request's LoRA adapter
+    /// (`vllm:lora_requests_info`); `None`: no adapter asked, or not known.
+    pub adapter_running: Option<bool>,
+    /// Tokens added for loading the adapter (set by the choice).
+    pub(super) adapter_load: u64,
 }
 
 /// KV-cache use past which a held prefix counts for less: it counts in full up to this, not
@@ -247,7 +274,8 @@ struct Cost {
     /// not cover, and at least one block.
     compute: u64,
     /// Tokens queued ahead: the larger of this instance's own charges there and the
-    /// engine's waiting and running requests at the mean charge.
+    /// engine's waiting and running requests at the mean charge, and one mean request more
+    /// when it must load the request's adapter that another candidate runs.
     queued: u64,
     total: f64,
     /// The total were its KV cache under no pressure.
@@ -266,7 +294,7 @@ impl Cost {
         let least = block.min(prompt);
         let compute = (prompt - (held_tokens as f64 * keep) as u64).max(least);
         let engine_queue = ahead.engine.map_or(0, |p| p.waiting.saturating_add(p.running).saturating_mul(per_request));
-        let queued = ahead.own_tokens.max(engine_queue);
+        let queued = ahead.own_tokens.max(engine_queue).saturating_add(ahead.adapter_load);
         let total_with = |compute: u64| weights.prefix * compute as f64 + weights.load * queued as f64;
         let unpressed = total_with((prompt - held_tokens).max(least));
         Self { held, compute, queued, total: total_with(compute), unpressed }
@@ -286,7 +314,7 @@ mod tests {
     use super::*;
     use crate::config::Balance;
     use crate::upstream::pool::tests::pool;
-    use crate::upstream::EngineLoad;
+    use crate::upstream::{EngineLoad, Prompt};
     use crate::upstream::{Picked, Pool};
     use std::sync::atomic::AtomicBool;
     use std::time::{Duration, Instant};
@@ -444,6 +472,30 @@ mod tests {
             (1, 1),
             "{text}"
         );
+    }
+
+    /// A request naming a LoRA adapter one engine runs (`vllm:lora_requests_info`) goes there
+    /// while nothing else differs: the others pay one mean request to load it first. A
+    /// request for the base model rotates as before.
+    #[test]
+    fn a_lora_request_prefers_an_engine_running_its_adapter() {
+        let p = pool(Balance::CacheAware, 2);
+        let running = EngineLoad { max_loras: Some(4), loras_running: vec!["sql".into()], ..EngineLoad::default() };
+        p.endpoints()[1].facts().set_load(running);
+        p.endpoints()[0].facts().set_load(EngineLoad { max_loras: Some(4), ..EngineLoad::default() });
+        for i in 0..4 {
+            let c = prompt(&p, 1000 * i, 8);
+            let lora = Prompt { key: PromptKey::Tokens(&c), adapter: Some("sql") };
+            assert_eq!(p.pick_for(Instant::now(), &[], lora).unwrap().name(), "127.0.0.1:9001");
+        }
+        let base: Vec<String> = (0..2)
+            .map(|i| {
+                let c = prompt(&p, 9000 + 1000 * i, 8);
+                let key = Prompt { key: PromptKey::Tokens(&c), adapter: Some("base-model") };
+                p.pick_for(Instant::now(), &[], key).unwrap().name().to_owned()
+            })
+            .collect();
+        assert_ne!(base[0], base[1], "no engine runs it: rotation");
     }
 
     /// A cache-aware pool of 2 (blocks of 4) whose engines' `/metrics` are read every

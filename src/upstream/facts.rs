@@ -111,6 +111,15 @@ impl EngineFacts {
         self.load.read().as_ref().filter(|(_, at)| at.elapsed() < max_age).map(|(load, _)| load.pressure())
     }
 
+    /// Whether the engine runs or queues requests of LoRA adapter `name`, as last read under
+    /// `max_age` ago (`None`: no such read, or the engine serves no LoRA).
+    pub fn runs_adapter(&self, name: &str, max_age: Duration) -> Option<bool> {
+        let load = self.load.read();
+        let (load, _) = load.as_ref().filter(|(_, at)| at.elapsed() < max_age)?;
+        load.max_loras?;
+        Some(load.loras_running.iter().chain(&load.loras_waiting).any(|n| n == name))
+    }
+
     /// True when `/metrics` is due: never asked, or asked about `every` ago (a quarter of it
     /// early, so a round that comes a little early does not skip a read).
     pub fn load_due(&self, every: Duration) -> bool {

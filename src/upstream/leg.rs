@@ -18,7 +18,7 @@ use futures_util::FutureExt;
 
 use super::client::RequestHead;
 use super::metrics::{LegMetrics, UpstreamMetrics};
-use super::{Delivery, Endpoint, Exchange, Picked, Pool, PromptKey, RetryBudget, UpstreamClient, UpstreamError};
+use super::{Delivery, Endpoint, Exchange, Picked, Pool, Prompt, RetryBudget, UpstreamClient, UpstreamError};
 use crate::metrics::{ErrorKind, Leg};
 use crate::telemetry::RequestTrace;
 
@@ -59,7 +59,7 @@ pub fn pick(pool: &Pool, leg: Leg) -> Result<Picked, LegError> {
 ///
 /// # Errors
 /// [`LegError::NoEndpoint`] when the pool is empty.
-pub fn pick_for(pool: &Pool, leg: Leg, prompt: PromptKey<'_>) -> Result<Picked, LegError> {
+pub fn pick_for<'c>(pool: &Pool, leg: Leg, prompt: impl Into<Prompt<'c>>) -> Result<Picked, LegError> {
     pool.pick_for(Instant::now(), &[], prompt).ok_or(LegError::NoEndpoint(leg))
 }
 

@@ -26,7 +26,7 @@ pub mod pool;
 pub mod resolve;
 
 pub use budget::RetryBudget;
-pub use choice::{CacheAwareChoice, PromptKey};
+pub use choice::{CacheAwareChoice, Prompt, PromptKey};
 pub use client::{Delivery, Exchange, SendFailure, UpstreamClient, UpstreamError};
 pub use discovery::{Discoverer, DiscoveryError};
 pub use endpoint::{EjectionRule, Endpoint, Picked};

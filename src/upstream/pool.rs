@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 
-use super::choice::{Ahead, CacheAwareChoice, PromptKey};
+use super::choice::{Ahead, CacheAwareChoice, Prompt, PromptKey};
 use super::dns_name::Discovery;
 use super::endpoint::{endpoint_name, EjectionRule, Endpoint, Picked, PoolEjection};
 use super::engine_load::EngineLoad;
@@ -269,7 +269,8 @@ impl Pool {
     /// Chooses an endpoint at `now` for a request whose prompt is known by `prompt`, not one
     /// of `tried` unless every endpoint was: endpoints not ejected first (all when every one
     /// is), among them healthy ones first (all when none is), then by the policy.
-    pub fn pick_for(&self, now: Instant, tried: &[&str], prompt: PromptKey<'_>) -> Option<Picked> {
+    pub fn pick_for<'c>(&self, now: Instant, tried: &[&str], prompt: impl Into<Prompt<'c>>) -> Option<Picked> {
+        let Prompt { key: prompt, adapter } = prompt.into();
         let members = self.endpoints();
         let untried = prefer(members.iter().collect(), &|e| !tried.contains(&e.name.as_str()));
         let live = prefer(untried, &|e| !e.is_ejected(now));
@@ -293,6 +294,8 @@ impl Pool {
                 let ahead = |e: &Endpoint| Ahead {
                     own_tokens: e.queued_tokens(),
                     engine: believed.and_then(|age| e.facts().pressure(age)),
+                    adapter_running: adapter.zip(believed).and_then(|(name, age)| e.facts().runs_adapter(name, age)),
+                    ..Ahead::default()
                 };
                 let (chosen, charge) = match &self.cache_aware {
                     Some(choice) => choice.choose(&rotated, prompt, &ahead),
