@@ -355,15 +355,17 @@ pub struct PoolKvEvents {
 pub struct CacheAware {
     /// Weight of each prompt token an endpoint would compute (0 to 1000).
     /// Default: `1.0`.
-    /// Equal weights make the cost the tokens computed before the first token, which a reader
-    /// can check by hand.
+    /// The cost's unit: tokens.
     #[default(1.0)]
     pub prefix_weight: f64,
     /// Weight of each token queued ahead at an endpoint (0 to 1000).
-    /// Default: `1.0`.
-    /// A holder keeps its prompts until the work queued there outweighs what another
-    /// endpoint would compute afresh.
-    #[default(1.0)]
+    /// Default: `0.3`.
+    /// A token computed again elsewhere is capacity the whole fleet then waits on, a queued
+    /// one only delays this request: in the fleet simulation (8 prefills, 256 clients, 8
+    /// instances) 0.3 kept 79 % of prompt tokens cached (the sticky oracle 75 %) with the
+    /// busiest prefill at 1.14x the mean, where 1.0 moved conversations off their holders
+    /// (53 %) and 0.1 herded (1.32x).
+    #[default(0.3)]
     pub load_weight: f64,
     /// Tokens per block, as the engines' `--block-size` (1 to 65536): a prompt's full blocks
     /// are what it is matched by. With `kv_events` it must equal `kv_events.block_size`.

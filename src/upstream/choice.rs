@@ -368,7 +368,7 @@ mod tests {
         text.lines().find_map(|l| l.strip_prefix(series.as_str())).map_or(0, |v| v.parse().unwrap())
     }
 
-    /// Worked example (docs/concepts.md): a prompt of 32 tokens (8 blocks of 4) the holder
+    /// Worked example (docs/concepts.md, `load_weight = 1`): a prompt of 32 tokens (8 blocks of 4) the holder
     /// holds whole costs it one block (4) to compute and 32 elsewhere; the holder keeps it
     /// while under 28 tokens are queued there, and loses it past that.
     #[test]
@@ -503,7 +503,7 @@ mod tests {
     fn pool_reading_every(ms: u64) -> Pool {
         let text = format!(
             "[pools.p]\nendpoints = [\"127.0.0.1:9000\", \"127.0.0.1:9001\"]\nbalance = \"cache_aware\"\n\
-             engine_metrics_interval_ms = {ms}\n[pools.p.cache_aware]\nblock_size = 4\n\
+             engine_metrics_interval_ms = {ms}\n[pools.p.cache_aware]\nblock_size = 4\nload_weight = 1.0\n\
              [defaults]\npassthrough_pool = \"p\"\n"
         );
         let config = crate::config::Config::from_toml(&text, "t").unwrap();

@@ -344,13 +344,14 @@ pub(crate) mod tests {
     use std::time::Duration;
 
     /// A pool `p` of `n` endpoints (`127.0.0.1:9000` up) choosing by `balance`, ejecting
-    /// at 3 failures; a cache-aware one names blocks of 4 and weighs by the default weights.
+    /// at 3 failures; a cache-aware one names blocks of 4 and weighs queued tokens as computed
+    /// ones (`load_weight = 1`: the worked example's numbers).
     pub(crate) fn pool(balance: Balance, n: usize) -> Pool {
         let endpoints: Vec<String> = (0..n).map(|i| format!("\"127.0.0.1:{}\"", 9000 + i)).collect();
         let balance = match balance {
             Balance::RoundRobin => "round_robin\"",
             Balance::LeastInFlight => "least_in_flight\"",
-            Balance::CacheAware => "cache_aware\"\n[pools.p.cache_aware]\nblock_size = 4",
+            Balance::CacheAware => "cache_aware\"\n[pools.p.cache_aware]\nblock_size = 4\nload_weight = 1.0",
         };
         let text = format!(
             "[pools.p]\nendpoints = [{}]\nbalance = \"{balance}\n[defaults]\npassthrough_pool = \"p\"\n",
