@@ -391,6 +391,7 @@ def run(policy, seed, args):
             "ttft_p50_ms": 1000 * statistics.median(ttfts),
             "ttft_p90_ms": 1000 * statistics.quantiles(ttfts, n=10)[-1] if len(ttfts) > 1 else 1000 * ttfts[0],
             "busier_share": max(per_prefill) / sum(per_prefill) if sum(per_prefill) else float("nan"),
+            "per_prefill": per_prefill,
             "load_1m": (load0 + os.getloadavg()[0]) / 2,
             "last_prompt_tokens": [c["prompt_tokens"] for c in conversations]}
 
@@ -487,7 +488,8 @@ def main():
                 print(f"  r{r} {policy:19} hit {100 * res['hit_rate']:5.1f} %  computed {res['computed_tokens']:7.0f}"
                       f"  prefill p50 {res['prefill_p50_ms']:6.1f} p90 {res['prefill_p90_ms']:6.1f} ms"
                       f"  TTFT p50 {res['ttft_p50_ms']:6.1f} p90 {res['ttft_p90_ms']:6.1f} ms"
-                      f"  busier {100 * res['busier_share']:3.0f} %  load {res['load_1m']:.1f}"
+                      f"  split {'/'.join(f'{n:.0f}' for n in res['per_prefill'])}"
+                      f" (busier {100 * res['busier_share']:3.0f} %)  load {res['load_1m']:.1f}"
                       f"  ({res['wall_s']:.0f} s, workload {res['workload_blocks']} blocks)", flush=True)
             else:
                 continue
@@ -525,6 +527,15 @@ def main():
             if mine and policy != "oracle":
                 print(f"  {policy:19} hit rate {100 * (statistics.median(r['hit_rate'] for r in mine) - hit_o):+5.1f} points"
                       f" vs the oracle; TTFT p50 x{statistics.median(r['ttft_p50_ms'] for r in mine) / ttft_o:.2f}")
+        # Issue 44 point 6: each run against the oracle's run of the same round.
+        by_round = {r["round"]: r["hit_rate"] for r in oracle}
+        for policy in policies:
+            ratios = [r["hit_rate"] / by_round[r["round"]] for r in results
+                      if r["policy"] == policy and policy != "oracle" and by_round.get(r["round"])]
+            if ratios:
+                print(f"  {policy:19} each run's hits / its round's oracle's: "
+                      f"{', '.join(f'{100 * x:.1f} %' for x in ratios)}"
+                      f" ({'every run' if min(ratios) >= 0.95 else 'NOT every run'} at least 95 %)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "binary": binary, "capacity_blocks": capacity, "runs": results}, f, indent=1)
