@@ -1,5 +1,5 @@
-//! Cost of a cache-aware choice: an 8-endpoint pool scoring a 37k-token prompt (1,156 blocks
-//! of 32) with 100k blocks indexed in the approximate source (where tokenonce sent each
+//! Cost of a cache-aware choice: an 8-endpoint pool scoring a 37k-token prompt (2,312 blocks
+//! of 16, the pool's default block size) with 100k blocks indexed in the approximate source (where tokenonce sent each
 //! prompt), and the same scoring against a stand-in events source of the same data layout
 //! (a wire-hash map of endpoint bits, read block by block as the exact index would be).
 //!
@@ -107,7 +107,7 @@ fn main() {
     };
     report("score 8 endpoints, approximate source (held only)", time(runs, started, || score(&approximate)));
     report("score 8 endpoints, stand-in events source (held only)", time(runs, started, || score(&exact)));
-    report("record the sent chain (sent, 1,156 blocks)", time(runs, started, || approximate.sent(&home, &chain)));
+    report("record the sent chain (sent, 2,312 blocks)", time(runs, started, || approximate.sent(&home, &chain)));
     report(
         "whole pick: candidates, score, count, sent",
         time(runs, started, || {

@@ -715,9 +715,14 @@ fn main() {
     if let (Some(ca), Some(oracle)) = (of(Policy::CacheAwareEvents), of(Policy::Oracle)) {
         println!();
         println!(
-            "goal ({} instance(s), shipped defaults): prefix hits within 5 % of the oracle's ({:.1} / {:.1} %: {}), \
+            "goal ({} instance(s), {}): prefix hits within 5 % of the oracle's ({:.1} / {:.1} %: {}), \
              p50 within 10 % of it ({:.2}x: {}), busiest prefill at most 1.25x the mean ({:.2}x: {})",
             o.replicas,
+            if o.prefix_weight.is_none() && o.load_weight.is_none() && o.kv_max_blocks.is_none() {
+                "shipped defaults"
+            } else {
+                "weights or bound set by flags"
+            },
             ca.hit_rate * 100.0,
             oracle.hit_rate * 100.0,
             if ca.hit_rate >= oracle.hit_rate * 0.95 { "met" } else { "not met" },
@@ -727,15 +732,12 @@ fn main() {
             if ca.herding() <= 1.25 { "met" } else { "not met" },
         );
     }
-    let p50 = |p: Policy| outcomes.iter().find(|r| r.policy == p).map_or(f64::NAN, |r| r.p50);
-    let (ca, oracle, rr) = (p50(Policy::CacheAwareEvents), p50(Policy::Oracle), p50(Policy::RoundRobin));
-    println!();
-    println!(
-        "goal: cache-aware p50 within 10 % of the oracle's ({:.2}x: {}) and at most 0.5x round robin's ({:.2}x: {})",
-        ca / oracle,
-        if ca <= oracle * 1.1 { "met" } else { "not met" },
-        ca / rr,
-        if ca <= rr * 0.5 { "met" } else { "not met" }
-    );
+    if let (Some(ca), Some(rr)) = (of(Policy::CacheAwareEvents), of(Policy::RoundRobin)) {
+        println!(
+            "goal: cache-aware p50 at most 0.5x round robin's ({:.2}x: {})",
+            ca.p50 / rr.p50,
+            if ca.p50 <= rr.p50 * 0.5 { "met" } else { "not met" }
+        );
+    }
     drop(fake_rt);
 }
