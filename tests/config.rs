@@ -314,6 +314,29 @@ prefill = { header = "x-prefiller-host-port" }
     assert_eq!(err.problems[0].key, "routes[0].prefill.allow");
 }
 
+/// `skip_below_tokens` decides an orchestrated pool prefill: with a header (which names the
+/// prefiller per request) or on a relay route (whose orchestrator sends both legs) it is a
+/// problem at its key; with a pool it is read, 0 when unset.
+#[test]
+fn skip_below_tokens_goes_with_an_orchestrated_pool_prefill() {
+    let route = |mode: &str, prefill: &str| {
+        format!(
+            "[pools.prefill]\nendpoints = [\"127.0.0.1:8100\"]\n[pools.decode]\nendpoints = [\"127.0.0.1:8200\"]\n\
+             [[routes]]\nname = \"r\"\nmode = \"{mode}\"\ndecode_pool = \"decode\"\nprefill = {prefill}\n"
+        )
+    };
+    let header = r#"{ header = "x-prefiller-host-port", allow = ["127.0.0.1"], skip_below_tokens = 256 }"#;
+    let err = Config::from_toml(&route("orchestrate", header), "t").unwrap_err();
+    assert_problem_keys(&err, &["routes[0].prefill.skip_below_tokens"]);
+    let pool = r#"{ pool = "prefill", skip_below_tokens = 256 }"#;
+    let err = Config::from_toml(&route("relay", pool), "t").unwrap_err();
+    assert_problem_keys(&err, &["routes[0].prefill.skip_below_tokens"]);
+    let c = Config::from_toml(&route("orchestrate", pool), "t").unwrap();
+    assert_eq!(c.routes[0].prefill.as_ref().unwrap().skip_below_tokens, 256);
+    let c = Config::from_toml(&route("orchestrate", r#"{ pool = "prefill" }"#), "t").unwrap();
+    assert_eq!(c.routes[0].prefill.as_ref().unwrap().skip_below_tokens, 0, "off unless set");
+}
+
 #[test]
 fn versions_and_host_ports_parse() {
     assert_eq!(Version::parse("0.32.0"), Some(Version(0, 32, 0)));

@@ -422,7 +422,11 @@ async fn dashboard_and_alert_metrics_exist_after_real_traffic() {
         assert!(scrape.helps.get(family).is_some_and(|h| !h.trim().is_empty()), "{family}: no HELP");
         match kind.as_str() {
             "counter" => assert!(family.ends_with("_total"), "counter {family} must end in _total"),
-            "histogram" => assert!(family.ends_with("_seconds"), "histogram {family} must end in _seconds"),
+            // A histogram names its unit (Prometheus's base units: seconds; or prompt tokens).
+            "histogram" => assert!(
+                family.ends_with("_seconds") || family.ends_with("_tokens"),
+                "histogram {family} must end in its unit, _seconds or _tokens"
+            ),
             "gauge" => assert!(!family.ends_with("_total"), "gauge {family} must not end in _total"),
             other => panic!("{family}: unexpected type {other}"),
         }

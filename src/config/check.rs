@@ -365,6 +365,10 @@ fn check_route(ck: &mut Checker<'_, '_>, config: &Config, path: &str, route: &Ro
         (Some(p), Some(Mode::Relay)) if p.header.is_some() && p.pool.is_none() => {
             ck.at(&prefill_key, "relay routes take only `prefill = { pool = ... }`");
         }
+        (Some(p), Some(Mode::Relay)) if p.skip_below_tokens > 0 => {
+            let why = "relay routes do not decide the prefill: their orchestrator sends both legs";
+            ck.at(&format!("{prefill_key}.skip_below_tokens"), why);
+        }
         _ => {}
     }
     if let Some(prefill) = &route.prefill {
@@ -402,6 +406,11 @@ fn check_prefill(ck: &mut Checker<'_, '_>, config: &Config, path: &str, prefill:
             ck.pool_ref(config, &format!("{path}.pool"), pool);
         }
         (None, Some(header)) => {
+            if ck.doc.has(&format!("{path}.skip_below_tokens")) {
+                let why = "`skip_below_tokens` goes with `pool`: a header names its prefiller per request";
+                let problem = ck.doc.at_table(path, "skip_below_tokens", why);
+                ck.report(problem);
+            }
             if http::HeaderName::from_bytes(header.as_bytes()).is_err() {
                 ck.at(&format!("{path}.header"), "not a header name");
             }

@@ -620,6 +620,15 @@ pub struct Prefill {
     /// Default: `false`.
     /// That host is less trusted than a configured pool.
     pub forward_credentials: bool,
+    /// Pool only, orchestrate: the decode computes the prompt alone, token-in with the local
+    /// ids, no prefill leg, when the tokens it lacks (the prompt's blocks its KV events do not
+    /// show it holding, plus the partial last block) are at most this many; 0 turns it off.
+    /// Needs trusted local ids and a cache-aware decode pool following its engines' KV events
+    /// (else the prefill runs as always).
+    /// Default: `0`.
+    /// Off until measured on real engines (issue 45, point 4): the tokens a decode computes
+    /// faster than a prefill hop depend on the engines and the decode's running streams.
+    pub skip_below_tokens: u64,
 }
 
 /// `[[routes.prefill.allow]]`: an entry written as a table, inline among the strings or as

@@ -97,6 +97,38 @@ label_enum! {
 }
 
 label_enum! {
+    /// Whether an orchestrated request of a pool-prefill route got a prefill leg
+    /// (`prefill_decisions_total{decision}`).
+    PrefillDecision {
+        /// Prefill leg, KV handoff, then the decode.
+        Prefill => "prefill",
+        /// The decode computed the prompt itself, token-in, no prefill leg.
+        DecodeAlone => "decode_alone",
+    }
+}
+
+label_enum! {
+    /// Why (`prefill_decisions_total{reason}`).
+    DecisionReason {
+        /// The route's `prefill.skip_below_tokens` is 0.
+        Off => "off",
+        /// No trusted local ids for the prompt (untrusted shape, no tokenizer, an API without
+        /// them, reuse gated off): the decode could not go token-in.
+        NoLocalIds => "no_local_ids",
+        /// The decode pool has no usable KV events (none configured, stale, or its hash check
+        /// failed): what the decode holds is not known.
+        NoDecodeEvents => "no_decode_events",
+        /// The tokens the decode lacks are over the threshold.
+        OverThreshold => "over_threshold",
+        /// They are at or under it.
+        UnderThreshold => "under_threshold",
+        /// The decode alone failed before its answer began: retried with a prefill, on
+        /// another decode (the request is counted `decode_alone` too).
+        DecodeAloneFailed => "decode_alone_failed",
+    }
+}
+
+label_enum! {
     /// How a request ended (`requests_total{outcome}`).
     Outcome {
         /// 2xx fully relayed.

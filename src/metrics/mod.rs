@@ -9,8 +9,9 @@ use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeV
 mod labels;
 
 pub use labels::{
-    CacheLookup, ChoiceReason, ChoiceSource, DnsLookup, ErrorKind, Eviction, FollowUp, HistoryResult, Leg, Listener,
-    LoadRead, LocalIdsResult, Outcome, ParityResult, Release, Reload, SpanExport, Stage, TimeoutStage,
+    CacheLookup, ChoiceReason, ChoiceSource, DecisionReason, DnsLookup, ErrorKind, Eviction, FollowUp, HistoryResult,
+    Leg, Listener, LoadRead, LocalIdsResult, Outcome, ParityResult, PrefillDecision, Release, Reload, SpanExport,
+    Stage, TimeoutStage,
 };
 
 /// Latency buckets from 1 ms to 6 h: loopback overheads at the bottom; long prefills, queued
@@ -31,6 +32,12 @@ pub const INTER_TOKEN_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
     0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
 ];
+
+/// Prompt-token buckets of the tokens a decode lacked (`prefill_decode_lacking_tokens`): an
+/// agentic turn's few hundred new tokens at the bottom, whole cold prompts (up to 128k) at
+/// the top, the thresholds a route is likely to set (128 to 4,096) each a bound.
+pub const LACKING_TOKEN_BUCKETS: &[f64] =
+    &[16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0, 32768.0, 65536.0, 131072.0];
 
 /// Spans handed to the OTLP exporter, by [`SpanExport`]. One counter for the process (the
 /// exporter is built once and outlives reloads); every registry gets it.

@@ -9,6 +9,7 @@
 
 mod prefiller;
 pub mod relay;
+pub mod skip;
 #[cfg(test)]
 mod tests;
 
@@ -288,6 +289,32 @@ impl Orchestration<'_, '_> {
     /// True when the prefill goes token-in with tokenonce's ids.
     pub fn local_ids(&self) -> bool {
         self.local.is_some()
+    }
+
+    /// The prompt's token count when the decode may take it token-in with tokenonce's ids
+    /// and no prefill behind it ([`decode_token_in`](Self::decode_token_in)).
+    pub fn decode_alone_tokens(&self) -> Option<u64> {
+        let ids = self.local.as_ref().filter(|_| !self.policy.hold_ids)?;
+        u64::try_from(ids.len()).ok()
+    }
+
+    /// The decode leg alone with tokenonce's ids, no prefill behind it (the prefill decision
+    /// found the decode holding nearly all of the prompt): no `kv_transfer_params` but the
+    /// ids, so a decode running a KV connector computes the prompt itself. `None` without
+    /// local ids, or while the parity watch holds reuse off.
+    pub fn decode_token_in(&self) -> Option<DecodeStep> {
+        let ids = self.local.as_ref().filter(|_| !self.policy.hold_ids)?;
+        let api = self.request.view.api;
+        Some(DecodeStep {
+            body: decode_body(self.request.obj, self.request.source, api, None, Some(ids)),
+            reuse: Reuse::of(Some(ids), FallbackReason::ParityReuseOff),
+            cached_tokens: None,
+            refused: None,
+            ids: None,
+            prompt_tokens: None,
+            holds_kv: false,
+            api,
+        })
     }
 
     /// The decode leg alone, decided before any prefill: a Responses request that needs the

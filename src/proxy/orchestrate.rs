@@ -1,25 +1,26 @@
-//! An orchestrated request, top to bottom: pick the engines, plan, prefill leg, handoff,
-//! decode leg, relay.
+//! An orchestrated request, top to bottom: pick the decode, plan, decide whether a prefill
+//! pays (`plan::skip`: a decode holding nearly all of the prompt computes it alone), prefill
+//! leg, handoff, decode leg, relay.
 //!
 //! Decisions come from `plan`; sending and waiting from `exec`; the decode's answer from
 //! `respond`; what the prompt ids feed besides the legs from `verify`; reuse accounting from
 //! `reuse`.
 
-use std::net::IpAddr;
 use std::time::Instant;
 
 use bytes::Bytes;
-use http::HeaderMap;
 use pingora::http::ResponseHeader;
 
 use super::error::ProxyError;
+use super::exec::DecodeLeg;
 use super::respond::{self, write_engine_answer};
 use super::{exec, reuse, verify, ApiRequest, Call, RequestInfo};
-use crate::metrics::{FollowUp, Leg, Stage};
+use crate::metrics::{DecisionReason, FollowUp, Leg, PrefillDecision, Stage};
 use crate::openai::json::{Pieces, RawObject};
 use crate::openai::request::{previous_response_id, stored_response_id};
 use crate::openai::response::HandoffError;
 use crate::openai::Api;
+use crate::plan::skip::{self, SkipFacts};
 use crate::plan::{self, prefiller_from_header, DecodeVersion};
 use crate::routes::{PrefillTarget, Route};
 use crate::upstream::{self, Picked, Prompt};
@@ -80,14 +81,21 @@ async fn orchestrate(
 ) -> Result<(), ProxyError> {
     let info = call.info;
     let (app, route) = (&info.app, &info.route);
-    let Some(prefiller) = prefiller(route, req.incoming.headers, info.client_ip, keys.prefill())? else {
-        // Header mode without the header: the picker chose decode-only; send it as is.
-        let body = if rewritten {
-            obj.to_pieces(Some(req.incoming.body), None, None)
-        } else {
-            req.incoming.body.clone().into()
-        };
-        return respond::forward(call, &req.incoming, Leg::Decode, decode, body).await;
+    // Header mode names its prefiller per request; without the header the picker chose
+    // decode-only: send it as is.
+    let named = match &route.prefill {
+        Some(PrefillTarget::Header(rule)) => match prefiller_from_header(req.incoming.headers, rule, info.client_ip)? {
+            Some(n) => Some(Prefiller { endpoint: upstream::named_endpoint(n.addr, n.tls), named: true }),
+            None => {
+                let body = if rewritten {
+                    obj.to_pieces(Some(req.incoming.body), None, None)
+                } else {
+                    req.incoming.body.clone().into()
+                };
+                return respond::forward(call, &req.incoming, Leg::Decode, decode, body).await;
+            }
+        },
+        _ => None,
     };
     let policy = route.policy_now();
     let version = if plan::needs_decode_version(&req.view, &policy, &info.request_id) {
@@ -106,6 +114,16 @@ async fn orchestrate(
         reuse::record(info, call.rec, step.reuse, None);
         return respond::decode(call, &req.incoming, &decode, step).await;
     }
+    let (prefiller, decode) = match named {
+        Some(named) => (named, decode),
+        None => {
+            // A pool prefill: none at all when the decode holds nearly all of the prompt.
+            let Some(decode) = decode_alone_unless_lacking(call, req, decode, &plan, keys).await? else {
+                return Ok(());
+            };
+            (pool_prefiller(route, keys.prefill())?, decode)
+        }
+    };
 
     let prefilled = guarded_prefill(call, &req.incoming, &prefiller, plan.prefill_body.clone()).await;
     drop(prefiller);
@@ -135,23 +153,72 @@ struct Prefiller {
     named: bool,
 }
 
-/// The prefiller: one of the route's pool (by what is known of the `prompt`), or the one
-/// its header names whatever any pool holds (`None`: the header is absent, so the request is
-/// decode-only).
-fn prefiller(
-    route: &Route,
-    headers: &HeaderMap,
-    peer: Option<IpAddr>,
-    prompt: Prompt<'_>,
-) -> Result<Option<Prefiller>, ProxyError> {
+/// The prefiller of a route with a prefill pool: one of its endpoints, by what is known of
+/// the `prompt`.
+fn pool_prefiller(route: &Route, prompt: Prompt<'_>) -> Result<Prefiller, ProxyError> {
     match &route.prefill {
         Some(PrefillTarget::Pool(pool)) => {
-            Ok(Some(Prefiller { endpoint: upstream::pick_for(pool, Leg::Prefill, prompt)?, named: false }))
+            Ok(Prefiller { endpoint: upstream::pick_for(pool, Leg::Prefill, prompt)?, named: false })
         }
-        Some(PrefillTarget::Header(rule)) => Ok(prefiller_from_header(headers, rule, peer)?
-            .map(|n| Prefiller { endpoint: upstream::named_endpoint(n.addr, n.tls), named: true })),
-        None => Ok(None),
+        _ => Err(ProxyError::NoEndpoint(Leg::Prefill)),
     }
+}
+
+/// The prefill decision of a pool-prefill request ([`skip::decide`]), counted and noted on
+/// its span: the decode alone, token-in, when the chosen `decode` lacks at most the route's
+/// `prefill.skip_below_tokens` of the prompt by its KV events. `Ok(None)`: the decode alone
+/// answered (or failed past retrying). `Ok(Some(decode))`: the request goes P/D to that
+/// decode: the chosen one, or, when the decode alone failed before its answer began,
+/// another of its pool (never the same engine twice; with none, the failure is answered).
+async fn decode_alone_unless_lacking(
+    call: &mut Call<'_>,
+    req: &ApiRequest<'_>,
+    decode: Picked,
+    plan: &plan::Orchestration<'_, '_>,
+    keys: &verify::PromptKeys,
+) -> Result<Option<Picked>, ProxyError> {
+    let info = call.info;
+    let route = &info.route;
+    let threshold = route.skip_prefill_below;
+    let chain = keys.local.as_ref().and_then(|l| l.chains.decode.as_deref());
+    let held = chain.filter(|_| threshold > 0).and_then(|c| route.decode_pool.tokens_held_by_events(decode.name(), c));
+    let decided = skip::decide(SkipFacts { threshold, prompt_tokens: plan.decode_alone_tokens(), held_tokens: held });
+    route.metrics.prefill_decision(decided.decision, decided.reason);
+    call.rec.trace.attribute("tokenonce.prefill.decision", decided.decision.as_str());
+    call.rec.trace.attribute("tokenonce.prefill.reason", decided.reason.as_str());
+    if let Some(lacking) = decided.lacking {
+        route.metrics.decode_lacking(lacking);
+        call.rec.trace.attribute("tokenonce.prefill.decode_lacking_tokens", i64::try_from(lacking).unwrap_or(i64::MAX));
+    }
+    let step = match (decided.decision, plan.decode_token_in()) {
+        (PrefillDecision::DecodeAlone, Some(step)) => step,
+        _ => return Ok(Some(decode)),
+    };
+    reuse::record(info, call.rec, step.reuse, None);
+    let leg = DecodeLeg { req: &req.incoming, endpoint: &decode, step };
+    let (sent, delivered) = leg.send(call).await;
+    let failed_before_answer = match &sent {
+        Ok(exchange) => exchange.status() >= 500,
+        Err(e) => matches!(e, ProxyError::Upstream { .. } | ProxyError::Timeout { .. }),
+    };
+    let other = failed_before_answer
+        .then(|| route.decode_pool.pick_for(Instant::now(), &[decode.name()], keys.decode()))
+        .flatten()
+        .filter(|other| other.name() != decode.name()); // the pool's only endpoint comes back
+    let Some(other) = other else {
+        return respond::decode_sent(call, &leg, sent, delivered).await.map(|()| None);
+    };
+    let error = match &sent {
+        Ok(exchange) => format!("answered {}", exchange.status()),
+        Err(e) => e.to_string(),
+    };
+    reuse::settle(info, call.rec, sent.as_ref().ok().map(upstream::Exchange::status));
+    call.rec.trace.leg_done(Leg::Decode);
+    drop(sent);
+    route.metrics.prefill_decision(PrefillDecision::Prefill, DecisionReason::DecodeAloneFailed);
+    call.rec.trace.attribute("tokenonce.prefill.reason", DecisionReason::DecodeAloneFailed.as_str());
+    tracing::info!(request_id = %info.request_id, route = %route.name, error = %error, "the decode alone failed before answering: retried with a prefill on another decode");
+    Ok(Some(other))
 }
 
 /// Largest error body relayed from a header-named prefiller.

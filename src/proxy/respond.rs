@@ -39,11 +39,25 @@ pub async fn decode(
 ) -> Result<(), ProxyError> {
     let decode = DecodeLeg { req, endpoint, step };
     let (sent, delivered) = decode.send(call).await;
+    decode_sent(call, &decode, sent, delivered).await
+}
+
+/// The rest of [`decode`] once the leg was sent (`sent`, `delivered`: [`DecodeLeg::send`]'s):
+/// its reuse settled, its answer relayed, the leg ended.
+///
+/// # Errors
+/// [`ProxyError`] when the engine fails or the client leaves.
+pub async fn decode_sent(
+    call: &mut Call<'_>,
+    decode: &DecodeLeg<'_>,
+    sent: Result<Exchange, ProxyError>,
+    delivered: bool,
+) -> Result<(), ProxyError> {
     reuse::settle(call.info, call.rec, sent.as_ref().ok().map(Exchange::status));
     let result = match sent {
         Ok(exchange) => {
             let relayed = relay(call, exchange, decode.step.cached_tokens, Leg::Decode).await;
-            count_answer_failure(endpoint, &relayed);
+            count_answer_failure(decode.endpoint, &relayed);
             relayed
         }
         Err(e) => Err(e),

@@ -10,8 +10,8 @@ use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, R
 
 use crate::config::Mode;
 use crate::metrics::{
-    counter, gauge, histogram, histogram_with, registered, Listener, Outcome, Release, Stage, TimeoutStage,
-    INTER_TOKEN_BUCKETS,
+    counter, gauge, histogram, histogram_with, registered, DecisionReason, Listener, Outcome, PrefillDecision, Release,
+    Stage, TimeoutStage, INTER_TOKEN_BUCKETS, LACKING_TOKEN_BUCKETS,
 };
 use crate::openai::{Api, FallbackReason};
 use crate::parity::metrics::ParityMetrics;
@@ -133,6 +133,22 @@ impl RequestMetrics {
                 .iter()
                 .map(|s| self.requests.timeouts.with_label_values(&[route, s.as_str()]))
                 .collect(),
+            prefill_decisions: PrefillDecision::ALL
+                .iter()
+                .map(|d| {
+                    DecisionReason::ALL
+                        .iter()
+                        .map(|r| {
+                            if counts_reuse {
+                                self.requests.prefill_decisions.with_label_values(&[route, d.as_str(), r.as_str()])
+                            } else {
+                                reuse("", "")
+                            }
+                        })
+                        .collect()
+                })
+                .collect(),
+            decode_lacking_tokens: self.requests.decode_lacking_tokens.with_label_values(&[route]),
             kv_releases: Release::ALL
                 .iter()
                 .map(|r| {
@@ -160,6 +176,10 @@ struct Requests {
     stage_duration: HistogramVec,
     timeouts: IntCounterVec,
     kv_releases: IntCounterVec,
+    /// Orchestrated requests of a pool-prefill route, by whether they got a prefill leg and why.
+    prefill_decisions: IntCounterVec,
+    /// The prompt tokens a chosen decode lacked, where its KV events said.
+    decode_lacking_tokens: HistogramVec,
     /// Requests being served now.
     inflight: IntGauge,
     /// Requests refused at admission (`server.max_in_flight` reached), by listener.
@@ -219,6 +239,19 @@ impl Requests {
                 "tokenonce_kv_releases_total",
                 "Clients gone after a prefill holding KV, before the decode answered a body byte: what became of the blocks.",
                 &["route", "result"],
+            )?,
+            prefill_decisions: counter(
+                registry,
+                "tokenonce_prefill_decisions_total",
+                "Orchestrated requests of a route with a prefill pool: whether they got a prefill leg or the decode computed the prompt alone, and why.",
+                &["route", "decision", "reason"],
+            )?,
+            decode_lacking_tokens: histogram_with(
+                registry,
+                "tokenonce_prefill_decode_lacking_tokens",
+                "Prompt tokens the chosen decode did not hold (its KV events), what the prefill decision weighed against prefill.skip_below_tokens.",
+                &["route"],
+                LACKING_TOKEN_BUCKETS,
             )?,
             inflight: gauge(registry, "tokenonce_inflight_requests", "Client requests being served now.")?,
             admission_rejected: counter(
@@ -303,6 +336,9 @@ pub struct RouteMetrics {
     timeouts: Vec<IntCounter>,
     /// By [`Release`].
     kv_releases: Vec<IntCounter>,
+    /// By [`PrefillDecision`], then [`DecisionReason`].
+    prefill_decisions: Vec<Vec<IntCounter>>,
+    decode_lacking_tokens: Histogram,
 }
 
 impl RouteMetrics {
@@ -363,6 +399,19 @@ impl RouteMetrics {
         if let Some(c) = self.kv_releases.get(result as usize) {
             c.inc();
         }
+    }
+
+    /// Counts one prefill decision of an orchestrated request.
+    pub fn prefill_decision(&self, decision: PrefillDecision, reason: DecisionReason) {
+        if let Some(c) = self.prefill_decisions.get(decision as usize).and_then(|r| r.get(reason as usize)) {
+            c.inc();
+        }
+    }
+
+    /// Observes the prompt tokens a chosen decode lacked.
+    pub fn decode_lacking(&self, tokens: u64) {
+        #[expect(clippy::cast_precision_loss, reason = "a token count, bucketed")]
+        self.decode_lacking_tokens.observe(tokens as f64);
     }
 
     /// Counts a decode that fell back to text.

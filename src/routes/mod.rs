@@ -67,6 +67,9 @@ pub struct Route {
     pub max_body_bytes: usize,
     /// Pool prefill: endpoints tried (at least 1; at most the pool's size at run time).
     pub prefill_attempts: usize,
+    /// Orchestrate with a prefill pool: the decode computes a prompt alone when it lacks at
+    /// most this many of its tokens (0: never).
+    pub skip_prefill_below: u64,
     /// Orchestrate: what a failed prefill leg leads to.
     pub on_prefill_failure: crate::config::OnPrefillFailure,
     /// Silence allowed between body chunks of a relayed answer.
@@ -278,6 +281,7 @@ impl Built<'_> {
             decode_whole_answer_timeout: o.decode_whole_answer_timeout_ms,
             max_body_bytes: o.max_body_bytes,
             prefill_attempts: o.prefill_attempts,
+            skip_prefill_below: spec.prefill.as_ref().filter(|p| p.pool.is_some()).map_or(0, |p| p.skip_below_tokens),
             on_prefill_failure: o.on_prefill_failure,
             stream_idle_timeout: o.stream_idle_timeout_ms,
             client_write_timeout: o.client_write_timeout_ms,
@@ -315,6 +319,7 @@ impl Built<'_> {
             decode_whole_answer_timeout: d.decode_whole_answer_timeout_ms,
             max_body_bytes: largest_body,
             prefill_attempts: 1,
+            skip_prefill_below: 0,
             on_prefill_failure: crate::config::OnPrefillFailure::Error,
             stream_idle_timeout: d.stream_idle_timeout_ms,
             client_write_timeout: d.client_write_timeout_ms,

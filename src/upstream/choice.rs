@@ -114,6 +114,15 @@ impl CacheAwareChoice {
         self.text.forget(name);
     }
 
+    /// The prompt tokens of `chain` (full blocks) the endpoint named `name` holds, as the
+    /// engines' KV events say (`None`: no events source, or not usable now).
+    pub(super) fn tokens_held_by_events(&self, name: &str, chain: &[BlockHash]) -> Option<u64> {
+        let sources = self.sources.read();
+        let (_, events) = sources.iter().find(|(kind, s)| *kind == ChoiceSource::Events && s.usable())?;
+        let held = u64::try_from(events.held(name, chain)).unwrap_or(u64::MAX);
+        Some(held.saturating_mul(self.hasher.block_size() as u64))
+    }
+
     /// The kinds of source it asks, in order.
     pub(super) fn source_kinds(&self) -> Vec<ChoiceSource> {
         self.sources.read().iter().map(|(k, _)| *k).collect()

@@ -138,6 +138,12 @@ impl Pool {
         Some(self.cache_aware.as_ref()?.chain(ids, keys))
     }
 
+    /// The prompt tokens of `chain` the endpoint named `name` holds, by its engine's KV events
+    /// (`None`: not cache-aware, no events source, or the events are not usable now).
+    pub fn tokens_held_by_events(&self, name: &str, chain: &[BlockHash]) -> Option<u64> {
+        self.cache_aware.as_ref()?.tokens_held_by_events(name, chain)
+    }
+
     /// The LoRA adapters its engines serve, with the paths they loaded them from (the health
     /// round learns them from `/v1/models`; a request's chain and the KV events' hash check
     /// read them).
