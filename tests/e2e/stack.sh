@@ -17,7 +17,9 @@
 # `cached_tokens` (`--enable-prompt-tokens-details`); prefix caching hashed with
 # `--prefix-caching-hash-algo sha256_cbor` from `PYTHONHASHSEED=0` (vLLM 0.32 derives the first
 # block's parent from that string: the pool's `hash_seed = "0"`); the CPU backend's default
-# block size, 128 (the decode's too, so NIXL moves blocks of one size).
+# block size, 128 (the decode's too, so NIXL moves blocks of one size). The decode publishes
+# its own on 127.0.0.1:18210 (replay 18211), hashed alike (pool `decode-kv`:
+# test_prefill_skip_e2e.py), without `--enable-prompt-tokens-details`.
 #
 # Usage:
 #   stack.sh up                     start the OTLP receiver, the three servers (concurrently, while
@@ -60,6 +62,7 @@ PREFILL_PORT=18100
 PREFILL2_PORT=18300    # the second prefill: pool `prefill-kv` with :18100 (test_kv_routing_e2e.py)
 KV_EVENTS_PORT=18110   # :18100's KV events publisher (its replay endpoint: + 1)
 KV_EVENTS_PORT2=18310  # :18300's (its replay endpoint: + 1)
+KV_EVENTS_DECODE_PORT=18210  # the decode's (its replay endpoint: + 1): pool `decode-kv`
 KV_HASH_SEED=0         # PYTHONHASHSEED of both prefills: tokenonce-e2e.toml's hash_seed
 DECODE_PORT=18200
 TAMPER_PORT=18101  # test_e2e.py starts it; pool `prefill-short` of tokenonce-e2e.toml
@@ -99,6 +102,11 @@ start_vllm() {  # port, extra args...
     "$PREFILL2_PORT") service=vllm-prefill-2; kv=(--kv-events-config "$(kv_events_config "$KV_EVENTS_PORT2")") ;;
   esac
   [ ${#kv[@]} -gt 0 ] && kv+=(--enable-prompt-tokens-details --prefix-caching-hash-algo sha256_cbor)
+  # The decode publishes its KV events too (pool `decode-kv`: the prefill decision reads what it
+  # holds), hashed alike; its usage and cache size stay as they were.
+  local decode_kv=()
+  [ "$port" = "$DECODE_PORT" ] && decode_kv=(--kv-events-config "$(kv_events_config "$KV_EVENTS_DECODE_PORT")"
+                                             --prefix-caching-hash-algo sha256_cbor)
   local context=()  # with small prefill caches, every server's context (one model identity)
   if [ -n "${E2E_PREFILL_KV_BLOCKS:-}" ]; then
     [[ "$E2E_PREFILL_KV_BLOCKS" =~ ^[1-9][0-9]*$ ]] || die "E2E_PREFILL_KV_BLOCKS must be a positive number of blocks"
@@ -109,9 +117,9 @@ start_vllm() {  # port, extra args...
   [ "$TRACING" = 1 ] && tracing=(--otlp-traces-endpoint "http://127.0.0.1:$OTLP_PORT/v1/traces")
   ( vllm_env "$port"
     export OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf OTEL_SERVICE_NAME="$service" OTEL_BSP_SCHEDULE_DELAY=200
-    [ ${#kv[@]} -gt 0 ] && export PYTHONHASHSEED="$KV_HASH_SEED"
+    [ ${#kv[@]} -gt 0 ] || [ ${#decode_kv[@]} -gt 0 ] && export PYTHONHASHSEED="$KV_HASH_SEED"
     [ ${#kv[@]} -gt 0 ] && [ -n "${E2E_PREFILL_KV_BLOCKS:-}" ] && export TOKENONCE_VLLM_KV_CACHE_BYTES=$((E2E_PREFILL_KV_BLOCKS * 65536))
-    exec bash "$HERE/vllm/start.sh" "$port" -- "${VLLM_FLAGS[@]}" "${tracing[@]}" "${kv[@]}" "${context[@]}" "$@" )
+    exec bash "$HERE/vllm/start.sh" "$port" -- "${VLLM_FLAGS[@]}" "${tracing[@]}" "${kv[@]}" "${decode_kv[@]}" "${context[@]}" "$@" )
 }
 
 # A prefill's --kv-events-config: its publisher bound on 127.0.0.1:$1, its replay endpoint on
@@ -220,7 +228,8 @@ up() {
     say "stopping leftovers of an earlier run"; down
   fi
   check_free "$PREFILL_PORT" "$PREFILL2_PORT" "$DECODE_PORT" "$LISTEN_PORT" "$ADMIN_PORT" "$TAMPER_PORT" "$DOOR_PORT" \
-    "$OTLP_PORT" "$KV_EVENTS_PORT" "$((KV_EVENTS_PORT + 1))" "$KV_EVENTS_PORT2" "$((KV_EVENTS_PORT2 + 1))"
+    "$OTLP_PORT" "$KV_EVENTS_PORT" "$((KV_EVENTS_PORT + 1))" "$KV_EVENTS_PORT2" "$((KV_EVENTS_PORT2 + 1))" \
+    "$KV_EVENTS_DECODE_PORT" "$((KV_EVENTS_DECODE_PORT + 1))"
   rm -f "$RUN_DIR"/*.log "$RUN_DIR"/*.out  # no stale logs from an earlier run
   local t0=$SECONDS
   [ "$TRACING" = 1 ] && start_receiver
