@@ -209,6 +209,7 @@ def run(policy, args, run_seed):
         port, headers = TOKENONCE, {"x-bench-skip": policy.removeprefix("skip-")}
     before = {p: engine_counters(p) for p in (PREFILL, DECODE)}
     first, later, gaps, errors = [], [], [], []
+    small, large = [], []  # later turns' TTFTs by what they added: up to --small tokens, or more
 
     def session(k):
         rng = random.Random(f"{run_seed}-{k}")  # words of its own: nothing cached from another run
@@ -225,6 +226,8 @@ def run(policy, args, run_seed):
                 errors.append(repr(e))
                 return
             (first if t == 0 else later).append(ttft)
+            if t > 0:
+                (small if add <= args.small else large).append(ttft)
             gaps.extend(g)
             messages.append({"role": "assistant", "content": text})
 
@@ -237,6 +240,7 @@ def run(policy, args, run_seed):
     return {"policy": policy, "errors": errors,
             "ttft_p50": q(first + later, 50), "ttft_p90": q(first + later, 90),
             "later_p50": q(later, 50), "later_p90": q(later, 90),
+            "small_p50": q(small, 50), "large_p50": q(large, 50), "small_n": len(small), "large_n": len(large),
             "itl_p50": q(gaps, 50), "itl_p90": q(gaps, 90), "itl_p99": q(gaps, 99),
             "prefill_computed": after[PREFILL]["computed"] - before[PREFILL]["computed"],
             "decode_computed": after[DECODE]["computed"] - before[DECODE]["computed"],
@@ -259,11 +263,12 @@ def main():
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--history-min", type=int, default=4000)
-    ap.add_argument("--history-max", type=int, default=30000)
+    ap.add_argument("--history-max", type=int, default=26000)
     ap.add_argument("--add-min", type=int, default=50)
     ap.add_argument("--add-max", type=int, default=2000)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=45)
+    ap.add_argument("--small", type=int, default=512, help="later turns adding at most this many tokens are 'small'")
     ap.add_argument("--no-toy", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -292,6 +297,7 @@ def main():
                 results.append(res)
                 print(f"  r{r} {policy:9} TTFT p50 {res['ttft_p50']:7.1f} p90 {res['ttft_p90']:7.1f}"
                       f"  later turns p50 {res['later_p50']:7.1f} p90 {res['later_p90']:7.1f} ms"
+                      f" (adding <= {args.small}: p50 {res['small_p50']:7.1f} of {res['small_n']}, more: {res['large_p50']:7.1f})"
                       f"  ITL p50 {res['itl_p50']:5.1f} p90 {res['itl_p90']:5.1f} p99 {res['itl_p99']:6.1f} ms"
                       f"  computed prefill {res['prefill_computed']:7.0f} decode {res['decode_computed']:7.0f}"
                       f"  NIXL {res['nixl_mb']:6.1f} MB  errors {len(res['errors'])}", flush=True)
@@ -308,12 +314,12 @@ def main():
                     p.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     p.kill()
-    keys = ("ttft_p50", "ttft_p90", "later_p50", "later_p90", "itl_p50", "itl_p90", "itl_p99",
+    keys = ("ttft_p50", "ttft_p90", "later_p50", "later_p90", "small_p50", "large_p50", "itl_p50", "itl_p90", "itl_p99",
             "prefill_computed", "decode_computed", "nixl_mb")
     print("\nmedians over rounds:")
-    print("| policy | TTFT p50 / p90 ms | later turns p50 / p90 ms | ITL p50 / p90 / p99 ms | prompt tokens computed "
-          "prefill / decode | NIXL MB |")
-    print("|---|---|---|---|---|---|")
+    print(f"| policy | TTFT p50 / p90 ms | later turns p50 / p90 ms | later turns adding <= {args.small} / more, p50 ms "
+          "| ITL p50 / p90 / p99 ms | prompt tokens computed prefill / decode | NIXL MB |")
+    print("|---|---|---|---|---|---|---|")
     base = None
     for policy in policies:
         mine = [r for r in results if r["policy"] == policy]
@@ -322,10 +328,12 @@ def main():
         m = {k: statistics.median(r[k] for r in mine) for k in keys}
         base = base or m
         print(f"| {policy} | {m['ttft_p50']:.0f} / {m['ttft_p90']:.0f} | {m['later_p50']:.0f} / {m['later_p90']:.0f} "
+              f"| {m['small_p50']:.0f} / {m['large_p50']:.0f} "
               f"| {m['itl_p50']:.1f} / {m['itl_p90']:.1f} / {m['itl_p99']:.1f} "
               f"| {m['prefill_computed']:,.0f} / {m['decode_computed']:,.0f} | {m['nixl_mb']:.1f} |")
         if policy != policies[0]:
-            print(f"    later-turn TTFT p50 x{m['later_p50'] / base['later_p50']:.2f} of {policies[0]}'s, "
+            print(f"    later-turn TTFT p50 x{m['later_p50'] / base['later_p50']:.2f} of {policies[0]}'s "
+                  f"(adding <= {args.small}: x{m['small_p50'] / base['small_p50']:.2f}), "
                   f"ITL p50 x{m['itl_p50'] / base['itl_p50']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
