@@ -188,3 +188,22 @@ async fn with_one_decode_a_failed_decode_alone_is_answered() {
     assert_eq!(stack.prefill.posts().len(), prefills, "not retried on the same engine");
     assert_eq!(stack.proxy.metric(&decisions("prefill", "decode_alone_failed")).await, 0.0);
 }
+
+/// The decode lost what tokenonce believed it held (a restart its events have not said yet):
+/// the decode alone computes the whole prompt itself, slower than predicted, and answers as
+/// ever; nothing breaks.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_decode_that_lost_the_history_computes_it_and_answers() {
+    let stack = Stack::start(16, 1).await;
+    let mut turn = "alpha bravo ".repeat(20);
+    assert!(stack.send(&turn).await);
+    stack.events_caught_up().await;
+    let engine = &stack.engines[0];
+    engine.restart(); // its cache emptied, no event published
+    let cached = engine.cached_tokens();
+    turn.push_str("bravo alpha");
+    assert!(!stack.send(&turn).await, "decided on what the events said: the decode alone");
+    assert_eq!(stack.proxy.metric(&decisions("decode_alone", "under_threshold")).await, 1.0);
+    assert_eq!(engine.cached_tokens(), cached, "nothing was cached: the decode computed all 42 tokens");
+    assert_eq!(engine.blocks(), 1, "and holds the prompt's block again");
+}

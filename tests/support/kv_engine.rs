@@ -271,6 +271,11 @@ impl KvEngine {
         *self.cache.lock() = Lru::default();
     }
 
+    /// Prompt tokens found cached so far, over every prefill.
+    pub fn cached_tokens(&self) -> u64 {
+        self.cached_tokens.load(Ordering::Relaxed)
+    }
+
     /// Blocks held now.
     pub fn blocks(&self) -> usize {
         self.cache.lock().used.len()
