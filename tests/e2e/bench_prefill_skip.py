@@ -144,7 +144,8 @@ def start_toy(tmp):
 
 
 def stream(port, body, headers):
-    """One streamed chat request: (TTFT s, gaps between content chunks s, generated text)."""
+    """One streamed chat request: (TTFT s, gaps between content chunks s, generated text, prompt
+    tokens from the final usage chunk)."""
     conn = http.client.HTTPConnection(HOST, port, timeout=TIMEOUT_S)
     t0 = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
@@ -152,7 +153,7 @@ def stream(port, body, headers):
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f":{port}: HTTP {resp.status}: {resp.read()[:300]!r}")
-    ttft, last, gaps, text = None, None, [], []
+    ttft, last, gaps, text, prompt_tokens = None, None, [], [], None
     for _ in range(100_000):  # bounded: one line per token or so
         line = resp.fp.readline()
         if not line or line.strip() == b"data: [DONE]":
@@ -162,6 +163,8 @@ def stream(port, body, headers):
         ev = json.loads(line[6:])
         if "error" in ev:
             raise RuntimeError(f":{port}: stream error {ev}")
+        if ev.get("usage"):
+            prompt_tokens = ev["usage"].get("prompt_tokens")
         for ch in ev.get("choices") or []:
             d = ch.get("delta") or {}
             piece = d.get("content") or d.get("reasoning") or d.get("reasoning_content")
@@ -177,7 +180,7 @@ def stream(port, body, headers):
     conn.close()
     if ttft is None:
         raise RuntimeError(f":{port}: no generated text")
-    return ttft, gaps, "".join(text)
+    return ttft, gaps, "".join(text), prompt_tokens
 
 
 def words(rng, tokens):
@@ -209,23 +212,30 @@ def run(policy, args, run_seed):
         port, headers = TOKENONCE, {"x-bench-skip": policy.removeprefix("skip-")}
     before = {p: engine_counters(p) for p in (PREFILL, DECODE)}
     first, later, gaps, errors = [], [], [], []
+    turns = {}  # (session, turn) -> (TTFT s, estimated tokens the decode lacked)
     small, large = [], []  # later turns' TTFTs by what they added: up to --small tokens, or more
 
     def session(k):
         rng = random.Random(f"{run_seed}-{k}")  # words of its own: nothing cached from another run
         history, adds = plans[k]
+        prev_prompt = [None]
         messages = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": words(rng, history)}]
         for t, add in enumerate(adds):
             if t > 0:
                 messages.append({"role": "user", "content": "Tool result: " + words(rng, add)})
             body = {"model": MODEL, "messages": messages, "max_tokens": args.max_tokens, "temperature": 0,
-                    "stream": True, "ignore_eos": True}
+                    "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
             try:
-                ttft, g, text = stream(port, body, headers)
+                ttft, g, text, prompt = stream(port, body, headers)
             except Exception as e:  # noqa: BLE001  (counted, shown after the run)
                 errors.append(repr(e))
                 return
             (first if t == 0 else later).append(ttft)
+            # What the decode lacks, estimated as the decision sees it: this prompt past the full
+            # blocks of the previous one (which the decode held after answering it).
+            held = 128 * (prev_prompt[0] // 128) if t > 0 and prev_prompt[0] else 0
+            turns[(k, t)] = (ttft, (prompt or 0) - held)
+            prev_prompt[0] = prompt
             if t > 0:
                 (small if add <= args.small else large).append(ttft)
             gaps.extend(g)
@@ -242,6 +252,7 @@ def run(policy, args, run_seed):
             "later_p50": q(later, 50), "later_p90": q(later, 90),
             "small_p50": q(small, 50), "large_p50": q(large, 50), "small_n": len(small), "large_n": len(large),
             "itl_p50": q(gaps, 50), "itl_p90": q(gaps, 90), "itl_p99": q(gaps, 99),
+            "turns": {f"{k}/{t}": v for (k, t), v in turns.items()},
             "prefill_computed": after[PREFILL]["computed"] - before[PREFILL]["computed"],
             "decode_computed": after[DECODE]["computed"] - before[DECODE]["computed"],
             "nixl_mb": (after[DECODE]["nixl_bytes"] - before[DECODE]["nixl_bytes"]) / 1e6}
@@ -335,6 +346,24 @@ def main():
             print(f"    later-turn TTFT p50 x{m['later_p50'] / base['later_p50']:.2f} of {policies[0]}'s "
                   f"(adding <= {args.small}: x{m['small_p50'] / base['small_p50']:.2f}), "
                   f"ITL p50 x{m['itl_p50'] / base['itl_p50']:.2f}")
+    # Issue 45's measure: on the turns a threshold sends to the decode alone (by the estimate),
+    # their median TTFT against always-P/D's on the same turns of the same round.
+    pd = {r["round"]: r["turns"] for r in results if r["policy"] == "skip-0"}
+    for n in thresholds:
+        if n == 0:
+            continue
+        ratios, count = [], 0
+        for r in results:
+            if r["policy"] != f"skip-{n}" or r["round"] not in pd:
+                continue
+            mine = [(key, v[0]) for key, v in r["turns"].items() if not key.endswith("/0") and v[1] <= n]
+            both = [(t, pd[r["round"]][key][0]) for key, t in mine if key in pd[r["round"]]]
+            count += len(both)
+            if both:
+                ratios.append(statistics.median(t for t, _ in both) / statistics.median(p for _, p in both))
+        if ratios:
+            print(f"  skip-{n}: turns under the threshold (est.) {count}; their TTFT p50 / always-P/D's on the same "
+                  f"turns, per round: {', '.join(f'{x:.2f}' for x in ratios)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "binary": binary, "runs": results}, f, indent=1)
