@@ -678,6 +678,17 @@ mod tests {
         assert_eq!(render(&mistral, continued).unwrap(), "<s>[INST]u[/INST]go on");
     }
 
+    /// An empty `tools` list is refused as vLLM refuses it in Mistral mode, never rendered (so
+    /// never sent token-in, which would skip vLLM's refusal); absent or null, no tools.
+    #[test]
+    fn an_empty_tools_list_is_refused_as_vllm_refuses_it() {
+        let (_dir, mistral) = folder();
+        let messages = r#""messages":[{"role":"user","content":"q"}]"#;
+        assert_eq!(render(&mistral, &format!(r#"{{{messages},"tools":[]}}"#)), Err("vllm_rejects"));
+        assert_eq!(render(&mistral, &format!(r#"{{{messages},"tools":null}}"#)).unwrap(), "<s>[INST]q[/INST]");
+        assert_eq!(render(&mistral, &format!("{{{messages}}}")).unwrap(), "<s>[INST]q[/INST]");
+    }
+
     /// Tools go before the last `[INST]`; vLLM keeps a long tool-call id's last 9
     /// characters; calls and results are JSON written again by Python's rules.
     #[test]

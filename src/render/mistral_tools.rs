@@ -9,6 +9,9 @@ use super::Unsupported::{self, Unverified};
 pub(super) fn parse_tools(req: &PyValue) -> Result<Vec<PyValue>, Unsupported> {
     let tools = match req.get("tools") {
         None | Some(PyValue::Null) => return Ok(Vec::new()),
+        // vLLM 0.32 in Mistral mode refuses it while rendering (400, "`tools` must not be an
+        // empty array"); token-in would skip that rendering and answer it.
+        Some(PyValue::List(tools)) if tools.is_empty() => return Err(Unsupported::VllmRejects("tools: []")),
         Some(PyValue::List(tools)) => tools,
         Some(_) => return Err(Unsupported::VllmRejects("tools not a list")),
     };
