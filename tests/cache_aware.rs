@@ -356,13 +356,7 @@ impl ShippedKvAware {
         use support::kv_engine::{KvEngine, KvEngineConfig};
         let dir = tempfile::tempdir().unwrap();
         write_local_model(dir.path());
-        let engine = KvEngineConfig {
-            seed: "0".into(),
-            block_size: 32,
-            capacity_blocks: 10_000,
-            per_uncached_token: Duration::ZERO,
-            per_request: Duration::ZERO,
-        };
+        let engine = KvEngineConfig::instant(32, 10_000);
         let (e1, port, replay) = KvEngine::publishing(engine.clone(), "127.0.0.2", 0, 0, "kv").await;
         let (e2, _, _) = KvEngine::publishing(engine, "127.0.0.3", port, replay, "kv").await;
         let mut prefills = Vec::new();
@@ -417,13 +411,7 @@ async fn a_replay_left_unanswered_is_asked_again() {
     use tokenonce::kv::events::{PoolKvEvents, Settings};
     use tokenonce::kv::hash::{BlockHasher, ExtraKeys};
     use tokenonce::kv::PrefixHolders;
-    let engine = KvEngineConfig {
-        seed: "0".into(),
-        block_size: 4,
-        capacity_blocks: 1000,
-        per_uncached_token: Duration::ZERO,
-        per_request: Duration::ZERO,
-    };
+    let engine = KvEngineConfig::instant(4, 1000);
     let (engine, port, replay_port) = KvEngine::publishing(engine, "127.0.0.1", 0, 0, "kv").await;
     engine.leave_replays_unanswered(1);
     let system: Vec<u32> = (0..16).collect();

@@ -8,7 +8,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use serde_json::json;
 use support::kv_engine::{KvEngine, KvEngineConfig};
@@ -34,13 +33,7 @@ impl Stack {
     async fn start(skip: u64, decodes: usize) -> Self {
         let dir = tempfile::tempdir().unwrap();
         write_local_model(dir.path());
-        let engine = KvEngineConfig {
-            seed: "0".into(),
-            block_size: 32,
-            capacity_blocks: 10_000,
-            per_uncached_token: Duration::ZERO,
-            per_request: Duration::ZERO,
-        };
+        let engine = KvEngineConfig::instant(32, 10_000);
         let (first, port, replay) = KvEngine::publishing(engine.clone(), "127.0.0.2", 0, 0, "kv").await;
         let mut engines = vec![first];
         if decodes > 1 {

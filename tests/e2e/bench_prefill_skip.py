@@ -41,6 +41,8 @@ import sys
 import tempfile
 import time
 
+from bench_kv_routing import wait_http  # same directory: the harness's readiness wait
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 HOST = "127.0.0.1"
@@ -95,22 +97,6 @@ prefill = {{ pool = "prefill", skip_below_tokens = {n} }}
 paths = ["/v1/chat/completions"]
 headers = {{ "x-bench-skip" = "{n}" }}
 """
-
-
-def wait_http(port, path, deadline_s=90, proc=None):
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if proc is not None and proc.poll() is not None:
-            sys.exit(f"the process meant to answer on :{port} exited ({proc.returncode})")
-        try:
-            conn = http.client.HTTPConnection(HOST, port, timeout=2)
-            conn.request("GET", path)
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    sys.exit(f"nothing answered 200 on :{port}{path} within {deadline_s} s")
 
 
 def start_tokenonce(tmp, thresholds):

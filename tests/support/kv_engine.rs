@@ -31,6 +31,20 @@ pub struct KvEngineConfig {
     pub per_request: Duration,
 }
 
+impl KvEngineConfig {
+    /// An engine with seed `"0"`, blocks of `block_size` tokens, room for `capacity_blocks`,
+    /// that prefills in no time (tests of what is cached and published, not of timing).
+    pub fn instant(block_size: usize, capacity_blocks: usize) -> Self {
+        Self {
+            seed: "0".into(),
+            block_size,
+            capacity_blocks,
+            per_uncached_token: Duration::ZERO,
+            per_request: Duration::ZERO,
+        }
+    }
+}
+
 /// A prefix cache, its event publisher and its prefill clock.
 pub struct KvEngine {
     config: KvEngineConfig,
