@@ -200,3 +200,64 @@ async fn a_decode_that_lost_the_history_computes_it_and_answers() {
     assert_eq!(engine.cached_tokens(), cached, "nothing was cached: the decode computed all 42 tokens");
     assert_eq!(engine.blocks(), 1, "and holds the prompt's block again");
 }
+
+/// The decode has room for what it computes alone up to the threshold: a turn arriving while
+/// another computes alone there, together lacking more than the threshold, goes P/D (counted
+/// `decode_busy`); once the first answers, the room is back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_decode_computing_a_turn_alone_sends_the_next_to_the_prefill() {
+    let stack = Arc::new(Stack::start(16, 1).await);
+    let base = "alpha bravo ".repeat(20); // 40 tokens: the decode will hold one block
+    assert!(stack.send(&base).await);
+    stack.events_caught_up().await;
+
+    let decode = &stack.decodes[0];
+    decode.configure(|c| c.delay = std::time::Duration::from_millis(1500));
+    let posts = decode.posts().len();
+    let first = {
+        let stack = Arc::clone(&stack);
+        let turn = format!("{base}bravo alpha alpha bravo"); // 12 lacking
+        tokio::spawn(async move { stack.send(&turn).await })
+    };
+    for _ in 0..500 {
+        if decode.posts().len() > posts {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(decode.posts().len() > posts, "the decode got the first turn within 5 s");
+    let second = format!("{base}alpha"); // 9 lacking: 21 with the first's 12, over 16
+    assert!(stack.send(&second).await, "no room on the decode: a prefill leg");
+    first.await.unwrap(); // answered (its prefill count is the second's: they overlap)
+    let proxy = &stack.proxy;
+    assert_eq!(proxy.metric(&decisions("decode_alone", "under_threshold")).await, 1.0);
+    assert_eq!(proxy.metric(&decisions("prefill", "decode_busy")).await, 1.0);
+
+    decode.configure(|c| c.delay = std::time::Duration::ZERO);
+    assert!(!stack.send(&second).await, "the first answered: room again, the decode alone");
+    assert_eq!(proxy.metric(&decisions("decode_alone", "under_threshold")).await, 2.0);
+}
+
+/// A decode whose engine reports requests waiting (its `/metrics`, read on the health round)
+/// gets no prompt to compute alone: the turn goes P/D, counted `decode_busy`, until its queue
+/// is empty again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_decode_whose_engine_queues_gets_the_prefill_leg() {
+    let stack = Stack::start(16, 1).await;
+    let mut turn = "alpha bravo ".repeat(20);
+    assert!(stack.send(&turn).await);
+    stack.events_caught_up().await;
+
+    let decode = &stack.decodes[0];
+    let waiting = format!(r#"tokenonce_engine_requests_waiting{{endpoint="{}",pool="decode"}}"#, decode.host_port());
+    decode.configure(|c| c.metrics_page = Some(metrics_page(&[("3", "8", "0.2")])));
+    stack.proxy.assert_reaches(&waiting, 3.0).await;
+    turn.push_str("bravo alpha");
+    assert!(stack.send(&turn).await, "its engine queues: a prefill leg");
+    assert_eq!(stack.proxy.metric(&decisions("prefill", "decode_busy")).await, 1.0);
+
+    decode.configure(|c| c.metrics_page = Some(metrics_page(&[("0", "8", "0.2")])));
+    stack.proxy.assert_reaches(&waiting, 0.0).await;
+    assert!(!stack.send(&turn).await, "its queue empty: the decode alone");
+    assert_eq!(stack.proxy.metric(&decisions("decode_alone", "under_threshold")).await, 1.0);
+}

@@ -122,6 +122,10 @@ label_enum! {
         OverThreshold => "over_threshold",
         /// They are at or under it.
         UnderThreshold => "under_threshold",
+        /// They are at or under it, but the decode has no room: with them, what it computes
+        /// alone for this instance would pass the threshold, or its engine reports requests
+        /// waiting. The prefill engine takes the work.
+        DecodeBusy => "decode_busy",
         /// The decode alone failed before its answer began: retried with a prefill, on
         /// another decode (the request is counted `decode_alone` too).
         DecodeAloneFailed => "decode_alone_failed",

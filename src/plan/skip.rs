@@ -1,11 +1,11 @@
 //! The prefill decision: whether an orchestrated request's decode computes the prompt alone
-//! (token-in, no prefill leg) because it already holds nearly all of it.
+//! (token-in, no prefill leg) because it already holds nearly all of it and has room to.
 
 use crate::metrics::{DecisionReason, PrefillDecision};
 
 /// What is known when the decode has been chosen: the route's threshold, whether the request
-/// has trusted local ids the decode can take token-in, the prompt's length in tokens and
-/// what the chosen decode holds of it by its KV events.
+/// has trusted local ids the decode can take token-in, the prompt's length in tokens, what
+/// the chosen decode holds of it by its KV events, and the work already on that decode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SkipFacts {
     /// `prefill.skip_below_tokens` (0: off).
@@ -15,6 +15,12 @@ pub struct SkipFacts {
     /// The prompt tokens the chosen decode holds (full blocks), by its events (`None`: no
     /// usable events).
     pub held_tokens: Option<u64>,
+    /// Prompt tokens the decode is computing now for this instance's requests sent to it
+    /// alone (not yet answering).
+    pub computing_alone: u64,
+    /// Requests the decode's engine reports queued (`vllm:num_requests_waiting`, a believed
+    /// read; `None`: none).
+    pub engine_waiting: Option<u64>,
 }
 
 /// The decision, why, and the tokens the decode lacks when that was known.
@@ -30,7 +36,13 @@ pub struct Decided {
 }
 
 /// Decides: the decode alone when it lacks at most `threshold` tokens of a prompt it can take
-/// token-in; a prefill leg otherwise, or when either fact is unknown.
+/// token-in, and has room: what it computes alone for this instance stays within `threshold`
+/// with this prompt added, and its engine queues nothing. A prefill leg otherwise, or when
+/// either fact is unknown.
+///
+/// The room rule is what keeps the decode a decode: a prompt computed there stalls every
+/// stream it generates for that step, and a queue there delays every P/D request's first
+/// token too, so under load the prefill engine takes the work back.
 pub fn decide(facts: SkipFacts) -> Decided {
     let prefill = |reason, lacking| Decided { decision: PrefillDecision::Prefill, reason, lacking };
     if facts.threshold == 0 {
@@ -39,7 +51,11 @@ pub fn decide(facts: SkipFacts) -> Decided {
     let Some(prompt) = facts.prompt_tokens else { return prefill(DecisionReason::NoLocalIds, None) };
     let Some(held) = facts.held_tokens else { return prefill(DecisionReason::NoDecodeEvents, None) };
     let lacking = prompt.saturating_sub(held);
-    if lacking <= facts.threshold {
+    let busy = facts.computing_alone.saturating_add(lacking) > facts.threshold
+        || facts.engine_waiting.is_some_and(|waiting| waiting > 0);
+    if lacking <= facts.threshold && busy {
+        prefill(DecisionReason::DecodeBusy, Some(lacking))
+    } else if lacking <= facts.threshold {
         Decided {
             decision: PrefillDecision::DecodeAlone,
             reason: DecisionReason::UnderThreshold,
@@ -55,7 +71,7 @@ mod tests {
     use super::*;
 
     fn facts(threshold: u64, prompt: Option<u64>, held: Option<u64>) -> SkipFacts {
-        SkipFacts { threshold, prompt_tokens: prompt, held_tokens: held }
+        SkipFacts { threshold, prompt_tokens: prompt, held_tokens: held, computing_alone: 0, engine_waiting: Some(0) }
     }
 
     #[test]
@@ -98,5 +114,24 @@ mod tests {
         // Held is counted in leading blocks of this prompt's chain, so never more than it;
         // should a source say so, nothing underflows.
         assert_eq!(decide(facts(1, Some(64), Some(96))).lacking, Some(0));
+    }
+
+    #[test]
+    fn a_decode_already_computing_or_queueing_gets_a_prefill_leg() {
+        let idle = facts(512, Some(4_300), Some(4_000));
+        // 300 lacking: alone while what it computes alone stays within 512 with it.
+        assert_eq!(decide(SkipFacts { computing_alone: 212, ..idle }).decision, PrefillDecision::DecodeAlone);
+        let busy = decide(SkipFacts { computing_alone: 213, ..idle });
+        assert_eq!(
+            (busy.decision, busy.reason, busy.lacking),
+            (PrefillDecision::Prefill, DecisionReason::DecodeBusy, Some(300))
+        );
+        // Its engine queues a request: the prefill engine takes the work.
+        assert_eq!(decide(SkipFacts { engine_waiting: Some(1), ..idle }).reason, DecisionReason::DecodeBusy);
+        // No believed read of its queue: its own count decides.
+        assert_eq!(decide(SkipFacts { engine_waiting: None, ..idle }).decision, PrefillDecision::DecodeAlone);
+        // Over the threshold stays over it, busy or not.
+        let over = SkipFacts { held_tokens: Some(3_000), engine_waiting: Some(4), ..idle };
+        assert_eq!(decide(over).reason, DecisionReason::OverThreshold);
     }
 }

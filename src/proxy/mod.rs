@@ -43,7 +43,7 @@ use crate::metrics::{Leg, Listener, Outcome};
 use crate::openai::{Api, RawObject, RequestView};
 use crate::routes::metrics::FirstBytes;
 use crate::routes::{RequestFacts, Route};
-use crate::upstream::{Picked, UpstreamError};
+use crate::upstream::{ComputingAlone, Picked, UpstreamError};
 
 /// Per-request state: what the request is, and what it records on its way. Handlers take
 /// the two apart (`&RequestInfo`, `&mut Record`), so they can hold on to the route while
@@ -159,6 +159,8 @@ pub struct LegRecord {
     /// A body byte of the engine's answer reached tokenonce (a decode that streams has pulled
     /// the prefill's KV blocks).
     pub answer_started: bool,
+    /// The prompt a decode alone computes, counted on its endpoint until the answer starts.
+    pub computing_alone: Option<ComputingAlone>,
 }
 
 /// Reuse accounting: what the access log says of reuse, and what waits on the decode.

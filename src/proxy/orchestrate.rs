@@ -23,7 +23,7 @@ use crate::openai::Api;
 use crate::plan::skip::{self, SkipFacts};
 use crate::plan::{self, prefiller_from_header, DecodeVersion};
 use crate::routes::{PrefillTarget, Route};
-use crate::upstream::{self, Picked, Prompt};
+use crate::upstream::{self, ComputingAlone, Picked, Prompt};
 
 /// Runs one request of an orchestrate route.
 ///
@@ -182,7 +182,13 @@ async fn decode_alone_unless_lacking(
     let threshold = route.skip_prefill_below;
     let chain = keys.local.as_ref().and_then(|l| l.chains.decode.as_deref());
     let held = chain.filter(|_| threshold > 0).and_then(|c| route.decode_pool.tokens_held_by_events(decode.name(), c));
-    let decided = skip::decide(SkipFacts { threshold, prompt_tokens: plan.decode_alone_tokens(), held_tokens: held });
+    let decided = skip::decide(SkipFacts {
+        threshold,
+        prompt_tokens: plan.decode_alone_tokens(),
+        held_tokens: held,
+        computing_alone: decode.endpoint().computing_alone_tokens(),
+        engine_waiting: route.decode_pool.engine_pressure(decode.endpoint()).map(|p| p.waiting),
+    });
     route.metrics.prefill_decision(decided.decision, decided.reason);
     call.rec.trace.attribute("tokenonce.prefill.decision", decided.decision.as_str());
     call.rec.trace.attribute("tokenonce.prefill.reason", decided.reason.as_str());
@@ -195,6 +201,7 @@ async fn decode_alone_unless_lacking(
         _ => return Ok(Some(decode)),
     };
     reuse::record(info, call.rec, step.reuse, None);
+    call.rec.legs.computing_alone = Some(ComputingAlone::new(decode.endpoint(), decided.lacking.unwrap_or(0)));
     let leg = DecodeLeg { req: &req.incoming, endpoint: &decode, step };
     let (sent, delivered) = leg.send(call).await;
     let failed_before_answer = match &sent {
@@ -213,6 +220,7 @@ async fn decode_alone_unless_lacking(
         Err(e) => e.to_string(),
     };
     reuse::settle(info, call.rec, sent.as_ref().ok().map(upstream::Exchange::status));
+    call.rec.legs.computing_alone = None;
     call.rec.trace.leg_done(Leg::Decode);
     drop(sent);
     route.metrics.prefill_decision(PrefillDecision::Prefill, DecisionReason::DecodeAloneFailed);

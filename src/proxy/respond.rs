@@ -288,7 +288,11 @@ async fn next_chunk(
     };
     match read {
         Ok(chunk) => {
-            call.rec.legs.answer_started |= chunk.as_ref().is_some_and(|c| !c.is_empty());
+            if chunk.as_ref().is_some_and(|c| !c.is_empty()) {
+                call.rec.legs.answer_started = true;
+                // The engine answers: a prompt it computed alone is done.
+                call.rec.legs.computing_alone = None;
+            }
             Ok(chunk)
         }
         Err(source) => Err(ProxyError::StreamBroken { leg, source }),

@@ -28,6 +28,9 @@ pub struct Endpoint {
     /// compute (what cache-aware picks charged): the queue a cost reads between two
     /// `/metrics` reads.
     queued_tokens: AtomicU64,
+    /// Prompt tokens its engine computes now for this instance's requests sent to it alone
+    /// (no prefill leg), each until its answer begins: the room the prefill decision reads.
+    computing_alone: AtomicU64,
     healthy: AtomicBool,
     /// Passive outlier detection: consecutive failures and the ejection they caused.
     outlier: RwLock<Outlier>,
@@ -86,6 +89,7 @@ impl Endpoint {
             tls: None,
             inflight: AtomicUsize::new(0),
             queued_tokens: AtomicU64::new(0),
+            computing_alone: AtomicU64::new(0),
             healthy: AtomicBool::new(false),
             outlier: RwLock::new(Outlier::default()),
             facts: EngineFacts::default(),
@@ -165,6 +169,11 @@ impl Endpoint {
     /// [`Picked::charged`]).
     pub fn queued_tokens(&self) -> u64 {
         self.queued_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Prompt tokens it computes now for requests sent to it alone (see [`ComputingAlone`]).
+    pub fn computing_alone_tokens(&self) -> u64 {
+        self.computing_alone.load(Ordering::Relaxed)
     }
 
     /// Last health poll result.
@@ -255,6 +264,29 @@ impl Drop for Picked {
     }
 }
 
+/// The prompt tokens a request sent to a decode alone has its engine compute, counted on the
+/// endpoint while held: dropped when the answer begins (the prompt is computed) or the
+/// request ends.
+#[derive(Debug)]
+pub struct ComputingAlone {
+    endpoint: Arc<Endpoint>,
+    tokens: u64,
+}
+
+impl ComputingAlone {
+    /// Counts `tokens` computing on `endpoint`.
+    pub fn new(endpoint: &Arc<Endpoint>, tokens: u64) -> Self {
+        endpoint.computing_alone.fetch_add(tokens, Ordering::Relaxed);
+        Self { endpoint: Arc::clone(endpoint), tokens }
+    }
+}
+
+impl Drop for ComputingAlone {
+    fn drop(&mut self) {
+        self.endpoint.computing_alone.fetch_sub(self.tokens, Ordering::Relaxed);
+    }
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -265,6 +297,18 @@ pub(crate) mod tests {
     /// Ejecting at `after` failures for [`EJECT_BASE`].
     pub(crate) fn rule(after: u32) -> EjectionRule {
         EjectionRule { after, base: EJECT_BASE }
+    }
+
+    #[test]
+    fn computing_alone_counts_until_dropped() {
+        let e = Arc::new(Endpoint::new("127.0.0.1:9000"));
+        let first = ComputingAlone::new(&e, 300);
+        let second = ComputingAlone::new(&e, 40);
+        assert_eq!(e.computing_alone_tokens(), 340);
+        drop(first);
+        assert_eq!(e.computing_alone_tokens(), 40);
+        drop(second);
+        assert_eq!(e.computing_alone_tokens(), 0);
     }
 
     #[test]

@@ -29,7 +29,7 @@ pub use budget::RetryBudget;
 pub use choice::{CacheAwareChoice, Prompt, PromptKey};
 pub use client::{Delivery, Exchange, SendFailure, UpstreamClient, UpstreamError};
 pub use discovery::{Discoverer, DiscoveryError};
-pub use endpoint::{EjectionRule, Endpoint, Picked};
+pub use endpoint::{ComputingAlone, EjectionRule, Endpoint, Picked};
 pub use engine_load::{EngineLoad, Pressure};
 pub use facts::{EngineFacts, ModelIdentity};
 pub use homes::ResponseHomes;

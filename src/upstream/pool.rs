@@ -11,7 +11,7 @@ use arc_swap::ArcSwap;
 use super::choice::{Ahead, CacheAwareChoice, Prompt, PromptKey};
 use super::dns_name::Discovery;
 use super::endpoint::{endpoint_name, EjectionRule, Endpoint, Picked, PoolEjection};
-use super::engine_load::EngineLoad;
+use super::engine_load::{EngineLoad, Pressure};
 use super::metrics::CacheAwareMetrics;
 use crate::config::{Balance, PoolResources, Version};
 use crate::kv::{BlockHash, ExtraKeys, LoraPaths, PrefixHolders};
@@ -110,6 +110,11 @@ impl Pool {
     /// believe (a routing cost term reads this).
     pub fn engine_load(&self, endpoint: &Endpoint) -> Option<EngineLoad> {
         endpoint.facts().load(self.load_reads?.believed_for)
+    }
+
+    /// The numbers of `endpoint`'s engine's last believed pressure read (nothing cloned).
+    pub fn engine_pressure(&self, endpoint: &Endpoint) -> Option<Pressure> {
+        endpoint.facts().pressure(self.load_reads?.believed_for)
     }
 
     /// The KV-cache blocks its engines say they hold between them (`num_gpu_blocks`, believed
