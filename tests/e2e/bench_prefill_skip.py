@@ -338,18 +338,28 @@ def main():
     for n in thresholds:
         if n == 0:
             continue
-        ratios, count = [], 0
+        ratios, over, itl, count = [], [], [], 0
         for r in results:
             if r["policy"] != f"skip-{n}" or r["round"] not in pd:
                 continue
+            same = pd[r["round"]]
             mine = [(key, v[0]) for key, v in r["turns"].items() if not key.endswith("/0") and v[1] <= n]
-            both = [(t, pd[r["round"]][key][0]) for key, t in mine if key in pd[r["round"]]]
+            both = [(t, same[key][0]) for key, t in mine if key in same]
             count += len(both)
             if both:
                 ratios.append(statistics.median(t for t, _ in both) / statistics.median(p for _, p in both))
+            # Every other turn (first turns and those lacking more): what the decision costs them.
+            rest = [(v[0], same[key][0]) for key, v in r["turns"].items()
+                    if key in same and (key.endswith("/0") or v[1] > n)]
+            if rest:
+                over.append(statistics.median(t for t, _ in rest) / statistics.median(p for _, p in rest))
+            base_run = next(x for x in results if x["policy"] == "skip-0" and x["round"] == r["round"])
+            itl.append(r["itl_p50"] / base_run["itl_p50"])
         if ratios:
             print(f"  skip-{n}: turns under the threshold (est.) {count}; their TTFT p50 / always-P/D's on the same "
-                  f"turns, per round: {', '.join(f'{x:.2f}' for x in ratios)}")
+                  f"turns, per round: {', '.join(f'{x:.2f}' for x in ratios)}; every other turn: "
+                  f"{', '.join(f'{x:.2f}' for x in over)}; running streams' ITL p50: "
+                  f"{', '.join(f'{x:.2f}' for x in itl)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "binary": binary, "runs": results}, f, indent=1)
