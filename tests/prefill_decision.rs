@@ -121,10 +121,10 @@ async fn a_turn_the_decode_already_holds_skips_the_prefill() {
     assert_eq!(proxy.metric(&decisions("prefill", "over_threshold")).await, 2.0);
 }
 
-/// With `skip_below_tokens` unset (0), every request goes P/D, counted `off`, whatever the
-/// decode holds.
+/// With `skip_below_tokens = 0`, every request goes P/D, counted `off`, whatever the decode
+/// holds.
 #[tokio::test(flavor = "multi_thread")]
-async fn off_by_default_every_turn_gets_its_prefill() {
+async fn zero_turns_it_off_every_turn_gets_its_prefill() {
     let stack = Stack::start(0, 1).await;
     let mut turn = "alpha bravo ".repeat(20);
     assert!(stack.send(&turn).await);

@@ -365,7 +365,7 @@ fn check_route(ck: &mut Checker<'_, '_>, config: &Config, path: &str, route: &Ro
         (Some(p), Some(Mode::Relay)) if p.header.is_some() && p.pool.is_none() => {
             ck.at(&prefill_key, "relay routes take only `prefill = { pool = ... }`");
         }
-        (Some(p), Some(Mode::Relay)) if p.skip_below_tokens > 0 => {
+        (Some(_), Some(Mode::Relay)) if ck.doc.has(&format!("{prefill_key}.skip_below_tokens")) => {
             let why = "relay routes do not decide the prefill: their orchestrator sends both legs";
             ck.at(&format!("{prefill_key}.skip_below_tokens"), why);
         }

@@ -45,6 +45,12 @@
 #                 ids only between pools whose /v1/models agree), so that a workload can outgrow them
 #                 (bench_kv_routing.py); unset: the 1 GiB of vllm/start.sh (16384 blocks), as
 #                 the tier's tests run
+#   E2E_ENGINE_CORES=1  once up, each server runs on a core of its own, as engines on separate
+#                 machines do: the prefills on core 0, the decode on core 1 (taskset on every
+#                 thread). Unset, NixlConnector on CPU pins each engine's model thread to the last
+#                 core (vLLM 0.32, nixl/base_worker.py: sched_setaffinity to "one last core in
+#                 each numa for kv transfer"), so a prefill and the decode computing at once share
+#                 that one core (bench_prefill_skip.py wants them apart)
 #
 # Both servers run with
 #   --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3
@@ -131,6 +137,19 @@ kv_events_config() {
 
 stop_vllm() {
   ( vllm_env "$1"; bash "$HERE/vllm/stop.sh" "$1" >/dev/null )
+}
+
+# pin_engines: every thread of the prefill servers to core 0, of the decode server to core 1
+# (each server is its own process group: vllm/start.sh runs it under setsid).
+pin_engines() {
+  local port core pid
+  for port in "$PREFILL_PORT" "$PREFILL2_PORT" "$DECODE_PORT"; do
+    core=0; [ "$port" = "$DECODE_PORT" ] && core=1
+    for pid in $(pgrep -g "$(cat "$RUN_DIR/vllm-$port.pid")"); do
+      taskset -a -p -c "$core" "$pid" >/dev/null
+    done
+  done
+  say "engines pinned: prefills on core 0, the decode on core 1"
 }
 
 # stop_pidfile PIDFILE PATTERN TRIES: TERM the process the file names if its command line
@@ -249,6 +268,7 @@ up() {
   [ "$build_rc" = 0 ] || { tail -n 30 "$RUN_DIR/cargo-build.log" >&2; die "cargo build failed"; }
   [ "$rc_p" = 0 ] && [ "$rc_q" = 0 ] && [ "$rc_d" = 0 ] || die "a vLLM server did not start (logs in $RUN_DIR)"
   say "the three vLLM servers up in $((SECONDS - t0)) s"
+  [ "${E2E_ENGINE_CORES:-0}" = 1 ] && pin_engines
   start_door
   start_tokenonce
 }

@@ -77,6 +77,10 @@ pub struct FakeConfig {
     /// A prefix cache that each chat and completions request is prefilled through (its time
     /// taken from the tokens it did not hold, its blocks published as KV events).
     pub kv_engine: Option<Arc<super::kv_engine::KvEngine>>,
+    /// A request carrying a prefill's remote params (`kv_transfer_params.do_remote_prefill`)
+    /// is pulled into `kv_engine` as a NIXL decode pulls it (blocks stored, no compute time),
+    /// not prefilled through it; off, every request is prefilled.
+    pub pull_remote_prefills: bool,
     /// What `GET /metrics` answers (none: the page recorded from vLLM 0.32,
     /// `tests/fixtures/engine_metrics/vllm-0.32-idle.txt`, its `engine="0"` series repeated for every
     /// rank); [`metrics_page`] writes one with chosen values.
@@ -144,6 +148,7 @@ impl Default for FakeConfig {
             failing_rank: None,
             tool_parser: true,
             kv_engine: None,
+            pull_remote_prefills: false,
             metrics_page: None,
         }
     }
@@ -206,10 +211,13 @@ pub fn fake_tokenize(text: &str) -> Vec<u64> {
         .collect()
 }
 
-/// The prompt ids a chat or completions request is prefilled with, as [`completion`] finds them
-/// (none for another path or a body that is not JSON).
-fn engine_prompt_ids(path: &str, body: &[u8]) -> Option<Vec<u32>> {
+/// The prompt ids a chat or completions request is prefilled with, as [`completion`] finds them,
+/// and whether it asks for a remote prefill's KV (a P/D decode leg: the prefill's
+/// `kv_transfer_params` with `do_remote_prefill`, as vLLM's NixlConnector reads it); none for
+/// another path or a body that is not JSON.
+fn engine_prompt_ids(path: &str, body: &[u8]) -> Option<(Vec<u32>, bool)> {
     let body: Value = serde_json::from_slice(body).ok()?;
+    let remote_prefill = body["kv_transfer_params"]["do_remote_prefill"].as_bool() == Some(true);
     let ids = match (path, &body["prompt"]) {
         ("/v1/chat/completions", _) => match body["kv_transfer_params"].get("prompt_token_ids") {
             Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).collect(),
@@ -219,7 +227,7 @@ fn engine_prompt_ids(path: &str, body: &[u8]) -> Option<Vec<u32>> {
         ("/v1/completions", Value::Array(a)) => a.iter().filter_map(Value::as_u64).collect(),
         _ => return None,
     };
-    Some(ids.into_iter().map(|i| i as u32).collect())
+    Some((ids.into_iter().map(|i| i as u32).collect(), remote_prefill))
 }
 
 /// The text the fake "renders" a chat request to before tokenizing (template stand-in).
@@ -595,8 +603,12 @@ async fn handle(
         return respond(status, "application/json", Body::from(body));
     }
     if let Some(engine) = &config.kv_engine {
-        if let Some(ids) = engine_prompt_ids(uri.path(), &body) {
-            engine.prefill(&ids).await;
+        if let Some((ids, remote_prefill)) = engine_prompt_ids(uri.path(), &body) {
+            if config.pull_remote_prefills && remote_prefill {
+                engine.pull(&ids);
+            } else {
+                engine.prefill(&ids).await;
+            }
         }
     }
     let result = match uri.path() {

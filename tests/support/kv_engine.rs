@@ -2,7 +2,8 @@
 //! (`tokenonce::kv::hash`, `sha256_cbor`), least recently used evicted past a capacity in
 //! blocks, what it stores and evicts published as vLLM's KV events (real ZeroMQ: a PUB socket,
 //! vLLM's three frames and msgpack batches, a ROUTER replay endpoint), and a prefill's time
-//! taken from the tokens it did not hold, one prefill at a time.
+//! taken from the tokens it did not hold, one prefill at a time; a decode's pull of a remote
+//! prefill's KV stores its blocks with no compute time.
 
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
@@ -62,6 +63,12 @@ pub struct KvEngine {
     pub cached_tokens: AtomicU64,
     /// Prefills asked of it (begun or not).
     pub requests: AtomicU64,
+    /// Nanoseconds prefills waited their turn, over every prefill (its queue, apart from compute).
+    pub queued_ns: AtomicU64,
+    /// Remote prefills pulled ([`KvEngine::pull`]), and the prompt tokens they brought that
+    /// were not held.
+    pub pulls: AtomicU64,
+    pub pulled_tokens: AtomicU64,
     /// Prefills waiting their turn, and the one computing (0 or 1): its `/metrics` queue.
     waiting: AtomicU64,
     running: AtomicU64,
@@ -181,6 +188,9 @@ impl KvEngine {
             prompt_tokens: AtomicU64::new(0),
             cached_tokens: AtomicU64::new(0),
             requests: AtomicU64::new(0),
+            queued_ns: AtomicU64::new(0),
+            pulls: AtomicU64::new(0),
+            pulled_tokens: AtomicU64::new(0),
             waiting: AtomicU64::new(0),
             running: AtomicU64::new(0),
             blocks_in_use: AtomicU64::new(0),
@@ -212,7 +222,10 @@ impl KvEngine {
         let chain = self.hasher.chain(ids, &ExtraKeys::default());
         self.requests.fetch_add(1, Ordering::Relaxed);
         self.waiting.fetch_add(1, Ordering::Relaxed);
+        let asked = tokio::time::Instant::now();
         let _turn = self.compute.lock().await;
+        let queued = u64::try_from(asked.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.queued_ns.fetch_add(queued, Ordering::Relaxed);
         self.waiting.fetch_sub(1, Ordering::Relaxed);
         self.running.store(1, Ordering::Relaxed);
         self.blocks_in_use.store(chain.len() as u64, Ordering::Relaxed);
@@ -227,7 +240,30 @@ impl KvEngine {
         self.blocks_in_use.store(0, Ordering::Relaxed);
         self.prompt_tokens.fetch_add(ids.len() as u64, Ordering::Relaxed);
         self.cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
+        self.store(ids, &chain);
+        cached
+    }
 
+    /// Pulls a remote prefill's KV of `ids`, as a NIXL decode does: no compute and no turn to
+    /// wait (the transfer's time is the caller's), the blocks it did not hold stored and
+    /// published, evicting past the capacity. Counted apart from prefills. Returns the cached
+    /// token count.
+    pub fn pull(&self, ids: &[u32]) -> usize {
+        let chain = self.hasher.chain(ids, &ExtraKeys::default());
+        let held = {
+            let cache = self.cache.lock();
+            chain.iter().take_while(|h| cache.used.contains_key(&h.wire())).count()
+        };
+        let cached = (held * self.config.block_size).min(ids.len());
+        self.pulls.fetch_add(1, Ordering::Relaxed);
+        self.pulled_tokens.fetch_add((ids.len() - cached) as u64, Ordering::Relaxed);
+        self.store(ids, &chain);
+        cached
+    }
+
+    /// Stores the blocks of `ids` (its `chain`) not held, touches the rest, evicts past the
+    /// capacity, and publishes both.
+    fn store(&self, ids: &[u32], chain: &[tokenonce::kv::hash::BlockHash]) {
         // Runs of consecutive blocks this request stored (index of the first, hashes).
         let mut stored: Vec<(usize, Vec<u64>)> = Vec::new();
         let mut removed = Vec::new();
@@ -276,7 +312,6 @@ impl KvEngine {
                 let _ = tx.send(batch);
             }
         }
-        cached
     }
 
     /// A restart: the cache emptied, with no event said (a restarted vLLM's new publisher
