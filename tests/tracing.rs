@@ -157,9 +157,10 @@ async fn spans_continue_the_client_trace_across_both_legs() {
     assert_eq!(a("tokenonce.mode").as_deref(), Some("orchestrate"));
     assert_eq!(a("tokenonce.reuse.result").as_deref(), Some("applied"));
     assert_eq!(a("tokenonce.reuse.reason").as_deref(), Some("none"));
-    // The prefill decision, which and why (`skip_below_tokens` unset: off).
+    // The prefill decision, which and why (the default threshold, but no local ids to send
+    // the decode token-in).
     assert_eq!(a("tokenonce.prefill.decision").as_deref(), Some("prefill"));
-    assert_eq!(a("tokenonce.prefill.reason").as_deref(), Some("off"));
+    assert_eq!(a("tokenonce.prefill.reason").as_deref(), Some("no_local_ids"));
     assert_eq!(a("http.response.status_code").as_deref(), Some("200"));
     let prompt_ids = d.posts()[0].json()["kv_transfer_params"]["prompt_token_ids"].as_array().unwrap().len();
     assert_eq!(a("tokenonce.reused_prompt_tokens"), Some(prompt_ids.to_string()));
