@@ -93,6 +93,8 @@ name = "skip-{n}"
 mode = "orchestrate"
 decode_pool = "decode"
 prefill = {{ pool = "prefill", skip_below_tokens = {n} }}
+# Eight cold 37k-token histories queue at the one CPU prefill past the default 30 s.
+prefill_timeout_ms = 120000
 [routes.match]
 paths = ["/v1/chat/completions"]
 headers = {{ "x-bench-skip" = "{n}" }}
