@@ -81,6 +81,15 @@ impl Stack {
         self.prefill.posts().len() > before
     }
 
+    /// A conversation's first turn, 40 tokens (one full block and 8), sent P/D and held by its
+    /// decode (the events caught up): what the next turn extends.
+    async fn held_first_turn(&self) -> String {
+        let turn = "alpha bravo ".repeat(20);
+        assert!(self.send(&turn).await, "the first turn has its prefill");
+        self.events_caught_up().await;
+        turn
+    }
+
     /// Waits until tokenonce's index of the decodes' events holds every block they stored.
     async fn events_caught_up(&self) {
         let blocks: usize = self.engines.iter().map(|e| e.blocks()).sum();
@@ -126,9 +135,7 @@ async fn a_turn_the_decode_already_holds_skips_the_prefill() {
 #[tokio::test(flavor = "multi_thread")]
 async fn zero_turns_it_off_every_turn_gets_its_prefill() {
     let stack = Stack::start(0, 1).await;
-    let mut turn = "alpha bravo ".repeat(20);
-    assert!(stack.send(&turn).await);
-    stack.events_caught_up().await;
+    let mut turn = stack.held_first_turn().await;
     turn.push_str("bravo");
     assert!(stack.send(&turn).await, "off: the prefill runs");
     assert_eq!(stack.proxy.metric(&decisions("prefill", "off")).await, 3.0);
@@ -169,9 +176,7 @@ async fn a_decode_alone_that_fails_is_retried_with_a_prefill_elsewhere() {
 #[tokio::test(flavor = "multi_thread")]
 async fn with_one_decode_a_failed_decode_alone_is_answered() {
     let stack = Stack::start(16, 1).await;
-    let mut turn = "alpha bravo ".repeat(20);
-    assert!(stack.send(&turn).await);
-    stack.events_caught_up().await;
+    let mut turn = stack.held_first_turn().await;
     stack.decodes[0].configure(|c| c.fail_with = Some((503, r#"{"error":"engine busy"}"#.into())));
     turn.push_str("bravo");
     let prefills = stack.prefill.posts().len();
@@ -188,9 +193,7 @@ async fn with_one_decode_a_failed_decode_alone_is_answered() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_decode_that_lost_the_history_computes_it_and_answers() {
     let stack = Stack::start(16, 1).await;
-    let mut turn = "alpha bravo ".repeat(20);
-    assert!(stack.send(&turn).await);
-    stack.events_caught_up().await;
+    let mut turn = stack.held_first_turn().await;
     let engine = &stack.engines[0];
     engine.restart(); // its cache emptied, no event published
     let cached = engine.cached_tokens();
@@ -207,9 +210,7 @@ async fn a_decode_that_lost_the_history_computes_it_and_answers() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_decode_computing_a_turn_alone_sends_the_next_to_the_prefill() {
     let stack = Arc::new(Stack::start(16, 1).await);
-    let base = "alpha bravo ".repeat(20); // 40 tokens: the decode will hold one block
-    assert!(stack.send(&base).await);
-    stack.events_caught_up().await;
+    let base = stack.held_first_turn().await; // the decode holds one block
 
     let decode = &stack.decodes[0];
     decode.configure(|c| c.delay = std::time::Duration::from_millis(1500));
@@ -244,9 +245,7 @@ async fn a_decode_computing_a_turn_alone_sends_the_next_to_the_prefill() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_decode_whose_engine_queues_gets_the_prefill_leg() {
     let stack = Stack::start(16, 1).await;
-    let mut turn = "alpha bravo ".repeat(20);
-    assert!(stack.send(&turn).await);
-    stack.events_caught_up().await;
+    let mut turn = stack.held_first_turn().await;
 
     let decode = &stack.decodes[0];
     let waiting = format!(r#"tokenonce_engine_requests_waiting{{endpoint="{}",pool="decode"}}"#, decode.host_port());
