@@ -209,15 +209,15 @@ impl LocalIds {
                 let (ids, shape) = mistral.render_chat(body).map_err(|e| e.label())?;
                 return Ok(Rendered { prompt: Prompt::Ids(ids), shape: shape_label(&shape) });
             }
-            // vLLM encodes a Mistral completions prompt with its own BOS rule: not proven here
-            (Renderer::Mistral(_), Api::Completions) => return Err(render::Unsupported::MistralCompletions.label()),
+            (Renderer::Mistral(mistral), Api::Completions) => {
+                let ids = mistral.render_completion(body).map_err(|e| e.label())?;
+                return Ok(Rendered { prompt: Prompt::Ids(ids), shape: "completions" });
+            }
             (Renderer::Template { template, .. }, _) => template,
         };
-        if let Some(harmony) = template.harmony() {
-            // gpt-oss's completions prompts are not recorded: not proven equal
-            if api != Api::Chat {
-                return Err(render::Unsupported::Harmony.label());
-            }
+        // gpt-oss's chat is Harmony; its completions prompt, as every family's, is encoded
+        // by the pool's tokenizer (below)
+        if let (Some(harmony), Api::Chat) = (template.harmony(), api) {
             let chat = render::render_harmony(harmony, body).map_err(|e| e.label())?;
             return Ok(Rendered { prompt: Prompt::Ids(chat.ids), shape: shape_label(&chat.shape) });
         }
@@ -490,10 +490,11 @@ mod tests {
     }
 
     /// A Mistral pool's renderer gives the request's ids straight (no tokenizer pass), by
-    /// shape; a completions prompt is not rendered for it; a reload of the same tekken file
-    /// keeps it.
+    /// shape; a completions prompt is tekken's ids after `<s>` (none when the request turns
+    /// special tokens off), an empty one refused as vLLM does; a reload of the same tekken
+    /// file keeps it.
     #[test]
-    fn a_mistral_pool_renders_chat_to_ids_and_refuses_completions_by_name() {
+    fn a_mistral_pool_renders_chat_and_completions_to_ids() {
         let (dir, mistral) = crate::render::mistral_testing::folder();
         let policy = Policy { mode: LocalIdsMode::Shadow, verify_after: 1, recheck: 0.0 };
         let local = LocalIds::mistral("m", Arc::new(mistral), policy);
@@ -503,7 +504,12 @@ mod tests {
         let Renderer::Mistral(renderer) = &local.renderer else { panic!("not Mistral's renderer") };
         assert_eq!(renderer.tekken().decode_lossy(&ids), "<s>[INST]S\n\nu[/INST]");
         assert_eq!(local.verify(Api::Chat, body, None, &ids).1, Verdict::Match);
-        assert_eq!(local.ids(Api::Completions, br#"{"prompt":"u"}"#).err(), Some("mistral_completions"));
+        let (ids, shape) = local.ids(Api::Completions, br#"{"prompt":"u[INST]"}"#).unwrap();
+        assert_eq!((renderer.tekken().decode_lossy(&ids).as_str(), shape), ("<s>u[INST]", "completions"));
+        assert_ne!(ids.last(), renderer.tekken().special("[INST]").as_ref(), "special-token text is text");
+        let (ids, _) = local.ids(Api::Completions, br#"{"prompt":"u","add_special_tokens":false}"#).unwrap();
+        assert_eq!(renderer.tekken().decode_lossy(&ids), "u");
+        assert_eq!(local.ids(Api::Completions, br#"{"prompt":""}"#).err(), Some("vllm_rejects"));
         let reloaded = LocalIds::mistral("m", Arc::new(crate::render::Mistral::load(dir.path()).unwrap()), policy);
         assert!(local.same_as(&reloaded));
     }

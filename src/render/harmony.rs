@@ -173,10 +173,14 @@ fn check_settings(req: &PyValue) -> Result<(), Unsupported> {
         return Err(Unsupported::RequestChatTemplate);
     }
     refuse_unrendered_fields(req)?;
-    // Harmony renders the same with or without these; the pair is refused as elsewhere
-    // (not recorded for gpt-oss).
-    if flag(req, "continue_final_message", false)? && flag(req, "add_generation_prompt", true)? {
-        return Err(Unsupported::Unverified("continue_final_message with add_generation_prompt"));
+    // Harmony renders the same with or without these. vLLM's validator refuses the pair
+    // only when both are sent (`data.get(..) and data.get(..)`): with the generation prompt
+    // left to its default vLLM renders it (recorded).
+    if flag(req, "continue_final_message", false)?
+        && flag(req, "add_generation_prompt", true)?
+        && req.get("add_generation_prompt").is_some()
+    {
+        return Err(Unsupported::VllmRejects("continue_final_message with add_generation_prompt"));
     }
     match req.get("chat_template_kwargs") {
         None | Some(PyValue::Null | PyValue::Dict(_)) => Ok(()),

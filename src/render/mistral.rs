@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::mistral_tools::{parse_tools, valid_name};
 use super::pyjson::{self, DumpsOptions, PyValue};
-use super::request::{body, flag, is_set, refuse_unrendered_fields};
+use super::request::{body, check_tool_choice, flag, is_set, refuse_unrendered_fields, render_completion};
 use super::tekken::{Tekken, TekkenError, TEKKEN_FILE};
 use super::{LoadError, LoadOptions, Shape, Unsupported};
 
@@ -161,6 +161,23 @@ impl Mistral {
         Ok((ids, shape))
     }
 
+    /// The prompt ids of a completions body as vLLM's Mistral tokenizer encodes it
+    /// (`MistralTokenizer.__call__` -> transformers' `MistralCommonBackend._text_to_ids`):
+    /// tekken's ids of the prompt, special-token text encoded as text, after `<s>` when
+    /// `add_special_tokens` (default true), no `</s>` (vLLM's test validation mode).
+    ///
+    /// # Errors
+    /// [`Unsupported`]: what [`render_completion`] refuses.
+    pub fn render_completion(&self, request: &[u8]) -> Result<Vec<u32>, Unsupported> {
+        let completion = render_completion(request)?;
+        let mut ids = Vec::with_capacity(completion.text.len() / 3 + 1);
+        if completion.add_special_tokens {
+            ids.push(self.controls.bos);
+        }
+        ids.extend(self.text(&completion.text)?);
+        Ok(ids)
+    }
+
     /// `InstructTokenizerV3.encode_instruct` of a normalized request.
     fn encode(
         &self,
@@ -243,11 +260,10 @@ impl Settings {
         if is_set(req, "reasoning_effort") {
             return Err(Unsupported::Unverified("reasoning_effort with a Mistral tokenizer"));
         }
-        match req.get("tool_choice") {
-            None | Some(PyValue::Null) => {}
-            Some(PyValue::Str(s)) if s == "auto" || s == "none" => {}
-            Some(_) => return Err(Unsupported::Unverified("tool_choice other than auto or none")),
-        }
+        // vLLM validates the choice for every family (`check_tool_usage`); whichever it is,
+        // the Mistral render never reads it (`apply_chat_template` gets messages and tools):
+        // "required" and a named tool only constrain decoding, so the ids are auto's.
+        check_tool_choice(req)?;
         let add_generation_prompt = flag(req, "add_generation_prompt", true)?;
         let continue_final = flag(req, "continue_final_message", false)?;
         if continue_final && add_generation_prompt {

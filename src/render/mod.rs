@@ -107,13 +107,6 @@ pub enum Unsupported {
     /// folder is not one rendered here (a sentencepiece file, a tekken version other than v3).
     #[error("Mistral tokenizer")]
     Mistral,
-    /// A completions prompt on a Mistral pool (vLLM's `MistralTokenizer.encode`, not proven).
-    #[error("completions prompt with a Mistral tokenizer")]
-    MistralCompletions,
-    /// A request to a gpt-oss (Harmony) pool of a kind not proven equal to vLLM here (a
-    /// completions prompt).
-    #[error("Harmony (gpt-oss) request not rendered here")]
-    Harmony,
     /// A `--tokenizer-mode` other than auto/hf (deepseek_v32, kimi_k3, cohere, ...).
     #[error("tokenizer mode {0:?}")]
     TokenizerMode(String),
@@ -154,8 +147,6 @@ impl Unsupported {
             Unsupported::TemplateRaised(_) => "template_raised",
             Unsupported::FloatDisplay => "float_display",
             Unsupported::Mistral => "mistral",
-            Unsupported::MistralCompletions => "mistral_completions",
-            Unsupported::Harmony => "harmony",
             Unsupported::TokenizerMode(_) => "tokenizer_mode",
             Unsupported::ProcessorTemplate => "processor_template",
             Unsupported::ContentFormatOpenAi => "content_format_openai",

