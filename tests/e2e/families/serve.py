@@ -21,7 +21,7 @@ legs (tokenonce_local_ids_token_in_total grows by one); both answers (text, fini
 usage, and the prompt ids the engine ran on) must equal a direct call's to the server, which
 renders the messages itself. Dummy weights answer alike for many prompts, so the prompt ids
 are the proof; the text is compared too. A shape tokenonce does not render for a family
-(gpt-oss and Mistral completions) must stay text, by its named reason. A family vLLM cannot
+(TEXT_ONLY, none today) must stay text, by its named reason. A family vLLM cannot
 serve on this build fails the run unless NOT_SERVED names it with the reason.
 
 Prints one line per family x shape and a summary; exits non-zero on any failure.
@@ -82,8 +82,9 @@ HF_OVERRIDES = {"deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64}}
 # `get_attn_backend_cls`); the reference CPU MLA backend, what hosts without AMX get, serves it.
 CPU_ARGS = {"deepseek_v3": ["--attention-backend", "CPU_MLA"]}
 
-# Shapes tokenonce does not render for a family, so never sends token-in: (shape, reason label).
-TEXT_ONLY = {"gptoss": {"completions": "harmony"}, "mistral": {"completions": "mistral_completions"}}
+# Shapes tokenonce does not render for a family, so never sends token-in: {family: {shape:
+# reason label}}. None today (gpt-oss and Mistral completions went token-in with issue 46).
+TEXT_ONLY = {}
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather for a city.",
