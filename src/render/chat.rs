@@ -526,6 +526,16 @@ mod tests {
         assert_eq!(r(dev).unwrap(), format!("[system{}][user|text:u]", "|:".repeat("s1\ns2\n\nd".len())));
         let own_keys = r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a","cache_control":{}}]}]}"#;
         assert!(matches!(r(own_keys), Err(Unsupported::Unverified(_))));
+        // no content key: no parts at all (an empty string would be one empty part)
+        assert_eq!(r(r#"{"messages":[{"role":"user"}]}"#).unwrap(), "[user]");
+        assert_eq!(r(r#"{"messages":[{"role":"user","content":""}]}"#).unwrap(), "[user|text:]");
+    }
+
+    /// A message without a `content` key is taken as vLLM takes it, whatever its role: no
+    /// parts, so an empty string to a template that prints it (a null content is refused).
+    #[test]
+    fn a_message_without_content_renders_as_empty() {
+        assert_eq!(r(r#"{"messages":[{"role":"system"},{"role":"user"}]}"#).unwrap(), "[system|][user|]<gen>");
     }
 
     #[test]

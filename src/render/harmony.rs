@@ -138,8 +138,8 @@ pub fn render_harmony_on(harmony: &Harmony, request: &[u8], date: &str) -> Resul
     let reasoning_effort = reasoning_effort(&req)?;
     let tools = request_tools(&req, harmony.exclude_tools_when_tool_choice_none)?;
     let chat = match req.get("messages") {
-        Some(PyValue::List(m)) if !m.is_empty() => m.iter().map(ChatMessage::read).collect::<Result<Vec<_>, _>>()?,
-        Some(PyValue::List(_)) => return Err(Unsupported::Unverified("empty messages")),
+        // no messages at all: vLLM's Harmony path renders the preamble alone (recorded)
+        Some(PyValue::List(m)) => m.iter().map(ChatMessage::read).collect::<Result<Vec<_>, _>>()?,
         _ => return Err(Unsupported::VllmRejects("messages missing or not a list")),
     };
     let shape = shape_of(&chat, tools.is_some(), flag(&req, "continue_final_message", false)?);
@@ -286,8 +286,11 @@ impl ChatMessage {
             _ => return Err(Unsupported::VllmRejects("a role Harmony does not know")),
         };
         let content = match m.get("content") {
-            None | Some(PyValue::Null) if role == "assistant" => MessageText::None,
-            None | Some(PyValue::Null) => return Err(Unsupported::VllmRejects("content null")),
+            // no `content` key passes pydantic for any role (vLLM's custom message type); a
+            // null one only for an assistant
+            None => MessageText::None,
+            Some(PyValue::Null) if role == "assistant" => MessageText::None,
+            Some(PyValue::Null) => return Err(Unsupported::VllmRejects("content null")),
             Some(PyValue::Str(s)) => MessageText::Text(s.clone()),
             Some(PyValue::List(parts)) => MessageText::Parts(parts.iter().map(text_part).collect::<Result<_, _>>()?),
             Some(_) => return Err(Unsupported::VllmRejects("content neither a string nor a list")),
@@ -517,6 +520,9 @@ mod tests {
             Some("unverified_shape")
         );
         assert_eq!(label(r#"{"role": "assistant", "content": null}"#), None);
+        // no content key at all is taken for every role (null content only for an assistant)
+        assert_eq!(label(r#"{"role": "user"}"#), None);
+        assert_eq!(label(r#"{"role": "system"}"#), None);
         let effort = |v: &str| reasoning_effort(&pyjson::loads(&format!(r#"{{"reasoning_effort": {v}}}"#)).unwrap());
         assert_eq!(effort(r#""none""#).unwrap_err().label(), "vllm_rejects");
         assert_eq!(effort(r#""high""#).unwrap(), Some(ReasoningEffort::High));

@@ -102,12 +102,9 @@ fn reasoning(msg: &PyValue) -> Result<Option<String>, Unsupported> {
 /// with keys beyond its type and text is refused (vLLM would keep them in the part).
 fn content_texts(msg: &PyValue, role: &str, openai_parts: bool) -> Result<Vec<String>, Unsupported> {
     let parts: Vec<&PyValue> = match msg.get("content") {
-        None => {
-            if role != "assistant" {
-                return Err(Unsupported::Unverified("message without content"));
-            }
-            Vec::new()
-        }
+        // no `content` key: pydantic takes it (vLLM's custom message type) and vLLM parses
+        // it as no parts, whatever the role (recorded for user and system turns)
+        None => Vec::new(),
         Some(PyValue::Null) => {
             if role != "assistant" {
                 return Err(Unsupported::VllmRejects("content null"));

@@ -165,6 +165,20 @@ def corpus(family):
         ("tool_choice_named_in_history", {"messages": calls, "tools": [WEATHER],
                                           "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
         ("tools_empty", {"messages": u, "tools": []}),
+        # malformed or unusual requests: each either refused by vLLM (then never token-in
+        # here) or rendered as any other
+        ("messages_empty", {"messages": []}),
+        ("message_without_content", {"messages": [{"role": "user"}]}),
+        ("system_without_content", {"messages": [{"role": "system"}, *u]}),
+        ("name_on_user", {"messages": [{"role": "user", "content": "Hi.", "name": "bob"}]}),
+        ("assistant_null_without_calls", {"messages": u + [{"role": "assistant", "content": None},
+                                                           {"role": "user", "content": "Again?"}]}),
+        ("tool_result_without_call_id", {"messages": calls[:3] + [{"role": "tool", "content": "sunny"}],
+                                         "tools": [WEATHER]}),
+        ("tool_call_arguments_not_json", {"messages": calls[:2] + [
+            {"role": "assistant", "content": None, "tool_calls": [call("call_0", "get_weather", "{bad")]},
+            {"role": "tool", "tool_call_id": "call_0", "content": "?"}], "tools": [WEATHER]}),
+        ("tool_without_name", {"messages": u, "tools": [{"type": "function", "function": {"parameters": {}}}]}),
         # vLLM's validator refuses the pair only when both are sent true; the default
         # add_generation_prompt (true) meets the render
         ("continue_final_generation_prompt_default", {
