@@ -6,7 +6,7 @@ fixtures (tests/fixtures/families/<family>.json, vLLM 0.32) and prints, per fami
 shape (tokenonce's shape labels: completions, chat, chat_system, chat_multi_turn, chat_tools,
 chat_continue):
 
-    same       both answered with the same prompt ids, or both refused (same status)
+    same       both answered with the same prompt ids, or both refused
     ids        both answered, different ids: local ids would be wrong on that vLLM
     status     one answered, the other refused (a refusal tokenonce mirrors, or no longer)
 
