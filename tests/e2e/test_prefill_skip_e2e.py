@@ -41,6 +41,16 @@ def decisions(decision, reason):
     return metric(scrape(), DECISIONS, route="e2e-skip", decision=decision, reason=reason)
 
 
+def decision_counts():
+    """Every decision of route `skip` by (decision, reason), and what tokenonce believes of the
+    decode engine's queue: the facts a failed assertion prints."""
+    snap = scrape()
+    counts = {tuple(sorted(dict(ls).items())): v for (n, ls), v in snap.items()
+              if n == DECISIONS and ("route", "e2e-skip") in ls}
+    waiting = {dict(ls).get("endpoint"): v for (n, ls), v in snap.items() if n == "tokenonce_engine_requests_waiting"}
+    return {"decisions": counts, "engine_waiting": waiting}
+
+
 def prefill_requests():
     """The prefill vLLM's finished requests (any reason)."""
     text = httpx.get(f"http://{HOST}:{PREFILL_PORT}/metrics", timeout=10).raise_for_status().text
@@ -48,11 +58,16 @@ def prefill_requests():
                if line.startswith("vllm:request_success_total"))
 
 
+def decode_blocks():
+    """The blocks tokenonce's index of the decode's events holds (every conversation's)."""
+    return metric(scrape(), "tokenonce_kv_blocks", pool="decode-kv")
+
+
 def wait_decode_holds(blocks, deadline_s=20.0):
     """Waits (bounded) until tokenonce's index of the decode's events holds `blocks` blocks."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
-        if metric(scrape(), "tokenonce_kv_blocks", pool="decode-kv") >= blocks:
+        if decode_blocks() >= blocks:
             return True
         time.sleep(0.2)
     return False
@@ -76,19 +91,24 @@ def test_a_turn_the_decode_holds_goes_to_it_alone_and_answers_as_pd():
          "skip")
     for shape in ("chat_system", "chat_multi_turn"):
         assert wait_trusted("prefill-local", shape), f"{shape} not trusted after a match"
+    # the index holds the blocks of every earlier test's requests to this decode: wait for this
+    # turn's on top of them, or the second turn could be sent before they arrive
+    held_before = decode_blocks()
     first = post({**body, "messages": [system, user]}, "skip")
     prompt_1 = first["usage"]["prompt_tokens"]
     assert prompt_1 >= 512, prompt_1
-    assert wait_decode_holds(prompt_1 // 128), "the decode's events never showed the first turn's blocks"
+    assert wait_decode_holds(held_before + prompt_1 // 128), "the decode's events never showed the first turn's blocks"
     over = decisions("prefill", "over_threshold")
     assert over >= 1, "the first turn, held nowhere, went P/D"
 
     reply = {"role": "assistant", "content": first["choices"][0]["message"].get("content") or ""}
     turn_2 = [system, user, reply, {"role": "user", "content": "And then what happened next?"}]
     alone, prefills = decisions("decode_alone", "under_threshold"), prefill_requests()
+    before = decision_counts()
     with DecodePull() as pull:
         second = post({**body, "messages": turn_2}, "skip")
-    assert decisions("decode_alone", "under_threshold") == alone + 1, "the second turn went P/D"
+    assert decisions("decode_alone", "under_threshold") == alone + 1, \
+        f"the second turn went P/D: before {before}, after {decision_counts()}"
     d = pull.settled(lambda d: d[LOCAL] > 0)
     assert d[EXTERNAL] == 0 and d[TRANSFERS] == 0, f"the decode alone pulled over NIXL: {d}"
     assert 0 < d[LOCAL] < second["usage"]["prompt_tokens"], f"the decode computed the whole prompt: {d}"
