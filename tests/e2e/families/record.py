@@ -323,8 +323,8 @@ def record_case(conn, family, name, fields, api):
     body = json.dumps({"model": family, **fields}, ensure_ascii=False)
     path = "/v1/chat/completions/render" if api == "chat" else "/v1/completions/render"
     status, data = request(conn, body, path)
-    case = {"name": name, "api": api, "body": body, "status": status} if api != "chat" else {
-        "name": name, "body": body, "status": status}
+    # a chat case carries no `api` (its lines predate completions cases)
+    case = {"name": name, **({} if api == "chat" else {"api": api}), "body": body, "status": status}
     if status == 200:
         # completions render one GenerateRequest per prompt: these cases have one prompt
         case["prompt_token_ids"] = data["token_ids"] if api == "chat" else data[0]["token_ids"]
